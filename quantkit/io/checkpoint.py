@@ -1,0 +1,177 @@
+"""A checkpoint directory: config.json, safetensors shards, optional sharded index. All validated on open.
+
+`Checkpoint.open(dir)` reads only JSON and safetensors headers; tensors are read lazily per shard.
+Everything in the directory is untrusted: the index's file names must be plain file names inside the
+directory (no separators, no `..`, no absolute paths, no symlinks escaping it), every shard named by the
+index must exist and hold exactly the tensors the index assigns to it, and a tensor may live in one shard
+only. Pickle-based weights (.bin/.pt/.pth) are never opened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CheckpointNotFound, ConfigError, DuplicateTensor, IndexError_, UnsafeCheckpoint
+from .safetensors import Header, TensorInfo, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_JSON_BYTES = 64 << 20  # config/index files larger than this are refused
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9._+-]+\.safetensors$")
+
+
+def read_json_file(path: Path, what: str, error=ConfigError) -> dict:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise error(f"{what} not found: {path}") from None
+    if size > MAX_JSON_BYTES:
+        raise error(f"{what} is {size} bytes, over the {MAX_JSON_BYTES}-byte limit")
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise error(f"{what} is not valid JSON: {type(e).__name__}: {str(e)[:120]}") from None
+    if not isinstance(doc, dict):
+        raise error(f"{what} must hold a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+@dataclass(frozen=True)
+class Shard:
+    name: str  # file name inside the checkpoint directory
+    header: Header
+
+    @property
+    def path(self) -> Path:
+        return self.header.path
+
+    @property
+    def size(self) -> int:
+        return self.header.file_size
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self.header.tensors
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    root: Path
+    config: dict
+    shards: tuple[Shard, ...]
+    location: dict[str, str]  # tensor name -> shard file name
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "Checkpoint":
+        root = Path(path)
+        if not root.is_dir():
+            raise CheckpointNotFound(f"checkpoint directory {str(root)!r} does not exist")
+        cfg_path = root / "config.json"
+        if not cfg_path.is_file():
+            raise ConfigError(f"{root}: config.json is missing",
+                              hint="a checkpoint directory needs the model's config.json next to its shards")
+        config = read_json_file(cfg_path, "config.json")
+        names = _shard_names(root)
+        shards = []
+        location: dict[str, str] = {}
+        for name in names:
+            header = read_header(root / name)
+            for t in header.tensors:
+                if t in location:
+                    raise DuplicateTensor(f"tensor {t!r} appears in both {location[t]} and {name}")
+                location[t] = name
+            shards.append(Shard(name, header))
+        index_path = root / INDEX_NAME
+        if index_path.is_file():
+            _check_index_matches(read_json_file(index_path, INDEX_NAME, IndexError_), location)
+        return cls(root, config, tuple(shards), location)
+
+    # -- queries -----------------------------------------------------------------------------------
+    def shard(self, name: str) -> Shard:
+        for s in self.shards:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def info(self, tensor: str) -> TensorInfo:
+        return self.shard(self.location[tensor]).tensors[tensor]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.shards)
+
+    @property
+    def quantization_config(self) -> dict | None:
+        q = self.config.get("quantization_config")
+        return q if isinstance(q, dict) else None
+
+    def non_weight_files(self) -> list[Path]:
+        """Files copied verbatim to a converted checkpoint: tokenizer, generation config, chat
+        template, ... Never shards, the index, config.json (rewritten) or pickles, and regular files only."""
+        out = []
+        for p in sorted(self.root.iterdir()):
+            if (not p.is_file() or p.is_symlink() or p.name.endswith(".safetensors") or p.name in
+                    (INDEX_NAME, "config.json", "quantkit_manifest.json") or p.name.endswith(PICKLE_SUFFIXES)
+                    or p.name.startswith(".")):
+                continue
+            out.append(p)
+        return out
+
+
+def _shard_names(root: Path) -> list[str]:
+    index_path = root / INDEX_NAME
+    if index_path.is_file():
+        index = read_json_file(index_path, INDEX_NAME, IndexError_)
+        wm = index.get("weight_map")
+        if not isinstance(wm, dict) or not wm:
+            raise IndexError_(f"{INDEX_NAME}: 'weight_map' must be a non-empty object")
+        names = set()
+        for t, f in wm.items():
+            if not isinstance(f, str) or not isinstance(t, str):
+                raise IndexError_(f"{INDEX_NAME}: weight_map entries must map strings to strings")
+            names.add(_safe_shard_name(root, f))
+        for n in sorted(names):
+            if not (root / n).is_file():
+                raise IndexError_(f"{INDEX_NAME} names shard {n!r}, which is missing from {root}")
+        return sorted(names)
+    if (root / SINGLE_NAME).is_file():
+        return [SINGLE_NAME]
+    st = sorted(p.name for p in root.glob("*.safetensors") if p.is_file())
+    if st:
+        if len(st) > 1:
+            raise IndexError_(f"{root} holds {len(st)} safetensors files but no {INDEX_NAME}",
+                              hint="add the model.safetensors.index.json that came with the checkpoint")
+        return st
+    pickles = sorted(p.name for p in root.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise UnsafeCheckpoint(f"{root} holds only pickle-based weights ({', '.join(pickles[:3])}); "
+                               "quantkit refuses to unpickle them")
+    raise CheckpointNotFound(f"{root} holds no *.safetensors weights")
+
+
+def _safe_shard_name(root: Path, name: str) -> str:
+    if (not _SAFE_NAME.match(name) or name.startswith(".") or ".." in name):
+        raise IndexError_(f"{INDEX_NAME} names shard {name[:80]!r}, which is not a plain file name in the "
+                          "checkpoint directory", hint="shard names may not contain path separators or '..'")
+    p = root / name
+    if p.is_symlink() and not p.resolve().is_relative_to(root.resolve()):
+        raise IndexError_(f"shard {name!r} is a symlink pointing outside the checkpoint directory")
+    return name
+
+
+def _check_index_matches(index: dict, location: dict[str, str]) -> None:
+    wm = index["weight_map"]
+    for t, f in wm.items():
+        if t not in location:
+            raise IndexError_(f"{INDEX_NAME} lists tensor {t!r} in {f}, but no shard holds it")
+        if location[t] != f:
+            raise IndexError_(f"{INDEX_NAME} places {t!r} in {f}, but it is in {location[t]}")
+    missing = [t for t in location if t not in wm]
+    if missing:
+        raise IndexError_(f"shards hold {len(missing)} tensor(s) the index does not list, e.g. {missing[0]!r}")

@@ -1,0 +1,1 @@
+"""Pure quantization math: no I/O, no module state. Tensors in, tensors out."""

@@ -1,0 +1,193 @@
+"""Group-wise integer weight quantization (RTN) and compressed-tensors `pack-quantized` packing.
+
+Verbs follow torchao: `choose_qparams` -> `quantize` -> `dequantize`, plus `pack_int4`/`unpack_int4`.
+Every function is pure and batched: a weight is `[..., out, in]` (a leading expert dim `E` is allowed),
+so all routed experts of a layer are processed in one call.
+
+Conventions (compressed-tensors, see docs/format.md):
+- symmetric, b bits: scale = absmax / ((2^b - 1) / 2)  (7.5 for INT4, range [-8, 7]), zero_point = 0
+- asymmetric: scale = (max - min) / (2^b - 1) with min <= 0 <= max, zero_point = round(-min/scale) - 2^(b-1)
+  clamped to [-2^(b-1), 2^(b-1)-1] (signed, as compressed-tensors stores it)
+- meaning: w ~= (q - zero_point) * scale, q = clamp(round(w / scale) + zero_point, qmin, qmax)
+- packing: u = q + 8 in [0, 15]; element j of a row -> int32 word j // 8, bits 4*(j % 8).. (LSB first)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Legend: E = experts (optional leading dims), N = out_features, K = in_features, G = groups = K / group_size
+
+
+@dataclass(frozen=True)
+class QParams:
+    scale: torch.Tensor  # [..., N, G] float32
+    zero_point: torch.Tensor | None  # [..., N, G] int32 (signed) or None when symmetric
+
+
+def qrange(num_bits: int) -> tuple[int, int]:
+    return -(2 ** (num_bits - 1)), 2 ** (num_bits - 1) - 1
+
+
+def _grouped(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """[..., N, K] -> [..., N, G, g]; group_size None means one group per row (channel)."""
+    k = w.shape[-1]
+    g = k if group_size is None else group_size
+    if k % g != 0:
+        raise ValueError(f"in_features {k} is not a multiple of group_size {g}")
+    return w.reshape(*w.shape[:-1], k // g, g)
+
+
+def _reduce_last(a: torch.Tensor, op) -> torch.Tensor:
+    """max/min over the last dim by pairwise halving: several times faster than amax(-1) over short
+    (32-128 wide) groups on CPU, and exact (max/min are order-independent)."""
+    while a.shape[-1] > 1:
+        h = a.shape[-1] // 2
+        if a.shape[-1] % 2:
+            a = torch.cat([op(a[..., :h], a[..., h:2 * h]), a[..., 2 * h:]], dim=-1)
+        else:
+            a = op(a[..., :h], a[..., h:])
+    return a[..., 0]
+
+
+def choose_qparams(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetric: bool = True,
+                   scale_dtype: torch.dtype = torch.bfloat16) -> QParams:
+    """Min/max qparams per (row, group). The scale is rounded to `scale_dtype` (how it is stored) so that
+    quantize/dequantize use exactly the stored value."""
+    wg = _grouped(w.float(), group_size)  # [..., N, G, g]
+    qmin, qmax = qrange(num_bits)
+    tiny = torch.finfo(torch.float32).tiny
+    if symmetric:
+        absmax = _reduce_last(wg.abs(), torch.maximum)  # [..., N, G]
+        scale = (absmax / ((qmax - qmin) / 2)).to(scale_dtype).float()
+        scale = torch.where(scale > tiny, scale, torch.ones_like(scale))  # all-zero group: any scale works
+        return QParams(scale, None)
+    lo = _reduce_last(wg, torch.minimum).clamp(max=0.0)  # 0 must be representable
+    hi = _reduce_last(wg, torch.maximum).clamp(min=0.0)
+    scale = ((hi - lo) / (qmax - qmin)).to(scale_dtype).float()
+    scale = torch.where(scale > tiny, scale, torch.ones_like(scale))
+    zp = (qmin - torch.round(lo / scale)).clamp(qmin, qmax).to(torch.int32)
+    return QParams(scale, zp)
+
+
+def quantize(w: torch.Tensor, qp: QParams, num_bits: int = 4) -> torch.Tensor:
+    """w [..., N, K] -> q [..., N, K] int8 in [qmin, qmax]: clamp(round(w / scale) + zero_point)."""
+    qmin, qmax = qrange(num_bits)
+    wg = _grouped(w.float(), w.shape[-1] // qp.scale.shape[-1])
+    if wg.data_ptr() == w.data_ptr():
+        wg = wg.clone()
+    q = wg.div_(qp.scale.unsqueeze(-1)).round_()
+    if qp.zero_point is not None:
+        q.add_(qp.zero_point.unsqueeze(-1))
+    return q.clamp_(qmin, qmax).to(torch.int8).reshape(w.shape)
+
+
+# Rows per chunk in `rtn`: ~2 MiB of float32 per step keeps the elementwise passes in cache, which is
+# several times faster on CPU than whole-batch passes over [E, N, K] (measured in bench/convert_rtn.py).
+CHUNK_ELEMENTS = 1 << 19
+
+
+@dataclass(frozen=True)
+class RTNResult:
+    q: torch.Tensor  # [..., N, K] int8, or packed int32 [..., N, ceil(K/8)] when pack=True
+    qparams: QParams  # scale [..., N, G] float32, zero_point [..., N, G] int32 | None
+    signal: torch.Tensor  # [...] float64: sum of w^2 per matrix (for SQNR)
+    noise: torch.Tensor  # [...] float64: sum of (w - dequant(q))^2 per matrix
+
+    def sqnr_db(self) -> torch.Tensor:
+        return 10 * torch.log10(self.signal / self.noise)
+
+
+def rtn(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetric: bool = True,
+        scale_dtype: torch.dtype = torch.bfloat16, pack: bool = False) -> RTNResult:
+    """Round-to-nearest quantization of a batch of weights [..., N, K] (e.g. all experts [E, N, K]).
+
+    Rows are independent (groups run along K), so the batch is flattened to rows and processed in
+    cache-sized chunks; q and qparams equal `quantize(w, choose_qparams(w))` exactly. With pack=True
+    (INT4 only) the result holds `pack_int4(q)`. Also returns the per-matrix quantization error energy."""
+    *lead, n, k = w.shape
+    rows = w.reshape(-1, k)
+    n_groups = 1 if group_size is None else k // group_size
+    _grouped(rows[:1], group_size)  # validates divisibility before any work
+    qmin, qmax = qrange(num_bits)
+    if pack and num_bits != 4:
+        raise ValueError("pack=True needs num_bits=4")
+    out = torch.empty(rows.shape[0], (k + 7) // 8, dtype=torch.int32) if pack else torch.empty(rows.shape, dtype=torch.int8)
+    scale = torch.empty(rows.shape[0], n_groups, dtype=torch.float32)
+    zp = None if symmetric else torch.empty(rows.shape[0], n_groups, dtype=torch.int32)
+    sig = torch.empty(rows.shape[0], dtype=torch.float64)
+    noise = torch.empty(rows.shape[0], dtype=torch.float64)
+    step = max(1, CHUNK_ELEMENTS // max(k, 1))
+    for i in range(0, rows.shape[0], step):
+        wf = _grouped(rows[i:i + step].float(), group_size)  # [r, G, g]
+        qp = choose_qparams(wf.flatten(-2), num_bits, group_size, symmetric, scale_dtype)
+        s = qp.scale.unsqueeze(-1)
+        qf = (wf / s).round_()
+        if qp.zero_point is not None:
+            qf.add_(qp.zero_point.unsqueeze(-1))
+        qf.clamp_(qmin, qmax)
+        q8 = qf.to(torch.int8).flatten(-2)
+        # error of the dequantized value (q - zp) * scale, computed while the chunk is in cache
+        if qp.zero_point is not None:
+            qf.sub_(qp.zero_point.unsqueeze(-1))
+        err = qf.mul_(s).sub_(wf)
+        sig[i:i + step] = wf.square().sum(dim=(-1, -2), dtype=torch.float64)
+        noise[i:i + step] = err.square_().sum(dim=(-1, -2), dtype=torch.float64)
+        out[i:i + step] = pack_int4(q8) if pack else q8
+        scale[i:i + step] = qp.scale
+        if zp is not None:
+            zp[i:i + step] = qp.zero_point
+    lead_n = (*lead, n)
+    qp = QParams(scale.reshape(*lead_n, n_groups), None if zp is None else zp.reshape(*lead_n, n_groups))
+    return RTNResult(out.reshape(*lead_n, out.shape[-1]), qp,
+                     sig.reshape(lead_n).sum(-1), noise.reshape(lead_n).sum(-1))
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [..., N, K] int, scale [..., N, G] -> w [..., N, K] in `dtype` (computed in float32)."""
+    g = q.shape[-1] // scale.shape[-1]
+    qg = q.reshape(*q.shape[:-1], scale.shape[-1], g).float()
+    if zero_point is not None:
+        qg = qg - zero_point.float().unsqueeze(-1)
+    return (qg * scale.float().unsqueeze(-1)).reshape(q.shape).to(dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [..., R, C] int in [-8, 7] -> int32 [..., R, ceil(C/8)], 8 nibbles per word along the last dim,
+    least-significant nibble first, stored as q + 8. A partial last word is padded with u = 0 nibbles,
+    which `weight_shape` trims on unpack.
+
+    Eight nibble values sit one per byte in an int64 (little-endian); three shift-or-mask steps pull
+    them together into the low 32 bits, which is "element j at bits 4*(j % 8) of word j // 8"."""
+    *lead, r, c = q.shape
+    words = (c + 7) // 8
+    u = (q.to(torch.int8) + 8).view(torch.uint8)  # [..., R, C] in [0, 15]
+    if c % 8:
+        u = torch.nn.functional.pad(u, (0, words * 8 - c))
+    v = u.contiguous().view(torch.int64)  # [..., R, words]
+    v = (v | (v >> 4)) & 0x00FF00FF00FF00FF
+    v = (v | (v >> 8)) & 0x0000FFFF0000FFFF
+    v = (v | (v >> 16)) & 0x00000000FFFFFFFF
+    return v.to(torch.int32)  # values >= 2^31 wrap to negative: the word is a signed int32
+
+
+def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """Inverse of `pack_int4`: int32 [..., R, W] -> int8 [..., R, cols] in [-8, 7]."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    u = (packed.unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift then mask: sign bits never leak
+    q = (u - 8).to(torch.int8).reshape(*packed.shape[:-1], packed.shape[-1] * 8)
+    return q[..., :cols]
+
+
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor, dim=None) -> torch.Tensor:
+    """Signal-to-quantization-noise ratio, 20*log10(|x| / |x - y|), in dB (inf when equal)."""
+    ref = ref.double()
+    err = (ref - approx.double())
+    if dim is None:
+        num, den = ref.norm(), err.norm()
+    else:
+        num, den = ref.norm(dim=dim), err.norm(dim=dim)
+    return 20 * torch.log10(num / den)
