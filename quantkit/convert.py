@@ -417,46 +417,37 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
 
 
 def _quantization_config(recipe: Recipe, results: dict[str, dict]) -> dict:
-    """compressed-tensors config: one group per scheme actually used, targets ["Linear"] and an explicit
-    ignore list of every 2-D weight left unquantized (the form vLLM's MoE path and transformers accept)."""
-    schemes: dict[str, Scheme] = {}
-    quantized, kept = set(), set()
+    """compressed-tensors config: the most used scheme targets ["Linear"] (the form vLLM's MoE path and
+    transformers accept); any other scheme (e.g. a group-size fallback) gets a group of exact module
+    names, which compressed-tensors matches before class names. Every 2-D weight left unquantized is
+    listed in `ignore`."""
+    by_label: dict[str, list[str]] = {}
+    kept = set()
     for rec in results.values():
         for name, e in rec["tensors"].items():
             if name.endswith(".weight_packed"):
-                quantized.add(name[: -len(".weight_packed")])
+                by_label.setdefault(e["scheme"], []).append(name[: -len(".weight_packed")])
             elif name.endswith(".weight") and len(e["shape"]) == 2:
                 kept.add(name[: -len(".weight")])
-    for g in recipe.groups:
-        schemes.setdefault(g.scheme.label, g.scheme)
-    used = {}
-    for rec in results.values():
-        for e in rec["tensors"].values():
-            if "scheme" in e:
-                used[e["scheme"]] = None
+    labels = sorted(by_label, key=lambda lb: (-len(by_label[lb]), lb))
     groups = {}
-    labels = sorted(used)
-    if len(labels) > 1:
-        raise QuantkitError("several integer schemes in one checkpoint need per-module targets",
-                            hint="use one scheme per recipe, or file an issue for mixed INT4 group sizes")
     for i, label in enumerate(labels):
-        sch = _scheme_from_label(label, recipe)
-        groups[f"group_{i}"] = {"targets": ["Linear"], "input_activations": None, "output_activations": None,
-                                "weights": sch.weights_config()}
+        targets = ["Linear"] if i == 0 else sorted(by_label[label])
+        groups[f"group_{i}"] = {"targets": targets, "input_activations": None, "output_activations": None,
+                                "weights": _scheme_from_label(label, recipe).weights_config()}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": groups, "ignore": sorted(kept), "kv_cache_scheme": None}
 
 
 def _scheme_from_label(label: str, recipe: Recipe) -> Scheme:
     for g in recipe.groups:
-        for cand in (g.scheme, Scheme(g.scheme.num_bits, "int", g.scheme.symmetric, "channel", None)):
-            if cand.label == label:
-                return cand
+        cands = [g.scheme, Scheme(g.scheme.num_bits, "int", g.scheme.symmetric, "channel", None)]
         if isinstance(g.scheme.fallback, int):
-            cand = Scheme(g.scheme.num_bits, "int", g.scheme.symmetric, "group", g.scheme.fallback)
+            cands.append(Scheme(g.scheme.num_bits, "int", g.scheme.symmetric, "group", g.scheme.fallback))
+        for cand in cands:
             if cand.label == label:
                 return cand
-    raise AssertionError(label)
+    raise AssertionError(f"no recipe scheme has label {label}")
 
 
 def _finalize(src: Checkpoint, out: Path, recipe: Recipe, plans: list[ShardPlan], results: dict[str, dict],

@@ -54,6 +54,7 @@ def make_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, dty
     """
     from transformers import AutoModelForCausalLM
 
+    quiet_transformers()
     cfg = tiny_config(arch, layers=layers, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
@@ -71,11 +72,27 @@ def make_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, dty
     return out
 
 
+def quiet_transformers() -> None:
+    """Silence transformers' info logs and progress bars (they go to stderr and drown our output)."""
+    import transformers
+
+    os.environ.setdefault("TQDM_DISABLE", "1")  # compressed-tensors' per-module progress bars
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        from compressed_tensors.logger import logger as ct_logger
+
+        ct_logger.remove()
+    except Exception:  # compressed-tensors is optional at run time
+        pass
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     """Load a (possibly quantized) checkpoint with transformers on CPU."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map="cpu")
+    quiet_transformers()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
 
 
 def read_json(path: str | os.PathLike) -> dict:

@@ -167,7 +167,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     u = (q.to(torch.int8) + 8).view(torch.uint8)  # [..., R, C] in [0, 15]
     if c % 8:
         u = torch.nn.functional.pad(u, (0, words * 8 - c))
-    v = u.contiguous().view(torch.int64)  # [..., R, words]
+    v = u.contiguous().reshape(-1).view(torch.int64).reshape(*lead, r, words)  # 8 nibbles per int64
     v = (v | (v >> 4)) & 0x00FF00FF00FF00FF
     v = (v | (v >> 8)) & 0x0000FFFF0000FFFF
     v = (v | (v >> 16)) & 0x00000000FFFFFFFF

@@ -1,0 +1,167 @@
+"""The `quantkit` command line: thin. Each command builds options, calls one library function, prints.
+
+Results go to stdout (`--json`: exactly one JSON object); progress, logs and hints go to stderr.
+Exit codes: 0 success, 1 domain failure (one line + hint), 2 usage error. QUANTKIT_DEBUG=1 shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from .errors import QuantkitError
+
+app = typer.Typer(
+    name="quantkit", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="Quantize large MoE checkpoints (INT4 experts, FP8) into compressed-tensors format, and prove them.",
+    epilog="Examples:\n\n  quantkit demo /tmp/qk-demo\n\n  quantkit convert ./Qwen3-30B-A3B ./out --recipe int4-experts-rtn\n\n"
+           "  quantkit inspect ./out --json",
+)
+err = Console(stderr=True, highlight=False)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout (human output goes to stderr).")]
+
+
+def _print_json(doc) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def _progress(description: str, enabled: bool = True):
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=err, transient=False, disable=not enabled)
+
+
+@app.command()
+def convert(
+    src: Annotated[Path, typer.Argument(help="Source checkpoint directory (config.json + *.safetensors).")],
+    out: Annotated[Path, typer.Argument(help="Output directory (must be empty unless --overwrite/--resume).")],
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (see `quantkit recipes`) or YAML path.")] = "int4-experts-rtn",
+    workers: Annotated[int, typer.Option(min=1, help="Shards processed in parallel (processes).")] = 1,
+    resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue an interrupted conversion in OUT.")] = True,
+    overwrite: Annotated[bool, typer.Option(help="Delete OUT first if it is not empty.")] = False,
+    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB.")] = "5GB",
+    json_out: JsonOpt = False,
+):
+    """Quantize SRC into OUT per RECIPE, streaming shard by shard."""
+    from .convert import ConvertOptions, convert as run
+
+    opts = ConvertOptions(recipe=recipe, workers=workers, resume=resume and not overwrite, overwrite=overwrite,
+                          max_shard_bytes=_parse_size(max_shard_size))
+    with _progress("converting") as prog:
+        task = prog.add_task("converting", total=None)
+        res = run(src, out, opts, progress=lambda done, total: prog.update(task, completed=done, total=total))
+    if json_out:
+        _print_json(res.to_json())
+    else:
+        err.print(f"[green]wrote[/] {res.output}: {res.tensors_quantized} modules quantized, "
+                  f"{res.bytes_read / 1e6:.1f} MB -> {res.bytes_written / 1e6:.1f} MB in {res.seconds:.1f} s "
+                  f"(peak RSS {res.peak_rss_bytes / 2**20:.0f} MiB)")
+
+
+@app.command()
+def inspect(
+    ckpt: Annotated[Path, typer.Argument(help="Checkpoint directory.")],
+    json_out: JsonOpt = False,
+):
+    """Show a checkpoint's format and, per scheme, tensor counts and bytes."""
+    from .inspect import inspect_checkpoint
+
+    rep = inspect_checkpoint(ckpt)
+    if json_out:
+        _print_json(rep)
+        return
+    from rich.table import Table
+
+    q = rep["quantization"]
+    err.print(f"{rep['path']}: {rep['model_type']}, {rep['shards']} shard(s), {rep['tensors']} tensors, "
+              f"{rep['total_bytes'] / 1e6:.2f} MB; quantization: "
+              f"{(q['quant_method'] + ' / ' + str(q['format'])) if q else 'none'}"
+              + (f"; manifest: {rep['manifest_status']}" if rep["manifest_status"] else ""))
+    t = Table("scheme", "modules", "tensors", "bytes", "share")
+    for label, s in rep["schemes"].items():
+        t.add_row(label, str(s["modules"] or ""), str(s["tensors"]), f"{s['bytes']:,}",
+                  f"{100 * s['bytes'] / max(rep['total_bytes'], 1):.1f}%")
+    Console().print(t)
+
+
+@app.command()
+def recipes():
+    """List the shipped recipes."""
+    from .recipe import load_recipe, shipped_recipes
+
+    for name in shipped_recipes():
+        r = load_recipe(name)
+        Console().print(f"[bold]{name}[/]: {' '.join(r.description.split())}")
+
+
+@app.command()
+def demo(
+    out: Annotated[Path, typer.Argument(help="Directory for the demo (tiny source model + converted output).")],
+    arch: Annotated[str, typer.Option(help="Tiny model architecture to generate.")] = "qwen3_moe",
+    overwrite: Annotated[bool, typer.Option(help="Replace OUT if it exists.")] = False,
+    json_out: JsonOpt = False,
+):
+    """Run the whole pipeline on a tiny generated MoE model (no downloads)."""
+    from .demo import run_demo
+
+    rep = run_demo(out, arch=arch, overwrite=overwrite, log=lambda m: err.print(m))
+    if json_out:
+        _print_json(rep)
+
+
+def _parse_size(s: str) -> int:
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    t = s.strip().upper()
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in units or value <= 0:
+        raise typer.BadParameter(f"cannot parse size {s!r}; use e.g. 500MB or 5GB")
+    return int(value * units[unit])
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    debug = os.environ.get("QUANTKIT_DEBUG") == "1"
+    try:
+        # standalone mode: click itself turns usage errors into exit code 2 with its usage message
+        app(args=argv, prog_name="quantkit")
+    except KeyboardInterrupt:
+        err.print("interrupted; run the same command again to resume")
+        sys.exit(130)
+    except QuantkitError as e:
+        if debug:
+            raise
+        err.print(f"[red]error:[/] {e.message}", markup=True, soft_wrap=True)
+        if e.hint:
+            err.print(f"hint: {e.hint}", soft_wrap=True, markup=False)
+        sys.exit(1)
+    except OSError as e:
+        if debug:
+            raise
+        err.print(f"[red]error:[/] {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", soft_wrap=True)
+        err.print("hint: check the path and permissions; QUANTKIT_DEBUG=1 shows the traceback", markup=False)
+        sys.exit(1)
+    except Exception as e:  # a bug: still one line unless debugging
+        if debug:
+            raise
+        err.print(f"[red]internal error:[/] {type(e).__name__}: {str(e)[:300]}", soft_wrap=True)
+        err.print("hint: re-run with QUANTKIT_DEBUG=1 for the traceback and report it", markup=False)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
