@@ -90,22 +90,52 @@ def quant_outputs(module: str, shape: tuple[int, int], scheme: Scheme, scale_dty
     return out
 
 
+def unit_outputs(u: Unit, info: Callable[[str], TensorInfo]):
+    if u.kind == "copy":
+        i = info(u.tensor)
+        return [(u.tensor, i.dtype, i.shape)]
+    return [spec for it in u.items for spec in quant_outputs(it.module, it.shape, u.scheme, u.scale_dtype)]
+
+
+def _spec_bytes(specs) -> int:
+    from .io.writer import ELEMENT_SIZE
+
+    total = 0
+    for _, dtype, shape in specs:
+        n = ELEMENT_SIZE[dtype]
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
 @dataclass(frozen=True)
 class ShardPlan:
-    source: str  # source shard file name
-    output: str  # output shard file name
-    units: tuple[Unit, ...]
+    """A source shard and the output shard(s) it becomes: one, or several parts when its output would
+    exceed the shard size limit."""
 
-    def outputs(self, info: Callable[[str], TensorInfo]):
-        specs = []
-        for u in self.units:
-            if u.kind == "copy":
-                i = info(u.tensor)
-                specs.append((u.tensor, i.dtype, i.shape))
-            else:
-                for it in u.items:
-                    specs.extend(quant_outputs(it.module, it.shape, u.scheme, u.scale_dtype))
-        return specs
+    source: str  # source shard file name
+    parts: tuple[tuple[str, tuple[Unit, ...]], ...]  # (output file name, units written to it)
+
+    @property
+    def units(self) -> tuple[Unit, ...]:
+        return tuple(u for _, us in self.parts for u in us)
+
+
+def split_parts(output: str, units: list[Unit], info: Callable[[str], TensorInfo], max_bytes: int):
+    parts: list[list[Unit]] = [[]]
+    size = 0
+    for u in units:
+        b = _spec_bytes(unit_outputs(u, info))
+        if parts[-1] and size + b > max_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(u)
+        size += b
+    if len(parts) == 1:
+        return ((output, tuple(parts[0])),)
+    stem = output.removesuffix(".safetensors")
+    return tuple((f"{stem}-part{i + 1:03d}of{len(parts):03d}.safetensors", tuple(p)) for i, p in enumerate(parts))
 
 
 def _split_fused(name: str, info: TensorInfo, hidden: int | None):
@@ -132,7 +162,7 @@ def _split_fused(name: str, info: TensorInfo, hidden: int | None):
 
 
 def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
-               batch_bytes: int = DEFAULT_BATCH_BYTES) -> ShardPlan:
+               batch_bytes: int = DEFAULT_BATCH_BYTES, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ShardPlan:
     """Match every tensor of `shard` against `recipe`. Raises GroupSizeError before any work."""
     units: list[Unit] = []
     batches: dict[tuple, list[QuantItem]] = {}
@@ -186,7 +216,7 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
         per = max(1, batch_bytes // (items[0].shape[0] * items[0].shape[1] * 2))
         for i in range(0, len(items), per):
             units.append(Unit("quant", items=tuple(items[i:i + per]), group=g, scheme=scheme, src_dtype=dtype))
-    return ShardPlan(shard.name, output, tuple(units))
+    return ShardPlan(shard.name, split_parts(output, units, lambda n: shard.tensors[n], max_shard_bytes))
 
 
 # ---- execution (one shard; runs in a worker process when workers > 1) --------------------------------
@@ -195,9 +225,7 @@ class ShardResult:
     source: str
     source_sha256: str
     source_size: int
-    output: str
-    sha256: str
-    size: int
+    outputs: list = field(default_factory=list)  # [{name, sha256, size}] in order
     tensors: dict = field(default_factory=dict)  # output tensor name -> manifest entry
     bytes_read: int = 0
 
@@ -216,31 +244,37 @@ def run_shard(plan: ShardPlan, src_path: Path, out_dir: Path, threads: int | Non
     if threads:
         torch.set_num_threads(threads)
     f = SafetensorsFile(src_path)
+    entries: dict[str, dict] = {}
+    outputs = []
+    read = 0
     try:
-        writer = ShardWriter(out_dir / plan.output, plan.outputs(lambda n: f.header.tensors[n]),
-                             metadata={"format": "pt"})
-        entries: dict[str, dict] = {}
-        read = 0
-        try:
-            for u in plan.units:
-                if u.kind == "copy":
-                    info = f.header.tensors[u.tensor]
-                    writer.write(u.tensor, f.get(u.tensor, copy=False))
-                    entries[u.tensor] = {"shape": list(info.shape), "dtype": str(info.dtype).removeprefix("torch."),
-                                         "source_tensor": u.tensor}
-                    read += info.nbytes
-                else:
-                    read += _run_quant_unit(u, f, writer, entries)
-                if progress:
-                    progress(read)
-            sha, size = writer.finish()
-        except BaseException:
-            writer.abort()
-            raise
+        for out_name, units in plan.parts:
+            specs = [spec for u in units for spec in unit_outputs(u, lambda n: f.header.tensors[n])]
+            writer = ShardWriter(out_dir / out_name, specs, metadata={"format": "pt"})
+            part_entries: dict[str, dict] = {}
+            try:
+                for u in units:
+                    if u.kind == "copy":
+                        info = f.header.tensors[u.tensor]
+                        writer.write(u.tensor, f.get(u.tensor, copy=False))
+                        part_entries[u.tensor] = {"shape": list(info.shape),
+                                                  "dtype": str(info.dtype).removeprefix("torch."),
+                                                  "source_tensor": u.tensor}
+                        read += info.nbytes
+                    else:
+                        read += _run_quant_unit(u, f, writer, part_entries)
+                    if progress:
+                        progress(read)
+                sha, size = writer.finish()
+            except BaseException:
+                writer.abort()
+                raise
+            outputs.append({"name": out_name, "sha256": sha, "size": size})
+            for k, v in part_entries.items():
+                entries[k] = {**v, "shard": out_name, "source_shard": plan.source}
     finally:
         f.close()
-    return ShardResult(plan.source, sha256_file(src_path), src_path.stat().st_size, plan.output, sha, size,
-                       {k: {**v, "shard": plan.output, "source_shard": plan.source} for k, v in entries.items()}, read)
+    return ShardResult(plan.source, sha256_file(src_path), src_path.stat().st_size, outputs, entries, read)
 
 
 def _run_quant_unit(u: Unit, f: SafetensorsFile, writer: ShardWriter, entries: dict) -> int:
@@ -344,8 +378,9 @@ def _prepare_output(out: Path, opts: ConvertOptions, identity: dict) -> dict[str
                     rec = read_json_file(p, p.name, ResumeMismatch)
                 except QuantkitError:
                     continue  # a torn journal entry: redo that shard
-                outp = out / rec.get("output", "")
-                if outp.is_file() and outp.stat().st_size == rec.get("size"):
+                outs = rec.get("outputs") or []
+                if outs and all((out / o["name"]).is_file() and (out / o["name"]).stat().st_size == o["size"]
+                                for o in outs):
                     done[rec["source"]] = rec
             return done
         else:
@@ -373,10 +408,11 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     out = Path(out_dir)
     hidden = src.config.get("hidden_size") if isinstance(src.config.get("hidden_size"), int) else None
     names = output_shard_names(src)
-    plans = [plan_shard(s, names[s.name], recipe, hidden, opts.batch_bytes) for s in src.shards]
+    plans = [plan_shard(s, names[s.name], recipe, hidden, opts.batch_bytes, opts.max_shard_bytes) for s in src.shards]
 
     identity = {"tool_version": __version__, "recipe_sha256": recipe.sha256,
-                "source": _source_fingerprint(src), "batch_bytes": opts.batch_bytes}
+                "source": _source_fingerprint(src), "batch_bytes": opts.batch_bytes,
+                "max_shard_bytes": opts.max_shard_bytes}
     done = _prepare_output(out, opts, identity)
     write_json_atomic(out / MANIFEST_NAME, {"status": "in_progress", "identity": identity})
     journal = out / JOURNAL_DIR
@@ -387,7 +423,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
 
     def record(res: ShardResult):
         rec = asdict(res)
-        write_json_atomic(journal / f"{res.source}.json", rec, indent=None)
+        write_json_atomic(journal / f"{res.source}.json", rec, indent=None)  # this shard is now done
         results[res.source] = rec
 
     todo = [p for p in plans if p.source not in done]
@@ -455,11 +491,12 @@ def _finalize(src: Checkpoint, out: Path, recipe: Recipe, plans: list[ShardPlan]
     ordered = [results[p.source] for p in plans]
     tensors: dict[str, dict] = {}
     weight_map: dict[str, str] = {}
+    out_shards = [{**o, "source_shard": r["source"]} for r in ordered for o in r["outputs"]]
     for rec in ordered:
         for name in sorted(rec["tensors"]):
             tensors[name] = rec["tensors"][name]
-            weight_map[name] = rec["output"]
-    total_size = sum(r["size"] for r in ordered)
+            weight_map[name] = rec["tensors"][name]["shard"]
+    total_size = sum(o["size"] for o in out_shards)
     write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total_size},
                                          "weight_map": dict(sorted(weight_map.items()))})
     config = dict(src.config)
@@ -479,8 +516,8 @@ def _finalize(src: Checkpoint, out: Path, recipe: Recipe, plans: list[ShardPlan]
         "source": {"config_sha256": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
                    "shards": [{"name": r["source"], "size": r["source_size"], "sha256": r["source_sha256"]}
                               for r in ordered]},
-        "shards": [{"name": r["output"], "size": r["size"], "sha256": r["sha256"], "source_shard": r["source"]}
-                   for r in ordered],
+        "shards": [{"name": o["name"], "size": o["size"], "sha256": o["sha256"], "source_shard": o["source_shard"]}
+                   for o in out_shards],
         "summary": {"tensors_total": len(tensors), "modules_quantized": len(quantized_modules),
                     "bytes_read": sum(r["source_size"] for r in ordered), "bytes_written": total_size},
         "quantization_config": qc,

@@ -248,3 +248,18 @@ def test_output_not_empty_refused(tiny_models, tmp_path):
     with pytest.raises(OutputExists):
         convert(tiny_models("qwen3_moe"), tmp_path / "q", ConvertOptions())
     assert (tmp_path / "q" / "x").read_text() == "keep me"
+
+
+def test_max_shard_size_splits_outputs(tiny_models, tmp_path):
+    src = tiny_models("qwen3_moe")
+    convert(src, tmp_path / "whole", ConvertOptions())
+    convert(src, tmp_path / "split", ConvertOptions(max_shard_bytes=60_000))
+    whole, split = Checkpoint.open(tmp_path / "whole"), Checkpoint.open(tmp_path / "split")
+    assert len(split.shards) > len(whole.shards)
+    for s in split.shards:  # a part may exceed the limit only when it holds a single tensor group
+        assert s.size <= 60_000 + 4096 or len(s.tensors) <= 4
+    a, b = read_all(tmp_path / "whole"), read_all(tmp_path / "split")
+    assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+    m = json.loads((tmp_path / "split" / MANIFEST_NAME).read_text())
+    assert [s["name"] for s in m["shards"]] == [s.name for s in split.shards]
+    check_against_judge(tmp_path / "split")
