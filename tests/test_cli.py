@@ -1,0 +1,67 @@
+"""The command line contract: --json prints exactly one JSON object on stdout, exit codes 0/1/2, one-line
+errors with a hint and no traceback."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+QK = [sys.executable, "-m", "quantkit.cli"]
+
+
+def run(*args, env=None):
+    e = {**os.environ, "QUANTKIT_DEBUG": "0", **(env or {})}
+    return subprocess.run([*QK, *map(str, args)], capture_output=True, text=True, env=e, timeout=600)
+
+
+def test_convert_json_is_one_object(tiny_models, tmp_path):
+    src = tiny_models("qwen3_moe")
+    p = run("convert", src, tmp_path / "q", "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)  # the whole stdout is one JSON document
+    assert set(doc) >= {"output", "seconds", "bytes_read", "bytes_written", "tensors_total", "tensors_quantized",
+                        "peak_rss_bytes"}
+    assert doc["tensors_quantized"] == 24 and doc["bytes_written"] < doc["bytes_read"]
+    p = run("inspect", tmp_path / "q", "--json")
+    assert p.returncode == 0
+    rep = json.loads(p.stdout)
+    assert rep["schemes"]["int4-g32-sym"]["modules"] == 24 and rep["manifest_status"] == "complete"
+
+
+@pytest.mark.parametrize("args", [["convert"], ["convert", "a", "b", "--workers", "0"], ["nosuchcommand"],
+                                  ["convert", "a", "b", "--max-shard-size", "lots"]])
+def test_usage_errors_exit_2(args):
+    p = run(*args)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr
+
+
+def test_domain_error_one_line_and_hint(tmp_path):
+    p = run("convert", tmp_path / "missing", tmp_path / "out")
+    assert p.returncode == 1
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "━" not in ln and "converting" not in ln]
+    assert lines[0].startswith("error: ") and lines[1].startswith("hint: ") and len(lines) == 2
+    assert "Traceback" not in p.stderr and p.stdout == ""
+
+
+def test_bad_recipe_is_domain_error(tiny_models, tmp_path):
+    bad = tmp_path / "r.yaml"
+    bad.write_text("groups: {e: {targets: [x], scheme: {group_size: 30}}}")
+    p = run("convert", tiny_models("qwen3_moe"), tmp_path / "o", "--recipe", bad)
+    assert p.returncode == 1 and "group_size" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_debug_shows_traceback(tmp_path):
+    p = run("convert", tmp_path / "missing", tmp_path / "out", env={"QUANTKIT_DEBUG": "1"})
+    assert p.returncode == 1 and "Traceback" in p.stderr
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    p = run("demo", tmp_path / "d", "--json")
+    assert p.returncode == 0, p.stderr[-2000:]
+    doc = json.loads(p.stdout)
+    assert doc["convert"]["tensors_quantized"] > 0
+    assert doc["metrics"]["kl_divergence"] < 1e-2 and doc["metrics"]["top1_agreement"] > 0.5
+    assert (tmp_path / "d" / "int4" / "quantkit_manifest.json").is_file()
