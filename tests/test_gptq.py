@@ -1,0 +1,107 @@
+"""GPTQ math: the batched, lazy-update implementation against a plain per-matrix reference, and its
+reason to exist — lower output error than RTN on correlated inputs."""
+
+import pytest
+import torch
+
+from quantkit.quant.gptq import gptq, hessian_update
+from quantkit.quant.int4 import dequantize, rtn
+
+
+def reference_gptq(w, h, group_size, symmetric, damp=0.01):
+    """Textbook GPTQ for one matrix in float64, no lazy batching: after each column, update every
+    remaining column at once with the row of the upper Cholesky factor of H^-1."""
+    W = w.double().clone()
+    H = h.double().clone()
+    n, k = W.shape
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    H += damp * torch.diagonal(H).mean() * torch.eye(k, dtype=torch.float64)
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    Q = torch.zeros(n, k, dtype=torch.float64)
+    scales = []
+    for col in range(k):
+        if col % group_size == 0:
+            g = W[:, col:col + group_size]
+            if symmetric:
+                s = (g.abs().amax(1) / 7.5).to(torch.bfloat16).double()
+                z = None
+            else:
+                lo, hi = g.amin(1).clamp(max=0), g.amax(1).clamp(min=0)
+                s = ((hi - lo) / 15).to(torch.bfloat16).double()
+                z = torch.clamp(-8 - torch.round(lo / s), -8, 7)
+            s = torch.where(s > 0, s, torch.ones_like(s))
+            scales.append(s)
+        q = torch.round(W[:, col] / s) + (0 if z is None else z)
+        q = q.clamp(-8, 7)
+        Q[:, col] = q
+        deq = (q - (0 if z is None else z)) * s
+        err = (W[:, col] - deq) / U[col, col]
+        W[:, col:] -= err[:, None] * U[col, col:][None, :]
+    return Q, torch.stack(scales, 1)
+
+
+def correlated_inputs(t, k, gen):
+    mix = torch.randn(k, k, generator=gen) / k**0.5
+    return torch.randn(t, k, generator=gen) @ (torch.eye(k) + 2 * mix)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_batched_lazy_gptq_matches_reference(symmetric):
+    gen = torch.Generator().manual_seed(0)
+    e, n, k = 3, 16, 64
+    w = torch.randn(e, n, k, generator=gen) * 0.05
+    hs = []
+    for _ in range(e):
+        x = correlated_inputs(200, k, gen)
+        h, _ = hessian_update(None, 0, x)
+        hs.append(h)
+    h = torch.stack(hs)
+    res = gptq(w, h, 4, 32, symmetric, block_size=32)
+    for i in range(e):
+        q_ref, s_ref = reference_gptq(w[i], h[i], 32, symmetric)
+        agree = (res.q[i].double() == q_ref).double().mean().item()
+        # float32 lazy updates vs float64 eager: an occasional rounding tie may flip one level
+        assert agree > 0.995, agree
+        assert torch.allclose(res.qparams.scale[i].double(), s_ref, rtol=1e-2)
+    assert all(f is None for f in res.fallback)
+
+
+@pytest.mark.parametrize("actorder", [False, True])
+def test_gptq_beats_rtn_on_output_error(actorder):
+    gen = torch.Generator().manual_seed(1)
+    e, n, k = 4, 32, 128
+    w = torch.randn(e, n, k, generator=gen) * 0.05
+    xs = [correlated_inputs(512, k, gen) for _ in range(e)]
+    h = torch.stack([hessian_update(None, 0, x)[0] for x in xs])
+    res = gptq(w, h, 4, 32, True, actorder=actorder)
+    base = rtn(w, 4, 32, True)
+    for i in range(e):
+        yq = xs[i] @ dequantize(res.q[i], res.qparams.scale[i]).T
+        yr = xs[i] @ dequantize(base.q[i], base.qparams.scale[i]).T
+        y = xs[i] @ w[i].T
+        assert (y - yq).square().mean() < 0.8 * (y - yr).square().mean()
+
+
+def test_dead_columns_and_failed_cholesky_fall_back():
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(2, 8, 32, generator=gen)
+    x = torch.randn(100, 32, generator=gen)
+    x[:, 5] = 0  # an input channel never active
+    h0, _ = hessian_update(None, 0, x)
+    bad = -torch.eye(32)  # not positive definite at any damping
+    res = gptq(w, torch.stack([h0, bad]), 4, 32, True, max_retries=2)
+    assert res.dead_columns.tolist() == [1, 0]
+    assert res.fallback[0] is None and "cholesky failed" in res.fallback[1]
+    assert res.q[0, :, 5].eq(0).all()  # dead column quantized from a zeroed weight
+    assert torch.isfinite(res.qparams.scale).all()
+
+
+def test_hessian_running_mean():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(50, 16, generator=gen)
+    h, c = hessian_update(None, 0, x[:20])
+    h, c = hessian_update(h, c, x[20:])
+    assert c == 50
+    assert torch.allclose(h, 2 / 50 * x.T @ x, atol=1e-5)
