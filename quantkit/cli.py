@@ -95,6 +95,29 @@ def inspect(
 
 
 @app.command()
+def plan(
+    model_or_config: Annotated[str, typer.Argument(help="config.json, a checkpoint directory, or a shipped reference "
+                                                        "config: kimi-k2, glm-4.5, glm-5.")],
+    recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Predict the checkpoint `convert` would write.")] = None,
+    gpu_memory_gib: Annotated[float, typer.Option(min=1, help="Memory per GPU, GiB.")] = 80,
+    gpus: Annotated[int, typer.Option(min=1, help="GPUs (tensor parallel).")] = 8,
+    context_len: Annotated[int, typer.Option(min=1, help="Tokens per request for the concurrency figure.")] = 131072,
+    activation_reserve_gib: Annotated[Optional[float], typer.Option(help="Memory kept free per GPU for activations, GiB.")] = None,
+    json_out: JsonOpt = False,
+):
+    """Explain the memory: parameters by role, checkpoint bytes per recipe, KV bytes per token, resident
+    tokens and concurrency."""
+    from .plan import plan as run, render
+
+    rep = run(model_or_config, recipe, gpu_memory_gib=gpu_memory_gib, gpus=gpus, context_len=context_len,
+              activation_reserve_gib=activation_reserve_gib)
+    if json_out:
+        _print_json(rep.to_json())
+    else:
+        render(rep, Console())
+
+
+@app.command()
 def recipes():
     """List the shipped recipes."""
     from .recipe import load_recipe, shipped_recipes
