@@ -1,0 +1,119 @@
+"""AWQ (Lin et al., 2023, "AWQ: Activation-aware Weight Quantization") as pure, batched tensor math.
+
+Two searches, both over a fixed grid and both batched over experts (leading dim E):
+- `search_scales`: per input channel s = mean|x|^a / mean|w|^(1-a) for a in {0, 1/n, ..., (n-1)/n},
+  normalized by sqrt(max*min), choosing per batch entry the a whose scaled-and-quantized weights give the
+  lowest loss. The loss is supplied by the caller (the block output error), since what "output" means
+  depends on the block (a whole MoE MLP for the post-attention norm scale, one expert for up->down).
+- `search_clip`: per output row and group, a shrink ratio r in [1, max_shrink] of the group's absmax,
+  minimizing the group's contribution to the Linear's output error on its own inputs.
+
+`fake_quant` is RTN quantize-dequantize with optional per-group clip ratios, in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .int4 import QParams, qrange
+
+
+def choose_qparams_clipped(w: torch.Tensor, num_bits: int, group_size: int | None, symmetric: bool,
+                           ratio: torch.Tensor | None = None, scale_dtype: torch.dtype = torch.bfloat16) -> QParams:
+    """Like int4.choose_qparams, with the group range shrunk by `ratio` [..., N, G] (1 = no clipping)."""
+    k = w.shape[-1]
+    g = k if group_size is None else group_size
+    wg = w.float().reshape(*w.shape[:-1], k // g, g)
+    qmin, qmax = qrange(num_bits)
+    tiny = torch.finfo(torch.float32).tiny
+    r = 1.0 if ratio is None else ratio
+    if symmetric:
+        scale = (wg.abs().amax(-1) * r / ((qmax - qmin) / 2)).to(scale_dtype).float()
+        return QParams(torch.where(scale > tiny, scale, torch.ones_like(scale)), None)
+    lo = (wg.amin(-1) * r).clamp(max=0.0)
+    hi = (wg.amax(-1) * r).clamp(min=0.0)
+    scale = ((hi - lo) / (qmax - qmin)).to(scale_dtype).float()
+    scale = torch.where(scale > tiny, scale, torch.ones_like(scale))
+    zp = (qmin - torch.round(lo / scale)).clamp(qmin, qmax).to(torch.int32)
+    return QParams(scale, zp)
+
+
+def fake_quant(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetric: bool = True,
+               ratio: torch.Tensor | None = None, scale_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Quantize-dequantize w [..., N, K] (float32 result)."""
+    qp = choose_qparams_clipped(w, num_bits, group_size, symmetric, ratio, scale_dtype)
+    qmin, qmax = qrange(num_bits)
+    k = w.shape[-1]
+    g = k if group_size is None else group_size
+    wg = w.float().reshape(*w.shape[:-1], k // g, g)
+    s = qp.scale.unsqueeze(-1)
+    if qp.zero_point is None:
+        return (torch.round(wg / s).clamp(qmin, qmax) * s).reshape(w.shape)
+    z = qp.zero_point.unsqueeze(-1).float()
+    return ((torch.round(wg / s) + z).clamp(qmin, qmax).sub(z) * s).reshape(w.shape)
+
+
+def scale_candidates(x_mean: torch.Tensor, w_mean: torch.Tensor, n_grid: int = 20):
+    """Yield (a, s) with s = x^a / w^(1-a) normalized; x_mean, w_mean [..., K] (mean |x|, mean |w|)."""
+    x = x_mean.float().clamp(min=1e-8)
+    w = w_mean.float().clamp(min=1e-8)
+    for i in range(n_grid):
+        a = i / n_grid
+        s = (x.pow(a) / w.pow(1 - a)).clamp(min=1e-4)
+        s = s / (s.amax(-1, keepdim=True) * s.amin(-1, keepdim=True)).sqrt()
+        yield a, s
+
+
+def search_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, loss_fn: Callable[[torch.Tensor], torch.Tensor],
+                  n_grid: int = 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grid search of AWQ scales. x_mean, w_mean: [..., K]; loss_fn(s [..., K]) -> loss [...] (one per batch
+    entry, lower is better). Returns (best s [..., K], best a [...], loss at a=0 i.e. s from |w| only [...])."""
+    best_s = best_a = best_loss = None
+    first = None
+    for a, s in scale_candidates(x_mean, w_mean, n_grid):
+        loss = loss_fn(s).double()
+        if best_s is None:
+            best_s, best_a, best_loss, first = s.clone(), torch.zeros_like(loss), loss, loss
+            continue
+        better = loss < best_loss
+        best_loss = torch.where(better, loss, best_loss)
+        best_a = torch.where(better, torch.full_like(best_a, a), best_a)
+        best_s = torch.where(better.unsqueeze(-1), s, best_s)
+    return best_s, best_a, first
+
+
+def search_clip(w: torch.Tensor, x: torch.Tensor, num_bits: int = 4, group_size: int | None = 32,
+                symmetric: bool = True, n_grid: int = 20, max_shrink: float = 0.5,
+                x_mask: torch.Tensor | None = None, row_chunk: int = 256) -> torch.Tensor:
+    """Per (row, group) clip ratio minimizing sum_t (x[t, g] . (w[n, g] - q_r(w)[n, g]))^2.
+
+    w [E, N, K]; x [E, T, K] inputs of each matrix (padded), x_mask [E, T] marks real tokens.
+    Returns ratio [E, N, G] in [max_shrink, 1]."""
+    e, n, k = w.shape
+    g = k if group_size is None else group_size
+    groups = k // g
+    xs = x.float() if x_mask is None else x.float() * x_mask[..., None].float()
+    xg = xs.reshape(e, -1, groups, g)  # [E, T, G, g]
+    best = torch.ones(e, n, groups)
+    best_err = torch.full((e, n, groups), float("inf"), dtype=torch.float64)
+    steps = max(1, int(round((1 - max_shrink) * n_grid)))
+    for i0 in range(0, n, row_chunk):
+        wc = w[:, i0:i0 + row_chunk].float()
+        nb = wc.shape[1]
+        be = best_err[:, i0:i0 + nb]
+        br = best[:, i0:i0 + nb]
+        for step in range(steps + 1):
+            r = 1 - step / n_grid
+            if r < max_shrink - 1e-9:
+                break
+            ratio = torch.full((e, nb, groups), r)
+            dq = fake_quant(wc, num_bits, group_size, symmetric, ratio)
+            dw = (wc - dq).reshape(e, nb, groups, g)  # [E, n, G, g]
+            part = torch.einsum("etgk,engk->etng", xg, dw)  # [E, T, n, G]
+            err = part.double().square().sum(1)  # [E, n, G]
+            better = err < be
+            be[better] = err[better]
+            br[better] = r
+    return best
