@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# GPU check of the runtime kernels, for a machine with a CUDA GPU and torch + triton preinstalled
+# (no network needed): installs quantkit without dependencies, runs tests/runtime on CUDA (compiled
+# kernels, not the interpreter), then times the kernels. About 2-3 minutes on an H100/H200.
+#
+#   bench/gpu_check.sh            # logs and JSON under $OUT (default bench/results/gpu_check, gitignored)
+#
+# Exit status: 0 when both the tests and the benchmark succeeded.
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="${OUT:-bench/results/gpu_check}"
+mkdir -p "$out"
+unset TRITON_INTERPRET  # compiled kernels on the GPU
+
+python - <<'PY' || { echo "gpu_check: needs torch with CUDA and triton" >&2; exit 1; }
+import torch, triton
+assert torch.cuda.is_available(), "no CUDA device visible"
+print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
+PY
+
+# --no-build-isolation: build with the preinstalled setuptools (no network for an isolated build env)
+if ! pip install --no-deps --no-build-isolation -e . >"$out/pip.log" 2>&1; then
+  echo "gpu_check: 'pip install -e .' failed (see $out/pip.log); running from the source tree instead" >&2
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+start=$(date +%s)
+timeout 420 python -m pytest tests/runtime -q -rs -p no:cacheprovider --junitxml "$out/pytest.xml" 2>&1 | tee "$out/pytest.txt"
+rc_tests=${PIPESTATUS[0]}
+echo "gpu_check: tests rc=$rc_tests in $(( $(date +%s) - start )) s"
+
+start=$(date +%s)
+timeout 300 python bench/kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/bench.txt"
+rc_bench=${PIPESTATUS[0]}
+echo "gpu_check: bench rc=$rc_bench in $(( $(date +%s) - start )) s; results in $out"
+
+[[ $rc_tests -eq 0 && $rc_bench -eq 0 ]]
