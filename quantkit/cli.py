@@ -95,12 +95,81 @@ def inspect(
 
 
 @app.command()
+def calibrate(
+    model: Annotated[Path, typer.Argument(help="Checkpoint directory (BF16, block-FP8 or INT4 compressed-tensors).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the scales (.safetensors).")],
+    dataset: Annotated[Optional[str], typer.Option(help="Calibration data: .jsonl/.json/.txt/.parquet, a save_to_disk "
+                                                        "folder or a hub id. Default: the shipped set.")] = None,
+    num_samples: Annotated[Optional[int], typer.Option(min=1, help="Samples to draw.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(min=1, help="Tokens per sample.")] = None,
+    strategy: Annotated[str, typer.Option(help="tensor (one scale per layer) or attn_head (one per KV head).")] = "tensor",
+    json_out: JsonOpt = False,
+):
+    """Measure FP8 KV-cache scales on what the engine caches (post-RoPE K, V; the MLA latent), layer by layer."""
+    from .calibrate import DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN, calibrate as run, write_scales
+
+    with _progress("calibrating", enabled=True) as prog:
+        task = prog.add_task("layers", total=None)
+        res = run(model, dataset=dataset, num_samples=num_samples or DEFAULT_NUM_SAMPLES,
+                  seq_len=seq_len or DEFAULT_SEQ_LEN, strategy=strategy,
+                  progress=lambda i, n: prog.update(task, completed=i + 1, total=n))
+    write_scales(res, output)
+    if json_out:
+        _print_json(res.to_json())
+    else:
+        err.print(f"[green]wrote[/] {output}: {len(res.layers)} layers, strategy {res.strategy}, "
+                  f"{res.data['num_samples']} samples x {res.data['seq_len']} tokens in {res.seconds:.1f} s")
+
+
+@app.command()
+def verify(
+    qmodel: Annotated[Path, typer.Argument(help="A checkpoint written by `quantkit convert`.")],
+    reference: Annotated[Optional[Path], typer.Option(help="The source checkpoint, for the numeric checks.")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="Token data for the model-level metrics.")] = None,
+    num_samples: Annotated[int, typer.Option(min=1, help="Samples for the model-level metrics.")] = 8,
+    seq_len: Annotated[int, typer.Option(min=2, help="Tokens per sample.")] = 128,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    kernels: Annotated[str, typer.Option(help="torch, or triton to also check the runtime's INT4 GEMM.")] = "torch",
+    max_kl: Annotated[Optional[float], typer.Option(help="Maximum mean next-token KL (default 0.05).")] = None,
+    min_top1: Annotated[Optional[float], typer.Option(help="Minimum top-1 agreement (default 0.85).")] = None,
+    max_ppl_ratio: Annotated[Optional[float], typer.Option(help="Maximum perplexity ratio (default 1.10).")] = None,
+    min_sqnr_db: Annotated[Optional[float], typer.Option(help="Minimum weight SQNR, dB (default 10).")] = None,
+    max_sqnr_drift_db: Annotated[Optional[float], typer.Option(help="Maximum SQNR drift vs the manifest, dB (default 0.1).")] = None,
+    min_generation_agreement: Annotated[Optional[float], typer.Option(help="Minimum greedy agreement (default 0.8).")] = None,
+    json_out: JsonOpt = False,
+):
+    """Check a converted checkpoint: shard hashes, format, and numerics against the reference. Exit 1 on failure."""
+    from .verify import Thresholds, verify as run
+
+    if device not in ("cpu", "cuda") or kernels not in ("torch", "triton"):
+        raise typer.BadParameter("--device is cpu or cuda; --kernels is torch or triton")
+    th = Thresholds().with_overrides(max_kl=max_kl, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio,
+                                     min_sqnr_db=min_sqnr_db, max_sqnr_drift_db=max_sqnr_drift_db,
+                                     min_generation_agreement=min_generation_agreement)
+    rep = run(qmodel, reference=reference, dataset=dataset, num_samples=num_samples, seq_len=seq_len, device=device,
+              kernels=kernels, thresholds=th, progress=lambda step: err.print(f"  {step}"))
+    doc = rep.to_json()
+    if json_out:
+        _print_json(doc)
+    else:
+        for c in rep.checks:
+            mark = "[green]ok[/]" if c.ok else ("[yellow]skipped[/]" if c.ok is None else "[red]FAILED[/]")
+            err.print(f"{mark} {c.name}: {c.detail}")
+    if not rep.passed:
+        failed = rep.failed_checks()
+        err.print(f"[red]error:[/] verification failed: {', '.join(c.name for c in failed) or 'see report'}")
+        err.print("hint: see the checks above (or --json); re-run convert for integrity failures", markup=False)
+        raise typer.Exit(1)
+
+
+@app.command()
 def plan(
     model_or_config: Annotated[str, typer.Argument(help="config.json, a checkpoint directory, or a shipped reference "
                                                         "config: kimi-k2, glm-4.5, glm-5.")],
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Predict the checkpoint `convert` would write.")] = None,
     gpu_memory_gib: Annotated[float, typer.Option(min=1, help="Memory per GPU, GiB.")] = 80,
-    gpus: Annotated[int, typer.Option(min=1, help="GPUs (tensor parallel).")] = 8,
+    gpus: Annotated[int, typer.Option(min=1, help="GPUs.")] = 8,
+    tp: Annotated[Optional[int], typer.Option(min=1, help="Tensor-parallel size (default: all GPUs).")] = None,
     context_len: Annotated[int, typer.Option(min=1, help="Tokens per request for the concurrency figure.")] = 131072,
     activation_reserve_gib: Annotated[Optional[float], typer.Option(help="Memory kept free per GPU for activations, GiB.")] = None,
     json_out: JsonOpt = False,
@@ -110,7 +179,7 @@ def plan(
     from .plan import plan as run, render
 
     rep = run(model_or_config, recipe, gpu_memory_gib=gpu_memory_gib, gpus=gpus, context_len=context_len,
-              activation_reserve_gib=activation_reserve_gib)
+              activation_reserve_gib=activation_reserve_gib, tp=tp)
     if json_out:
         _print_json(rep.to_json())
     else:
