@@ -29,6 +29,10 @@ class ConfigError(QuantkitError):
     hint = "config.json must be a JSON object as written by transformers' save_pretrained"
 
 
+class ConfigMissing(ConfigError):
+    hint = "a checkpoint directory needs the model's config.json next to its shards"
+
+
 class UnsafeCheckpoint(QuantkitError):
     hint = ("quantkit reads safetensors only and never unpickles; convert .bin/.pt files first, e.g. "
             "load them in a trusted environment and call model.save_pretrained(dir, safe_serialization=True)")
@@ -44,8 +48,40 @@ class TruncatedShard(HeaderError):
     hint = "the shard is shorter than its header says; the download or copy was probably interrupted"
 
 
+class HeaderTooLarge(HeaderError):
+    hint = ("the 8-byte header length is beyond the 100 MB cap the safetensors format allows; the file is "
+            "corrupt or not a safetensors file")
+
+
+class HeaderNotJSON(HeaderError):
+    hint = "the shard's header is not a UTF-8 JSON object; the file is corrupt or not a safetensors file"
+
+
+class DuplicateKey(HeaderError):
+    hint = ("a JSON object in the header repeats a key, so readers could disagree on which entry wins; "
+            "re-export the shard with a safetensors writer")
+
+
+class InvalidOffsets(HeaderError):
+    hint = ("tensor data_offsets must be non-negative integers that tile the data buffer exactly (no overlap, "
+            "no hole, no trailing bytes); re-export the shard with a safetensors writer")
+
+
+class TensorSizeMismatch(HeaderError):
+    hint = "a tensor's dtype and shape do not match the size of its data; re-export the shard with a safetensors writer"
+
+
 class IndexError_(QuantkitError):
     hint = "model.safetensors.index.json must map tensor names to shard files inside the checkpoint directory"
+
+
+class MissingShard(IndexError_):
+    hint = "the index names a shard file that is not in the directory; the download is incomplete, fetch the missing shard"
+
+
+class UnsafeShardName(IndexError_):
+    hint = ("shard names must be plain file names inside the checkpoint directory (no path separators, no '..', "
+            "no symlinks pointing elsewhere); the index is corrupt or hostile")
 
 
 class DuplicateTensor(QuantkitError):

@@ -2,9 +2,10 @@
 
 `Checkpoint.open(dir)` reads only JSON and safetensors headers; tensors are read lazily per shard.
 Everything in the directory is untrusted: the index's file names must be plain file names inside the
-directory (no separators, no `..`, no absolute paths, no symlinks escaping it), every shard named by the
-index must exist and hold exactly the tensors the index assigns to it, and a tensor may live in one shard
-only. Pickle-based weights (.bin/.pt/.pth) are never opened.
+directory (no separators, no `..`, no absolute paths, no symlinks escaping it except into the `blobs/` of a
+Hugging Face cache snapshot), every shard named by the index must exist and hold exactly the tensors the
+index assigns to it, and a tensor may live in one shard only. Pickle-based weights (.bin/.pt/.pth) are
+never opened. Errors quote hostile names cut short and escaped, so each stays one line.
 """
 
 from __future__ import annotations
@@ -15,17 +16,21 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CheckpointNotFound, ConfigError, DuplicateTensor, IndexError_, UnsafeCheckpoint
-from .safetensors import Header, TensorInfo, read_header
+from ..errors import (CheckpointNotFound, ConfigError, ConfigMissing, DuplicateKey, DuplicateTensor, IndexError_,
+                      MissingShard, UnsafeCheckpoint, UnsafeShardName)
+from .safetensors import Header, TensorInfo, _short, _unique_keys, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MAX_JSON_BYTES = 64 << 20  # config/index files larger than this are refused
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9._+-]+\.safetensors$")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9._+-]+\.safetensors")  # used with fullmatch: `$` would let "x.safetensors\n" in
+MAX_NAME_BYTES = 255  # longer names fail in the OS (ENAMETOOLONG) rather than here
 
 
-def read_json_file(path: Path, what: str, error=ConfigError) -> dict:
+def read_json_file(path: Path, what: str, error=ConfigError, unique_keys: bool = False) -> dict:
+    """Read a JSON object from `path`, raising `error` (one line) for anything else. `unique_keys`: a
+    repeated key in any object is an error too (for files whose readers must agree, like the index)."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -34,9 +39,14 @@ def read_json_file(path: Path, what: str, error=ConfigError) -> dict:
         raise error(f"{what} is {size} bytes, over the {MAX_JSON_BYTES}-byte limit")
     try:
         with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise error(f"{what} is not valid JSON: {type(e).__name__}: {str(e)[:120]}") from None
+            doc = json.load(f, object_pairs_hook=_unique_keys if unique_keys else None)
+        # lone surrogates ("\ud800") parse but cannot be written back as UTF-8 (config.json is rewritten)
+        json.dumps(doc, ensure_ascii=False).encode("utf-8")
+    except DuplicateKey as e:
+        raise error(f"{what}: {e.message}") from None
+    # ValueError covers JSONDecodeError and integers longer than Python converts (4300 digits)
+    except (UnicodeError, ValueError, RecursionError) as e:
+        raise error(f"{what} is not valid JSON: {type(e).__name__}: {str(e)[:120]}".replace("\n", " ")) from None
     if not isinstance(doc, dict):
         raise error(f"{what} must hold a JSON object, got {type(doc).__name__}")
     return doc
@@ -74,8 +84,7 @@ class Checkpoint:
             raise CheckpointNotFound(f"checkpoint directory {str(root)!r} does not exist")
         cfg_path = root / "config.json"
         if not cfg_path.is_file():
-            raise ConfigError(f"{root}: config.json is missing",
-                              hint="a checkpoint directory needs the model's config.json next to its shards")
+            raise ConfigMissing(f"{root}: config.json is missing")
         config = read_json_file(cfg_path, "config.json")
         names = _shard_names(root)
         shards = []
@@ -84,12 +93,12 @@ class Checkpoint:
             header = read_header(root / name)
             for t in header.tensors:
                 if t in location:
-                    raise DuplicateTensor(f"tensor {t!r} appears in both {location[t]} and {name}")
+                    raise DuplicateTensor(f"tensor {_short(t)} appears in both {location[t]} and {name}")
                 location[t] = name
             shards.append(Shard(name, header))
         index_path = root / INDEX_NAME
         if index_path.is_file():
-            _check_index_matches(read_json_file(index_path, INDEX_NAME, IndexError_), location)
+            _check_index_matches(read_json_file(index_path, INDEX_NAME, IndexError_, unique_keys=True), location)
         return cls(root, config, tuple(shards), location)
 
     # -- queries -----------------------------------------------------------------------------------
@@ -116,7 +125,9 @@ class Checkpoint:
         template, ... Never shards, the index, config.json (rewritten) or pickles, and regular files only."""
         out = []
         for p in sorted(self.root.iterdir()):
-            if (not p.is_file() or p.is_symlink() or p.name.endswith(".safetensors") or p.name in
+            if p.is_symlink() and not _link_allowed(self.root, p):
+                continue
+            if (not p.is_file() or p.name.endswith(".safetensors") or p.name in
                     (INDEX_NAME, "config.json", "quantkit_manifest.json") or p.name.endswith(PICKLE_SUFFIXES)
                     or p.name.startswith(".")):
                 continue
@@ -127,7 +138,7 @@ class Checkpoint:
 def _shard_names(root: Path) -> list[str]:
     index_path = root / INDEX_NAME
     if index_path.is_file():
-        index = read_json_file(index_path, INDEX_NAME, IndexError_)
+        index = read_json_file(index_path, INDEX_NAME, IndexError_, unique_keys=True)
         wm = index.get("weight_map")
         if not isinstance(wm, dict) or not wm:
             raise IndexError_(f"{INDEX_NAME}: 'weight_map' must be a non-empty object")
@@ -138,11 +149,14 @@ def _shard_names(root: Path) -> list[str]:
             names.add(_safe_shard_name(root, f))
         for n in sorted(names):
             if not (root / n).is_file():
-                raise IndexError_(f"{INDEX_NAME} names shard {n!r}, which is missing from {root}")
+                raise MissingShard(f"{INDEX_NAME} names shard {n!r}, which is missing from {root}")
         return sorted(names)
     if (root / SINGLE_NAME).is_file():
+        _check_link(root, root / SINGLE_NAME)
         return [SINGLE_NAME]
     st = sorted(p.name for p in root.glob("*.safetensors") if p.is_file())
+    for n in st:
+        _check_link(root, root / n)
     if st:
         if len(st) > 1:
             raise IndexError_(f"{root} holds {len(st)} safetensors files but no {INDEX_NAME}",
@@ -156,22 +170,41 @@ def _shard_names(root: Path) -> list[str]:
 
 
 def _safe_shard_name(root: Path, name: str) -> str:
-    if (not _SAFE_NAME.match(name) or name.startswith(".") or ".." in name):
-        raise IndexError_(f"{INDEX_NAME} names shard {name[:80]!r}, which is not a plain file name in the "
-                          "checkpoint directory", hint="shard names may not contain path separators or '..'")
-    p = root / name
-    if p.is_symlink() and not p.resolve().is_relative_to(root.resolve()):
-        raise IndexError_(f"shard {name!r} is a symlink pointing outside the checkpoint directory")
+    if (not _SAFE_NAME.fullmatch(name) or name.startswith(".") or ".." in name
+            or len(name.encode()) > MAX_NAME_BYTES):
+        raise UnsafeShardName(f"{INDEX_NAME} names shard {_short(name)}, which is not a plain file name in the "
+                              "checkpoint directory")
+    _check_link(root, root / name)
     return name
+
+
+def _link_allowed(root: Path, p: Path) -> bool:
+    """A symlink may point inside the checkpoint directory, or, for a Hugging Face cache snapshot
+    (`.../models--org--name/snapshots/<rev>/`), into that repository's `blobs/` directory, which is
+    where the hub client keeps the files. Loops and unreadable links are not allowed."""
+    try:
+        target = p.resolve(strict=True)
+        base = root.resolve(strict=True)
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13)
+        return False
+    if target.is_relative_to(base):
+        return True
+    return base.parent.name == "snapshots" and target.is_relative_to(base.parent.parent / "blobs")
+
+
+def _check_link(root: Path, p: Path) -> None:
+    if p.is_symlink() and not _link_allowed(root, p):
+        raise UnsafeShardName(f"shard {_short(p.name)} is a symlink pointing outside the checkpoint directory "
+                              "(or a broken or looping link)")
 
 
 def _check_index_matches(index: dict, location: dict[str, str]) -> None:
     wm = index["weight_map"]
     for t, f in wm.items():
         if t not in location:
-            raise IndexError_(f"{INDEX_NAME} lists tensor {t!r} in {f}, but no shard holds it")
+            raise IndexError_(f"{INDEX_NAME} lists tensor {_short(t)} in {f}, but no shard holds it")
         if location[t] != f:
-            raise IndexError_(f"{INDEX_NAME} places {t!r} in {f}, but it is in {location[t]}")
+            raise IndexError_(f"{INDEX_NAME} places {_short(t)} in {f}, but it is in {location[t]}")
     missing = [t for t in location if t not in wm]
     if missing:
-        raise IndexError_(f"shards hold {len(missing)} tensor(s) the index does not list, e.g. {missing[0]!r}")
+        raise IndexError_(f"shards hold {len(missing)} tensor(s) the index does not list, e.g. {_short(missing[0])}")

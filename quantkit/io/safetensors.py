@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import HeaderError, TruncatedShard, UnsupportedDtype
+from ..errors import (DuplicateKey, HeaderError, HeaderNotJSON, HeaderTooLarge, InvalidOffsets, TensorSizeMismatch,
+                      TruncatedShard, UnsupportedDtype)
 
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's cap
 MAX_TENSORS = 1_000_000
@@ -70,62 +71,85 @@ class Header:
     file_size: int
 
 
+def _short(x, limit: int = 80) -> str:
+    """repr() of hostile header content, cut so that an error message stays one short line."""
+    r = repr(x)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json object_pairs_hook: a repeated key is an error (readers disagree on which entry wins)."""
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise DuplicateKey(f"key {_short(k)} appears twice in one JSON object")
+        d[k] = v
+    return d
+
+
 def parse_header_bytes(raw: bytes, file_size: int, where: str = "<bytes>") -> Header:
     """Validate `raw` (the start of a file of `file_size` bytes; at least 8 bytes, ideally the whole
-    header) and return its Header. Pure, so it can be fuzzed without touching disk."""
+    header) and return its Header. Pure, so it can be fuzzed without touching disk. Raises only
+    HeaderError (or a subclass) and UnsupportedDtype."""
     if file_size < 8 or len(raw) < 8:
         raise TruncatedShard(f"{where}: file is {file_size} bytes, too short for a safetensors header")
     (n,) = struct.unpack("<Q", raw[:8])
     if n > MAX_HEADER_BYTES:
-        raise HeaderError(f"{where}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap")
+        raise HeaderTooLarge(f"{where}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap")
     if 8 + n > file_size:
         raise TruncatedShard(f"{where}: header length {n} runs past the end of the {file_size}-byte file")
     if len(raw) < 8 + n:
         raise TruncatedShard(f"{where}: header is incomplete")
     try:
-        doc = json.loads(raw[8:8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise HeaderError(f"{where}: header is not valid UTF-8 JSON ({type(e).__name__})") from None
+        doc = json.loads(raw[8:8 + n].decode("utf-8"), object_pairs_hook=_unique_keys)
+    except DuplicateKey as e:
+        raise DuplicateKey(f"{where}: header {e.message}") from None
+    # ValueError covers JSONDecodeError and integers with more digits than Python converts (4300)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise HeaderNotJSON(f"{where}: header is not valid UTF-8 JSON ({type(e).__name__})") from None
     if not isinstance(doc, dict):
-        raise HeaderError(f"{where}: header is not a JSON object")
-    meta = doc.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise HeaderNotJSON(f"{where}: header is not a JSON object")
+    meta = doc.pop("__metadata__", None)
+    meta = {} if meta is None else meta
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise HeaderError(f"{where}: __metadata__ must map strings to strings")
     if len(doc) > MAX_TENSORS:
         raise HeaderError(f"{where}: {len(doc)} tensors exceeds the {MAX_TENSORS} cap")
     infos = []
     for name, t in doc.items():
         if not isinstance(t, dict) or set(t) != {"dtype", "shape", "data_offsets"}:
-            raise HeaderError(f"{where}: tensor {name!r} entry must have exactly dtype, shape, data_offsets")
+            raise HeaderError(f"{where}: tensor {_short(name)} entry must have exactly dtype, shape, data_offsets")
         code, shape, offs = t["dtype"], t["shape"], t["data_offsets"]
         if not isinstance(code, str) or code not in DTYPES:
-            raise UnsupportedDtype(f"{where}: tensor {name!r} has unsupported dtype {code!r}")
+            raise UnsupportedDtype(f"{where}: tensor {_short(name)} has unsupported dtype {_short(code, 40)}")
         if (not isinstance(shape, list) or len(shape) > MAX_NDIM
                 or not all(type(s) is int and s >= 0 for s in shape)):
-            raise HeaderError(f"{where}: tensor {name!r} has an invalid shape {shape!r}")
+            raise HeaderError(f"{where}: tensor {_short(name)} has an invalid shape {_short(shape)}",
+                              hint=f"a shape is a list of at most {MAX_NDIM} non-negative integers; the shard is corrupt")
         if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int and o >= 0 for o in offs)
                 or offs[0] > offs[1]):
-            raise HeaderError(f"{where}: tensor {name!r} has invalid data_offsets {offs!r}")
+            raise InvalidOffsets(f"{where}: tensor {_short(name)} has invalid data_offsets {_short(offs)}")
         numel = 1
         for s in shape:
             numel *= s  # Python ints: no overflow
         dtype, size = DTYPES[code]
         if numel * size != offs[1] - offs[0]:
-            raise HeaderError(f"{where}: tensor {name!r} {code}{shape} needs {numel * size} bytes, "
-                              f"data_offsets give {offs[1] - offs[0]}")
+            raise TensorSizeMismatch(f"{where}: tensor {_short(name)} {code}{_short(shape)} needs {numel * size} "
+                                     f"bytes, data_offsets give {offs[1] - offs[0]}")
         infos.append(TensorInfo(name, dtype, tuple(shape), offs[0], offs[1]))
     infos.sort(key=lambda i: (i.begin, i.end))
     pos = 0
     for i in infos:
         if i.begin != pos:
             kind = "overlaps the previous tensor" if i.begin < pos else "leaves a hole before it"
-            raise HeaderError(f"{where}: tensor {i.name!r} at offset {i.begin} {kind} (expected {pos})")
+            raise InvalidOffsets(f"{where}: tensor {_short(i.name)} at offset {i.begin} {kind} (expected {pos})")
         pos = i.end
     data_start = 8 + n
     if data_start + pos > file_size:
+        # either the file was cut short or the offsets point past its end: the same thing to a reader
         raise TruncatedShard(f"{where}: tensors need {pos} bytes of data, file has {file_size - data_start}")
     if data_start + pos != file_size:
-        raise HeaderError(f"{where}: {file_size - data_start - pos} trailing bytes after the last tensor")
+        raise InvalidOffsets(f"{where}: {file_size - data_start - pos} trailing bytes after the last tensor")
     return Header(Path(where), {i.name: i for i in infos}, meta, data_start, file_size)
 
 
@@ -139,7 +163,8 @@ def read_header(path: str | os.PathLike) -> Header:
             (n,) = struct.unpack("<Q", head)
             if n <= MAX_HEADER_BYTES and 8 + n <= size:
                 head += f.read(n)
-        h = parse_header_bytes(head, size, where=path.name)
+        # a file name is hostile too: keep messages on one line
+        h = parse_header_bytes(head, size, where=path.name if path.name.isprintable() else repr(path.name))
     return Header(path, h.tensors, h.metadata, h.data_start, h.file_size)
 
 

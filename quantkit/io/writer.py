@@ -27,9 +27,25 @@ def tmp_name(final: Path) -> Path:
 
 
 def _disk_full(e: OSError, path: Path):
+    """ENOSPC/EDQUOT (disk or quota full) and EFBIG (file size limit, e.g. `ulimit -f`) -> DiskFull."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return DiskFull(f"no space left writing {path.name} ({os.strerror(e.errno)})")
     return None
+
+
+def _fsync_dir(d: Path) -> None:
+    """Make a rename in `d` durable (POSIX: the new directory entry survives a power cut only once the
+    directory itself is synced). Best effort: some filesystems refuse fsync on directories."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class ShardWriter:
@@ -57,10 +73,12 @@ class ShardWriter:
         self.size = 8 + len(raw) + offset
         self._next = 0
         self._hash = hashlib.sha256()
+        self._f = None
         try:
             self._f = open(self.tmp, "wb")
             self._emit(struct.pack("<Q", len(raw)) + raw)
         except OSError as e:
+            self.abort()  # no half-written temporary left behind, no open file
             raise (_disk_full(e, self.path) or e) from None
 
     def _emit(self, data) -> None:
@@ -91,14 +109,19 @@ class ShardWriter:
         except OSError as e:
             self.abort()
             raise (_disk_full(e, self.path) or e) from None
+        _fsync_dir(self.path.parent)
         return self._hash.hexdigest(), self.size
 
     def abort(self) -> None:
+        if self._f is not None:
+            try:
+                self._f.close()  # may flush buffered bytes and fail again on a full disk
+            except OSError:
+                pass
         try:
-            self._f.close()
+            self.tmp.unlink(missing_ok=True)
         except OSError:
             pass
-        self.tmp.unlink(missing_ok=True)
 
 
 def write_json_atomic(path: str | os.PathLike, doc, indent: int | None = 2) -> None:
@@ -114,6 +137,7 @@ def write_json_atomic(path: str | os.PathLike, doc, indent: int | None = 2) -> N
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise (_disk_full(e, path) or e) from None
+    _fsync_dir(path.parent)
 
 
 def copy_file_atomic(src: Path, dst: Path) -> None:
@@ -128,6 +152,7 @@ def copy_file_atomic(src: Path, dst: Path) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise (_disk_full(e, dst) or e) from None
+    _fsync_dir(dst.parent)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
