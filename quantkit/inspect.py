@@ -1,44 +1,47 @@
-"""`quantkit inspect`: what a checkpoint holds, per scheme — reads config.json and headers only."""
+"""`quantkit inspect`: what a checkpoint holds, per scheme — reads config.json and headers only.
+
+Each tensor is attributed to the scheme of the module it belongs to, as io/sources.py reads the
+checkpoint (the same reading `convert` does): a block-FP8 release's `weight` + `weight_scale_inv`
+count under `fp8-block128x128`, a compressed-tensors INT4 module's `weight_packed` / `weight_scale` /
+`weight_shape` under its group's label (e.g. `int4-g32-sym`), FP8 KV-cache scales under `kv-scales`,
+and everything else under its dtype (`bfloat16`, `float32`, ...). `modules` counts quantized modules
+(one per weight). A checkpoint whose format convert cannot read is still inspected, by dtype, with
+the reason in `format_problem`.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 from collections import defaultdict
 from pathlib import Path
 
 from .io.checkpoint import Checkpoint, read_json_file
+from .io.sources import SourceFormatError, detect_format, scan
 
-PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
-
-
-def _int_label(weights: dict) -> str:
-    part = f"g{weights.get('group_size')}" if weights.get("strategy") == "group" else str(weights.get("strategy"))
-    return f"int{weights.get('num_bits')}-{part}-{'sym' if weights.get('symmetric', True) else 'asym'}"
+_KV_SCALE = re.compile(r".*\.self_attn\.[kv]_scale$")
 
 
 def inspect_checkpoint(path: str | os.PathLike) -> dict:
     ck = Checkpoint.open(path)
     qc = ck.quantization_config or {}
-    int_label = None
-    for g in (qc.get("config_groups") or {}).values():
-        w = (g or {}).get("weights") or {}
-        if w.get("type") == "int":
-            int_label = _int_label(w)
-    packed_modules = {n.rsplit(".", 1)[0] for n in ck.location if n.endswith(".weight_packed")}
+    problem = None
+    try:
+        fmt = detect_format(ck.config)
+        stored = scan(ck, fmt)
+    except SourceFormatError as e:
+        fmt, stored, problem = None, {}, e.message
+    owner = {t: sw for sw in stored.values() for _, t in sw.tensors}
     schemes: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "modules": 0, "bytes": 0})
-    for name in ck.location:
+    for name in sorted(ck.location):
         info = ck.info(name)
-        module, _, suffix = name.rpartition(".")
-        if module in packed_modules and suffix in PACKED_SUFFIXES:
-            label = int_label or "int4-packed"
-            if suffix == "weight_packed":
+        sw = owner.get(name)
+        if sw is not None:
+            label = sw.label
+            if name == sw.primary:
                 schemes[label]["modules"] += 1
-        elif "float8" in str(info.dtype) or (suffix in ("weight_scale", "weight_scale_inv")
-                                             and module + ".weight" in ck.location
-                                             and "float8" in str(ck.info(module + ".weight").dtype)):
-            label = "fp8"
-            if suffix == "weight":
-                schemes[label]["modules"] += 1
+        elif _KV_SCALE.match(name):
+            label = "kv-scales"
         else:
             label = str(info.dtype).removeprefix("torch.")
         schemes[label]["tensors"] += 1
@@ -53,6 +56,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict:
         "architectures": ck.config.get("architectures"),
         "quantization": ({"quant_method": qc.get("quant_method"), "format": qc.get("format") or qc.get("fmt"),
                           "kv_cache_scheme": qc.get("kv_cache_scheme")} if qc else None),
+        "source_format": fmt.describe() if fmt else None,
+        "format_problem": problem,
         "manifest_status": manifest_status,
         "shards": len(ck.shards),
         "tensors": len(ck.location),

@@ -1,0 +1,364 @@
+"""What a source checkpoint holds, and how to read its weights as plain floats (dequantize on read).
+
+The format is read from config.json's `quantization_config`, never guessed from tensor names; the
+tensors must then agree with it (docs/format.md, "Sources"):
+
+- `dense`: no quantization_config; `<m>.weight` bf16/fp16/fp32.
+- `fp8-block` (DeepSeek-V3, Kimi K2, GLM FP8 releases): `quant_method: fp8` with `weight_block_size:
+  [b0, b1]`; `<m>.weight` float8_e4m3fn + `<m>.weight_scale_inv` float32 `[ceil(N/b0), ceil(K/b1)]`.
+- `compressed-tensors`: `quant_method: compressed-tensors`, status `compressed`, groups
+  `float-quantized` / `naive-quantized` (FP8: `<m>.weight` float8 + `<m>.weight_scale`) and/or
+  `pack-quantized` (INT4: `<m>.weight_packed` + `weight_scale` + `weight_shape` [+ `weight_zero_point`,
+  `weight_g_idx`]), alone or mixed-precision.
+
+`scan` maps every quantized module to a `StoredWeight` (its tensors, shape and scheme); everything else
+in the checkpoint is dense. `read_weight` dequantizes one FP8 weight to BF16 while streaming (in row
+strips, quant/fp8.py): w = q.float() * scale (per block / row / tensor), rounded once to BF16 — exactly what the
+releases' own `fp8_cast_bf16` scripts produce, so converting an FP8 release equals converting its BF16
+dequantization. INT4 weights are never dequantized for re-quantization (INT4 -> INT4 compounds rounding
+error): convert passes them through. `write_block_fp8_checkpoint` makes a release-style block-FP8
+checkpoint from a BF16 one (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import QuantkitError
+from ..quant.fp8 import FP8_DTYPE, FP8Layout, dequantize as fp8_dequantize, is_power_of_two
+from ..recipe import Scheme, matches
+from .checkpoint import Checkpoint
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SCALE_DTYPES = FLOAT_DTYPES + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
+CT_FP8_FORMATS = ("float-quantized", "naive-quantized")
+CT_INT_FORMATS = ("pack-quantized",)
+INT4_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+FP8_SUFFIXES = ("weight", "weight_scale", "input_scale", "input_zero_point")
+
+
+class SourceFormatError(QuantkitError):
+    """The source's quantization_config or its tensors are a format convert cannot read."""
+
+    hint = ("convert reads BF16/FP16/FP32 checkpoints, block-FP8 releases (quant_method fp8 with "
+            "weight_block_size) and compressed-tensors FP8/INT4 checkpoints; see docs/format.md")
+
+
+@dataclass(frozen=True)
+class SourceFormat:
+    kind: str  # "dense" | "fp8-block" | "compressed-tensors"
+    block: tuple[int, int] | None = None  # fp8-block: weight_block_size
+    scale_fmt: str | None = None  # fp8-block: "ue8m0" promises power-of-two scales
+    not_converted: tuple[str, ...] = ()  # fp8-block: modules_to_not_convert (left in BF16 by the release)
+    groups: tuple[dict, ...] = ()  # compressed-tensors: the config_groups, each with its resolved `format`
+    kv_cache_scheme: dict | None = None  # compressed-tensors: the source's KV-cache scheme, if any
+
+    def describe(self) -> str:
+        if self.kind == "dense":
+            return "dense (unquantized)"
+        if self.kind == "fp8-block":
+            return (f"block-FP8 e4m3 {self.block[0]}x{self.block[1]}"
+                    + (", ue8m0 scales" if self.scale_fmt == "ue8m0" else ""))
+        fmts = sorted({g["format"] for g in self.groups})
+        return "compressed-tensors " + "+".join(fmts)
+
+
+def detect_format(config: dict) -> SourceFormat:
+    """The source format from config.json (see the module docstring); raises SourceFormatError."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return SourceFormat("dense")
+    if not isinstance(qc, dict):
+        raise SourceFormatError("config.json quantization_config must be an object")
+    method = qc.get("quant_method")
+    if method == "fp8":
+        bs = qc.get("weight_block_size")
+        if not (isinstance(bs, list) and len(bs) == 2 and all(type(b) is int and b > 0 for b in bs)):
+            raise SourceFormatError(f"FP8 source without a valid weight_block_size ({bs!r}): only block-wise "
+                                    "FP8 (DeepSeek-V3 style) is read")
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise SourceFormatError(f"FP8 source format fmt={qc.get('fmt')!r}: only e4m3 is read")
+        if qc.get("activation_scheme", "dynamic") != "dynamic":
+            raise SourceFormatError(f"FP8 source with activation_scheme={qc.get('activation_scheme')!r}: only "
+                                    "dynamic activations (no stored input scales) are read")
+        sf = qc.get("scale_fmt")
+        if sf not in (None, "ue8m0"):
+            raise SourceFormatError(f"FP8 source with scale_fmt={sf!r}: only float32 or ue8m0 scales are read")
+        nc = qc.get("modules_to_not_convert") or ()
+        if not isinstance(nc, (list, tuple)) or not all(isinstance(m, str) for m in nc):
+            raise SourceFormatError("quantization_config.modules_to_not_convert must be a list of module names")
+        return SourceFormat("fp8-block", (bs[0], bs[1]), sf, tuple(nc))
+    if method == "compressed-tensors":
+        status = qc.get("quantization_status", "compressed")
+        if status != "compressed":
+            raise SourceFormatError(f"compressed-tensors source with quantization_status {status!r}: only "
+                                    "'compressed' checkpoints are read")
+        top = qc.get("format")
+        groups = []
+        for name, g in sorted((qc.get("config_groups") or {}).items()):
+            if not isinstance(g, dict):
+                raise SourceFormatError(f"quantization_config.config_groups.{name} must be an object")
+            fmt = g.get("format") or top
+            w = g.get("weights") or {}
+            if fmt not in CT_FP8_FORMATS + CT_INT_FORMATS:
+                raise SourceFormatError(f"compressed-tensors group {name} has format {fmt!r}; convert reads "
+                                        f"{', '.join(CT_FP8_FORMATS + CT_INT_FORMATS)}")
+            want = "float" if fmt in CT_FP8_FORMATS else "int"
+            if w.get("type", "int") != want or (want == "float" and w.get("num_bits") != 8):
+                raise SourceFormatError(f"compressed-tensors group {name}: format {fmt} with weights "
+                                        f"{w.get('type')}{w.get('num_bits')} is not a scheme convert reads")
+            targets = g.get("targets") or []
+            if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+                raise SourceFormatError(f"compressed-tensors group {name}: targets must be a list of strings")
+            groups.append({"name": name, "format": fmt, "targets": targets, "weights": w,
+                           "input_activations": g.get("input_activations")})
+        return SourceFormat("compressed-tensors", groups=tuple(groups), kv_cache_scheme=qc.get("kv_cache_scheme"))
+    raise SourceFormatError(f"source is quantized with quant_method {method!r}, which convert does not read",
+                            hint="convert from the BF16 or block-FP8 release of the model")
+
+
+# ---- per-module view -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StoredWeight:
+    """One module's weight as the source stores it, when the source quantized it."""
+
+    module: str
+    encoding: str  # "fp8-block" | "fp8" (compressed-tensors float-quantized) | "int4" (pack-quantized)
+    shape: tuple[int, int]  # [N, K] = [out, in]
+    tensors: tuple[tuple[str, str], ...]  # (output suffix, source tensor): the primary first
+    weights: dict  # compressed-tensors QuantizationArgs (dict) that describe this encoding
+    input_activations: dict | None = None
+    format: str = "float-quantized"  # compressed-tensors format for a pass-through
+    layout: FP8Layout | None = None  # FP8 encodings: where the scales live
+    scale_fmt: str | None = None  # fp8-block "ue8m0"
+
+    @property
+    def primary(self) -> str:
+        return self.tensors[0][1]
+
+    @property
+    def scale(self) -> str:
+        return dict(self.tensors)["weight_scale"]
+
+    @property
+    def label(self) -> str:
+        return weights_label(self.weights)
+
+
+def weights_label(w: dict) -> str:
+    """Scheme label of compressed-tensors weight args, spelled as recipe.Scheme.label spells it."""
+    if w.get("type") == "float":
+        bs = w.get("block_structure")
+        return f"fp8-{w.get('strategy')}" + (f"{bs[0]}x{bs[1]}" if bs else "")
+    part = f"g{w.get('group_size')}" if w.get("strategy") == "group" else str(w.get("strategy"))
+    return f"int{w.get('num_bits')}-{part}-{'sym' if w.get('symmetric', True) else 'asym'}"
+
+
+def fp8_weights_config(layout: FP8Layout) -> dict:
+    return Scheme(8, "float", True, layout.strategy, None, layout.block).weights_config()
+
+
+def fp8_input_activations(layout: FP8Layout) -> dict:
+    """Dynamic FP8 activations, as the block-FP8 releases run (`activation_scheme: dynamic`) and as
+    llm-compressor's FP8_DYNAMIC / FP8_BLOCK presets write: per token for tensor/channel weights, per
+    1 x b1 group for block weights. This is what selects vLLM's W8A8 FP8 kernels."""
+    block = layout.strategy == "block"
+    return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group" if block else "token",
+            "group_size": layout.block[1] if block else None, "dynamic": True, "actorder": None,
+            "block_structure": None, "observer": None, "observer_kwargs": {}}
+
+
+def _layout_from_args(w: dict, module: str) -> FP8Layout:
+    s = w.get("strategy")
+    if s == "block":
+        bs = w.get("block_structure") or [128, 128]
+        return FP8Layout("block", (int(bs[0]), int(bs[1])))
+    if s in ("tensor", "channel"):
+        return FP8Layout(s)
+    raise SourceFormatError(f"{module}: FP8 strategy {s!r} is not one convert reads (tensor, channel, block)")
+
+
+def _ct_group(fmt: SourceFormat, module: str, want_float: bool) -> dict:
+    """The source config group that describes `module` (compressed-tensors rules: exact name, then
+    `re:`, then class-name targets such as "Linear")."""
+    cands = [g for g in fmt.groups if (g["format"] in CT_FP8_FORMATS) == want_float]
+    named = [g for g in cands if any(not t.startswith("re:") and t == module for t in g["targets"])]
+    named = named or [g for g in cands if any(t.startswith("re:") and matches(t, module) for t in g["targets"])]
+    pool = named or [g for g in cands if any(not t.startswith("re:") and "." not in t for t in g["targets"])]
+    if not pool:
+        raise SourceFormatError(f"{module} is stored {'FP8' if want_float else 'INT4'}, but no config group "
+                                "of the source's quantization_config targets it")
+    return pool[0]
+
+
+def scan(ck: Checkpoint, fmt: SourceFormat) -> dict[str, StoredWeight]:
+    """Every module the source stores quantized, checked against the format: module -> StoredWeight.
+    Companion tensors (scales, shapes, ...) may live in another shard than the weight."""
+    loc = {n: i for s in ck.shards for n, i in s.tensors.items()}  # tensor -> TensorInfo
+    out: dict[str, StoredWeight] = {}
+    f8 = sorted(n for n, i in loc.items() if i.dtype in (FP8_DTYPE, torch.float8_e5m2))
+    if fmt.kind == "dense":
+        if f8:
+            raise SourceFormatError(f"{f8[0]} is float8, but config.json has no quantization_config saying how "
+                                    "to dequantize it", hint="restore the release's config.json")
+        return out
+    if fmt.kind == "fp8-block":
+        for name in f8:
+            info = loc[name]
+            if not name.endswith(".weight") or len(info.shape) != 2 or info.dtype != FP8_DTYPE:
+                raise SourceFormatError(f"{name} {info.dtype} {list(info.shape)}: only 2-D float8_e4m3fn "
+                                        "`.weight` tensors are read from block-FP8 sources")
+            m = name[: -len(".weight")]
+            layout = FP8Layout("block", fmt.block)
+            sname = f"{m}.weight_scale_inv"
+            _check_scale(loc, m, sname, layout.scale_shape(*info.shape))
+            out[m] = StoredWeight(m, "fp8-block", tuple(info.shape), (("weight", name), ("weight_scale", sname)),
+                                  fp8_weights_config(layout), fp8_input_activations(layout), "float-quantized",
+                                  layout, fmt.scale_fmt)
+        orphans = [n for n in loc if n.endswith(".weight_scale_inv") and n[: -len("_scale_inv")] not in loc]
+        if orphans:
+            raise SourceFormatError(f"{orphans[0]} has no weight next to it")
+        return out
+    # compressed-tensors
+    for name in sorted(loc):
+        if name.endswith(".weight_packed"):
+            m = name[: -len(".weight_packed")]
+            g = _ct_group(fmt, m, want_float=False)
+            shape_t = f"{m}.weight_shape"
+            if shape_t not in loc or f"{m}.weight_scale" not in loc:
+                raise SourceFormatError(f"{m}: pack-quantized weight without weight_scale/weight_shape")
+            rows = loc[name].shape[0]
+            cols = loc[name].shape[1] * (32 // int(g["weights"].get("num_bits", 4)))
+            tensors = tuple((s, f"{m}.{s}") for s in INT4_SUFFIXES if f"{m}.{s}" in loc)
+            # the exact in_features is in weight_shape (a tensor): record the padded one from the header
+            out[m] = StoredWeight(m, "int4", (rows, cols), (("weight_packed", name),) + tensors[1:],
+                                  dict(g["weights"]), g["input_activations"], g["format"])
+    for name in f8:
+        info = loc[name]
+        if not name.endswith(".weight") or len(info.shape) != 2 or info.dtype != FP8_DTYPE:
+            raise SourceFormatError(f"{name} {info.dtype} {list(info.shape)}: only 2-D float8_e4m3fn `.weight` "
+                                    "tensors are read from compressed-tensors FP8 groups")
+        m = name[: -len(".weight")]
+        g = _ct_group(fmt, m, want_float=True)
+        layout = _layout_from_args(g["weights"], m)
+        _check_scale(loc, m, f"{m}.weight_scale", layout.scale_shape(*info.shape))
+        tensors = (("weight", name),) + tuple((s, f"{m}.{s}") for s in FP8_SUFFIXES[1:] if f"{m}.{s}" in loc)
+        out[m] = StoredWeight(m, "fp8", tuple(info.shape), tensors, dict(g["weights"]), g["input_activations"],
+                              g["format"], layout)
+    return out
+
+
+def _check_scale(loc: dict, module: str, sname: str, want: tuple[int, ...]) -> None:
+    if sname not in loc:
+        raise SourceFormatError(f"{module}.weight is float8 but {sname} is missing",
+                                hint="the checkpoint is incomplete; re-download the shard that holds it")
+    si = loc[sname]
+    ok = tuple(si.shape) == want or (want == (1,) and tuple(si.shape) in ((), (1, 1)))
+    if not ok or si.dtype not in SCALE_DTYPES:
+        raise SourceFormatError(f"{sname} is {si.dtype} {list(si.shape)}; expected float32 {list(want)}")
+
+
+# ---- reading -------------------------------------------------------------------------------------
+@dataclass
+class Notes:
+    """Messages about the source found while reading (e.g. scales that break a ue8m0 promise)."""
+
+    items: list[str] = field(default_factory=list)
+
+    def add(self, msg: str) -> None:
+        if msg not in self.items:
+            self.items.append(msg)
+
+
+def read_scale(get: Callable[[str], torch.Tensor], name: str, layout: FP8Layout, scale_fmt: str | None = None,
+               notes: Notes | None = None) -> torch.Tensor:
+    """The float32 scale tensor `name` of an FP8 weight (e8m0/bf16 widened exactly), shaped as `layout`
+    says. With `scale_fmt: ue8m0` the scales must be powers of two; a scale that is not is recorded in
+    `notes` (the weight still dequantizes correctly: the math is a multiplication either way)."""
+    s = get(name).float()
+    if layout.strategy == "tensor":
+        s = s.reshape(1)
+    if scale_fmt == "ue8m0" and notes is not None and not is_power_of_two(s):
+        notes.add(f"{name}: config says scale_fmt ue8m0, but not every scale is a power of two "
+                  "(dequantized by multiplication all the same)")
+    return s
+
+
+def read_weight(get: Callable[[str], torch.Tensor], sw: StoredWeight, dtype: torch.dtype = torch.bfloat16,
+                notes: Notes | None = None) -> torch.Tensor:
+    """Dequantize one FP8 weight [N, K] to `dtype` (BF16: what the releases' fp8_cast_bf16 writes)."""
+    if sw.layout is None:
+        raise SourceFormatError(f"{sw.module} is stored {sw.encoding}; it is passed through, never dequantized "
+                                "for re-quantization")
+    return fp8_dequantize(get(sw.primary), read_scale(get, sw.scale, sw.layout, sw.scale_fmt, notes), sw.layout, dtype)
+
+
+# ---- making block-FP8 checkpoints (tests, benchmarks) ---------------------------------------------
+def _release_fp8_module(module: str) -> bool:
+    """Which Linears the DeepSeek-V3 / Kimi-K2 releases store in FP8: all but the router, the embeddings
+    and lm_head (norms are 1-D and never quantized)."""
+    return not (module.endswith(".mlp.gate") or module.endswith("lm_head") or "embed_tokens" in module)
+
+
+def write_block_fp8_checkpoint(src_dir, dst_dir, block: tuple[int, int] = (128, 128), scale_fmt: str | None = None,
+                               is_fp8: Callable[[str], bool] = _release_fp8_module) -> None:
+    """Write a block-FP8 copy of a BF16 checkpoint the way the releases are made: every 2-D Linear
+    weight `is_fp8` selects -> float8_e4m3fn `weight` + float32 `weight_scale_inv` (amax / 448 per block,
+    or with scale_fmt "ue8m0" the next power of two up), config quantization_config
+    {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size}. Streams tensor by tensor."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from ..quant.fp8 import choose_scale, quantize
+    from .checkpoint import INDEX_NAME, Checkpoint
+    from .safetensors import SafetensorsFile
+    from .writer import ShardWriter
+
+    src, dst = Checkpoint.open(src_dir), Path(dst_dir)
+    dst.mkdir(parents=True, exist_ok=True)
+    layout = FP8Layout("block", tuple(block))
+    weight_map = {}
+    total = 0
+    for shard in src.shards:
+        plan = []
+        for name, info in shard.tensors.items():
+            m = name[: -len(".weight")] if name.endswith(".weight") else None
+            if m and len(info.shape) == 2 and info.dtype in FLOAT_DTYPES and is_fp8(m):
+                plan.append((name, m))
+            else:
+                plan.append((name, None))
+        specs = []
+        for name, m in plan:
+            info = shard.tensors[name]
+            if m is None:
+                specs.append((name, info.dtype, tuple(info.shape)))
+            else:
+                specs += [(name, FP8_DTYPE, tuple(info.shape)),
+                          (f"{m}.weight_scale_inv", torch.float32, layout.scale_shape(*info.shape))]
+        w = ShardWriter(dst / shard.name, specs, metadata={"format": "pt"})
+        with SafetensorsFile(shard.header) as f:
+            for name, m in plan:
+                t = f.get(name, copy=False)
+                if m is None:
+                    w.write(name, t)
+                    continue
+                scale = choose_scale(t, layout, power_of_two=scale_fmt == "ue8m0")
+                w.write(name, quantize(t, scale, layout))
+                w.write(f"{m}.weight_scale_inv", scale)
+        w.finish()
+        total += w.size
+        weight_map.update({n: shard.name for n, _, _ in specs})
+    cfg = dict(src.config)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    if scale_fmt:
+        cfg["quantization_config"]["scale_fmt"] = scale_fmt
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    (dst / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
+                                              "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    for p in src.non_weight_files():
+        shutil.copyfile(p, dst / p.name)
