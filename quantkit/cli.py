@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .errors import QuantkitError
 
@@ -50,22 +51,29 @@ def convert(
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue an interrupted conversion in OUT.")] = True,
     overwrite: Annotated[bool, typer.Option(help="Delete OUT first if it is not empty.")] = False,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB.")] = "5GB",
+    dataset: Annotated[Optional[str], typer.Option(help="Calibration data for GPTQ/AWQ/KV recipes (default: the "
+                                                        "recipe's, then the shipped set).")] = None,
+    num_samples: Annotated[Optional[int], typer.Option(min=1, help="Calibration samples.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(min=1, help="Tokens per calibration sample.")] = None,
+    kv_scales: Annotated[Optional[Path], typer.Option(help="FP8 KV-cache scales from `quantkit calibrate`.")] = None,
     json_out: JsonOpt = False,
 ):
     """Quantize SRC into OUT per RECIPE, streaming shard by shard."""
     from .convert import ConvertOptions, convert as run
 
     opts = ConvertOptions(recipe=recipe, workers=workers, resume=resume and not overwrite, overwrite=overwrite,
-                          max_shard_bytes=_parse_size(max_shard_size))
+                          max_shard_bytes=_parse_size(max_shard_size), dataset=dataset, num_samples=num_samples,
+                          seq_len=seq_len, kv_scales=str(kv_scales) if kv_scales else None)
     with _progress("converting") as prog:
         task = prog.add_task("converting", total=None)
-        res = run(src, out, opts, progress=lambda done, total: prog.update(task, completed=done, total=total))
+        res = run(src, out, opts, progress=lambda done, total: prog.update(task, completed=done, total=total),
+                  log=lambda line: prog.console.print(f"note: {escape(line)}", soft_wrap=True))
     if json_out:
         _print_json(res.to_json())
     else:
-        err.print(f"[green]wrote[/] {res.output}: {res.tensors_quantized} modules quantized, "
+        err.print(f"[green]wrote[/] {escape(res.output)}: {res.tensors_quantized} modules quantized, "
                   f"{res.bytes_read / 1e6:.1f} MB -> {res.bytes_written / 1e6:.1f} MB in {res.seconds:.1f} s "
-                  f"(peak RSS {res.peak_rss_bytes / 2**20:.0f} MiB)")
+                  f"(peak RSS {res.peak_rss_bytes / 2**20:.0f} MiB)", soft_wrap=True)
 
 
 @app.command()
@@ -237,20 +245,21 @@ def main(argv: Optional[list[str]] = None) -> None:
     except QuantkitError as e:
         if debug:
             raise
-        err.print(f"[red]error:[/] {e.message}", markup=True, soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(e.message)}", markup=True, soft_wrap=True)  # names are hostile: no markup
         if e.hint:
             err.print(f"hint: {e.hint}", soft_wrap=True, markup=False)
         sys.exit(1)
     except OSError as e:
         if debug:
             raise
-        err.print(f"[red]error:[/] {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(str(e.strerror or e))}{': ' + escape(str(e.filename)) if e.filename else ''}",
+                  soft_wrap=True)
         err.print("hint: check the path and permissions; QUANTKIT_DEBUG=1 shows the traceback", markup=False)
         sys.exit(1)
     except Exception as e:  # a bug: still one line unless debugging
         if debug:
             raise
-        err.print(f"[red]internal error:[/] {type(e).__name__}: {str(e)[:300]}", soft_wrap=True)
+        err.print(f"[red]internal error:[/] {type(e).__name__}: {escape(str(e)[:300])}", soft_wrap=True)
         err.print("hint: re-run with QUANTKIT_DEBUG=1 for the traceback and report it", markup=False)
         sys.exit(1)
 

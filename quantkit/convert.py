@@ -37,7 +37,7 @@ from typing import Callable, Mapping
 import torch
 
 from . import __version__
-from .errors import GroupSizeError, NonFiniteWeight, OutputExists, QuantkitError, ResumeMismatch
+from .errors import GroupSizeError, NonFiniteWeight, OutputExists, QuantkitError, ResumeMismatch, UnsupportedDtype
 from .io.checkpoint import INDEX_NAME, Checkpoint, Shard
 from .io.safetensors import SafetensorsFile, TensorInfo
 from .io.sources import (Notes, SourceFormat, StoredWeight, detect_format, fp8_input_activations,
@@ -294,7 +294,7 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
                batch_bytes: int = DEFAULT_BATCH_BYTES, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                stored: Mapping[str, StoredWeight] | None = None, skip: frozenset[str] = frozenset(),
                location: Mapping[str, str] | None = None,
-               info: Callable[[str], TensorInfo] | None = None) -> ShardPlan:
+               info: Callable[[str], TensorInfo] | None = None, calibrated: bool = False) -> ShardPlan:
     """Match every tensor of `shard` against `recipe`. Raises GroupSizeError before any work.
     `stored`: modules the source stores quantized (io/sources.scan); `skip`: tensors not to copy
     (companions of stored modules, replaced KV scales); `location`/`info`: tensor -> shard / header
@@ -308,8 +308,8 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
     foreign: dict[str, str] = {}
 
     def add_quant(module, ref, shape, dtype, layer_key, g, scheme=None):
-        if g.method != "rtn":
-            raise QuantkitError(f"{module}: method {g.method} needs calibration, which convert does not run")
+        if g.method != "rtn" and not calibrated:
+            raise QuantkitError(f"{module}: method {g.method} needs calibration data")
         scheme = scheme or effective_scheme(module, g.scheme, shape)
         kind = "fp8" if scheme.type == "float" else "quant"
         key = (kind, layer_key, g.name, scheme, shape, dtype)
@@ -364,6 +364,11 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
                 layer_key = re.sub(r"\.experts\.\d+\.", ".experts.*.", module)
                 add_quant(module, SourceRef(name), tuple(tinfo.shape), tinfo.dtype, layer_key, g)
                 continue
+        elif name.endswith(".weight") and len(tinfo.shape) == 2 and recipe.match(name[: -len(".weight")]) is not None:
+            # targeted, but neither a float weight nor one the source stores quantized: never copy it
+            # through as if the recipe had not asked for it
+            raise UnsupportedDtype(f"{name}: the recipe quantizes this weight, but its dtype "
+                                   f"{str(tinfo.dtype).removeprefix('torch.')} cannot be quantized")
         order.append(("copy", name))
 
     for kind, key in order:
@@ -432,10 +437,42 @@ class _Reader:
             o.close()
 
 
+@dataclass(frozen=True)
+class Spool:
+    """What the calibrated pass (quantkit.calib.quantize) left for convert: tensor name -> spool file,
+    and per-module metadata (method, tokens, fallback)."""
+
+    files: dict = field(default_factory=dict)
+    modules: dict = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.files)
+
+
+class _SpoolReader:
+    def __init__(self, spool: Spool):
+        self.spool = spool
+        self._open: dict[str, SafetensorsFile] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.spool.files
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.spool.files[name]
+        if path not in self._open:
+            self._open[path] = SafetensorsFile(path)
+        return self._open[path].get(name, copy=True)
+
+    def close(self):
+        for f in self._open.values():
+            f.close()
+
+
 def run_shard(plan: ShardPlan, src_path: Path, out_dir: Path, threads: int | None = None,
-              progress: Callable[[int], None] | None = None) -> ShardResult:
+              progress: Callable[[int], None] | None = None, spool: Spool = Spool()) -> ShardResult:
     if threads:
         torch.set_num_threads(threads)
+    sp = _SpoolReader(spool)
     r = _Reader(src_path, plan.foreign)
     f = r.f
     entries: dict[str, dict] = {}
@@ -451,16 +488,23 @@ def run_shard(plan: ShardPlan, src_path: Path, out_dir: Path, threads: int | Non
                 for u in units:
                     if u.kind == "copy":
                         info = f.header.tensors[u.tensor]
-                        writer.write(u.tensor, f.get(u.tensor, copy=False))
-                        part_entries[u.tensor] = {"shape": list(info.shape),
-                                                  "dtype": str(info.dtype).removeprefix("torch."),
-                                                  "source_tensor": u.tensor}
+                        entry = {"shape": list(info.shape), "dtype": str(info.dtype).removeprefix("torch."),
+                                 "source_tensor": u.tensor}
+                        if sp.has(u.tensor):  # changed by the calibrated pass (AWQ scale folding)
+                            writer.write(u.tensor, sp.get(u.tensor).to(info.dtype).reshape(info.shape))
+                            entry["modified_by"] = "awq"
+                        else:
+                            writer.write(u.tensor, f.get(u.tensor, copy=False))
+                        part_entries[u.tensor] = entry
                         read += info.nbytes
                     elif u.kind == "pass":
                         read += _run_pass_unit(u, r, writer, part_entries)
                         schemes[u.label] = json.loads(u.config)
+                    elif u.group is not None and u.group.method != "rtn":
+                        read += _run_spool_unit(u, sp, writer, part_entries)
+                        schemes[u.scheme.label] = scheme_config(u.scheme)
                     else:
-                        read += _run_quant_unit(u, r, writer, part_entries)
+                        read += _run_quant_unit(u, r, writer, part_entries, sp)
                         schemes[u.scheme.label] = scheme_config(u.scheme)
                     if progress:
                         progress(read)
@@ -473,6 +517,7 @@ def run_shard(plan: ShardPlan, src_path: Path, out_dir: Path, threads: int | Non
                 entries[k] = {**v, "shard": out_name, "source_shard": plan.source}
     finally:
         r.close()
+        sp.close()
     return ShardResult(plan.source, sha256_file(src_path), src_path.stat().st_size, outputs, entries, read,
                        dict(sorted(schemes.items())), r.notes.items)
 
@@ -490,13 +535,34 @@ def _run_pass_unit(u: Unit, r: _Reader, writer: ShardWriter, entries: dict) -> i
     return read
 
 
-def _read_batch(u: Unit, r: _Reader) -> torch.Tensor:
+def _read_batch(u: Unit, r: _Reader, sp: _SpoolReader | None = None) -> torch.Tensor:
     n, k = u.items[0].shape
     dtype = u.src_dtype
     w = torch.empty((len(u.items), n, k), dtype=dtype)  # [B, N, K] in the source (or dequantized) dtype
     for b, it in enumerate(u.items):
-        r.read_2d(it.source, w[b])
+        if sp is not None and it.source.expert is None and sp.has(it.source.tensor):
+            w[b].copy_(sp.get(it.source.tensor))  # modified by the calibrated pass (AWQ folding)
+        else:
+            r.read_2d(it.source, w[b])
     return w
+
+
+def _run_spool_unit(u: Unit, sp: _SpoolReader, writer: ShardWriter, entries: dict) -> int:
+    """Write modules quantized by the calibrated pass (GPTQ/AWQ) from the spool."""
+    read = 0
+    for it in u.items:
+        meta = {**_item_meta(u, it, u.group.method, 0.0), **sp.spool.modules.get(it.module, {})}
+        for name, dtype, shape in quant_outputs(it.module, it.shape, u.scheme, u.scale_dtype):
+            if not sp.has(name):
+                raise QuantkitError(f"{it.module}: the calibrated pass produced no {name.rsplit('.', 1)[1]}",
+                                    hint="re-run with --overwrite; if it persists, report it")
+            t = sp.get(name)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise QuantkitError(f"{name}: calibrated result is {t.dtype} {list(t.shape)}, expected {dtype} {list(shape)}")
+            writer.write(name, t)
+            entries[name] = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), **meta}
+        read += it.shape[0] * it.shape[1] * 2
+    return read
 
 
 def _item_meta(u: Unit, it: QuantItem, method: str, sqnr: float) -> dict:
@@ -509,9 +575,13 @@ def _item_meta(u: Unit, it: QuantItem, method: str, sqnr: float) -> dict:
     return meta
 
 
-def _run_quant_unit(u: Unit, r: _Reader, writer: ShardWriter, entries: dict) -> int:
+def _run_quant_unit(u: Unit, r: _Reader, writer: ShardWriter, entries: dict, sp: _SpoolReader | None = None) -> int:
     s = u.scheme
-    w = _read_batch(u, r)
+    w = _read_batch(u, r, sp)
+    finite = torch.isfinite(w).flatten(1).all(1)  # [B]; a NaN group would otherwise get scale 1 silently
+    if not bool(finite.all()):
+        bad = int((~finite).nonzero()[0])
+        raise NonFiniteWeight(f"{u.items[bad].module}: weight holds NaN or Inf values")
     if u.kind == "fp8":
         res = fp8.quantize_fp8(w, u.layout)
         if not bool(res.finite.all()):
@@ -549,8 +619,8 @@ def _run_quant_unit(u: Unit, r: _Reader, writer: ShardWriter, entries: dict) -> 
 
 
 def _worker(args):
-    plan, src_path, out_dir, threads = args
-    return run_shard(plan, src_path, out_dir, threads)
+    plan, src_path, out_dir, threads, spool = args
+    return run_shard(plan, src_path, out_dir, threads, spool=spool)
 
 
 # ---- orchestration ---------------------------------------------------------------------------------
@@ -565,6 +635,11 @@ class ConvertOptions:
     # FP8 KV-cache scales to ship: a safetensors file of float32 `model.layers.L.self_attn.{k,v}_scale`
     # (as `quantkit calibrate` writes). None: calibrate if the recipe has a kv_cache section.
     kv_scales: str | None = None
+    # Calibration data for GPTQ/AWQ groups (and in-convert KV calibration); None: the recipe's
+    # `calibration` section, then quantkit's defaults (the shipped calibration set).
+    dataset: str | None = None
+    num_samples: int | None = None
+    seq_len: int | None = None
 
 
 @dataclass
@@ -601,6 +676,23 @@ def _source_fingerprint(src: Checkpoint) -> list[dict]:
     return [{"name": s.name, "size": s.size, "mtime_ns": s.path.stat().st_mtime_ns} for s in src.shards]
 
 
+def _only_own_debris(out: Path) -> bool:
+    """What a run killed before its first manifest leaves: an empty journal and temporaries."""
+    for p in out.iterdir():
+        if p.name == JOURNAL_DIR and p.is_dir() and not any(p.glob("*.json")):
+            continue
+        if p.name.startswith(".") and p.name.endswith(".tmp") and p.is_file():
+            continue
+        return False
+    return True
+
+
+def _finished(out: Path, o: dict) -> bool:
+    """A journaled output shard is still the one the journal describes (size, then sha256)."""
+    p = out / o["name"]
+    return p.is_file() and p.stat().st_size == o["size"] and sha256_file(p) == o["sha256"]
+
+
 def _prepare_output(out: Path, opts: ConvertOptions, identity: dict) -> dict[str, dict]:
     """Create/validate the output dir; return journal records of shards already finished (resume)."""
     journal = out / JOURNAL_DIR
@@ -610,7 +702,7 @@ def _prepare_output(out: Path, opts: ConvertOptions, identity: dict) -> dict[str
         manifest = out / MANIFEST_NAME
         if opts.overwrite:
             shutil.rmtree(out)
-        elif opts.resume and manifest.is_file() and journal.is_dir():
+        elif opts.resume and manifest.is_file():
             from .io.checkpoint import read_json_file
 
             m = read_json_file(manifest, MANIFEST_NAME, ResumeMismatch)
@@ -620,6 +712,7 @@ def _prepare_output(out: Path, opts: ConvertOptions, identity: dict) -> dict[str
             if m.get("identity") != identity:
                 raise ResumeMismatch(f"{out} holds an unfinished conversion of a different source, recipe or "
                                      "quantkit version; refusing to mix them")
+            journal.mkdir(exist_ok=True)  # killed after _finalize removed it: every shard is redone
             done = {}
             for p in sorted(journal.glob("*.json")):
                 try:
@@ -627,11 +720,10 @@ def _prepare_output(out: Path, opts: ConvertOptions, identity: dict) -> dict[str
                 except QuantkitError:
                     continue  # a torn journal entry: redo that shard
                 outs = rec.get("outputs") or []
-                if outs and all((out / o["name"]).is_file() and (out / o["name"]).stat().st_size == o["size"]
-                                for o in outs):
+                if outs and all(_finished(out, o) for o in outs):
                     done[rec["source"]] = rec
             return done
-        else:
+        elif not (opts.resume and _only_own_debris(out)):
             raise OutputExists(f"output directory {str(out)!r} is not empty")
     out.mkdir(parents=True, exist_ok=True)
     journal.mkdir(exist_ok=True)
@@ -675,11 +767,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     rather than quantized as asked) as soon as it is known — the CLI prints them on stderr."""
     t0 = time.perf_counter()
     recipe = opts.recipe if isinstance(opts.recipe, Recipe) else load_recipe(opts.recipe)
-    calibrated = sorted({g.method for g in recipe.groups if g.method != "rtn"})
-    if calibrated:
-        raise QuantkitError(f"recipe {recipe.name!r} uses {'/'.join(calibrated).upper()}, which needs "
-                            "calibration that this version of convert does not run",
-                            hint="use an RTN recipe such as int4-experts-rtn")
+    calibrated = any(g.method != "rtn" for g in recipe.groups)
     src = Checkpoint.open(src_dir)
     fmt = detect_format(src.config)
     stored = scan(src, fmt)
@@ -692,7 +780,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     hidden = src.config.get("hidden_size") if isinstance(src.config.get("hidden_size"), int) else None
     names = output_shard_names(src)
     plans = [plan_shard(s, names[s.name], recipe, hidden, opts.batch_bytes, opts.max_shard_bytes, stored=stored,
-                        skip=skip, location=src.location, info=src.info) for s in src.shards]
+                        skip=skip, location=src.location, info=src.info, calibrated=calibrated) for s in src.shards]
     notes = _plan_notes(plans, len(source_kv) if want_kv else 0, stored)
     # KV scales: read and checked (or calibrated) once the plan is known to be valid, before any write
     kv = _kv_scales(src, recipe, opts) if want_kv else None
@@ -700,12 +788,24 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
         if log:
             log(n)
 
+    data = _calibration_data(src, recipe, opts) if calibrated else None
     identity = {"tool_version": __version__, "recipe_sha256": recipe.sha256,
+                "config_sha256": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
                 "source": _source_fingerprint(src), "batch_bytes": opts.batch_bytes,
-                "max_shard_bytes": opts.max_shard_bytes}
+                "max_shard_bytes": opts.max_shard_bytes,
+                "calibration": None if data is None else {k: data.describe()[k] for k in
+                                                          ("source", "sha256", "num_samples", "seq_len", "seed")}}
+    if opts.overwrite and out.exists():
+        o, sr = out.resolve(), src.root.resolve()
+        if sr == o or sr.is_relative_to(o):
+            raise OutputExists(f"--overwrite would delete {str(out)!r}, which holds the source checkpoint",
+                               hint="choose an output directory outside the source checkpoint")
     done = _prepare_output(out, opts, identity)
     write_json_atomic(out / MANIFEST_NAME, {"status": "in_progress", "identity": identity})
     journal = out / JOURNAL_DIR
+    spool = Spool()
+    if calibrated and len(done) < len(plans):
+        spool = _run_calibrated_pass(src, recipe, data, journal / "calib", log)
 
     total = src.total_bytes
     finished_bytes = sum(src.shard(s).size for s in done)
@@ -723,7 +823,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
         for p in todo:
             base = finished_bytes
             res = run_shard(p, src.root / p.source, out,
-                            progress=(lambda r, b=base: progress(b + r, total)) if progress else None)
+                            progress=(lambda r, b=base: progress(b + r, total)) if progress else None, spool=spool)
             finished_bytes += src.shard(p.source).size
             record(res)
             if progress:
@@ -733,7 +833,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
 
         threads = max(1, (os.cpu_count() or 1) // opts.workers)
         with ProcessPoolExecutor(max_workers=opts.workers, mp_context=mp.get_context("spawn")) as ex:
-            for res in ex.map(_worker, [(p, src.root / p.source, out, threads) for p in todo]):
+            for res in ex.map(_worker, [(p, src.root / p.source, out, threads, spool) for p in todo]):
                 record(res)
                 finished_bytes += res.source_size
                 if progress:
@@ -748,7 +848,63 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     kv_out = _write_kv_scales(out, kv) if kv is not None else None
     kv_scheme = kv.config() if kv is not None else (fmt.kv_cache_scheme if source_kv else None)
     return _finalize(src, fmt, out, recipe, plans, results, identity, t0, resumed=len(done), notes=notes,
-                     kv=kv, kv_out=kv_out, kv_scheme=kv_scheme)
+                     kv=kv, kv_out=kv_out, kv_scheme=kv_scheme,
+                     calibration=None if data is None else data.describe())
+
+
+def _expert_report(tensors: dict[str, dict]) -> dict:
+    """Calibration tokens seen per expert (by layer, in expert order) and every fallback with its reason."""
+    tokens: dict[str, dict[int, int]] = {}
+    fallbacks: dict[str, str] = {}
+    for name, e in tensors.items():
+        if not name.endswith(".weight_packed") or "tokens" not in e:
+            continue
+        module = name[: -len(".weight_packed")]
+        if e.get("fallback"):
+            fallbacks[module] = e["fallback"]
+        m = re.match(r"^(.*\.experts)\.(\d+)\.[^.]+$", module)
+        if m:
+            tokens.setdefault(m[1], {})[int(m[2])] = e["tokens"]
+    return {"expert_tokens": {p: [c[i] for i in sorted(c)] for p, c in sorted(tokens.items())},
+            "fallbacks": dict(sorted(fallbacks.items()))}
+
+
+def _calibration_data(src: Checkpoint, recipe: Recipe, opts: ConvertOptions):
+    """Token samples for the calibrated groups: options first, then the recipe's calibration section."""
+    from .calib.data import load_calibration_data, load_tokenizer
+    from .calibrate import DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN
+
+    cal = recipe.calibration
+    vocab = _text_config(src.config).get("vocab_size")
+    return load_calibration_data(opts.dataset or (cal.dataset if cal else None), tokenizer=load_tokenizer(src.root),
+                                 vocab_size=vocab if isinstance(vocab, int) else None,
+                                 num_samples=opts.num_samples or (cal.num_samples if cal else DEFAULT_NUM_SAMPLES),
+                                 seq_len=opts.seq_len or (cal.seq_len if cal else DEFAULT_SEQ_LEN))
+
+
+def _run_calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log) -> Spool:
+    """GPTQ/AWQ layer by layer (quantkit.calib.quantize), spooled under the journal. A spool left by an
+    interrupted run of the same identity is reused when it is complete."""
+    from .calib.quantize import run_calibrated
+    from .io.checkpoint import read_json_file
+
+    done = spool_dir / "index.json"
+    if done.is_file():
+        index = read_json_file(done, "calibration spool index")
+    else:
+        if spool_dir.exists():
+            shutil.rmtree(spool_dir)
+        if log:
+            log(f"calibrating {', '.join(sorted({g.method for g in recipe.groups if g.method != 'rtn'}))} on "
+                f"{data.num_samples} samples x {data.seq_len} tokens, layer by layer")
+        index = run_calibrated(src.root, recipe, data.samples, spool_dir)
+        write_json_atomic(done, index)
+    files = {}
+    for layer in index["layers"]:
+        meta = read_json_file(spool_dir / f"{layer}.json", f"{layer}.json")
+        for name in meta["tensors"] + meta["overrides"]:
+            files[name] = str(spool_dir / f"{layer}.safetensors")
+    return Spool(files, index["modules"])
 
 
 # ---- KV-cache scales -------------------------------------------------------------------------------
@@ -983,7 +1139,8 @@ def _quantization_config(results: dict[str, dict], kv_scheme: dict | None) -> di
 
 def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, plans: list[ShardPlan],
               results: dict[str, dict], identity: dict, t0: float, resumed: int, notes: list[str],
-              kv: KVScales | None, kv_out: dict | None, kv_scheme: dict | None) -> ConvertResult:
+              kv: KVScales | None, kv_out: dict | None, kv_scheme: dict | None,
+              calibration: dict | None = None) -> ConvertResult:
     ordered = [results[p.source] for p in plans]
     tensors: dict[str, dict] = {}
     weight_map: dict[str, str] = {}
@@ -1031,6 +1188,7 @@ def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, pla
                     "modules_passed_through": len(modules) - len(quantized),
                     "bytes_read": sum(r["source_size"] for r in ordered), "bytes_written": total_size},
         "notes": notes,
+        "calibration": None if calibration is None else {**calibration, **_expert_report(tensors)},
         "kv_cache": (None if kv is None else {"strategy": kv.strategy, "scheme": kv.config(), "origin": kv.origin,
                                              "shard": KV_SHARD_NAME, "tensors": len(kv.scales)}),
         "quantization_config": qc,

@@ -499,8 +499,6 @@ def _config_lone_surrogate(src):  # parses, but cannot be written back as UTF-8
 GROUP48 = ("name: g48\ngroups:\n  experts:\n    targets: ['re:.*\\.mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$']\n"
            "    scheme: {group_size: 48}\n")
 
-CLI_PATCH = "needs the cli.py fix under 'Open items' in docs/reliability.md (escape rich markup in error messages)"
-CONVERT_PATCH = "needs the convert.py fix under 'Open items' in docs/reliability.md"
 
 # id, breaks the source copy, expected error class, extra CLI args
 CASES = [
@@ -515,8 +513,7 @@ CASES = [
     ("shape_size_mismatch", _shape_mismatch, E.TensorSizeMismatch, ()),
     ("dtype_size_mismatch", _dtype_mismatch, E.TensorSizeMismatch, ()),
     ("dtype_unknown", _unknown_dtype, E.UnsupportedDtype, ()),
-    pytest.param("dtype_unsupported_for_expert", _f64_expert, E.UnsupportedDtype, (), id="dtype_unsupported_for_expert",
-                 marks=pytest.mark.xfail(strict=True, reason=CONVERT_PATCH + " (plan_shard copies F64 experts)")),
+    ("dtype_unsupported_for_expert", _f64_expert, E.UnsupportedDtype, ()),
     ("duplicate_tensor_across_shards", _duplicate_tensor, E.DuplicateTensor, ()),
     ("index_missing_shard", _missing_shard, E.MissingShard, ()),
     ("index_dotdot_escape", _index_escape, E.UnsafeShardName, ()),
@@ -526,12 +523,9 @@ CASES = [
     ("index_symlink_loop", _index_symlink_loop, E.UnsafeShardName, ()),
     ("index_duplicate_key", _index_duplicate_key, E.IndexError_, ()),
     ("index_not_json", _index_not_json, E.IndexError_, ()),
-    pytest.param("index_name_is_markup", _index_markup_name, E.UnsafeShardName, (), id="index_name_is_markup",
-                 marks=pytest.mark.xfail(strict=True, reason=CLI_PATCH)),
+    ("index_name_is_markup", _index_markup_name, E.UnsafeShardName, ()),
     ("pickle_only", _pickle_only, E.UnsafeCheckpoint, ()),
-    pytest.param("nan_in_expert", _nan, E.NonFiniteWeight, (), id="nan_in_expert",
-                 marks=pytest.mark.xfail(strict=True, reason=CONVERT_PATCH + " (a NaN group gets scale 1.0 and "
-                                         "passes the scale-only finiteness check)")),
+    ("nan_in_expert", _nan, E.NonFiniteWeight, ()),
     ("inf_in_expert", _inf, E.NonFiniteWeight, ()),
     ("config_missing", _config_missing, E.ConfigMissing, ()),
     ("config_malformed", _config_malformed, E.ConfigError, ()),
@@ -580,7 +574,6 @@ def test_output_not_empty_refused_without_overwrite(cli, src18, tmp_path):
     assert r.rc == 0 and manifest_status(out) == "complete" and not (out / "notes.txt").exists()
 
 
-@pytest.mark.xfail(strict=True, reason=CONVERT_PATCH + " (--overwrite may delete the source)")
 def test_overwrite_never_deletes_the_source(cli, src18, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(src18, src)

@@ -22,7 +22,7 @@ import pytest
 
 from quantkit import errors as E
 from quantkit.convert import JOURNAL_DIR, MANIFEST_NAME, ConvertOptions, convert
-from test_hostile import (CONVERT_PATCH, GROUP48, assert_clean_failure, cli, manifest_status,  # noqa: F401
+from test_hostile import (GROUP48, assert_clean_failure, cli, manifest_status,  # noqa: F401
                           reference, src18, tree)
 
 SIGKILLED = -9
@@ -69,11 +69,8 @@ def at(events: list[str], label: str, nth: int = 0) -> int:
 def _avoid(n: int, first_run: bool) -> set[int]:
     """Kill points not drawn in a run of n events. Event n (the final manifest's rename) always: the
     output is then complete and a further run is no resume (see
-    test_sigkill_after_last_write_leaves_complete_output). Until the convert.py fix lands (Open items in
-    docs/reliability.md; each point is tested by name, xfail, in test_sigkill_at_named_point_then_resume)
-    also the windows it fixes: the first manifest's rename in a fresh run, and the journal removed."""
-    pending_fix = {n - 2, n - 1} | ({1} if first_run else set())  # drop when those xfail marks go
-    return {n} | pending_fix
+    test_sigkill_after_last_write_leaves_complete_output)."""
+    return {n}
 
 
 def test_sigkill_at_5_random_points_then_resume(cli, src18, reference, tmp_path):
@@ -112,14 +109,6 @@ NAMED_POINTS = {
     "full_manifest_in_progress": ("after-replace " + M, 1),
     "journal_about_to_go": ("before-rmtree out/" + JOURNAL_DIR, 0),
 }
-RESUME_PATCH = CONVERT_PATCH + " (_prepare_output: resume an in-progress manifest without a journal, and " \
-                               "treat our own pre-manifest debris as an empty directory)"
-NAMED_XFAIL = {
-    "debris_before_first_manifest": ("before-replace " + M, 0),
-    "journal_removed": ("after-rmtree out/" + JOURNAL_DIR, 0),
-    "final_manifest_tmp": ("before-replace " + M, -1),
-}
-
 
 def _named(points, marks=()):
     return [pytest.param(*v, id=k, marks=marks) for k, v in points.items()]
@@ -135,8 +124,15 @@ def _kill_resume(cli, src18, events, out, label, nth):
     return r
 
 
-@pytest.mark.parametrize("label,nth", _named(NAMED_POINTS) + _named(
-    NAMED_XFAIL, pytest.mark.xfail(strict=True, reason=RESUME_PATCH)))
+# the windows between the first manifest, the journal's removal and the final manifest
+NAMED_WINDOWS = {
+    "debris_before_first_manifest": ("before-replace " + M, 0),
+    "journal_removed": ("after-rmtree out/" + JOURNAL_DIR, 0),
+    "final_manifest_tmp": ("before-replace " + M, -1),
+}
+
+
+@pytest.mark.parametrize("label,nth", _named(NAMED_POINTS) + _named(NAMED_WINDOWS))
 def test_sigkill_at_named_point_then_resume(cli, src18, reference, tmp_path, label, nth):
     ref_out, events = reference
     out = tmp_path / "out"
@@ -144,8 +140,6 @@ def test_sigkill_at_named_point_then_resume(cli, src18, reference, tmp_path, lab
     assert tree(out) == tree(ref_out)
 
 
-@pytest.mark.xfail(strict=True, reason=CONVERT_PATCH + " (a complete output is reported as "
-                   "'already complete', not as a foreign non-empty directory)")
 def test_sigkill_after_last_write_leaves_complete_output(cli, src18, reference, tmp_path):
     """Killed after the final manifest rename: the output is complete and identical; running the same
     command again says so (exit 1, OutputExists) instead of calling OUT a foreign non-empty directory."""
@@ -184,8 +178,7 @@ ENOSPC_POINTS = {
 
 
 @pytest.mark.parametrize("label,nth", _named(ENOSPC_POINTS) + _named(
-    {"first_manifest": ("before-replace " + M, 0), "final_manifest": ("before-replace " + M, -1)},
-    pytest.mark.xfail(strict=True, reason=RESUME_PATCH)))
+    {"first_manifest": ("before-replace " + M, 0), "final_manifest": ("before-replace " + M, -1)}))
 def test_enospc_at_named_point_then_resume(cli, src18, reference, tmp_path, label, nth):
     """The disk fills at one write: DiskFull (one line + hint, exit 1, temporaries removed, nothing
     complete); finished shards stay journaled; after space is freed the same command resumes and the
@@ -243,7 +236,6 @@ def test_resume_refuses_changed_version(cli, src18, reference, tmp_path, monkeyp
     assert tree(out) == before
 
 
-@pytest.mark.xfail(strict=True, reason=CONVERT_PATCH + " (config.json is not part of the resume identity)")
 def test_resume_refuses_changed_config(cli, src18, reference, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(src18, src)
@@ -263,7 +255,6 @@ def test_no_resume_refuses_partial_output(cli, src18, reference, tmp_path):
     assert tree(out) == before
 
 
-@pytest.mark.xfail(strict=True, reason=CONVERT_PATCH + " (resume trusts a finished shard's size, not its sha256)")
 def test_resume_redoes_a_damaged_finished_shard(cli, src18, reference, tmp_path):
     """A finished shard damaged in place (same size) before the resume is redone, not trusted."""
     out = tmp_path / "out"

@@ -476,6 +476,9 @@ def _awq_experts(res, ckpt, idx, names: ExpertNames, mlp, experts, router, share
                                        s_dn.group_size, s_dn.symmetric, x_mask=mask)
     gu[:, half:, :] /= s2[:, :, None]  # up rows / s
     dn = dn * s2[:, None, :]  # down columns * s
+    # to report SQNR against the original weights: effective weight = stored / (what was folded into it)
+    unfold = {"gu": torch.cat([torch.ones(E, half, 1), s2[:, :, None]], 1) / s1, "down": 1.0 / s2[:, None, :]}
+    original = {"gu": orig["gu"].float(), "down": experts.down_proj.detach().float().clone()}
 
     scale_dtype = _scale_dtype(ckpt, names.module(0, "gate") + ".weight")
     for key, w, s, clip, param in (("gu", gu, s_gu, clip_gu, experts.gate_up_proj),
@@ -491,8 +494,10 @@ def _awq_experts(res, ckpt, idx, names: ExpertNames, mlp, experts, router, share
                 meta["fallback"] = "0 routed tokens: per-expert scale 1, clip search skipped"
             for kind, rows in parts:
                 zp = None if qp.zero_point is None else qp.zero_point[e, rows]
+                eff = deq[e, rows] * unfold[key][e][rows if key == "gu" else slice(None)]  # [N, K]
                 _emit(res, names.module(e, kind), q[e, rows], QParams(qp.scale[e, rows], zp), s, scale_dtype,
-                      {**meta, "sqnr_db": round(float(sqnr_db(w[e, rows], deq[e, rows])), 4)})
+                      {**meta, "sqnr_db": round(float(sqnr_db(original[key][e, rows], eff)), 4),
+                       "sqnr_domain": "original weights (AWQ scales unfolded)"})
         param.data.copy_(deq.to(param.dtype))
 
 
