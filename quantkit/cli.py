@@ -234,8 +234,16 @@ def _parse_size(s: str) -> int:
     return int(value * units[unit])
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    err.print(f"warning: {escape(str(message))}", soft_wrap=True)  # one line, no source excerpt
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     debug = os.environ.get("QUANTKIT_DEBUG") == "1"
+    if not debug:
+        import warnings
+
+        warnings.showwarning = _show_warning
     try:
         # standalone mode: click itself turns usage errors into exit code 2 with its usage message
         app(args=argv, prog_name="quantkit")
