@@ -34,11 +34,22 @@ def test_search_scales_reduces_output_error_with_outlier_channels():
         wq = fake_quant(w * s[:, None, :], 4, 32, True) / s[:, None, :]
         return (torch.einsum("etk,enk->etn", x, wq) - y).square().mean((1, 2))
 
-    s, a, loss_a0 = search_scales(x.abs().mean(1), w.abs().mean(1), loss)
+    s, a, loss_identity = search_scales(x.abs().mean(1), w.abs().mean(1), loss)
     rtn_loss = loss(torch.ones(e, k))
     best = loss(s)
-    assert (best <= loss_a0 + 1e-12).all() and (best < 0.9 * rtn_loss).all()
-    assert (a > 0).all()
+    assert torch.allclose(loss_identity.float(), rtn_loss)
+    assert (best <= loss_identity + 1e-12).all() and (best < 0.9 * rtn_loss).all()
+    assert (a >= 0).all()
+    # power-of-two scales are exact to fold into binary floats
+    s2, _, _ = search_scales(x.abs().mean(1), w.abs().mean(1), loss, power_of_two=True)
+    assert torch.equal(torch.exp2(torch.round(torch.log2(s2))), s2) and (loss(s2) < rtn_loss).all()
+
+
+def test_search_scales_never_worse_than_no_scaling():
+    """When scaling cannot help (the loss is minimal at s = 1), the search returns s = 1."""
+    x_mean, w_mean = torch.rand(3, 16) + 0.5, torch.rand(3, 16) + 0.5
+    s, a, _ = search_scales(x_mean, w_mean, lambda s: (s - 1).square().sum(-1))
+    assert torch.equal(s, torch.ones(3, 16)) and (a == -1).all()
 
 
 def test_search_clip_never_worse_than_no_clip():

@@ -253,12 +253,12 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
     if egroup is not None:
         mlp, experts, router, shared = moe
         stats = ExpertStats(experts, need_hessians=egroup.method == "gptq",
-                            sample_tokens=int(_opt(egroup, "sample_tokens", 4096)))
+                            sample_tokens=int(_opt(egroup, "sample_tokens", 4096 if egroup.method == "gptq" else 2048)))
     lstats = {d: LinearStats(m) for d, (m, _) in dense.items()}
     awq_inputs: list[torch.Tensor] = []
     awq_handle = None
     if egroup is not None and egroup.method == "awq":
-        cap = int(_opt(egroup, "sample_tokens", 4096))
+        cap = int(_opt(egroup, "sample_tokens", 2048))
 
         def grab(module, args):
             x = args[0].detach().reshape(-1, args[0].shape[-1])
@@ -430,7 +430,8 @@ def _awq_experts(res, ckpt, idx, names: ExpertNames, mlp, experts, router, share
                                         .to(experts.gate_up_proj.dtype))
         return (mlp(xs).float() - fp_out).square().mean()
 
-    s1, a1, _ = search_scales(x_mean, w_mean, block_loss, n_grid)
+    # powers of two: folding 1/s into the (BF16) norm and s into the router / shared experts is then exact
+    s1, a1, _ = search_scales(x_mean, w_mean, block_loss, n_grid, power_of_two=True)
     experts.gate_up_proj.data.copy_(orig["gu"])
     # fold: norm * (1/s), everything reading the norm output * s (exact in float; stored in the source dtype)
     norm.weight.data.copy_((norm.weight.float() / s1).to(norm.weight.dtype))

@@ -55,27 +55,33 @@ def fake_quant(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, 
     return ((torch.round(wg / s) + z).clamp(qmin, qmax).sub(z) * s).reshape(w.shape)
 
 
-def scale_candidates(x_mean: torch.Tensor, w_mean: torch.Tensor, n_grid: int = 20):
-    """Yield (a, s) with s = x^a / w^(1-a) normalized; x_mean, w_mean [..., K] (mean |x|, mean |w|)."""
+def scale_candidates(x_mean: torch.Tensor, w_mean: torch.Tensor, n_grid: int = 20, power_of_two: bool = False):
+    """Yield (a, s) with s = x^a / w^(1-a) normalized; x_mean, w_mean [..., K] (mean |x|, mean |w|).
+    power_of_two rounds s to the nearest power of two (in log space), so that folding s into a tensor
+    stored in a binary float format changes only exponents: the fold is exact."""
     x = x_mean.float().clamp(min=1e-8)
     w = w_mean.float().clamp(min=1e-8)
     for i in range(n_grid):
         a = i / n_grid
         s = (x.pow(a) / w.pow(1 - a)).clamp(min=1e-4)
         s = s / (s.amax(-1, keepdim=True) * s.amin(-1, keepdim=True)).sqrt()
+        if power_of_two:
+            s = torch.exp2(torch.round(torch.log2(s)))
         yield a, s
 
 
 def search_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, loss_fn: Callable[[torch.Tensor], torch.Tensor],
-                  n_grid: int = 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  n_grid: int = 20, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grid search of AWQ scales. x_mean, w_mean: [..., K]; loss_fn(s [..., K]) -> loss [...] (one per batch
-    entry, lower is better). Returns (best s [..., K], best a [...], loss at a=0 i.e. s from |w| only [...])."""
+    entry, lower is better). Returns (best s [..., K], best a [...] (-1: no scaling won), loss with s = 1 [...])."""
     best_s = best_a = best_loss = None
     first = None
-    for a, s in scale_candidates(x_mean, w_mean, n_grid):
+    # s = 1 (plain RTN) is always a candidate, reported as a = -1: the search can only improve on it
+    cands = [(-1.0, torch.ones_like(x_mean, dtype=torch.float32))]
+    for a, s in cands + list(scale_candidates(x_mean, w_mean, n_grid, power_of_two)):
         loss = loss_fn(s).double()
         if best_s is None:
-            best_s, best_a, best_loss, first = s.clone(), torch.zeros_like(loss), loss, loss
+            best_s, best_a, best_loss, first = s.expand_as(loss.new_empty(*loss.shape, s.shape[-1])).clone(), torch.full_like(loss, a), loss, loss
             continue
         better = loss < best_loss
         best_loss = torch.where(better, loss, best_loss)

@@ -1,0 +1,130 @@
+"""The quality fixture: a tiny Mixture-of-Experts language model trained deterministically on the Python
+standard library's own sources (present on every machine), byte-level (vocab 256), with a held-out split.
+
+    python bench/fixture.py            # train (or reuse) and print held-out perplexity
+
+The model is cached under bench/.cache/fixture-<hash>/ (a normal transformers checkpoint + the token
+splits as .pt files); the hash covers every training setting, so changing one retrains.
+Training uses a fixed seed, a fixed thread count and a fixed data order, so it reproduces on a machine
+of the same kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+CACHE = Path(__file__).resolve().parent / ".cache"
+
+
+@dataclass(frozen=True)
+class FixtureSpec:
+    hidden: int = 128
+    layers: int = 4
+    experts: int = 8
+    top_k: int = 2
+    moe_intermediate: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    seq_len: int = 128
+    batch: int = 8
+    steps: int = 400
+    lr: float = 3e-3
+    corpus_bytes: int = 6_000_000
+    seed: int = 0
+    threads: int = 2
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def stdlib_corpus(limit: int) -> tuple[bytes, bytes]:
+    """(train, heldout) bytes: stdlib .py files in sorted order; every 10th file (by sorted index) is held out."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts
+                   and "tests" not in p.parts)
+    train, held = bytearray(), bytearray()
+    for i, p in enumerate(files):
+        try:
+            b = p.read_bytes()
+        except OSError:
+            continue
+        (held if i % 10 == 0 else train).extend(b)
+        if len(train) + len(held) >= limit:
+            break
+    return bytes(train), bytes(held)
+
+
+def config_for(spec: FixtureSpec):
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=spec.hidden, intermediate_size=2 * spec.hidden, num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, head_dim=spec.hidden // spec.heads,
+        moe_intermediate_size=spec.moe_intermediate, num_experts=spec.experts, num_experts_per_tok=spec.top_k,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=spec.seq_len, tie_word_embeddings=False,
+        router_aux_loss_coef=0.01, output_router_logits=False)
+
+
+def get_fixture(spec: FixtureSpec = FixtureSpec(), log=print) -> dict:
+    """Train the fixture (or reuse the cached one); returns {model_dir, train_tokens, heldout_tokens}."""
+    from transformers import AutoModelForCausalLM
+
+    out = CACHE / f"fixture-{spec.key}"
+    done = out / "fixture.json"
+    if done.is_file():
+        return {"model_dir": out / "model", "train_tokens": out / "train.pt", "heldout_tokens": out / "heldout.pt",
+                **json.loads(done.read_text())}
+    torch.manual_seed(spec.seed)
+    torch.set_num_threads(spec.threads)
+    train, held = stdlib_corpus(spec.corpus_bytes)
+    tr = torch.frombuffer(bytearray(train), dtype=torch.uint8).long()
+    he = torch.frombuffer(bytearray(held), dtype=torch.uint8).long()
+    model = AutoModelForCausalLM.from_config(config_for(spec))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(spec.seed)
+    t0 = time.time()
+    for step in range(spec.steps):
+        lr = spec.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / spec.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        starts = torch.randint(0, len(tr) - spec.seq_len - 1, (spec.batch,), generator=gen)
+        x = torch.stack([tr[s:s + spec.seq_len] for s in starts.tolist()])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or step == spec.steps - 1:
+            log(f"step {step:4d}  loss {loss.item():.3f}  {time.time() - t0:.0f}s")
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out / "model", max_shard_size="2MB")
+    torch.save(tr, out / "train.pt")
+    torch.save(he, out / "heldout.pt")
+    meta = {"spec": asdict(spec), "train_seconds": round(time.time() - t0, 1), "train_bytes": len(tr),
+            "heldout_bytes": len(he), "final_loss": float(loss)}
+    done.write_text(json.dumps(meta, indent=2))
+    return get_fixture(spec, log)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=FixtureSpec.steps)
+    a = ap.parse_args()
+    fx = get_fixture(FixtureSpec(steps=a.steps))
+    print(json.dumps({k: str(v) for k, v in fx.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Quality of INT4 expert quantization on a *trained* tiny MoE (bench/fixture.py): held-out perplexity and
+mean next-token KL(bf16 || quantized) for BF16, RTN, GPTQ and AWQ at group 32 and 128, all through the real
+pipeline (`quantkit convert` with a recipe, then transformers loading the written checkpoint).
+
+Optionally, side by side on the same model, the same calibration tokens and the same targets,
+llm-compressor's `oneshot` GPTQ (W4A16, same group size) run in a separate venv (`--peer-python`):
+wall time and the same metrics.
+
+    python bench/quality.py [--groups 32 128] [--num-samples 64] [--peer-python bench/.cache/peer-venv/bin/python]
+
+Writes bench/results/quality.json. Perplexity alone cannot rank methods on a model this small (see
+../shared/docs/algorithms.md); KL is the stable signal, so both are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fixture import FixtureSpec, get_fixture  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+TARGETS = ['re:.*\\.mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$']
+
+
+def recipe_yaml(method: str, group: int) -> str:
+    opts = {"gptq": "    options: {damp: 0.01, actorder: true, block_size: 128}\n", "awq": "    options: {n_grid: 20}\n",
+            "rtn": ""}[method]
+    return (f"name: bench-{method}-g{group}\ngroups:\n  experts:\n    targets: {json.dumps(TARGETS)}\n"
+            f"    method: {method}\n    scheme: {{num_bits: 4, type: int, symmetric: true, strategy: group, "
+            f"group_size: {group}}}\n{opts}ignore: ['re:.*\\.mlp\\.gate$', 'lm_head']\n")
+
+
+def windows(tokens: torch.Tensor, seq_len: int, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(tokens) - seq_len - 1, (n,), generator=g)
+    return torch.stack([tokens[s:s + seq_len] for s in starts.tolist()])
+
+
+@torch.no_grad()
+def evaluate(model_dir, eval_ids: torch.Tensor, ref_logprobs: list | None = None):
+    from quantkit.testing import load_model
+
+    model = load_model(model_dir, torch.bfloat16).eval()
+    nll, count, kls, out = 0.0, 0, [], []
+    for i in range(0, len(eval_ids), 8):
+        x = eval_ids[i:i + 8]
+        logits = model(x).logits.float()
+        lp = F.log_softmax(logits[:, :-1], -1)
+        nll += -lp.gather(-1, x[:, 1:, None]).sum().item()
+        count += x[:, 1:].numel()
+        out.append(lp)
+        if ref_logprobs is not None:
+            r = ref_logprobs[i // 8]
+            kls.append((r.exp() * (r - lp)).sum(-1).mean().item())
+    return {"perplexity": float(torch.tensor(nll / count).exp()),
+            "kl": (sum(kls) / len(kls)) if kls else 0.0}, out
+
+
+def run_quantkit(src, out, method, group, calib_file, num_samples, seq_len):
+    from quantkit.convert import ConvertOptions, convert
+    from quantkit.recipe import parse_recipe
+
+    r = parse_recipe(recipe_yaml(method, group))
+    t0 = time.perf_counter()
+    convert(src, out, ConvertOptions(recipe=r, overwrite=True, dataset=str(calib_file), num_samples=num_samples,
+                                     seq_len=seq_len))
+    return time.perf_counter() - t0
+
+
+PEER = textwrap.dedent("""
+    import json, sys, time, torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    src, out, calib, group, seq_len = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    rows = [json.loads(l) for l in open(calib)]
+    ds = Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows],
+                            "attention_mask": [[1] * len(r["input_ids"]) for r in rows]})
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    scheme = {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                          "group_size": group}, "targets": ["Linear"]}
+    mod = GPTQModifier(config_groups={"group_0": scheme},
+                       ignore=["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"], dampening_frac=0.01,
+                       actorder="static", block_size=128)
+    oneshot(model=model, dataset=ds, recipe=[mod], max_seq_length=seq_len, num_calibration_samples=len(rows))
+    model.save_pretrained(out, save_compressed=True)
+    print(json.dumps({"seconds": time.perf_counter() - t0}))
+""")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--groups", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--methods", nargs="+", default=["rtn", "gptq", "awq"])
+    ap.add_argument("--num-samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--eval-windows", type=int, default=64)
+    ap.add_argument("--peer-python", default=None, help="python of a venv with llmcompressor installed")
+    a = ap.parse_args()
+
+    fx = get_fixture(FixtureSpec())
+    src = Path(fx["model_dir"])
+    train, held = torch.load(fx["train_tokens"]), torch.load(fx["heldout_tokens"])
+    eval_ids = windows(held, a.seq_len, a.eval_windows, seed=1)
+    calib_ids = windows(train, a.seq_len, a.num_samples, seed=2)
+    work = Path(tempfile.mkdtemp(prefix="qk-quality-"))
+    calib_file = work / "calib.jsonl"
+    calib_file.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in calib_ids))
+
+    rows = []
+    base, ref_lp = evaluate(src, eval_ids)
+    rows.append({"method": "bf16", "group": None, **base, "seconds": None})
+    print(f"bf16: ppl {base['perplexity']:.4f}", flush=True)
+    for group in a.groups:
+        for method in a.methods:
+            out = work / f"{method}-g{group}"
+            secs = run_quantkit(src, out, method, group, calib_file, a.num_samples, a.seq_len)
+            m, _ = evaluate(out, eval_ids, ref_lp)
+            rows.append({"method": method, "group": group, **m, "seconds": round(secs, 2), "tool": "quantkit"})
+            print(f"quantkit {method} g{group}: ppl {m['perplexity']:.4f} kl {m['kl']:.3e} ({secs:.1f}s)", flush=True)
+        if a.peer_python:
+            out = work / f"llmc-gptq-g{group}"
+            script = work / "peer.py"
+            script.write_text(PEER)
+            t0 = time.perf_counter()
+            p = subprocess.run([a.peer_python, str(script), str(src), str(out), str(calib_file), str(group),
+                                str(a.seq_len)], capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            if p.returncode != 0:
+                print("llm-compressor failed:\n" + p.stderr[-3000:], file=sys.stderr)
+                continue
+            inner = json.loads(p.stdout.strip().splitlines()[-1])["seconds"]
+            m, _ = evaluate(out, eval_ids, ref_lp)
+            rows.append({"method": "gptq", "group": group, **m, "seconds": round(inner, 2),
+                         "process_seconds": round(wall, 2), "tool": "llm-compressor"})
+            print(f"llm-compressor gptq g{group}: ppl {m['perplexity']:.4f} kl {m['kl']:.3e} ({inner:.1f}s)", flush=True)
+
+    summary = {}
+    for group in a.groups:
+        by = {(r.get("tool"), r["method"]): r for r in rows if r["group"] == group}
+        rtn_r, gptq_r, awq_r = by.get(("quantkit", "rtn")), by.get(("quantkit", "gptq")), by.get(("quantkit", "awq"))
+        s = {}
+        if rtn_r:
+            gap = rtn_r["perplexity"] - base["perplexity"]
+            for name, r in (("gptq", gptq_r), ("awq", awq_r)):
+                if r:
+                    s[f"{name}_ppl_gap_closed"] = (rtn_r["perplexity"] - r["perplexity"]) / gap if gap > 0 else None
+                    s[f"{name}_kl_vs_rtn"] = r["kl"] / rtn_r["kl"] if rtn_r["kl"] else None
+        peer = by.get(("llm-compressor", "gptq"))
+        if peer and gptq_r:
+            s["time_vs_llmcompressor"] = gptq_r["seconds"] / peer["seconds"]
+            s["ppl_vs_llmcompressor"] = gptq_r["perplexity"] / peer["perplexity"]
+        summary[f"g{group}"] = s
+    doc = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+           "fixture": {k: v for k, v in fx.items() if k not in ("model_dir", "train_tokens", "heldout_tokens")},
+           "settings": vars(a), "rows": rows, "summary": summary}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "quality.json").write_text(json.dumps(doc, indent=2))
+    print("\n| tool | method | group | perplexity | KL(bf16||q) | seconds |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.get('tool', '-')} | {r['method']} | {r['group'] or '-'} | {r['perplexity']:.4f} | "
+              f"{r['kl']:.3e} | {r['seconds'] if r['seconds'] is not None else '-'} |")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
