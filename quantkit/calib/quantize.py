@@ -468,7 +468,10 @@ def _awq_experts(res, ckpt, idx, names: ExpertNames, mlp, experts, router, share
         wn = dn_e.abs().reshape(len(ids), H, -1, s_dn.group_size or I)
         w_mean = (wn / wn.amax(-1, keepdim=True).clamp(min=1e-12)).reshape(len(ids), H, I).mean(1)  # [e, I]
         h_mean = he.abs().sum(1) / cnt[:, None]
-        best, _, _ = search_scales(h_mean, w_mean, expert_loss, n_grid)
+        if bool(_opt(g, "scale_down", True)):
+            best, _, _ = search_scales(h_mean, w_mean, expert_loss, n_grid)
+        else:
+            best = torch.ones(len(ids), I)
         s2[ids] = best
         # (3) clipping, on the inputs each matrix now sees
         if bool(_opt(g, "clip", True)):

@@ -93,7 +93,8 @@ def search_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, loss_fn: Callable[
 def search_clip(w: torch.Tensor, x: torch.Tensor, num_bits: int = 4, group_size: int | None = 32,
                 symmetric: bool = True, n_grid: int = 20, max_shrink: float = 0.5,
                 x_mask: torch.Tensor | None = None, row_chunk: int = 256) -> torch.Tensor:
-    """Per (row, group) clip ratio minimizing sum_t (x[t, g] . (w[n, g] - q_r(w)[n, g]))^2.
+    """Per (row, group) clip ratio minimizing sum_t (x[t, g] . (w[n, g] - q_r(w)[n, g]))^2, kept for a row only
+    if it also lowers that row's whole output error (groups interact through cross terms).
 
     w [E, N, K]; x [E, T, K] inputs of each matrix (padded), x_mask [E, T] marks real tokens.
     Returns ratio [E, N, G] in [max_shrink, 1]."""
@@ -122,4 +123,15 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, num_bits: int = 4, group_size:
             better = err < be
             be[better] = err[better]
             br[better] = r
+        # Groups were chosen independently, but a row's output error also has cross-group terms: keep a
+        # row's clip ratios only where they lower the row's whole output error on these inputs.
+        keep = _row_error(wc, xs, br, num_bits, group_size, symmetric) < _row_error(
+            wc, xs, torch.ones_like(br), num_bits, group_size, symmetric)  # [E, n]
+        br[~keep] = 1.0
     return best
+
+
+def _row_error(w, x, ratio, num_bits, group_size, symmetric) -> torch.Tensor:
+    """sum_t (x[t] . (w[n] - q(w)[n]))^2 per row: w [E, n, K], x [E, T, K] -> [E, n] (float64)."""
+    dw = w - fake_quant(w, num_bits, group_size, symmetric, ratio)
+    return torch.bmm(x, dw.transpose(1, 2)).double().square().sum(1)
