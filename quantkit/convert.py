@@ -473,6 +473,13 @@ def run_shard(plan: ShardPlan, src_path: Path, out_dir: Path, threads: int | Non
     if threads:
         torch.set_num_threads(threads)
     sp = _SpoolReader(spool)
+    # sha256 of the source shard, computed while it is converted (hashlib releases the GIL): the pages
+    # are read once from disk and shared with the mapping
+    from concurrent.futures import ThreadPoolExecutor
+
+    hasher = ThreadPoolExecutor(1)
+    src_hash = hasher.submit(sha256_file, src_path)
+    hasher.shutdown(wait=False)
     r = _Reader(src_path, plan.foreign)
     f = r.f
     entries: dict[str, dict] = {}
@@ -518,7 +525,7 @@ def run_shard(plan: ShardPlan, src_path: Path, out_dir: Path, threads: int | Non
     finally:
         r.close()
         sp.close()
-    return ShardResult(plan.source, sha256_file(src_path), src_path.stat().st_size, outputs, entries, read,
+    return ShardResult(plan.source, src_hash.result(), src_path.stat().st_size, outputs, entries, read,
                        dict(sorted(schemes.items())), r.notes.items)
 
 
@@ -578,10 +585,6 @@ def _item_meta(u: Unit, it: QuantItem, method: str, sqnr: float) -> dict:
 def _run_quant_unit(u: Unit, r: _Reader, writer: ShardWriter, entries: dict, sp: _SpoolReader | None = None) -> int:
     s = u.scheme
     w = _read_batch(u, r, sp)
-    finite = torch.isfinite(w).flatten(1).all(1)  # [B]; a NaN group would otherwise get scale 1 silently
-    if not bool(finite.all()):
-        bad = int((~finite).nonzero()[0])
-        raise NonFiniteWeight(f"{u.items[bad].module}: weight holds NaN or Inf values")
     if u.kind == "fp8":
         res = fp8.quantize_fp8(w, u.layout)
         if not bool(res.finite.all()):
@@ -597,9 +600,13 @@ def _run_quant_unit(u: Unit, r: _Reader, writer: ShardWriter, entries: dict, sp:
             entries[sn] = {"shape": list(ss), "dtype": "float32", **meta}
         return int(w.numel() * w.element_size())
     res = rtn(w, s.num_bits, s.group_size, s.symmetric, u.scale_dtype, pack=(s.num_bits == 4))
-    if not torch.isfinite(res.qparams.scale).all():
-        bad = int((~torch.isfinite(res.qparams.scale)).flatten(1).any(1).nonzero()[0])
-        raise NonFiniteWeight(f"{u.items[bad].module}: weight holds NaN or Inf values")
+    # NaN/Inf anywhere in a matrix makes its sum of squares non-finite (a NaN group would otherwise
+    # quantize silently with scale 1): free to check here; the exact test runs only on the failure path
+    if not bool(torch.isfinite(res.signal).all()):
+        finite = torch.isfinite(w).flatten(1).all(1)  # [B]
+        if not bool(finite.all()):
+            bad = int((~finite).nonzero()[0])
+            raise NonFiniteWeight(f"{u.items[bad].module}: weight holds NaN or Inf values")
     sqnr = res.sqnr_db().tolist()
     for b, it in enumerate(u.items):
         meta = _item_meta(u, it, "rtn", sqnr[b])
@@ -819,25 +826,15 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     todo = [p for p in plans if p.source not in done]
     if progress:
         progress(finished_bytes, total)
-    if opts.workers <= 1 or len(todo) <= 1:
-        for p in todo:
-            base = finished_bytes
-            res = run_shard(p, src.root / p.source, out,
-                            progress=(lambda r, b=base: progress(b + r, total)) if progress else None, spool=spool)
-            finished_bytes += src.shard(p.source).size
-            record(res)
-            if progress:
-                progress(finished_bytes, total)
-    else:
-        import multiprocessing as mp
-
-        threads = max(1, (os.cpu_count() or 1) // opts.workers)
-        with ProcessPoolExecutor(max_workers=opts.workers, mp_context=mp.get_context("spawn")) as ex:
-            for res in ex.map(_worker, [(p, src.root / p.source, out, threads, spool) for p in todo]):
-                record(res)
-                finished_bytes += res.source_size
-                if progress:
-                    progress(finished_bytes, total)
+    # Streaming RTN is thousands of small cache-sized ops: OpenMP barriers cost more than a second thread
+    # gains (measured by bench/convert_rtn.py), so each shard runs single-threaded; --workers runs shards
+    # in parallel processes instead.
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _run_shards(todo, src, out, opts, spool, record, progress, finished_bytes, total)
+    finally:
+        torch.set_num_threads(prev_threads)
 
     for p in plans:  # what reading found (e.g. scales breaking a ue8m0 promise), in shard order
         for n in results[p.source].get("notes") or []:
@@ -850,6 +847,29 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     return _finalize(src, fmt, out, recipe, plans, results, identity, t0, resumed=len(done), notes=notes,
                      kv=kv, kv_out=kv_out, kv_scheme=kv_scheme,
                      calibration=None if data is None else data.describe())
+
+
+def _run_shards(todo, src: Checkpoint, out: Path, opts: ConvertOptions, spool, record, progress, finished_bytes: int,
+                total: int) -> None:
+    if opts.workers <= 1 or len(todo) <= 1:
+        for p in todo:
+            base = finished_bytes
+            res = run_shard(p, src.root / p.source, out,
+                            progress=(lambda r, b=base: progress(b + r, total)) if progress else None, spool=spool)
+            finished_bytes += src.shard(p.source).size
+            record(res)
+            if progress:
+                progress(finished_bytes, total)
+    else:
+        import multiprocessing as mp
+
+        threads = 1
+        with ProcessPoolExecutor(max_workers=opts.workers, mp_context=mp.get_context("spawn")) as ex:
+            for res in ex.map(_worker, [(p, src.root / p.source, out, threads, spool) for p in todo]):
+                record(res)
+                finished_bytes += res.source_size
+                if progress:
+                    progress(finished_bytes, total)
 
 
 def _expert_report(tensors: dict[str, dict]) -> dict:

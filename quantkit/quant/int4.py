@@ -133,8 +133,9 @@ def rtn(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetr
         if qp.zero_point is not None:
             qf.sub_(qp.zero_point.unsqueeze(-1))
         err = qf.mul_(s).sub_(wf)
-        sig[i:i + step] = wf.square().sum(dim=(-1, -2), dtype=torch.float64)
-        noise[i:i + step] = err.square_().sum(dim=(-1, -2), dtype=torch.float64)
+        # per-row sums in float32 (K terms: ample precision), accumulated across rows in float64 below
+        sig[i:i + step] = wf.square().sum(dim=(-1, -2))
+        noise[i:i + step] = err.square_().sum(dim=(-1, -2))
         out[i:i + step] = pack_int4(q8) if pack else q8
         scale[i:i + step] = qp.scale
         if zp is not None:
