@@ -1,0 +1,376 @@
+"""Calibration data: a dataset -> deterministic token samples for the executor.
+
+Sources (docs/design.md, "D (dataset)"):
+- a local `.jsonl` (one JSON object per line) or `.json` (a list of objects, or `{"data": [...]}`) whose
+  rows carry `text` (a string), `messages` (a chat, rendered with the tokenizer's chat template) or
+  `input_ids` (already tokenized);
+- a `.txt` file (one document);
+- a `.parquet` file (needs pyarrow) or a `datasets.save_to_disk` folder (needs `datasets`);
+- a hub dataset id (needs `datasets` and a reachable hub);
+- nothing: the calibration set shipped in `quantkit/data/calibration/`.
+
+Text rows are tokenized one document at a time (BOS/EOS as the tokenizer adds them, EOS appended between
+documents), concatenated into one stream and cut into windows of exactly `seq_len` tokens; `num_samples`
+windows are drawn with a seeded generator and kept in stream order. Rows with `input_ids` are samples
+as they are: one row, one sample, never packed, cut only if longer than `seq_len`.
+
+Tokenizer: the model directory's own (AutoTokenizer, local files only, no remote code). When the
+directory has none (the tiny test models), text is tokenized deterministically as UTF-8 bytes modulo
+the vocabulary size, with a warning: fine for exercising the pipeline, meaningless for a real model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..io.writer import sha256_file
+from . import DatasetError, DatasetNotFound
+
+DEFAULT_DATASET_NAME = "default.jsonl"
+DEFAULT_SEED = 0
+SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
+class CalibrationWarning(UserWarning):
+    """Calibration went ahead with a compromise (byte tokenizer, fewer samples than asked, ...)."""
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(msg, CalibrationWarning, stacklevel=3)
+
+
+# ---- tokenizers ---------------------------------------------------------------------------------------
+class ByteTokenizer:
+    """Deterministic stand-in for models without a tokenizer: UTF-8 bytes modulo `vocab_size`."""
+
+    name = "bytes-mod-vocab"
+    chat_template = None
+    eos_token_id = None
+
+    def __init__(self, vocab_size: int):
+        if vocab_size <= 0:
+            raise DatasetError(f"vocab_size must be positive, got {vocab_size}")
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return [b % self.vocab_size for b in text.encode("utf-8")]
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    """The model's tokenizer from its directory (local files only), or None if it ships none."""
+    root = Path(model_dir)
+    if not any((root / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # a remote-code tokenizer (e.g. Kimi's tiktoken one) or broken files
+        raise DatasetError(f"cannot load the tokenizer in {root} without remote code: {type(e).__name__}: "
+                           f"{str(e)[:160]}",
+                           hint="tokenize the calibration text yourself and pass a .jsonl with one "
+                                "`input_ids` list per row as --dataset") from None
+
+
+def tokenizer_name(tokenizer) -> str:
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.name
+    return f"{type(tokenizer).__name__}:{getattr(tokenizer, 'name_or_path', '')}"
+
+
+def _encode_text(tokenizer, text: str, special: bool = True) -> list[int]:
+    """Token ids of one document; `special=False` for chat-templated text (the template adds BOS)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode(text)
+    ids = list(tokenizer(text, add_special_tokens=special)["input_ids"])
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None and (not ids or ids[-1] != eos):
+        ids.append(eos)  # documents are separated by EOS in the packed stream
+    return ids
+
+
+def _render_messages(tokenizer, messages: list, where: str) -> tuple[str, bool]:
+    """(text, templated). Uses the tokenizer's chat template; without one, plain `role: content` lines."""
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise DatasetError(f"{where}: `messages` must be a list of {{role, content}} objects with string values")
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False), True
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n", False
+
+
+# ---- reading rows ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rows:
+    rows: list  # dicts (or plain strings = text)
+    source: str
+    sha256: str
+
+
+def default_dataset_path() -> Path:
+    return Path(str(resources.files("quantkit") / "data" / "calibration" / DEFAULT_DATASET_NAME))
+
+
+_FILE_SUFFIXES = SUFFIXES + (".csv", ".tsv", ".gz", ".zip", ".arrow", ".xml", ".yaml", ".yml", ".md")
+
+
+def _hub_like(s: str) -> bool:
+    """`name` or `owner/name`, without a file suffix: what a hub dataset id looks like."""
+    return (re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", s) is not None
+            and Path(s).suffix.lower() not in _FILE_SUFFIXES)
+
+
+def read_rows(dataset: str | os.PathLike | None) -> Rows:
+    """Rows of `dataset` (see the module docstring), with a description of the source and its sha256."""
+    if dataset is None:
+        p = default_dataset_path()
+        return Rows(_read_jsonl(p), f"quantkit:{DEFAULT_DATASET_NAME}", sha256_file(p))
+    p = Path(dataset)
+    if p.is_dir():
+        return _read_saved_dataset(p)
+    if p.is_file():
+        suffix = p.suffix.lower()
+        if suffix == ".jsonl":
+            rows = _read_jsonl(p)
+        elif suffix == ".json":
+            rows = _read_json(p)
+        elif suffix == ".txt":
+            rows = [_read_text(p)]
+        elif suffix == ".parquet":
+            rows = _read_parquet(p)
+        else:
+            raise DatasetError(f"unsupported dataset file type {p.suffix or '(none)'!r}: {p}",
+                               hint="use .jsonl, .json, .txt or .parquet, or a `datasets.save_to_disk` folder")
+        return Rows(rows, str(p), sha256_file(p))
+    s = str(dataset)
+    if not _hub_like(s):  # looks like a path (separators, a file suffix): it is simply missing
+        raise DatasetNotFound(f"dataset {s!r} does not exist")
+    return _read_hub(s)
+
+
+def _read_text(p: Path) -> str:
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _read_jsonl(p: Path) -> list:
+    rows = []
+    for n, line in enumerate(_read_text(p).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{p}:{n}: not valid JSON ({e.msg})",
+                               hint="a .jsonl file holds one JSON object per line") from None
+    return rows
+
+
+def _read_json(p: Path) -> list:
+    try:
+        doc = json.loads(_read_text(p))
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if isinstance(doc, dict) and isinstance(doc.get("data"), list):
+        doc = doc["data"]
+    if not isinstance(doc, list):
+        raise DatasetError(f"{p}: a .json dataset must hold a list of rows (or {{\"data\": [...]}})")
+    return doc
+
+
+def _read_parquet(p: Path) -> list:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DatasetError(f"reading {p.name} needs pyarrow, which is not installed",
+                           hint="pip install pyarrow, or convert the file to .jsonl") from None
+    return pq.read_table(p).to_pylist()
+
+
+def _read_saved_dataset(p: Path) -> Rows:
+    markers = ("dataset_info.json", "state.json", "dataset_dict.json")
+    if not any((p / m).is_file() for m in markers):
+        raise DatasetError(f"{p} is a folder but not a `datasets.save_to_disk` folder (no {' / '.join(markers)})",
+                           hint="pass a file, or a folder written by Dataset.save_to_disk")
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(f"reading the saved dataset {p} needs the `datasets` package, which is not installed",
+                           hint="pip install datasets, or export the rows to .jsonl") from None
+    ds = datasets.load_from_disk(str(p))
+    if isinstance(ds, datasets.DatasetDict):
+        split = "train" if "train" in ds else sorted(ds)[0]
+        ds = ds[split]
+    h = hashlib.sha256()
+    for f in sorted(q for q in p.rglob("*") if q.is_file()):
+        h.update(f.relative_to(p).as_posix().encode() + b"\0" + sha256_file(f).encode())
+    return Rows(_columns(ds), str(p), h.hexdigest())
+
+
+def _columns(ds) -> list:
+    keep = [c for c in ("input_ids", "messages", "text") if c in ds.column_names]
+    if not keep:
+        raise DatasetError(f"the dataset has no text, messages or input_ids column (columns: {ds.column_names})")
+    return ds.select_columns(keep).to_list()
+
+
+def _read_hub(name: str) -> Rows:
+    hint = "download the dataset where the hub is reachable and pass the local file or save_to_disk folder"
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(f"dataset {name!r} is not a local path, and loading hub datasets needs the `datasets` "
+                           "package, which is not installed", hint=hint) from None
+    if any(os.environ.get(v, "0") not in ("0", "") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        raise DatasetError(f"dataset {name!r} is not a local path and the hub is offline (HF_HUB_OFFLINE)", hint=hint)
+    try:
+        ds = datasets.load_dataset(name, split="train")
+    except Exception as e:  # network errors, missing dataset, missing split
+        raise DatasetError(f"cannot load hub dataset {name!r}: {type(e).__name__}: {str(e)[:160]}", hint=hint) from None
+    fp = getattr(ds, "_fingerprint", None) or hashlib.sha256(name.encode()).hexdigest()
+    return Rows(_columns(ds), f"hub:{name}", str(fp))
+
+
+# ---- samples ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CalibrationData:
+    samples: tuple[torch.Tensor, ...]  # int64 [T_i] each
+    source: str
+    sha256: str
+    seq_len: int
+    requested_samples: int
+    tokenizer: str
+    pretokenized: bool
+    seed: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(int(s.numel()) for s in self.samples)
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source, "sha256": self.sha256, "num_samples": self.num_samples,
+                "requested_samples": self.requested_samples, "seq_len": self.seq_len, "num_tokens": self.num_tokens,
+                "tokenizer": self.tokenizer, "pretokenized": self.pretokenized, "seed": self.seed,
+                "notes": list(self.notes)}
+
+
+def choose(n_available: int, n: int, seed: int) -> list[int]:
+    """`n` of `n_available` indices drawn without replacement by a seeded generator, sorted."""
+    if n >= n_available:
+        return list(range(n_available))
+    g = torch.Generator().manual_seed(seed)
+    return sorted(torch.randperm(n_available, generator=g)[:n].tolist())
+
+
+def pack(docs: Sequence[Sequence[int]], seq_len: int) -> torch.Tensor:
+    """Concatenate token documents and cut the stream into [W, seq_len] windows (the tail is dropped)."""
+    stream = torch.tensor([t for d in docs for t in d], dtype=torch.long)
+    w = stream.numel() // seq_len
+    return stream[: w * seq_len].view(w, seq_len)
+
+
+def _pretokenized(rows: list, where: str, vocab_size: int | None, seq_len: int) -> list[torch.Tensor]:
+    out = []
+    for i, r in enumerate(rows):
+        ids = r.get("input_ids") if isinstance(r, dict) else None
+        if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+            raise DatasetError(f"{where}: row {i} has no non-empty integer `input_ids` list, but other rows do",
+                               hint="either every row is pre-tokenized (`input_ids`) or none is")
+        t = torch.tensor(ids, dtype=torch.long)
+        if int(t.min()) < 0 or (vocab_size is not None and int(t.max()) >= vocab_size):
+            raise DatasetError(f"{where}: row {i} holds token ids outside [0, {vocab_size})",
+                               hint="the rows were tokenized for a model with another vocabulary")
+        out.append(t[:seq_len])
+    return out
+
+
+def load_calibration_data(dataset: str | os.PathLike | None = None, *, tokenizer=None, vocab_size: int | None = None,
+                          num_samples: int, seq_len: int, seed: int = DEFAULT_SEED) -> CalibrationData:
+    """Token samples for calibration. `tokenizer`: a transformers tokenizer, or None for the byte
+    fallback (then `vocab_size` is required and a CalibrationWarning says so)."""
+    if num_samples <= 0 or seq_len <= 0:
+        raise DatasetError(f"num_samples and seq_len must be positive (got {num_samples}, {seq_len})",
+                           hint="pass --num-samples N and --seq-len L greater than 0")
+    src = read_rows(dataset)
+    rows = src.rows
+    if not rows:
+        raise DatasetError(f"{src.source} holds no rows")
+    notes: list[str] = []
+    has_ids = [isinstance(r, dict) and "input_ids" in r for r in rows]
+    if any(has_ids):
+        if not all(has_ids):
+            bad = has_ids.index(False)
+            raise DatasetError(f"{src.source}: row {bad} has no `input_ids`, but other rows do",
+                               hint="either every row is pre-tokenized (`input_ids`) or none is")
+        pool = _pretokenized(rows, src.source, vocab_size, seq_len)
+        idx = choose(len(pool), num_samples, seed)
+        samples = [pool[i] for i in idx]
+        tok_name, pre = "pre-tokenized", True
+    else:
+        if tokenizer is None:
+            if vocab_size is None:
+                raise DatasetError("no tokenizer and no vocab_size to fall back on")
+            tokenizer = ByteTokenizer(vocab_size)
+            msg = ("the model directory has no tokenizer: calibration text is tokenized as UTF-8 bytes modulo "
+                   f"vocab_size={vocab_size} (fine for tests, meaningless for a real model)")
+            _warn(msg)
+            notes.append(msg)
+        docs, untemplated = [], 0
+        for i, r in enumerate(rows):
+            where = f"{src.source} row {i}"
+            templated = False
+            if isinstance(r, str):
+                text = r
+            elif isinstance(r, dict) and isinstance(r.get("text"), str):
+                text = r["text"]
+            elif isinstance(r, dict) and "messages" in r:
+                text, templated = _render_messages(tokenizer, r["messages"], where)
+                untemplated += not templated
+            else:
+                keys = sorted(r) if isinstance(r, dict) else type(r).__name__
+                raise DatasetError(f"{where} has no `text`, `messages` or `input_ids` field (has {keys})")
+            if text:
+                docs.append(_encode_text(tokenizer, text, special=not templated))
+        if untemplated:
+            msg = (f"{untemplated} chat row(s) rendered as plain `role: content` lines: the tokenizer has no "
+                   "chat template")
+            _warn(msg)
+            notes.append(msg)
+        windows = pack(docs, seq_len)
+        if windows.shape[0] == 0:
+            stream = pack(docs, 1).reshape(-1)
+            if stream.numel() == 0:
+                raise DatasetError(f"{src.source} holds no text")
+            msg = f"the data holds only {stream.numel()} tokens, fewer than seq_len={seq_len}: one shorter sample"
+            _warn(msg)
+            notes.append(msg)
+            samples = [stream]
+        else:
+            idx = choose(windows.shape[0], num_samples, seed)
+            samples = [windows[i].clone() for i in idx]
+        tok_name, pre = tokenizer_name(tokenizer), False
+    if len(samples) < num_samples:
+        msg = f"asked for {num_samples} samples, the data holds {len(samples)}: using all of them"
+        _warn(msg)
+        notes.append(msg)
+    return CalibrationData(tuple(samples), src.source, src.sha256, seq_len, num_samples, tok_name, pre, seed,
+                           tuple(notes))

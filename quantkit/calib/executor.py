@@ -1,0 +1,577 @@
+"""A layer-by-layer executor over transformers decoder layers, for calibration without the whole model.
+
+The model is built on the `meta` device from config.json (no weights, no remote code). The calibration
+tokens are embedded (only `embed_tokens` is read, and only the rows the tokens use), then each decoder layer
+in turn is materialized from the shards (`load_layer_weights`), run over all calibration samples with the
+model's own rotary embeddings and causal mask, observed, and freed. Peak memory is one layer's weights
+(in the compute dtype) plus two copies of the activations (a layer's inputs and outputs); the final norm,
+the lm_head and every other layer stay on `meta`. Activations above `activation_budget_bytes` live in a
+temporary file (a memory map) instead of RAM.
+
+Reuse (GPTQ/AWQ, true-sequential):
+
+    ex = LayerExecutor(model_dir)
+    for step in ex.layers(samples, observers=[...]):
+        idx, layer, inputs = step            # the layer is materialized; hooks may be added to its modules
+        step.forward()                        # run it over the inputs (observers fire); sets step.outputs
+        quantize(layer)                       # modify the layer in place ...
+        step.forward()                        # ... and propagate the *quantized* layer's outputs
+    # a step the body did not forward is forwarded by the executor when the loop resumes
+
+What it is not: a serving runtime (no KV cache, no padding, no generation) or a weights loader for the
+whole model. `load_layer_weights` is the one place that knows the on-disk layouts (fused vs per-expert
+experts, Mixtral's names, block-FP8 and pack-quantized INT4 sources).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import inspect
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Protocol, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..io.checkpoint import Checkpoint
+from ..quant.int4 import dequantize, unpack_int4
+from . import CalibrationError, UnsupportedArchitecture, UnsupportedWeights
+
+# Legend: N = samples, B = samples in a batch, T = tokens per sample, D = hidden size,
+#         E = routed experts, I = expert intermediate size
+
+MAX_BATCH_TOKENS = 8192  # tokens per forward call at most (B = max(1, batch_tokens // T) samples)
+MIN_BATCH_TOKENS = 1024
+LIVE_TEMPORARIES = 16  # ~[tokens, hidden] buffers a decoder layer's forward holds at once (measured ~14)
+DEFAULT_ACTIVATION_BUDGET = 4 << 30  # bytes of one activation copy kept in RAM; above it, a memory-mapped file
+# transformers' "eager" experts loop runs one expert at a time; "grouped_mm" first gathers every routed
+# token copy (tokens x top_k x (2D + 3I) floats: ~5 GB per 8k-token batch on Kimi K2), which breaks the
+# memory bound on CPU for no gain in speed there.
+DEFAULT_EXPERTS_IMPLEMENTATION = "eager"
+
+
+# ---- architectures ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ArchSpec:
+    """What the executor and observers need to know about a model_type (data, not code)."""
+
+    model_type: str  # the transformers model_type the model is built as
+    attention: str  # "gqa": K/V per KV head (maybe with k_norm, maybe partial RoPE) | "mla": one latent per token
+    experts: str | None  # per-expert on-disk names: "qwen2_moe" (mlp.experts.E.{gate,up,down}_proj) | "mixtral" | None
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": ArchSpec("llama", "gqa", None),
+    "qwen3": ArchSpec("qwen3", "gqa", None),  # k_norm on each head before RoPE
+    "qwen3_moe": ArchSpec("qwen3_moe", "gqa", "qwen2_moe"),
+    "mixtral": ArchSpec("mixtral", "gqa", "mixtral"),  # disk: block_sparse_moe.experts.E.w1/w2/w3
+    "deepseek_v3": ArchSpec("deepseek_v3", "mla", "qwen2_moe"),
+    "glm4_moe": ArchSpec("glm4_moe", "gqa", "qwen2_moe"),  # partial RoPE, optional qk norm (use_qk_norm)
+}
+# Kimi K2's config.json says model_type "kimi_k2" (with remote code); the architecture is DeepSeek-V3's.
+ALIASES = {"kimi_k2": "deepseek_v3"}
+
+# Per-expert on-disk names -> (fused in-memory tensor, part). transformers 5 keeps
+# experts.gate_up_proj [E, 2I, D] = cat(gate, up) and experts.down_proj [E, D, I] (conversion_mapping.py).
+_EXPERT_PARTS = {
+    "qwen2_moe": {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)},
+    "mixtral": {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0)},
+}
+_RENAMES = {"mixtral": ((".block_sparse_moe.", ".mlp."),)}
+# Tensors a layer may carry on disk that are not module state (old rotary caches, static activation scales).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".input_scale", ".output_scale", ".k_scale", ".v_scale")
+
+
+def arch_spec(config: dict) -> ArchSpec:
+    mt = config.get("model_type")
+    if not isinstance(mt, str):
+        raise UnsupportedArchitecture("config.json has no model_type")
+    spec = ARCHITECTURES.get(ALIASES.get(mt, mt))
+    if spec is None:
+        raise UnsupportedArchitecture(f"calibration does not support model_type {mt!r} yet")
+    return spec
+
+
+def build_config(config: dict):
+    """A transformers config object from a config.json dict: the model_type's own config class
+    (aliases resolved), without remote code (`auto_map` dropped) and without `quantization_config`
+    (quantized sources are dequantized on load by `load_layer_weights`)."""
+    import transformers
+
+    spec = arch_spec(config)
+    cfg = {k: v for k, v in config.items()
+           if k not in ("model_type", "auto_map", "quantization_config", "architectures", "transformers_version")
+           and not k.startswith("_")}
+    return transformers.CONFIG_MAPPING[spec.model_type](**cfg)
+
+
+def build_meta_model(config, experts_implementation: str | None = None) -> nn.Module:
+    """The CausalLM on the `meta` device: module structure and shapes, no memory. `experts_implementation`
+    (MoE models only) picks transformers' routed-experts kernel, e.g. "eager" or "grouped_mm"."""
+    from transformers import AutoModelForCausalLM
+
+    from ..testing import quiet_transformers
+
+    quiet_transformers()
+    kw = {"experts_implementation": experts_implementation} if experts_implementation else {}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, **kw)
+    return model.eval()
+
+
+# ---- weights ----------------------------------------------------------------------------------------
+class _Reader:
+    """Reads single tensors (or rows of one) of a checkpoint with positioned reads into fresh memory.
+
+    No memory map: mapped pages of a shard would count towards the process's resident memory until the
+    mapping is dropped, while a read holds exactly one tensor's bytes. Headers were validated by
+    `Checkpoint.open`, so offsets and sizes are known to lie inside the file."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self._fds: dict[str, int] = {}
+
+    def _fd(self, shard: str) -> int:
+        fd = self._fds.get(shard)
+        if fd is None:
+            fd = self._fds[shard] = os.open(self.ckpt.shard(shard).path, os.O_RDONLY)
+        return fd
+
+    def _pread(self, fd: int, nbytes: int, offset: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        view, done = memoryview(buf.numpy()), 0
+        while done < nbytes:
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise UnsupportedWeights(f"short read at byte {offset + done}: the shard changed on disk")
+            done += n
+        return buf
+
+    def get(self, name: str) -> torch.Tensor:
+        shard = self.ckpt.location[name]
+        h = self.ckpt.shard(shard).header
+        info = h.tensors[name]
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=info.dtype)
+        return self._pread(self._fd(shard), info.nbytes, h.data_start + info.begin).view(info.dtype).reshape(info.shape)
+
+    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """table[index] for a 2-D tensor, reading only the distinct rows used."""
+        shard = self.ckpt.location[name]
+        h = self.ckpt.shard(shard).header
+        info = h.tensors[name]
+        uniq, inverse = torch.unique(index, return_inverse=True)
+        row_bytes = info.nbytes // info.shape[0]
+        fd = self._fd(shard)
+        out = torch.empty((len(uniq), row_bytes), dtype=torch.uint8)
+        for j, r in enumerate(uniq.tolist()):
+            out[j] = self._pread(fd, row_bytes, h.data_start + info.begin + r * row_bytes)
+        return out.view(info.dtype)[inverse]  # [*index.shape, D]
+
+    def close(self):
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def release_memory() -> None:
+    """Give freed memory back to the OS between layers (glibc keeps freed heap pages otherwise)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _fp8_block_size(ckpt: Checkpoint) -> tuple[int, int]:
+    qc = ckpt.quantization_config or {}
+    bs = qc.get("weight_block_size")
+    if isinstance(bs, list) and len(bs) == 2 and all(isinstance(b, int) and b > 0 for b in bs):
+        return bs[0], bs[1]
+    return 128, 128
+
+
+def _dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float8 weight [N, K] times its scale: one scalar ([1]/[]), per row ([N, 1]) or per block
+    ([ceil(N/bn), ceil(K/bk)], edge blocks partial). DeepSeek's `weight_scale_inv` multiplies too."""
+    n, k = w.shape
+    s = scale.float()
+    if s.numel() == 1:
+        return w.float() * s.reshape(())
+    if tuple(s.shape) == (n, 1):
+        return w.float() * s
+    bn, bk = block
+    if tuple(s.shape) != (-(-n // bn), -(-k // bk)):
+        raise UnsupportedWeights(f"FP8 scale of shape {list(s.shape)} does not fit a [{n}, {k}] weight with "
+                                 f"{bn}x{bk} blocks")
+    s = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return w.float() * s
+
+
+def _read_weight(r: _Reader, base: str, names: set[str], block: tuple[int, int]) -> torch.Tensor:
+    """The float weight `base.weight` (module `base`), dequantizing block-FP8 and pack-quantized INT4."""
+    if base + ".weight_packed" in names:  # compressed-tensors pack-quantized INT4
+        if base + ".weight_g_idx" in names:
+            raise UnsupportedWeights(f"{base}: act-order (weight_g_idx) INT4 sources are not supported")
+        n, k = (int(x) for x in r.get(base + ".weight_shape").tolist())
+        q = unpack_int4(r.get(base + ".weight_packed"), k)  # [N, K] int8
+        zp = None
+        if base + ".weight_zero_point" in names:  # packed along dim 0: [ceil(N/8), G]
+            zp = unpack_int4(r.get(base + ".weight_zero_point").t().contiguous(), n).t()
+        return dequantize(q, r.get(base + ".weight_scale"), zp)
+    w = r.get(base + ".weight")
+    if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for s in (".weight_scale_inv", ".weight_scale"):
+            if base + s in names:
+                return _dequant_fp8(w, r.get(base + s), block)
+        raise UnsupportedWeights(f"{base}.weight is {w.dtype} but has no weight_scale_inv / weight_scale")
+    if not w.dtype.is_floating_point:
+        raise UnsupportedWeights(f"{base}.weight has dtype {w.dtype}")
+    return w
+
+
+_COMPANIONS = (".weight_scale_inv", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx",
+               ".weight_packed")
+
+
+def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype = torch.float32,
+                       device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The state dict of decoder layer `layer_idx` as transformers 5 holds it in memory, keyed relative to
+    the layer (`self_attn.q_proj.weight`, `mlp.experts.gate_up_proj`, ...), in `dtype` on `device`.
+
+    Maps the on-disk layout: per-expert `mlp.experts.E.{gate,up,down}_proj.weight` (Mixtral:
+    `block_sparse_moe.experts.E.w1/w3/w2`) -> fused `mlp.experts.gate_up_proj` [E, 2I, D] (gate rows first)
+    and `mlp.experts.down_proj` [E, D, I]; fused on-disk experts pass through. Quantized sources are
+    dequantized here: block-FP8 (`weight` float8 + `weight_scale_inv`/`weight_scale`) and compressed-tensors
+    pack-quantized INT4 (`weight_packed`, `weight_scale`, `weight_shape`[, `weight_zero_point`]).
+    Reads only this layer's tensors; each expert is copied straight into its slice of the fused tensor."""
+    spec = arch_spec(ckpt.config)
+    prefix = f"model.layers.{layer_idx}."
+    disk = {n for n in ckpt.location if n.startswith(prefix)}
+    if not disk:
+        raise UnsupportedWeights(f"the checkpoint holds no tensors for layer {layer_idx} ({prefix}*)")
+    renames = _RENAMES.get(spec.model_type, ())
+    parts = _EXPERT_PARTS.get(spec.experts or "", {})
+    expert_rx = re.compile(r"^mlp\.experts\.(\d+)\.(" + "|".join(parts or ["-"]) + r")$")
+    block = _fp8_block_size(ckpt)
+
+    # logical modules: relative in-memory module name -> on-disk base name
+    modules: dict[str, str] = {}
+    direct: dict[str, str] = {}  # relative tensor name -> on-disk tensor name (non-`.weight` tensors)
+    for name in sorted(disk):
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        rel = name[len(prefix):]
+        for a, b in renames:
+            rel = ("." + rel).replace(a, b)[1:]
+        if name.endswith(".weight") or name.endswith(".weight_packed"):
+            base = name.rsplit(".", 1)[0]
+            modules[rel.rsplit(".", 1)[0]] = base
+        elif not name.endswith(_COMPANIONS):  # companions (scales, shapes) are read with their weight
+            direct[rel] = name
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, str]] = {}  # (fused name, part) -> {expert: disk base}
+    r = _Reader(ckpt)
+    try:
+        for rel, base in modules.items():
+            m = expert_rx.match(rel)
+            if m:
+                experts.setdefault(parts[m.group(2)], {})[int(m.group(1))] = base
+                continue
+            out[rel + ".weight"] = _read_weight(r, base, disk, block).to(device=device, dtype=dtype)
+        for rel, name in direct.items():
+            t = r.get(name)
+            out[rel] = t.to(device=device, dtype=dtype if t.dtype.is_floating_point else t.dtype)
+        for fused in sorted({f for f, _ in experts}):
+            want_parts = (0, 1) if fused == "gate_up_proj" else (0,)
+            part_maps = [experts.get((fused, p), {}) for p in want_parts]  # gate, up (or down)
+            n_exp = max(len(pm) for pm in part_maps)
+            for pm in part_maps:
+                if sorted(pm) != list(range(n_exp)):
+                    raise UnsupportedWeights(f"layer {layer_idx}: routed experts for {fused} are incomplete on disk "
+                                             f"(found {len(pm)} of {n_exp} experts for one of its parts)")
+            dst = None
+            for e in range(n_exp):
+                ws = [_read_weight(r, pm[e], disk, block) for pm in part_maps]  # [I, D] each (down: [D, I])
+                if dst is None:
+                    dst = torch.empty((n_exp, sum(w.shape[0] for w in ws), ws[0].shape[1]), dtype=dtype,
+                                      device=device)  # [E, 2I, D] = cat(gate, up) / [E, D, I]
+                r0 = 0
+                for w in ws:
+                    dst[e, r0:r0 + w.shape[0]].copy_(w)
+                    r0 += w.shape[0]
+            out[f"mlp.experts.{fused}"] = dst
+    finally:
+        r.close()
+    return out
+
+
+# ---- activations ------------------------------------------------------------------------------------
+class ActivationStore:
+    """Hidden states of all calibration samples, [T_i, D] each, in one flat buffer: RAM, or a
+    memory-mapped temporary file when larger than the budget (the file is deleted on close)."""
+
+    def __init__(self, lengths: Sequence[int], hidden: int, dtype: torch.dtype, *, budget_bytes: int,
+                 workdir: str | Path | None = None):
+        self.lengths = [int(t) for t in lengths]
+        self.hidden = hidden
+        self.dtype = dtype
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        tokens = int(self.offsets[-1])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.nbytes = tokens * hidden * itemsize
+        self.path: Path | None = None
+        self._mm = None
+        if self.nbytes > budget_bytes:
+            fd, name = tempfile.mkstemp(prefix="quantkit-act-", suffix=".bin", dir=workdir)
+            os.close(fd)
+            self.path = Path(name)
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="w+", shape=(max(self.nbytes, 1),))
+            self.data = torch.from_numpy(self._mm)[: self.nbytes].view(dtype).view(tokens, hidden)
+        else:
+            self.data = torch.empty((tokens, hidden), dtype=dtype)  # [sum T_i, D]
+
+    @property
+    def on_disk(self) -> bool:
+        return self.path is not None
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:  # [T_i, D] view
+        return self.data[self.offsets[i]:self.offsets[i + 1]]
+
+    def __setitem__(self, i: int, value: torch.Tensor):
+        self[i].copy_(value)
+
+    def batches(self, batch_tokens: int) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """(sample indices, [B, T, D]) with equal-length samples grouped (no padding needed)."""
+        by_len: dict[int, list[int]] = {}
+        for i, t in enumerate(self.lengths):
+            by_len.setdefault(t, []).append(i)
+        for t in sorted(by_len):
+            idx = by_len[t]
+            b = max(1, batch_tokens // max(t, 1))
+            for j in range(0, len(idx), b):
+                chunk = idx[j:j + b]
+                if chunk == list(range(chunk[0], chunk[0] + len(chunk))):  # contiguous: a view
+                    x = self.data[self.offsets[chunk[0]]:self.offsets[chunk[-1] + 1]].view(len(chunk), t, -1)
+                else:
+                    x = torch.stack([self[i] for i in chunk])
+                yield chunk, x
+
+    def write(self, indices: list[int], x: torch.Tensor):
+        for k, i in enumerate(indices):
+            self[i] = x[k]
+
+    def close(self):
+        self.data = None
+        if self._mm is not None:
+            del self._mm
+            self._mm = None
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = None
+
+
+# ---- observers protocol -----------------------------------------------------------------------------
+class Observer(Protocol):
+    def attach(self, layer_idx: int, layer: nn.Module) -> list:  # -> removable hook handles
+        ...
+
+
+@dataclass
+class LayerStep:
+    """One decoder layer, materialized, with its inputs. Iterates as (index, layer, inputs)."""
+
+    index: int
+    layer: nn.Module
+    inputs: ActivationStore
+    executor: "LayerExecutor"
+    outputs: ActivationStore | None = None  # set by forward(), or by the caller to replace the outputs
+
+    def forward(self) -> ActivationStore:
+        """Run the layer (as it is now) over all inputs; the result becomes the next layer's inputs."""
+        if self.outputs is not None:
+            self.outputs.close()
+        self.outputs = self.executor.forward_layer(self.layer, self.inputs)
+        return self.outputs
+
+    def __iter__(self):
+        return iter((self.index, self.layer, self.inputs))
+
+
+# ---- the executor -----------------------------------------------------------------------------------
+class LayerExecutor:
+    def __init__(self, model: str | Path | Checkpoint, *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", batch_tokens: int | None = None,
+                 activation_budget_bytes: int = DEFAULT_ACTIVATION_BUDGET, workdir: str | Path | None = None,
+                 experts_implementation: str | None = DEFAULT_EXPERTS_IMPLEMENTATION):
+        self.ckpt = model if isinstance(model, Checkpoint) else Checkpoint.open(model)
+        self.spec = arch_spec(self.ckpt.config)
+        self.config = build_config(self.ckpt.config)
+        self.model = build_meta_model(self.config, experts_implementation if self.spec.experts else None)
+        self.config = self.model.config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.activation_budget_bytes = activation_budget_bytes
+        self.workdir = workdir
+        body = self.model.model
+        self.decoder_layers: nn.ModuleList = body.layers
+        self.num_layers = len(self.decoder_layers)
+        # The rotary embedding's inv_freq is a non-persistent buffer computed at init: rebuild it for real.
+        self.rotary_emb = type(body.rotary_emb)(config=self.model.config).to(self.device)
+        self._mask_fn, self._mask_kwargs = self._mask_function()
+        self.batch_tokens = batch_tokens or self.auto_batch_tokens()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def layer_bytes(self, idx: int | None = None) -> int:
+        """Bytes of decoder layer `idx` (default: the largest) materialized in the compute dtype."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        layers = self.decoder_layers if idx is None else [self.decoder_layers[idx]]
+        return max(sum(t.numel() for t in layer.state_dict().values()) for layer in layers) * item
+
+    def auto_batch_tokens(self) -> int:
+        """Tokens per forward call. Big batches run faster on CPU, but the forward's temporaries grow with
+        them; keep those within about one layer's weights (the memory bound allows two), clamped to
+        [MIN_BATCH_TOKENS, MAX_BATCH_TOKENS]."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        fit = self.layer_bytes() // (LIVE_TEMPORARIES * self.hidden_size * item)
+        return int(min(MAX_BATCH_TOKENS, max(MIN_BATCH_TOKENS, fit)))
+
+    # -- building blocks ------------------------------------------------------------------------
+    def embed(self, samples: Sequence[torch.Tensor]) -> ActivationStore:
+        """Embed token samples (1-D int tensors) into a new store; reads only the used rows."""
+        name = "model.embed_tokens.weight"
+        if name not in self.ckpt.location:
+            raise UnsupportedWeights(f"the checkpoint has no {name}")
+        vocab = self.ckpt.info(name).shape[0]
+        store = self._new_store([len(s) for s in samples])
+        r = _Reader(self.ckpt)
+        try:
+            for i, s in enumerate(samples):
+                s = torch.as_tensor(s, dtype=torch.long)
+                if s.numel() and (int(s.min()) < 0 or int(s.max()) >= vocab):
+                    raise CalibrationError(f"sample {i} holds token ids outside [0, {vocab})",
+                                           hint="the data was tokenized for another model")
+                if s.numel():
+                    store[i] = r.rows(name, s).to(self.dtype)  # only the rows this sample uses
+        finally:
+            r.close()
+        return store
+
+    def load_layer(self, idx: int) -> nn.Module:
+        """Materialize decoder layer `idx` (strict: every parameter and buffer must come from disk)."""
+        layer = self.decoder_layers[idx]
+        sd = load_layer_weights(self.ckpt, idx, dtype=self.dtype, device=self.device)
+        expected = set(layer.state_dict())
+        missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+        if missing or unexpected:
+            raise UnsupportedWeights(
+                f"layer {idx}: on-disk tensors do not match the {self.spec.model_type} layer "
+                f"(missing {missing[:4]}{'...' if len(missing) > 4 else ''}, "
+                f"unexpected {unexpected[:4]}{'...' if len(unexpected) > 4 else ''})")
+        shapes = {k: tuple(t.shape) for k, t in layer.state_dict().items()}
+        for k, v in sd.items():
+            if shapes[k] != tuple(v.shape):
+                raise UnsupportedWeights(f"layer {idx}: {k} has shape {list(v.shape)} on disk, the config implies "
+                                         f"{list(shapes[k])}")
+        layer.load_state_dict(sd, strict=True, assign=True)
+        left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
+        if left:  # a non-persistent buffer we cannot recompute
+            raise UnsupportedArchitecture(f"layer {idx}: {left[0]} is not stored in the checkpoint")
+        return layer.eval()
+
+    def free_layer(self, idx: int) -> None:
+        self.decoder_layers[idx].to_empty(device="meta")
+        release_memory()
+
+    def _new_store(self, lengths: Sequence[int]) -> ActivationStore:
+        return ActivationStore(lengths, self.hidden_size, self.dtype, budget_bytes=self.activation_budget_bytes,
+                               workdir=self.workdir)
+
+    def _mask_function(self):
+        # The model's own choice (modeling_*.py): sliding-window mask iff config.sliding_window is set.
+        from transformers import masking_utils
+
+        fn = (masking_utils.create_sliding_window_causal_mask if getattr(self.config, "sliding_window", None)
+              else masking_utils.create_causal_mask)
+        params = inspect.signature(fn).parameters
+        kw = {"cache": None} if "cache" in params else {"past_key_values": None}
+        return fn, kw
+
+    def forward_layer(self, layer: nn.Module, inputs: ActivationStore) -> ActivationStore:
+        """Run `layer` over every sample of `inputs`; returns a new store with its outputs."""
+        out = self._new_store(inputs.lengths)
+        with torch.inference_mode():
+            for idx, x in inputs.batches(self.batch_tokens):
+                x = x.to(self.device)
+                b, t, _ = x.shape
+                pos = torch.arange(t, device=self.device).unsqueeze(0).expand(b, t)  # every sample starts at 0
+                pe = self.rotary_emb(x, pos)
+                mask = self._mask_fn(config=self.config, inputs_embeds=x, attention_mask=None, position_ids=pos,
+                                     **self._mask_kwargs)
+                y = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe, use_cache=False)
+                if isinstance(y, tuple):  # older transformers return (hidden_states, ...)
+                    y = y[0]
+                if not bool(torch.isfinite(y).all()):
+                    raise CalibrationError(f"decoder layer {getattr(layer.self_attn, 'layer_idx', '?')} produced "
+                                           "non-finite hidden states")
+                out.write(idx, y)  # copy_ moves device -> host when needed
+        return out
+
+    # -- the loop -------------------------------------------------------------------------------
+    def layers(self, samples: Sequence[torch.Tensor] | ActivationStore, observers: Sequence[Observer] = (),
+               ) -> Iterator[LayerStep]:
+        """Yield each decoder layer materialized with its inputs; see the module docstring. Observers stay
+        attached for the whole step (every forward of it). The store left after the last layer (hidden
+        states before the final norm) is `self.final`; a store passed as `samples` is consumed."""
+        inputs = samples if isinstance(samples, ActivationStore) else self.embed(samples)
+        self.final = None
+        step = None
+        try:
+            for idx in range(self.num_layers):
+                layer = self.load_layer(idx)
+                handles = [h for o in observers for h in o.attach(idx, layer)]
+                step = LayerStep(idx, layer, inputs, self)
+                try:
+                    yield step
+                    if step.outputs is None:
+                        step.forward()
+                finally:
+                    for h in handles:
+                        h.remove()
+                    self.free_layer(idx)
+                    del layer
+                inputs.close()
+                inputs, step = step.outputs, None
+            self.final, inputs = inputs, None
+        finally:  # an early exit (break, error) must not leave memory-mapped activation files behind
+            for store in (inputs, step.outputs if step is not None else None):
+                if store is not None:
+                    store.close()
+
+    def run(self, samples: Sequence[torch.Tensor], observers: Sequence[Observer] = (),
+            progress: Callable[[int, int], None] | None = None) -> ActivationStore:
+        """Stream all layers with `observers` attached; returns the hidden states after the last layer
+        (before the final norm). `progress(layer_idx, num_layers)` is called after each layer."""
+        for step in self.layers(samples, observers):
+            step.forward()
+            if progress is not None:
+                progress(step.index, self.num_layers)
+        return self.final
+
+
+def modeling_module(module: nn.Module):
+    """The transformers modeling module that defines `module` (for its apply_rotary_pos_emb)."""
+    return sys.modules[type(module).__module__]

@@ -1,0 +1,142 @@
+"""Observers: small stateful objects that hook a materialized decoder layer and record statistics.
+
+- `KVCacheObserver`: the running amax of exactly what a serving engine writes to its KV cache
+  (docs/formats.md, "KV-cache FP8 scales"), recomputed from the attention module's inputs with the
+  module's own projections/norms and the model's own `apply_rotary_pos_emb`:
+  * GQA (llama, qwen3, qwen3_moe, mixtral, glm4_moe): K = rope(k_norm(k_proj(x))) (k_norm only where the
+    model has one and uses it), V = v_proj(x); per KV head, shape [B, H_kv, T, head_dim].
+  * MLA (deepseek_v3 / Kimi K2): the cached latent = cat(kv_a_layernorm(c_kv), rope(k_pe)), where
+    kv_a_proj_with_mqa(x) = [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]; one "head" of 576 values on
+    Kimi K2. vLLM quantizes that latent with one scale for K and V, so k_amax == v_amax.
+  The recomputation costs one extra K/V projection per layer; it never touches the attention itself, so
+  it does not depend on which attention kernel runs.
+- `ExpertTokenCounter`: how many calibration tokens the router sent to each routed expert (top-k
+  indices from the `mlp.gate` router's output).
+
+Both follow one protocol: `attach(layer_idx, layer) -> [hook handles]` (the executor removes them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import CalibrationError
+from .executor import modeling_module
+
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn; scale = amax / 448 (vLLM, compressed-tensors)
+MIN_SCALE = torch.finfo(torch.float32).tiny  # never write a zero scale (0/0 at serving time)
+
+
+def is_mla(attn: nn.Module) -> bool:
+    return hasattr(attn, "kv_a_proj_with_mqa")
+
+
+def cached_kv(attn: nn.Module, hidden_states: torch.Tensor,
+              position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the engine caches for these tokens: (K, V) as [B, H_kv, T, head_dim]; for MLA the latent
+    [B, 1, T, kv_lora_rank + qk_rope_head_dim] twice. `hidden_states` is the attention module's input
+    (after input_layernorm) [B, T, D]; `position_embeddings` the (cos, sin) the model passes it."""
+    mod = modeling_module(attn)
+    cos, sin = position_embeddings
+    b, t, _ = hidden_states.shape
+    if is_mla(attn):
+        ckv = attn.kv_a_proj_with_mqa(hidden_states)  # [B, T, R + P]
+        c_kv, k_pe = torch.split(ckv, [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+        c_kv = attn.kv_a_layernorm(c_kv).view(b, 1, t, attn.kv_lora_rank)
+        k_pe = k_pe.view(b, 1, t, attn.qk_rope_head_dim)
+        rope = (mod.apply_rotary_pos_emb_interleave if getattr(attn.config, "rope_interleave", False)
+                else mod.apply_rotary_pos_emb)
+        _, k_pe = rope(k_pe, k_pe, cos, sin)
+        latent = torch.cat([c_kv, k_pe], dim=-1)  # [B, 1, T, R + P]
+        return latent, latent
+    head_dim = attn.head_dim
+    k = attn.k_proj(hidden_states).view(b, t, -1, head_dim)  # [B, T, H_kv, hd]
+    k_norm = getattr(attn, "k_norm", None)
+    if k_norm is not None and getattr(attn, "use_qk_norm", True):
+        k = k_norm(k)
+    k = k.transpose(1, 2)  # [B, H_kv, T, hd]
+    v = attn.v_proj(hidden_states).view(b, t, -1, head_dim).transpose(1, 2)
+    _, k = mod.apply_rotary_pos_emb(k, k, cos, sin)
+    return k, v
+
+
+def _attn_inputs(args, kwargs):
+    h = kwargs.get("hidden_states", args[0] if args else None)
+    pe = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+    if h is None or pe is None:
+        raise CalibrationError("the attention module was called without hidden_states/position_embeddings",
+                               hint="this transformers version calls attention differently; please report it")
+    return h, pe
+
+
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    return (amax.float() / FP8_E4M3_MAX).clamp_min(MIN_SCALE)
+
+
+class KVCacheObserver:
+    """Per layer and KV head, the running max |K| and |V| of what is cached (float32)."""
+
+    def __init__(self):
+        self.k_amax: dict[int, torch.Tensor] = {}  # layer -> [H_kv] (MLA: [1])
+        self.v_amax: dict[int, torch.Tensor] = {}
+        self.mla: dict[int, bool] = {}
+        self.tokens: dict[int, int] = {}
+
+    def attach(self, layer_idx: int, layer: nn.Module) -> list:
+        attn = layer.self_attn
+
+        def pre_hook(module, args, kwargs):
+            h, pe = _attn_inputs(args, kwargs)
+            k, v = cached_kv(module, h, pe)
+            self.update(layer_idx, k, v, mla=is_mla(module))
+
+        return [attn.register_forward_pre_hook(pre_hook, with_kwargs=True)]
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, *, mla: bool = False) -> None:
+        ka = k.detach().abs().amax(dim=(0, 2, 3)).float().cpu()  # [H_kv]
+        va = v.detach().abs().amax(dim=(0, 2, 3)).float().cpu()
+        if layer_idx in self.k_amax:
+            ka = torch.maximum(ka, self.k_amax[layer_idx])
+            va = torch.maximum(va, self.v_amax[layer_idx])
+        self.k_amax[layer_idx], self.v_amax[layer_idx] = ka, va
+        self.mla[layer_idx] = mla
+        self.tokens[layer_idx] = self.tokens.get(layer_idx, 0) + k.shape[0] * k.shape[2]
+
+    def amax(self, layer_idx: int, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_amax, v_amax): shape [1] for strategy "tensor", [H_kv, 1, 1] for "attn_head"."""
+        if layer_idx not in self.k_amax:
+            raise CalibrationError(f"no attention input was observed in layer {layer_idx}")
+        ka, va = self.k_amax[layer_idx], self.v_amax[layer_idx]
+        if not (torch.isfinite(ka).all() and torch.isfinite(va).all()):
+            raise CalibrationError(f"layer {layer_idx}: the cached K/V hold NaN or Inf")
+        if strategy == "tensor":
+            return ka.amax().reshape(1), va.amax().reshape(1)
+        if strategy == "attn_head":
+            return ka.reshape(-1, 1, 1), va.reshape(-1, 1, 1)
+        raise ValueError(f"strategy must be 'tensor' or 'attn_head', got {strategy!r}")
+
+
+class ExpertTokenCounter:
+    """Tokens routed to each expert per MoE layer: bincount of the router's top-k indices."""
+
+    def __init__(self):
+        self.counts: dict[int, torch.Tensor] = {}  # layer -> [E] int64
+        self.top_k: dict[int, int] = {}
+
+    def attach(self, layer_idx: int, layer: nn.Module) -> list:
+        moe = getattr(layer, "mlp", None)
+        gate, experts = getattr(moe, "gate", None), getattr(moe, "experts", None)
+        if not isinstance(gate, nn.Module) or experts is None or not hasattr(experts, "num_experts"):
+            return []  # a dense layer
+        n_exp = int(experts.num_experts)
+        self.counts[layer_idx] = torch.zeros(n_exp, dtype=torch.int64)
+        self.top_k[layer_idx] = int(getattr(gate, "top_k", 0))
+
+        def hook(module, args, output):
+            idx = output[-1] if isinstance(output, tuple) else output  # [tokens, top_k]
+            if idx.dtype.is_floating_point:
+                raise CalibrationError(f"layer {layer_idx}: the router did not return top-k expert indices")
+            self.counts[layer_idx] += torch.bincount(idx.reshape(-1).cpu(), minlength=n_exp)[:n_exp]
+
+        return [gate.register_forward_hook(hook)]

@@ -1,0 +1,182 @@
+"""`quantkit calibrate`: FP8 KV-cache scales (and expert token counts) from calibration data.
+
+Pipeline: open the checkpoint -> tokenize and sample the calibration data (`calib.data`) -> stream the
+decoder layers one at a time (`calib.executor`) with a KV-cache observer and an expert-token counter
+attached (`calib.observers`) -> scales = amax / 448 per layer -> `CalibrationResult`, written by
+`write_scales` as a small safetensors file that `convert --kv-scales` and vLLM-style loaders read:
+`model.layers.L.self_attn.k_scale` / `v_scale`, float32, shape [1] (strategy "tensor") or
+[num_kv_heads, 1, 1] ("attn_head"; for MLA the "head" count is 1).
+
+Memory: one decoder layer's weights (in the compute dtype) plus two copies of the calibration
+activations (samples x seq_len x hidden); docs/calibration.md derives the bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import __version__
+from .calib import CalibrationError, KVScalesError
+from .calib.data import DEFAULT_SEED, load_calibration_data, load_tokenizer
+from .calib.executor import DEFAULT_ACTIVATION_BUDGET, LayerExecutor
+from .calib.observers import FP8_E4M3_MAX, ExpertTokenCounter, KVCacheObserver, fp8_scale
+from .io.safetensors import SafetensorsFile, write_safetensors
+from .recipe import CalibrationSpec, KVCacheSpec
+
+# The one set of defaults the CLI and recipes share (recipe.CalibrationSpec holds the values).
+DEFAULT_NUM_SAMPLES: int = CalibrationSpec.num_samples
+DEFAULT_SEQ_LEN: int = CalibrationSpec.seq_len
+DEFAULT_STRATEGY = "tensor"
+STRATEGIES = ("tensor", "attn_head")
+SCALES_FORMAT = "quantkit-kv-scales"
+_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """KV statistics of one decoder layer: floats for strategy "tensor", per-head lists for "attn_head"."""
+
+    layer: int
+    k_amax: float | list[float]
+    v_amax: float | list[float]
+    k_scale: float | list[float]
+    v_scale: float | list[float]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layer": self.layer, "k_amax": self.k_amax, "v_amax": self.v_amax, "k_scale": self.k_scale,
+                "v_scale": self.v_scale}
+
+
+@dataclass
+class CalibrationResult:
+    model: str
+    model_type: str
+    attention: str  # "gqa" | "mla"
+    strategy: str
+    layers: list[LayerKV]  # index = layer
+    expert_tokens: dict[int, list[int]]  # MoE layer -> tokens routed to each expert
+    scales: dict[str, torch.Tensor]  # tensor name -> float32 [1] or [H_kv, 1, 1]
+    data: dict[str, Any]  # source, sha256, num_samples, seq_len, num_tokens, tokenizer, ...
+    seconds: float
+    peak_rss_bytes: int
+    top_k: dict[int, int] = field(default_factory=dict)
+    output: str | None = None  # set by write_scales
+
+    @property
+    def kv_cache_scheme(self) -> dict[str, Any]:
+        return KVCacheSpec(self.strategy).config()
+
+    def to_json(self) -> dict[str, Any]:
+        """The `--json` object: contract keys `output`, `layers`, `expert_tokens`, plus extras."""
+        return {
+            "output": self.output,
+            "layers": [lk.to_json() for lk in self.layers],
+            "expert_tokens": {str(k): v for k, v in sorted(self.expert_tokens.items())},
+            "model": self.model, "model_type": self.model_type, "attention": self.attention,
+            "strategy": self.strategy, "kv_cache_scheme": self.kv_cache_scheme, "fp8_max": FP8_E4M3_MAX,
+            "top_k": {str(k): v for k, v in sorted(self.top_k.items())},
+            "data": self.data, "seconds": round(self.seconds, 3), "peak_rss_bytes": self.peak_rss_bytes,
+        }
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _floats(t: torch.Tensor, strategy: str) -> float | list[float]:
+    return float(t.reshape(-1)[0]) if strategy == "tensor" else [float(x) for x in t.reshape(-1)]
+
+
+def calibrate(model_dir: str | os.PathLike, *, dataset: str | os.PathLike | None = None,
+              num_samples: int = DEFAULT_NUM_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, strategy: str = DEFAULT_STRATEGY,
+              seed: int = DEFAULT_SEED, dtype: torch.dtype = torch.float32, device: str = "cpu",
+              batch_tokens: int | None = None, activation_budget_bytes: int = DEFAULT_ACTIVATION_BUDGET,
+              progress: Callable[[int, int], None] | None = None) -> CalibrationResult:
+    """Calibrate FP8 KV-cache scales for the checkpoint in `model_dir` (see the module docstring).
+    `progress(layer_idx, num_layers)` is called after each decoder layer. `dtype`/`device`: what the
+    layers compute in; `batch_tokens`: tokens per forward call (None: sized to the layer, see
+    `LayerExecutor.auto_batch_tokens`)."""
+    if strategy not in STRATEGIES:
+        raise CalibrationError(f"unknown KV-cache strategy {strategy!r}", hint="use --strategy tensor or attn_head")
+    t0 = time.perf_counter()
+    ex = LayerExecutor(model_dir, dtype=dtype, device=device, batch_tokens=batch_tokens,
+                       activation_budget_bytes=activation_budget_bytes)
+    data = load_calibration_data(dataset, tokenizer=load_tokenizer(model_dir), vocab_size=ex.config.vocab_size,
+                                 num_samples=num_samples, seq_len=seq_len, seed=seed)
+    kv, experts = KVCacheObserver(), ExpertTokenCounter()
+    final = ex.run(data.samples, [kv, experts], progress=progress)
+    final.close()
+
+    layers, scales = [], {}
+    for i in range(ex.num_layers):
+        ka, va = kv.amax(i, strategy)  # [1] or [H_kv, 1, 1]
+        ks, vs = fp8_scale(ka), fp8_scale(va)
+        layers.append(LayerKV(i, _floats(ka, strategy), _floats(va, strategy), _floats(ks, strategy),
+                              _floats(vs, strategy)))
+        scales[f"model.layers.{i}.self_attn.k_scale"] = ks
+        scales[f"model.layers.{i}.self_attn.v_scale"] = vs
+    return CalibrationResult(
+        model=str(model_dir), model_type=str(ex.ckpt.config.get("model_type")), attention=ex.spec.attention,
+        strategy=strategy, layers=layers, expert_tokens={i: c.tolist() for i, c in sorted(experts.counts.items())},
+        scales=scales, data=data.describe(), seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(),
+        top_k=dict(experts.top_k))
+
+
+def write_scales(result: CalibrationResult, path: str | os.PathLike) -> int:
+    """Write `result.scales` as safetensors to `path` (via a temporary file, then renamed); sets
+    `result.output` and returns the bytes written. The metadata records the scheme and the data used."""
+    path = Path(path)
+    meta = {"format": SCALES_FORMAT, "strategy": result.strategy, "kv_cache_scheme": json.dumps(result.kv_cache_scheme),
+            "model_type": result.model_type, "attention": result.attention, "quantkit_version": __version__,
+            "data": json.dumps(result.data, sort_keys=True)}
+    tmp = path.with_name(f".{path.name}.tmp")
+    n = write_safetensors(tmp, result.scales, metadata=meta)
+    os.replace(tmp, path)
+    result.output = str(path)
+    return n
+
+
+def read_scales(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read and validate a KV-scales file: only `model.layers.L.self_attn.{k,v}_scale`, float32, shape [1]
+    or [H, 1, 1], finite and positive, both K and V for every layer, one strategy throughout."""
+    p = Path(path)
+    if not p.is_file():
+        raise KVScalesError(f"KV-scales file {str(p)!r} does not exist")
+    out: dict[str, torch.Tensor] = {}
+    with SafetensorsFile(p) as f:
+        for name, info in f.header.tensors.items():
+            if not _SCALE_NAME.match(name):
+                raise KVScalesError(f"{p.name}: unexpected tensor {name!r}")
+            if info.dtype != torch.float32:
+                raise KVScalesError(f"{p.name}: {name} is {info.dtype}, not float32")
+            if not (info.shape == (1,) or (len(info.shape) == 3 and info.shape[1:] == (1, 1) and info.shape[0] > 0)):
+                raise KVScalesError(f"{p.name}: {name} has shape {list(info.shape)}, not [1] or [H, 1, 1]")
+            t = f.get(name)
+            if not (torch.isfinite(t).all() and (t > 0).all()):
+                raise KVScalesError(f"{p.name}: {name} holds a zero, negative or non-finite scale")
+            out[name] = t
+    layers = {int(_SCALE_NAME.match(n).group(1)) for n in out}
+    for i in sorted(layers):
+        for kind in "kv":
+            if f"model.layers.{i}.self_attn.{kind}_scale" not in out:
+                raise KVScalesError(f"{p.name}: layer {i} has no {kind}_scale")
+    if len({len(t.shape) for t in out.values()}) > 1:
+        raise KVScalesError(f"{p.name}: mixes per-tensor and per-head scales")
+    if not out:
+        raise KVScalesError(f"{p.name}: holds no scales")
+    return out
+
+
+def scales_strategy(scales: dict[str, torch.Tensor]) -> str:
+    """"tensor" or "attn_head", from the shapes of validated scales (`read_scales`)."""
+    return "tensor" if all(t.shape == (1,) for t in scales.values()) else "attn_head"
