@@ -18,6 +18,10 @@ from rich.markup import escape
 
 from .errors import QuantkitError
 
+# compressed-tensors and transformers draw per-module progress bars on stderr while loading; tqdm reads
+# this when it is imported, so it is set before anything imports it
+os.environ.setdefault("TQDM_DISABLE", "1")
+
 app = typer.Typer(
     name="quantkit", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     help="Quantize large MoE checkpoints (INT4 experts, FP8) into compressed-tensors format, and prove them.",
@@ -214,7 +218,7 @@ def demo(
     """Run the whole pipeline on a tiny generated MoE model (no downloads)."""
     from .demo import run_demo
 
-    rep = run_demo(out, arch=arch, overwrite=overwrite, log=lambda m: err.print(m))
+    rep = run_demo(out, arch=arch, overwrite=overwrite, log=lambda m: err.print(escape(m), soft_wrap=True))
     if json_out:
         _print_json(rep)
 

@@ -63,5 +63,9 @@ def test_demo_runs_end_to_end(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     doc = json.loads(p.stdout)
     assert doc["convert"]["tensors_quantized"] > 0
-    assert doc["metrics"]["kl_divergence"] < 1e-2 and doc["metrics"]["top1_agreement"] > 0.5
+    assert doc["verify"]["passed"] and doc["verify"]["integrity"]["ok"] and doc["verify"]["format"]["ok"]
+    assert doc["verify"]["metrics"]["kl_divergence"] < 1e-2 and doc["verify"]["metrics"]["top1_agreement"] > 0.5
+    assert len(doc["calibrate"]["layers"]) == 4
+    cfg = json.loads((tmp_path / "d" / "int4" / "config.json").read_text())
+    assert cfg["quantization_config"]["kv_cache_scheme"]["type"] == "float"
     assert (tmp_path / "d" / "int4" / "quantkit_manifest.json").is_file()
