@@ -44,6 +44,12 @@ def _calibrate(path, **kw):
         return calibrate(path, num_samples=N, seq_len=T, **kw)
 
 
+def _ids_file(p, n=3, t=16):
+    """A small pre-tokenized dataset (no tokenizer warnings, fast)."""
+    p.write_text("".join(json.dumps({"input_ids": s.tolist()}) + "\n" for s in _samples(n=n, t=t)))
+    return p
+
+
 class FullForward:
     """An independent reference: a plain float32 from_pretrained forward over all samples at once, with
     (1) apply_rotary_pos_emb monkeypatched to record post-RoPE keys and hooks on v_proj / kv_a_layernorm,
@@ -108,12 +114,26 @@ def _amax(t, strategy):
     return a.amax().reshape(1) if strategy == "tensor" else a.reshape(-1, 1, 1)
 
 
+@pytest.fixture(scope="module")
+def full_forward(tiny_models):
+    """One independent reference forward per architecture, shared by the strategy cases."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            with pytest.MonkeyPatch.context() as mp:
+                cache[arch] = FullForward(_model(tiny_models, arch), _samples(), mp)
+        return cache[arch]
+
+    return get
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
-def test_scales_match_independent_full_forward(tiny_models, monkeypatch, arch, strategy):
+def test_scales_match_independent_full_forward(tiny_models, full_forward, arch, strategy):
     path = _model(tiny_models, arch)
     res = _calibrate(path, strategy=strategy)
-    ref = FullForward(path, _samples(), monkeypatch)
+    ref = full_forward(arch)
     n_layers = ref.model.config.num_hidden_layers
     assert len(res.layers) == n_layers and len(res.scales) == 2 * n_layers
     for i in range(n_layers):
@@ -180,8 +200,8 @@ def test_expert_tokens_sum_to_tokens_times_top_k(tiny_models, arch):
     json.dumps(js)  # serializable as is
 
 
-def test_variable_length_pretokenized_samples(tiny_models, tmp_path, monkeypatch):
-    """Pre-tokenized rows of different lengths run unpadded, each against its own full forward."""
+def test_variable_length_pretokenized_samples(tiny_models, tmp_path):
+    """Pre-tokenized rows of different lengths run unpadded, each equal to its own full forward."""
     path = _model(tiny_models, "qwen3_moe")
     g = torch.Generator().manual_seed(3)
     rows = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (17, 40, 17, 9)]
@@ -191,11 +211,13 @@ def test_variable_length_pretokenized_samples(tiny_models, tmp_path, monkeypatch
         res = calibrate(path, dataset=ds, num_samples=10, seq_len=64)
     assert res.data["pretokenized"] and res.data["num_tokens"] == sum(map(len, rows))
     assert sum(res.expert_tokens[0]) == sum(map(len, rows)) * 2
-    ex = LayerExecutor(path, batch_tokens=40)
-    final = ex.run([torch.tensor(r) for r in rows])
+    final = LayerExecutor(path, batch_tokens=40).run([torch.tensor(r) for r in rows])
+    model, cap = load_model(path), {}
+    model.model.norm.register_forward_pre_hook(lambda m, a: cap.__setitem__("h", a[0]))
     for i, r in enumerate(rows):
-        ref = FullForward(path, [torch.tensor(r)], monkeypatch)
-        torch.testing.assert_close(final[i], ref.final_hidden[0], rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            model(torch.tensor([r]))
+        torch.testing.assert_close(final[i], cap["h"][0], rtol=1e-5, atol=1e-5)
 
 
 def test_layers_generator_allows_replacing_outputs(tiny_models):
@@ -356,3 +378,18 @@ def test_early_exit_leaves_no_activation_files(tiny_models, tmp_path):
         break
     assert list(tmp_path.iterdir()) == []
     assert all(p.is_meta for p in ex.model.parameters())
+
+
+def test_bfloat16_compute_keeps_fp32_routers(tiny_models, tmp_path):
+    """dtype=bfloat16 halves the layer's memory; routers stay float32 as from_pretrained keeps them."""
+    path = _model(tiny_models, "deepseek_v3")
+    ex = LayerExecutor(path, dtype=torch.bfloat16)
+    layer = ex.load_layer(1)
+    assert layer.mlp.gate.weight.dtype == torch.float32 and layer.mlp.gate.e_score_correction_bias.dtype == torch.float32
+    assert layer.self_attn.kv_a_proj_with_mqa.weight.dtype == torch.bfloat16
+    ex.free_layer(1)
+    ids = _ids_file(tmp_path / "ids16.jsonl")
+    res16 = calibrate(path, dataset=ids, num_samples=3, seq_len=16, dtype=torch.bfloat16)
+    res32 = calibrate(path, dataset=ids, num_samples=3, seq_len=16)
+    for a, b in zip(res16.layers, res32.layers):
+        assert a.k_scale == pytest.approx(b.k_scale, rel=0.05)

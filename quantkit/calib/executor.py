@@ -277,7 +277,7 @@ def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype =
         elif not name.endswith(_COMPANIONS):  # companions (scales, shapes) are read with their weight
             direct[rel] = name
     out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, str]] = {}  # (fused name, part) -> {expert: disk base}
+    experts: dict[tuple[str, int], dict[int, str]] = {}  # (fused name, part) -> {expert: disk base}
     r = _Reader(ckpt)
     try:
         for rel, base in modules.items():
@@ -474,6 +474,9 @@ class LayerExecutor:
         """Materialize decoder layer `idx` (strict: every parameter and buffer must come from disk)."""
         layer = self.decoder_layers[idx]
         sd = load_layer_weights(self.ckpt, idx, dtype=self.dtype, device=self.device)
+        if self.dtype != torch.float32:  # what from_pretrained keeps in float32 (DeepSeek/GLM routers)
+            for k in [k for k in sd if self._keep_fp32(k)]:
+                sd[k] = sd[k].float()
         expected = set(layer.state_dict())
         missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
         if missing or unexpected:
@@ -491,6 +494,11 @@ class LayerExecutor:
         if left:  # a non-persistent buffer we cannot recompute
             raise UnsupportedArchitecture(f"layer {idx}: {left[0]} is not stored in the checkpoint")
         return layer.eval()
+
+    def _keep_fp32(self, name: str) -> bool:
+        mods = list(getattr(self.model, "_keep_in_fp32_modules", None) or []) + \
+            list(getattr(self.model, "_keep_in_fp32_modules_strict", None) or [])
+        return any(re.search(rf"(^|\.){re.escape(m)}($|\.)", name) for m in mods)
 
     def free_layer(self, idx: int) -> None:
         self.decoder_layers[idx].to_empty(device="meta")
