@@ -39,7 +39,7 @@ from ..recipe import Recipe, Scheme, WeightGroup
 from . import CalibrationError
 
 # Legend: E = experts, T = tokens, H = hidden, I = expert intermediate, P = 2*I (gate+up rows)
-PAIR_BUDGET = 1 << 28  # bytes of padded [E, T, *] activations processed at once when batching over experts
+PAIR_BUDGET = 1 << 26  # bytes of padded [E, T, *] activations processed at once when batching over experts
 
 
 # ---- naming: in-memory layer modules <-> on-disk tensor names ----------------------------------------
@@ -332,6 +332,25 @@ def _all_token_down_hessians(stats: ExpertStats, ids: torch.Tensor) -> torch.Ten
     return out
 
 
+GPTQ_CHUNK_BYTES = 1 << 27  # float64 Hessian bytes factorized at once (the solve holds ~4 copies)
+
+
+def _gptq_chunked(w: torch.Tensor, h: torch.Tensor, s: Scheme, **kw):
+    """`gptq` over chunks of experts, so the float64 factorizations of a layer's Hessians never sit in
+    memory all at once; the results are concatenated (each expert is independent)."""
+    from ..quant.gptq import GPTQResult
+
+    e, k = h.shape[0], h.shape[-1]
+    per = max(1, GPTQ_CHUNK_BYTES // (k * k * 8))
+    parts = [gptq(w[i:i + per], h[i:i + per], s.num_bits, s.group_size, s.symmetric, **kw) for i in range(0, e, per)]
+    if len(parts) == 1:
+        return parts[0]
+    zp = None if parts[0].qparams.zero_point is None else torch.cat([p.qparams.zero_point for p in parts])
+    return GPTQResult(torch.cat([p.q for p in parts]), QParams(torch.cat([p.qparams.scale for p in parts]), zp),
+                      torch.cat([p.damping for p in parts]), [f for p in parts for f in p.fallback],
+                      torch.cat([p.dead_columns for p in parts]))
+
+
 def _gptq_experts(res, ckpt, names: ExpertNames, experts, g: WeightGroup, stats: ExpertStats):
     E = stats.E
     low, min_tokens, fallback, mode = _coverage(g, stats)
@@ -359,7 +378,7 @@ def _gptq_experts(res, ckpt, names: ExpertNames, experts, g: WeightGroup, stats:
     s_gu, s_dn = _scheme(g, gu_w.shape[-1]), _scheme(g, dn_w.shape[-1])
     out = {}
     for key, w, h, s in (("gu", gu_w, h_gu, s_gu), ("down", dn_w, h_down, s_dn)):
-        r = gptq(w, h, s.num_bits, s.group_size, s.symmetric, damp=damp, actorder=actorder, block_size=block)
+        r = _gptq_chunked(w, h, s, damp=damp, actorder=actorder, block_size=block)
         q, qp = r.q, r.qparams
         if use_rtn.any():
             rr = rtn(w[use_rtn], s.num_bits, s.group_size, s.symmetric)
