@@ -994,6 +994,11 @@ def _kv_scales(src: Checkpoint, recipe: Recipe, opts: ConvertOptions) -> KVScale
                         strategy=want)
         scales = {n: t.detach().cpu() for n, t in dict(res.scales).items()}
         origin = {"calibrate": {"dataset": cal.dataset, "num_samples": cal.num_samples, "seq_len": cal.seq_len}}
+    if "kv_lora_rank" in _text_config(src.config):
+        # MLA caches one latent per token and layer: a per-"head" scale there has one head, [1, 1, 1],
+        # which is the same number as the per-tensor scale engines load ([1], strategy tensor)
+        scales = {n: (t.reshape(1) if tuple(t.shape) == (1, 1, 1) else t) for n, t in scales.items()}
+        want = "tensor" if want == "attn_head" else want
     return KVScales(scales, validate_kv_scales(scales, src, want), origin)
 
 

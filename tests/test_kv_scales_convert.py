@@ -194,3 +194,28 @@ def test_mla_rejects_per_head_scales(tmp_path):
     with pytest.raises(KVScalesError, match="MLA"):
         convert(ds, tmp_path / "q", ConvertOptions(kv_scales=save(tmp_path, scales((4, 1, 1)))))
     convert(ds, tmp_path / "ok", ConvertOptions(kv_scales=save(tmp_path, scales(), "t.safetensors")))
+
+
+def test_mla_single_head_scales_become_per_tensor(tmp_path):
+    """calibrate --strategy attn_head on an MLA model writes [1, 1, 1] (the latent has one "head");
+    convert ships them as the per-tensor scales engines load for MLA."""
+    import json
+
+    from quantkit.calibrate import calibrate, write_scales
+    from quantkit.convert import ConvertOptions, convert
+    from quantkit.io.checkpoint import Checkpoint
+    from quantkit.io.safetensors import SafetensorsFile
+    from quantkit.testing import make_tiny_model
+
+    src = make_tiny_model("deepseek_v3", tmp_path / "src")
+    res = calibrate(src, num_samples=2, seq_len=32, strategy="attn_head")
+    assert all(tuple(t.shape) == (1, 1, 1) for t in res.scales.values())
+    write_scales(res, tmp_path / "kv.safetensors")
+    convert(src, tmp_path / "q", ConvertOptions(kv_scales=str(tmp_path / "kv.safetensors")))
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert cfg["quantization_config"]["kv_cache_scheme"]["strategy"] == "tensor"
+    ck = Checkpoint.open(tmp_path / "q")
+    name = "model.layers.0.self_attn.k_scale"
+    with SafetensorsFile(ck.shard(ck.location[name]).header) as f:
+        t = f.get(name)
+    assert tuple(t.shape) == (1,) and t.item() == res.scales[name].item()
