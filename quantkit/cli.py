@@ -63,6 +63,9 @@ def convert(
     json_out: JsonOpt = False,
 ):
     """Quantize SRC into OUT per RECIPE, streaming shard by shard."""
+    from .io import prehash
+
+    prehash.start(src)  # the source shards' sha256, computed while the next import runs
     from .convert import ConvertOptions, convert as run
 
     opts = ConvertOptions(recipe=recipe, workers=workers, resume=resume and not overwrite, overwrite=overwrite,

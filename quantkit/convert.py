@@ -42,9 +42,10 @@ from .io.checkpoint import INDEX_NAME, Checkpoint, Shard
 from .io.safetensors import SafetensorsFile, TensorInfo
 from .io.sources import (Notes, SourceFormat, StoredWeight, detect_format, fp8_input_activations,
                          fp8_weights_config, read_scale, scan)
-from .io.writer import ShardWriter, copy_file_atomic, sha256_file, write_json_atomic
+from .io import prehash
+from .io.writer import ShardWriter, copy_file_atomic, sha256_file, wait_durable, write_json_atomic
 from .quant import fp8
-from .quant.int4 import pack_int4, rtn
+from .quant.int4 import QParams, RTNResult, native_threads, pack_int4, rtn
 from .recipe import Recipe, Scheme, WeightGroup, load_recipe
 
 MANIFEST_NAME = "quantkit_manifest.json"
@@ -424,6 +425,18 @@ class _Reader:
             scale = read_scale(self.get, ref.scale, ref.layout, ref.scale_fmt, self.notes)
             fp8.dequantize(self.get(ref.tensor), scale, ref.layout, out.dtype, out=out)
             return
+        if ref.tensor not in self._where:
+            info = self.f.header.tensors[ref.tensor]
+            shape = info.shape[1:] if ref.expert is not None else info.shape
+            if ref.rows is not None:
+                shape = (ref.rows[1] - ref.rows[0], *shape[1:])
+            if info.dtype == out.dtype and out.is_contiguous() and tuple(out.shape) == tuple(shape):
+                # rows of one expert of a row-major tensor are one byte range: read it in place
+                per_expert = info.nbytes // info.shape[0] if ref.expert is not None else 0
+                row = info.shape[-1] * out.element_size()
+                offset = (ref.expert or 0) * per_expert + (ref.rows[0] * row if ref.rows is not None else 0)
+                self.f.readinto(ref.tensor, out, offset)
+                return
         t = self.get(ref.tensor)
         if ref.expert is not None:
             t = t[ref.expert]
@@ -478,7 +491,7 @@ def run_shard(plan: ShardPlan, src_path: Path, out_dir: Path, threads: int | Non
     from concurrent.futures import ThreadPoolExecutor
 
     hasher = ThreadPoolExecutor(1)
-    src_hash = hasher.submit(sha256_file, src_path)
+    src_hash = hasher.submit(prehash.sha256, src_path)  # started by the CLI before the imports, if it could
     hasher.shutdown(wait=False)
     r = _Reader(src_path, plan.foreign)
     f = r.f
@@ -584,7 +597,7 @@ def _item_meta(u: Unit, it: QuantItem, method: str, sqnr: float) -> dict:
 
 def _run_quant_unit(u: Unit, r: _Reader, writer: ShardWriter, entries: dict, sp: _SpoolReader | None = None) -> int:
     s = u.scheme
-    w = _read_batch(u, r, sp)
+    w = (_mapped_views(u, r, sp) if u.kind != "fp8" and s.num_bits == 4 else None) or _read_batch(u, r, sp)
     if u.kind == "fp8":
         res = fp8.quantize_fp8(w, u.layout)
         if not bool(res.finite.all()):
@@ -599,35 +612,76 @@ def _run_quant_unit(u: Unit, r: _Reader, writer: ShardWriter, entries: dict, sp:
             entries[wn] = {"shape": list(ws), "dtype": "float8_e4m3fn", **meta}
             entries[sn] = {"shape": list(ss), "dtype": "float32", **meta}
         return int(w.numel() * w.element_size())
-    res = rtn(w, s.num_bits, s.group_size, s.symmetric, u.scale_dtype, pack=(s.num_bits == 4))
-    # NaN/Inf anywhere in a matrix makes its sum of squares non-finite (a NaN group would otherwise
-    # quantize silently with scale 1): free to check here; the exact test runs only on the failure path
-    if not bool(torch.isfinite(res.signal).all()):
-        finite = torch.isfinite(w).flatten(1).all(1)  # [B]
-        if not bool(finite.all()):
-            bad = int((~finite).nonzero()[0])
-            raise NonFiniteWeight(f"{u.items[bad].module}: weight holds NaN or Inf values")
-    sqnr = res.sqnr_db().tolist()
-    for b, it in enumerate(u.items):
-        meta = _item_meta(u, it, "rtn", sqnr[b])
+    pack = s.num_bits == 4
+    for b, (it, res) in enumerate(_rtn_items(u, w, pack)):
+        # NaN/Inf anywhere in a matrix makes its sum of squares non-finite (a NaN group would otherwise
+        # quantize silently with scale 1): free to check here; the exact test runs only on the failure path
+        if not bool(torch.isfinite(res.signal).all()):
+            if not bool(torch.isfinite(w[b]).all()):
+                raise NonFiniteWeight(f"{it.module}: weight holds NaN or Inf values")
+        meta = _item_meta(u, it, "rtn", float(res.sqnr_db()))
         for name, dtype, shape in quant_outputs(it.module, it.shape, s, u.scale_dtype):
             suffix = name.rsplit(".", 1)[1]
             if suffix == "weight_packed":
-                t = res.q[b]
+                t = res.q
             elif suffix == "weight_scale":
-                t = res.qparams.scale[b].to(dtype)
+                t = res.qparams.scale.to(dtype)
             elif suffix == "weight_shape":
                 t = torch.tensor(it.shape, dtype=torch.int64)
             else:  # weight_zero_point: packed along the output dim -> [ceil(N/8), G]
-                t = pack_int4(res.qparams.zero_point[b].transpose(0, 1)).transpose(0, 1).contiguous()
+                t = pack_int4(res.qparams.zero_point.transpose(0, 1)).transpose(0, 1).contiguous()
             writer.write(name, t)
             entries[name] = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), **meta}
-    return int(w.numel() * w.element_size())
+    return sum(int(x.numel() * x.element_size()) for x in w)
+
+
+def _rtn_items(u: Unit, w, pack: bool):
+    """(item, RTNResult of that one matrix) for each item of an RTN unit: `w` is the unit's [B, N, K]
+    batch, or a list of B zero-copy [N, K] views of the mapped source (see `_mapped_views`)."""
+    s = u.scheme
+    if isinstance(w, torch.Tensor):
+        res = rtn(w, s.num_bits, s.group_size, s.symmetric, u.scale_dtype, pack=pack)
+        zp = res.qparams.zero_point
+        for b, it in enumerate(u.items):
+            yield it, RTNResult(res.q[b], QParams(res.qparams.scale[b], None if zp is None else zp[b]),
+                                res.signal[b], res.noise[b])
+    else:
+        for it, x in zip(u.items, w):
+            yield it, rtn(x, s.num_bits, s.group_size, s.symmetric, u.scale_dtype, pack=pack)
+
+
+def _mapped_views(u: Unit, r: _Reader, sp: _SpoolReader | None) -> list[torch.Tensor] | None:
+    """The unit's weights as [N, K] views of this shard's mapping (no copy: the fused kernel reads the
+    page cache directly), when every item is a dense tensor (or expert rows) of the unit's dtype stored
+    in this shard and untouched by the calibrated pass; else None (the caller reads a batch)."""
+    from .quant.int4 import native_available
+
+    if u.src_dtype not in (torch.bfloat16, torch.float32) or not native_available():
+        return None
+    views = []
+    for it in u.items:
+        ref = it.source
+        if (ref.layout is not None or ref.tensor in r._where
+                or (sp is not None and ref.expert is None and sp.has(ref.tensor))):
+            return None
+        t = r.f.get(ref.tensor, copy=False)
+        if t.dtype != u.src_dtype:
+            return None
+        if ref.expert is not None:
+            t = t[ref.expert]
+        if ref.rows is not None:
+            t = t[ref.rows[0]:ref.rows[1]]
+        if not t.is_contiguous() or tuple(t.shape) != tuple(it.shape):
+            return None
+        views.append(t)
+    return views
 
 
 def _worker(args):
     plan, src_path, out_dir, threads, spool = args
-    return run_shard(plan, src_path, out_dir, threads, spool=spool)
+    res = run_shard(plan, src_path, out_dir, threads, spool=spool)
+    wait_durable()  # this process's shards are on disk before the parent journals them
+    return res
 
 
 # ---- orchestration ---------------------------------------------------------------------------------
@@ -808,7 +862,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
             raise OutputExists(f"--overwrite would delete {str(out)!r}, which holds the source checkpoint",
                                hint="choose an output directory outside the source checkpoint")
     done = _prepare_output(out, opts, identity)
-    write_json_atomic(out / MANIFEST_NAME, {"status": "in_progress", "identity": identity})
+    write_json_atomic(out / MANIFEST_NAME, {"status": "in_progress", "identity": identity}, durable=False)
     journal = out / JOURNAL_DIR
     spool = Spool()
     if calibrated and len(done) < len(plans):
@@ -820,7 +874,8 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
 
     def record(res: ShardResult):
         rec = asdict(res)
-        write_json_atomic(journal / f"{res.source}.json", rec, indent=None)  # this shard is now done
+        # this shard is now done; no fsync: a record lost to a power cut only means the shard is redone
+        write_json_atomic(journal / f"{res.source}.json", rec, indent=None, durable=False)
         results[res.source] = rec
 
     todo = [p for p in plans if p.source not in done]
@@ -829,10 +884,13 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     # Streaming RTN is thousands of small cache-sized ops: OpenMP barriers cost more than a second thread
     # gains (measured by bench/convert_rtn.py), so each shard runs single-threaded; --workers runs shards
     # in parallel processes instead.
+    # The fused RTN kernel (quantkit.quant._rtn_native) has no such barriers: it splits rows over the
+    # cores when shards run one at a time.
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _run_shards(todo, src, out, opts, spool, record, progress, finished_bytes, total)
+        with native_threads(_cpu_count() if opts.workers <= 1 else 1):
+            _run_shards(todo, src, out, opts, spool, record, progress, finished_bytes, total)
     finally:
         torch.set_num_threads(prev_threads)
 
@@ -847,6 +905,13 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     return _finalize(src, fmt, out, recipe, plans, results, identity, t0, resumed=len(done), notes=notes,
                      kv=kv, kv_out=kv_out, kv_scheme=kv_scheme,
                      calibration=None if data is None else data.describe())
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _run_shards(todo, src: Checkpoint, out: Path, opts: ConvertOptions, spool, record, progress, finished_bytes: int,
@@ -1166,6 +1231,7 @@ def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, pla
               results: dict[str, dict], identity: dict, t0: float, resumed: int, notes: list[str],
               kv: KVScales | None, kv_out: dict | None, kv_scheme: dict | None,
               calibration: dict | None = None) -> ConvertResult:
+    wait_durable()  # every shard written by this process is on disk before the index and manifest
     ordered = [results[p.source] for p in plans]
     tensors: dict[str, dict] = {}
     weight_map: dict[str, str] = {}

@@ -176,6 +176,7 @@ class SafetensorsFile:
         self.header = path_or_header if isinstance(path_or_header, Header) else read_header(path_or_header)
         self._f = None
         self._mm = None
+        self._mv = None
 
     @property
     def path(self) -> Path:
@@ -190,24 +191,47 @@ class SafetensorsFile:
                                      f"({self.header.file_size} -> {size} bytes)")
             if size > 0:
                 self._mm = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_COPY)
+                self._mv = memoryview(self._mm)
         return self._mm
 
     def get(self, name: str, copy: bool = True) -> torch.Tensor:
         info = self.header.tensors[name]
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=info.dtype)
-        mm = self._map()
+        self._map()
         start = self.header.data_start + info.begin
-        t = torch.frombuffer(mm, dtype=torch.uint8, count=info.nbytes, offset=start)
+        # through a memoryview: a tensor keeps a reference to it, and so an export of the mapping,
+        # which then stays mapped as long as any view of it lives (torch.frombuffer on the mmap
+        # itself holds no export: closing would unmap memory under live tensors)
+        t = torch.frombuffer(self._mv, dtype=torch.uint8, count=info.nbytes, offset=start)
         t = t.view(info.dtype).reshape(info.shape)
         return t.clone() if copy else t
 
+    def readinto(self, name: str, out: torch.Tensor, offset: int = 0) -> None:
+        """Fill the contiguous tensor `out` with the bytes of tensor `name` from byte `offset` on (e.g. one
+        expert of a fused [E, N, K] tensor), by positioned reads: the page cache is copied once, with no
+        page faults on a mapping."""
+        info = self.header.tensors[name]
+        buf = memoryview(out.view(-1).view(torch.uint8).numpy())
+        if not out.is_contiguous() or offset < 0 or offset + len(buf) > info.nbytes:
+            raise ValueError(f"{name}: bytes [{offset}, {offset + len(buf)}) are not inside the tensor "
+                             f"({info.nbytes} bytes) or the destination is not contiguous")
+        self._map()
+        pos = self.header.data_start + info.begin + offset
+        done = 0
+        while done < len(buf):
+            n = os.preadv(self._f.fileno(), [buf[done:]], pos + done)
+            if n <= 0:
+                raise TruncatedShard(f"{self.header.path.name}: file ended inside tensor {name}")
+            done += n
+
     def close(self):
         if self._mm is not None:
+            self._mv = None
             try:
                 self._mm.close()
             except BufferError:
-                pass  # a zero-copy view is still alive; the mapping goes when it does
+                pass  # a zero-copy view is still alive; the mapping goes when the last one does
             self._mm = None
         if self._f is not None:
             self._f.close()

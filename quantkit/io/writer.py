@@ -3,6 +3,12 @@ on the fly and renamed into place only when complete; JSON files written the sam
 
 The header is computed up front from the planned shapes, so memory stays bounded by the tensor being
 written rather than the shard. Output is deterministic: same tensors in the same order -> same bytes.
+
+Hashing and writing run on a background thread (both release the GIL), in order, while the caller
+computes the next tensors; at most `QUEUE_BYTES` wait in between. Shard data is fsynced in the
+background too (`durable()` waits for it): a finished shard is renamed into place at once, and before
+anything claims the output complete, `wait_durable()` makes every shard durable. Resume re-hashes
+journaled shards, so one lost to a power cut before its fsync is simply redone.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import hashlib
 import json
 import os
 import struct
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -20,6 +28,37 @@ from ..errors import DiskFull, UnsupportedDtype
 from .safetensors import CODE_OF
 
 ELEMENT_SIZE = {dt: torch.empty(0, dtype=dt).element_size() for dt in CODE_OF}
+QUEUE_BYTES = 64 << 20  # tensors handed to the writer thread and not yet written (one larger one may wait alone)
+
+_fsyncs: list[Future] = []
+_fsync_pool: ThreadPoolExecutor | None = None
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _fsync_dir(path.parent)
+
+
+def durable(path: Path) -> None:
+    """Schedule `path` (a finished, renamed shard) and its directory entry to be fsynced."""
+    global _fsync_pool
+    if _fsync_pool is None:
+        _fsync_pool = ThreadPoolExecutor(1, thread_name_prefix="quantkit-fsync")
+    _fsyncs.append(_fsync_pool.submit(_fsync_path, path))
+
+
+def wait_durable() -> None:
+    """Block until every shard scheduled by `durable` is on disk; re-raise the first failure."""
+    while _fsyncs:
+        f = _fsyncs.pop(0)
+        try:
+            f.result()
+        except OSError as e:
+            raise (_disk_full(e, Path(e.filename or "output")) or e) from None
 
 
 def tmp_name(final: Path) -> Path:
@@ -74,6 +113,11 @@ class ShardWriter:
         self._next = 0
         self._hash = hashlib.sha256()
         self._f = None
+        self._cv = threading.Condition()
+        self._queue: list = []  # memoryviews (each keeps its tensor alive) waiting for the writer thread
+        self._queued = 0  # their bytes
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
         try:
             self._f = open(self.tmp, "wb")
             self._emit(struct.pack("<Q", len(raw)) + raw)
@@ -92,27 +136,88 @@ class ShardWriter:
         self._next += 1
         if n:
             data = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            self._put(data)
+
+    # ---- the writer thread ----
+    def _put(self, data) -> None:
+        with self._cv:
+            while self._queue and self._queued + len(data) > QUEUE_BYTES and self._error is None:
+                self._cv.wait()
+            err = self._error
+            if err is None:
+                self._queue.append(data)
+                self._queued += len(data)
+                self._cv.notify_all()
+        if err is not None:
+            self._fail(err)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._drain, name=f"quantkit-write-{self.path.name}", daemon=True)
+            self._thread.start()
+
+    def _drain(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                data = self._queue[0]
+            if data is None:
+                return
             try:
                 self._emit(data)
-            except OSError as e:
-                self.abort()
-                raise (_disk_full(e, self.path) or e) from None
+            except BaseException as e:  # handed to the caller at its next write/finish
+                with self._cv:
+                    self._error = e
+                    self._queue.clear()
+                    self._queued = 0
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                self._queue.pop(0)
+                self._queued -= len(data)
+                self._cv.notify_all()
+
+    def _join(self) -> None:
+        """Wait until every queued tensor is written (or the writer thread failed)."""
+        if self._thread is None:
+            return
+        with self._cv:
+            self._queue.append(None)
+            self._cv.notify_all()
+        self._thread.join()
+        self._thread = None
+
+    def _fail(self, err: BaseException):
+        self.abort()
+        if isinstance(err, OSError):
+            raise (_disk_full(err, self.path) or err) from None
+        raise err
 
     def finish(self) -> tuple[str, int]:
+        """Write what is queued, rename the shard into place and schedule its fsync (see `durable`)."""
         if self._next != len(self._order):
             raise AssertionError(f"shard {self.path.name}: {len(self._order) - self._next} tensors not written")
+        self._join()
+        if self._error is not None:
+            self._fail(self._error)
         try:
             self._f.flush()
-            os.fsync(self._f.fileno())
             self._f.close()
             os.replace(self.tmp, self.path)
         except OSError as e:
             self.abort()
             raise (_disk_full(e, self.path) or e) from None
-        _fsync_dir(self.path.parent)
+        durable(self.path)
         return self._hash.hexdigest(), self.size
 
     def abort(self) -> None:
+        if self._thread is not None:
+            with self._cv:
+                self._queue.clear()
+                self._queued = 0
+                self._queue.append(None)
+                self._cv.notify_all()
+            self._thread.join()
+            self._thread = None
         if self._f is not None:
             try:
                 self._f.close()  # may flush buffered bytes and fail again on a full disk
@@ -124,7 +229,10 @@ class ShardWriter:
             pass
 
 
-def write_json_atomic(path: str | os.PathLike, doc, indent: int | None = 2) -> None:
+def write_json_atomic(path: str | os.PathLike, doc, indent: int | None = 2, durable: bool = True) -> None:
+    """Write JSON under a temporary name and rename it into place: readers see the old or the new
+    document, never a torn one. durable=False skips the fsyncs, for records whose loss in a power cut
+    only costs redoing work (journal entries, the in-progress manifest)."""
     path = Path(path)
     tmp = tmp_name(path)
     data = (json.dumps(doc, indent=indent, sort_keys=False, ensure_ascii=False) + "\n").encode()
@@ -132,12 +240,14 @@ def write_json_atomic(path: str | os.PathLike, doc, indent: int | None = 2) -> N
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise (_disk_full(e, path) or e) from None
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
 
 
 def copy_file_atomic(src: Path, dst: Path) -> None:

@@ -14,6 +14,8 @@ Conventions (compressed-tensors, see docs/format.md):
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -101,12 +103,16 @@ class RTNResult:
 
 
 def rtn(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetric: bool = True,
-        scale_dtype: torch.dtype = torch.bfloat16, pack: bool = False) -> RTNResult:
+        scale_dtype: torch.dtype = torch.bfloat16, pack: bool = False, native: bool = True) -> RTNResult:
     """Round-to-nearest quantization of a batch of weights [..., N, K] (e.g. all experts [E, N, K]).
 
     Rows are independent (groups run along K), so the batch is flattened to rows and processed in
     cache-sized chunks; q and qparams equal `quantize(w, choose_qparams(w))` exactly. With pack=True
-    (INT4 only) the result holds `pack_int4(q)`. Also returns the per-matrix quantization error energy."""
+    (INT4 only) the result holds `pack_int4(q)`. Also returns the per-matrix quantization error energy.
+
+    With pack=True the fused kernel of quantkit.quant._rtn_native runs when it can (numba installed,
+    bf16/float32 rows on CPU, bf16/float32 scales, all values finite); native=False forces this torch
+    path, which is the definition the kernel is tested against."""
     *lead, n, k = w.shape
     rows = w.reshape(-1, k)
     n_groups = 1 if group_size is None else k // group_size
@@ -114,6 +120,14 @@ def rtn(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetr
     qmin, qmax = qrange(num_bits)
     if pack and num_bits != 4:
         raise ValueError("pack=True needs num_bits=4")
+    if pack and native:
+        res = _rtn_native(rows, group_size or k, symmetric, scale_dtype)
+        if res is not None:
+            out, scale, zp, sig, noise = res
+            lead_n = (*lead, n)
+            qp = QParams(scale.reshape(*lead_n, n_groups), None if zp is None else zp.reshape(*lead_n, n_groups))
+            return RTNResult(out.reshape(*lead_n, out.shape[-1]), qp,
+                             sig.reshape(lead_n).sum(-1), noise.reshape(lead_n).sum(-1))
     out = torch.empty(rows.shape[0], (k + 7) // 8, dtype=torch.int32) if pack else torch.empty(rows.shape, dtype=torch.int8)
     scale = torch.empty(rows.shape[0], n_groups, dtype=torch.float32)
     zp = None if symmetric else torch.empty(rows.shape[0], n_groups, dtype=torch.int32)
@@ -144,6 +158,88 @@ def rtn(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetr
     qp = QParams(scale.reshape(*lead_n, n_groups), None if zp is None else zp.reshape(*lead_n, n_groups))
     return RTNResult(out.reshape(*lead_n, out.shape[-1]), qp,
                      sig.reshape(lead_n).sum(-1), noise.reshape(lead_n).sum(-1))
+
+
+_NATIVE = None  # the kernel module once imported, False when unavailable
+
+
+def _native_module():
+    global _NATIVE
+    if _NATIVE is None:
+        _NATIVE = False
+        if os.environ.get("QUANTKIT_NATIVE", "1") != "0":
+            try:
+                from quantkit.quant import _rtn_native
+
+                _NATIVE = _rtn_native
+            except ImportError:
+                pass
+    return _NATIVE
+
+
+_POOL = None
+_THREADS: int | None = None  # threads for the fused kernel; None: torch.get_num_threads()
+
+
+@contextmanager
+def native_threads(n: int | None):
+    """Run the fused kernel on `n` threads inside the block (convert runs torch single-threaded)."""
+    global _THREADS
+    prev, _THREADS = _THREADS, n
+    try:
+        yield
+    finally:
+        _THREADS = prev
+
+
+def _pool():
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max(1, (os.cpu_count() or 1)), thread_name_prefix="quantkit-rtn")
+    return _POOL
+
+
+def native_available() -> bool:
+    """Whether `rtn(..., pack=True)` can use the fused kernel (numba importable, not disabled)."""
+    return bool(_native_module())
+
+
+def _rtn_native(rows: torch.Tensor, g: int, symmetric: bool, scale_dtype: torch.dtype):
+    """Fused kernel for rows [R, K] -> (packed int32 [R, W], scale [R, G], zp [R, G] | None, sig, noise),
+    or None when the kernel does not apply (the caller then runs the torch path)."""
+    mod = _native_module()
+    if not mod or rows.device.type != "cpu" or rows.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    mode = {torch.float32: mod.SCALE_F32, torch.bfloat16: mod.SCALE_BF16}.get(scale_dtype)
+    if mode is None:
+        return None
+    rows = rows.contiguous()
+    r, k = rows.shape
+    n_groups = k // g
+    out = torch.empty(r, (k + 7) // 8, dtype=torch.int32)
+    scale = torch.empty(r, n_groups, dtype=torch.float32)
+    zp = torch.empty(r, n_groups if not symmetric else 1, dtype=torch.int32)
+    sig = torch.empty(r, dtype=torch.float64)
+    noise = torch.empty(r, dtype=torch.float64)
+    bad = torch.empty(r, dtype=torch.bool)
+    fn, src = ((mod.rtn_pack_bf16, rows.view(torch.int16).numpy().view("uint16")) if rows.dtype == torch.bfloat16
+               else (mod.rtn_pack_f32, rows.numpy()))
+    arrays = (out.numpy().view("uint32"), scale.numpy(), zp.numpy(), sig.numpy(), noise.numpy(), bad.numpy())
+    # rows are independent: split them over torch's intra-op thread count (the kernel releases the GIL)
+    n_threads = max(1, min(_THREADS or torch.get_num_threads(), r // 64))
+    if n_threads == 1:
+        fn(src, g, symmetric, mode, *arrays)
+    else:
+        bounds = [r * i // n_threads for i in range(n_threads + 1)]
+        jobs = [_pool().submit(fn, src[a:b], g, symmetric, mode, *(x[a:b] for x in arrays))
+                for a, b in zip(bounds, bounds[1:])]
+        for j in jobs:
+            j.result()
+    if bool(bad.any()):
+        return None  # NaN/Inf: the torch path defines what happens
+    return out, scale, None if symmetric else zp, sig, noise
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,

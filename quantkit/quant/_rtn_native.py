@@ -1,0 +1,187 @@
+"""Fused RTN INT4 quantize + pack + error energy in one pass over each row (numba, compiled once and
+cached on disk).
+
+`quantkit.quant.int4.rtn` is the definition; this is its fast path for the common case (INT4, packed,
+bf16 or float32 rows on CPU). The torch path makes ~15 passes over every element (convert, abs,
+group max, divide, round, clamp, cast, error, squares, sums, nibble packing); here each row is read
+once, stays in cache, and every step runs on it. Same arithmetic, in the same order, in float32:
+
+    absmax / 7.5 (or (max - min) / 15) -> rounded to the stored scale dtype -> q = clamp(rint(w / s) + zp)
+
+so packed words, scales and zero points are bit-identical to the torch path (tests/test_rtn_native.py);
+the error sums are accumulated in float64 (the torch path sums rows in float32), so SQNR may differ
+in its last digits.
+
+Import is lazy and optional: without numba (or with QUANTKIT_NATIVE=0) `rtn` uses the torch path.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit
+
+# scale storage dtypes understood by the kernel (others take the torch path)
+SCALE_F32, SCALE_BF16 = 0, 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _round_scale(s, mode, tmp, tmpu):
+    """float32 -> the stored dtype -> float32 (round to nearest even), for finite non-negative s."""
+    if mode == SCALE_BF16:
+        tmp[0] = s
+        u = tmpu[0]
+        u = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) & np.uint32(0xFFFF0000)
+        tmpu[0] = u
+        return tmp[0]
+    return s
+
+
+_MAGIC = np.float32(12582912.0)  # 1.5 * 2^23: (x + M) - M rounds float32 |x| < 2^22 to nearest even
+_ABS = np.uint32(0x7FFFFFFF)
+_FINITE_LIMIT = np.uint32(0x7F800000)  # |x| bit patterns at or above this are Inf/NaN
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rint(x):
+    return (x + _MAGIC) - _MAGIC
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _sortable(u):
+    """float32 bits -> uint32 key whose unsigned order is the float order (NaN aside)."""
+    return ~u if u & np.uint32(0x80000000) else u | np.uint32(0x80000000)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _unsortable(k):
+    return k & np.uint32(0x7FFFFFFF) if k & np.uint32(0x80000000) else ~k
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _sumsq(a):
+    """sum of a^2 in float64; reassociation only (vectorized), no finite-math assumptions."""
+    acc = 0.0
+    for j in range(a.shape[0]):
+        v = np.float64(a[j])
+        acc += v * v
+    return acc
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _quant_row(x, xu, g, symmetric, scale_mode, pk, sc, zp, qbuf, ebuf, tmp, tmpu):
+    """Quantize and pack one float32 row x [K] (xu: its uint32 view); returns (sum x^2, sum err^2, finite).
+
+    Group extrema are integer reductions over the bit patterns (exact, vectorizable); each group's
+    elementwise loop is branch-free; the error sums run separately with reassociation allowed."""
+    k = x.shape[0]
+    n_groups = k // g
+    qmin = np.float32(-8.0)
+    qmax = np.float32(7.0)
+    tiny = np.float32(1.1754943508222875e-38)
+    finite = True
+    for gi in range(n_groups):
+        o = gi * g
+        z = np.float32(0.0)
+        if symmetric:
+            m = np.uint32(0)
+            for j in range(o, o + g):
+                a = xu[j] & _ABS
+                m = a if a > m else m
+            if m >= _FINITE_LIMIT:
+                finite = False
+                m = np.uint32(0)
+            tmpu[0] = m
+            s = tmp[0] / np.float32(7.5)
+        else:
+            lo_k = np.uint32(0x80000000)  # sortable key of +0.0: min <= 0 <= max
+            hi_k = np.uint32(0x80000000)
+            bad = np.uint32(0)
+            for j in range(o, o + g):
+                u = xu[j]
+                a = u & _ABS
+                bad = a if a > bad else bad
+                kk = _sortable(u)
+                lo_k = kk if kk < lo_k else lo_k
+                hi_k = kk if kk > hi_k else hi_k
+            if bad >= _FINITE_LIMIT:
+                finite = False
+                lo_k = hi_k = np.uint32(0x80000000)
+            tmpu[0] = _unsortable(lo_k)
+            lo = tmp[0]
+            tmpu[0] = _unsortable(hi_k)
+            hi = tmp[0]
+            s = (hi - lo) / np.float32(15.0)
+        s = _round_scale(s, scale_mode, tmp, tmpu)
+        if not (s > tiny):
+            s = np.float32(1.0)
+        if not symmetric:
+            z = qmin - _rint(lo / s)
+            z = qmin if z < qmin else z
+            z = qmax if z > qmax else z
+            zp[gi] = np.int32(z)
+        sc[gi] = s
+        for j in range(o, o + g):
+            v = x[j]
+            q = _rint(v / s) + z
+            q = qmin if q < qmin else q
+            q = qmax if q > qmax else q
+            qbuf[j] = np.uint8(np.int32(q) + 8)
+            ebuf[j] = (q - z) * s - v
+    for w in range(pk.shape[0]):
+        acc = np.uint32(0)
+        base = w * 8
+        for t in range(8):
+            j = base + t
+            if j < k:
+                acc |= np.uint32(qbuf[j]) << np.uint32(4 * t)
+        pk[w] = acc
+    return _sumsq(x), _sumsq(ebuf), finite
+
+
+@njit(cache=True, nogil=True)
+def _row(x, xu, g, symmetric, scale_mode, pk, sc, zp, qbuf, ebuf, tmp, tmpu):
+    """_quant_row with the common group sizes as compile-time constants (fixed trip counts vectorize
+    fully: ~2x faster), any other size generic."""
+    if g == 32:
+        return _quant_row(x, xu, 32, symmetric, scale_mode, pk, sc, zp, qbuf, ebuf, tmp, tmpu)
+    if g == 64:
+        return _quant_row(x, xu, 64, symmetric, scale_mode, pk, sc, zp, qbuf, ebuf, tmp, tmpu)
+    if g == 128:
+        return _quant_row(x, xu, 128, symmetric, scale_mode, pk, sc, zp, qbuf, ebuf, tmp, tmpu)
+    return _quant_row(x, xu, g, symmetric, scale_mode, pk, sc, zp, qbuf, ebuf, tmp, tmpu)
+
+
+@njit(cache=True, nogil=True)
+def rtn_pack_bf16(w16, g, symmetric, scale_mode, pk, sc, zp, sig, noise, bad):
+    """w16 [R, K] uint16 (bf16 bit patterns) -> pk [R, W] uint32, sc [R, G] float32, zp [R, G] int32."""
+    r_total, k = w16.shape
+    for r in range(r_total):
+        x = np.empty(k, np.float32)
+        xu = x.view(np.uint32)
+        for j in range(k):
+            xu[j] = np.uint32(w16[r, j]) << np.uint32(16)
+        qbuf = np.empty(k, np.uint8)
+        ebuf = np.empty(k, np.float32)
+        tmp = np.empty(1, np.float32)
+        s2, n2, ok = _row(x, xu, g, symmetric, scale_mode, pk[r], sc[r], zp[r], qbuf, ebuf, tmp,
+                                tmp.view(np.uint32))
+        sig[r] = s2
+        noise[r] = n2
+        bad[r] = not ok
+
+
+@njit(cache=True, nogil=True)
+def rtn_pack_f32(w32, g, symmetric, scale_mode, pk, sc, zp, sig, noise, bad):
+    """As rtn_pack_bf16, for float32 rows (e.g. FP8 sources dequantized on read)."""
+    r_total, k = w32.shape
+    for r in range(r_total):
+        x = w32[r]
+        qbuf = np.empty(k, np.uint8)
+        ebuf = np.empty(k, np.float32)
+        tmp = np.empty(1, np.float32)
+        s2, n2, ok = _row(x, x.view(np.uint32), g, symmetric, scale_mode, pk[r], sc[r], zp[r], qbuf, ebuf,
+                                tmp, tmp.view(np.uint32))
+        sig[r] = s2
+        noise[r] = n2
+        bad[r] = not ok

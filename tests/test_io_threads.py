@@ -1,0 +1,91 @@
+"""Memory safety and error handling of the streamed I/O: zero-copy views outlive their file, the
+background writer keeps order, bounds what it holds, and hands its failures to the caller."""
+
+import errno
+import hashlib
+
+import pytest
+import torch
+
+from quantkit.errors import DiskFull
+from quantkit.io import prehash
+from quantkit.io import writer as W
+from quantkit.io.safetensors import SafetensorsFile, write_safetensors
+
+
+def test_view_outlives_closed_file(tmp_path):
+    p = tmp_path / "a.safetensors"
+    write_safetensors(p, {"x": torch.arange(4096, dtype=torch.float32)})
+    f = SafetensorsFile(p)
+    v = f.get("x", copy=False)[100:200]
+    f.close()  # must not unmap memory that v still points into
+    assert torch.equal(v, torch.arange(100, 200, dtype=torch.float32))
+
+
+def test_readinto_reads_a_slice(tmp_path):
+    p = tmp_path / "a.safetensors"
+    t = torch.randn(3, 5, 8).to(torch.bfloat16)
+    write_safetensors(p, {"pad": torch.ones(3), "t": t})
+    with SafetensorsFile(p) as f:
+        out = torch.empty(2, 8, dtype=torch.bfloat16)
+        f.readinto("t", out, offset=(1 * 5 + 2) * 8 * 2)  # expert 1, rows 2:4
+        assert torch.equal(out, t[1, 2:4])
+        with pytest.raises(ValueError):
+            f.readinto("t", torch.empty(4, 8, dtype=torch.bfloat16), offset=(2 * 5 + 2) * 8 * 2)
+
+
+def test_background_writer_order_and_bound(tmp_path, monkeypatch):
+    monkeypatch.setattr(W, "QUEUE_BYTES", 1000)
+    held = []
+    real = W.ShardWriter._emit
+
+    def emit(self, data):
+        held.append(self._queued)
+        real(self, data)
+
+    monkeypatch.setattr(W.ShardWriter, "_emit", emit)
+    ts = {f"t{i}": torch.full((100 + i,), float(i)) for i in range(20)}  # ~400 B each
+    w = W.ShardWriter(tmp_path / "o.safetensors", [(n, t.dtype, tuple(t.shape)) for n, t in ts.items()])
+    for n, t in ts.items():
+        w.write(n, t)
+    sha, size = w.finish()
+    W.wait_durable()
+    data = (tmp_path / "o.safetensors").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == sha and len(data) == size
+    with SafetensorsFile(tmp_path / "o.safetensors") as f:
+        for n, t in ts.items():
+            assert torch.equal(f.get(n), t)
+    assert max(held) <= 1000 + 4 * 119  # at most the bound plus the one tensor let in when it was empty
+
+
+def test_background_write_failure_reaches_caller(tmp_path, monkeypatch):
+    calls = [0]
+    real = W.ShardWriter._emit
+
+    def emit(self, data):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, data)
+
+    monkeypatch.setattr(W.ShardWriter, "_emit", emit)
+    ts = {f"t{i}": torch.zeros(1000) for i in range(10)}
+    path = tmp_path / "o.safetensors"
+    w = W.ShardWriter(path, [(n, t.dtype, tuple(t.shape)) for n, t in ts.items()])
+    with pytest.raises(DiskFull):
+        for n, t in ts.items():
+            w.write(n, t)
+        w.finish()
+    assert not path.exists() and not W.tmp_name(path).exists()  # nothing half-written left behind
+
+
+def test_prehash_matches_and_notices_changes(tmp_path):
+    p = tmp_path / "m.safetensors"
+    p.write_bytes(b"a" * 100_000)
+    prehash.start(tmp_path)
+    assert prehash.sha256(p) == hashlib.sha256(b"a" * 100_000).hexdigest()
+    prehash.start(tmp_path)
+    import time
+    time.sleep(0.05)
+    p.write_bytes(b"b" * 100_001)  # changed after hashing began: hashed again
+    assert prehash.sha256(p) == hashlib.sha256(b"b" * 100_001).hexdigest()

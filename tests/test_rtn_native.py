@@ -1,0 +1,150 @@
+"""The fused RTN kernel (quantkit.quant._rtn_native) against the torch definition in quant/int4.py:
+packed words, scales and zero points bit for bit, error sums to float rounding, and the cases it must
+hand back (NaN/Inf, unsupported scale dtypes). Then end to end: convert with and without it writes
+the same bytes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from quantkit.quant import int4
+from quantkit.quant.int4 import dequantize, pack_int4, rtn, unpack_int4
+
+pytest.importorskip("numba")
+
+
+def _both(w, group_size, symmetric, scale_dtype=torch.bfloat16):
+    fast = rtn(w, 4, group_size, symmetric, scale_dtype, pack=True)
+    ref = rtn(w, 4, group_size, symmetric, scale_dtype, pack=True, native=False)
+    return fast, ref
+
+
+def _assert_same(fast, ref):
+    assert torch.equal(fast.q, ref.q)
+    assert torch.equal(fast.qparams.scale, ref.qparams.scale)
+    if ref.qparams.zero_point is None:
+        assert fast.qparams.zero_point is None
+    else:
+        assert torch.equal(fast.qparams.zero_point, ref.qparams.zero_point)
+    assert torch.allclose(fast.signal, ref.signal, rtol=1e-5, atol=1e-30)  # torch sums in float32: may underflow
+    assert torch.allclose(fast.noise, ref.noise, rtol=1e-4, atol=1e-30)
+
+
+def test_kernel_is_used():
+    assert int4.native_available()
+    w = torch.randn(2, 16, 64).to(torch.bfloat16)
+    assert int4._rtn_native(w.reshape(-1, 64), 32, True, torch.bfloat16) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group_size", [32, 64, 128, None])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+def test_matches_torch_path(dtype, symmetric, group_size, scale_dtype):
+    g = torch.Generator().manual_seed(7)
+    # rows of very different magnitudes, an all-zero group, an all-negative and an all-positive group
+    w = torch.randn(3, 40, 256, generator=g) * torch.logspace(-6, 1, 40).reshape(1, 40, 1)
+    w[0, 0, :128] = 0
+    w[1, 1, :128] = -w[1, 1, :128].abs()
+    w[2, 2, :128] = w[2, 2, :128].abs()
+    w = w.to(dtype)
+    fast, ref = _both(w, group_size, symmetric, scale_dtype)
+    _assert_same(fast, ref)
+
+
+def test_per_channel_width_not_a_multiple_of_8():
+    w = torch.randn(5, 37).to(torch.bfloat16)
+    fast, ref = _both(w, None, True)
+    _assert_same(fast, ref)
+    assert torch.equal(unpack_int4(fast.q, 37), unpack_int4(ref.q, 37))
+
+
+def test_ties_round_half_to_even():
+    # absmax 7.5 -> scale exactly 1.0: w / s lands on .5 ties, which round to the even neighbour
+    w = torch.tensor([[7.5, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] + [0.0] * 24], dtype=torch.bfloat16)
+    fast, ref = _both(w, 32, True)
+    _assert_same(fast, ref)
+    q = unpack_int4(fast.q, 32)[0, :8].tolist()
+    assert fast.qparams.scale[0, 0].item() == 1.0
+    assert q == [7, 0, 2, 2, 0, -2, -2, 4]  # 7.5 -> 8 clamps to 7
+
+
+def test_subnormal_and_tiny_scales():
+    w = torch.full((2, 32), 1e-39, dtype=torch.float32)
+    w[1] = torch.linspace(-3e-38, 3e-38, 32)
+    for scale_dtype in (torch.bfloat16, torch.float32):
+        fast, ref = _both(w, 32, True, scale_dtype)
+        _assert_same(fast, ref)
+        fast, ref = _both(w, 32, False, scale_dtype)
+        _assert_same(fast, ref)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_non_finite_falls_back_to_torch_path(bad, symmetric):
+    w = torch.randn(4, 64)
+    w[2, 5] = bad
+    assert int4._rtn_native(w, 32, symmetric, torch.bfloat16) is None
+    fast, ref = _both(w, 32, symmetric)
+    assert torch.equal(fast.q, ref.q)
+    assert not torch.isfinite(fast.signal).all() or not torch.isfinite(fast.noise).all()
+
+
+def test_float16_scales_take_torch_path():
+    w = torch.randn(4, 64, dtype=torch.float16)
+    assert int4._rtn_native(w.float(), 32, True, torch.float16) is None
+    fast, ref = _both(w, 32, True, torch.float16)
+    _assert_same(fast, ref)
+
+
+def test_threads_split_rows_identically():
+    w = torch.randn(8, 96, 128).to(torch.bfloat16)
+    with int4.native_threads(1):
+        one = rtn(w, 4, 32, True, pack=True)
+    with int4.native_threads(3):
+        three = rtn(w, 4, 32, True, pack=True)
+    _assert_same(one, three)
+    assert torch.equal(one.signal, three.signal) and torch.equal(one.noise, three.noise)
+
+
+def test_dequantized_equals_independent_reference():
+    w = (torch.randn(6, 128) * 0.02).to(torch.bfloat16)
+    fast = rtn(w, 4, 32, True, pack=True)
+    q = unpack_int4(fast.q, 128)
+    wg = w.double().reshape(6, 4, 32)
+    scale = (wg.abs().amax(-1) / 7.5).to(torch.bfloat16).double()
+    ref_q = torch.clamp(torch.round(wg / scale[..., None]), -8, 7).reshape(6, 128)
+    assert torch.equal(q.double(), ref_q)
+    assert torch.equal(pack_int4(ref_q.to(torch.int8)), fast.q)
+    deq = dequantize(q, fast.qparams.scale, None, torch.float64)
+    noise = ((deq - w.double()) ** 2).sum()  # one matrix: one sum
+    assert torch.allclose(fast.noise, noise, rtol=1e-6)
+
+
+def test_convert_output_identical_without_kernel(tmp_path):
+    from quantkit.testing import make_tiny_model
+
+    src = tmp_path / "src"
+    make_tiny_model("qwen3_moe", src)
+    outs = {}
+    for flag in ("1", "0"):
+        out = tmp_path / f"out{flag}"
+        env = {**os.environ, "QUANTKIT_NATIVE": flag}
+        r = subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", str(src), str(out), "--json"],
+                           env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        outs[flag] = out
+    files = sorted(p.name for p in outs["1"].glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in outs["0"].glob("*.safetensors"))
+    for name in files:
+        assert (outs["1"] / name).read_bytes() == (outs["0"] / name).read_bytes(), name
+    m1 = json.loads((outs["1"] / "quantkit_manifest.json").read_text())
+    m0 = json.loads((outs["0"] / "quantkit_manifest.json").read_text())
+    assert m1["shards"] == m0["shards"]
+    for name, e in m0["tensors"].items():
+        if "sqnr_db" in e:
+            assert abs(m1["tensors"][name]["sqnr_db"] - e["sqnr_db"]) < 1e-3
