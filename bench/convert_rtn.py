@@ -230,6 +230,15 @@ def _wait_rusage(popen: subprocess.Popen):
     return ru
 
 
+def settle(*dirs: Path) -> None:
+    """Before each timed run: remove the tool's earlier output and flush dirty pages to disk, so that no
+    run pays for the writeback of the previous one (quantkit fsyncs its shards before it finishes; cat and
+    llm-compressor do not, and would leave their writes in flight)."""
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    os.sync()
+
+
 def time_cat(files: list[Path], runs: int) -> dict:
     """`cat shards > one file` on the same disk: an untimed warm-up, then `runs` timed runs (the
     fastest is used, like the tools' runs)."""
@@ -239,6 +248,7 @@ def time_cat(files: list[Path], runs: int) -> dict:
     try:
         for k in range(runs + 1):  # run 0 is the untimed warm-up
             dst.unlink(missing_ok=True)
+            settle()
             with open(dst, "wb") as out:
                 t0 = time.perf_counter()
                 popen = subprocess.Popen(cmd, stdout=out)
@@ -446,7 +456,7 @@ def main(argv=None) -> int:
     qk_runs, llmc_runs = [], []
     src_digest = _src_digest()
     for rep in range(args.repeat):
-        shutil.rmtree(qk_out, ignore_errors=True)
+        settle(qk_out)
         warm_cache(files)
         print(f"[{rep + 1}/{args.repeat}] running: " + " ".join(qk_cmd), file=sys.stderr)
         r = run_measured(qk_cmd, logs / "quantkit.stderr", env=env, stdout_path=logs / "quantkit.stdout")
@@ -458,7 +468,7 @@ def main(argv=None) -> int:
         print(f"  {r['wall_s']:.2f} s, cpu {r['cpu_s']:.1f} s, other processes {r['other_cpu_s']:.1f} cpu s", file=sys.stderr)
         if args.skip_peer:
             continue
-        shutil.rmtree(llmc_out, ignore_errors=True)
+        settle(llmc_out)
         warm_cache(files)
         print(f"[{rep + 1}/{args.repeat}] running: {peer_py} -c <model_free_ptq W4A16 group {args.group_size}> "
               f"{src} {llmc_out}", file=sys.stderr)

@@ -128,14 +128,25 @@ def _quant_row(x, xu, g, symmetric, scale_mode, pk, sc, zp, qbuf, ebuf, tmp, tmp
             q = qmax if q > qmax else q
             qbuf[j] = np.uint8(np.int32(q) + 8)
             ebuf[j] = (q - z) * s - v
-    for w in range(pk.shape[0]):
-        acc = np.uint32(0)
-        base = w * 8
-        for t in range(8):
-            j = base + t
-            if j < k:
-                acc |= np.uint32(qbuf[j]) << np.uint32(4 * t)
-        pk[w] = acc
+    if k % 8 == 0:
+        # eight nibble bytes per uint64 (little-endian), pulled together by three shift-or-mask steps
+        # into the low 32 bits: element j at bits 4*(j % 8) of word j // 8 (branch-free, vectorizes)
+        v8 = qbuf.view(np.uint64)
+        for w in range(pk.shape[0]):
+            v = v8[w]
+            v = (v | (v >> np.uint64(4))) & np.uint64(0x00FF00FF00FF00FF)
+            v = (v | (v >> np.uint64(8))) & np.uint64(0x0000FFFF0000FFFF)
+            v = (v | (v >> np.uint64(16))) & np.uint64(0x00000000FFFFFFFF)
+            pk[w] = np.uint32(v)
+    else:
+        for w in range(pk.shape[0]):
+            acc = np.uint32(0)
+            base = w * 8
+            for t in range(8):
+                j = base + t
+                if j < k:
+                    acc |= np.uint32(qbuf[j]) << np.uint32(4 * t)
+            pk[w] = acc
     return _sumsq(x), _sumsq(ebuf), finite
 
 
