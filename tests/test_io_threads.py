@@ -89,3 +89,31 @@ def test_prehash_matches_and_notices_changes(tmp_path):
     time.sleep(0.05)
     p.write_bytes(b"b" * 100_001)  # changed after hashing began: hashed again
     assert prehash.sha256(p) == hashlib.sha256(b"b" * 100_001).hexdigest()
+
+
+def test_shards_fsynced_before_index_and_manifest(tmp_path, monkeypatch):
+    import quantkit.convert as C
+    from quantkit.testing import make_tiny_model
+
+    src = make_tiny_model("mixtral", tmp_path / "src")
+    synced: list[str] = []
+    real_fsync = W._fsync_path
+
+    def fsync_path(path):
+        real_fsync(path)
+        synced.append(path.name)
+
+    checked = []
+    real_json = C.write_json_atomic
+
+    def write_json(path, doc, *a, **kw):
+        if path.name in (C.INDEX_NAME, C.MANIFEST_NAME) and (path.name == C.INDEX_NAME or doc.get("status") == "complete"):
+            shards = sorted(p.name for p in path.parent.glob("*.safetensors"))
+            assert shards and set(shards) <= set(synced), (path.name, shards, synced)
+            checked.append(path.name)
+        real_json(path, doc, *a, **kw)
+
+    monkeypatch.setattr(W, "_fsync_path", fsync_path)
+    monkeypatch.setattr(C, "write_json_atomic", write_json)
+    C.convert(src, tmp_path / "out", C.ConvertOptions())
+    assert checked == [C.INDEX_NAME, C.MANIFEST_NAME]

@@ -181,6 +181,21 @@ class _Reader:
         self._fds.clear()
 
 
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+HEAP_MMAP_THRESHOLD = 1 << 20
+
+
+def bound_heap() -> None:
+    """Serve every allocation of 1 MiB or more with its own mapping, returned to the OS when freed.
+    glibc otherwise raises its mmap threshold after each large free (up to 32 MiB), and the many
+    1-32 MiB temporaries of a layer (weights, Gram products, factorizations) then fragment a heap
+    that is never given back: measured on bench/gptq_rss.py, the peak RSS drops by ~200 MB."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def release_memory() -> None:
     """Give freed memory back to the OS between layers (glibc keeps freed heap pages otherwise)."""
     gc.collect()
@@ -415,6 +430,7 @@ class LayerExecutor:
                  activation_budget_bytes: int = DEFAULT_ACTIVATION_BUDGET, workdir: str | Path | None = None,
                  experts_implementation: str | None = DEFAULT_EXPERTS_IMPLEMENTATION):
         self.ckpt = model if isinstance(model, Checkpoint) else Checkpoint.open(model)
+        bound_heap()
         self.spec = arch_spec(self.ckpt.config)
         self.config = build_config(self.ckpt.config)
         self.model = build_meta_model(self.config, experts_implementation if self.spec.experts else None)

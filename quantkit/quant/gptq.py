@@ -45,19 +45,25 @@ def _cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int):
     rel = torch.full((e,), float(damp), dtype=h.dtype)
     u = torch.empty_like(h)
     todo = torch.arange(e)
-    eye = torch.eye(k, dtype=h.dtype)
     fallback: list[str | None] = [None] * e
     for attempt in range(max_retries + 1):
-        hd = h[todo] + (rel[todo] * diag_mean[todo])[:, None, None] * eye
+        hd = h[todo] if todo.numel() < e else h.clone()
+        hd.diagonal(dim1=-2, dim2=-1).add_((rel[todo] * diag_mean[todo])[:, None])
         l, info = torch.linalg.cholesky_ex(hd)
+        del hd  # each [E, K, K] float64 temporary is dropped as soon as it is used
         ok = info == 0
         if ok.any():
-            hinv = torch.cholesky_inverse(l[ok])
+            hinv = torch.cholesky_inverse(l if bool(ok.all()) else l[ok])
+            del l
             uu, info2 = torch.linalg.cholesky_ex(hinv, upper=True)
+            del hinv
             ok_idx = ok.nonzero().flatten()
             good = info2 == 0
             u[todo[ok_idx[good]]] = uu[good]
+            del uu
             ok[ok_idx[~good]] = False
+        else:
+            del l
         todo = todo[~ok]
         if todo.numel() == 0:
             break
@@ -85,7 +91,9 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
         block_size = max(gs, block_size - block_size % gs)  # keep group boundaries on block boundaries
     qmin, qmax = qrange(num_bits)
     W = w.float().clone()
-    H = h.double().clone()  # factorize in float64: tiny models and fp32 Hessians of real ones both benefit
+    H = h.double()  # factorize in float64: tiny models and fp32 Hessians of real ones both benefit
+    if H.data_ptr() == h.data_ptr():
+        H = H.clone()  # modified below (dead columns); the caller's Hessian stays as it was
 
     diag = torch.diagonal(H, dim1=-2, dim2=-1)
     dead = diag == 0  # [E, K]
@@ -101,6 +109,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
         group_of = torch.div(perm, gs, rounding_mode="floor")  # [E, K] natural group of each visited column
 
     U, rel, fallback = _cholesky_inverse_upper(H, damp, max_retries)
+    del H, diag
     U = U.float()
 
     groups = k // gs
