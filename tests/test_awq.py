@@ -1,8 +1,9 @@
 """AWQ math: grid searches pick what they should, and help where AWQ is meant to help."""
 
+import pytest
 import torch
 
-from quantkit.quant.awq import fake_quant, scale_candidates, search_clip, search_scales
+from quantkit.quant.awq import clip_ratios, fake_quant, scale_candidates, search_clip, search_scales
 from quantkit.quant.int4 import dequantize, rtn
 
 
@@ -58,10 +59,80 @@ def test_search_clip_never_worse_than_no_clip():
     w[:, :, 0] = 0.6  # an outlier weight makes clipping worth it for other rows' groups
     x = torch.randn(2, 64, 64, generator=gen)
     ratio = search_clip(w, x, 4, 32, True)
-    assert ratio.shape == (2, 16, 2) and (ratio <= 1).all() and (ratio >= 0.5).all()
+    assert ratio.shape == (2, 16, 2) and (ratio <= 15 / 14 + 1e-9).all() and (ratio >= 0.5 * 15 / 14 - 1e-9).all()
 
     def err(r):
         dq = fake_quant(w, 4, 32, True, r)
         return (torch.einsum("etk,enk->etn", x, w - dq)).square().sum()
 
     assert err(ratio) <= err(torch.ones_like(ratio)) + 1e-9
+
+
+def test_clip_ratios_grid():
+    """Symmetric 4-bit stores scale = absmax * r / 7.5: the grid starts where the absmax lands exactly on
+    qmax = 7 (r = 15/14), shrinks in 1/n_grid steps to max_shrink of that, and always holds r = 1 (RTN)."""
+    rs = clip_ratios(4, True, n_grid=20, max_shrink=0.5)
+    assert rs[0] == pytest.approx(15 / 14) and 1.0 in rs and rs == sorted(rs, reverse=True)
+    assert min(rs) >= 0.5 * 15 / 14 - 1e-9 and len(rs) == 12
+    w = torch.tensor([[0.7, -0.1] + [0.0] * 30])
+    assert fake_quant(w, 4, 32, True, torch.full((1, 1), rs[0]))[0, 0] == pytest.approx(0.7, rel=1e-2)
+    assert clip_ratios(4, False, 20, 0.5)[0] == 1.0  # asymmetric ranges already map min/max onto the codes
+
+
+def _clip_reference(w, x, ratios, num_bits=4, group=32, sym=True):
+    """Brute force: per (row, group), the ratio minimizing that group's output error computed from the
+    inputs directly; then the row guard against r = 1 on the whole row's output error."""
+    e, n, k = w.shape
+    gs = k // group
+    best = torch.ones(e, n, gs)
+    best_err = torch.full((e, n, gs), float("inf"), dtype=torch.float64)
+    for r in [1.0] + [r for r in ratios if r != 1.0]:
+        dq = fake_quant(w, num_bits, group, sym, torch.full((e, n, gs), r))
+        for gi in range(gs):
+            sl = slice(gi * group, (gi + 1) * group)
+            err = torch.einsum("etk,enk->etn", x[..., sl].double(), (w - dq)[..., sl].double()).square().sum(1)
+            better = err < best_err[..., gi]
+            best_err[..., gi][better] = err[better]
+            best[..., gi][better] = r
+
+    def row_err(ratio):
+        dq = fake_quant(w, num_bits, group, sym, ratio)
+        return torch.einsum("etk,enk->etn", x.double(), (w - dq).double()).square().sum(1)
+
+    best[~(row_err(best) < row_err(torch.ones_like(best)))] = 1.0
+    return best
+
+
+def test_search_clip_matches_brute_force_and_can_widen():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 24, 64, generator=gen) * 0.05
+    w[:, ::3, 5] = 0.4  # large positive weights: r = 1 puts them half a step above the top code
+    x = torch.randn(2, 80, 64, generator=gen)
+    x[:, :, 5] *= 8  # ... and their input channel matters most
+    r = search_clip(w, x, 4, 32, True)
+    ref = _clip_reference(w, x, clip_ratios(4, True))
+    assert torch.equal(r, ref)
+    assert (r[:, ::3, 0] > 1).float().mean() > 0.5  # the widened range wins where the absmax weight matters
+    assert (r < 1).any()
+
+
+def test_search_clip_weighted_tokens():
+    """x_mask weights tokens: a token with weight 0 does not count, weight 2 counts as that token x 2."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(1, 16, 64, generator=gen) * 0.05
+    x = torch.randn(1, 40, 64, generator=gen)
+    m = torch.rand(1, 40, generator=gen).round() * 2
+    assert torch.equal(search_clip(w, x, 4, 32, True, x_mask=m), search_clip(w, x * m[..., None], 4, 32, True))
+    keep = m[0] > 0
+    assert torch.equal(search_clip(w, x, 4, 32, True, x_mask=m), search_clip(w, 2 * x[:, keep], 4, 32, True))
+
+
+def test_search_clip_chunked_over_experts_equals_whole(monkeypatch):
+    from quantkit.quant import awq
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(5, 16, 64, generator=g) * 0.05
+    x = torch.randn(5, 40, 64, generator=g)
+    whole = awq.search_clip(w, x, 4, 32, True)
+    monkeypatch.setattr(awq, "CLIP_GRAM_BYTES", 2 * 64 * 64 * 8)  # two experts per chunk
+    assert torch.equal(awq.search_clip(w, x, 4, 32, True), whole)

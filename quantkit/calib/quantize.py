@@ -118,6 +118,7 @@ class ExpertStats:
         self.sample_tokens = sample_tokens
         self.x_samples: list[torch.Tensor] = []  # [t, H] all tokens (subsampled) for AWQ / fallbacks
         self.idx_samples: list[torch.Tensor] = []
+        self.w_samples: list[torch.Tensor] = []  # [t, k] the router's weights of those tokens' top-k experts
         self._n_samples = 0
         self.handle = experts.register_forward_pre_hook(self._hook)
 
@@ -131,14 +132,18 @@ class ExpertStats:
             take = min(self.sample_tokens - self._n_samples, x.shape[0])
             self.x_samples.append(x[:take].clone())
             self.idx_samples.append(idx[:take].clone())
+            wts = args[2].detach().reshape(x.shape[0], -1)[:take].float() if len(args) > 2 else None
+            self.w_samples.append(wts.clone() if wts is not None and wts.shape == idx[:take].shape
+                                  else torch.ones(take, idx.shape[1]))
             self._n_samples += take
         self.counts += torch.bincount(idx.flatten(), minlength=self.E)[: self.E]
         if self.need_h:
+            per = max(1, GRAM_CHUNK_BYTES // (max(self.H, self.P) * self.H * 4))  # bounds gathered weights too
             for experts_ids, xs, mask in routed_batches(x, idx, self.E, self.H):
-                xm = xs * mask[..., None]
-                self.h_gu[experts_ids] += torch.bmm(xm.transpose(1, 2), xm)
-                hd = self.down_inputs(experts_ids, xs) * mask[..., None]
-                self.h_down[experts_ids] += torch.bmm(hd.transpose(1, 2), hd)
+                for a in range(0, len(experts_ids), per):
+                    ids, xa, ma = experts_ids[a:a + per], xs[a:a + per], mask[a:a + per, :, None]
+                    _add_gram(self.h_gu, ids, xa * ma)
+                    _add_gram(self.h_down, ids, self.down_inputs(ids, xa) * ma)
 
     def down_inputs(self, experts_ids: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
         """act(gate x) * up x for experts [e] and padded tokens xs [e, t, H] -> [e, t, I]."""
@@ -152,16 +157,35 @@ class ExpertStats:
     def samples(self) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.cat(self.x_samples), torch.cat(self.idx_samples)
 
+    def routing_weights(self) -> torch.Tensor:
+        """[t, k] router weights of the sampled tokens (aligned with `samples()`)."""
+        return torch.cat(self.w_samples)
 
-def routed_batches(x: torch.Tensor, idx: torch.Tensor, num_experts: int, width: int, budget: int = PAIR_BUDGET):
+
+GRAM_CHUNK_BYTES = 1 << 25  # [e, D, D] Gram products formed at once when accumulating expert Hessians
+
+
+def _add_gram(h: torch.Tensor, ids: torch.Tensor, xs: torch.Tensor) -> None:
+    """h[ids[i]] += xs[i]^T xs[i], a few experts at a time, accumulated in place (no gathered copy of h)."""
+    d = xs.shape[-1]
+    per = max(1, GRAM_CHUNK_BYTES // (d * d * 4))
+    for a in range(0, len(ids), per):
+        xa = xs[a:a + per]
+        h.index_add_(0, ids[a:a + per], torch.bmm(xa.transpose(1, 2), xa))
+
+
+def routed_batches(x: torch.Tensor, idx: torch.Tensor, num_experts: int, width: int, budget: int = PAIR_BUDGET,
+                   weights: torch.Tensor | None = None):
     """Yield (expert ids [e], padded tokens [e, t, D], mask [e, t]) over chunks of experts: the tokens routed
     to each expert, gathered and zero-padded to the chunk's longest list, so that per-expert products are
-    one batched matmul."""
+    one batched matmul. With `weights` [T, k] (the router's top-k weights), each item also carries the
+    weight of each gathered token for that expert: (ids, tokens, mask, weights [e, t], 0 on padding)."""
     t, k = idx.shape
     flat = idx.flatten()
     token = torch.arange(t).repeat_interleave(k)
     order = torch.argsort(flat, stable=True)
     flat, token = flat[order], token[order]
+    slot_w = None if weights is None else weights.reshape(-1).float()[order]
     counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
     starts = torch.cumsum(counts, 0) - counts
     present = counts.nonzero().flatten()
@@ -178,11 +202,14 @@ def routed_batches(x: torch.Tensor, idx: torch.Tensor, num_experts: int, width: 
         ids = present[i:j]
         xs = torch.zeros(len(ids), longest, width)
         mask = torch.zeros(len(ids), longest)
+        ws = None if slot_w is None else torch.zeros(len(ids), longest)
         for r, e in enumerate(ids.tolist()):
             c, s = int(counts[e]), int(starts[e])
             xs[r, :c] = x[token[s:s + c]]
             mask[r, :c] = 1
-        yield ids, xs, mask
+            if ws is not None:
+                ws[r, :c] = slot_w[s:s + c]
+        yield (ids, xs, mask) if ws is None else (ids, xs, mask, ws)
         i = j
 
 
@@ -252,21 +279,10 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
     stats = None
     if egroup is not None:
         mlp, experts, router, shared = moe
+        default_sample = 4096 if egroup.method == "gptq" else AWQ_SAMPLE_TOKENS
         stats = ExpertStats(experts, need_hessians=egroup.method == "gptq",
-                            sample_tokens=int(_opt(egroup, "sample_tokens", 4096 if egroup.method == "gptq" else 2048)))
+                            sample_tokens=int(_opt(egroup, "sample_tokens", default_sample)))
     lstats = {d: LinearStats(m) for d, (m, _) in dense.items()}
-    awq_inputs: list[torch.Tensor] = []
-    awq_handle = None
-    if egroup is not None and egroup.method == "awq":
-        cap = int(_opt(egroup, "sample_tokens", 2048))
-
-        def grab(module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1])
-            have = sum(t.shape[0] for t in awq_inputs)
-            if have < cap:
-                awq_inputs.append(x[: cap - have].float().clone())
-
-        awq_handle = mlp.register_forward_pre_hook(grab)
     try:
         step.forward()  # one pass: all statistics of this layer
     finally:
@@ -274,8 +290,6 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
             s.remove()
         if stats is not None:
             stats.remove()
-        if awq_handle is not None:
-            awq_handle.remove()
 
     with torch.no_grad():
         for disk, (mod, g) in dense.items():
@@ -284,8 +298,7 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
             if egroup.method == "gptq":
                 _gptq_experts(res, ckpt, names, experts, egroup, stats)
             else:
-                _awq_experts(res, ckpt, idx, names, mlp, experts, router, shared, layer, egroup, stats,
-                             torch.cat(awq_inputs))
+                _awq_experts(res, ckpt, idx, names, mlp, experts, router, shared, layer, egroup, stats)
     return res
 
 
@@ -332,31 +345,22 @@ def _all_token_down_hessians(stats: ExpertStats, ids: torch.Tensor) -> torch.Ten
     return out
 
 
-GPTQ_CHUNK_BYTES = 1 << 27  # float64 Hessian bytes factorized at once (the solve holds ~4 copies)
-
-
-def _gptq_chunked(w: torch.Tensor, h: torch.Tensor, s: Scheme, **kw):
-    """`gptq` over chunks of experts, so the float64 factorizations of a layer's Hessians never sit in
-    memory all at once; the results are concatenated (each expert is independent)."""
-    from ..quant.gptq import GPTQResult
-
-    e, k = h.shape[0], h.shape[-1]
-    per = max(1, GPTQ_CHUNK_BYTES // (k * k * 8))
-    parts = [gptq(w[i:i + per], h[i:i + per], s.num_bits, s.group_size, s.symmetric, **kw) for i in range(0, e, per)]
-    if len(parts) == 1:
-        return parts[0]
-    zp = None if parts[0].qparams.zero_point is None else torch.cat([p.qparams.zero_point for p in parts])
-    return GPTQResult(torch.cat([p.q for p in parts]), QParams(torch.cat([p.qparams.scale for p in parts]), zp),
-                      torch.cat([p.damping for p in parts]), [f for p in parts for f in p.fallback],
-                      torch.cat([p.dead_columns for p in parts]))
+# Experts solved at once by `_gptq_experts`: their float64 Hessians take at most this many bytes (the
+# solve holds ~5 float64 copies of them). Small: batching more experts gains little (the factorizations
+# are compute-bound) and a layer's peak memory is dominated by this buffer otherwise.
+GPTQ_CHUNK_BYTES = 1 << 24
 
 
 def _gptq_experts(res, ckpt, names: ExpertNames, experts, g: WeightGroup, stats: ExpertStats):
+    """GPTQ for every expert of a layer, a few experts at a time: weights are converted to float32,
+    solved, dequantized and written back (true-sequential: the next layer sees quantized outputs) one
+    chunk at a time, so besides the layer's Hessians only one chunk's working set is ever in memory."""
     E = stats.E
     low, min_tokens, fallback, mode = _coverage(g, stats)
     counts = stats.counts.clamp(min=1).float()
-    h_gu = stats.h_gu * (2.0 / counts)[:, None, None]
-    h_down = stats.h_down * (2.0 / counts)[:, None, None]
+    # the sums become 2/n-scaled Hessians in place: the statistics are not used after this
+    h_gu = stats.h_gu.mul_((2.0 / counts)[:, None, None])
+    h_down = stats.h_down.mul_((2.0 / counts)[:, None, None])
     reasons = [None] * E
     use_rtn = torch.zeros(E, dtype=torch.bool)
     if low.any():
@@ -370,138 +374,266 @@ def _gptq_experts(res, ckpt, names: ExpertNames, experts, g: WeightGroup, stats:
             reasons[e] = ("stats: all tokens" if mode == "all" else
                           f"{int(stats.counts[e])} routed tokens < min_tokens {min_tokens}: "
                           + ("RTN" if use_rtn[e] else "Hessian from all tokens"))
-    damp = float(_opt(g, "damp", 0.01))
-    actorder = bool(_opt(g, "actorder", False))
-    block = int(_opt(g, "block_size", 128))
-    gu_w = experts.gate_up_proj.detach().float()  # [E, P, H]
-    dn_w = experts.down_proj.detach().float()  # [E, H, I]
-    s_gu, s_dn = _scheme(g, gu_w.shape[-1]), _scheme(g, dn_w.shape[-1])
-    out = {}
-    for key, w, h, s in (("gu", gu_w, h_gu, s_gu), ("down", dn_w, h_down, s_dn)):
-        r = _gptq_chunked(w, h, s, damp=damp, actorder=actorder, block_size=block)
-        q, qp = r.q, r.qparams
-        if use_rtn.any():
-            rr = rtn(w[use_rtn], s.num_bits, s.group_size, s.symmetric)
-            q = q.clone()
-            q[use_rtn] = rr.q
-            scale = qp.scale.clone()
-            scale[use_rtn] = rr.qparams.scale
-            zp = None
-            if qp.zero_point is not None:
-                zp = qp.zero_point.clone()
-                zp[use_rtn] = rr.qparams.zero_point
-            qp = QParams(scale, zp)
-        out[key] = (q, qp, r)
+    kw = dict(damp=float(_opt(g, "damp", 0.01)), actorder=bool(_opt(g, "actorder", False)),
+              block_size=int(_opt(g, "block_size", 128)))
     half = stats.P // 2
     scale_dtype = _scale_dtype(ckpt, names.module(0, "gate") + ".weight")
-    for key, w, s, param in (("gu", gu_w, s_gu, experts.gate_up_proj), ("down", dn_w, s_dn, experts.down_proj)):
-        q, qp, r = out[key]
-        deq = dequantize(q, qp.scale, qp.zero_point)  # [E, N, K]
-        for e in range(E):
-            meta = {"method": "gptq" if not use_rtn[e] else "rtn", "tokens": int(stats.counts[e]),
-                    "fallback": reasons[e] or r.fallback[e], "damping": round(float(r.damping[e]), 6)}
-            if key == "gu":
-                parts = (("gate", slice(0, half)), ("up", slice(half, stats.P)))
-            else:
-                parts = (("down", slice(None)),)
-            for kind, rows in parts:
-                zp = None if qp.zero_point is None else qp.zero_point[e, rows]
-                _emit(res, names.module(e, kind), q[e, rows], QParams(qp.scale[e, rows], zp), s, scale_dtype,
-                      {**meta, "sqnr_db": round(float(sqnr_db(w[e, rows], deq[e, rows])), 4)})
-        param.data.copy_(deq.to(param.dtype))  # true-sequential: the next layer sees quantized outputs
+    for key, param, h in (("gu", experts.gate_up_proj, h_gu), ("down", experts.down_proj, h_down)):
+        k = param.shape[-1]
+        s = _scheme(g, k)
+        parts = (("gate", slice(0, half)), ("up", slice(half, stats.P))) if key == "gu" else (("down", slice(None)),)
+        per = max(1, GPTQ_CHUNK_BYTES // (k * k * 8))
+        for i0 in range(0, E, per):
+            i1 = min(E, i0 + per)
+            w = param.data[i0:i1].float()  # [c, N, K]
+            r = gptq(w, h[i0:i1], s.num_bits, s.group_size, s.symmetric, **kw)
+            q, qp = r.q, r.qparams
+            sel = use_rtn[i0:i1]
+            if sel.any():
+                rr = rtn(w[sel], s.num_bits, s.group_size, s.symmetric)
+                q[sel] = rr.q
+                qp.scale[sel] = rr.qparams.scale
+                if qp.zero_point is not None:
+                    qp.zero_point[sel] = rr.qparams.zero_point
+            deq = dequantize(q, qp.scale, qp.zero_point)  # [c, N, K]
+            for j, e in enumerate(range(i0, i1)):
+                meta = {"method": "gptq" if not use_rtn[e] else "rtn", "tokens": int(stats.counts[e]),
+                        "fallback": reasons[e] or r.fallback[j], "damping": round(float(r.damping[j]), 6)}
+                for kind, rows in parts:
+                    zp = None if qp.zero_point is None else qp.zero_point[j, rows]
+                    _emit(res, names.module(e, kind), q[j, rows], QParams(qp.scale[j, rows], zp), s, scale_dtype,
+                          {**meta, "sqnr_db": round(float(sqnr_db(w[j, rows], deq[j, rows])), 4)})
+            param.data[i0:i1].copy_(deq.to(param.dtype))
+            del w, r, q, qp, deq
+
+
+AWQ_SAMPLE_TOKENS = 8192  # calibration tokens per MoE layer the AWQ searches use (option `sample_tokens`)
+AWQ_TOKEN_CHUNK = 8192  # tokens per MoE forward inside the norm-scale search (bounds its temporaries)
+
+
+def _stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as it will be written in `dtype` (the tensor's source dtype), back in float32."""
+    return t.to(dtype).float() if dtype.is_floating_point else t.float()
+
+
+def _source_dtype(ckpt: Checkpoint, name: str) -> torch.dtype:
+    return ckpt.info(name).dtype if name in ckpt.location else torch.bfloat16
+
+
+def _mlp_out(mlp, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The MoE block's output [T, H] (float32) for inputs x [T, H], in chunks of tokens."""
+    return torch.cat([mlp(x[i:i + AWQ_TOKEN_CHUNK].to(dtype)[None])[0].float()
+                      for i in range(0, x.shape[0], AWQ_TOKEN_CHUNK)])
+
+
+def _group_w_mean(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """AWQ's weight statistic: |w| / max|w| within each quantization group, averaged over output rows.
+    w [..., N, K] -> [..., K]."""
+    k = w.shape[-1]
+    g = group_size or k
+    a = w.abs().reshape(*w.shape[:-1], k // g, g)
+    return (a / a.amax(-1, keepdim=True).clamp(min=1e-12)).reshape(w.shape).mean(-2)
+
+
+def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: WeightGroup, x: torch.Tensor,
+                    n_grid: int):
+    """(1) One per-channel scale s [H] for every routed expert's gate/up (and the shared expert's): the
+    post-attention norm weight becomes norm / s, every reader of the norm output (experts, router, shared
+    expert) is multiplied by s. The search loss is the MoE block output error against the unquantized block,
+    with the routed experts' gate/up quantized in the scaled domain *and* the norm, router and shared
+    expert exactly as they will be stored (rounded to their source dtype): a scale whose fold would perturb
+    the router more than it helps the experts loses. s = 1 (plain RTN) is a candidate.
+
+    Applies the chosen fold to the layer in place, records the changed source tensors as overrides and
+    returns (effective scale s [H] (float32, exact for the stored norm), alpha)."""
+    s_gu = _scheme(g, x.shape[-1])
+    dtype = experts.gate_up_proj.dtype
+    norm = layer.post_attention_layernorm
+    norm_name = disk_name(ckpt, idx, "post_attention_layernorm.weight")
+    readers = []  # unquantized tensors that read the norm output: (module, on-disk name)
+    if router is not None:
+        readers.append((router, disk_name(ckpt, idx, "mlp.gate.weight")))
+    if shared is not None:
+        sname = "shared_experts" if hasattr(mlp, "shared_experts") else "shared_expert"
+        for nm in ("gate_proj", "up_proj"):
+            readers.append((getattr(shared, nm), disk_name(ckpt, idx, f"mlp.{sname}.{nm}.weight")))
+    for _, name in readers:
+        if name[: -len(".weight")] in res.modules:
+            raise CalibrationError(f"{name[: -len('.weight')]}: quantized by a calibrated group, but it reads the "
+                                   "post-attention norm that AWQ scales",
+                                   hint="quantize it with method rtn, or leave it unquantized")
+    norm_w = norm.weight.detach().float().clone()
+    norm_dt = _source_dtype(ckpt, norm_name)
+    orig = [(m, name, m.weight.detach().float().clone(), _source_dtype(ckpt, name)) for m, name in readers]
+    gu = experts.gate_up_proj.detach().float().clone()  # [E, P, H]
+    gu_orig = experts.gate_up_proj.data.clone()
+
+    def fold(s):
+        """The stored norm for scale s, the effective (exact) scale and the stored readers."""
+        nw = _stored(norm_w / s, norm_dt)
+        s_eff = torch.where((nw != 0) & (norm_w != 0), norm_w / nw.where(nw != 0, torch.ones_like(nw)),
+                            torch.ones_like(nw))
+        return nw, s_eff, [_stored(w * s_eff, dt) for _, _, w, dt in orig]
+
+    fp_out = _mlp_out(mlp, x, dtype)
+    x_mean = x.abs().mean(0)
+    rows = [gu.reshape(-1, gu.shape[-1])] + [w for m, _, w, _ in orig if m is not router]
+    w_mean = _group_w_mean(torch.cat(rows), s_gu.group_size)
+
+    def block_loss(s):
+        _, s_eff, stored = fold(s)
+        for (m, _, _, _), w in zip(orig, stored):
+            m.weight.data.copy_(w.to(m.weight.dtype))
+        experts.gate_up_proj.data.copy_(fake_quant(gu * s_eff, s_gu.num_bits, s_gu.group_size, s_gu.symmetric)
+                                        .to(dtype))
+        return (_mlp_out(mlp, x / s_eff, dtype) - fp_out).square().mean()
+
+    try:
+        s1, a1, _ = search_scales(x_mean, w_mean, block_loss, n_grid)
+    finally:
+        experts.gate_up_proj.data.copy_(gu_orig)
+        for m, _, w, _ in orig:
+            m.weight.data.copy_(w.to(m.weight.dtype))
+    nw, s_eff, stored = fold(s1)
+    if bool((s_eff != 1).any()):
+        norm.weight.data.copy_(nw.to(norm.weight.dtype))
+        res.overrides[norm_name] = norm.weight.detach().clone()
+        for (m, name, _, _), w in zip(orig, stored):
+            m.weight.data.copy_(w.to(m.weight.dtype))
+            res.overrides[name] = m.weight.detach().clone()
+        experts.gate_up_proj.data.copy_((gu * s_eff).to(dtype))
+    return s_eff, float(a1)
+
+
+def _awq_expert_batches(stats: ExpertStats, x: torch.Tensor, low: torch.Tensor, fallback: str):
+    """(expert ids [e], tokens [e, t, H], token weights [e, t]) for the per-expert searches: the tokens
+    routed to each expert, weighted by the router's weight for that expert (its share of the block output),
+    0 on padding. Experts below the coverage threshold (`low`) get all sampled tokens with weight 1
+    (fallback all_tokens) or nothing (fallback rtn: no search)."""
+    _, sidx = stats.samples()
+    wts = stats.routing_weights()
+    for ids, xe, mask, ws in routed_batches(x, sidx, stats.E, stats.H, weights=wts):
+        keep = ~low[ids]
+        if keep.any():
+            yield ids[keep], xe[keep], (ws * mask)[keep]
+    if fallback == "all_tokens" and low.any():
+        ids = low.nonzero().flatten()
+        per = max(1, PAIR_BUDGET // max(1, x.shape[0] * max(stats.P, stats.H) * 4))
+        for i in range(0, len(ids), per):
+            sel = ids[i:i + per]
+            yield sel, x.expand(len(sel), *x.shape), torch.ones(len(sel), x.shape[0])
+
+
+def _expert_out(xe, gu, dn, act_fn):
+    """act(gate x) * (up x) -> down, batched: xe [e, t, H], gu [e, P, H], dn [e, H, I] -> [e, t, H]."""
+    g_, u_ = torch.bmm(xe, gu.transpose(1, 2)).chunk(2, dim=-1)
+    return torch.bmm(act_fn(g_) * u_, dn.transpose(1, 2))
 
 
 def _awq_experts(res, ckpt, idx, names: ExpertNames, mlp, experts, router, shared, layer, g: WeightGroup,
-                 stats: ExpertStats, x: torch.Tensor):
+                 stats: ExpertStats):
     """AWQ for a MoE block: (1) one scale s [H] shared by every routed expert's gate/up (and the shared
-    expert's), searched on the MoE block output and folded into the post-attention norm (the router is
-    compensated exactly); (2) per-expert up->down scales folded into up_proj; (3) clipping search; then
-    RTN with the found clip ratios."""
+    expert's), searched on the MoE block output and folded into the post-attention norm (router and shared
+    expert compensated, see `_awq_norm_scale`); (2) per-expert up->down scales folded into up_proj, searched
+    on each expert's output on its routed tokens weighted by the router's weights; (3) clipping search per
+    linear on the inputs it now sees, kept for an expert only where it lowers that expert's (weighted)
+    output error; then RTN with the found clip ratios.
+
+    Coverage (as for GPTQ, options min_tokens / fallback / stats): an expert with fewer sampled routed
+    tokens than min_tokens searches (2) and (3) on all sampled tokens (fallback all_tokens) or skips them
+    (fallback rtn: down scale 1, no clipping); the manifest records it."""
     n_grid = int(_opt(g, "n_grid", 20))
+    do_clip = bool(_opt(g, "clip", True))
+    do_down = bool(_opt(g, "scale_down", True))
     E, P, H, I = stats.E, stats.P, stats.H, stats.I
     half = P // 2
     s_gu = _scheme(g, H)
     s_dn = _scheme(g, I)
-    gu = experts.gate_up_proj.detach().float().clone()  # [E, P, H]
-    dn = experts.down_proj.detach().float().clone()  # [E, H, I]
-    xs = x.to(experts.gate_up_proj.dtype)[None]  # [1, T, H]: MoE blocks take [batch, seq, hidden]
-    norm = layer.post_attention_layernorm
-    sh_gate = sh_up = None
-    if shared is not None:
-        sh_gate, sh_up = shared.gate_proj, shared.up_proj
-    orig = {"gu": experts.gate_up_proj.data.clone()}
-    if shared is not None:
-        orig["sg"], orig["su"] = sh_gate.weight.data.clone(), sh_up.weight.data.clone()
-    fp_out = mlp(xs).float()
+    x, sidx = stats.samples()  # [T, H]: the MoE block's input (the post-attention norm output)
+    original = {"gu": experts.gate_up_proj.detach().float().clone(), "down": experts.down_proj.detach().float().clone()}
 
-    # (1) norm -> gate/up scale, loss = MoE block output error with gate/up quantized in the scaled domain
-    rows = [gu.reshape(-1, H)]
-    if shared is not None:
-        rows += [sh_gate.weight.float(), sh_up.weight.float()]
-    wcat = torch.cat(rows)
-    gsz = s_gu.group_size or H
-    wn = wcat.abs().reshape(-1, gsz)
-    w_mean = (wn / wn.amax(-1, keepdim=True).clamp(min=1e-12)).reshape(wcat.shape).mean(0)  # [H]
-    x_mean = x.abs().mean(0)
-
-    def block_loss(s):
-        experts.gate_up_proj.data.copy_((fake_quant(gu * s, s_gu.num_bits, s_gu.group_size, s_gu.symmetric) / s)
-                                        .to(experts.gate_up_proj.dtype))
-        return (mlp(xs).float() - fp_out).square().mean()
-
-    # powers of two: folding 1/s into the (BF16) norm and s into the router / shared experts is then exact
-    s1, a1, _ = search_scales(x_mean, w_mean, block_loss, n_grid, power_of_two=True)
-    experts.gate_up_proj.data.copy_(orig["gu"])
-    # fold: norm * (1/s), everything reading the norm output * s (exact in float; stored in the source dtype)
-    norm.weight.data.copy_((norm.weight.float() / s1).to(norm.weight.dtype))
-    gu = gu * s1
-    experts.gate_up_proj.data.copy_(gu.to(experts.gate_up_proj.dtype))
-    if router is not None:
-        router.weight.data.copy_((router.weight.float() * s1).to(router.weight.dtype))
-        res.overrides[disk_name(ckpt, idx, "mlp.gate.weight")] = router.weight.detach().clone()
-    if shared is not None:
-        for lin, nm in ((sh_gate, "gate_proj"), (sh_up, "up_proj")):
-            lin.weight.data.copy_((lin.weight.float() * s1).to(lin.weight.dtype))
-            sname = "shared_experts" if hasattr(mlp, "shared_experts") else "shared_expert"
-            res.overrides[disk_name(ckpt, idx, f"mlp.{sname}.{nm}.weight")] = lin.weight.detach().clone()
-    res.overrides[disk_name(ckpt, idx, "post_attention_layernorm.weight")] = norm.weight.detach().clone()
+    # (1) norm -> gate/up
+    s1, a1 = _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g, x, n_grid)
+    gu = experts.gate_up_proj.detach().float().clone()  # = original * s1, [E, P, H]
+    dn = original["down"].clone()  # [E, H, I]
     x_scaled = x / s1  # what the experts now see
 
-    # (2) per-expert up -> down scale, loss = each expert's output error on its routed tokens
-    _, sidx = stats.samples()
+    # coverage: counted on the sampled tokens the searches use
+    low, min_tokens, fallback, mode = _coverage(g, stats)
+    sampled = torch.bincount(sidx.flatten(), minlength=E)[:E]
+    if _opt(g, "min_tokens", None) is None:
+        min_tokens = max(1, math.ceil(0.005 * x.shape[0]))
+    if mode == "routed":
+        low = sampled < min_tokens
+    reasons: list[str | None] = [None] * E
+    for e in low.nonzero().flatten().tolist():
+        if mode == "all":
+            reasons[e] = "stats: all tokens"
+        else:
+            reasons[e] = (f"{int(sampled[e])} routed tokens < min_tokens {min_tokens}: "
+                          + ("down scale 1, no clipping" if fallback == "rtn" else "searched on all tokens"))
+
+    # (2) per-expert up -> down scale and (3) clipping
     s2 = torch.ones(E, I)
+    a2 = torch.full((E,), -1.0)
     clip_gu = torch.ones(E, P, H // (s_gu.group_size or H))
     clip_dn = torch.ones(E, H, I // (s_dn.group_size or I))
-    for ids, xe, mask in routed_batches(x_scaled, sidx, E, H):
-        gu_e = gu[ids]  # [e, P, H]
+    clipped = [""] * E
+    for ids, xe, wt in _awq_expert_batches(stats, x_scaled, low, fallback):
+        gu_e, dn_e = gu[ids], dn[ids]  # [e, P, H], [e, H, I]
         g_, u_ = torch.bmm(xe, gu_e.transpose(1, 2)).chunk(2, dim=-1)
-        he = experts.act_fn(g_) * u_ * mask[..., None]  # [e, t, I]
-        dn_e = dn[ids]  # [e, H, I]
-        ref = torch.bmm(he, dn_e.transpose(1, 2))
-        cnt = mask.sum(1).clamp(min=1)
+        he = experts.act_fn(g_) * u_  # [e, t, I]: down_proj inputs
+        ref = torch.bmm(he, dn_e.transpose(1, 2))  # [e, t, H]
+        w2 = wt.square()[..., None]  # each token's share of the block output error
+        norm_ = wt.square().sum(1).clamp(min=1e-12)
+        real = (wt > 0).float()
+        cnt = real.sum(1).clamp(min=1)
 
-        def expert_loss(s, he=he, dn_e=dn_e, ref=ref, cnt=cnt):
+        def expert_loss(s, he=he, dn_e=dn_e, ref=ref, w2=w2, norm_=norm_):
             dq = fake_quant(dn_e * s[:, None, :], s_dn.num_bits, s_dn.group_size, s_dn.symmetric) / s[:, None, :]
-            return (torch.bmm(he, dq.transpose(1, 2)) - ref).square().sum((1, 2)) / cnt
+            return ((torch.bmm(he, dq.transpose(1, 2)) - ref).square() * w2).sum((1, 2)) / norm_
 
-        wn = dn_e.abs().reshape(len(ids), H, -1, s_dn.group_size or I)
-        w_mean = (wn / wn.amax(-1, keepdim=True).clamp(min=1e-12)).reshape(len(ids), H, I).mean(1)  # [e, I]
-        h_mean = he.abs().sum(1) / cnt[:, None]
-        if bool(_opt(g, "scale_down", True)):
-            best, _, _ = search_scales(h_mean, w_mean, expert_loss, n_grid)
+        if do_down:
+            h_mean = (he.abs() * real[..., None]).sum(1) / cnt[:, None]
+            best, a_best, _ = search_scales(h_mean, _group_w_mean(dn_e, s_dn.group_size), expert_loss, n_grid)
         else:
-            best = torch.ones(len(ids), I)
-        s2[ids] = best
-        # (3) clipping, on the inputs each matrix now sees
-        if bool(_opt(g, "clip", True)):
-            clip_gu[ids] = search_clip(gu_e, xe, s_gu.num_bits, s_gu.group_size, s_gu.symmetric, x_mask=mask)
-            clip_dn[ids] = search_clip(dn_e * best[:, None, :], he / best[:, None, :], s_dn.num_bits,
-                                       s_dn.group_size, s_dn.symmetric, x_mask=mask)
+            best, a_best = torch.ones(len(ids), I), torch.full((len(ids),), -1.0)
+        s2[ids], a2[ids] = best, a_best.float()
+        if not do_clip:
+            continue
+        # the matrices as they will be quantized: up rows / s2, down columns * s2
+        gu_s = torch.cat([gu_e[:, :half], gu_e[:, half:] / best[:, :, None]], 1)
+        dn_s = dn_e * best[:, None, :]
+        wx = xe * wt[..., None]  # token-weighted inputs: the per-linear errors count like the block output's
+        r_gu = search_clip(gu_s, wx, s_gu.num_bits, s_gu.group_size, s_gu.symmetric)
+        r_dn = search_clip(dn_s, (he / best[:, None, :]) * wt[..., None], s_dn.num_bits, s_dn.group_size,
+                           s_dn.symmetric)
+        # keep each clip only where it lowers the expert's output error (with everything quantized)
+        q_gu = {c: fake_quant(gu_s, s_gu.num_bits, s_gu.group_size, s_gu.symmetric, r)
+                for c, r in ((False, None), (True, r_gu))}
+        q_dn = {c: fake_quant(dn_s, s_dn.num_bits, s_dn.group_size, s_dn.symmetric, r)
+                for c, r in ((False, None), (True, r_dn))}
+        best_err, choice = None, None
+        for cg in (False, True):
+            for cd in (False, True):
+                err = ((_expert_out(xe, q_gu[cg], q_dn[cd], experts.act_fn) - ref).square() * w2).sum((1, 2))
+                if best_err is None:
+                    best_err, choice = err, torch.zeros(len(ids), 2, dtype=torch.bool)
+                    continue
+                better = err < best_err
+                best_err = torch.where(better, err, best_err)
+                choice[better] = torch.tensor([cg, cd])
+        for r, e in enumerate(ids.tolist()):
+            if choice[r, 0]:
+                clip_gu[e] = r_gu[r]
+            if choice[r, 1]:
+                clip_dn[e] = r_dn[r]
+            clipped[e] = {(False, False): "none", (True, False): "gate_up", (False, True): "down",
+                          (True, True): "gate_up+down"}[(bool(choice[r, 0]), bool(choice[r, 1]))]
     gu[:, half:, :] /= s2[:, :, None]  # up rows / s
     dn = dn * s2[:, None, :]  # down columns * s
     # to report SQNR against the original weights: effective weight = stored / (what was folded into it)
     unfold = {"gu": torch.cat([torch.ones(E, half, 1), s2[:, :, None]], 1) / s1, "down": 1.0 / s2[:, None, :]}
-    original = {"gu": orig["gu"].float(), "down": experts.down_proj.detach().float().clone()}
 
     scale_dtype = _scale_dtype(ckpt, names.module(0, "gate") + ".weight")
     for key, w, s, clip, param in (("gu", gu, s_gu, clip_gu, experts.gate_up_proj),
@@ -511,10 +643,9 @@ def _awq_experts(res, ckpt, idx, names: ExpertNames, mlp, experts, router, share
         deq = dequantize(q, qp.scale, qp.zero_point)
         parts = (("gate", slice(0, half)), ("up", slice(half, P))) if key == "gu" else (("down", slice(None)),)
         for e in range(E):
-            meta = {"method": "awq", "tokens": int(stats.counts[e]), "fallback": None,
-                    "awq_alpha": round(float(a1), 3)}
-            if int(stats.counts[e]) == 0:
-                meta["fallback"] = "0 routed tokens: per-expert scale 1, clip search skipped"
+            meta = {"method": "awq", "tokens": int(stats.counts[e]), "fallback": reasons[e],
+                    "awq_alpha": round(a1, 3), "awq_down_alpha": round(float(a2[e]), 3),
+                    "awq_clip": clipped[e] or "none"}
             for kind, rows in parts:
                 zp = None if qp.zero_point is None else qp.zero_point[e, rows]
                 eff = deq[e, rows] * unfold[key][e][rows if key == "gu" else slice(None)]  # [N, K]

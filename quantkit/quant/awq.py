@@ -5,8 +5,10 @@ Two searches, both over a fixed grid and both batched over experts (leading dim 
   normalized by sqrt(max*min), choosing per batch entry the a whose scaled-and-quantized weights give the
   lowest loss. The loss is supplied by the caller (the block output error), since what "output" means
   depends on the block (a whole MoE MLP for the post-attention norm scale, one expert for up->down).
-- `search_clip`: per output row and group, a shrink ratio r in [1, max_shrink] of the group's absmax,
-  minimizing the group's contribution to the Linear's output error on its own inputs.
+- `search_clip`: per output row and group, a ratio r of the group's range (`clip_ratios`: from the range
+  that puts a symmetric group's absmax exactly on the top code down to max_shrink of it, plus r = 1, plain
+  RTN), minimizing the group's contribution to the Linear's output error on its own inputs (computed from
+  the inputs' Gram matrix, so the cost does not grow with the number of tokens).
 
 `fake_quant` is RTN quantize-dequantize with optional per-group clip ratios, in float32.
 """
@@ -90,48 +92,70 @@ def search_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, loss_fn: Callable[
     return best_s, best_a, first
 
 
+def clip_ratios(num_bits: int, symmetric: bool, n_grid: int = 20, max_shrink: float = 0.5) -> list[float]:
+    """Candidate group-range ratios for the clipping search, largest first.
+
+    The grid shrinks the largest range that can matter by steps of 1/n_grid down to max_shrink of it. For a
+    symmetric scheme the stored scale is absmax * r / ((qmax - qmin) / 2) (e.g. absmax / 7.5 at 4 bits, the
+    compressed-tensors convention), which puts the group's absmax half a step outside the positive code
+    range: r = (qmax - qmin) / (2 qmax) (= 15/14) maps it exactly onto qmax, and is where the grid starts.
+    r = 1 (the format's default, i.e. plain RTN) is always a candidate."""
+    qmin, qmax = qrange(num_bits)
+    top = (qmax - qmin) / (2 * qmax) if symmetric else 1.0
+    steps = max(1, int(round((1 - max_shrink) * n_grid)))
+    rs = [top * (1 - i / n_grid) for i in range(steps + 1) if 1 - i / n_grid >= max_shrink - 1e-9]
+    return sorted(set(rs) | {1.0}, reverse=True)
+
+
+CLIP_GRAM_BYTES = 1 << 26  # float64 [E, K, K] Gram matrices `search_clip` holds at once (at least one expert's)
+
+
 def search_clip(w: torch.Tensor, x: torch.Tensor, num_bits: int = 4, group_size: int | None = 32,
                 symmetric: bool = True, n_grid: int = 20, max_shrink: float = 0.5,
                 x_mask: torch.Tensor | None = None, row_chunk: int = 256) -> torch.Tensor:
-    """Per (row, group) clip ratio minimizing sum_t (x[t, g] . (w[n, g] - q_r(w)[n, g]))^2, kept for a row only
-    if it also lowers that row's whole output error (groups interact through cross terms).
+    """Per (row, group) range ratio (`clip_ratios`) minimizing sum_t (x[t, g] . (w[n, g] - q_r(w)[n, g]))^2,
+    kept for a row only if it also lowers that row's whole output error (groups interact through cross
+    terms); otherwise the row keeps r = 1 (RTN).
 
-    w [E, N, K]; x [E, T, K] inputs of each matrix (padded), x_mask [E, T] marks real tokens.
-    Returns ratio [E, N, G] in [max_shrink, 1]."""
+    w [E, N, K]; x [E, T, K] inputs of each matrix (padded), x_mask [E, T] marks real tokens (or weights
+    them). Returns ratio [E, N, G] in [max_shrink, (qmax - qmin) / (2 qmax)]."""
     e, n, k = w.shape
+    per = max(1, CLIP_GRAM_BYTES // (k * k * 8))
+    if e > per:  # the float64 Gram matrices of a few experts at a time
+        return torch.cat([search_clip(w[i:i + per], x[i:i + per], num_bits, group_size, symmetric, n_grid, max_shrink,
+                                      None if x_mask is None else x_mask[i:i + per], row_chunk)
+                          for i in range(0, e, per)])
     g = k if group_size is None else group_size
     groups = k // g
     xs = x.float() if x_mask is None else x.float() * x_mask[..., None].float()
-    xg = xs.reshape(e, -1, groups, g)  # [E, T, G, g]
+    # errors are quadratic forms in the weight error: sum_t (x_t . d)^2 = d^T (X^T X) d
+    gram = torch.bmm(xs.transpose(1, 2), xs).double()  # [E, K, K]
+    idx = torch.arange(groups)
+    gram_g = gram.reshape(e, groups, g, groups, g)[:, idx, :, idx].transpose(0, 1)  # [E, G, g, g] diagonal blocks
     best = torch.ones(e, n, groups)
     best_err = torch.full((e, n, groups), float("inf"), dtype=torch.float64)
-    steps = max(1, int(round((1 - max_shrink) * n_grid)))
+    ratios = clip_ratios(num_bits, symmetric, n_grid, max_shrink)
     for i0 in range(0, n, row_chunk):
         wc = w[:, i0:i0 + row_chunk].float()
         nb = wc.shape[1]
         be = best_err[:, i0:i0 + nb]
         br = best[:, i0:i0 + nb]
-        for step in range(steps + 1):
-            r = 1 - step / n_grid
-            if r < max_shrink - 1e-9:
-                break
+        for r in [1.0] + [r for r in ratios if r != 1.0]:  # r = 1 first: ties keep RTN
             ratio = torch.full((e, nb, groups), r)
-            dq = fake_quant(wc, num_bits, group_size, symmetric, ratio)
-            dw = (wc - dq).reshape(e, nb, groups, g)  # [E, n, G, g]
-            part = torch.einsum("etgk,engk->etng", xg, dw)  # [E, T, n, G]
-            err = part.double().square().sum(1)  # [E, n, G]
+            dw = (wc - fake_quant(wc, num_bits, group_size, symmetric, ratio)).double().reshape(e, nb, groups, g)
+            err = torch.einsum("engk,egkl,engl->eng", dw, gram_g, dw)  # [E, n, G]
             better = err < be
             be[better] = err[better]
             br[better] = r
         # Groups were chosen independently, but a row's output error also has cross-group terms: keep a
         # row's clip ratios only where they lower the row's whole output error on these inputs.
-        keep = _row_error(wc, xs, br, num_bits, group_size, symmetric) < _row_error(
-            wc, xs, torch.ones_like(br), num_bits, group_size, symmetric)  # [E, n]
+        keep = _row_error(wc, gram, br, num_bits, group_size, symmetric) < _row_error(
+            wc, gram, torch.ones_like(br), num_bits, group_size, symmetric)  # [E, n]
         br[~keep] = 1.0
     return best
 
 
-def _row_error(w, x, ratio, num_bits, group_size, symmetric) -> torch.Tensor:
-    """sum_t (x[t] . (w[n] - q(w)[n]))^2 per row: w [E, n, K], x [E, T, K] -> [E, n] (float64)."""
-    dw = w - fake_quant(w, num_bits, group_size, symmetric, ratio)
-    return torch.bmm(x, dw.transpose(1, 2)).double().square().sum(1)
+def _row_error(w, gram, ratio, num_bits, group_size, symmetric) -> torch.Tensor:
+    """sum_t (x[t] . (w[n] - q(w)[n]))^2 per row, from gram = X^T X [E, K, K]: w [E, n, K] -> [E, n] (float64)."""
+    dw = (w - fake_quant(w, num_bits, group_size, symmetric, ratio)).double()
+    return torch.einsum("enk,ekl,enl->en", dw, gram, dw)

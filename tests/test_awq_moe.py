@@ -1,0 +1,101 @@
+"""AWQ on a MoE layer: the norm fold is stored exactly as searched, the router sees what it saw before up to
+its storage rounding, the per-expert searches use routing weights, coverage fallbacks are reported."""
+
+import json
+
+import torch
+
+from quantkit.calib.data import load_calibration_data
+from quantkit.calib.quantize import routed_batches, run_calibrated
+from quantkit.calib.executor import load_layer_weights
+from quantkit.io.checkpoint import Checkpoint
+from quantkit.io.safetensors import SafetensorsFile
+from quantkit.testing import make_tiny_model
+
+from test_calib_quantize import recipe
+
+
+def test_routed_batches_carry_routing_weights():
+    gen = torch.Generator().manual_seed(0)
+    t, k, e, h = 50, 2, 5, 8
+    x = torch.randn(t, h, generator=gen)
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=gen)
+    seen = set()
+    for ids, xs, mask, ws in routed_batches(x, idx, e, h, weights=w):
+        for r, ex in enumerate(ids.tolist()):
+            tok, slot = (idx == ex).nonzero(as_tuple=True)  # tokens routed to ex, in token order
+            c = len(tok)
+            assert torch.equal(xs[r, :c], x[tok]) and torch.equal(ws[r, :c], w[tok, slot])
+            assert mask[r, :c].all() and not mask[r, c:].any() and not ws[r, c:].any()
+            seen.add(ex)
+    assert seen == set(idx.unique().tolist())
+    assert all(len(b) == 3 for b in routed_batches(x, idx, e, h))  # unchanged without weights
+
+
+def _spool(spool, index):
+    out, meta = {}, {}
+    for name in index["layers"]:
+        with SafetensorsFile(spool / f"{name}.safetensors") as f:
+            out.update({k: f.get(k) for k in f.header.tensors})
+        meta.update(json.loads((spool / f"{name}.json").read_text())["modules"])
+    return out, meta
+
+
+def _salient_model(path):
+    """A tiny qwen3_moe whose MoE inputs have a few large channels (post-attention norm weights x 8), where
+    scaling those channels up before quantizing clearly helps."""
+    from transformers import AutoModelForCausalLM
+
+    src = make_tiny_model("qwen3_moe", path / "base")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.post_attention_layernorm.weight[:6] *= 8
+    model.save_pretrained(path / "src", max_shard_size="300KB")
+    return path / "src"
+
+
+def test_norm_fold_is_exact_and_router_compensated(tmp_path):
+    src = _salient_model(tmp_path)
+    data = load_calibration_data(None, vocab_size=512, num_samples=16, seq_len=64)
+    index = run_calibrated(src, recipe("awq", clip="false", scale_down="false"), data.samples, tmp_path / "spool")
+    sd, meta = _spool(tmp_path / "spool", index)
+    ck = Checkpoint.open(src)
+    folded = 0
+    for layer in range(2):
+        nname = f"model.layers.{layer}.post_attention_layernorm.weight"
+        rname = f"model.layers.{layer}.mlp.gate.weight"
+        if nname not in sd:
+            assert rname not in sd  # no fold: nothing else changed either
+            continue
+        folded += 1
+        src_w = load_layer_weights(ck, layer)
+        norm0 = src_w["post_attention_layernorm.weight"]
+        norm1, router1 = sd[nname].float(), sd[rname].float()
+        for t in (norm1, router1):  # already rounded to the source dtype: convert's cast changes nothing
+            assert torch.equal(t, t.to(torch.bfloat16).float())
+        s = norm0 / norm1  # the effective scale the experts were multiplied by
+        assert not torch.allclose(s, torch.ones_like(s))
+        assert not torch.equal(s, torch.exp2(torch.round(torch.log2(s))))  # not restricted to powers of two
+        # the router override is the original router times exactly that scale, rounded once to bf16
+        assert torch.equal(router1, (src_w["mlp.gate.weight"] * s).to(torch.bfloat16).float())
+    assert folded >= 1
+    assert all(m["awq_clip"] == "none" and m["awq_down_alpha"] == -1 for m in meta.values())
+
+
+def test_awq_coverage_fallback_reported(tmp_path):
+    src = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8)
+    data = load_calibration_data(None, vocab_size=512, num_samples=4, seq_len=32)
+    # 128 tokens x top-2 over 8 experts: 32 routed tokens per expert on average, so min_tokens 40 puts
+    # most experts below the threshold
+    index = run_calibrated(src, recipe("awq", min_tokens=40, fallback="rtn"), data.samples, tmp_path / "spool")
+    mods = index["modules"]
+    low = {m: e for m, e in mods.items() if e["fallback"]}
+    assert low and len(low) < len(mods)
+    for m, e in low.items():
+        assert "< min_tokens 40: down scale 1, no clipping" in e["fallback"]
+        assert e["awq_down_alpha"] == -1 and e["awq_clip"] == "none"
+    index2 = run_calibrated(src, recipe("awq", min_tokens=40), data.samples, tmp_path / "spool2")
+    assert {m for m, e in index2["modules"].items() if e["fallback"]} == set(low)
+    assert all("searched on all tokens" in index2["modules"][m]["fallback"] for m in low)
