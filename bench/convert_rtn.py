@@ -1,6 +1,6 @@
 """Benchmark `quantkit convert --recipe int4-experts-rtn` on a synthetic BF16 MoE checkpoint.
 
-    .venv/bin/python bench/convert_rtn.py [--size-gb 1.1] [--shards 8] [--workers 1] [--repeat 1]
+    .venv/bin/python bench/convert_rtn.py [--size-gb 4] [--shards 8] [--workers 1] [--repeat 1]
                                           [--threads N] [--skip-peer] [--check]
 
 In one run, on one input (a qwen3_moe checkpoint of random BF16 weights, >= --size-gb GB in --shards
@@ -392,7 +392,7 @@ def _best(runs: list[dict]) -> dict:
 # ---- main --------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-gb", type=float, default=1.1, help="minimum checkpoint size in GB (1e9 bytes; default 1.1)")
+    ap.add_argument("--size-gb", type=float, default=4.0, help="minimum checkpoint size in GB (1e9 bytes; default 4)")
     ap.add_argument("--shards", type=int, default=8, help="number of source shards (default 8)")
     ap.add_argument("--workers", type=int, default=1, help="quantkit --workers and llm-compressor max_workers (default 1)")
     ap.add_argument("--threads", type=int, default=None,
