@@ -19,6 +19,17 @@ from typing import Callable
 from .errors import OutputExists, QuantkitError, VerificationFailed
 
 
+DEMO_MARKER = ".quantkit-demo"
+DEMO_ENTRIES = {DEMO_MARKER, "source-bf16", "int4", "kv-scales.safetensors", ".kv-scales.safetensors.tmp"}
+
+
+def _earlier_demo(out: Path) -> bool:
+    """`out` holds only what an earlier `quantkit demo` wrote (its marker included): safe to replace, so
+    that running the README's first command twice works."""
+    names = {p.name for p in out.iterdir()}
+    return DEMO_MARKER in names and names <= DEMO_ENTRIES and not out.is_symlink()
+
+
 def run_demo(out: str | Path, arch: str = "qwen3_moe", overwrite: bool = False,
              log: Callable[[str], None] = print) -> dict:
     from .calibrate import calibrate, write_scales
@@ -32,9 +43,11 @@ def run_demo(out: str | Path, arch: str = "qwen3_moe", overwrite: bool = False,
     if arch not in ARCHS:
         raise QuantkitError(f"unknown demo architecture {arch!r}", hint=f"choose one of: {', '.join(ARCHS)}")
     if out.exists() and any(out.iterdir()):
-        if not overwrite:
+        if not (overwrite or _earlier_demo(out)):
             raise OutputExists(f"demo directory {str(out)!r} is not empty")
         shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / DEMO_MARKER).write_text("written by `quantkit demo`; a new demo run replaces this directory\n")
     src, dst, scales = out / "source-bf16", out / "int4", out / "kv-scales.safetensors"
     log(f"[1/6] generating a tiny {arch} model in {src}")
     make_tiny_model(arch, src, layers=4, experts=8)

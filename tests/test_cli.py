@@ -69,3 +69,20 @@ def test_demo_runs_end_to_end(tmp_path):
     cfg = json.loads((tmp_path / "d" / "int4" / "config.json").read_text())
     assert cfg["quantization_config"]["kv_cache_scheme"]["type"] == "float"
     assert (tmp_path / "d" / "int4" / "quantkit_manifest.json").is_file()
+    # the README's first command, run a second time: an earlier demo's directory is replaced
+    p = run("demo", tmp_path / "d")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "verified" in p.stderr
+
+
+def test_demo_refuses_a_directory_that_is_not_its_own(tmp_path):
+    from quantkit.demo import DEMO_MARKER
+
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "notes.txt").write_text("mine")
+    p = run("demo", d)
+    assert p.returncode == 1 and "is not empty" in p.stderr and (d / "notes.txt").is_file()
+    (d / DEMO_MARKER).write_text("")  # a marker does not make someone else's files the demo's
+    p = run("demo", d)
+    assert p.returncode == 1 and (d / "notes.txt").read_text() == "mine"
