@@ -172,7 +172,7 @@ def _native_module():
                 from quantkit.quant import _rtn_native
 
                 _NATIVE = _rtn_native
-            except ImportError:
+            except Exception:  # noqa: BLE001 - no numba, or it cannot compile/cache here: the torch path
                 pass
     return _NATIVE
 
