@@ -148,3 +148,18 @@ def test_convert_output_identical_without_kernel(tmp_path):
     for name, e in m0["tensors"].items():
         if "sqnr_db" in e:
             assert abs(m1["tensors"][name]["sqnr_db"] - e["sqnr_db"]) < 1e-3
+
+
+def test_kernel_failure_falls_back_to_torch_path(monkeypatch):
+    mod = int4._native_module()
+
+    def broken(*a, **k):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(mod, "rtn_pack_bf16", broken)
+    monkeypatch.setattr(int4, "_NATIVE", mod)
+    w = torch.randn(4, 64).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="fused RTN kernel unavailable"):
+        fast = rtn(w, 4, 32, True, pack=True)
+    _assert_same(fast, rtn(w, 4, 32, True, pack=True, native=False))
+    assert int4._NATIVE is False  # the rest of the run uses the torch path

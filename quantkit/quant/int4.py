@@ -229,14 +229,22 @@ def _rtn_native(rows: torch.Tensor, g: int, symmetric: bool, scale_dtype: torch.
     arrays = (out.numpy().view("uint32"), scale.numpy(), zp.numpy(), sig.numpy(), noise.numpy(), bad.numpy())
     # rows are independent: split them over torch's intra-op thread count (the kernel releases the GIL)
     n_threads = max(1, min(_THREADS or torch.get_num_threads(), r // 64))
-    if n_threads == 1:
-        fn(src, g, symmetric, mode, *arrays)
-    else:
-        bounds = [r * i // n_threads for i in range(n_threads + 1)]
-        jobs = [_pool().submit(fn, src[a:b], g, symmetric, mode, *(x[a:b] for x in arrays))
-                for a, b in zip(bounds, bounds[1:])]
-        for j in jobs:
-            j.result()
+    try:
+        if n_threads == 1:
+            fn(src, g, symmetric, mode, *arrays)
+        else:
+            bounds = [r * i // n_threads for i in range(n_threads + 1)]
+            jobs = [_pool().submit(fn, src[a:b], g, symmetric, mode, *(x[a:b] for x in arrays))
+                    for a, b in zip(bounds, bounds[1:])]
+            for j in jobs:
+                j.result()
+    except Exception as e:  # noqa: BLE001 - the kernel failed to compile here: use the torch path from now on
+        global _NATIVE
+        _NATIVE = False
+        import warnings
+
+        warnings.warn(f"fused RTN kernel unavailable ({type(e).__name__}: {str(e)[:200]}); using torch ops")
+        return None
     if bool(bad.any()):
         return None  # NaN/Inf: the torch path defines what happens
     return out, scale, None if symmetric else zp, sig, noise
