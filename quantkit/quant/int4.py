@@ -234,8 +234,10 @@ def _rtn_native(rows: torch.Tensor, g: int, symmetric: bool, scale_dtype: torch.
             fn(src, g, symmetric, mode, *arrays)
         else:
             bounds = [r * i // n_threads for i in range(n_threads + 1)]
-            jobs = [_pool().submit(fn, src[a:b], g, symmetric, mode, *(x[a:b] for x in arrays))
-                    for a, b in zip(bounds, bounds[1:])]
+            parts = list(zip(bounds, bounds[1:]))
+            jobs = [_pool().submit(fn, src[a:b], g, symmetric, mode, *(x[a:b] for x in arrays)) for a, b in parts[1:]]
+            a, b = parts[0]
+            fn(src[a:b], g, symmetric, mode, *(x[a:b] for x in arrays))  # the calling thread takes a share too
             for j in jobs:
                 j.result()
     except Exception as e:  # noqa: BLE001 - the kernel failed to compile here: use the torch path from now on
