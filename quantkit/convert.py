@@ -45,7 +45,7 @@ from .io.sources import (Notes, SourceFormat, StoredWeight, detect_format, fp8_i
 from .io import prehash
 from .io.writer import ShardWriter, copy_file_atomic, sha256_file, wait_durable, write_json_atomic
 from .quant import fp8
-from .quant.int4 import QParams, RTNResult, native_threads, pack_int4, rtn
+from .quant.int4 import QParams, RTNResult, native_available, native_threads, pack_int4, rtn
 from .recipe import Recipe, Scheme, WeightGroup, load_recipe
 
 MANIFEST_NAME = "quantkit_manifest.json"
@@ -437,12 +437,16 @@ class _Reader:
                 offset = (ref.expert or 0) * per_expert + (ref.rows[0] * row if ref.rows is not None else 0)
                 self.f.readinto(ref.tensor, out, offset)
                 return
+        out.copy_(self.view(ref))
+
+    def view(self, ref: SourceRef) -> torch.Tensor:
+        """The stored (dense) weight `ref` names, as a view: the whole tensor or rows of one expert."""
         t = self.get(ref.tensor)
         if ref.expert is not None:
             t = t[ref.expert]
         if ref.rows is not None:
             t = t[ref.rows[0]:ref.rows[1]]
-        out.copy_(t)
+        return t
 
     def close(self):
         self.f.close()
@@ -654,8 +658,6 @@ def _mapped_views(u: Unit, r: _Reader, sp: _SpoolReader | None) -> list[torch.Te
     """The unit's weights as [N, K] views of this shard's mapping (no copy: the fused kernel reads the
     page cache directly), when every item is a dense tensor (or expert rows) of the unit's dtype stored
     in this shard and untouched by the calibrated pass; else None (the caller reads a batch)."""
-    from .quant.int4 import native_available
-
     if u.src_dtype not in (torch.bfloat16, torch.float32) or not native_available():
         return None
     views = []
@@ -664,14 +666,8 @@ def _mapped_views(u: Unit, r: _Reader, sp: _SpoolReader | None) -> list[torch.Te
         if (ref.layout is not None or ref.tensor in r._where
                 or (sp is not None and ref.expert is None and sp.has(ref.tensor))):
             return None
-        t = r.f.get(ref.tensor, copy=False)
-        if t.dtype != u.src_dtype:
-            return None
-        if ref.expert is not None:
-            t = t[ref.expert]
-        if ref.rows is not None:
-            t = t[ref.rows[0]:ref.rows[1]]
-        if not t.is_contiguous() or tuple(t.shape) != tuple(it.shape):
+        t = r.view(ref)  # this shard's own tensor (not foreign): a view of its mapping
+        if t.dtype != u.src_dtype or not t.is_contiguous() or tuple(t.shape) != tuple(it.shape):
             return None
         views.append(t)
     return views

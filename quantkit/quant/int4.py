@@ -117,17 +117,23 @@ def rtn(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetr
     rows = w.reshape(-1, k)
     n_groups = 1 if group_size is None else k // group_size
     _grouped(rows[:1], group_size)  # validates divisibility before any work
-    qmin, qmax = qrange(num_bits)
     if pack and num_bits != 4:
         raise ValueError("pack=True needs num_bits=4")
-    if pack and native:
-        res = _rtn_native(rows, group_size or k, symmetric, scale_dtype)
-        if res is not None:
-            out, scale, zp, sig, noise = res
-            lead_n = (*lead, n)
-            qp = QParams(scale.reshape(*lead_n, n_groups), None if zp is None else zp.reshape(*lead_n, n_groups))
-            return RTNResult(out.reshape(*lead_n, out.shape[-1]), qp,
-                             sig.reshape(lead_n).sum(-1), noise.reshape(lead_n).sum(-1))
+    res = _rtn_native(rows, group_size or k, symmetric, scale_dtype) if pack and native else None
+    out, scale, zp, sig, noise = res or _rtn_rows(rows, num_bits, group_size, symmetric, scale_dtype, pack)
+    lead_n = (*lead, n)
+    qp = QParams(scale.reshape(*lead_n, n_groups), None if zp is None else zp.reshape(*lead_n, n_groups))
+    return RTNResult(out.reshape(*lead_n, out.shape[-1]), qp,
+                     sig.reshape(lead_n).sum(-1), noise.reshape(lead_n).sum(-1))
+
+
+def _rtn_rows(rows: torch.Tensor, num_bits: int, group_size: int | None, symmetric: bool, scale_dtype: torch.dtype,
+              pack: bool):
+    """The torch definition over rows [R, K] -> (q or packed [R, *], scale [R, G], zp [R, G] | None,
+    sum w^2 [R], sum err^2 [R]), in cache-sized chunks."""
+    k = rows.shape[-1]
+    n_groups = 1 if group_size is None else k // group_size
+    qmin, qmax = qrange(num_bits)
     out = torch.empty(rows.shape[0], (k + 7) // 8, dtype=torch.int32) if pack else torch.empty(rows.shape, dtype=torch.int8)
     scale = torch.empty(rows.shape[0], n_groups, dtype=torch.float32)
     zp = None if symmetric else torch.empty(rows.shape[0], n_groups, dtype=torch.int32)
@@ -154,10 +160,7 @@ def rtn(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetr
         scale[i:i + step] = qp.scale
         if zp is not None:
             zp[i:i + step] = qp.zero_point
-    lead_n = (*lead, n)
-    qp = QParams(scale.reshape(*lead_n, n_groups), None if zp is None else zp.reshape(*lead_n, n_groups))
-    return RTNResult(out.reshape(*lead_n, out.shape[-1]), qp,
-                     sig.reshape(lead_n).sum(-1), noise.reshape(lead_n).sum(-1))
+    return out, scale, zp, sig, noise
 
 
 _NATIVE = None  # the kernel module once imported, False when unavailable
