@@ -23,6 +23,7 @@ row strips (quant/fp8.py), straight into the batch.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -37,7 +38,7 @@ from typing import Callable, Mapping
 import torch
 
 from . import __version__
-from .errors import GroupSizeError, NonFiniteWeight, OutputExists, QuantkitError, ResumeMismatch, UnsupportedDtype
+from .errors import GroupSizeError, NonFiniteWeight, OutputBusy, OutputExists, QuantkitError, ResumeMismatch, UnsupportedDtype
 from .io.checkpoint import INDEX_NAME, Checkpoint, Shard
 from .io.safetensors import SafetensorsFile, TensorInfo
 from .io.sources import (Notes, SourceFormat, StoredWeight, detect_format, fp8_input_activations,
@@ -750,6 +751,42 @@ def _finished(out: Path, o: dict) -> bool:
     return p.is_file() and p.stat().st_size == o["size"] and sha256_file(p) == o["sha256"]
 
 
+@contextlib.contextmanager
+def output_lock(out: Path):
+    """Hold an exclusive lock on the output directory (created if missing) for the whole conversion, so that
+    a second convert into the same OUT fails at once instead of interleaving its shards and journal with
+    this one's. The lock is the directory's own (flock on its descriptor): nothing is added to OUT or
+    beside it, and it goes with the process however that ends."""
+    if out.exists() and not out.is_dir():
+        raise OutputExists(f"output {str(out)!r} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform: no lock
+        yield
+        return
+    fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputBusy(f"{out} is being written by another quantkit convert") from None
+        except OSError:
+            pass  # a filesystem without flock support: convert unlocked, as before
+        yield
+    finally:
+        os.close(fd)
+
+
+def _clear_dir(d: Path) -> None:
+    """Remove everything inside d, keeping d itself."""
+    for p in d.iterdir():
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
 def _prepare_output(out: Path, opts: ConvertOptions, identity: dict) -> dict[str, dict]:
     """Create/validate the output dir; return journal records of shards already finished (resume)."""
     journal = out / JOURNAL_DIR
@@ -758,7 +795,7 @@ def _prepare_output(out: Path, opts: ConvertOptions, identity: dict) -> dict[str
     if out.exists() and any(out.iterdir()):
         manifest = out / MANIFEST_NAME
         if opts.overwrite:
-            shutil.rmtree(out)
+            _clear_dir(out)  # in place: the lock is held on this directory
         elif opts.resume and manifest.is_file():
             from .io.checkpoint import read_json_file
 
@@ -857,50 +894,51 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
         if sr == o or sr.is_relative_to(o):
             raise OutputExists(f"--overwrite would delete {str(out)!r}, which holds the source checkpoint",
                                hint="choose an output directory outside the source checkpoint")
-    done = _prepare_output(out, opts, identity)
-    write_json_atomic(out / MANIFEST_NAME, {"status": "in_progress", "identity": identity}, durable=False)
-    journal = out / JOURNAL_DIR
-    spool = Spool()
-    if calibrated and len(done) < len(plans):
-        spool = _run_calibrated_pass(src, recipe, data, journal / "calib", log)
+    with output_lock(out):
+        done = _prepare_output(out, opts, identity)
+        write_json_atomic(out / MANIFEST_NAME, {"status": "in_progress", "identity": identity}, durable=False)
+        journal = out / JOURNAL_DIR
+        spool = Spool()
+        if calibrated and len(done) < len(plans):
+            spool = _run_calibrated_pass(src, recipe, data, journal / "calib", log)
 
-    total = src.total_bytes
-    finished_bytes = sum(src.shard(s).size for s in done)
-    results: dict[str, dict] = dict(done)
+        total = src.total_bytes
+        finished_bytes = sum(src.shard(s).size for s in done)
+        results: dict[str, dict] = dict(done)
 
-    def record(res: ShardResult):
-        rec = asdict(res)
-        # this shard is now done; no fsync: a record lost to a power cut only means the shard is redone
-        write_json_atomic(journal / f"{res.source}.json", rec, indent=None, durable=False)
-        results[res.source] = rec
+        def record(res: ShardResult):
+            rec = asdict(res)
+            # this shard is now done; no fsync: a record lost to a power cut only means the shard is redone
+            write_json_atomic(journal / f"{res.source}.json", rec, indent=None, durable=False)
+            results[res.source] = rec
 
-    todo = [p for p in plans if p.source not in done]
-    if progress:
-        progress(finished_bytes, total)
-    # Streaming RTN is thousands of small cache-sized ops: OpenMP barriers cost more than a second thread
-    # gains (measured by bench/convert_rtn.py), so each shard runs single-threaded; --workers runs shards
-    # in parallel processes instead.
-    # The fused RTN kernel (quantkit.quant._rtn_native) has no such barriers: it splits rows over the
-    # cores when shards run one at a time.
-    prev_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with native_threads(_cpu_count() if opts.workers <= 1 else 1):
-            _run_shards(todo, src, out, opts, spool, record, progress, finished_bytes, total)
-    finally:
-        torch.set_num_threads(prev_threads)
+        todo = [p for p in plans if p.source not in done]
+        if progress:
+            progress(finished_bytes, total)
+        # Streaming RTN is thousands of small cache-sized ops: OpenMP barriers cost more than a second thread
+        # gains (measured by bench/convert_rtn.py), so each shard runs single-threaded; --workers runs shards
+        # in parallel processes instead.
+        # The fused RTN kernel (quantkit.quant._rtn_native) has no such barriers: it splits rows over the
+        # cores when shards run one at a time.
+        prev_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with native_threads(_cpu_count() if opts.workers <= 1 else 1):
+                _run_shards(todo, src, out, opts, spool, record, progress, finished_bytes, total)
+        finally:
+            torch.set_num_threads(prev_threads)
 
-    for p in plans:  # what reading found (e.g. scales breaking a ue8m0 promise), in shard order
-        for n in results[p.source].get("notes") or []:
-            if n not in notes:
-                notes.append(n)
-                if log:
-                    log(n)
-    kv_out = _write_kv_scales(out, kv) if kv is not None else None
-    kv_scheme = kv.config() if kv is not None else (fmt.kv_cache_scheme if source_kv else None)
-    return _finalize(src, fmt, out, recipe, plans, results, identity, t0, resumed=len(done), notes=notes,
-                     kv=kv, kv_out=kv_out, kv_scheme=kv_scheme,
-                     calibration=None if data is None else data.describe())
+        for p in plans:  # what reading found (e.g. scales breaking a ue8m0 promise), in shard order
+            for n in results[p.source].get("notes") or []:
+                if n not in notes:
+                    notes.append(n)
+                    if log:
+                        log(n)
+        kv_out = _write_kv_scales(out, kv) if kv is not None else None
+        kv_scheme = kv.config() if kv is not None else (fmt.kv_cache_scheme if source_kv else None)
+        return _finalize(src, fmt, out, recipe, plans, results, identity, t0, resumed=len(done), notes=notes,
+                         kv=kv, kv_out=kv_out, kv_scheme=kv_scheme,
+                         calibration=None if data is None else data.describe())
 
 
 def _cpu_count() -> int:

@@ -115,6 +115,10 @@ class OutputExists(QuantkitError):
     hint = "choose an empty directory, pass --overwrite to replace it, or --resume to continue a conversion"
 
 
+class OutputBusy(OutputExists):
+    hint = "wait for the other conversion to finish, or choose another directory"
+
+
 class ResumeMismatch(QuantkitError):
     hint = "the output was started with another source, recipe or quantkit version; use --overwrite to start over"
 

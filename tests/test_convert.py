@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.convert import MANIFEST_NAME, ConvertOptions, convert
-from quantkit.errors import GroupSizeError, OutputExists
+from quantkit.errors import GroupSizeError, OutputBusy, OutputExists
 from quantkit.io.checkpoint import Checkpoint
 from quantkit.io.safetensors import SafetensorsFile
 from quantkit.quant.int4 import dequantize, unpack_int4
@@ -249,6 +249,36 @@ def test_output_not_empty_refused(tiny_models, tmp_path):
         convert(tiny_models("qwen3_moe"), tmp_path / "q", ConvertOptions())
     assert (tmp_path / "q" / "x").read_text() == "keep me"
 
+
+
+def test_second_convert_into_busy_output_refused(tiny_models, tmp_path):
+    """Another process holding OUT (as a running convert does) makes a second convert fail at once, touching
+    nothing; once it lets go, the same call goes through. --overwrite keeps the directory itself (the lock
+    is held on it), so a third convert cannot slip in while the first replaces the contents."""
+    import subprocess
+    import sys
+
+    src, out = tiny_models("qwen3_moe"), tmp_path / "q"
+    convert(src, out, ConvertOptions())
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(120)\n"), str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(OutputBusy, match="being written by another"):
+            convert(src, out, ConvertOptions(overwrite=True))
+        assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    finally:
+        holder.kill()
+        holder.wait()
+    ino = out.stat().st_ino
+    convert(src, out, ConvertOptions(overwrite=True))
+    assert out.stat().st_ino == ino
+    assert (out / "quantkit_manifest.json").is_file()
 
 def test_max_shard_size_splits_outputs(tiny_models, tmp_path):
     src = tiny_models("qwen3_moe")
