@@ -1003,20 +1003,21 @@ def _calibration_data(src: Checkpoint, recipe: Recipe, opts: ConvertOptions):
 
 def _run_calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log) -> Spool:
     """GPTQ/AWQ layer by layer (quantkit.calib.quantize), spooled under the journal. A spool left by an
-    interrupted run of the same identity is reused when it is complete."""
-    from .calib.quantize import run_calibrated
+    interrupted run of the same identity is reused when it is complete, and continued from the last
+    finished layer when it is not."""
+    from .calib.quantize import PROGRESS_NAME, run_calibrated
     from .io.checkpoint import read_json_file
 
     done = spool_dir / "index.json"
     if done.is_file():
         index = read_json_file(done, "calibration spool index")
     else:
-        if spool_dir.exists():
+        if spool_dir.exists() and not (spool_dir / PROGRESS_NAME).is_file():
             shutil.rmtree(spool_dir)
         if log:
             log(f"calibrating {', '.join(sorted({g.method for g in recipe.groups if g.method != 'rtn'}))} on "
                 f"{data.num_samples} samples x {data.seq_len} tokens, layer by layer")
-        index = run_calibrated(src.root, recipe, data.samples, spool_dir)
+        index = run_calibrated(src.root, recipe, data.samples, spool_dir, log=log or (lambda m: None))
         write_json_atomic(done, index)
     files = {}
     for layer in index["layers"]:

@@ -77,3 +77,58 @@ def test_experts_without_tokens_convert_and_are_reported(tmp_path):
     q = load_model(tmp_path / "q", torch.bfloat16)
     with torch.no_grad():
         assert torch.isfinite(q(torch.tensor([[5, 6, 7, 8]])).logits).all()
+
+
+def _tree(d):
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("recipe", ["int4-experts-gptq", "int4-experts-awq"])
+def test_calibration_resumes_at_the_interrupted_layer(src, calib, tmp_path, monkeypatch, recipe):
+    """A conversion that dies while calibrating layer 1 leaves layer 0's results and layer 1's inputs in the
+    journal; --resume calibrates only layer 1 and ends byte-identical to an uninterrupted conversion. A
+    damaged progress record (torn, or naming a file outside the spool) only means starting over."""
+    import quantkit.calib.quantize as cq
+
+    path, _ = calib
+    opts = ConvertOptions(recipe=recipe, dataset=str(path))
+    convert(src, tmp_path / "ref", opts)
+    real = cq.quantize_layer
+    calls = []
+
+    def dies_at_layer_1(ckpt, recipe_, step, log=lambda m: None):
+        calls.append(step.index)
+        if step.index == 1 and fail[0]:
+            raise RuntimeError("killed")
+        return real(ckpt, recipe_, step, log)
+
+    monkeypatch.setattr(cq, "quantize_layer", dies_at_layer_1)
+    fail = [True]
+    with pytest.raises(RuntimeError, match="killed"):
+        convert(src, tmp_path / "q", opts)
+    assert calls == [0, 1]
+    spool = tmp_path / "q" / ".quantkit-journal" / "calib"
+    rec = json.loads((spool / cq.PROGRESS_NAME).read_text())
+    assert rec["next_layer"] == 1 and (spool / rec["activations"]).is_file()
+    fail[0], calls[:] = False, []
+    lines = []
+    convert(src, tmp_path / "q", opts, log=lines.append)
+    assert calls == [1]  # layer 0 was not calibrated again
+    assert any("resuming calibration at layer 1 of 2" in ln for ln in lines)
+    assert _tree(tmp_path / "q") == _tree(tmp_path / "ref")
+
+    # a progress record that cannot be trusted: the pass starts over, with the same result
+    for damage in ("outside", "torn"):
+        fail[0], calls[:] = True, []
+        with pytest.raises(RuntimeError):
+            convert(src, tmp_path / "q", ConvertOptions(recipe=recipe, dataset=str(path), overwrite=True))
+        rec = json.loads((spool / cq.PROGRESS_NAME).read_text())
+        if damage == "outside":  # a whole activation file, but not the spool's
+            (spool.parent / "outside.bin").write_bytes((spool / rec["activations"]).read_bytes())
+            (spool / cq.PROGRESS_NAME).write_text(json.dumps({**rec, "activations": "../outside.bin"}))
+        else:
+            (spool / cq.PROGRESS_NAME).write_text(json.dumps(rec)[:40])
+        fail[0], calls[:] = False, []
+        convert(src, tmp_path / "q", opts)
+        assert calls == [0, 1]
+        assert _tree(tmp_path / "q") == _tree(tmp_path / "ref")

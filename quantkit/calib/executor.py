@@ -386,6 +386,35 @@ class ActivationStore:
         for k, i in enumerate(indices):
             self[i] = x[k]
 
+    def _bytes(self) -> memoryview:
+        return memoryview(self.data.view(-1).view(torch.uint8).numpy()) if self.nbytes else memoryview(b"")
+
+    def save(self, path: str | Path, chunk: int = 1 << 26) -> None:
+        """Write the raw buffer to `path` under a temporary name, fsync it and rename it into place (a
+        reader finds the whole store or none)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        buf = self._bytes()
+        with open(tmp, "wb") as f:
+            for i in range(0, len(buf), chunk):
+                f.write(buf[i:i + chunk])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def load(self, path: str | Path) -> None:
+        """Fill this store from a file written by `save` for the same lengths, hidden size and dtype."""
+        buf = self._bytes()
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size != len(buf):
+                raise ValueError(f"{path}: {os.fstat(f.fileno()).st_size} bytes, expected {len(buf)}")
+            got = 0
+            while got < len(buf):
+                n = f.readinto(buf[got:])
+                if not n:
+                    raise ValueError(f"{path}: short read")
+                got += n
+
     def close(self):
         self.data = None
         if self._mm is not None:
@@ -556,15 +585,18 @@ class LayerExecutor:
 
     # -- the loop -------------------------------------------------------------------------------
     def layers(self, samples: Sequence[torch.Tensor] | ActivationStore, observers: Sequence[Observer] = (),
-               ) -> Iterator[LayerStep]:
+               start: int = 0) -> Iterator[LayerStep]:
         """Yield each decoder layer materialized with its inputs; see the module docstring. Observers stay
         attached for the whole step (every forward of it). The store left after the last layer (hidden
-        states before the final norm) is `self.final`; a store passed as `samples` is consumed."""
+        states before the final norm) is `self.final`; a store passed as `samples` is consumed. With
+        `start` > 0, `samples` must be the store of layer `start`'s inputs (a resumed pass)."""
+        if start and not isinstance(samples, ActivationStore):
+            raise ValueError("starting past layer 0 needs that layer's inputs as an ActivationStore")
         inputs = samples if isinstance(samples, ActivationStore) else self.embed(samples)
         self.final = None
         step = None
         try:
-            for idx in range(self.num_layers):
+            for idx in range(start, self.num_layers):
                 layer = self.load_layer(idx)
                 handles = [h for o in observers for h in o.attach(idx, layer)]
                 step = LayerStep(idx, layer, inputs, self)

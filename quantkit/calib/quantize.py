@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -32,6 +33,7 @@ from torch import nn
 
 from ..io.checkpoint import Checkpoint
 from ..io.safetensors import write_safetensors
+from ..io.writer import write_json_atomic
 from ..quant.awq import choose_qparams_clipped, fake_quant, search_clip, search_scales
 from ..quant.gptq import gptq
 from ..quant.int4 import QParams, dequantize, pack_int4, quantize, rtn, sqnr_db
@@ -656,18 +658,59 @@ def _awq_experts(res, ckpt, idx, names: ExpertNames, mlp, experts, router, share
 
 
 # ---- the whole model ----------------------------------------------------------------------------------
+PROGRESS_NAME = "progress.json"  # in the spool: how far an interrupted pass got
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int, dtype: torch.dtype):
+    """The progress record of an interrupted pass over the same samples, if whole and consistent (anything
+    else, torn or foreign, means starting over): (next layer, index so far, activation file)."""
+    try:
+        rec = json.loads((spool / PROGRESS_NAME).read_text())
+        nxt, index, act = rec["next_layer"], rec["index"], spool / rec["activations"]
+        ok = (isinstance(nxt, int) and 0 < nxt < num_layers and rec["lengths"] == lengths
+              and rec["hidden"] == hidden and rec["dtype"] == str(dtype) and act.parent == spool
+              and act.is_file() and all((spool / f"{n}.json").is_file() and (spool / f"{n}.safetensors").is_file()
+                                        for n in index["layers"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (nxt, index, act) if ok else None
+
+
 def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: Callable[[int, int], None] | None = None,
                    log: Callable[[str], None] = lambda m: None, dtype: torch.dtype = torch.float32) -> dict:
     """Quantize every calibrated group of `recipe` layer by layer; write the spool; return its index
-    {"layers": [...], "modules": {module: meta}, "overrides": [names]}."""
+    {"layers": [...], "modules": {module: meta}, "overrides": [names]}.
+
+    Resumable per layer: after each layer the spool gets that layer's results (fsynced), then the next
+    layer's input activations (the quantized layer's outputs, written whole or not at all), then a progress
+    record naming both. A pass that finds a consistent record in `spool` continues at that layer with
+    those activations, and ends with the same results as an uninterrupted pass (the pass is deterministic)."""
     from .executor import LayerExecutor
 
     spool = Path(spool)
     spool.mkdir(parents=True, exist_ok=True)
     ex = LayerExecutor(src_dir, dtype=dtype, workdir=spool)
     ckpt = ex.ckpt
+    lengths = [int(len(x)) for x in samples]
     index = {"layers": [], "modules": {}, "overrides": []}
-    for step in ex.layers(samples):
+    start, inputs = 0, samples
+    found = _read_progress(spool, ex.num_layers, lengths, ex.hidden_size, dtype)
+    if found is not None:
+        start, index, act = found
+        inputs = ex._new_store(lengths)
+        try:
+            inputs.load(act)
+        except (OSError, ValueError):
+            inputs.close()
+            start, inputs, index = 0, samples, {"layers": [], "modules": {}, "overrides": []}
+        else:
+            log(f"resuming calibration at layer {start} of {ex.num_layers}")
+    for step in ex.layers(inputs, start=start):
         r = quantize_layer(ckpt, recipe, step, log)
         step.forward()  # true-sequential: the next layer calibrates on this layer's quantized output
         if r.tensors or r.overrides:
@@ -677,9 +720,22 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
             write_safetensors(spool / f"{name}.safetensors", dict(sorted(tensors.items())))
             meta = {"tensors": sorted(r.tensors), "overrides": sorted(r.overrides), "modules": r.modules}
             (spool / f"{name}.json").write_text(json.dumps(meta, sort_keys=True))
+            _fsync_file(spool / f"{name}.safetensors")
+            _fsync_file(spool / f"{name}.json")
             index["layers"].append(name)
             index["modules"].update(r.modules)
             index["overrides"].extend(sorted(r.overrides))
+        if step.index + 1 < ex.num_layers:
+            act = f"activations-{step.index + 1:05d}.bin"
+            step.outputs.save(spool / act)
+            write_json_atomic(spool / PROGRESS_NAME, {"next_layer": step.index + 1, "activations": act,
+                                                      "lengths": lengths, "hidden": ex.hidden_size,
+                                                      "dtype": str(dtype), "index": index})
+            for old in spool.glob("activations-*.bin"):
+                if old.name != act:
+                    old.unlink(missing_ok=True)
         if progress:
             progress(step.index + 1, ex.num_layers)
+    for p in [spool / PROGRESS_NAME, *spool.glob("activations-*")]:
+        p.unlink(missing_ok=True)
     return index
