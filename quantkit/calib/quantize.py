@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -671,11 +672,16 @@ def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int
     else, torn or foreign, means starting over): (next layer, index so far, activation file)."""
     try:
         rec = json.loads((spool / PROGRESS_NAME).read_text())
-        nxt, index, act = rec["next_layer"], rec["index"], spool / rec["activations"]
+        nxt, index, name = rec["next_layer"], rec["index"], rec["activations"]
+        layers = index["layers"]
         ok = (isinstance(nxt, int) and 0 < nxt < num_layers and rec["lengths"] == lengths
-              and rec["hidden"] == hidden and rec["dtype"] == str(dtype) and act.parent == spool
-              and act.is_file() and all((spool / f"{n}.json").is_file() and (spool / f"{n}.safetensors").is_file()
-                                        for n in index["layers"]))
+              and rec["hidden"] == hidden and rec["dtype"] == str(dtype)
+              and name == f"activations-{nxt:05d}.bin" and (spool / name).is_file()
+              and isinstance(index["modules"], dict) and isinstance(index["overrides"], list)
+              and isinstance(layers, list) and all(isinstance(n, str) and re.fullmatch(r"layer-\d{5}", n)
+                                                   and int(n[6:]) < nxt for n in layers)
+              and all((spool / f"{n}.json").is_file() and (spool / f"{n}.safetensors").is_file() for n in layers))
+        act = spool / name
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return (nxt, index, act) if ok else None
