@@ -90,7 +90,8 @@ def get_fixture(spec: FixtureSpec = FixtureSpec(), log=print) -> dict:
     train, held = stdlib_corpus(spec.corpus_bytes)
     tr = torch.frombuffer(bytearray(train), dtype=torch.uint8).long()
     he = torch.frombuffer(bytearray(held), dtype=torch.uint8).long()
-    # the eager expert loop: deterministic, and on CPU ~10x faster to train than the batched implementation
+    # the eager expert loop: on this CPU 0.36 s per batch-32 training step, against 18 s for batched_mm and
+    # 0.53 s for grouped_mm (measured side by side)
     model = AutoModelForCausalLM.from_config(config_for(spec), experts_implementation="eager")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.95))
