@@ -788,11 +788,10 @@ def _clear_dir(d: Path) -> None:
 
 
 def _prepare_output(out: Path, opts: ConvertOptions, identity: dict) -> dict[str, dict]:
-    """Create/validate the output dir; return journal records of shards already finished (resume)."""
+    """Validate the output dir (created by `output_lock`); return journal records of shards already
+    finished (resume)."""
     journal = out / JOURNAL_DIR
-    if out.exists() and not out.is_dir():
-        raise OutputExists(f"output {str(out)!r} exists and is not a directory")
-    if out.exists() and any(out.iterdir()):
+    if any(out.iterdir()):
         manifest = out / MANIFEST_NAME
         if opts.overwrite:
             _clear_dir(out)  # in place: the lock is held on this directory
@@ -819,7 +818,6 @@ def _prepare_output(out: Path, opts: ConvertOptions, identity: dict) -> dict[str
             return done
         elif not (opts.resume and _only_own_debris(out)):
             raise OutputExists(f"output directory {str(out)!r} is not empty")
-    out.mkdir(parents=True, exist_ok=True)
     journal.mkdir(exist_ok=True)
     return {}
 

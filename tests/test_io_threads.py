@@ -97,7 +97,7 @@ def test_shards_fsynced_before_index_and_manifest(tmp_path, monkeypatch):
 
     src = make_tiny_model("mixtral", tmp_path / "src")
     synced: list[str] = []
-    real_fsync = W._fsync_path
+    real_fsync = W.fsync_path
 
     def fsync_path(path):
         real_fsync(path)
@@ -113,7 +113,7 @@ def test_shards_fsynced_before_index_and_manifest(tmp_path, monkeypatch):
             checked.append(path.name)
         real_json(path, doc, *a, **kw)
 
-    monkeypatch.setattr(W, "_fsync_path", fsync_path)
+    monkeypatch.setattr(W, "fsync_path", fsync_path)
     monkeypatch.setattr(C, "write_json_atomic", write_json)
     C.convert(src, tmp_path / "out", C.ConvertOptions())
     assert checked == [C.INDEX_NAME, C.MANIFEST_NAME]

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..io.checkpoint import Checkpoint
+from ..io.writer import write_atomic
 from ..quant.int4 import dequantize, unpack_int4
 from . import CalibrationError, UnsupportedArchitecture, UnsupportedWeights
 
@@ -390,24 +391,17 @@ class ActivationStore:
         return memoryview(self.data.view(-1).view(torch.uint8).numpy()) if self.nbytes else memoryview(b"")
 
     def save(self, path: str | Path, chunk: int = 1 << 26) -> None:
-        """Write the raw buffer to `path` under a temporary name, fsync it and rename it into place (a
-        reader finds the whole store or none)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
+        """Write the raw buffer to `path` atomically and durably (a reader finds the whole store or none)."""
         buf = self._bytes()
-        with open(tmp, "wb") as f:
-            for i in range(0, len(buf), chunk):
-                f.write(buf[i:i + chunk])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, (buf[i:i + chunk] for i in range(0, len(buf), chunk)))
 
     def load(self, path: str | Path) -> None:
         """Fill this store from a file written by `save` for the same lengths, hidden size and dtype."""
         buf = self._bytes()
         with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size != len(buf):
-                raise ValueError(f"{path}: {os.fstat(f.fileno()).st_size} bytes, expected {len(buf)}")
+            size = os.fstat(f.fileno()).st_size
+            if size != len(buf):
+                raise ValueError(f"{path}: {size} bytes, expected {len(buf)}")
             got = 0
             while got < len(buf):
                 n = f.readinto(buf[got:])
@@ -552,6 +546,17 @@ class LayerExecutor:
     def _new_store(self, lengths: Sequence[int]) -> ActivationStore:
         return ActivationStore(lengths, self.hidden_size, self.dtype, budget_bytes=self.activation_budget_bytes,
                                workdir=self.workdir)
+
+    def restore(self, path: str | Path, lengths: Sequence[int]) -> ActivationStore:
+        """A store of samples of `lengths` filled from a file written by `ActivationStore.save` (OSError or
+        ValueError when the file does not fit them)."""
+        store = self._new_store(lengths)
+        try:
+            store.load(path)
+        except BaseException:
+            store.close()
+            raise
+        return store
 
     def _mask_function(self):
         # The model's own choice (modeling_*.py): sliding-window mask iff config.sliding_window is set.

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,7 @@ from torch import nn
 
 from ..io.checkpoint import Checkpoint
 from ..io.safetensors import write_safetensors
-from ..io.writer import write_json_atomic
+from ..io.writer import fsync_path, write_json_atomic
 from ..quant.awq import choose_qparams_clipped, fake_quant, search_clip, search_scales
 from ..quant.gptq import gptq
 from ..quant.int4 import QParams, dequantize, pack_int4, quantize, rtn, sqnr_db
@@ -662,11 +661,6 @@ def _awq_experts(res, ckpt, idx, names: ExpertNames, mlp, experts, router, share
 PROGRESS_NAME = "progress.json"  # in the spool: how far an interrupted pass got
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int, dtype: torch.dtype):
     """The progress record of an interrupted pass over the same samples, if whole and consistent (anything
     else, torn or foreign, means starting over): (next layer, index so far, activation file)."""
@@ -707,14 +701,12 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
     start, inputs = 0, samples
     found = _read_progress(spool, ex.num_layers, lengths, ex.hidden_size, dtype)
     if found is not None:
-        start, index, act = found
-        inputs = ex._new_store(lengths)
         try:
-            inputs.load(act)
+            inputs = ex.restore(found[2], lengths)
         except (OSError, ValueError):
-            inputs.close()
-            start, inputs, index = 0, samples, {"layers": [], "modules": {}, "overrides": []}
+            pass  # activations that do not fit the samples: start over
         else:
+            start, index = found[0], found[1]
             log(f"resuming calibration at layer {start} of {ex.num_layers}")
     for step in ex.layers(inputs, start=start):
         r = quantize_layer(ckpt, recipe, step, log)
@@ -726,8 +718,8 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
             write_safetensors(spool / f"{name}.safetensors", dict(sorted(tensors.items())))
             meta = {"tensors": sorted(r.tensors), "overrides": sorted(r.overrides), "modules": r.modules}
             (spool / f"{name}.json").write_text(json.dumps(meta, sort_keys=True))
-            _fsync_file(spool / f"{name}.safetensors")
-            _fsync_file(spool / f"{name}.json")
+            fsync_path(spool / f"{name}.safetensors")
+            fsync_path(spool / f"{name}.json")
             index["layers"].append(name)
             index["modules"].update(r.modules)
             index["overrides"].extend(sorted(r.overrides))
@@ -742,6 +734,6 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
                     old.unlink(missing_ok=True)
         if progress:
             progress(step.index + 1, ex.num_layers)
-    for p in [spool / PROGRESS_NAME, *spool.glob("activations-*")]:
+    for p in [spool / PROGRESS_NAME, *spool.glob("activations-*"), *spool.glob(".activations-*")]:
         p.unlink(missing_ok=True)
     return index

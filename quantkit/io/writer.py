@@ -21,6 +21,7 @@ import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -34,7 +35,8 @@ _fsyncs: list[Future] = []
 _fsync_pool: ThreadPoolExecutor | None = None
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a written file and its directory entry."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -48,7 +50,7 @@ def durable(path: Path) -> None:
     global _fsync_pool
     if _fsync_pool is None:
         _fsync_pool = ThreadPoolExecutor(1, thread_name_prefix="quantkit-fsync")
-    _fsyncs.append(_fsync_pool.submit(_fsync_path, path))
+    _fsyncs.append(_fsync_pool.submit(fsync_path, path))
 
 
 def wait_durable() -> None:
@@ -229,16 +231,16 @@ class ShardWriter:
             pass
 
 
-def write_json_atomic(path: str | os.PathLike, doc, indent: int | None = 2, durable: bool = True) -> None:
-    """Write JSON under a temporary name and rename it into place: readers see the old or the new
-    document, never a torn one. durable=False skips the fsyncs, for records whose loss in a power cut
-    only costs redoing work (journal entries, the in-progress manifest)."""
+def write_atomic(path: str | os.PathLike, parts: Iterable, durable: bool = True) -> None:
+    """Write the byte strings `parts` to `path` under a temporary name and rename it into place: readers
+    see the old file or the new one, never a torn one. durable also fsyncs the data and the directory
+    entry. A full disk is DiskFull; the temporary is removed when writing fails."""
     path = Path(path)
     tmp = tmp_name(path)
-    data = (json.dumps(doc, indent=indent, sort_keys=False, ensure_ascii=False) + "\n").encode()
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for part in parts:
+                f.write(part)
             f.flush()
             if durable:
                 os.fsync(f.fileno())
@@ -250,19 +252,16 @@ def write_json_atomic(path: str | os.PathLike, doc, indent: int | None = 2, dura
         _fsync_dir(path.parent)
 
 
+def write_json_atomic(path: str | os.PathLike, doc, indent: int | None = 2, durable: bool = True) -> None:
+    """Write JSON atomically (`write_atomic`). durable=False skips the fsyncs, for records whose loss in a
+    power cut only costs redoing work (journal entries, the in-progress manifest)."""
+    data = (json.dumps(doc, indent=indent, sort_keys=False, ensure_ascii=False) + "\n").encode()
+    write_atomic(path, [data], durable)
+
+
 def copy_file_atomic(src: Path, dst: Path) -> None:
-    tmp = tmp_name(dst)
-    try:
-        with open(src, "rb") as fi, open(tmp, "wb") as fo:
-            while chunk := fi.read(8 << 20):
-                fo.write(chunk)
-            fo.flush()
-            os.fsync(fo.fileno())
-        os.replace(tmp, dst)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise (_disk_full(e, dst) or e) from None
-    _fsync_dir(dst.parent)
+    with open(src, "rb") as fi:
+        write_atomic(dst, iter(lambda: fi.read(8 << 20), b""))
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
