@@ -1,0 +1,180 @@
+"""sha256 of every file `quantkit convert` writes, for every shipped recipe on the test fixtures.
+
+A behaviour-preserving change to the code must leave these trees byte-identical. Run it before and after
+and compare:
+
+    .venv/bin/python bench/tree_hashes.py -o /tmp/before.json      # on the old tree
+    .venv/bin/python bench/tree_hashes.py -o /tmp/after.json       # on the new tree
+    .venv/bin/python bench/tree_hashes.py --compare /tmp/before.json /tmp/after.json
+
+The source checkpoints are generated once into `bench/.cache/tree-sources/` (or $QUANTKIT_TREE_CACHE) and
+reused, so that their file metadata (which the manifest's resume identity records) is the same for both
+runs; to hash an older tree, run this script from a worktree of it with the same $QUANTKIT_TREE_CACHE. Every conversion
+goes through the command line (the public contract), with small calibration settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("QUANTKIT_TREE_CACHE", ROOT / "bench" / ".cache" / "tree-sources"))
+CAL = ["--num-samples", "4", "--seq-len", "32"]
+
+ASYM_RECIPE = """\
+name: asym-mixed
+groups:
+  experts:
+    targets: ['re:.*\\.experts\\.\\d+\\.(gate|up|down)_proj$', 're:.*\\.experts\\.\\d+\\.w[123]$']
+    method: rtn
+    scheme: {num_bits: 4, type: int, symmetric: false, strategy: group, group_size: 64, fallback: channel}
+  attn:
+    targets: ['re:.*\\.self_attn\\.(q|k|v|o)_proj$']
+    method: rtn
+    scheme: {num_bits: 8, type: float, symmetric: true, strategy: channel}
+ignore: ['re:.*\\.mlp\\.gate$', 'lm_head']
+"""
+
+
+def _sources() -> dict[str, Path]:
+    """Build (once) the source checkpoints the cases convert."""
+    import torch
+
+    from quantkit.testing import make_tiny_model
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    made = {}
+
+    def tiny(name, arch, **kw):
+        d = CACHE / name
+        if not (d / "config.json").is_file():
+            shutil.rmtree(d, ignore_errors=True)
+            make_tiny_model(arch, d, **kw)
+        made[name] = d
+
+    tiny("qwen3_moe", "qwen3_moe", experts=8)
+    tiny("qwen3_moe-fp32", "qwen3_moe", dtype=torch.float32)
+    tiny("mixtral", "mixtral")
+    tiny("deepseek_v3", "deepseek_v3", experts=8)
+    tiny("glm4_moe", "glm4_moe")
+    tiny("glm_moe_dsa", "glm_moe_dsa")
+    fp8 = CACHE / "deepseek_v3-fp8"
+    if not (fp8 / "config.json").is_file():
+        from quantkit.io.sources import write_block_fp8_checkpoint
+
+        shutil.rmtree(fp8, ignore_errors=True)
+        write_block_fp8_checkpoint(made["deepseek_v3"], fp8)
+    made["deepseek_v3-fp8"] = fp8
+    recipe = CACHE / "asym-mixed.yaml"
+    recipe.write_text(ASYM_RECIPE)
+    made["asym-recipe"] = recipe
+    return made
+
+
+def _quantkit(*args: str) -> None:
+    exe = Path(sys.executable).with_name("quantkit")
+    r = subprocess.run([str(exe), *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"quantkit {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+
+
+def _cases(src: dict[str, Path], work: Path):
+    """(case name, list of quantkit argument lists). A case's output is `work/<case>/out`."""
+    kv_t = work / "kv-tensor-{}.safetensors"
+    kv_h = work / "kv-head-{}.safetensors"
+    yield "qwen3-rtn", [["convert", src["qwen3_moe"], "{out}", "--recipe", "int4-experts-rtn"]]
+    yield "qwen3-gptq", [["convert", src["qwen3_moe"], "{out}", "--recipe", "int4-experts-gptq", *CAL]]
+    yield "qwen3-awq", [["convert", src["qwen3_moe"], "{out}", "--recipe", "int4-experts-awq", *CAL]]
+    yield "qwen3-fp8kv", [["convert", src["qwen3_moe"], "{out}", "--recipe", "fp8-kv"]]
+    yield "qwen3-rtn-kvhead", [
+        ["calibrate", src["qwen3_moe"], "-o", str(kv_h).format("qwen3"), "--strategy", "attn_head", *CAL],
+        ["convert", src["qwen3_moe"], "{out}", "--recipe", "int4-experts-rtn", "--kv-scales", str(kv_h).format("qwen3")]]
+    yield "qwen3-fp32-rtn", [["convert", src["qwen3_moe-fp32"], "{out}", "--recipe", "int4-experts-rtn"]]
+    yield "qwen3-asym", [["convert", src["qwen3_moe"], "{out}", "--recipe", str(src["asym-recipe"])]]
+    yield "qwen3-rtn-split", [["convert", src["qwen3_moe"], "{out}", "--recipe", "int4-experts-rtn",
+                               "--max-shard-size", "100KB"]]
+    yield "mixtral-rtn", [["convert", src["mixtral"], "{out}", "--recipe", "int4-experts-rtn"]]
+    yield "mixtral-gptq", [["convert", src["mixtral"], "{out}", "--recipe", "int4-experts-gptq", *CAL]]
+    yield "mixtral-asym", [["convert", src["mixtral"], "{out}", "--recipe", str(src["asym-recipe"])]]
+    yield "deepseek-kimi", [["convert", src["deepseek_v3"], "{out}", "--recipe", "kimi-k2", *CAL]]
+    yield "deepseek-awq-kv", [
+        ["calibrate", src["deepseek_v3"], "-o", str(kv_t).format("deepseek"), *CAL],
+        ["convert", src["deepseek_v3"], "{out}", "--recipe", "int4-experts-awq", *CAL,
+         "--kv-scales", str(kv_t).format("deepseek")]]
+    yield "deepseek-fp8-rtn", [["convert", src["deepseek_v3-fp8"], "{out}", "--recipe", "int4-experts-rtn"]]
+    yield "deepseek-fp8-glm", [["convert", src["deepseek_v3-fp8"], "{out}", "--recipe", "glm"]]
+    yield "deepseek-fp8-gptq", [["convert", src["deepseek_v3-fp8"], "{out}", "--recipe", "int4-experts-gptq", *CAL]]
+    yield "glm4-glm", [["convert", src["glm4_moe"], "{out}", "--recipe", "glm"]]
+    yield "glm4-glm-kv", [
+        ["calibrate", src["glm4_moe"], "-o", str(kv_t).format("glm4"), *CAL],
+        ["convert", src["glm4_moe"], "{out}", "--recipe", "glm", "--kv-scales", str(kv_t).format("glm4")]]
+    yield "glm4-gptq", [["convert", src["glm4_moe"], "{out}", "--recipe", "int4-experts-gptq", *CAL]]
+    yield "glm5-glm", [["convert", src["glm_moe_dsa"], "{out}", "--recipe", "glm"]]
+    # an INT4 source: the rtn output converted again (INT4 passed through, the rest to FP8)
+    yield "int4src-glm", [["convert", src["qwen3_moe"], "{work}/int4src", "--recipe", "int4-experts-rtn"],
+                          ["convert", "{work}/int4src", "{out}", "--recipe", "glm"]]
+
+
+def _hash_tree(d: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(d.rglob("*")):
+        if p.is_file():
+            out[str(p.relative_to(d))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def run(output: Path, only: list[str] | None) -> None:
+    src = _sources()
+    work = CACHE.parent / "tree-work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    result = {}
+    for name, steps in _cases(src, work):
+        if only and name not in only:
+            continue
+        t0 = time.perf_counter()
+        out = work / name / "out"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for args in steps:
+            _quantkit(*[str(a).format(out=out, work=work) for a in args])
+        result[name] = _hash_tree(out)
+        print(f"{name}: {len(result[name])} files, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    output.write_text(json.dumps(result, indent=1, sort_keys=True))
+    print(f"wrote {output}", file=sys.stderr)
+
+
+def compare(a: Path, b: Path) -> int:
+    x, y = json.loads(a.read_text()), json.loads(b.read_text())
+    bad = 0
+    for case in sorted(set(x) | set(y)):
+        if case not in x or case not in y:
+            print(f"{case}: only in {'first' if case in x else 'second'}")
+            bad += 1
+            continue
+        for f in sorted(set(x[case]) | set(y[case])):
+            if x[case].get(f) != y[case].get(f):
+                print(f"{case}/{f}: {x[case].get(f, '-')[:12]} != {y[case].get(f, '-')[:12]}")
+                bad += 1
+    n = sum(len(v) for v in x.values())
+    print(f"{len(x)} cases, {n} files: {'identical' if not bad else f'{bad} difference(s)'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-o", "--output", type=Path, default=Path("tree-hashes.json"))
+    ap.add_argument("--only", nargs="*")
+    ap.add_argument("--compare", nargs=2, type=Path)
+    a = ap.parse_args()
+    if a.compare:
+        raise SystemExit(compare(*a.compare))
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    run(a.output, a.only)
