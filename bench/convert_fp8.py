@@ -37,7 +37,7 @@ GEN_VERSION = 1
 
 
 def make_fp8_checkpoint(size_gb: float, shards: int) -> Path:
-    from quantkit.io.sources import write_block_fp8_checkpoint
+    from quantkit.testing import write_block_fp8_checkpoint
 
     bf16 = make_checkpoint(size_gb, shards)
     key = hashlib.sha256(f"{bf16.name}-{GEN_VERSION}".encode()).hexdigest()[:10]

@@ -102,7 +102,7 @@ def evaluate(model_dir, eval_ids: torch.Tensor, ref: dict | None = None):
 
 def run_quantkit(src, out, method, group, calib_file, num_samples, seq_len):
     from quantkit.convert import ConvertOptions, convert
-    from quantkit.recipe import parse_recipe
+    from quantkit.match.recipe import parse_recipe
 
     r = parse_recipe(recipe_yaml(method, group))
     t0 = time.perf_counter()

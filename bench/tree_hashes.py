@@ -68,11 +68,16 @@ def _sources() -> dict[str, Path]:
     tiny("glm_moe_dsa", "glm_moe_dsa")
     fp8 = CACHE / "deepseek_v3-fp8"
     if not (fp8 / "config.json").is_file():
-        from quantkit.io.sources import write_block_fp8_checkpoint
+        from quantkit.testing import write_block_fp8_checkpoint
 
         shutil.rmtree(fp8, ignore_errors=True)
         write_block_fp8_checkpoint(made["deepseek_v3"], fp8)
     made["deepseek_v3-fp8"] = fp8
+    int4 = CACHE / "qwen3_moe-int4"  # a compressed-tensors INT4 source: made once by the tree that runs first
+    if not (int4 / "quantkit_manifest.json").is_file():
+        shutil.rmtree(int4, ignore_errors=True)
+        _quantkit("convert", str(made["qwen3_moe"]), str(int4), "--recipe", "int4-experts-rtn")
+    made["qwen3_moe-int4"] = int4
     recipe = CACHE / "asym-mixed.yaml"
     recipe.write_text(ASYM_RECIPE)
     made["asym-recipe"] = recipe
@@ -119,8 +124,7 @@ def _cases(src: dict[str, Path], work: Path):
     yield "glm4-gptq", [["convert", src["glm4_moe"], "{out}", "--recipe", "int4-experts-gptq", *CAL]]
     yield "glm5-glm", [["convert", src["glm_moe_dsa"], "{out}", "--recipe", "glm"]]
     # an INT4 source: the rtn output converted again (INT4 passed through, the rest to FP8)
-    yield "int4src-glm", [["convert", src["qwen3_moe"], "{work}/int4src", "--recipe", "int4-experts-rtn"],
-                          ["convert", "{work}/int4src", "{out}", "--recipe", "glm"]]
+    yield "int4src-glm", [["convert", src["qwen3_moe-int4"], "{out}", "--recipe", "glm"]]
 
 
 def _hash_tree(d: Path) -> dict[str, str]:

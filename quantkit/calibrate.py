@@ -24,12 +24,13 @@ from typing import Any, Callable
 import torch
 
 from . import __version__
-from .calib import CalibrationError, KVScalesError
+from .errors import CalibrationError, KVScalesError
 from .calib.data import DEFAULT_SEED, load_calibration_data, load_tokenizer
 from .calib.executor import DEFAULT_ACTIVATION_BUDGET, LayerExecutor
 from .calib.observers import FP8_E4M3_MAX, ExpertTokenCounter, KVCacheObserver, fp8_scale
-from .io.safetensors import SafetensorsFile, write_safetensors
-from .recipe import CalibrationSpec, KVCacheSpec
+from .read.safetensors import SafetensorsFile
+from .write.writer import write_safetensors
+from .match.recipe import CalibrationSpec, KVCacheSpec
 
 # The one set of defaults the CLI and recipes share (recipe.CalibrationSpec holds the values).
 DEFAULT_NUM_SAMPLES: int = CalibrationSpec.num_samples

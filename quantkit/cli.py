@@ -64,7 +64,7 @@ def convert(
     json_out: JsonOpt = False,
 ):
     """Quantize SRC into OUT per RECIPE, streaming shard by shard."""
-    from .io import prehash
+    from .read import prehash
 
     prehash.start(src)  # the source shards' sha256, computed while the next import runs
     from .convert import ConvertOptions, convert as run
@@ -207,7 +207,7 @@ def plan(
 @app.command()
 def recipes():
     """List the shipped recipes."""
-    from .recipe import load_recipe, shipped_recipes
+    from .match.recipe import load_recipe, shipped_recipes
 
     for name in shipped_recipes():
         r = load_recipe(name)

@@ -33,6 +33,12 @@ class ConfigMissing(ConfigError):
     hint = "a checkpoint directory needs the model's config.json next to its shards"
 
 
+class ConfigMismatch(ConfigError):
+    """config.json claims something its tensors contradict (layers, hidden size, vocab, experts, heads)."""
+
+    hint = "the config.json does not belong to these shards (or one of them is corrupt); restore the release's own"
+
+
 class UnsafeCheckpoint(QuantkitError):
     hint = ("quantkit reads safetensors only and never unpickles; convert .bin/.pt files first, e.g. "
             "load them in a trusted environment and call model.save_pretrained(dir, safe_serialization=True)")
@@ -129,3 +135,86 @@ class DiskFull(QuantkitError):
 
 class VerificationFailed(QuantkitError):
     hint = "see the report above; re-run convert or inspect the named tensors"
+
+
+# --- reading checkpoints (continued) ----------------------------------------------------------------
+class SourceFormatError(QuantkitError):
+    """The source's quantization_config or its tensors are a format convert cannot read."""
+
+    hint = ("convert reads BF16/FP16/FP32 checkpoints, block-FP8 releases (quant_method fp8 with "
+            "weight_block_size) and compressed-tensors FP8/INT4 checkpoints; see docs/format.md")
+
+
+# --- calibration ------------------------------------------------------------------------------------
+class UnsupportedArchitecture(QuantkitError):
+    hint = ("calibration supports model_type llama, qwen3, qwen3_moe, mixtral, deepseek_v3 (Kimi K2: kimi_k2) "
+            "and glm4_moe; RTN conversion (`quantkit convert --recipe int4-experts-rtn`) needs no calibration")
+
+
+class UnsupportedWeights(QuantkitError):
+    hint = ("calibration reads bfloat16/float16/float32 weights, block-FP8 (`weight` + `weight_scale_inv`) and "
+            "compressed-tensors pack-quantized INT4; calibrate on the original checkpoint instead")
+
+
+class DatasetError(QuantkitError):
+    """A calibration dataset cannot be read or holds no usable rows."""
+
+    hint = ("pass a .jsonl/.json file with a `text`, `messages` or `input_ids` field per row, a .txt file, "
+            "a .parquet file, a `datasets.save_to_disk` folder, or omit --dataset for the shipped set")
+
+
+class DatasetNotFound(DatasetError):
+    hint = "check the path; a name that is not a local path is treated as a hub dataset id"
+
+
+class CalibrationError(QuantkitError):
+    """The activations went bad (NaN/Inf) or nothing was observed."""
+
+    hint = "the model produced non-finite activations on the calibration data; check the checkpoint's weights"
+
+
+class KVScalesError(QuantkitError):
+    """A KV-scales file (or calibration result) does not fit the model being converted."""
+
+    hint = ("the file must hold float32 model.layers.L.self_attn.k_scale / v_scale for every attention layer, "
+            "shape [1] (strategy tensor) or [num_kv_heads, 1, 1] (attn_head); re-run `quantkit calibrate` "
+            "on this model")
+
+
+class CalibrationNeeded(QuantkitError):
+    """The recipe asks for FP8 KV-cache scales, and neither a scales file nor a calibrator is at hand."""
+
+    hint = ("run `quantkit calibrate SRC --output kv.safetensors` first, then "
+            "`quantkit convert SRC OUT --recipe RECIPE --kv-scales kv.safetensors`")
+
+
+# --- the reference runtime --------------------------------------------------------------------------
+class RunnerError(QuantkitError):
+    hint = "see docs/runtime.md, 'Model runner'"
+
+
+class UnsupportedModel(RunnerError):
+    hint = ("the runner supports model_type qwen3_moe, mixtral, glm4_moe and deepseek_v3 / kimi_k2, with "
+            "default, linear or yarn RoPE; run other models with transformers or an inference engine")
+
+
+class UnsupportedCheckpoint(RunnerError):
+    hint = ("the runner executes compressed-tensors pack-quantized INT4 experts (what `quantkit convert` "
+            "writes with an int4 recipe) and BF16/FP16/FP32 or INT4 dense weights")
+
+
+class KVScalesMissing(RunnerError):
+    hint = ("an FP8 KV cache needs calibrated scales: convert with --kv-scales (or a recipe with a kv_cache "
+            "section), or pass kv_scales= a mapping or safetensors file of model.layers.L.self_attn.k_scale / v_scale")
+
+
+class KVCacheViolation(RunnerError):
+    hint = "a block table pointed at a page the request does not own; the request was aborted and freed"
+
+
+class KVPoolError(QuantkitError):
+    hint = "register a request with add_request before reserving, writing or freeing it"
+
+
+class KVPoolExhausted(KVPoolError):
+    hint = "the pool has too few free pages: free finished requests, or build the pool with more pages"

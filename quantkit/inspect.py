@@ -1,6 +1,6 @@
 """`quantkit inspect`: what a checkpoint holds, per scheme — reads config.json and headers only.
 
-Each tensor is attributed to the scheme of the module it belongs to, as io/sources.py reads the
+Each tensor is attributed to the scheme of the module it belongs to, as read/sources.py reads the
 checkpoint (the same reading `convert` does): a block-FP8 release's `weight` + `weight_scale_inv`
 count under `fp8-block128x128`, a compressed-tensors INT4 module's `weight_packed` / `weight_scale` /
 `weight_shape` under its group's label (e.g. `int4-g32-sym`), FP8 KV-cache scales under `kv-scales`,
@@ -12,14 +12,15 @@ the reason in `format_problem`.
 from __future__ import annotations
 
 import os
-import re
 from collections import defaultdict
 from pathlib import Path
 
-from .io.checkpoint import Checkpoint, read_json_file
-from .io.sources import SourceFormatError, detect_format, scan
+from .read.checkpoint import Checkpoint
+from .read.sources import detect_format, scan
+from .errors import QuantkitError, SourceFormatError
+from .pack.kv import KV_SCALE
+from .pack.manifest import MANIFEST_NAME, read_manifest
 
-_KV_SCALE = re.compile(r".*\.self_attn\.[kv]_scale$")
 
 
 def inspect_checkpoint(path: str | os.PathLike) -> dict:
@@ -40,16 +41,15 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict:
             label = sw.label
             if name == sw.primary:
                 schemes[label]["modules"] += 1
-        elif _KV_SCALE.match(name):
+        elif KV_SCALE.match(name):
             label = "kv-scales"
         else:
             label = str(info.dtype).removeprefix("torch.")
         schemes[label]["tensors"] += 1
         schemes[label]["bytes"] += info.nbytes
     manifest_status = None
-    mp = ck.root / "quantkit_manifest.json"
-    if mp.is_file():
-        manifest_status = read_json_file(mp, "quantkit_manifest.json").get("status")
+    if (ck.root / MANIFEST_NAME).is_file():
+        manifest_status = read_manifest(ck.root, QuantkitError).get("status")
     return {
         "path": str(Path(path)),
         "model_type": ck.config.get("model_type"),

@@ -6,10 +6,11 @@ import json
 import torch
 
 from quantkit.calib.data import load_calibration_data
-from quantkit.calib.quantize import routed_batches, run_calibrated
+from quantkit.calib.hessians import routed_batches
+from quantkit.calib.spool import run_calibrated
 from quantkit.calib.executor import load_layer_weights
-from quantkit.io.checkpoint import Checkpoint
-from quantkit.io.safetensors import SafetensorsFile
+from quantkit.read.checkpoint import Checkpoint
+from quantkit.read.safetensors import SafetensorsFile
 from quantkit.testing import make_tiny_model
 
 from test_calib_quantize import recipe

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from quantkit.calib import DatasetError, DatasetNotFound
+from quantkit.errors import DatasetError, DatasetNotFound
 from quantkit.calib.data import (ByteTokenizer, CalibrationWarning, default_dataset_path, load_calibration_data,
                                  load_tokenizer, pack, read_rows)
 from quantkit.errors import QuantkitError

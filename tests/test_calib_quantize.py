@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.calib.data import load_calibration_data
-from quantkit.calib.quantize import run_calibrated
-from quantkit.io.safetensors import SafetensorsFile
-from quantkit.quant.int4 import dequantize, rtn, unpack_int4
-from quantkit.recipe import parse_recipe
+from quantkit.calib.spool import run_calibrated
+from quantkit.read.safetensors import SafetensorsFile
+from quantkit.quant.int4 import dequantize, rtn
+from quantkit.pack.int4 import unpack_int4
+from quantkit.match.recipe import parse_recipe
 from quantkit.testing import load_model, make_tiny_model
 
 TARGETS = r"['re:.*experts\.\d+\.(gate|up|down)_proj$', 're:.*block_sparse_moe\.experts\.\d+\.w[123]$']"

@@ -9,16 +9,16 @@ import warnings
 import pytest
 import torch
 
-from quantkit.calib import CalibrationError, KVScalesError, UnsupportedArchitecture, UnsupportedWeights
+from quantkit.errors import CalibrationError, KVScalesError, UnsupportedArchitecture, UnsupportedWeights
 from quantkit.calib.data import CalibrationWarning, load_calibration_data
 from quantkit.calib.executor import LayerExecutor, load_layer_weights, modeling_module
 from quantkit.calib.observers import ExpertTokenCounter, KVCacheObserver
 from quantkit.calibrate import (DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN, calibrate, read_scales, scales_strategy,
                                 write_scales)
 from quantkit.errors import QuantkitError
-from quantkit.io.checkpoint import Checkpoint
-from quantkit.io.safetensors import write_safetensors
-from quantkit.recipe import CalibrationSpec, load_recipe
+from quantkit.read.checkpoint import Checkpoint
+from quantkit.write.writer import write_safetensors
+from quantkit.match.recipe import CalibrationSpec, load_recipe
 from quantkit.testing import load_model
 
 N, T = 6, 48  # calibration samples x tokens: small, but several batches with batch_tokens=100
@@ -285,7 +285,7 @@ def test_unsupported_architecture_and_strategy(tmp_path, tiny_models):
 
 def test_missing_layer_tensor_is_a_clear_error(tiny_models, tmp_path):
     src = Checkpoint.open(_model(tiny_models, "qwen3_moe"))
-    from quantkit.io.safetensors import SafetensorsFile
+    from quantkit.read.safetensors import SafetensorsFile
 
     tensors = {}
     for s in src.shards:
@@ -305,7 +305,7 @@ def _fp8_block_copy(src_dir, out_dir, block=32):
     """The tiny model with every 2-D projection weight stored DeepSeek-style: float8_e4m3fn `weight` +
     float32 `weight_scale_inv` per block x block tile (partial edge tiles), scale = amax / 448."""
     src = Checkpoint.open(src_dir)
-    from quantkit.io.safetensors import SafetensorsFile
+    from quantkit.read.safetensors import SafetensorsFile
 
     out, deq = {}, {}
     for s in src.shards:

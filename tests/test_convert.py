@@ -17,10 +17,11 @@ import torch.nn.functional as F
 
 from quantkit.convert import MANIFEST_NAME, ConvertOptions, convert
 from quantkit.errors import GroupSizeError, OutputBusy, OutputExists
-from quantkit.io.checkpoint import Checkpoint
-from quantkit.io.safetensors import SafetensorsFile
-from quantkit.quant.int4 import dequantize, unpack_int4
-from quantkit.recipe import parse_recipe
+from quantkit.read.checkpoint import Checkpoint
+from quantkit.read.safetensors import SafetensorsFile
+from quantkit.quant.int4 import dequantize
+from quantkit.pack.int4 import unpack_int4
+from quantkit.match.recipe import parse_recipe
 from quantkit.testing import load_model, make_tiny_model
 
 ROUTED = re.compile(r".*\.(mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.convert import MANIFEST_NAME, ConvertOptions, convert
-from quantkit.recipe import load_recipe
+from quantkit.match.recipe import load_recipe
 from quantkit.testing import load_model, make_tiny_model
 from quantkit.verify import verify
 
@@ -88,7 +88,7 @@ def test_calibration_resumes_at_the_interrupted_layer(src, calib, tmp_path, monk
     """A conversion that dies while calibrating layer 1 leaves layer 0's results and layer 1's inputs in the
     journal; --resume calibrates only layer 1 and ends byte-identical to an uninterrupted conversion. A
     damaged progress record (torn, or naming a file outside the spool) only means starting over."""
-    import quantkit.calib.quantize as cq
+    import quantkit.calib.spool as cq
 
     path, _ = calib
     opts = ConvertOptions(recipe=recipe, dataset=str(path))

@@ -23,12 +23,16 @@ import torch.nn.functional as F
 from quantkit.convert import MANIFEST_NAME, ConvertOptions, convert
 from quantkit.errors import GroupSizeError
 from quantkit.inspect import inspect_checkpoint
-from quantkit.io.checkpoint import INDEX_NAME, Checkpoint
-from quantkit.io.safetensors import SafetensorsFile, write_safetensors
-from quantkit.io.sources import SourceFormatError, detect_format, read_weight, scan, write_block_fp8_checkpoint
+from quantkit.read.checkpoint import INDEX_NAME, Checkpoint
+from quantkit.read.safetensors import SafetensorsFile
+from quantkit.write.writer import write_safetensors
+from quantkit.read.sources import detect_format, read_weight, scan
+from quantkit.errors import SourceFormatError
+from quantkit.testing import write_block_fp8_checkpoint
 from quantkit.quant import fp8
-from quantkit.quant.int4 import dequantize, unpack_int4
-from quantkit.recipe import parse_recipe
+from quantkit.quant.int4 import dequantize
+from quantkit.pack.int4 import unpack_int4
+from quantkit.match.recipe import parse_recipe
 from quantkit.testing import load_model, make_tiny_model
 
 EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj$")

@@ -24,8 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from quantkit.errors import HeaderError, QuantkitError, UnsupportedDtype
-from quantkit.io.checkpoint import INDEX_NAME, Checkpoint, _shard_names
-from quantkit.io.safetensors import DTYPES, MAX_NDIM, parse_header_bytes, write_safetensors
+from quantkit.read.checkpoint import INDEX_NAME, Checkpoint, _shard_names
+from quantkit.read.safetensors import DTYPES, MAX_NDIM, parse_header_bytes
+from quantkit.write.writer import write_safetensors
 
 N_MUTATIONS = 10_000
 N_INDEX = 800

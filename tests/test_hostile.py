@@ -36,7 +36,7 @@ from quantkit.convert import MANIFEST_NAME, ConvertOptions, convert
 # reply:   {rc}  (negative: killed by that signal, as subprocess reports it)
 SERVER = r'''
 import json, os, resource, signal, sys, time, traceback
-import quantkit.cli, quantkit.convert, quantkit.io.writer  # torch etc. imported once, before any fork
+import quantkit.cli, quantkit.convert, quantkit.write.writer  # torch etc. imported once, before any fork
 
 
 def install_faults(kill_at, log, action="kill"):
@@ -44,7 +44,7 @@ def install_faults(kill_at, log, action="kill"):
     `kill_at` (1-based) either SIGKILL this process (a shard write is cut in half first: a torn file) or,
     action "enospc", fail that operation with ENOSPC as a full disk would."""
     import errno, shutil
-    w = quantkit.io.writer
+    w = quantkit.write.writer
     count = [0]
     logf = open(log, "a") if log else None
 
@@ -394,7 +394,7 @@ def _f64_expert(src):
         b, e = h[name]["data_offsets"]
         t = torch.frombuffer(bytearray(data[b:e]), dtype=torch.bfloat16).reshape(h[name]["shape"])
         tensors[name] = t.double() if name == EXPERT else t
-    from quantkit.io.safetensors import write_safetensors
+    from quantkit.write.writer import write_safetensors
 
     write_safetensors(p, tensors, metadata={"format": "pt"})
 
@@ -595,7 +595,7 @@ def test_hf_cache_snapshot_symlinks_are_allowed(src18, tmp_path):
         blob = blobs / f"{i:064x}"
         shutil.copy(p, blob)
         (snap / p.name).symlink_to(Path("../../blobs") / blob.name)
-    from quantkit.io.checkpoint import Checkpoint
+    from quantkit.read.checkpoint import Checkpoint
 
     ck = Checkpoint.open(snap)
     assert len(ck.shards) == 18

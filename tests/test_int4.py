@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from quantkit.quant.int4 import choose_qparams, dequantize, pack_int4, quantize, rtn, sqnr_db, unpack_int4
+from quantkit.quant.int4 import choose_qparams, dequantize, quantize, rtn, sqnr_db
+from quantkit.pack.int4 import pack_int4, unpack_int4
 
 
 def test_pack_golden_bytes():

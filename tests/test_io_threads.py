@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from quantkit.errors import DiskFull
-from quantkit.io import prehash
-from quantkit.io import writer as W
-from quantkit.io.safetensors import SafetensorsFile, write_safetensors
+from quantkit.read import prehash
+from quantkit.write import writer as W
+from quantkit.read.safetensors import SafetensorsFile
+from quantkit.write.writer import write_safetensors
 
 
 def test_view_outlives_closed_file(tmp_path):

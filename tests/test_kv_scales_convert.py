@@ -16,12 +16,15 @@ import json
 import pytest
 import torch
 
-import quantkit.convert as qconvert
-from quantkit.convert import KV_SHARD_NAME, MANIFEST_NAME, CalibrationNeeded, ConvertOptions, KVScalesError, convert
+import quantkit.convert.calibrated as qconvert
+from quantkit.convert import MANIFEST_NAME, ConvertOptions, convert
+from quantkit.pack.kv import KV_SHARD_NAME
+from quantkit.errors import CalibrationNeeded, KVScalesError
 from quantkit.inspect import inspect_checkpoint
-from quantkit.io.checkpoint import INDEX_NAME, Checkpoint
-from quantkit.io.safetensors import SafetensorsFile, write_safetensors
-from quantkit.recipe import parse_recipe
+from quantkit.read.checkpoint import INDEX_NAME, Checkpoint
+from quantkit.read.safetensors import SafetensorsFile
+from quantkit.write.writer import write_safetensors
+from quantkit.match.recipe import parse_recipe
 from quantkit.testing import load_model, make_tiny_model, quiet_transformers
 
 LAYERS, KV_HEADS = 2, 2  # the tiny qwen3_moe: 2 layers, num_key_value_heads 2
@@ -203,8 +206,8 @@ def test_mla_single_head_scales_become_per_tensor(tmp_path):
 
     from quantkit.calibrate import calibrate, write_scales
     from quantkit.convert import ConvertOptions, convert
-    from quantkit.io.checkpoint import Checkpoint
-    from quantkit.io.safetensors import SafetensorsFile
+    from quantkit.read.checkpoint import Checkpoint
+    from quantkit.read.safetensors import SafetensorsFile
     from quantkit.testing import make_tiny_model
 
     src = make_tiny_model("deepseek_v3", tmp_path / "src")

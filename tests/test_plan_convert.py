@@ -3,7 +3,7 @@
 import pytest
 
 from quantkit.convert import ConvertOptions, convert
-from quantkit.io.checkpoint import Checkpoint
+from quantkit.read.checkpoint import Checkpoint
 from quantkit.plan import plan
 
 

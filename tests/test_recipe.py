@@ -5,8 +5,8 @@ import re
 import pytest
 
 from quantkit.errors import GroupSizeError, RecipeError
-from quantkit.io.checkpoint import Checkpoint
-from quantkit.recipe import Scheme, load_recipe, matches, parse_recipe, shipped_recipes
+from quantkit.read.checkpoint import Checkpoint
+from quantkit.match.recipe import Scheme, load_recipe, matches, parse_recipe, shipped_recipes
 
 
 def test_matching_rules_follow_compressed_tensors():

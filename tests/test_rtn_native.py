@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from quantkit.quant import int4
-from quantkit.quant.int4 import dequantize, pack_int4, rtn, unpack_int4
+from quantkit.quant.int4 import dequantize, rtn
+from quantkit.pack.int4 import pack_int4, unpack_int4
 
 pytest.importorskip("numba")
 

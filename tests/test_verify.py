@@ -12,10 +12,12 @@ import torch
 
 from quantkit.convert import MANIFEST_NAME, ConvertOptions, convert
 from quantkit.errors import CheckpointNotFound, QuantkitError
-from quantkit.io.checkpoint import INDEX_NAME, Checkpoint
-from quantkit.io.safetensors import SafetensorsFile, read_header, write_safetensors
+from quantkit.read.checkpoint import INDEX_NAME, Checkpoint
+from quantkit.read.safetensors import SafetensorsFile, read_header
+from quantkit.write.writer import write_safetensors
 from quantkit.testing import make_tiny_model
-from quantkit.verify import Thresholds, _token_data, verify
+from quantkit.verify import Thresholds, verify
+from quantkit.verify.numerics import token_data as _token_data
 
 CONTRACT = {"passed", "integrity", "format", "metrics", "layers"}
 METRICS = {"kl_divergence", "top1_agreement", "perplexity_reference", "perplexity_quantized"}

@@ -33,8 +33,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..io.writer import sha256_file
-from . import DatasetError, DatasetNotFound
+from ..write.writer import sha256_file
+from ..errors import DatasetError, DatasetNotFound
 
 DEFAULT_DATASET_NAME = "default.jsonl"
 DEFAULT_SEED = 0

@@ -40,10 +40,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..io.checkpoint import Checkpoint
-from ..io.writer import write_atomic
-from ..quant.int4 import dequantize, unpack_int4
-from . import CalibrationError, UnsupportedArchitecture, UnsupportedWeights
+from ..arch import arch_for, check_tensors, parse_config
+from ..errors import CalibrationError, UnsupportedArchitecture, UnsupportedWeights
+from ..read.checkpoint import Checkpoint
+from ..read.sources import detect_format, scan
+from ..read.tensors import TensorReader
+from ..write.writer import write_atomic
 
 # Legend: N = samples, B = samples in a batch, T = tokens per sample, D = hidden size,
 #         E = routed experts, I = expert intermediate size
@@ -58,46 +60,15 @@ DEFAULT_ACTIVATION_BUDGET = 4 << 30  # bytes of one activation copy kept in RAM;
 DEFAULT_EXPERTS_IMPLEMENTATION = "eager"
 
 
-# ---- architectures ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ArchSpec:
-    """What the executor and observers need to know about a model_type (data, not code)."""
-
-    model_type: str  # the transformers model_type the model is built as
-    attention: str  # "gqa": K/V per KV head (maybe with k_norm, maybe partial RoPE) | "mla": one latent per token
-    experts: str | None  # per-expert on-disk names: "qwen2_moe" (mlp.experts.E.{gate,up,down}_proj) | "mixtral" | None
+# ---- architectures (arch.py's registry) ----------------------------------------------------------------
+def _expert_parts(names) -> dict[str, tuple[str, int]]:
+    """Per-expert on-disk projection names -> (fused in-memory tensor, part). transformers 5 keeps
+    experts.gate_up_proj [E, 2I, D] = cat(gate, up) and experts.down_proj [E, D, I] (conversion_mapping.py)."""
+    return {names.gate: ("gate_up_proj", 0), names.up: ("gate_up_proj", 1), names.down: ("down_proj", 0)}
 
 
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": ArchSpec("llama", "gqa", None),
-    "qwen3": ArchSpec("qwen3", "gqa", None),  # k_norm on each head before RoPE
-    "qwen3_moe": ArchSpec("qwen3_moe", "gqa", "qwen2_moe"),
-    "mixtral": ArchSpec("mixtral", "gqa", "mixtral"),  # disk: block_sparse_moe.experts.E.w1/w2/w3
-    "deepseek_v3": ArchSpec("deepseek_v3", "mla", "qwen2_moe"),
-    "glm4_moe": ArchSpec("glm4_moe", "gqa", "qwen2_moe"),  # partial RoPE, optional qk norm (use_qk_norm)
-}
-# Kimi K2's config.json says model_type "kimi_k2" (with remote code); the architecture is DeepSeek-V3's.
-ALIASES = {"kimi_k2": "deepseek_v3"}
-
-# Per-expert on-disk names -> (fused in-memory tensor, part). transformers 5 keeps
-# experts.gate_up_proj [E, 2I, D] = cat(gate, up) and experts.down_proj [E, D, I] (conversion_mapping.py).
-_EXPERT_PARTS = {
-    "qwen2_moe": {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)},
-    "mixtral": {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0)},
-}
-_RENAMES = {"mixtral": ((".block_sparse_moe.", ".mlp."),)}
 # Tensors a layer may carry on disk that are not module state (old rotary caches, static activation scales).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".input_scale", ".output_scale", ".k_scale", ".v_scale")
-
-
-def arch_spec(config: dict) -> ArchSpec:
-    mt = config.get("model_type")
-    if not isinstance(mt, str):
-        raise UnsupportedArchitecture("config.json has no model_type")
-    spec = ARCHITECTURES.get(ALIASES.get(mt, mt))
-    if spec is None:
-        raise UnsupportedArchitecture(f"calibration does not support model_type {mt!r} yet")
-    return spec
 
 
 def build_config(config: dict):
@@ -106,7 +77,7 @@ def build_config(config: dict):
     (quantized sources are dequantized on load by `load_layer_weights`)."""
     import transformers
 
-    spec = arch_spec(config)
+    spec = arch_for(config, "calibrate")
     cfg = {k: v for k, v in config.items()
            if k not in ("model_type", "auto_map", "quantization_config", "architectures", "transformers_version")
            and not k.startswith("_")}
@@ -128,60 +99,6 @@ def build_meta_model(config, experts_implementation: str | None = None) -> nn.Mo
 
 
 # ---- weights ----------------------------------------------------------------------------------------
-class _Reader:
-    """Reads single tensors (or rows of one) of a checkpoint with positioned reads into fresh memory.
-
-    No memory map: mapped pages of a shard would count towards the process's resident memory until the
-    mapping is dropped, while a read holds exactly one tensor's bytes. Headers were validated by
-    `Checkpoint.open`, so offsets and sizes are known to lie inside the file."""
-
-    def __init__(self, ckpt: Checkpoint):
-        self.ckpt = ckpt
-        self._fds: dict[str, int] = {}
-
-    def _fd(self, shard: str) -> int:
-        fd = self._fds.get(shard)
-        if fd is None:
-            fd = self._fds[shard] = os.open(self.ckpt.shard(shard).path, os.O_RDONLY)
-        return fd
-
-    def _pread(self, fd: int, nbytes: int, offset: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        view, done = memoryview(buf.numpy()), 0
-        while done < nbytes:
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise UnsupportedWeights(f"short read at byte {offset + done}: the shard changed on disk")
-            done += n
-        return buf
-
-    def get(self, name: str) -> torch.Tensor:
-        shard = self.ckpt.location[name]
-        h = self.ckpt.shard(shard).header
-        info = h.tensors[name]
-        if info.nbytes == 0:
-            return torch.empty(info.shape, dtype=info.dtype)
-        return self._pread(self._fd(shard), info.nbytes, h.data_start + info.begin).view(info.dtype).reshape(info.shape)
-
-    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
-        """table[index] for a 2-D tensor, reading only the distinct rows used."""
-        shard = self.ckpt.location[name]
-        h = self.ckpt.shard(shard).header
-        info = h.tensors[name]
-        uniq, inverse = torch.unique(index, return_inverse=True)
-        row_bytes = info.nbytes // info.shape[0]
-        fd = self._fd(shard)
-        out = torch.empty((len(uniq), row_bytes), dtype=torch.uint8)
-        for j, r in enumerate(uniq.tolist()):
-            out[j] = self._pread(fd, row_bytes, h.data_start + info.begin + r * row_bytes)
-        return out.view(info.dtype)[inverse]  # [*index.shape, D]
-
-    def close(self):
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 HEAP_MMAP_THRESHOLD = 1 << 20
 
@@ -206,47 +123,20 @@ def release_memory() -> None:
         pass
 
 
-def _fp8_block_size(ckpt: Checkpoint) -> tuple[int, int]:
-    qc = ckpt.quantization_config or {}
-    bs = qc.get("weight_block_size")
-    if isinstance(bs, list) and len(bs) == 2 and all(isinstance(b, int) and b > 0 for b in bs):
-        return bs[0], bs[1]
-    return 128, 128
+def stored_modules(ckpt: Checkpoint) -> dict:
+    """The modules the checkpoint stores quantized (read/sources.py), to be decoded to floats on load."""
+    return scan(ckpt, detect_format(ckpt.config))
 
 
-def _dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """float8 weight [N, K] times its scale: one scalar ([1]/[]), per row ([N, 1]) or per block
-    ([ceil(N/bn), ceil(K/bk)], edge blocks partial). DeepSeek's `weight_scale_inv` multiplies too."""
-    n, k = w.shape
-    s = scale.float()
-    if s.numel() == 1:
-        return w.float() * s.reshape(())
-    if tuple(s.shape) == (n, 1):
-        return w.float() * s
-    bn, bk = block
-    if tuple(s.shape) != (-(-n // bn), -(-k // bk)):
-        raise UnsupportedWeights(f"FP8 scale of shape {list(s.shape)} does not fit a [{n}, {k}] weight with "
-                                 f"{bn}x{bk} blocks")
-    s = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return w.float() * s
-
-
-def _read_weight(r: _Reader, base: str, names: set[str], block: tuple[int, int]) -> torch.Tensor:
-    """The float weight `base.weight` (module `base`), dequantizing block-FP8 and pack-quantized INT4."""
-    if base + ".weight_packed" in names:  # compressed-tensors pack-quantized INT4
-        if base + ".weight_g_idx" in names:
+def _read_weight(r: TensorReader, stored: dict, base: str) -> torch.Tensor:
+    """The float weight of module `base`: as stored, or decoded from block-FP8 / pack-quantized INT4."""
+    sw = stored.get(base)
+    if sw is not None:
+        if any(suffix == "weight_g_idx" for suffix, _ in sw.tensors):
             raise UnsupportedWeights(f"{base}: act-order (weight_g_idx) INT4 sources are not supported")
-        n, k = (int(x) for x in r.get(base + ".weight_shape").tolist())
-        q = unpack_int4(r.get(base + ".weight_packed"), k)  # [N, K] int8
-        zp = None
-        if base + ".weight_zero_point" in names:  # packed along dim 0: [ceil(N/8), G]
-            zp = unpack_int4(r.get(base + ".weight_zero_point").t().contiguous(), n).t()
-        return dequantize(q, r.get(base + ".weight_scale"), zp)
+        return r.decode(sw, torch.float32)
     w = r.get(base + ".weight")
     if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        for s in (".weight_scale_inv", ".weight_scale"):
-            if base + s in names:
-                return _dequant_fp8(w, r.get(base + s), block)
         raise UnsupportedWeights(f"{base}.weight is {w.dtype} but has no weight_scale_inv / weight_scale")
     if not w.dtype.is_floating_point:
         raise UnsupportedWeights(f"{base}.weight has dtype {w.dtype}")
@@ -258,7 +148,7 @@ _COMPANIONS = (".weight_scale_inv", ".weight_scale", ".weight_shape", ".weight_z
 
 
 def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype = torch.float32,
-                       device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+                       device: str | torch.device = "cpu", stored: dict | None = None) -> dict[str, torch.Tensor]:
     """The state dict of decoder layer `layer_idx` as transformers 5 holds it in memory, keyed relative to
     the layer (`self_attn.q_proj.weight`, `mlp.experts.gate_up_proj`, ...), in `dtype` on `device`.
 
@@ -268,15 +158,15 @@ def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype =
     dequantized here: block-FP8 (`weight` float8 + `weight_scale_inv`/`weight_scale`) and compressed-tensors
     pack-quantized INT4 (`weight_packed`, `weight_scale`, `weight_shape`[, `weight_zero_point`]).
     Reads only this layer's tensors; each expert is copied straight into its slice of the fused tensor."""
-    spec = arch_spec(ckpt.config)
+    names = arch_for(ckpt.config, "calibrate").experts
+    stored = stored_modules(ckpt) if stored is None else stored
     prefix = f"model.layers.{layer_idx}."
     disk = {n for n in ckpt.location if n.startswith(prefix)}
     if not disk:
         raise UnsupportedWeights(f"the checkpoint holds no tensors for layer {layer_idx} ({prefix}*)")
-    renames = _RENAMES.get(spec.model_type, ())
-    parts = _EXPERT_PARTS.get(spec.experts or "", {})
+    renames = ((f".{names.block}.", ".mlp."),) if names is not None and names.block != "mlp" else ()
+    parts = _expert_parts(names) if names is not None else {}
     expert_rx = re.compile(r"^mlp\.experts\.(\d+)\.(" + "|".join(parts or ["-"]) + r")$")
-    block = _fp8_block_size(ckpt)
 
     # logical modules: relative in-memory module name -> on-disk base name
     modules: dict[str, str] = {}
@@ -294,14 +184,14 @@ def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype =
             direct[rel] = name
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, int], dict[int, str]] = {}  # (fused name, part) -> {expert: disk base}
-    r = _Reader(ckpt)
+    r = TensorReader.of(ckpt, mapped=False)
     try:
         for rel, base in modules.items():
             m = expert_rx.match(rel)
             if m:
                 experts.setdefault(parts[m.group(2)], {})[int(m.group(1))] = base
                 continue
-            out[rel + ".weight"] = _read_weight(r, base, disk, block).to(device=device, dtype=dtype)
+            out[rel + ".weight"] = _read_weight(r, stored, base).to(device=device, dtype=dtype)
         for rel, name in direct.items():
             t = r.get(name)
             out[rel] = t.to(device=device, dtype=dtype if t.dtype.is_floating_point else t.dtype)
@@ -315,7 +205,7 @@ def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype =
                                              f"(found {len(pm)} of {n_exp} experts for one of its parts)")
             dst = None
             for e in range(n_exp):
-                ws = [_read_weight(r, pm[e], disk, block) for pm in part_maps]  # [I, D] each (down: [D, I])
+                ws = [_read_weight(r, stored, pm[e]) for pm in part_maps]  # [I, D] each (down: [D, I])
                 if dst is None:
                     dst = torch.empty((n_exp, sum(w.shape[0] for w in ws), ws[0].shape[1]), dtype=dtype,
                                       device=device)  # [E, 2I, D] = cat(gate, up) / [E, D, I]
@@ -454,7 +344,10 @@ class LayerExecutor:
                  experts_implementation: str | None = DEFAULT_EXPERTS_IMPLEMENTATION):
         self.ckpt = model if isinstance(model, Checkpoint) else Checkpoint.open(model)
         bound_heap()
-        self.spec = arch_spec(self.ckpt.config)
+        self.spec = arch_for(self.ckpt.config, "calibrate")
+        # config.json is hostile input: every field the layers are built from must agree with the tensors
+        check_tensors(parse_config(self.ckpt.config), {n: self.ckpt.info(n).shape for n in self.ckpt.location})
+        self.stored = stored_modules(self.ckpt)
         self.config = build_config(self.ckpt.config)
         self.model = build_meta_model(self.config, experts_implementation if self.spec.experts else None)
         self.config = self.model.config
@@ -496,7 +389,7 @@ class LayerExecutor:
             raise UnsupportedWeights(f"the checkpoint has no {name}")
         vocab = self.ckpt.info(name).shape[0]
         store = self._new_store([len(s) for s in samples])
-        r = _Reader(self.ckpt)
+        r = TensorReader.of(self.ckpt, mapped=False)
         try:
             for i, s in enumerate(samples):
                 s = torch.as_tensor(s, dtype=torch.long)
@@ -512,7 +405,7 @@ class LayerExecutor:
     def load_layer(self, idx: int) -> nn.Module:
         """Materialize decoder layer `idx` (strict: every parameter and buffer must come from disk)."""
         layer = self.decoder_layers[idx]
-        sd = load_layer_weights(self.ckpt, idx, dtype=self.dtype, device=self.device)
+        sd = load_layer_weights(self.ckpt, idx, dtype=self.dtype, device=self.device, stored=self.stored)
         if self.dtype != torch.float32:  # what from_pretrained keeps in float32 (DeepSeek/GLM routers)
             for k in [k for k in sd if self._keep_fp32(k)]:
                 sd[k] = sd[k].float()

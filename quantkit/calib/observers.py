@@ -1,7 +1,7 @@
 """Observers: small stateful objects that hook a materialized decoder layer and record statistics.
 
 - `KVCacheObserver`: the running amax of exactly what a serving engine writes to its KV cache
-  (docs/formats.md, "KV-cache FP8 scales"), recomputed from the attention module's inputs with the
+  (docs/format.md, "KV-cache FP8 scales"), recomputed from the attention module's inputs with the
   module's own projections/norms and the model's own `apply_rotary_pos_emb`:
   * GQA (llama, qwen3, qwen3_moe, mixtral, glm4_moe): K = rope(k_norm(k_proj(x))) (k_norm only where the
     model has one and uses it), V = v_proj(x); per KV head, shape [B, H_kv, T, head_dim].
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import CalibrationError
+from ..errors import CalibrationError
 from .executor import modeling_module
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn; scale = amax / 448 (vLLM, compressed-tensors)

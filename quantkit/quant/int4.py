@@ -1,6 +1,6 @@
-"""Group-wise integer weight quantization (RTN) and compressed-tensors `pack-quantized` packing.
+"""Group-wise integer weight quantization (RTN), with the packing fused in for speed (the fused kernel).
 
-Verbs follow torchao: `choose_qparams` -> `quantize` -> `dequantize`, plus `pack_int4`/`unpack_int4`.
+Verbs follow torchao: `choose_qparams` -> `quantize` -> `dequantize` (the packing is pack/int4.py).
 Every function is pure and batched: a weight is `[..., out, in]` (a leading expert dim `E` is allowed),
 so all routed experts of a layer are processed in one call.
 
@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from ..pack.int4 import pack_int4
 
 # Legend: E = experts (optional leading dims), N = out_features, K = in_features, G = groups = K / group_size
 
@@ -264,32 +266,6 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
         qg = qg - zero_point.float().unsqueeze(-1)
     return (qg * scale.float().unsqueeze(-1)).reshape(q.shape).to(dtype)
 
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q [..., R, C] int in [-8, 7] -> int32 [..., R, ceil(C/8)], 8 nibbles per word along the last dim,
-    least-significant nibble first, stored as q + 8. A partial last word is padded with u = 0 nibbles,
-    which `weight_shape` trims on unpack.
-
-    Eight nibble values sit one per byte in an int64 (little-endian); three shift-or-mask steps pull
-    them together into the low 32 bits, which is "element j at bits 4*(j % 8) of word j // 8"."""
-    *lead, r, c = q.shape
-    words = (c + 7) // 8
-    u = (q.to(torch.int8) + 8).view(torch.uint8)  # [..., R, C] in [0, 15]
-    if c % 8:
-        u = torch.nn.functional.pad(u, (0, words * 8 - c))
-    v = u.contiguous().reshape(-1).view(torch.int64).reshape(*lead, r, words)  # 8 nibbles per int64
-    v = (v | (v >> 4)) & 0x00FF00FF00FF00FF
-    v = (v | (v >> 8)) & 0x0000FFFF0000FFFF
-    v = (v | (v >> 16)) & 0x00000000FFFFFFFF
-    return v.to(torch.int32)  # values >= 2^31 wrap to negative: the word is a signed int32
-
-
-def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
-    """Inverse of `pack_int4`: int32 [..., R, W] -> int8 [..., R, cols] in [-8, 7]."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    u = (packed.unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift then mask: sign bits never leak
-    q = (u - 8).to(torch.int8).reshape(*packed.shape[:-1], packed.shape[-1] * 8)
-    return q[..., :cols]
 
 
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor, dim=None) -> torch.Tensor:

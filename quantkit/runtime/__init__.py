@@ -13,7 +13,8 @@ from .decode import DecodeResult, decode_step
 from .fused_moe import Int4Experts, fused_moe_int4, fused_moe_int4_ref, moe_align_block_size
 from .int4 import (PackedInt4, dequantize_int4, int4_gemm, int4_gemm_ref, pack_int4, unpack_int4,
                    unpack_zero_point)
-from .kv_pool import KVPoolError, KVPoolExhausted, PagedKVPool
+from .kv_pool import PagedKVPool
+from ..errors import KVPoolError, KVPoolExhausted
 from .paged_attention import (FP8_DTYPE, block_table_violations_ref, dequantize_kv, paged_decode_attention,
                               paged_decode_attention_ref, paged_mla_decode_attention,
                               paged_mla_decode_attention_ref, quantize_kv, write_kv_cache, write_kv_cache_ref)

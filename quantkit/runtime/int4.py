@@ -2,9 +2,9 @@
 W4A16 group-wise GEMM (y = x @ W^T) as a Triton kernel beside its torch reference.
 
 This is the runtime's reader of what `quantkit convert` writes; it is not the quantizer (no scale
-search, no GPTQ) and it never imports the converter. `pack_int4` exists for tests and benchmarks.
+search, no GPTQ) and it never imports the converter; the encoding itself (pack/unpack) is pack/int4.py's.
 
-Layout (docs/formats.md, "pack-quantized"), for a Linear with weight [N, K] (N = out, K = in):
+Layout (docs/format.md, "pack-quantized"), for a Linear with weight [N, K] (N = out, K = in):
     weight_packed      int32 [N, ceil(K/8)]   element k of a row -> word k // 8, bits 4*(k % 8)..,
                                               least-significant nibble first, stored u = q + 8
     weight_scale       bf16  [N, ceil(K/g)]   ([N, 1] for channel strategy)
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..pack.int4 import dequantize_int4, infer_group_size, pack_int4, unpack_int4, unpack_zero_point
 from ._triton import dot_f32, resolve_backend, tl, triton
 
 __all__ = [
@@ -34,77 +35,6 @@ __all__ = [
     "int4_gemm",
     "int4_gemm_ref",
 ]
-
-
-# --------------------------------------------------------------------------------------------------
-# packing primitives (pure torch)
-# --------------------------------------------------------------------------------------------------
-_SHIFTS = torch.arange(8, dtype=torch.int32) * 4  # nibble j of a word sits at bits 4j..4j+3
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Pack signed int4 values along the last dim. q int [..., C] in [-8, 7] -> int32 [..., ceil(C/8)]."""
-    if q.dtype.is_floating_point:
-        raise TypeError("pack_int4 takes integer q values, not floats")
-    if q.numel() and (int(q.min()) < -8 or int(q.max()) > 7):
-        raise ValueError("int4 values must lie in [-8, 7]")
-    cols = q.shape[-1]
-    pad = (-cols) % 8
-    u = (q.to(torch.int64) + 8)  # [..., C] stored nibble 0..15
-    if pad:
-        u = torch.nn.functional.pad(u, (0, pad), value=0)  # padding nibbles 0, as compressed-tensors writes
-    u = u.reshape(*q.shape[:-1], -1, 8)  # [..., C/8, 8]
-    words = (u << _SHIFTS.to(u.device, torch.int64)).sum(-1)  # [..., C/8] in [0, 2**32)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def unpack_int4(packed: torch.Tensor, shape) -> torch.Tensor:
-    """Inverse of pack_int4. packed int32 [..., ceil(C/8)] -> int8 [..., C] in [-8, 7].
-
-    `shape` is the unpacked 2-D weight shape [rows, C] (a tuple or the int64 `weight_shape` tensor);
-    only its last entry is used to trim padding, so it also serves batched (expert) weights."""
-    if packed.dtype != torch.int32:
-        raise TypeError(f"packed INT4 weights are int32, got {packed.dtype}")
-    cols = int(shape[-1])
-    if packed.shape[-1] != math.ceil(cols / 8):
-        raise ValueError(f"packed last dim {packed.shape[-1]} != ceil({cols}/8)")
-    nib = (packed.unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 0xF  # [..., C/8, 8]
-    q = nib.reshape(*packed.shape[:-1], -1)[..., :cols] - 8  # [..., C]
-    return q.to(torch.int8)
-
-
-def unpack_zero_point(zero_point: torch.Tensor, rows: int) -> torch.Tensor:
-    """Zero points are packed along dim -2 (out features). int32 [..., ceil(N/8), G] -> int8 [..., N, G]."""
-    return unpack_int4(zero_point.transpose(-1, -2), (rows,)).transpose(-1, -2)
-
-
-def infer_group_size(in_features: int, n_groups: int) -> int:
-    """Group size from a scale's group count; exact when in_features % group_size == 0, which is
-    what compressed-tensors writes. Ragged last groups need an explicit group_size."""
-    if n_groups == 1:
-        return in_features  # channel strategy
-    if in_features % n_groups:
-        raise ValueError(f"cannot infer group_size from K={in_features} and {n_groups} groups; pass group_size")
-    return in_features // n_groups
-
-
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None, *,
-                    shape, group_size: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """w = (q - zp) * scale. packed [..., N, K/8], scale [..., N, G], zero_point [..., N/8, G] -> [..., N, K].
-
-    Batched over any leading dims (experts). Computed in fp32, returned as `dtype`."""
-    n, k = int(shape[-2]), int(shape[-1])
-    q = unpack_int4(packed, shape).to(torch.float32)  # [..., N, K]
-    if q.shape[-2] != n:
-        raise ValueError(f"packed has {q.shape[-2]} rows, shape says {n}")
-    g = group_size or infer_group_size(k, scale.shape[-1])
-    if scale.shape[-1] != math.ceil(k / g):
-        raise ValueError(f"scale has {scale.shape[-1]} groups, expected ceil({k}/{g})")
-    if zero_point is not None:
-        zp = unpack_zero_point(zero_point, n).to(torch.float32)  # [..., N, G]
-        q = q - zp.repeat_interleave(g, dim=-1)[..., :k]
-    s = scale.to(torch.float32).repeat_interleave(g, dim=-1)[..., :k]  # [..., N, K]
-    return (q * s).to(dtype)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ the integrity check catches: see runtime/decode.py for the step that aborts such
 
 Not here: prefix sharing / copy-on-write pages (a page has exactly one owner), eviction, swapping,
 multi-GPU pools. Storage: BF16/FP16, or FP8 e4m3 with a per-tensor [1] or per-head [Hkv, 1, 1]
-scale fixed at construction (calibrated offline, docs/formats.md "KV-cache FP8 scales").
+scale fixed at construction (calibrated offline, docs/format.md "KV-cache FP8 scales").
 
 Layout: k_cache / v_cache [layers, P, S, Hkv, D]; an MLA latent pool (latent=True) keeps one
 latent per token, k_cache [layers, P, S, 1, L+R] and no v_cache.
@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ..errors import QuantkitError
+from ..errors import KVPoolError, KVPoolExhausted
 from .paged_attention import CACHE_DTYPES, FP8_DTYPE, write_kv_cache
 
 __all__ = ["PagedKVPool", "KVPoolError", "KVPoolExhausted"]
@@ -28,12 +28,8 @@ __all__ = ["PagedKVPool", "KVPoolError", "KVPoolExhausted"]
 FREE = -1  # owner-table value of an unallocated page
 
 
-class KVPoolError(QuantkitError):
-    hint = "register a request with add_request before reserving, writing or freeing it"
 
 
-class KVPoolExhausted(KVPoolError):
-    hint = "the pool has too few free pages: free finished requests, or build the pool with more pages"
 
 
 class PagedKVPool:

@@ -8,7 +8,7 @@ Two attention forms share one kernel:
   for all of it. scores = q_nope_absorbed . c[:L] + q_pe . c[L:]; output = softmax @ c[:L] in latent
   space [B, H, L]; the caller applies the V up-projection.
 
-FP8 (docs/formats.md, "KV-cache FP8 scales"): stored = clamp(x / scale, -448, 448) cast to
+FP8 (docs/format.md, "KV-cache FP8 scales"): stored = clamp(x / scale, -448, 448) cast to
 float8_e4m3fn, round-to-nearest-even; scale fp32 [1] (per tensor) or [Hkv, 1, 1] (per head);
 read back as stored * scale. BF16/FP16 caches take no scale (1.0).
 

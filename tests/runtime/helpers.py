@@ -1,6 +1,6 @@
 """Numeric helpers and naive (loop-based, float64) references shared by the runtime tests.
 
-The naive references re-derive the format from docs/formats.md bit by bit and never call
+The naive references re-derive the format from docs/format.md bit by bit and never call
 quantkit.runtime, so they check the torch references independently."""
 
 from __future__ import annotations

@@ -20,13 +20,13 @@ GEMM_TOL = 2e-2
 
 def test_unpack_golden_bytes():
     packed = torch.tensor([[0x8FEDCBA9 - 2**32]], dtype=torch.int32)  # signed view of 0x8FEDCBA9
-    assert unpack_int4(packed, (1, 8)).tolist() == [[1, 2, 3, 4, 5, 6, 7, 0]]
+    assert unpack_int4(packed, 8).tolist() == [[1, 2, 3, 4, 5, 6, 7, 0]]
     assert pack_int4(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0]])).item() == 0x8FEDCBA9 - 2**32
     assert pack_int4(torch.full((1, 8), 7)).item() == -1  # 0xFFFFFFFF
-    assert unpack_int4(torch.zeros(1, 1, dtype=torch.int32), (1, 8)).tolist() == [[-8] * 8]
+    assert unpack_int4(torch.zeros(1, 1, dtype=torch.int32), 8).tolist() == [[-8] * 8]
     # element 8 starts word 1; a ragged row of 9 trims the padding nibbles
     two = torch.tensor([[0x88888888 - 2**32, 0x9]], dtype=torch.int32)
-    assert unpack_int4(two, (1, 9)).tolist() == [[0] * 8 + [1]]
+    assert unpack_int4(two, 9).tolist() == [[0] * 8 + [1]]
 
 
 def test_pack_unpack_round_trip_batched():
@@ -34,7 +34,7 @@ def test_pack_unpack_round_trip_batched():
     q = torch.randint(-8, 8, (3, 5, 37), generator=g)  # [E, N, K], K not a multiple of 8
     p = pack_int4(q)
     assert p.shape == (3, 5, 5) and p.dtype == torch.int32
-    assert torch.equal(unpack_int4(p, (5, 37)).long(), q)
+    assert torch.equal(unpack_int4(p, 37).long(), q)
     with pytest.raises(ValueError):
         pack_int4(torch.tensor([[8]]))
 
@@ -46,7 +46,7 @@ def test_matches_compressed_tensors_packing():
         q = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
         theirs = helpers.pack_to_int32(q, 4)
         assert torch.equal(pack_int4(q), theirs)  # byte-identical, padding included
-        assert torch.equal(unpack_int4(theirs, (n, k)), q)
+        assert torch.equal(unpack_int4(theirs, k), q)
         # zero points are packed along dim 0
         zt = helpers.pack_to_int32(q, 4, packed_dim=0)
         assert torch.equal(unpack_zero_point(zt, n), q)

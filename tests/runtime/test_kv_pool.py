@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from quantkit.runtime.decode import decode_step
-from quantkit.runtime.kv_pool import KVPoolError, KVPoolExhausted, PagedKVPool
+from quantkit.runtime.kv_pool import PagedKVPool
+from quantkit.errors import KVPoolError, KVPoolExhausted
 from quantkit.runtime.paged_attention import FP8_DTYPE, quantize_kv
 
 from .helpers import naive_attention, rel_err

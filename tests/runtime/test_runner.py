@@ -30,12 +30,13 @@ import pytest
 import torch
 
 from quantkit.convert import ConvertOptions, convert
-from quantkit.io.checkpoint import Checkpoint
-from quantkit.io.safetensors import SafetensorsFile, write_safetensors
+from quantkit.read.checkpoint import Checkpoint
+from quantkit.read.safetensors import SafetensorsFile
+from quantkit.write.writer import write_safetensors
 from quantkit.runtime import FP8_DTYPE, dequantize_int4
-from quantkit.runtime.kv_pool import KVPoolError
-from quantkit.runtime.runner import (KVScalesMissing, MoEBlock, UnsupportedCheckpoint, UnsupportedModel,
-                                     load_runner, parse_config)
+from quantkit.errors import KVPoolError
+from quantkit.runtime.runner import MoEBlock, load_runner, parse_config
+from quantkit.errors import KVScalesMissing, UnsupportedCheckpoint, UnsupportedModel
 from quantkit.testing import load_model, make_tiny_model
 
 from .helpers import needs_triton, rel_err
@@ -190,7 +191,7 @@ def test_greedy_generation_matches_transformers(build, arch):
 # FP8 KV cache
 # --------------------------------------------------------------------------------------------------
 def _calibrated_scales(r, per_head: bool) -> dict:
-    """amax / 448 of what a BF16 pool cached, per layer (docs/formats.md, 'KV-cache FP8 scales')."""
+    """amax / 448 of what a BF16 pool cached, per layer (docs/format.md, 'KV-cache FP8 scales')."""
     out = {}
     for i in range(r.spec.num_layers):
         kc, vc = r.pool.layer(i)

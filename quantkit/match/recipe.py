@@ -30,7 +30,8 @@ from typing import Any
 
 import yaml
 
-from .errors import RecipeError
+from ..errors import RecipeError
+from ..pack.config import scheme_label, weights_config
 
 METHODS = ("rtn", "gptq", "awq")
 STRATEGIES = ("group", "channel", "tensor", "block")
@@ -83,9 +84,20 @@ class Scheme:
         if fb is not None and fb != "channel" and not (isinstance(fb, int) and fb > 0 and fb % 8 == 0):
             raise RecipeError(f"scheme.fallback must be 'channel' or a group size, got {fb!r}")
 
+    @classmethod
+    def from_weights_config(cls, w: dict) -> "Scheme | None":
+        """The scheme that compressed-tensors weight args describe, or None when quantkit has no such
+        scheme (the args are then carried as they are)."""
+        try:
+            return cls(int(w.get("num_bits", 4)), w.get("type", "int"), bool(w.get("symmetric", True)),
+                       w.get("strategy", "group"), w.get("group_size"),
+                       tuple(w["block_structure"]) if w.get("block_structure") else None)
+        except (RecipeError, TypeError, ValueError):
+            return None
+
     def for_in_features(self, k: int) -> "Scheme":
         """The scheme actually applied to a weight with `k` input features (applies `fallback`)."""
-        from .errors import GroupSizeError
+        from ..errors import GroupSizeError
 
         if self.type != "int" or self.strategy != "group" or k % self.group_size == 0:
             return self
@@ -97,13 +109,8 @@ class Scheme:
                              + (f" nor of fallback {self.fallback}" if self.fallback else ""))
 
     def weights_config(self) -> dict[str, Any]:
-        """compressed-tensors QuantizationArgs, minimal field set (older vLLM pins reject unknown keys)."""
-        return {
-            "num_bits": self.num_bits, "type": self.type, "symmetric": self.symmetric,
-            "strategy": self.strategy, "group_size": self.group_size, "dynamic": False, "actorder": None,
-            "block_structure": list(self.block_structure) if self.block_structure else None,
-            "observer": "minmax", "observer_kwargs": {},
-        }
+        """compressed-tensors QuantizationArgs of this scheme (pack/config.py)."""
+        return weights_config(self)
 
     @property
     def format(self) -> str:
@@ -111,10 +118,80 @@ class Scheme:
 
     @property
     def label(self) -> str:
-        if self.type == "float":
-            return f"fp8-{self.strategy}" + (f"{self.block_structure[0]}x{self.block_structure[1]}" if self.block_structure else "")
-        part = f"g{self.group_size}" if self.strategy == "group" else "channel"
-        return f"int{self.num_bits}-{part}-{'sym' if self.symmetric else 'asym'}"
+        """The manifest's name for this scheme, e.g. int4-g32-sym, fp8-block128x128 (pack/config.py)."""
+        return scheme_label(self)
+
+
+@dataclass(frozen=True)
+class RTNOptions:
+    """Round-to-nearest takes no options."""
+
+
+@dataclass(frozen=True)
+class _Calibrated:
+    """Options every calibrated method shares: expert coverage (docs/calibration.md). An expert that
+    received fewer than `min_tokens` routed tokens (None: 0.5% of the layer's tokens, at least 1) takes
+    statistics from all of the layer's tokens (`fallback: all_tokens`) or is quantized with RTN
+    (`fallback: rtn`); `stats: all` uses all tokens for every expert."""
+
+    min_tokens: int | None = None
+    fallback: str = "all_tokens"
+    stats: str = "routed"
+    sample_tokens: int = 4096  # tokens per MoE layer kept as samples (AWQ searches, fallback statistics)
+
+    def __post_init__(self):
+        if self.fallback not in ("all_tokens", "rtn"):
+            raise RecipeError(f"options.fallback must be all_tokens or rtn, got {self.fallback!r}")
+        if self.stats not in ("routed", "all"):
+            raise RecipeError(f"options.stats must be routed or all, got {self.stats!r}")
+
+
+@dataclass(frozen=True)
+class GPTQOptions(_Calibrated):
+    """GPTQ (quant/gptq.py): damping as a fraction of the mean Hessian diagonal; static act-order
+    (columns by descending Hessian diagonal, group parameters fixed up front: no g_idx is written);
+    lazy-update block size."""
+
+    damp: float = 0.01
+    actorder: bool = False
+    block_size: int = 128
+
+
+@dataclass(frozen=True)
+class AWQOptions(_Calibrated):
+    """AWQ (quant/awq.py): grid points of the scale search, clipping search, per-expert up -> down scales."""
+
+    n_grid: int = 20
+    clip: bool = True
+    scale_down: bool = True
+    sample_tokens: int = 8192
+
+
+OPTIONS = {"rtn": RTNOptions, "gptq": GPTQOptions, "awq": AWQOptions}
+_POSITIVE = ("block_size", "sample_tokens", "n_grid", "min_tokens")
+
+
+def parse_options(method: str, raw: dict, where: str):
+    """The typed options of `method` from a recipe's `options` mapping (unknown keys and wrong types are
+    RecipeErrors naming the key)."""
+    cls = OPTIONS[method]
+    known = {f.name: f for f in fields(cls)}
+    _check_keys(where, raw, set(known))
+    for key, v in raw.items():
+        want = known[key].type
+        if "bool" in want and not isinstance(v, bool):
+            raise RecipeError(f"{where}.{key} must be true or false, got {v!r}")
+        if "int" in want and "bool" not in want and (v is not None or "None" not in want) and (
+                isinstance(v, bool) or not isinstance(v, int) or (key in _POSITIVE and v <= 0)):
+            raise RecipeError(f"{where}.{key} must be a positive integer, got {v!r}")
+        if want == "float" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1):
+            raise RecipeError(f"{where}.{key} must be a number in (0, 1), got {v!r}")
+        if want == "str" and not isinstance(v, str):
+            raise RecipeError(f"{where}.{key} must be a string, got {v!r}")
+    try:
+        return cls(**{k: (float(v) if known[k].type == "float" else v) for k, v in raw.items()})
+    except RecipeError as e:
+        raise RecipeError(f"{where.rsplit('.', 1)[0]}.{e.message}") from None
 
 
 @dataclass(frozen=True)
@@ -123,10 +200,11 @@ class WeightGroup:
     targets: tuple[str, ...]
     scheme: Scheme
     method: str = "rtn"
-    options: tuple[tuple[str, Any], ...] = ()  # method options (e.g. GPTQ damping), kept sorted
+    options: RTNOptions | GPTQOptions | AWQOptions = None  # typed, validated on load; None: the method's defaults
 
-    def option(self, key: str, default=None):
-        return dict(self.options).get(key, default)
+    def __post_init__(self):
+        if self.options is None:
+            object.__setattr__(self, "options", OPTIONS[self.method]())
 
 
 @dataclass(frozen=True)
@@ -176,8 +254,14 @@ class Recipe:
         return None
 
     @property
+    def needs_calibrated_pass(self) -> bool:
+        """Some group quantizes with calibration data (GPTQ/AWQ), layer by layer before streaming."""
+        return any(g.method != "rtn" for g in self.groups)
+
+    @property
     def needs_calibration(self) -> bool:
-        return self.kv_cache is not None or any(g.method != "rtn" for g in self.groups)
+        """Calibration data is needed at all: a calibrated pass, or KV-cache scales."""
+        return self.kv_cache is not None or self.needs_calibrated_pass
 
 
 _RE_CACHE: dict[str, re.Pattern] = {}
@@ -266,10 +350,9 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
             raise RecipeError(f"groups.{gname}.scheme: {e}") from None
         if method != "rtn" and scheme.type != "int":
             raise RecipeError(f"groups.{gname}: method {method} applies to integer schemes only")
-        opts = g.get("options") or {}
-        _check_keys(f"groups.{gname}.options", opts, set(opts))
+        opts = parse_options(method, g.get("options") or {}, f"groups.{gname}.options")
         groups.append(WeightGroup(str(gname), _str_list(f"groups.{gname}.targets", g["targets"]), scheme,
-                                  method, tuple(sorted(opts.items()))))
+                                  method, opts))
     if not groups and not d.get("kv_cache"):
         raise RecipeError("recipe has no groups and no kv_cache section: it would do nothing")
     kv = d.get("kv_cache")

@@ -16,8 +16,7 @@ in the checkpoint is dense. `read_weight` dequantizes one FP8 weight to BF16 whi
 strips, quant/fp8.py): w = q.float() * scale (per block / row / tensor), rounded once to BF16 — exactly what the
 releases' own `fp8_cast_bf16` scripts produce, so converting an FP8 release equals converting its BF16
 dequantization. INT4 weights are never dequantized for re-quantization (INT4 -> INT4 compounds rounding
-error): convert passes them through. `write_block_fp8_checkpoint` makes a release-style block-FP8
-checkpoint from a BF16 one (tests, benchmarks).
+error): convert passes them through.
 """
 
 from __future__ import annotations
@@ -27,9 +26,9 @@ from typing import Callable
 
 import torch
 
-from ..errors import QuantkitError
+from ..errors import SourceFormatError
 from ..quant.fp8 import FP8_DTYPE, FP8Layout, dequantize as fp8_dequantize, is_power_of_two
-from ..recipe import Scheme, matches
+from ..pack.config import fp8_input_activations, fp8_weights_config, targeting, weights_label
 from .checkpoint import Checkpoint
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -40,11 +39,6 @@ INT4_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_p
 FP8_SUFFIXES = ("weight", "weight_scale", "input_scale", "input_zero_point")
 
 
-class SourceFormatError(QuantkitError):
-    """The source's quantization_config or its tensors are a format convert cannot read."""
-
-    hint = ("convert reads BF16/FP16/FP32 checkpoints, block-FP8 releases (quant_method fp8 with "
-            "weight_block_size) and compressed-tensors FP8/INT4 checkpoints; see docs/format.md")
 
 
 @dataclass(frozen=True)
@@ -148,29 +142,6 @@ class StoredWeight:
         return weights_label(self.weights)
 
 
-def weights_label(w: dict) -> str:
-    """Scheme label of compressed-tensors weight args, spelled as recipe.Scheme.label spells it."""
-    if w.get("type") == "float":
-        bs = w.get("block_structure")
-        return f"fp8-{w.get('strategy')}" + (f"{bs[0]}x{bs[1]}" if bs else "")
-    part = f"g{w.get('group_size')}" if w.get("strategy") == "group" else str(w.get("strategy"))
-    return f"int{w.get('num_bits')}-{part}-{'sym' if w.get('symmetric', True) else 'asym'}"
-
-
-def fp8_weights_config(layout: FP8Layout) -> dict:
-    return Scheme(8, "float", True, layout.strategy, None, layout.block).weights_config()
-
-
-def fp8_input_activations(layout: FP8Layout) -> dict:
-    """Dynamic FP8 activations, as the block-FP8 releases run (`activation_scheme: dynamic`) and as
-    llm-compressor's FP8_DYNAMIC / FP8_BLOCK presets write: per token for tensor/channel weights, per
-    1 x b1 group for block weights. This is what selects vLLM's W8A8 FP8 kernels."""
-    block = layout.strategy == "block"
-    return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group" if block else "token",
-            "group_size": layout.block[1] if block else None, "dynamic": True, "actorder": None,
-            "block_structure": None, "observer": None, "observer_kwargs": {}}
-
-
 def _layout_from_args(w: dict, module: str) -> FP8Layout:
     s = w.get("strategy")
     if s == "block":
@@ -185,9 +156,7 @@ def _ct_group(fmt: SourceFormat, module: str, want_float: bool) -> dict:
     """The source config group that describes `module` (compressed-tensors rules: exact name, then
     `re:`, then class-name targets such as "Linear")."""
     cands = [g for g in fmt.groups if (g["format"] in CT_FP8_FORMATS) == want_float]
-    named = [g for g in cands if any(not t.startswith("re:") and t == module for t in g["targets"])]
-    named = named or [g for g in cands if any(t.startswith("re:") and matches(t, module) for t in g["targets"])]
-    pool = named or [g for g in cands if any(not t.startswith("re:") and "." not in t for t in g["targets"])]
+    pool = targeting(module, cands, lambda g: g["targets"])
     if not pool:
         raise SourceFormatError(f"{module} is stored {'FP8' if want_float else 'INT4'}, but no config group "
                                 "of the source's quantization_config targets it")
@@ -294,71 +263,3 @@ def read_weight(get: Callable[[str], torch.Tensor], sw: StoredWeight, dtype: tor
         raise SourceFormatError(f"{sw.module} is stored {sw.encoding}; it is passed through, never dequantized "
                                 "for re-quantization")
     return fp8_dequantize(get(sw.primary), read_scale(get, sw.scale, sw.layout, sw.scale_fmt, notes), sw.layout, dtype)
-
-
-# ---- making block-FP8 checkpoints (tests, benchmarks) ---------------------------------------------
-def _release_fp8_module(module: str) -> bool:
-    """Which Linears the DeepSeek-V3 / Kimi-K2 releases store in FP8: all but the router, the embeddings
-    and lm_head (norms are 1-D and never quantized)."""
-    return not (module.endswith(".mlp.gate") or module.endswith("lm_head") or "embed_tokens" in module)
-
-
-def write_block_fp8_checkpoint(src_dir, dst_dir, block: tuple[int, int] = (128, 128), scale_fmt: str | None = None,
-                               is_fp8: Callable[[str], bool] = _release_fp8_module) -> None:
-    """Write a block-FP8 copy of a BF16 checkpoint the way the releases are made: every 2-D Linear
-    weight `is_fp8` selects -> float8_e4m3fn `weight` + float32 `weight_scale_inv` (amax / 448 per block,
-    or with scale_fmt "ue8m0" the next power of two up), config quantization_config
-    {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size}. Streams tensor by tensor."""
-    import json
-    import shutil
-    from pathlib import Path
-
-    from ..quant.fp8 import choose_scale, quantize
-    from .checkpoint import INDEX_NAME, Checkpoint
-    from .safetensors import SafetensorsFile
-    from .writer import ShardWriter
-
-    src, dst = Checkpoint.open(src_dir), Path(dst_dir)
-    dst.mkdir(parents=True, exist_ok=True)
-    layout = FP8Layout("block", tuple(block))
-    weight_map = {}
-    total = 0
-    for shard in src.shards:
-        plan = []
-        for name, info in shard.tensors.items():
-            m = name[: -len(".weight")] if name.endswith(".weight") else None
-            if m and len(info.shape) == 2 and info.dtype in FLOAT_DTYPES and is_fp8(m):
-                plan.append((name, m))
-            else:
-                plan.append((name, None))
-        specs = []
-        for name, m in plan:
-            info = shard.tensors[name]
-            if m is None:
-                specs.append((name, info.dtype, tuple(info.shape)))
-            else:
-                specs += [(name, FP8_DTYPE, tuple(info.shape)),
-                          (f"{m}.weight_scale_inv", torch.float32, layout.scale_shape(*info.shape))]
-        w = ShardWriter(dst / shard.name, specs, metadata={"format": "pt"})
-        with SafetensorsFile(shard.header) as f:
-            for name, m in plan:
-                t = f.get(name, copy=False)
-                if m is None:
-                    w.write(name, t)
-                    continue
-                scale = choose_scale(t, layout, power_of_two=scale_fmt == "ue8m0")
-                w.write(name, quantize(t, scale, layout))
-                w.write(f"{m}.weight_scale_inv", scale)
-        w.finish()
-        total += w.size
-        weight_map.update({n: shard.name for n, _, _ in specs})
-    cfg = dict(src.config)
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(block)}
-    if scale_fmt:
-        cfg["quantization_config"]["scale_fmt"] = scale_fmt
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    (dst / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
-                                              "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    for p in src.non_weight_files():
-        shutil.copyfile(p, dst / p.name)

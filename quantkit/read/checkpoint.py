@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..errors import (CheckpointNotFound, ConfigError, ConfigMissing, DuplicateKey, DuplicateTensor, IndexError_,
                       MissingShard, UnsafeCheckpoint, UnsafeShardName)
+from ..pack.manifest import MANIFEST_NAME
 from .safetensors import Header, TensorInfo, _short, _unique_keys, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -28,15 +29,16 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9._+-]+\.safetensors")  # used with fullmatch
 MAX_NAME_BYTES = 255  # longer names fail in the OS (ENAMETOOLONG) rather than here
 
 
-def read_json_file(path: Path, what: str, error=ConfigError, unique_keys: bool = False) -> dict:
+def read_json_file(path: Path, what: str, error=ConfigError, unique_keys: bool = False,
+                   limit: int = MAX_JSON_BYTES) -> dict:
     """Read a JSON object from `path`, raising `error` (one line) for anything else. `unique_keys`: a
     repeated key in any object is an error too (for files whose readers must agree, like the index)."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
         raise error(f"{what} not found: {path}") from None
-    if size > MAX_JSON_BYTES:
-        raise error(f"{what} is {size} bytes, over the {MAX_JSON_BYTES}-byte limit")
+    if size > limit:
+        raise error(f"{what} is {size} bytes, over the {limit}-byte limit")
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f, object_pairs_hook=_unique_keys if unique_keys else None)
@@ -128,7 +130,7 @@ class Checkpoint:
             if p.is_symlink() and not _link_allowed(self.root, p):
                 continue
             if (not p.is_file() or p.name.endswith(".safetensors") or p.name in
-                    (INDEX_NAME, "config.json", "quantkit_manifest.json") or p.name.endswith(PICKLE_SUFFIXES)
+                    (INDEX_NAME, "config.json", MANIFEST_NAME) or p.name.endswith(PICKLE_SUFFIXES)
                     or p.name.startswith(".")):
                 continue
             out.append(p)

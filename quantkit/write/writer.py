@@ -26,7 +26,7 @@ from typing import Iterable
 import torch
 
 from ..errors import DiskFull, UnsupportedDtype
-from .safetensors import CODE_OF
+from ..read.safetensors import CODE_OF
 
 ELEMENT_SIZE = {dt: torch.empty(0, dtype=dt).element_size() for dt in CODE_OF}
 QUEUE_BYTES = 64 << 20  # tensors handed to the writer thread and not yet written (one larger one may wait alone)
@@ -270,3 +270,35 @@ def sha256_file(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
         while b := f.read(chunk):
             h.update(b)
     return h.hexdigest()
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> int:
+    """Write `tensors` (in the given order) as safetensors to `path`; return bytes written.
+    The header is padded with spaces to a multiple of 8 bytes, as the reference writer does, so that
+    every tensor is aligned. Deterministic: same tensors and order -> same bytes."""
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    blobs = []
+    for name, t in tensors.items():
+        t = t.detach().contiguous().cpu()
+        code = CODE_OF.get(t.dtype)
+        if code is None:
+            raise UnsupportedDtype(f"cannot write tensor {name!r} of dtype {t.dtype}")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        blobs.append(t)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in blobs:
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(raw) + offset

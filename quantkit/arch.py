@@ -1,0 +1,407 @@
+"""Architectures as data: which model types quantkit knows, how each names its experts on disk, where a
+multimodal wrapper keeps its text model, and what every command can do with each. Also the one reader
+of config.json: `parse_config` reduces it to a validated `ModelSpec`, and `check_tensors` holds that
+spec against the checkpoint's tensors (a config is hostile input: a field the tensors contradict, or
+one beyond sane bounds, is a named error before anything is built).
+
+Every command consults this registry: calibration (transformers builds the layers), the reference
+runner, `plan`, `convert`'s fused-expert handling and `verify`.
+
+Legend: D = hidden_size, V = vocab_size, H = attention heads, KV = key/value heads, hd = head_dim,
+I = dense intermediate, Im = expert intermediate, E = routed experts, L = decoder layers (no MTP).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError, ConfigMismatch, UnsupportedArchitecture
+
+
+# ---- the registry ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExpertNames:
+    """On-disk per-expert module names under `model.layers.L.<block>.experts.E.`."""
+
+    block: str  # "mlp" | "block_sparse_moe" (Mixtral)
+    gate: str
+    up: str
+    down: str
+
+
+QWEN_EXPERTS = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+MIXTRAL_EXPERTS = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One model family. `calibrate`: the calibration executor builds its layers with transformers;
+    `runner`: the reference runner executes it; every known family can be planned and converted."""
+
+    model_type: str  # transformers' model_type the layers are built as
+    attention: str  # "gqa" (K/V per KV head) | "mla" (one latent per token)
+    experts: ExpertNames | None  # None: a dense model
+    calibrate: bool = True
+    runner: bool = False
+
+
+ARCHITECTURES: dict[str, Arch] = {
+    "llama": Arch("llama", "gqa", None),
+    "qwen3": Arch("qwen3", "gqa", None),  # k_norm on each head before RoPE
+    "qwen3_moe": Arch("qwen3_moe", "gqa", QWEN_EXPERTS, runner=True),
+    "mixtral": Arch("mixtral", "gqa", MIXTRAL_EXPERTS, runner=True),
+    "deepseek_v3": Arch("deepseek_v3", "mla", QWEN_EXPERTS, runner=True),
+    "glm4_moe": Arch("glm4_moe", "gqa", QWEN_EXPERTS, runner=True),  # partial RoPE, optional qk norm
+    "glm_moe_dsa": Arch("glm_moe_dsa", "mla", QWEN_EXPERTS, calibrate=False),  # MLA + DSA indexer (GLM-5)
+}
+# Kimi K2's config.json says model_type "kimi_k2" (with remote code); the architecture is DeepSeek-V3's.
+ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A multimodal checkpoint whose text model sits in `config[text_key]`, its tensors under `prefix`."""
+
+    text_key: str
+    prefix: str
+    default_inner: str  # the text model's model_type when its config omits it
+
+
+# Kimi K2.5 / K2.6: language_model.model.layers.*, language_model.lm_head, vision_tower.*, mm_projector.*
+WRAPPERS = {"kimi_k25": Wrapper("text_config", "language_model.", "deepseek_v3")}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES) + tuple(ALIASES) + tuple(WRAPPERS)
+
+# Sane bounds on what a config may claim (the largest real values are orders of magnitude below).
+MAX_LAYERS = 1024
+MAX_HIDDEN = 1 << 17
+MAX_VOCAB = 1 << 23
+MAX_EXPERTS = 1 << 14
+MAX_HEADS = 1 << 12
+
+
+def text_config(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
+    """(the text model's config, its tensor-name prefix): the config itself and "" unless it is a wrapper."""
+    w = WRAPPERS.get(config.get("model_type")) if isinstance(config, Mapping) else None
+    if w is None:
+        return config, ""
+    inner = config.get(w.text_key)
+    if not isinstance(inner, Mapping):
+        raise ConfigError(f"{config.get('model_type')} config.json has no {w.text_key} object")
+    return inner, w.prefix
+
+
+def family(config: Mapping[str, Any]) -> str:
+    """The registry key of a config (aliases and wrappers resolved); ConfigError when unknown."""
+    cfg, prefix = text_config(config)
+    mt = cfg.get("model_type")
+    if mt is None and prefix:
+        mt = WRAPPERS[config["model_type"]].default_inner
+    name = ALIASES.get(mt, mt) if isinstance(mt, str) else None
+    if name not in ARCHITECTURES:
+        outer = config.get("model_type") if isinstance(config, Mapping) else None
+        raise ConfigError(f"model_type {str(outer or mt or '(missing)')[:40]!r} is not supported",
+                          hint=f"supported model_type values: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return name
+
+
+def arch_for(config: Mapping[str, Any], command: str | None = None) -> Arch:
+    """The Arch of a config, checked for `command` ("calibrate" | "runner"); UnsupportedArchitecture else."""
+    try:
+        a = ARCHITECTURES[family(config)]
+    except ConfigError as e:
+        if command is None:
+            raise
+        raise UnsupportedArchitecture(f"{command}: {e.message}") from None
+    if command == "calibrate" and not a.calibrate:
+        raise UnsupportedArchitecture(f"calibration does not support model_type {config.get('model_type')!r} yet")
+    return a
+
+
+# ---- config.json -> ModelSpec -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelSpec:
+    """What quantkit needs from a config.json, normalized across architectures."""
+
+    model_type: str  # as written in config.json (kimi_k2, kimi_k25, deepseek_v3, ...)
+    arch: str  # registry key: deepseek_v3 | glm4_moe | glm_moe_dsa | qwen3_moe | mixtral | llama | qwen3
+    prefix: str  # "" or "language_model." (Kimi K2.5 nests its text model)
+    dtype: str  # safetensors dtype of unquantized tensors, e.g. "BF16"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int  # decoder layers that run in the forward pass (and cache KV)
+    mtp_layers: int  # MTP layers stored after them (num_nextn_predict_layers)
+    moe: tuple[bool, ...]  # per layer, MTP included: MoE block (True) or dense MLP
+    intermediate_size: int  # I (dense MLP)
+    moe_intermediate_size: int  # Im (one routed expert)
+    num_experts: int  # E
+    experts_per_tok: int
+    shared_intermediate: int  # width of the fused shared expert MLP, 0 = none
+    attention: str  # "gqa" (MHA/GQA) or "mla"
+    num_heads: int
+    num_kv_heads: int  # GQA: KV heads; MLA: 1 (one latent per token)
+    head_dim: int
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    mlp_bias: bool = False
+    indexer: tuple[bool, ...] = ()  # per layer, MTP included: has a DSA indexer (glm_moe_dsa)
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    tie_word_embeddings: bool = False
+    router_bias: bool = False  # mlp.gate.e_score_correction_bias (noaux_tc routing)
+    mtp_embeddings: bool = False  # MTP layers store their own embed_tokens / shared_head.head
+    # routing, as the modeling files define it
+    scoring: str = "softmax"  # softmax | sigmoid (DeepSeek/GLM: + correction bias, group-limited top-k)
+    norm_topk_prob: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    quantization: Mapping[str, Any] | None = field(default=None, compare=False)
+    text: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the text model's config
+
+    @property
+    def source_format(self) -> str:
+        q = self.quantization
+        if not q:
+            return self.dtype.lower()
+        if q.get("quant_method") == "fp8":
+            return "fp8-block"
+        return str(q.get("quant_method"))
+
+    @property
+    def experts(self) -> ExpertNames | None:
+        return ARCHITECTURES[self.arch].experts if self.num_experts else None
+
+
+_TORCH_DTYPE = {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32", "float": "F32"}
+
+
+def _get(cfg: Mapping, key: str, default: Any = ...) -> Any:
+    v = cfg.get(key, default)
+    if v is ... or (v is None and default is ...):
+        raise ConfigError(f"config.json has no {key!r}", hint="pass the model's own config.json (as on the hub)")
+    return v
+
+
+def _int(cfg: Mapping, key: str, default: Any = ..., upper: int | None = None) -> int:
+    v = _get(cfg, key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ConfigError(f"config.json {key!r} must be a non-negative integer, got {str(v)[:40]}")
+    if upper is not None and v > upper:
+        raise ConfigError(f"config.json {key!r} = {v} is beyond any real model (at most {upper})",
+                          hint="the config.json is corrupt or does not belong to these shards")
+    return v
+
+
+def _num(cfg: Mapping, key: str, default: float) -> float:
+    v = cfg.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise ConfigError(f"config.json {key!r} must be a number, got {str(v)[:40]}")
+    return float(v)
+
+
+def _dtype_of(cfg: Mapping) -> str:
+    d = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    return _TORCH_DTYPE.get(str(d).replace("torch.", ""), "BF16")
+
+
+def _indexer_types(cfg: Mapping, n: int) -> list[str]:
+    """glm_moe_dsa: which layers run their own indexer ("full") or reuse the previous one ("shared").
+    Same derivation as transformers' GlmMoeDsaConfig."""
+    t = cfg.get("indexer_types")
+    if t is None and cfg.get("index_topk_pattern") is not None:
+        p = cfg["index_topk_pattern"]
+        t = [{"F": "full", "S": "shared"}.get(c) for c in p] if isinstance(p, str) else list(p)
+    if t is None:
+        freq = max(int(cfg.get("index_topk_freq", 1)), 1)
+        off = int(cfg.get("index_skip_topk_offset", 2))
+        t = ["full" if max(i - off + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if not isinstance(t, list) or len(t) < n or any(x not in ("full", "shared") for x in t):
+        raise ConfigError(f"config.json indexer_types must list 'full'/'shared' for all {n} layers")
+    return list(t)
+
+
+def parse_config(config: Mapping[str, Any]) -> ModelSpec:
+    """A `ModelSpec` from a config.json dict; ConfigError for unsupported, incomplete or absurd configs."""
+    if not isinstance(config, Mapping):
+        raise ConfigError("config.json must be a JSON object")
+    model_type = str(config.get("model_type", ""))
+    cfg, prefix = text_config(config)
+    arch = family(config)
+    quant = config.get("quantization_config") or cfg.get("quantization_config")
+
+    D, L = _int(cfg, "hidden_size", upper=MAX_HIDDEN), _int(cfg, "num_hidden_layers", upper=MAX_LAYERS)
+    V, H = _int(cfg, "vocab_size", upper=MAX_VOCAB), _int(cfg, "num_attention_heads", upper=MAX_HEADS)
+    if L == 0 or H == 0 or D == 0 or V == 0:
+        raise ConfigError("config.json hidden_size, num_hidden_layers, num_attention_heads and vocab_size must be "
+                          "positive")
+    kv_heads = _int(cfg, "num_key_value_heads", H, upper=MAX_HEADS) or H
+    head_dim = cfg.get("head_dim") or D // H
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+        raise ConfigError(f"config.json 'head_dim' must be a positive integer, got {str(head_dim)[:40]}")
+    mtp = _int(cfg, "num_nextn_predict_layers", 0, upper=MAX_LAYERS) \
+        if arch in ("deepseek_v3", "glm4_moe", "glm_moe_dsa") else 0
+    n_all = L + mtp
+    common = dict(model_type=model_type, arch=arch, prefix=prefix, dtype=_dtype_of(cfg), vocab_size=V,
+                  hidden_size=D, num_layers=L, mtp_layers=mtp, num_heads=H,
+                  tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), quantization=quant, text=cfg)
+    top_k = lambda: _int(cfg, "num_experts_per_tok", upper=MAX_EXPERTS)  # noqa: E731
+
+    if arch in ("deepseek_v3", "glm4_moe", "glm_moe_dsa"):
+        E = _int(cfg, "n_routed_experts", upper=MAX_EXPERTS)
+        first_dense = _int(cfg, "first_k_dense_replace", 1 if arch == "glm4_moe" else 3)  # transformers' defaults
+        if arch == "glm_moe_dsa":
+            n_dense = min(first_dense, L)
+            types = cfg.get("mlp_layer_types") or ["dense"] * n_dense + ["sparse"] * (L - n_dense)
+            if not isinstance(types, list) or len(types) < L:
+                raise ConfigError(f"config.json mlp_layer_types must list 'dense'/'sparse' for all {L} layers")
+            moe = tuple(t == "sparse" for t in types[:L]) + (True,) * mtp  # the MTP layer is an MoE layer
+        else:
+            freq = max(int(cfg.get("moe_layer_freq", 1) or 1), 1)
+            moe = tuple(i >= first_dense and i % freq == 0 for i in range(n_all))
+        moe_common = dict(moe=moe, intermediate_size=_int(cfg, "intermediate_size"),
+                          moe_intermediate_size=_int(cfg, "moe_intermediate_size"), num_experts=E,
+                          experts_per_tok=top_k(),
+                          shared_intermediate=_int(cfg, "moe_intermediate_size") * _int(cfg, "n_shared_experts", 0),
+                          router_bias=True, mtp_embeddings=arch in ("deepseek_v3", "glm4_moe"),
+                          scoring=str(cfg.get("scoring_func") or "sigmoid"),
+                          norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                          n_group=_int(cfg, "n_group", 1) or 1, topk_group=_int(cfg, "topk_group", 1) or 1,
+                          routed_scaling_factor=_num(cfg, "routed_scaling_factor", 1.0))
+        bias = bool(cfg.get("attention_bias", False))
+        if arch == "glm4_moe":  # GQA; attention_bias adds q/k/v biases only (o_proj has none)
+            return ModelSpec(**common, **moe_common, attention="gqa", num_kv_heads=kv_heads, head_dim=head_dim,
+                             qkv_bias=bias, qk_norm=bool(cfg.get("use_qk_norm", False)))
+        nope, rope = _int(cfg, "qk_nope_head_dim"), _int(cfg, "qk_rope_head_dim")
+        mla = dict(attention="mla", num_kv_heads=1, head_dim=nope + rope, q_lora_rank=cfg.get("q_lora_rank"),
+                   kv_lora_rank=_int(cfg, "kv_lora_rank"), qk_rope_head_dim=rope, qk_nope_head_dim=nope,
+                   v_head_dim=_int(cfg, "v_head_dim"), qkv_bias=bias, o_bias=bias)
+        if arch == "glm_moe_dsa":
+            if not mla["q_lora_rank"]:
+                raise ConfigError("glm_moe_dsa config.json needs q_lora_rank (the indexer reads the q latent)")
+            types = _indexer_types(cfg, L)
+            # The MTP layer of GLM-5 ships its own indexer (model.layers.78.self_attn.indexer.*).
+            indexer = tuple(t == "full" for t in types[:L]) + (True,) * mtp
+            return ModelSpec(**common, **moe_common, **mla, indexer=indexer,
+                             index_n_heads=_int(cfg, "index_n_heads"), index_head_dim=_int(cfg, "index_head_dim"))
+        return ModelSpec(**common, **moe_common, **mla)
+
+    gqa = dict(attention="gqa", num_kv_heads=kv_heads, head_dim=head_dim)
+    if arch == "qwen3_moe":
+        E = _int(cfg, "num_experts" if cfg.get("num_experts") is not None else "num_local_experts", upper=MAX_EXPERTS)
+        step = max(_int(cfg, "decoder_sparse_step", 1), 1)
+        only = set(cfg.get("mlp_only_layers") or [])
+        moe = tuple(i not in only and E > 0 and (i + 1) % step == 0 for i in range(L))
+        bias = bool(cfg.get("attention_bias", False))
+        return ModelSpec(**common, **gqa, moe=moe, intermediate_size=_int(cfg, "intermediate_size"),
+                         moe_intermediate_size=_int(cfg, "moe_intermediate_size"), num_experts=E,
+                         experts_per_tok=top_k(), shared_intermediate=0,
+                         qkv_bias=bias, o_bias=bias, qk_norm=True, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+    if arch == "mixtral":
+        inter = _int(cfg, "intermediate_size")
+        return ModelSpec(**common, **gqa, moe=(True,) * L, intermediate_size=inter, moe_intermediate_size=inter,
+                         num_experts=_int(cfg, "num_local_experts", upper=MAX_EXPERTS), experts_per_tok=top_k(),
+                         shared_intermediate=0, norm_topk_prob=True)
+    bias = bool(cfg.get("attention_bias", False))  # llama, qwen3 (dense)
+    return ModelSpec(**common, **gqa, moe=(False,) * L, intermediate_size=_int(cfg, "intermediate_size"),
+                     moe_intermediate_size=0, num_experts=0, experts_per_tok=0, shared_intermediate=0,
+                     qkv_bias=bias, o_bias=bias, qk_norm=arch == "qwen3",
+                     mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "llama")
+
+
+# ---- the config against the tensors ------------------------------------------------------------------
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def check_tensors(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Hold `spec` against a checkpoint's tensors (name -> shape): the embedding's vocab and hidden size,
+    the number of decoder layers, the routed experts of each MoE layer, and the attention heads. Raises
+    ConfigMismatch naming the config field and the tensor that disagree. Layers beyond `num_layers` are
+    allowed only as MTP layers; tensors of other modalities (wrappers) are not looked at."""
+    p = spec.prefix
+    emb = shapes.get(f"{p}model.embed_tokens.weight")
+    if emb is not None and len(emb) == 2:
+        if emb[1] != spec.hidden_size:
+            _mismatch("hidden_size", spec.hidden_size, f"{p}model.embed_tokens.weight", emb)
+        if emb[0] != spec.vocab_size:
+            _mismatch("vocab_size", spec.vocab_size, f"{p}model.embed_tokens.weight", emb)
+    layers: set[int] = set()
+    experts: dict[int, set[int]] = {}
+    ex = re.compile(re.escape(p) + r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
+    for name in shapes:
+        if not name.startswith(f"{p}model.layers."):
+            continue
+        m = _LAYER.search(name)
+        layers.add(int(m[1]))
+        e = ex.match(name)
+        if e:
+            experts.setdefault(int(e[1]), set()).add(int(e[2]))
+    if layers:
+        top = max(layers)
+        if top >= spec.num_layers + spec.mtp_layers:
+            _mismatch("num_hidden_layers", spec.num_layers, f"{p}model.layers.{top}.*", None,
+                      f"the shards hold layer {top}")
+        missing = sorted(set(range(spec.num_layers)) - layers)
+        if missing:
+            _mismatch("num_hidden_layers", spec.num_layers, f"{p}model.layers.{missing[0]}.*", None,
+                      f"the shards hold no layer {missing[0]}")
+    for layer, ids in sorted(experts.items()):
+        if max(ids) >= spec.num_experts:
+            key = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}.get(spec.arch, "n_routed_experts")
+            _mismatch(key, spec.num_experts, f"{p}model.layers.{layer}.*.experts.{max(ids)}.*", None,
+                      f"the shards hold expert {max(ids)}")
+    for name, shape in shapes.items():
+        if name.startswith(f"{p}model.layers.") and name.endswith(".self_attn.q_proj.weight") and len(shape) == 2:
+            want = spec.num_heads * (spec.head_dim if spec.attention == "gqa"
+                                     else spec.qk_nope_head_dim + spec.qk_rope_head_dim)
+            if shape[0] != want:
+                _mismatch("num_attention_heads", spec.num_heads, name, shape,
+                          f"{shape[0]} output rows, {want} implied")
+            break
+        if name.startswith(f"{p}model.layers.") and name.endswith(".self_attn.k_proj.weight") and len(shape) == 2:
+            if shape[0] != spec.num_kv_heads * spec.head_dim:
+                _mismatch("num_key_value_heads", spec.num_kv_heads, name, shape,
+                          f"{shape[0]} output rows, {spec.num_kv_heads * spec.head_dim} implied")
+
+
+def _mismatch(field_: str, value, tensor: str, shape, detail: str | None = None):
+    what = detail or f"shape {list(shape)}"
+    raise ConfigMismatch(f"config.json {field_} = {value} contradicts {tensor} ({what})")
+
+
+# ---- on-disk expert layouts ---------------------------------------------------------------------------
+_FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)(?:\.weight)?$")
+
+
+def fused_experts(name: str, shape: tuple[int, ...], hidden: int | None = None):
+    """Per-expert (module, expert, rows, [N, K]) of a fused 3-D expert tensor in the transformers layout
+    (`experts.gate_up_proj` [E, 2*Im, D] with gate rows first, `experts.down_proj` [E, D, Im]); None if
+    `name` is not one. With `hidden`, a tensor in another orientation is an error."""
+    m = _FUSED.match(name)
+    if not m or len(shape) != 3:
+        return None
+    e_count, a, b = shape
+    prefix, kind = m["prefix"], m["kind"]
+    if hidden is not None and not (b == hidden if kind == "gate_up_proj" else a == hidden):
+        raise ConfigError(f"fused expert tensor {name} {list(shape)} is not in the [experts, out, in] layout",
+                          hint="only the transformers layout gate_up_proj [E, 2*I, H] / down_proj [E, H, I] "
+                               "is supported")
+    out = []
+    for e in range(e_count):
+        if kind == "gate_up_proj":
+            half = a // 2
+            out.append((f"{prefix}.{e}.gate_proj", e, (0, half), (half, b)))
+            out.append((f"{prefix}.{e}.up_proj", e, (half, a), (half, b)))
+        else:
+            out.append((f"{prefix}.{e}.down_proj", e, (0, a), (a, b)))
+    return out

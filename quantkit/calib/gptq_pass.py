@@ -1,0 +1,99 @@
+"""GPTQ for one decoder layer (quant/gptq.py does the math): dense Linears from their input Hessians, and
+every routed expert from the Hessian of the tokens routed to it, a few experts at a time. The quantized
+weights are written back into the layer (true-sequential: the next layer sees quantized outputs)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..match.recipe import WeightGroup
+from ..quant.gptq import gptq
+from ..quant.int4 import QParams, dequantize, rtn, sqnr_db
+from .emit import LayerResult, emit, source_dtype
+from .hessians import PAIR_BUDGET, ExpertStats, LinearStats, coverage
+
+def gptq_dense(res: LayerResult, ckpt, disk: str, mod: nn.Linear, g: WeightGroup, st: LinearStats):
+    w = mod.weight.detach().float()
+    s = g.scheme.for_in_features(w.shape[1])
+    r = gptq(w, st.hessian(), s.num_bits, s.group_size, s.symmetric, damp=g.options.damp,
+             actorder=g.options.actorder, block_size=g.options.block_size)
+    deq = dequantize(r.q, r.qparams.scale, r.qparams.zero_point)
+    emit(res, disk, r.q, r.qparams, s, source_dtype(ckpt, disk + ".weight"),
+          {"method": "gptq", "tokens": st.count, "damping": round(float(r.damping), 6), "fallback": r.fallback[0],
+           "sqnr_db": round(float(sqnr_db(w, deq)), 4)})
+    mod.weight.data.copy_(deq.to(mod.weight.dtype))
+
+
+def _all_token_down_hessians(stats: ExpertStats, ids: torch.Tensor) -> torch.Tensor:
+    """Down-proj Hessians of experts `ids` from the sampled tokens of the layer sent through each of them."""
+    x, _ = stats.samples()  # [t, H]
+    out = torch.empty(len(ids), stats.I, stats.I)
+    per = max(1, PAIR_BUDGET // max(1, x.shape[0] * max(stats.P, stats.I) * 4))
+    for i in range(0, len(ids), per):
+        sel = ids[i:i + per]
+        hd = stats.down_inputs(sel, x.expand(len(sel), *x.shape))
+        out[i:i + per] = torch.bmm(hd.transpose(1, 2), hd) * (2.0 / x.shape[0])
+    return out
+
+
+# Experts solved at once by `_gptq_experts`: their float64 Hessians take at most this many bytes (the
+# solve holds ~5 float64 copies of them). Small: batching more experts gains little (the factorizations
+# are compute-bound) and a layer's peak memory is dominated by this buffer otherwise.
+GPTQ_CHUNK_BYTES = 1 << 24
+
+
+def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: ExpertStats):
+    """GPTQ for every expert of a layer, a few experts at a time: weights are converted to float32,
+    solved, dequantized and written back (true-sequential: the next layer sees quantized outputs) one
+    chunk at a time, so besides the layer's Hessians only one chunk's working set is ever in memory."""
+    E = stats.E
+    low, min_tokens, fallback, mode = coverage(g.options, stats)
+    counts = stats.counts.clamp(min=1).float()
+    # the sums become 2/n-scaled Hessians in place: the statistics are not used after this
+    h_gu = stats.h_gu.mul_((2.0 / counts)[:, None, None])
+    h_down = stats.h_down.mul_((2.0 / counts)[:, None, None])
+    reasons = [None] * E
+    use_rtn = torch.zeros(E, dtype=torch.bool)
+    if low.any():
+        ids = low.nonzero().flatten()
+        if fallback == "rtn" and mode == "routed":
+            use_rtn[ids] = True
+        else:
+            h_gu[ids] = stats.h_all * (2.0 / max(stats.total, 1))
+            h_down[ids] = _all_token_down_hessians(stats, ids)
+        for e in ids.tolist():
+            reasons[e] = ("stats: all tokens" if mode == "all" else
+                          f"{int(stats.counts[e])} routed tokens < min_tokens {min_tokens}: "
+                          + ("RTN" if use_rtn[e] else "Hessian from all tokens"))
+    kw = dict(damp=g.options.damp, actorder=g.options.actorder,
+              block_size=g.options.block_size)
+    half = stats.P // 2
+    src_dtype = source_dtype(ckpt, names.module(0, "gate") + ".weight")
+    for key, param, h in (("gu", experts.gate_up_proj, h_gu), ("down", experts.down_proj, h_down)):
+        k = param.shape[-1]
+        s = g.scheme.for_in_features(k)
+        parts = (("gate", slice(0, half)), ("up", slice(half, stats.P))) if key == "gu" else (("down", slice(None)),)
+        per = max(1, GPTQ_CHUNK_BYTES // (k * k * 8))
+        for i0 in range(0, E, per):
+            i1 = min(E, i0 + per)
+            w = param.data[i0:i1].float()  # [c, N, K]
+            r = gptq(w, h[i0:i1], s.num_bits, s.group_size, s.symmetric, **kw)
+            q, qp = r.q, r.qparams
+            sel = use_rtn[i0:i1]
+            if sel.any():
+                rr = rtn(w[sel], s.num_bits, s.group_size, s.symmetric)
+                q[sel] = rr.q
+                qp.scale[sel] = rr.qparams.scale
+                if qp.zero_point is not None:
+                    qp.zero_point[sel] = rr.qparams.zero_point
+            deq = dequantize(q, qp.scale, qp.zero_point)  # [c, N, K]
+            for j, e in enumerate(range(i0, i1)):
+                meta = {"method": "gptq" if not use_rtn[e] else "rtn", "tokens": int(stats.counts[e]),
+                        "fallback": reasons[e] or r.fallback[j], "damping": round(float(r.damping[j]), 6)}
+                for kind, rows in parts:
+                    zp = None if qp.zero_point is None else qp.zero_point[j, rows]
+                    emit(res, names.module(e, kind), q[j, rows], QParams(qp.scale[j, rows], zp), s, src_dtype,
+                          {**meta, "sqnr_db": round(float(sqnr_db(w[j, rows], deq[j, rows])), 4)})
+            param.data[i0:i1].copy_(deq.to(param.dtype))
+            del w, r, q, qp, deq

@@ -1,0 +1,158 @@
+"""Statistics a calibrated pass collects in one forward of a decoder layer: per-expert Hessians of the
+tokens the router sends to each expert (batched over experts), Hessians of dense Linears, token counts
+and bounded token samples (for AWQ's searches and for experts that see too few tokens), and the expert
+coverage policy (which experts fall back, and to what).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+# Legend: E = experts, T = tokens, H = hidden, I = expert intermediate, P = 2*I (gate+up rows)
+PAIR_BUDGET = 1 << 26  # bytes of padded [E, T, *] activations processed at once when batching over experts
+
+
+class ExpertStats:
+    """Hooks `experts.forward(hidden [T, H], top_k_index [T, k], top_k_weights)` and accumulates, per expert,
+    the routed-token Hessians of gate/up inputs and of down inputs, token counts, and (for AWQ / fallbacks)
+    bounded token samples."""
+
+    def __init__(self, experts: nn.Module, need_hessians: bool, sample_tokens: int):
+        self.experts = experts
+        e, p, h = experts.gate_up_proj.shape
+        self.E, self.P, self.H, self.I = e, p, h, experts.down_proj.shape[-1]
+        self.need_h = need_hessians
+        self.counts = torch.zeros(e, dtype=torch.long)
+        self.h_gu = torch.zeros(e, h, h) if need_hessians else None  # sums of x x^T (scaled at the end)
+        self.h_down = torch.zeros(e, self.I, self.I) if need_hessians else None
+        self.h_all = torch.zeros(h, h)
+        self.total = 0
+        self.sample_tokens = sample_tokens
+        self.x_samples: list[torch.Tensor] = []  # [t, H] all tokens (subsampled) for AWQ / fallbacks
+        self.idx_samples: list[torch.Tensor] = []
+        self.w_samples: list[torch.Tensor] = []  # [t, k] the router's weights of those tokens' top-k experts
+        self._n_samples = 0
+        self.handle = experts.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        x, idx = args[0].detach().float(), args[1].detach()
+        x = x.reshape(-1, self.H)
+        idx = idx.reshape(x.shape[0], -1)
+        self.total += x.shape[0]
+        self.h_all += x.T @ x
+        if self._n_samples < self.sample_tokens:
+            take = min(self.sample_tokens - self._n_samples, x.shape[0])
+            self.x_samples.append(x[:take].clone())
+            self.idx_samples.append(idx[:take].clone())
+            wts = args[2].detach().reshape(x.shape[0], -1)[:take].float() if len(args) > 2 else None
+            self.w_samples.append(wts.clone() if wts is not None and wts.shape == idx[:take].shape
+                                  else torch.ones(take, idx.shape[1]))
+            self._n_samples += take
+        self.counts += torch.bincount(idx.flatten(), minlength=self.E)[: self.E]
+        if self.need_h:
+            per = max(1, GRAM_CHUNK_BYTES // (max(self.H, self.P) * self.H * 4))  # bounds gathered weights too
+            for experts_ids, xs, mask in routed_batches(x, idx, self.E, self.H):
+                for a in range(0, len(experts_ids), per):
+                    ids, xa, ma = experts_ids[a:a + per], xs[a:a + per], mask[a:a + per, :, None]
+                    _add_gram(self.h_gu, ids, xa * ma)
+                    _add_gram(self.h_down, ids, self.down_inputs(ids, xa) * ma)
+
+    def down_inputs(self, experts_ids: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        """act(gate x) * up x for experts [e] and padded tokens xs [e, t, H] -> [e, t, I]."""
+        gu = torch.bmm(xs, self.experts.gate_up_proj[experts_ids].float().transpose(1, 2))  # [e, t, P]
+        g, u = gu.chunk(2, dim=-1)
+        return self.experts.act_fn(g) * u
+
+    def remove(self):
+        self.handle.remove()
+
+    def samples(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat(self.x_samples), torch.cat(self.idx_samples)
+
+    def routing_weights(self) -> torch.Tensor:
+        """[t, k] router weights of the sampled tokens (aligned with `samples()`)."""
+        return torch.cat(self.w_samples)
+
+
+GRAM_CHUNK_BYTES = 1 << 25  # [e, D, D] Gram products formed at once when accumulating expert Hessians
+
+
+def _add_gram(h: torch.Tensor, ids: torch.Tensor, xs: torch.Tensor) -> None:
+    """h[ids[i]] += xs[i]^T xs[i], a few experts at a time, accumulated in place (no gathered copy of h)."""
+    d = xs.shape[-1]
+    per = max(1, GRAM_CHUNK_BYTES // (d * d * 4))
+    for a in range(0, len(ids), per):
+        xa = xs[a:a + per]
+        h.index_add_(0, ids[a:a + per], torch.bmm(xa.transpose(1, 2), xa))
+
+
+def routed_batches(x: torch.Tensor, idx: torch.Tensor, num_experts: int, width: int, budget: int = PAIR_BUDGET,
+                   weights: torch.Tensor | None = None):
+    """Yield (expert ids [e], padded tokens [e, t, D], mask [e, t]) over chunks of experts: the tokens routed
+    to each expert, gathered and zero-padded to the chunk's longest list, so that per-expert products are
+    one batched matmul. With `weights` [T, k] (the router's top-k weights), each item also carries the
+    weight of each gathered token for that expert: (ids, tokens, mask, weights [e, t], 0 on padding)."""
+    t, k = idx.shape
+    flat = idx.flatten()
+    token = torch.arange(t).repeat_interleave(k)
+    order = torch.argsort(flat, stable=True)
+    flat, token = flat[order], token[order]
+    slot_w = None if weights is None else weights.reshape(-1).float()[order]
+    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    starts = torch.cumsum(counts, 0) - counts
+    present = counts.nonzero().flatten()
+    i = 0
+    while i < present.numel():
+        # grow the chunk while the padded block stays within the budget
+        j = i + 1
+        longest = int(counts[present[i]])
+        while j < present.numel():
+            nl = max(longest, int(counts[present[j]]))
+            if (j - i + 1) * nl * width * 4 > budget:
+                break
+            longest, j = nl, j + 1
+        ids = present[i:j]
+        xs = torch.zeros(len(ids), longest, width)
+        mask = torch.zeros(len(ids), longest)
+        ws = None if slot_w is None else torch.zeros(len(ids), longest)
+        for r, e in enumerate(ids.tolist()):
+            c, s = int(counts[e]), int(starts[e])
+            xs[r, :c] = x[token[s:s + c]]
+            mask[r, :c] = 1
+            if ws is not None:
+                ws[r, :c] = slot_w[s:s + c]
+        yield (ids, xs, mask) if ws is None else (ids, xs, mask, ws)
+        i = j
+
+
+class LinearStats:
+    """Hessian of one nn.Linear's inputs (dense targets: attention, dense MLP, shared experts)."""
+
+    def __init__(self, module: nn.Linear):
+        self.h = torch.zeros(module.in_features, module.in_features)
+        self.count = 0
+        self.handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        x = args[0].detach().float().reshape(-1, self.h.shape[0])
+        self.h += x.T @ x
+        self.count += x.shape[0]
+
+    def hessian(self) -> torch.Tensor:
+        return self.h * (2.0 / max(self.count, 1))
+
+    def remove(self):
+        self.handle.remove()
+
+
+def coverage(options, stats: ExpertStats) -> tuple[torch.Tensor, int, str, str]:
+    """(experts whose statistics come from all tokens [E] bool, min_tokens, fallback, stats mode) for a
+    group's options (match.recipe GPTQOptions / AWQOptions)."""
+    min_tokens = options.min_tokens
+    if min_tokens is None:
+        min_tokens = max(1, math.ceil(0.005 * stats.total))
+    low = stats.counts < int(min_tokens) if options.stats == "routed" else torch.ones(stats.E, dtype=torch.bool)
+    return low, int(min_tokens), options.fallback, options.stats

@@ -1,0 +1,45 @@
+"""Names of a decoder layer's modules on disk (the registry's expert naming, arch.py) for the in-memory
+modules transformers builds: `mlp.gate.weight` is Mixtral's `block_sparse_moe.gate.weight` on disk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..arch import arch_for
+from ..errors import CalibrationError
+from ..read.checkpoint import Checkpoint
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Disk module names of expert e's projections, e.g. model.layers.3.mlp.experts.{e}.gate_proj."""
+
+    prefix: str  # model.layers.L.mlp.experts (or block_sparse_moe.experts)
+    gate: str
+    up: str
+    down: str
+
+    def module(self, e: int, kind: str) -> str:
+        return f"{self.prefix}.{e}.{getattr(self, kind)}"
+
+
+def expert_names(ckpt: Checkpoint, layer_idx: int) -> ExpertNames | None:
+    """The routed experts of layer `layer_idx` as the registry names them (arch.py), if it has any on disk."""
+    names = arch_for(ckpt.config).experts
+    if names is None:
+        return None
+    prefix = f"model.layers.{layer_idx}.{names.block}.experts"
+    if f"{prefix}.0.{names.gate}.weight" in ckpt.location or f"{prefix}.gate_up_proj" in ckpt.location:
+        return ExpertNames(prefix, names.gate, names.up, names.down)
+    return None
+
+
+def disk_name(ckpt: Checkpoint, layer_idx: int, rel: str) -> str:
+    """On-disk name of an in-memory layer tensor (`mlp.gate.weight` -> Mixtral's `block_sparse_moe.gate.weight`)."""
+    names = arch_for(ckpt.config).experts
+    block = names.block if names is not None else "mlp"
+    for cand in (rel, rel.replace("mlp.", f"{block}.", 1)):
+        name = f"model.layers.{layer_idx}.{cand}"
+        if name in ckpt.location:
+            return name
+    raise CalibrationError(f"layer {layer_idx}: no on-disk tensor for {rel}")

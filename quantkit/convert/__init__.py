@@ -1,0 +1,283 @@
+"""`quantkit convert`: stream a checkpoint shard by shard into a compressed-tensors checkpoint.
+
+Pipeline (one way; how the code is organised: docs/code.md):
+
+    read/     open + validate the source; what format each module is stored in (scan)
+    match/    plan every shard: the recipe matched to every tensor, units of work, output shards sized;
+              nothing is written before the whole plan is valid
+    calib/    GPTQ/AWQ groups: the calibrated pass, layer by layer, into a spool (convert/calibrated.py)
+    convert/  run each shard's units (convert/run.py): quantize (quant/), pack (pack/), stream the output
+              shard to a temporary file and rename it (write/)
+    pack/     index, config.json quantization_config, copied files, and the manifest last
+
+Each source shard maps to its own output shard(s), so shards are independent units of work: they can
+run in parallel (`workers`), resume after a crash (a journal records each finished shard), and the
+output is byte-identical whatever the order they finish in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import __version__
+from ..errors import OutputExists
+from ..match.recipe import Recipe, load_recipe
+from ..match.shards import (DEFAULT_BATCH_BYTES, DEFAULT_MAX_SHARD_BYTES, ShardPlan, output_shard_names, plan_notes,
+                            plan_shard)
+from ..pack import kv as kvrules
+from ..pack.config import quantization_config
+from ..pack.manifest import FORMAT_VERSION, JOURNAL_DIR, MANIFEST_NAME, expert_report
+from ..quant.int4 import native_threads
+from ..read.checkpoint import INDEX_NAME, Checkpoint
+from ..read.sources import SourceFormat, detect_format, scan
+from ..write.output import output_lock, prepare_output
+from ..write.writer import copy_file_atomic, wait_durable, write_json_atomic
+from .calibrated import calibrated_pass, calibration_data, kv_scales, write_kv_scales
+from .run import ShardResult, Spool, run_shard, worker
+
+__all__ = ["convert", "ConvertOptions", "ConvertResult", "MANIFEST_NAME", "JOURNAL_DIR", "DEFAULT_MAX_SHARD_BYTES",
+           "DEFAULT_BATCH_BYTES"]
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """Everything `convert` takes besides the two directories; the CLI's defaults are these."""
+
+    recipe: str | Recipe = "int4-experts-rtn"
+    workers: int = 1
+    resume: bool = True
+    overwrite: bool = False
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    batch_bytes: int = DEFAULT_BATCH_BYTES
+    # FP8 KV-cache scales to ship: a safetensors file of float32 `model.layers.L.self_attn.{k,v}_scale`
+    # (as `quantkit calibrate` writes). None: calibrate if the recipe has a kv_cache section.
+    kv_scales: str | None = None
+    # Calibration data for GPTQ/AWQ groups (and in-convert KV calibration); None: the recipe's
+    # `calibration` section, then quantkit's defaults (match.recipe.CalibrationSpec).
+    dataset: str | None = None
+    num_samples: int | None = None
+    seq_len: int | None = None
+
+
+@dataclass
+class ConvertResult:
+    output: str
+    seconds: float
+    bytes_read: int
+    bytes_written: int
+    tensors_total: int
+    tensors_quantized: int
+    peak_rss_bytes: int
+    shards_resumed: int = 0
+    modules_passed_through: int = 0
+    notes: list = field(default_factory=list)  # what was not quantized as asked, and why (also in the manifest)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return max(own, kids)
+
+
+def _source_fingerprint(src: Checkpoint) -> list[dict]:
+    return [{"name": s.name, "size": s.size, "mtime_ns": s.path.stat().st_mtime_ns} for s in src.shards]
+
+
+def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: ConvertOptions = ConvertOptions(),
+            progress: Callable[[int, int], None] | None = None,
+            log: Callable[[str], None] | None = None) -> ConvertResult:
+    """Convert `src_dir` into `out_dir` per `opts.recipe`. `progress(done_bytes, total_bytes)` is called
+    as source bytes are consumed; `log(line)` receives each note (what is passed through or re-quantized
+    rather than quantized as asked) as soon as it is known — the CLI prints them on stderr."""
+    t0 = time.perf_counter()
+    recipe = opts.recipe if isinstance(opts.recipe, Recipe) else load_recipe(opts.recipe)
+    calibrated = recipe.needs_calibrated_pass
+    src = Checkpoint.open(src_dir)
+    fmt = detect_format(src.config)
+    stored = scan(src, fmt)
+    want_kv = opts.kv_scales is not None or recipe.kv_cache is not None
+    source_kv = frozenset(n for n in src.location if kvrules.KV_SCALE.match(n))
+    companions = frozenset(t for sw in stored.values() for _, t in sw.tensors[1:])
+    skip = companions | (source_kv if want_kv else frozenset())
+
+    out = Path(out_dir)
+    hidden = src.config.get("hidden_size") if isinstance(src.config.get("hidden_size"), int) else None
+    names = output_shard_names(src)
+    plans = [plan_shard(s, names[s.name], recipe, hidden, opts.batch_bytes, opts.max_shard_bytes, stored=stored,
+                        skip=skip, location=src.location, info=src.info, calibrated=calibrated) for s in src.shards]
+    notes = plan_notes(plans, len(source_kv) if want_kv else 0, stored)
+    # KV scales: read and checked (or calibrated) once the plan is known to be valid, before any write
+    kv = kv_scales(src, recipe, opts.kv_scales) if want_kv else None
+    for n in notes:
+        if log:
+            log(n)
+
+    data = calibration_data(src, recipe, opts.dataset, opts.num_samples, opts.seq_len) if calibrated else None
+    identity = {"tool_version": __version__, "recipe_sha256": recipe.sha256,
+                "config_sha256": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
+                "source": _source_fingerprint(src), "batch_bytes": opts.batch_bytes,
+                "max_shard_bytes": opts.max_shard_bytes,
+                "calibration": None if data is None else {k: data.describe()[k] for k in
+                                                          ("source", "sha256", "num_samples", "seq_len", "seed")}}
+    if opts.overwrite and out.exists():
+        o, sr = out.resolve(), src.root.resolve()
+        if sr == o or sr.is_relative_to(o):
+            raise OutputExists(f"--overwrite would delete {str(out)!r}, which holds the source checkpoint",
+                               hint="choose an output directory outside the source checkpoint")
+    with output_lock(out):
+        done = prepare_output(out, identity, overwrite=opts.overwrite, resume=opts.resume)
+        write_json_atomic(out / MANIFEST_NAME, {"status": "in_progress", "identity": identity}, durable=False)
+        journal = out / JOURNAL_DIR
+        spool = Spool()
+        if calibrated and len(done) < len(plans):
+            spool = calibrated_pass(src, recipe, data, journal / "calib", log)
+
+        total = src.total_bytes
+        finished_bytes = sum(src.shard(s).size for s in done)
+        results: dict[str, dict] = dict(done)
+
+        def record(res: ShardResult):
+            rec = asdict(res)
+            # this shard is now done; no fsync: a record lost to a power cut only means the shard is redone
+            write_json_atomic(journal / f"{res.source}.json", rec, indent=None, durable=False)
+            results[res.source] = rec
+
+        todo = [p for p in plans if p.source not in done]
+        if progress:
+            progress(finished_bytes, total)
+        # Streaming RTN is thousands of small cache-sized ops: OpenMP barriers cost more than a second thread
+        # gains (measured by bench/convert_rtn.py), so each shard runs single-threaded; --workers runs shards
+        # in parallel processes instead. The fused RTN kernel (quantkit.quant._rtn_native) has no such
+        # barriers: it splits rows over the cores when shards run one at a time.
+        prev_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with native_threads(_cpu_count() if opts.workers <= 1 else 1):
+                _run_shards(todo, src, out, opts, spool, record, progress, finished_bytes, total)
+        finally:
+            torch.set_num_threads(prev_threads)
+
+        for p in plans:  # what reading found (e.g. scales breaking a ue8m0 promise), in shard order
+            for n in results[p.source].get("notes") or []:
+                if n not in notes:
+                    notes.append(n)
+                    if log:
+                        log(n)
+        kv_out = write_kv_scales(out, kv) if kv is not None else None
+        kv_scheme = kv.config() if kv is not None else (fmt.kv_cache_scheme if source_kv else None)
+        return _finalize(src, fmt, out, recipe, plans, results, identity, t0, resumed=len(done), notes=notes,
+                         kv=kv, kv_out=kv_out, kv_scheme=kv_scheme,
+                         calibration=None if data is None else data.describe())
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _run_shards(todo, src: Checkpoint, out: Path, opts: ConvertOptions, spool, record, progress, finished_bytes: int,
+                total: int) -> None:
+    if opts.workers <= 1 or len(todo) <= 1:
+        for p in todo:
+            base = finished_bytes
+            res = run_shard(p, src.root / p.source, out,
+                            progress=(lambda r, b=base: progress(b + r, total)) if progress else None, spool=spool)
+            finished_bytes += src.shard(p.source).size
+            record(res)
+            if progress:
+                progress(finished_bytes, total)
+    else:
+        import multiprocessing as mp
+
+        threads = 1
+        with ProcessPoolExecutor(max_workers=opts.workers, mp_context=mp.get_context("spawn")) as ex:
+            for res in ex.map(worker, [(p, src.root / p.source, out, threads, spool) for p in todo]):
+                record(res)
+                finished_bytes += res.source_size
+                if progress:
+                    progress(finished_bytes, total)
+
+
+def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, plans: list[ShardPlan],
+              results: dict[str, dict], identity: dict, t0: float, resumed: int, notes: list[str],
+              kv: kvrules.KVScales | None, kv_out: dict | None, kv_scheme: dict | None,
+              calibration: dict | None = None) -> ConvertResult:
+    """The index, config.json, the copied files, and the manifest (pack/manifest.py) last."""
+    wait_durable()  # every shard written by this process is on disk before the index and manifest
+    ordered = [results[p.source] for p in plans]
+    tensors: dict[str, dict] = {}
+    weight_map: dict[str, str] = {}
+    out_shards = [{**o, "source_shard": r["source"]} for r in ordered for o in r["outputs"]]
+    for rec in ordered:
+        for name in sorted(rec["tensors"]):
+            tensors[name] = rec["tensors"][name]
+            weight_map[name] = rec["tensors"][name]["shard"]
+    if kv_out is not None:
+        out_shards.append({**kv_out, "source_shard": None})
+        for name, t in kv.ordered():
+            tensors[name] = {"shape": list(t.shape), "dtype": "float32", "shard": kvrules.KV_SHARD_NAME,
+                             "source_shard": None, "kv_cache": kv.strategy}
+            weight_map[name] = kvrules.KV_SHARD_NAME
+    total_size = sum(o["size"] for o in out_shards)
+    write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total_size},
+                                         "weight_map": dict(sorted(weight_map.items()))})
+    config = dict(src.config)
+    qc = quantization_config(results, kv_scheme)
+    if qc is None:
+        config.pop("quantization_config", None)  # nothing quantized: the source's (FP8) config must not stay
+    else:
+        config["quantization_config"] = qc
+    write_json_atomic(out / "config.json", config)
+    for p in src.non_weight_files():
+        copy_file_atomic(p, out / p.name)
+
+    modules = {n.rsplit(".", 1)[0]: e for n, e in tensors.items() if "scheme" in e}
+    quantized = [m for m, e in modules.items() if e["method"] != "passthrough"]
+    manifest = {
+        "status": "in_progress",
+        "format_version": FORMAT_VERSION,
+        "tool": {"name": "quantkit", "version": __version__},
+        "identity": identity,
+        "recipe": {"name": recipe.name, "sha256": recipe.sha256, "text": recipe.text},
+        "source": {"config_sha256": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
+                   "format": {"kind": fmt.kind, "description": fmt.describe(),
+                              "block": list(fmt.block) if fmt.block else None, "scale_fmt": fmt.scale_fmt,
+                              "modules_to_not_convert": list(fmt.not_converted)},
+                   "shards": [{"name": r["source"], "size": r["source_size"], "sha256": r["source_sha256"]}
+                              for r in ordered]},
+        "shards": [{"name": o["name"], "size": o["size"], "sha256": o["sha256"], "source_shard": o["source_shard"]}
+                   for o in out_shards],
+        "summary": {"tensors_total": len(tensors), "modules_quantized": len(quantized),
+                    "modules_passed_through": len(modules) - len(quantized),
+                    "bytes_read": sum(r["source_size"] for r in ordered), "bytes_written": total_size},
+        "notes": notes,
+        "calibration": None if calibration is None else {**calibration, **expert_report(tensors)},
+        "kv_cache": (None if kv is None else {"strategy": kv.strategy, "scheme": kv.config(), "origin": kv.origin,
+                                             "shard": kvrules.KV_SHARD_NAME, "tensors": len(kv.scales)}),
+        "quantization_config": qc,
+        "tensors": tensors,
+    }
+    write_json_atomic(out / MANIFEST_NAME, manifest)  # still in_progress: journal removed next
+    shutil.rmtree(out / JOURNAL_DIR, ignore_errors=True)
+    manifest["status"] = "complete"
+    write_json_atomic(out / MANIFEST_NAME, manifest)  # the last write: only now does it look finished
+    return ConvertResult(str(out), round(time.perf_counter() - t0, 3), manifest["summary"]["bytes_read"],
+                         total_size, len(tensors), len(quantized), peak_rss_bytes(), resumed,
+                         len(modules) - len(quantized), list(notes))
+

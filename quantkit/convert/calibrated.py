@@ -1,0 +1,112 @@
+"""What `convert` needs from calibration: the token samples for GPTQ/AWQ groups, the calibrated pass
+itself (quantkit.calib, spooled under the journal, resumable per layer), and the FP8 KV-cache scales to
+ship (a file from `quantkit calibrate`, or calibrated here when the recipe has a `kv_cache` section)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from ..arch import text_config
+from ..errors import CalibrationNeeded, KVScalesError
+from ..match.recipe import CalibrationSpec, Recipe
+from ..pack import kv as kvrules
+from ..read.checkpoint import Checkpoint, read_json_file
+from ..write.writer import ShardWriter, sha256_file, write_json_atomic
+from .run import Spool
+
+
+def calibration_data(src: Checkpoint, recipe: Recipe, dataset: str | None, num_samples: int | None,
+                     seq_len: int | None):
+    """Token samples for the calibrated groups: the options first, then the recipe's calibration section,
+    then the defaults (match.recipe.CalibrationSpec)."""
+    from ..calib.data import load_calibration_data, load_tokenizer
+
+    cal = recipe.calibration or CalibrationSpec()
+    vocab = text_config(src.config)[0].get("vocab_size")
+    return load_calibration_data(dataset or cal.dataset, tokenizer=load_tokenizer(src.root),
+                                 vocab_size=vocab if isinstance(vocab, int) else None,
+                                 num_samples=num_samples or cal.num_samples, seq_len=seq_len or cal.seq_len)
+
+
+def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log) -> Spool:
+    """GPTQ/AWQ layer by layer (quantkit.calib), spooled under the journal. A spool left by an
+    interrupted run of the same identity is reused when it is complete, and continued from the last
+    finished layer when it is not."""
+    from ..calib.spool import PROGRESS_NAME, run_calibrated
+
+    done = spool_dir / "index.json"
+    if done.is_file():
+        index = read_json_file(done, "calibration spool index")
+    else:
+        if spool_dir.exists() and not (spool_dir / PROGRESS_NAME).is_file():
+            shutil.rmtree(spool_dir)
+        if log:
+            log(f"calibrating {', '.join(sorted({g.method for g in recipe.groups if g.method != 'rtn'}))} on "
+                f"{data.num_samples} samples x {data.seq_len} tokens, layer by layer")
+        index = run_calibrated(src.root, recipe, data.samples, spool_dir, log=log or (lambda m: None))
+        write_json_atomic(done, index)
+    files = {}
+    for layer in index["layers"]:
+        meta = read_json_file(spool_dir / f"{layer}.json", f"{layer}.json")
+        for name in meta["tensors"] + meta["overrides"]:
+            files[name] = str(spool_dir / f"{layer}.safetensors")
+    return Spool(files, index["modules"])
+
+
+def kv_scales(src: Checkpoint, recipe: Recipe, path: str | None) -> kvrules.KVScales:
+    """The KV scales to ship, checked against the source model: from `path`, or calibrated now with the
+    recipe's calibration settings (recipe `kv_cache` section)."""
+    want = recipe.kv_cache.strategy if recipe.kv_cache is not None else None
+    if path is not None:
+        scales = kvrules.read_file(path)
+        origin = {"file": str(path), "sha256": sha256_file(path)}
+    else:
+        calibrate = _find_calibrate()
+        if calibrate is None:
+            raise CalibrationNeeded(f"recipe {recipe.name!r} asks for FP8 KV-cache scales (kv_cache), which need "
+                                    "calibration on real activations; no --kv-scales file was given")
+        cal = recipe.calibration or CalibrationSpec()
+        res = calibrate(str(src.root), dataset=cal.dataset, num_samples=cal.num_samples, seq_len=cal.seq_len,
+                        strategy=want)
+        scales = {n: t.detach().cpu() for n, t in dict(res.scales).items()}
+        origin = {"calibrate": {"dataset": cal.dataset, "num_samples": cal.num_samples, "seq_len": cal.seq_len}}
+    cfg = text_config(src.config)[0]
+    mla = "kv_lora_rank" in cfg
+    if mla:
+        scales = kvrules.normalize_mla(scales)
+        want = kvrules.shipped_strategy(want, True) if want else want
+    n_layers = cfg.get("num_hidden_layers")
+    if not isinstance(n_layers, int) or n_layers <= 0:
+        raise KVScalesError("config.json has no num_hidden_layers to check the KV scales against")
+    attn = {int(m[1]) for n in src.location if (m := kvrules.ATTN_TENSOR.match(n))}
+    strategy = kvrules.validate(scales, num_layers=n_layers, attn_layers=[a for a in attn if a < n_layers],
+                                kv_heads=cfg.get("num_key_value_heads") or cfg.get("num_attention_heads"), mla=mla,
+                                strategy=want)
+    return kvrules.KVScales(scales, strategy, origin)
+
+
+def _find_calibrate():
+    """`quantkit.calibrate.calibrate` when that module exists (it is optional); None otherwise."""
+    try:
+        from .. import calibrate as mod
+    except ModuleNotFoundError as e:
+        if e.name == "quantkit.calibrate":
+            return None
+        raise
+    return getattr(mod, "calibrate", None)
+
+
+def write_kv_scales(out: Path, kv: kvrules.KVScales) -> dict:
+    """The extra shard holding the scales; returns its {name, sha256, size}."""
+    items = kv.ordered()
+    writer = ShardWriter(out / kvrules.KV_SHARD_NAME, [(n, t.dtype, tuple(t.shape)) for n, t in items],
+                         metadata={"format": "pt"})
+    try:
+        for n, t in items:
+            writer.write(n, t.contiguous())
+        sha, size = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"name": kvrules.KV_SHARD_NAME, "sha256": sha, "size": size}

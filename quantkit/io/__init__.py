@@ -1,1 +1,0 @@
-"""Checkpoint I/O: validated safetensors headers, lazy tensor reads, sharded indexes, atomic writes."""

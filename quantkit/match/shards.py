@@ -1,0 +1,284 @@
+"""The plan of a conversion: every tensor of every source shard matched to the recipe and turned into a
+unit of work (match/units.py), output shapes fixed, group sizes checked, output shards sized. Nothing
+is written before the whole plan is valid.
+
+Per module, what the source stores and what the recipe asks decide the work (`decide`): copy it,
+quantize a float weight (INT4 RTN, FP8, or from the calibrated pass), dequantize an FP8 weight on read
+and re-quantize it, or pass a stored-quantized weight through unchanged (FP8 kept as FP8 with its
+scales renamed to compressed-tensors' `weight_scale`; INT4 never re-quantized). Every decision that is
+not "quantize as asked" becomes a note (`plan_notes`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..arch import fused_experts
+from ..errors import GroupSizeError, QuantkitError, UnsupportedDtype
+from ..pack.config import canonical_json, scheme_config
+from ..quant.fp8 import FP8Layout
+from ..read.checkpoint import Shard
+from ..read.safetensors import TensorInfo
+from ..read.sources import FLOAT_DTYPES, StoredWeight
+from ..write.writer import ELEMENT_SIZE
+from .recipe import Recipe, Scheme, WeightGroup
+from .units import CalibratedUnit, CopyUnit, FP8Unit, PassUnit, QuantItem, RTNUnit, SourceRef, Unit
+
+DEFAULT_BATCH_BYTES = 256 << 20  # source weight bytes quantized in one batch at most
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the hub convention ("5GB"), as the CLI's --max-shard-size default says
+
+
+def spec_bytes(specs) -> int:
+    total = 0
+    for _, dtype, shape in specs:
+        n = ELEMENT_SIZE[dtype]
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """A source shard and the output shard(s) it becomes: one, or several parts when its output would
+    exceed the shard size limit. `foreign`: companion tensors (scales) this shard's modules read from
+    other source shards, as (tensor, shard file name)."""
+
+    source: str  # source shard file name
+    parts: tuple[tuple[str, tuple[Unit, ...]], ...]  # (output file name, units written to it)
+    foreign: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def units(self) -> tuple[Unit, ...]:
+        return tuple(u for _, us in self.parts for u in us)
+
+
+def _fused_items(name: str, info: TensorInfo, hidden: int | None):
+    """Per-expert (module, SourceRef, shape) for a fused 3-D expert tensor, or None if not fused."""
+    split = fused_experts(name, tuple(info.shape), hidden)
+    if split is None:
+        return None
+    return [(module, SourceRef(name, e, rows), shape) for module, e, rows, shape in split]
+
+
+def split_parts(output: str, units: list[Unit], info: Callable[[str], TensorInfo], max_bytes: int):
+    parts: list[list[Unit]] = [[]]
+    size = 0
+    for u in units:
+        b = spec_bytes(u.outputs(info))
+        if parts[-1] and size + b > max_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(u)
+        size += b
+    if len(parts) == 1:
+        return ((output, tuple(parts[0])),)
+    stem = output.removesuffix(".safetensors")
+    return tuple((f"{stem}-part{i + 1:03d}of{len(parts):03d}.safetensors", tuple(p)) for i, p in enumerate(parts))
+
+
+def pass_unit(sw: StoredWeight, reason: str, group: WeightGroup | None, info: Callable[[str], TensorInfo]) -> PassUnit:
+    """Write a stored-quantized module unchanged. Block-FP8 `weight_scale_inv` (a multiplier despite
+    its name) is exactly compressed-tensors' block `weight_scale`: renamed, widened to float32."""
+    renames = []
+    for suffix, src in sw.tensors:
+        si = info(src)
+        widen = sw.encoding == "fp8-block" and suffix == "weight_scale"
+        renames.append((f"{sw.module}.{suffix}", src, torch.float32 if widen else si.dtype, tuple(si.shape)))
+    cfg = {"format": sw.format, "weights": sw.weights, "input_activations": sw.input_activations}
+    label = sw.label
+    if sw.encoding != "fp8-block":
+        ours = Scheme.from_weights_config(sw.weights)
+        if ours is None or canonical_json(scheme_config(ours)) != canonical_json(cfg):
+            label += "+source"  # the source's own args (e.g. another observer): a config group of its own
+    return PassUnit(QuantItem(sw.module, SourceRef(sw.primary), sw.shape), group, tuple(renames), label,
+                    json.dumps(cfg), reason)
+
+
+def effective_scheme(module: str, scheme: Scheme, shape: tuple[int, int]) -> Scheme:
+    """The scheme applied to a [N, K] weight: INT4 group-size `fallback`s, and for FP8 block schemes the
+    K % b1 rule — dynamic 1 x b1 activation groups (compressed-tensors, vLLM) need K to be a multiple of
+    the block width, so such a module takes `fallback: channel` (per-channel FP8) or is an error."""
+    k = shape[1]
+    try:
+        s = scheme.for_in_features(k)
+    except GroupSizeError as e:
+        raise GroupSizeError(f"{module}: {e.message}") from None
+    if s.type == "float" and s.strategy == "block" and k % s.block_structure[1]:
+        if s.fallback == "channel":
+            return Scheme(8, "float", True, "channel", None)
+        raise GroupSizeError(f"{module}: in_features {k} is not a multiple of the FP8 block width "
+                             f"{s.block_structure[1]}", hint="set `fallback: channel` in the recipe's FP8 scheme "
+                             "(per-channel FP8 for such modules), or leave them unquantized")
+    return s
+
+
+def decide(sw: StoredWeight | None, scheme: Scheme | None, targeted: bool) -> tuple[str, str | None]:
+    """What happens to one weight: ("copy"|"quantize"|"dequantize"|"pass", reason). `sw` is how the
+    source stores it (None: dense), `scheme` the effective recipe scheme for it (None: untouched;
+    never computed for INT4 sources, which are never re-quantized), `targeted` whether a recipe group
+    matches it."""
+    if sw is None:
+        return ("copy", None) if scheme is None else ("quantize", None)
+    if sw.encoding == "int4":
+        return "pass", ("int4-source-targeted" if targeted else "int4-source")
+    if scheme is None:
+        return "pass", "fp8-kept"
+    if scheme.type == "float" and FP8Layout(scheme.strategy, scheme.block_structure) == sw.layout:
+        return "pass", "fp8-same-scheme"
+    return "dequantize", None
+
+
+NOTE_TEXT = {
+    "int4-source": "{n} module(s) already INT4 in the source ({labels}) passed through unchanged",
+    "int4-source-targeted": ("{n} module(s) targeted by the recipe are already INT4 in the source ({labels}): "
+                             "passed through unchanged, not re-quantized (INT4 -> INT4 would compound "
+                             "rounding error; convert from the BF16 or FP8 release to re-quantize them)"),
+    "fp8-kept": ("{n} FP8 module(s) not targeted by the recipe kept as the source stores them ({labels}; "
+                 "bit-exact, a block-FP8 weight_scale_inv written as weight_scale)"),
+    "fp8-same-scheme": "{n} FP8 module(s) already in the recipe's FP8 scheme ({labels}) passed through bit-exact",
+    "fp8-dequantized": ("{n} FP8 module(s) dequantized to BF16 on read and re-quantized ({labels})"),
+    "kv-dropped": "{n} KV-cache scale tensor(s) of the source replaced by the new scales",
+    "fp8-partial-k": ("{n} block-FP8 module(s) passed through have in_features that is not a multiple of the "
+                      "block width ({labels}): compressed-tensors and vLLM cannot run their dynamic 1 x block "
+                      "activation groups; target them with an FP8 scheme with `fallback: channel`"),
+}
+
+
+def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
+               batch_bytes: int = DEFAULT_BATCH_BYTES, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+               stored: Mapping[str, StoredWeight] | None = None, skip: frozenset[str] = frozenset(),
+               location: Mapping[str, str] | None = None,
+               info: Callable[[str], TensorInfo] | None = None, calibrated: bool = False) -> ShardPlan:
+    """Match every tensor of `shard` against `recipe`. Raises GroupSizeError before any work.
+    `stored`: modules the source stores quantized (read/sources.scan); `skip`: tensors not to copy
+    (companions of stored modules, replaced KV scales); `location`/`info`: tensor -> shard / header
+    entry across the whole checkpoint, for companions stored in another shard."""
+    stored = stored or {}
+    info = info or (lambda n: shard.tensors[n])
+    units: list[Unit] = []
+    batches: dict[tuple, list[QuantItem]] = {}
+    batch_meta: dict[tuple, tuple] = {}
+    order: list[tuple] = []  # unit order: copies and batches by first appearance
+    foreign: dict[str, str] = {}
+
+    def add_quant(module, ref, shape, dtype, layer_key, g, scheme=None):
+        if g.method != "rtn" and not calibrated:
+            raise QuantkitError(f"{module}: method {g.method} needs calibration data")
+        scheme = scheme or effective_scheme(module, g.scheme, shape)
+        kind = FP8Unit if scheme.type == "float" else RTNUnit if g.method == "rtn" else CalibratedUnit
+        key = (kind.__name__, layer_key, g.name, scheme, shape, dtype)
+        if key not in batches:
+            batches[key] = []
+            batch_meta[key] = (kind, g, scheme, dtype)
+            order.append(("quant", key))
+        batches[key].append(QuantItem(module, ref, shape))
+
+    def need(tensor):
+        where = (location or {}).get(tensor, shard.name)
+        if where != shard.name:
+            foreign[tensor] = where
+
+    for name in sorted(shard.tensors):
+        if name in skip:
+            continue
+        tinfo = shard.tensors[name]
+        module = name.rsplit(".", 1)[0]
+        sw = stored.get(module)
+        if sw is not None and sw.primary == name:
+            g = recipe.match(module)
+            scheme = None if g is None or sw.encoding == "int4" else effective_scheme(module, g.scheme, sw.shape)
+            action, reason = decide(sw, scheme, g is not None)
+            layer_key = re.sub(r"\.experts\.\d+\.", ".experts.*.", module)
+            if action == "pass":
+                u = pass_unit(sw, reason, g, info)
+                for _, src, _, _ in u.renames:
+                    need(src)
+                order.append(("unit", u))
+            else:  # dequantize on read, then quantize as the recipe says
+                need(sw.scale)
+                ref = SourceRef(name, scale=sw.scale, layout=sw.layout, scale_fmt=sw.scale_fmt, encoding=sw.encoding)
+                add_quant(module, ref, sw.shape, torch.bfloat16, layer_key, g, scheme)
+            continue
+        fused = _fused_items(name, tinfo, hidden) if tinfo.dtype in FLOAT_DTYPES else None
+        if fused is not None:
+            groups = [recipe.match(mod) for mod, _, _ in fused]
+            matched = [g is not None for g in groups]
+            if any(matched) and not all(matched):
+                raise QuantkitError(f"{name}: the recipe quantizes only some of the experts it holds",
+                                    hint="target all experts of a fused tensor, or none")
+            if any(matched):
+                for (mod, ref, shape), g in zip(fused, groups):
+                    add_quant(mod, ref, shape, tinfo.dtype, (name, ref.rows is not None and ref.rows[0] > 0), g)
+                continue
+        elif name.endswith(".weight") and len(tinfo.shape) == 2 and tinfo.dtype in FLOAT_DTYPES:
+            module = name[: -len(".weight")]
+            g = recipe.match(module)
+            if g is not None:
+                # batch all same-shape experts of one layer/projection: key on the name with indices removed
+                layer_key = re.sub(r"\.experts\.\d+\.", ".experts.*.", module)
+                add_quant(module, SourceRef(name), tuple(tinfo.shape), tinfo.dtype, layer_key, g)
+                continue
+        elif name.endswith(".weight") and len(tinfo.shape) == 2 and recipe.match(name[: -len(".weight")]) is not None:
+            # targeted, but neither a float weight nor one the source stores quantized: never copy it
+            # through as if the recipe had not asked for it
+            raise UnsupportedDtype(f"{name}: the recipe quantizes this weight, but its dtype "
+                                   f"{str(tinfo.dtype).removeprefix('torch.')} cannot be quantized")
+        order.append(("copy", name))
+
+    for kind, key in order:
+        if kind == "copy":
+            units.append(CopyUnit(key))
+            continue
+        if kind == "unit":
+            units.append(key)
+            continue
+        ukind, g, scheme, dtype = batch_meta[key]
+        items = batches[key]
+        per = max(1, batch_bytes // (items[0].shape[0] * items[0].shape[1] * 2))
+        for i in range(0, len(items), per):
+            units.append(ukind(tuple(items[i:i + per]), g, scheme, dtype))
+    return ShardPlan(shard.name, split_parts(output, units, lambda n: shard.tensors[n], max_shard_bytes),
+                     tuple(sorted(foreign.items())))
+
+
+def output_shard_names(src) -> dict[str, str]:
+    n = len(src.shards)
+    return {s.name: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, s in enumerate(src.shards)}
+
+
+def plan_notes(plans: list[ShardPlan], kv_dropped: int, stored: Mapping[str, StoredWeight]) -> list[str]:
+    """One line per kind of decision that is not "quantize as asked" (deterministic order)."""
+    counts: dict[str, dict[str, int]] = {}
+    for p in plans:
+        for u in p.units:
+            if isinstance(u, PassUnit):
+                counts.setdefault(u.reason, {}).setdefault(u.label, 0)
+                counts[u.reason][u.label] += 1
+                lay = stored[u.items[0].module].layout
+                if lay is not None and lay.block is not None and u.items[0].shape[1] % lay.block[1]:
+                    counts.setdefault("fp8-partial-k", {}).setdefault(u.label, 0)
+                    counts["fp8-partial-k"][u.label] += 1
+            elif isinstance(u, (RTNUnit, FP8Unit, CalibratedUnit)):
+                for it in u.items:
+                    if it.source.encoding is not None:
+                        key = f"{it.source.encoding} -> {u.scheme.label}"
+                        counts.setdefault("fp8-dequantized", {}).setdefault(key, 0)
+                        counts["fp8-dequantized"][key] += 1
+    if kv_dropped:
+        counts["kv-dropped"] = {"": kv_dropped}
+    notes = []
+    for reason in NOTE_TEXT:
+        if reason in counts:
+            c = counts[reason]
+            labels = ", ".join(f"{n} {lb}" for lb, n in sorted(c.items()))
+            notes.append(NOTE_TEXT[reason].format(n=sum(c.values()), labels=labels))
+    return notes
+
+

@@ -1,0 +1,182 @@
+"""compressed-tensors metadata: the quantization args of a scheme (`weights_config`), its label in the
+manifest, and the `quantization_config` of config.json for what `convert` wrote (docs/format.md,
+"config.json quantization_config"). The field set is the minimal one older vLLM pins accept.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, NamedTuple
+
+from ..quant.fp8 import FP8Layout
+
+
+def canonical_json(d) -> str:
+    return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+
+def weights_config(scheme) -> dict[str, Any]:
+    """compressed-tensors QuantizationArgs of a match.recipe.Scheme, minimal field set (older vLLM pins
+    reject unknown keys)."""
+    return {
+        "num_bits": scheme.num_bits, "type": scheme.type, "symmetric": scheme.symmetric,
+        "strategy": scheme.strategy, "group_size": scheme.group_size, "dynamic": False, "actorder": None,
+        "block_structure": list(scheme.block_structure) if scheme.block_structure else None,
+        "observer": "minmax", "observer_kwargs": {},
+    }
+
+
+class _Args(NamedTuple):
+    num_bits: int
+    type: str
+    symmetric: bool
+    strategy: str
+    group_size: int | None
+    block_structure: tuple[int, int] | None
+
+
+def fp8_weights_config(layout: FP8Layout) -> dict[str, Any]:
+    return weights_config(_Args(8, "float", True, layout.strategy, None, layout.block))
+
+
+def fp8_input_activations(layout: FP8Layout) -> dict[str, Any]:
+    """Dynamic FP8 activations, as the block-FP8 releases run (`activation_scheme: dynamic`) and as
+    llm-compressor's FP8_DYNAMIC / FP8_BLOCK presets write: per token for tensor/channel weights, per
+    1 x b1 group for block weights. This is what selects vLLM's W8A8 FP8 kernels."""
+    block = layout.strategy == "block"
+    return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group" if block else "token",
+            "group_size": layout.block[1] if block else None, "dynamic": True, "actorder": None,
+            "block_structure": None, "observer": None, "observer_kwargs": {}}
+
+
+def weights_label(w: dict) -> str:
+    """The manifest's scheme label of compressed-tensors weight args, e.g. int4-g32-sym, int4-channel-asym,
+    fp8-block128x128, fp8-channel."""
+    if w.get("type") == "float":
+        bs = w.get("block_structure")
+        return f"fp8-{w.get('strategy')}" + (f"{bs[0]}x{bs[1]}" if bs else "")
+    part = f"g{w.get('group_size')}" if w.get("strategy") == "group" else str(w.get("strategy"))
+    return f"int{w.get('num_bits')}-{part}-{'sym' if w.get('symmetric', True) else 'asym'}"
+
+
+def scheme_label(scheme) -> str:
+    return weights_label(weights_config(scheme))
+
+
+def scheme_config(scheme) -> dict:
+    """format + compressed-tensors args of a scheme convert applies (FP8: dynamic FP8 activations)."""
+    if scheme.type == "float":
+        layout = FP8Layout(scheme.strategy, scheme.block_structure)
+        return {"format": "float-quantized", "weights": fp8_weights_config(layout),
+                "input_activations": fp8_input_activations(layout)}
+    return {"format": "pack-quantized", "weights": weights_config(scheme), "input_activations": None}
+
+
+def _is_routed_expert(module: str) -> bool:
+    return re.search(r"(^|\.)experts\.\d+\.", module) is not None
+
+
+def _patterns(modules: list[str]) -> dict[str, list[str]]:
+    """`re:` patterns standing for `modules`: indices become \\d+, names differing only in their last
+    segment share one alternation, e.g. re:model\\.layers\\.\\d+\\.self_attn\\.(o_proj|q_proj)$."""
+    members: dict[str, list[str]] = {}
+    lasts: dict[str, set[str]] = {}
+    for m in modules:
+        parts = m.split(".")
+        prefix = r"\.".join(r"\d+" if p.isdigit() else re.escape(p) for p in parts[:-1])
+        members.setdefault(prefix, []).append(m)
+        lasts.setdefault(prefix, set()).add(parts[-1])
+    out = {}
+    for prefix in sorted(members):
+        last = sorted(lasts[prefix])
+        alt = re.escape(last[0]) if len(last) == 1 else "(" + "|".join(map(re.escape, last)) + ")"
+        pat = (prefix + r"\." if prefix else "") + alt + "$"
+        if not any(_is_routed_expert(m) for m in members[prefix]):
+            # transformers 5 picks the experts' config group as the one whose re: targets contain
+            # "experts"; shared experts must not look like that. expert[s] is the same regex.
+            pat = pat.replace("experts", "expert[s]")
+        out["re:" + pat] = members[prefix]
+    return out
+
+
+def quantization_config(results: dict[str, dict], kv_scheme: dict | None) -> dict | None:
+    """compressed-tensors config for what was written (None when nothing is quantized).
+
+    INT4 only (the Kimi-K2-Thinking style, the most widely loadable): the most used scheme targets
+    ["Linear"]; any other scheme (e.g. a group-size fallback) gets a group of exact module names, which
+    compressed-tensors matches before class names. With FP8 groups: top-level "mixed-precision" (a
+    `format` per group) when formats differ; each format's most used scheme targets `re:` patterns of its
+    modules (the INT4 expert group first: transformers takes its expert scheme from the first group whose
+    re: targets mention "experts", its dense scheme from the first that does not), other schemes exact
+    names. Every 2-D weight left unquantized is listed in `ignore`, which wins over every target."""
+    by_label: dict[str, list[str]] = {}
+    configs: dict[str, dict] = {}
+    kept = set()
+    for rec in results.values():
+        configs.update(rec.get("schemes") or {})
+        for name, e in rec["tensors"].items():
+            if name.endswith(".weight_packed") or (name.endswith(".weight") and "scheme" in e):
+                by_label.setdefault(e["scheme"], []).append(name.rsplit(".", 1)[0])
+            elif name.endswith(".weight") and len(e["shape"]) == 2:
+                kept.add(name[: -len(".weight")])
+    if not by_label and kv_scheme is None:
+        return None
+
+    def group(label, targets, with_format):
+        c = configs[label]
+        g = {"targets": targets, "input_activations": c["input_activations"], "output_activations": None,
+             "weights": c["weights"]}
+        if with_format:
+            g["format"] = c["format"]
+        return g
+
+    rank = lambda lb: (-len(by_label[lb]), lb)  # noqa: E731
+    formats = sorted({configs[lb]["format"] for lb in by_label})
+    groups = {}
+    if not formats:  # KV scales only
+        top = "dense"
+    elif formats == ["pack-quantized"]:
+        for i, label in enumerate(sorted(by_label, key=rank)):
+            groups[f"group_{i}"] = group(label, ["Linear"] if i == 0 else sorted(by_label[label]), False)
+        top = "pack-quantized"
+    else:
+        int_labels = sorted((lb for lb in by_label if configs[lb]["format"] == "pack-quantized"), key=rank)
+        fp_labels = sorted((lb for lb in by_label if configs[lb]["format"] != "pack-quantized"), key=rank)
+        mains = [lbs[0] for lbs in (int_labels, fp_labels) if lbs]
+        rest = sorted((lb for lb in by_label if lb not in mains), key=rank)
+        exact = {m for lb in rest for m in by_label[lb]}
+        every = [m for lb in by_label for m in by_label[lb]] + sorted(kept)
+        targets: dict[str, list[str]] = {}
+        for lb in mains:
+            mine = set(by_label[lb])
+            targets[lb] = []
+            for pat, members in _patterns(by_label[lb]).items():
+                rx = re.compile(pat[3:])
+                clash = [m for m in every if rx.match(m) and m not in mine and m not in exact and m not in kept]
+                targets[lb] += sorted(members) if clash else [pat]  # a clash: name them instead
+        mixed = len(formats) > 1
+        for i, label in enumerate(mains + rest):
+            groups[f"group_{i}"] = group(label, targets.get(label) or sorted(by_label[label]), mixed)
+        top = "mixed-precision" if mixed else formats[0]
+    return {"quant_method": "compressed-tensors", "format": top,
+            "quantization_status": "compressed", "config_groups": groups, "ignore": sorted(kept),
+            "kv_cache_scheme": kv_scheme}
+
+
+
+
+def targeting(module: str, groups, targets=lambda g: g.targets) -> list:
+    """The config groups that target `module` at compressed-tensors' first matching precedence level: an
+    exact module name, then a `re:` pattern (re.match), then a class name such as "Linear" (quantized
+    modules are Linear layers). `targets(group)` gives a group's targets. More than one entry: ambiguous."""
+    from ..match.recipe import matches
+
+    levels = (lambda t: t == module,
+              lambda t: t.startswith("re:") and matches(t, module),
+              lambda t: not t.startswith("re:") and "." not in t and t[:1].isupper())
+    for level in levels:
+        hit = [g for g in groups if any(level(t) for t in targets(g))]
+        if hit:
+            return hit
+    return []

@@ -1,0 +1,92 @@
+"""Which tensors replace `<module>.weight` under each scheme: names, dtypes and shapes. The one table
+`convert` writes by, the calibrated pass spools by, `plan` sizes by and `verify` checks against
+(docs/format.md, "INT4 weights" and "FP8 weights").
+
+    scheme                        tensors of one module with weight [N, K] (G = groups per row)
+    INT4 pack-quantized           weight_packed int32 [N, ceil(K/8)], weight_scale <scale dtype> [N, G],
+                                  weight_shape int64 [2], + weight_zero_point int32 [ceil(N/8), G] (asym),
+                                  + weight_g_idx int32 [K] (actorder "group")
+    FP8 float-quantized           weight float8_e4m3fn [N, K], weight_scale float32 [1] | [N, 1] |
+                                  [ceil(N/b0), ceil(K/b1)]
+
+The INT4 scale dtype is the source weight's when that is bf16 or fp16, else bf16 (fp32 sources, and FP8
+sources, which are dequantized to bf16 on read): `scale_dtype`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..quant.fp8 import FP8_DTYPE, FP8Layout
+from .int4 import pack_zero_point
+
+TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape)
+INT4_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+FP8_SUFFIXES = ("weight", "weight_scale")
+
+
+def scale_dtype(src_dtype: torch.dtype) -> torch.dtype:
+    """dtype of INT4 scales for a weight stored as `src_dtype` (see the module docstring)."""
+    return src_dtype if src_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def fp8_layout(scheme) -> FP8Layout:
+    """Where an FP8 scheme's scales live."""
+    return FP8Layout(scheme.strategy, scheme.block_structure)
+
+
+def num_groups(scheme, k: int) -> int:
+    return 1 if scheme.strategy == "channel" else -(-k // scheme.group_size)
+
+
+def module_tensors(module: str, shape: tuple[int, int], scheme, src_dtype: torch.dtype, *,
+                   g_idx: bool = False) -> list[TensorSpec]:
+    """The tensors that replace `module.weight` [N, K] = `shape` under `scheme` (a match.recipe.Scheme
+    already resolved for this K), in the order they are written. `g_idx`: INT4 with actorder "group"."""
+    n, k = shape
+    if scheme.type == "float":
+        return [(f"{module}.weight", FP8_DTYPE, (n, k)),
+                (f"{module}.weight_scale", torch.float32, fp8_layout(scheme).scale_shape(n, k))]
+    groups = num_groups(scheme, k)
+    per_word = 32 // scheme.num_bits
+    out = [(f"{module}.weight_packed", torch.int32, (n, -(-k // per_word))),
+           (f"{module}.weight_scale", scale_dtype(src_dtype), (n, groups)),
+           (f"{module}.weight_shape", torch.int64, (2,))]
+    if not scheme.symmetric:
+        out.append((f"{module}.weight_zero_point", torch.int32, (-(-n // per_word), groups)))
+    if g_idx:
+        out.append((f"{module}.weight_g_idx", torch.int32, (k,)))
+    return out
+
+
+def int4_module(module: str, packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                shape: tuple[int, int], scheme, src_dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """One INT4 module's output tensors, in `module_tensors` order: `packed` int32 [N, ceil(K/8)] (see
+    pack/int4.py), `scale` [N, G] (stored in `scale_dtype(src_dtype)`), `zero_point` [N, G] (unpacked; packed
+    here along N) or None."""
+    values = {"weight_packed": packed, "weight_shape": torch.tensor(shape, dtype=torch.int64)}
+    out = []
+    for name, dtype, _ in module_tensors(module, shape, scheme, src_dtype):
+        suffix = name.rsplit(".", 1)[1]
+        if suffix == "weight_scale":
+            t = scale.to(dtype)
+        elif suffix == "weight_zero_point":
+            t = pack_zero_point(zero_point)
+        else:
+            t = values[suffix]
+        out.append((name, t))
+    return out
+
+
+def check_module(specs: list[TensorSpec], tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """The first way `tensors` (name -> tensor) differ from `specs` (missing, dtype, shape), or None."""
+    for name, dtype, shape in specs:
+        t = tensors.get(name)
+        if t is None:
+            return f"{name}: missing"
+        if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+            return f"{name}: {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, expected " \
+                   f"{str(dtype).removeprefix('torch.')} {list(shape)}"
+    return None

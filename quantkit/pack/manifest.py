@@ -1,0 +1,72 @@
+"""`quantkit_manifest.json`: what `convert` did to every tensor (docs/format.md, "The manifest").
+
+Written first as {"status": "in_progress", "identity": ...} (so an interrupted conversion never looks
+finished and `--resume` can tell its own output), last with "status": "complete". Top-level keys:
+
+    status, format_version, tool {name, version}, identity (what a resume must match), recipe {name,
+    sha256, text}, source {config_sha256, format, shards}, shards [{name, size, sha256, source_shard}],
+    summary {tensors_total, modules_quantized, modules_passed_through, bytes_read, bytes_written},
+    notes, calibration (+ expert_tokens, fallbacks), kv_cache, quantization_config, tensors
+
+`tensors` maps every output tensor to {shape, dtype, shard, source_shard, ...}; a quantized module's
+tensors add {scheme, method, group, source_tensor, sqnr_db, [source_slice], [source_encoding], [tokens,
+fallback, ...]} (`module_entry`), a passed-through one {scheme, method: passthrough, reason}.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+MANIFEST_NAME = "quantkit_manifest.json"
+JOURNAL_DIR = ".quantkit-journal"  # only while converting: per-shard records, the calibration spool
+# ~530 bytes per tensor: a Kimi K2 manifest (~200k tensors) is ~110 MB, beyond the limit on config files
+MAX_MANIFEST_BYTES = 1 << 30
+FORMAT_VERSION = 1
+_EXPERT_MODULE = re.compile(r"^(.*\.experts)\.(\d+)\.[^.]+$")
+
+
+def dtype_name(dtype) -> str:
+    """torch.bfloat16 -> "bfloat16", as the manifest spells dtypes."""
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_entry(shape, dtype, **meta) -> dict:
+    return {"shape": list(shape), "dtype": dtype_name(dtype), **meta}
+
+
+def module_entry(scheme_label: str, method: str, group: str, source_tensor: str, sqnr: float, *,
+                 expert: int | None = None, rows: tuple[int, int] | None = None, encoding: str | None = None) -> dict:
+    """The metadata every tensor of one quantized module carries."""
+    meta = {"scheme": scheme_label, "method": method, "group": group, "source_tensor": source_tensor,
+            "sqnr_db": round(sqnr, 4)}
+    if expert is not None:
+        meta["source_slice"] = {"expert": expert, "rows": list(rows)}
+    if encoding is not None:
+        meta["source_encoding"] = encoding  # dequantized from FP8 on read
+    return meta
+
+
+def expert_report(tensors: dict[str, dict]) -> dict:
+    """Calibration tokens seen per expert (by layer, in expert order) and every fallback with its reason."""
+    tokens: dict[str, dict[int, int]] = {}
+    fallbacks: dict[str, str] = {}
+    for name, e in tensors.items():
+        if not name.endswith(".weight_packed") or "tokens" not in e:
+            continue
+        module = name[: -len(".weight_packed")]
+        if e.get("fallback"):
+            fallbacks[module] = e["fallback"]
+        m = _EXPERT_MODULE.match(module)
+        if m:
+            tokens.setdefault(m[1], {})[int(m[2])] = e["tokens"]
+    return {"expert_tokens": {p: [c[i] for i in sorted(c)] for p, c in sorted(tokens.items())},
+            "fallbacks": dict(sorted(fallbacks.items()))}
+
+
+def read_manifest(root: str | Path, error) -> dict:
+    """The manifest of the checkpoint in `root` as a dict; `error` (a QuantkitError class) for anything
+    that is not a readable JSON object."""
+    from ..read.checkpoint import read_json_file
+
+    return read_json_file(Path(root) / MANIFEST_NAME, MANIFEST_NAME, error, limit=MAX_MANIFEST_BYTES)

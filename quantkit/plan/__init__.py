@@ -1,0 +1,291 @@
+"""Memory planner: parameter counts, checkpoint bytes, KV-cache bytes and GPU residency for MoE models.
+
+`plan(model_or_config, recipe)` answers, before anything is downloaded or converted: how many parameters
+the model has by role, how many bytes its checkpoint takes as it is and after a recipe (INT4/FP8 laid
+out exactly as quantkit writes them), how many bytes one token of KV cache costs in BF16, FP8 and the
+DeepSeek `fp8_ds_mla` layout, and how many tokens / concurrent requests fit on N GPUs of G GiB.
+
+Inputs: a config.json, a checkpoint directory (its safetensors headers are read, never the data), or the
+name of a shipped reference config (`kimi-k2`, `glm-4.5`, `glm-5`). From a config the checkpoint's
+tensors are enumerated under their on-disk Hugging Face names and shapes (checked against
+`save_pretrained` output in tests/test_plan.py).
+
+The planner is pure arithmetic over shapes (plan/tensors.py, plan/kv.py; the model description is
+arch.py's). It is not a loader (it never reads tensor data), not a
+converter, and it does not model engine internals beyond what is stated in `PlanReport.assumptions`
+(sharding rules, activation reserve, which layers cache KV).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ..arch import SUPPORTED_MODEL_TYPES, ModelSpec, check_tensors, parse_config
+from ..errors import ConfigError
+from ..match.recipe import Recipe, load_recipe
+from ..read.checkpoint import read_json_file
+from .kv import KV_DTYPES, KVLayout, kv_layout
+from .render import render
+from .tensors import (DEFAULT_SHARD_BYTES, ROLES, TensorShapes, _by_role, enumerate_tensors, header_bytes,
+                      parameter_count, predict_bytes, quantized_layout, source_tensors, tensor_bytes, tensor_role)
+
+__all__ = ["plan", "PlanReport", "render", "parse_config", "ModelSpec", "enumerate_tensors", "quantized_layout",
+           "predict_bytes", "source_tensors", "tensor_role", "kv_layout", "KVLayout", "reference_config",
+           "REFERENCE_CONFIGS", "ROLES", "KV_DTYPES", "SUPPORTED_MODEL_TYPES"]
+
+GIB = 1 << 30
+_KV_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "auto": "bfloat16", "fp8": "float8_e4m3",
+               "fp8_e4m3": "float8_e4m3", "float8_e4m3": "float8_e4m3", "float8_e4m3fn": "float8_e4m3",
+               "fp8_ds_mla": "fp8_ds_mla"}
+REFERENCE_CONFIGS = ("kimi-k2", "glm-4.5", "glm-5")
+# Default activation reserve when none is given: 10% of each GPU (like vLLM's default
+# gpu_memory_utilization=0.9). Real engines also spend it on CUDA graphs and allocator slack.
+DEFAULT_RESERVE_FRACTION = 0.10
+
+
+# ---- loading inputs ------------------------------------------------------------------------------------
+def _tensor_shapes_from_checkpoint(directory: str | Path) -> TensorShapes:
+    """{name: (shape, dtype code)} from the validated safetensors headers of a checkpoint directory
+    (read.checkpoint: metadata only, no data read)."""
+    from ..read.checkpoint import Checkpoint
+    from ..read.safetensors import CODE_OF
+
+    ck = Checkpoint.open(directory)
+    return {n: (tuple(ck.info(n).shape), CODE_OF[ck.info(n).dtype]) for n in ck.location}
+
+
+@dataclass(frozen=True)
+class _Source:
+    label: str
+    config: Mapping[str, Any]
+    checkpoint: Path | None  # directory with *.safetensors, or None (config only)
+
+
+def _read_json(path: Path) -> Mapping[str, Any]:
+    return read_json_file(path, str(path), ConfigError)
+
+
+def reference_config(name: str) -> dict[str, Any]:
+    """A shipped reference config.json (`kimi-k2`, `glm-4.5`, `glm-5`), `_source` provenance included."""
+    res = resources.files("quantkit") / "data" / "configs" / f"{name}.json"
+    if name not in REFERENCE_CONFIGS or not res.is_file():
+        raise ConfigError(f"no reference config named {name!r}", hint=f"shipped: {', '.join(REFERENCE_CONFIGS)}")
+    return json.loads(res.read_text(encoding="utf-8"))
+
+
+def _resolve(model_or_config: str | Path) -> _Source:
+    p = Path(model_or_config)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"{p} has no config.json", hint="pass a checkpoint directory or a config.json file")
+        has_shards = any(p.glob("*.safetensors"))
+        return _Source(str(p), _read_json(p / "config.json"), p if has_shards else None)
+    if p.is_file():
+        return _Source(str(p), _read_json(p), None)
+    name = str(model_or_config)
+    if name in REFERENCE_CONFIGS:
+        return _Source(name, reference_config(name), None)
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name):  # a hub id already in the local cache (never downloads)
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(name, "config.json")
+        except Exception:
+            cached = None
+        if isinstance(cached, str):
+            d = Path(cached).parent
+            return _Source(name, _read_json(Path(cached)), d if any(d.glob("*.safetensors")) else None)
+    raise ConfigError(f"{name!r} is not a config.json, a checkpoint directory or a reference config name",
+                      hint=f"reference configs: {', '.join(REFERENCE_CONFIGS)}")
+
+
+# ---- the report ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanReport:
+    """Everything `plan` computed. Bytes are bytes; GiB = 2**30 bytes."""
+
+    model: str
+    model_type: str
+    arch: str
+    source_format: str
+    recipe: str | None
+    parameters: Mapping[str, int]  # by role, plus "total"
+    active_parameters: int  # per token: everything but the routed experts and MTP, plus top-k/E of them
+    checkpoint_bytes: Mapping[str, int | None]  # {"source", "recipe"}
+    bytes_by_role: Mapping[str, Mapping[str, int | None]]  # role -> {"source", "recipe"}
+    kv: KVLayout
+    kv_bytes_per_token: Mapping[str, int | None]  # whole model, per KV dtype
+    kv_bytes_per_token_per_gpu: Mapping[str, int | None]
+    kv_tokens: Mapping[str, int | None]
+    max_concurrency: Mapping[str, int | None]
+    kv_dtype: str  # the dtype the summary highlights
+    gpus: int
+    tp: int
+    gpu_memory_gib: float
+    context_len: int
+    activation_reserve_gib: float
+    weight_bytes_per_gpu: int
+    kv_budget_bytes_per_gpu: int
+    assumptions: tuple[str, ...]
+    warnings: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """The `quantkit plan --json` object. Contract keys: parameters, checkpoint_bytes,
+        kv_bytes_per_token, kv_tokens, max_concurrency; the rest is extra detail."""
+        kv = self.kv
+        return {
+            "parameters": dict(self.parameters),
+            "checkpoint_bytes": dict(self.checkpoint_bytes),
+            "kv_bytes_per_token": dict(self.kv_bytes_per_token),
+            "kv_tokens": dict(self.kv_tokens),
+            "max_concurrency": dict(self.max_concurrency),
+            "model": {"name": self.model, "model_type": self.model_type, "arch": self.arch,
+                      "source_format": self.source_format, "recipe": self.recipe},
+            "active_parameters": self.active_parameters,
+            "bytes_by_role": {r: dict(v) for r, v in self.bytes_by_role.items()},
+            "kv_cache": {"kind": kv.kind, "layers": kv.layers, "values_per_layer": kv.values_per_layer,
+                         "indexer_layers": kv.indexer_layers, "indexer_values_per_layer": kv.indexer_dim,
+                         "selected_dtype": self.kv_dtype},
+            "per_gpu": {"gpus": self.gpus, "tp": self.tp, "replicas": self.gpus // self.tp,
+                        "gpu_memory_bytes": int(self.gpu_memory_gib * GIB),
+                        "activation_reserve_bytes": int(self.activation_reserve_gib * GIB),
+                        "weight_bytes": self.weight_bytes_per_gpu,
+                        "kv_budget_bytes": self.kv_budget_bytes_per_gpu,
+                        "kv_bytes_per_token": dict(self.kv_bytes_per_token_per_gpu)},
+            "context_len": self.context_len,
+            "assumptions": list(self.assumptions),
+            "warnings": list(self.warnings),
+        }
+
+
+def _kv_dtype(kv_dtype: str | None, recipe: Recipe | None, kind: str) -> str:
+    if kv_dtype is None:
+        return "float8_e4m3" if recipe is not None and recipe.kv_cache is not None else "bfloat16"
+    d = _KV_ALIASES.get(str(kv_dtype).lower())
+    if d is None:
+        raise ConfigError(f"unknown kv_dtype {kv_dtype!r}", hint=f"choose one of {', '.join(KV_DTYPES)}")
+    if d == "fp8_ds_mla" and kind != "mla":
+        raise ConfigError("kv_dtype fp8_ds_mla applies to MLA models only (DeepSeek-V3, Kimi K2, GLM-5)")
+    return d
+
+
+def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *, gpu_memory_gib: float = 80, gpus: int = 8,
+         context_len: int = 131072, tp: int | None = None, activation_reserve_gib: float | None = None,
+         kv_dtype: str | None = None) -> PlanReport:
+    """Plan memory for `model_or_config` (config.json, checkpoint directory, or reference config name),
+    optionally after `recipe`, served on `gpus` GPUs of `gpu_memory_gib` GiB with tensor parallelism
+    `tp` (default: all GPUs; gpus/tp data-parallel replicas otherwise) at `context_len` tokens per request.
+    `activation_reserve_gib` per GPU is kept free of weights and KV (default 10% of the GPU)."""
+    tp = gpus if tp is None else tp
+    if gpus < 1 or tp < 1 or gpus % tp:
+        raise ConfigError(f"gpus={gpus} must be a positive multiple of tp={tp}",
+                          hint="tp GPUs hold one copy of the model; gpus/tp copies serve in parallel")
+    if gpu_memory_gib <= 0 or context_len < 1 or (activation_reserve_gib is not None and activation_reserve_gib < 0):
+        raise ConfigError("gpu_memory_gib and context_len must be positive and the activation reserve >= 0")
+    src = _resolve(model_or_config)
+    spec = parse_config(src.config)
+    rec = load_recipe(recipe) if isinstance(recipe, (str, Path)) else recipe
+    kv_sel = _kv_dtype(kv_dtype, rec, "mla" if spec.attention == "mla" else "gqa")
+    if rec is not None and spec.quantization and spec.quantization.get("quant_method") == "compressed-tensors":
+        raise ConfigError("the source is already a compressed-tensors checkpoint; quantkit quantizes BF16 or "
+                          "FP8 block sources", hint="plan the recipe from the original BF16/FP8 checkpoint")
+    assumptions: list[str] = []
+    warnings: list[str] = []
+
+    # Tensors: the real headers of a checkpoint directory, or the hub layout enumerated from config.json.
+    if src.checkpoint is not None:
+        tensors = _tensor_shapes_from_checkpoint(src.checkpoint)
+        check_tensors(spec, {n: sh for n, (sh, _) in tensors.items()})
+        shard_files = sorted(src.checkpoint.glob("*.safetensors"))
+        n_shards = len(shard_files)
+        source_total = sum(f.stat().st_size for f in shard_files)
+        assumptions.append(f"tensors: read from the safetensors headers of {n_shards} shard(s); source bytes are "
+                           "the shard file sizes")
+    else:
+        tensors = source_tensors(spec)
+        n_shards = None
+        source_total = predict_bytes(tensors, None)
+        mtp_note = (f"; the {spec.mtp_layers} MTP layer(s) the hub release ships are included"
+                    if spec.mtp_layers else "")
+        assumptions.append(f"tensors: enumerated from config.json in the hub layout ({spec.source_format}"
+                           f"{mtp_note}); header bytes estimated for {DEFAULT_SHARD_BYTES // 10**9} GB shards")
+        if spec.prefix:
+            assumptions.append("kimi_k25: text model only (the vision tower is not enumerated from a config)")
+        if spec.quantization and spec.quantization.get("quant_method") == "fp8":
+            assumptions.append("fp8 source: every Linear in FP8 with float32 128x128 weight_scale_inv; embeddings, "
+                               "lm_head, routers, eh_proj, indexer weights_proj and norms in BF16")
+
+    # Parameters come from the unquantized enumeration for configs (exact), from headers for directories.
+    logical = enumerate_tensors(spec) if src.checkpoint is None and spec.quantization else tensors
+    params = _by_role(logical, spec.num_layers, parameter_count)
+    params["total"] = sum(params[r] for r in ROLES)
+    routed = params["routed_experts"]
+    active = params["total"] - params["mtp"] - routed
+    if spec.num_experts:
+        active += routed * spec.experts_per_tok // spec.num_experts
+
+    src_role = _by_role(tensors, spec.num_layers, lambda n, s, d: tensor_bytes(s, d))
+    rec_total, rec_role = None, None
+    if rec is not None:
+        layout = quantized_layout(tensors, rec, spec=spec)
+        rec_data = sum(tensor_bytes(sh, d) for sh, d in layout.values())
+        rec_total = rec_data + header_bytes(layout, n_shards or max(1, -(-rec_data // DEFAULT_SHARD_BYTES)))
+        rec_role = _by_role(layout, spec.num_layers, lambda n, s, d: tensor_bytes(s, d))
+    bytes_by_role = {r: {"source": src_role[r], "recipe": rec_role[r] if rec_role else None}
+                     for r in ROLES if src_role[r] or (rec_role and rec_role[r])}
+
+    # GPU residency. MTP weights are not loaded (no speculative decoding) and cache no KV.
+    resident = sum((rec_role or src_role)[r] for r in ROLES if r != "mtp")
+    weights_per_gpu = -(-resident // tp)
+    reserve_gib = (DEFAULT_RESERVE_FRACTION * gpu_memory_gib if activation_reserve_gib is None
+                   else activation_reserve_gib)
+    gpu_bytes = int(gpu_memory_gib * GIB)
+    budget = gpu_bytes - int(reserve_gib * GIB) - weights_per_gpu
+    if budget <= 0:
+        warnings.append(f"weights ({weights_per_gpu / GIB:.1f} GiB per GPU at tp={tp}) plus the reserve "
+                        f"({reserve_gib:.1f} GiB) exceed {gpu_memory_gib:g} GiB: no room for KV cache")
+        budget = 0
+    kv = kv_layout(spec)
+    replicas = gpus // tp
+    kv_total = {d: kv.bytes_per_token(d) for d in KV_DTYPES}
+    kv_gpu = {d: kv.bytes_per_token(d, tp) for d in KV_DTYPES}
+    tokens = {d: None if b is None else replicas * (budget // b) for d, b in kv_gpu.items()}
+    conc = {d: None if b is None else replicas * ((budget // b) // context_len) for d, b in kv_gpu.items()}
+
+    w_label = f"recipe {rec.name}" if rec else f"source ({spec.source_format})"
+    assumptions += [
+        f"weights on GPU: {w_label} bytes without MTP layers, split evenly over tp={tp} "
+        f"({replicas} replica(s)); replicated small tensors (norms, routers) are not double-counted",
+        f"activation reserve: {reserve_gib:g} GiB per GPU"
+        + (f" (default: {DEFAULT_RESERVE_FRACTION:.0%} of the GPU)" if activation_reserve_gib is None else ""),
+        "KV cached by the decoder layers only (MTP layers serve no KV); float8_e4m3 = 1 byte per value "
+        "with per-tensor scales",
+        ("MLA: one latent (kv_lora_rank + qk_rope_head_dim values) per token per layer, replicated on every "
+         "TP rank; fp8_ds_mla = FP8 latent + one fp32 scale per 128 values + BF16 rope (656 B/layer for 512+64)")
+        if kv.kind == "mla" else
+        f"GQA: K and V of {kv.kv_heads} KV heads x {kv.head_dim}; heads shard over TP ranks "
+        f"({-(-kv.kv_heads // tp)} per GPU at tp={tp}, replicated beyond {kv.kv_heads})",
+        f"max_concurrency = resident tokens // context_len ({context_len:,} tokens per request)",
+    ]
+    if kv.indexer_layers:
+        assumptions.append(f"DSA indexer: one {kv.indexer_dim}-value key per token in {kv.indexer_layers} layers "
+                           "(BF16 2 B, FP8 1 B per value; fp8_ds_mla adds one fp32 scale per 128 values)")
+    if spec.quantization and spec.quantization.get("quant_method") == "fp8" and rec is not None:
+        assumptions.append("recipe on an FP8 source: tensors the recipe does not target stay FP8 as they are")
+
+    return PlanReport(
+        model=src.label, model_type=spec.model_type, arch=spec.arch, source_format=spec.source_format,
+        recipe=rec.name if rec else None, parameters=params, active_parameters=active,
+        checkpoint_bytes={"source": source_total, "recipe": rec_total}, bytes_by_role=bytes_by_role, kv=kv,
+        kv_bytes_per_token=kv_total, kv_bytes_per_token_per_gpu=kv_gpu, kv_tokens=tokens, max_concurrency=conc,
+        kv_dtype=kv_sel, gpus=gpus, tp=tp, gpu_memory_gib=gpu_memory_gib,
+        context_len=context_len, activation_reserve_gib=reserve_gib, weight_bytes_per_gpu=weights_per_gpu,
+        kv_budget_bytes_per_gpu=budget, assumptions=tuple(assumptions), warnings=tuple(warnings))
+
+

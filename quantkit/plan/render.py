@@ -1,0 +1,80 @@
+"""`quantkit plan` for people: the report as rich tables."""
+
+from __future__ import annotations
+
+from .kv import KV_DTYPES
+from .tensors import ROLES
+
+GIB = 1 << 30
+
+
+def _gb(n: int | None) -> str:
+    """Decimal and binary units side by side (vendors quote GB, allocators GiB)."""
+    if n is None:
+        return "-"
+    if n >= 10**9:
+        return f"{n / 1e9:,.1f} GB ({n / GIB:,.1f} GiB)"
+    if n >= 10**6:
+        return f"{n / 1e6:,.2f} MB ({n / (1 << 20):,.2f} MiB)"
+    return f"{n:,} B"
+
+
+def _count(n: int) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:,.2f}{unit}"
+    return str(n)
+
+
+def render(report, console) -> None:
+    """Draw the report as rich tables on `console` (a rich.console.Console)."""
+    from rich.table import Table
+
+    r = report
+    title = f"{r.model} ({r.model_type}, source {r.source_format}" + (f", recipe {r.recipe})" if r.recipe else ")")
+    t = Table(title=f"Parameters and checkpoint bytes: {title}", title_justify="left")
+    t.add_column("role")
+    t.add_column("parameters", justify="right")
+    t.add_column("share", justify="right")
+    t.add_column("source bytes", justify="right")
+    if r.recipe:
+        t.add_column("recipe bytes", justify="right")
+    total = r.parameters["total"] or 1
+    for role in ROLES:
+        n = r.parameters.get(role, 0)
+        b = r.bytes_by_role.get(role)
+        if not n and not b:
+            continue
+        row = [role, _count(n), f"{100 * n / total:.1f}%", _gb(b["source"]) if b else "-"]
+        if r.recipe:
+            row.append(_gb(b["recipe"]) if b else "-")
+        t.add_row(*row)
+    row = ["total", _count(r.parameters["total"]), "100%", _gb(r.checkpoint_bytes["source"])]
+    if r.recipe:
+        row.append(_gb(r.checkpoint_bytes["recipe"]))
+    t.add_row(*row, style="bold")
+    console.print(t)
+    console.print(f"active parameters per token: {_count(r.active_parameters)}"
+                  + (f"; recipe checkpoint is {r.checkpoint_bytes['recipe'] / r.checkpoint_bytes['source']:.1%} "
+                     "of the source" if r.recipe else ""))
+
+    kv = Table(title=f"KV cache on {r.gpus} x {r.gpu_memory_gib:g} GiB, tp={r.tp}, context {r.context_len:,}",
+               title_justify="left")
+    for c in ("KV dtype", "bytes/token", "per GPU", "resident tokens", "vs bf16", "max concurrency"):
+        kv.add_column(c, justify="left" if c == "KV dtype" else "right")
+    base = r.kv_tokens["bfloat16"] or 0
+    for d in KV_DTYPES:
+        b = r.kv_bytes_per_token[d]
+        if b is None:
+            continue
+        tok = r.kv_tokens[d] or 0
+        kv.add_row(d + (" *" if d == r.kv_dtype else ""), f"{b:,}", f"{r.kv_bytes_per_token_per_gpu[d]:,}",
+                   f"{tok:,}", f"{tok / base:.3f}x" if base else "-", f"{r.max_concurrency[d]:,}")
+    console.print(kv)
+    console.print(f"per GPU: {r.gpu_memory_gib:g} GiB - weights {r.weight_bytes_per_gpu / GIB:,.2f} GiB - reserve "
+                  f"{r.activation_reserve_gib:g} GiB = KV budget {r.kv_budget_bytes_per_gpu / GIB:,.2f} GiB")
+    for w in r.warnings:
+        console.print(f"[bold red]warning:[/] {w}")
+    console.print("assumptions:")
+    for a in r.assumptions:
+        console.print(f"  - {a}", highlight=False)

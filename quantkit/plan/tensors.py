@@ -1,0 +1,425 @@
+"""A checkpoint as names, shapes and dtypes: the tensors a config.json implies (in the hub's on-disk
+layout), their roles, and what they become after a recipe, laid out exactly as `convert` writes them
+(pack/layout.py). Pure arithmetic over shapes: never reads tensor data."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+
+from ..arch import ModelSpec, fused_experts
+from ..errors import ConfigError
+from ..match.recipe import KVCacheSpec, Recipe, Scheme, WeightGroup, load_recipe
+from ..pack import kv as kvrules
+from ..pack.layout import module_tensors
+from ..read.safetensors import CODE_OF, DTYPES
+
+# Legend: D = hidden_size, V = vocab_size, H = attention heads, KV = key/value heads, hd = head_dim,
+# I = dense intermediate, Im = expert intermediate, E = routed experts, L = decoder layers (no MTP).
+
+# Name -> (shape, safetensors dtype string such as "BF16", "F8_E4M3", "I32").
+TensorShapes = dict[str, tuple[tuple[int, ...], str]]
+
+ROLES = ("routed_experts", "shared_experts", "attention", "dense_mlp", "router", "embeddings", "lm_head",
+         "norms", "mtp", "vision", "other")
+# Shard size assumed for a config-only plan (the hub convention); it only moves the header estimate.
+DEFAULT_SHARD_BYTES = 5 * 10**9
+
+
+# ---- tensor enumeration (the checkpoint's on-disk names and shapes) ------------------------------------
+def _layer_tensors(s: ModelSpec, i: int) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    p, D, dt = f"{s.prefix}model.layers.{i}.", s.hidden_size, s.dtype
+    a = p + "self_attn."
+    if s.attention == "mla":
+        qk = s.qk_nope_head_dim + s.qk_rope_head_dim
+        if s.q_lora_rank:
+            yield a + "q_a_proj.weight", (s.q_lora_rank, D), dt
+            if s.qkv_bias:
+                yield a + "q_a_proj.bias", (s.q_lora_rank,), dt
+            yield a + "q_a_layernorm.weight", (s.q_lora_rank,), dt
+            yield a + "q_b_proj.weight", (s.num_heads * qk, s.q_lora_rank), dt
+        else:
+            yield a + "q_proj.weight", (s.num_heads * qk, D), dt
+        yield a + "kv_a_proj_with_mqa.weight", (s.kv_lora_rank + s.qk_rope_head_dim, D), dt
+        if s.qkv_bias:
+            yield a + "kv_a_proj_with_mqa.bias", (s.kv_lora_rank + s.qk_rope_head_dim,), dt
+        yield a + "kv_a_layernorm.weight", (s.kv_lora_rank,), dt
+        yield a + "kv_b_proj.weight", (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank), dt
+        yield a + "o_proj.weight", (D, s.num_heads * s.v_head_dim), dt
+        if s.o_bias:
+            yield a + "o_proj.bias", (D,), dt
+        if s.indexer and s.indexer[i]:
+            x, n, hd = a + "indexer.", s.index_n_heads, s.index_head_dim
+            yield x + "wq_b.weight", (n * hd, s.q_lora_rank), dt  # [n*hd, q_lora_rank]
+            yield x + "wk.weight", (hd, D), dt  # one K head shared by all index heads
+            yield x + "k_norm.weight", (hd,), dt  # LayerNorm: weight and bias
+            yield x + "k_norm.bias", (hd,), dt
+            yield x + "weights_proj.weight", (n, D), dt
+    else:
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        for proj, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            yield a + proj + ".weight", (out, D), dt
+            if s.qkv_bias:
+                yield a + proj + ".bias", (out,), dt
+        yield a + "o_proj.weight", (D, q), dt
+        if s.o_bias:
+            yield a + "o_proj.bias", (D,), dt
+        if s.qk_norm:
+            yield a + "q_norm.weight", (s.head_dim,), dt
+            yield a + "k_norm.weight", (s.head_dim,), dt
+    yield p + "input_layernorm.weight", (D,), dt
+    yield p + "post_attention_layernorm.weight", (D,), dt
+    if not s.moe[i]:
+        yield from _mlp(p + "mlp.", D, s.intermediate_size, dt, s.mlp_bias)
+        return
+    E, Im = s.num_experts, s.moe_intermediate_size
+    if s.arch == "mixtral":
+        m = p + "block_sparse_moe."
+        for e in range(E):
+            x = f"{m}experts.{e}."
+            yield x + "w1.weight", (Im, D), dt  # gate
+            yield x + "w2.weight", (D, Im), dt  # down
+            yield x + "w3.weight", (Im, D), dt  # up
+        yield m + "gate.weight", (E, D), dt
+        return
+    m = p + "mlp."
+    for e in range(E):
+        yield from _mlp(f"{m}experts.{e}.", D, Im, dt)
+    yield m + "gate.weight", (E, D), dt  # router [E, D]
+    if s.router_bias:
+        yield m + "gate.e_score_correction_bias", (E,), "F32"  # float32 in the DeepSeek/Kimi/GLM releases
+    if s.shared_intermediate:
+        yield from _mlp(m + "shared_experts.", D, s.shared_intermediate, dt)
+
+
+def _mlp(p: str, D: int, inter: int, dt: str, bias: bool = False) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    for proj, shape in (("gate_proj", (inter, D)), ("up_proj", (inter, D)), ("down_proj", (D, inter))):
+        yield p + proj + ".weight", shape, dt
+        if bias:
+            yield p + proj + ".bias", (shape[0],), dt
+
+
+def enumerate_tensors(spec: ModelSpec, *, mtp: bool = True) -> TensorShapes:
+    """The unquantized checkpoint's tensors by on-disk name: {name: (shape, dtype)}.
+
+    `mtp=True` includes the MTP layers as the hub releases ship them (DeepSeek-V3: layer 61, GLM-4.5:
+    layer 92, GLM-5: layer 78); transformers' `save_pretrained` drops them, so pass `mtp=False` to
+    compare with a checkpoint written by transformers."""
+    s, D, V, dt = spec, spec.hidden_size, spec.vocab_size, spec.dtype
+    out: TensorShapes = {}
+    top = f"{s.prefix}model."
+    out[top + "embed_tokens.weight"] = ((V, D), dt)
+    out[top + "norm.weight"] = ((D,), dt)
+    if not s.tie_word_embeddings:
+        out[f"{s.prefix}lm_head.weight"] = ((V, D), dt)
+    for i in range(s.num_layers + (s.mtp_layers if mtp else 0)):
+        for name, shape, d in _layer_tensors(s, i):
+            out[name] = (shape, d)
+        if i >= s.num_layers:  # MTP extras around the decoder block
+            p = f"{top}layers.{i}."
+            out[p + "enorm.weight"] = ((D,), dt)
+            out[p + "hnorm.weight"] = ((D,), dt)
+            out[p + "eh_proj.weight"] = ((D, 2 * D), dt)  # [D, 2D]: concat(embedding, hidden) -> hidden
+            out[p + "shared_head.norm.weight"] = ((D,), dt)
+            if s.mtp_embeddings:
+                out[p + "embed_tokens.weight"] = ((V, D), dt)
+                out[p + "shared_head.head.weight"] = ((V, D), dt)
+    return out
+
+
+# ---- roles -------------------------------------------------------------------------------------------
+_VISION_PREFIXES = ("vision_tower.", "mm_projector.", "visual.", "vision_model.", "multi_modal_projector.")
+
+
+def _layer_index(name: str) -> int | None:
+    i = name.find("layers.")
+    if i < 0 or (i and name[i - 1] != "."):
+        return None
+    j = name.find(".", i + 7)
+    idx = name[i + 7:j]
+    return int(idx) if idx.isdigit() else None
+
+
+def tensor_role(name: str, num_layers: int | None = None) -> str:
+    """The role of a tensor (one of ROLES) from its name; layers >= num_layers are MTP layers.
+    (Plain substring tests: this runs once per tensor, ~10^5 times for a 1T-parameter model.)"""
+    if name.startswith(_VISION_PREFIXES):
+        return "vision"
+    if num_layers is not None:
+        li = _layer_index(name)
+        if li is not None and li >= num_layers:
+            return "mtp"
+    if ".experts." in name:
+        return "routed_experts"
+    if ".shared_expert" in name:  # shared_experts (DeepSeek/GLM), shared_expert(_gate) (Qwen2-MoE style)
+        return "shared_experts"
+    if ".mlp.gate." in name or ".block_sparse_moe.gate." in name:
+        return "router"
+    module = name.rsplit(".", 1)[0]
+    if module.endswith("norm"):  # input_layernorm, q_a_layernorm, k_norm, model.norm, enorm, ...
+        return "norms"
+    if ".self_attn." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "dense_mlp"
+    if "embed_tokens." in name:
+        return "embeddings"
+    if name.startswith("lm_head.") or ".lm_head." in name:
+        return "lm_head"
+    return "other"
+
+
+# ---- bytes as quantkit writes them ---------------------------------------------------------------------
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+_BYTES_MEMO: dict[tuple[tuple[int, ...], str], int] = {}
+
+
+def tensor_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes of one stored tensor (memoized: a 1T-parameter model has ~10^5 tensors but few shapes)."""
+    key = (shape, dtype)
+    b = _BYTES_MEMO.get(key)
+    if b is None:
+        if dtype not in DTYPES:
+            raise ConfigError(f"unknown safetensors dtype {dtype!r}", hint=f"known: {', '.join(sorted(DTYPES))}")
+        b = _BYTES_MEMO[key] = _numel(shape) * DTYPES[dtype][1]
+    return b
+
+
+_EMBED_MODULES = ("embed_tokens", "wte", "word_embeddings", "embeddings")
+_SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
+                   "input_scale", "k_scale", "v_scale")
+
+
+def _is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """A Linear's 2-D weight (what a recipe can quantize). Embeddings and norms are not Linears."""
+    if not name.endswith(".weight") or len(shape) != 2:
+        return False
+    return name[:-7].rsplit(".", 1)[-1] not in _EMBED_MODULES
+
+
+def _replacement(shape: tuple[int, int], dtype: str, scheme: Scheme, g_idx: bool):
+    """(suffix, shape, dtype code) of the tensors that replace one `.weight` [out, k] (pack/layout.py)."""
+    return tuple((name, sh, CODE_OF[dt]) for name, dt, sh in module_tensors("", shape, scheme, DTYPES[dtype][0],
+                                                                             g_idx=g_idx))
+
+
+def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe: Recipe | None, *,
+                     spec: ModelSpec | None = None, g_idx_groups: frozenset[str] = frozenset()) -> TensorShapes:
+    """The checkpoint `tensors` become after `recipe`, as quantkit writes it (recipe None: unchanged).
+
+    Per Linear weight `X.weight` [out, k]: `group = recipe.match("X")`; None keeps `X.weight` (and an
+    FP8 source's `X.weight_scale_inv`) as is, otherwise the scheme's tensors replace them. Every other
+    tensor (norms, biases, embeddings, router bias) is kept. With `recipe.kv_cache`, k_scale/v_scale
+    float32 tensors are added to every attention module of the decoder layers (not MTP layers).
+    `g_idx_groups`: groups whose modules carry `weight_g_idx` (sources written with actorder "group")."""
+    if recipe is None:
+        return dict(tensors)
+    out: TensorShapes = {}
+    dropped: set[str] = set()
+    # (group, shape, dtype) -> the replacement tensors as (suffix, shape, dtype): all experts of a model
+    # share a handful of shapes, so each scheme is applied (and for_in_features checked) once per shape.
+    memo: dict[tuple[int, tuple[int, ...], str], tuple[tuple[str, tuple[int, ...], str], ...]] = {}
+    for name, (shape, dtype) in tensors.items():
+        if type(shape) is not tuple:
+            shape = tuple(shape)
+        split = fused_experts(name, shape) if len(shape) == 3 else None
+        if split and any(recipe.match(m) for m, _, _, _ in split):
+            todo = [(m + ".weight", sh, dtype) for m, _, _, sh in split]
+        else:
+            todo = ((name, shape, dtype),)
+        for name, shape, dtype in todo:
+            if not _is_linear_weight(name, shape):
+                out[name] = (shape, dtype)
+                continue
+            module = name[:-7]
+            group = recipe.match(module)
+            if group is None:
+                out[name] = (shape, dtype)
+                continue
+            key = (id(group), shape, dtype)
+            parts = memo.get(key)
+            if parts is None:
+                scheme = group.scheme.for_in_features(shape[1])  # may raise GroupSizeError
+                parts = memo[key] = _replacement(shape, dtype, scheme, group.name in g_idx_groups)
+            for suffix, sh, d in parts:
+                out[module + suffix] = (sh, d)
+            dropped.add(module + ".weight_scale_inv")
+    for n in dropped:
+        out.pop(n, None)
+    if recipe.kv_cache is not None:
+        out.update(_kv_scale_tensors(tensors, recipe.kv_cache, spec))
+    return out
+
+
+def _kv_scale_tensors(tensors: Mapping, kv: KVCacheSpec, spec: ModelSpec | None) -> TensorShapes:
+    attn: dict[str, int] = {}
+    for name in tensors:
+        m = re.match(r"^(.*layers\.(\d+)\.self_attn)\.", name)
+        if m and (spec is None or int(m.group(2)) < spec.num_layers):
+            attn[m.group(1)] = int(m.group(2))
+    mla = any(".kv_a_proj_with_mqa." in n for n in tensors) if spec is None else spec.attention == "mla"
+    try:
+        shape = kvrules.scale_shape(kv.strategy, None if spec is None else spec.num_kv_heads, mla)
+    except Exception as e:  # KVScalesError: attn_head without the number of KV heads
+        raise ConfigError(f"{e}", hint="pass spec=parse_config(config) to predict_bytes") from None
+    out: TensorShapes = {}
+    for a in attn:
+        out[a + ".k_scale"] = (shape, "F32")
+        out[a + ".v_scale"] = (shape, "F32")
+    return out
+
+
+def header_bytes(tensors: Mapping[str, tuple[tuple[int, ...], str]], n_shards: int = 1) -> int:
+    """Estimated safetensors header bytes for `tensors` written in `n_shards` files: per shard the 8-byte
+    length, the compact JSON (`{"__metadata__":{"format":"pt"},"name":{"dtype":..,"shape":[..],
+    "data_offsets":[a,b]},...}`) and the padding to 8 bytes. Offsets are simulated (name order)."""
+    n_shards = max(1, n_shards)
+    names = sorted(tensors)
+    sizes = [tensor_bytes(*tensors[n]) for n in names]
+    target = sum(sizes) / n_shards
+    total, shard_json, off, used = 0, 0, 0, 0
+    shape_len: dict[tuple[int, ...], int] = {}
+    fixed = len(',"":{"dtype":"","shape":[],"data_offsets":[,]}')
+
+    def close(js: int) -> float:
+        raw = js + len('{"__metadata__":{"format":"pt"}}')
+        return 8 + raw + 3.5  # 8-byte length prefix; padding to 8 bytes averages 3.5
+
+    for name, nb in zip(names, sizes):
+        if off and off + nb > target and used < n_shards - 1:
+            total += close(shard_json)
+            shard_json, off, used = 0, 0, used + 1
+        shape, dtype = tensors[name]
+        sl = shape_len.get(shape)
+        if sl is None:
+            sl = shape_len[shape] = len(",".join(str(x) for x in shape))
+        # ,"name":{"dtype":"BF16","shape":[a,b],"data_offsets":[x,y]}
+        shard_json += len(name) + len(dtype) + sl + len(str(off)) + len(str(off + nb)) + fixed
+        off += nb
+    total += close(shard_json)
+    return int(round(total))
+
+
+def predict_bytes(tensor_shapes: Mapping[str, tuple[tuple[int, ...], str]], recipe: Recipe | str | None, *,
+                  spec: ModelSpec | None = None, n_shards: int | None = None, header: bool = True) -> int:
+    """Bytes of the checkpoint `tensor_shapes` describe after `recipe` (a Recipe, a recipe name or path,
+    or None for the checkpoint as it is), with the safetensors headers of `n_shards` files (default: one
+    per DEFAULT_SHARD_BYTES) unless `header=False`."""
+    if isinstance(recipe, (str, Path)):
+        recipe = load_recipe(recipe)
+    layout = quantized_layout(tensor_shapes, recipe, spec=spec)
+    data = sum(tensor_bytes(sh, d) for sh, d in layout.values())
+    if not header:
+        return data
+    if n_shards is None:
+        n_shards = max(1, -(-data // DEFAULT_SHARD_BYTES))
+    return data + header_bytes(layout, n_shards)
+
+
+# ---- source layouts of quantized releases ---------------------------------------------------------------
+# Kept in BF16 by the DeepSeek-style FP8 block releases (DeepSeek-V3, Kimi K2, GLM FP8): not nn.Linear
+# in their modeling code (router), or precision-sensitive by convention.
+_FP8_KEEP = re.compile(r"(?:^|\.)(?:lm_head|shared_head\.head|eh_proj|gate|weights_proj)$")
+
+
+def _not_converted(module: str, entries: list[str]) -> bool:
+    return any(module == e or module.startswith(e + ".") or module.endswith("." + e) for e in entries)
+
+
+def fp8_block_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], qc: Mapping[str, Any]) -> TensorShapes:
+    """`tensors` as an FP8 block checkpoint (`quant_method: fp8`) stores them: each Linear weight as
+    float8_e4m3fn plus `weight_scale_inv` float32 [ceil(out/b0), ceil(in/b1)]; embeddings, lm_head,
+    routers, eh_proj, the indexer's weights_proj and `modules_to_not_convert` stay as they are."""
+    b0, b1 = tuple(qc.get("weight_block_size") or (128, 128))
+    skip = [str(e) for e in (qc.get("modules_to_not_convert") or [])]
+    out: TensorShapes = {}
+    for name, (shape, dtype) in tensors.items():
+        module = name[:-7]
+        if (not _is_linear_weight(name, shape) or _FP8_KEEP.search(module) or name.startswith(_VISION_PREFIXES)
+                or (skip and _not_converted(module, skip))):
+            out[name] = (shape, dtype)
+            continue
+        n_out, k = shape
+        out[name] = (shape, "F8_E4M3")
+        out[module + ".weight_scale_inv"] = ((-(-n_out // b0), -(-k // b1)), "F32")  # [ceil(out/b0), ceil(k/b1)]
+    return out
+
+
+_ROUTERS = (r"re:.*\.mlp\.gate$", r"re:.*\.block_sparse_moe\.gate$")
+
+
+def recipe_from_quantization_config(qc: Mapping[str, Any]) -> tuple[Recipe, frozenset[str]]:
+    """A Recipe equivalent to a compressed-tensors `quantization_config` (used to size its source bytes),
+    and the names of its groups written with actorder "group" (their modules carry `weight_g_idx`).
+    The target "Linear" means every Linear; routers are not nn.Linear in the MoE modeling code."""
+    groups, g_idx = [], set()
+    for gname, g in (qc.get("config_groups") or {}).items():
+        w = (g or {}).get("weights")
+        if not w:
+            continue
+        scheme = Scheme.from_weights_config(w)
+        if scheme is None:
+            raise ConfigError(f"quantization_config group {gname!r}: weights {str(w)[:80]} are not a scheme quantkit "
+                              "sizes", hint="the planner sizes pack-quantized INT4 and FP8 schemes")
+        targets = tuple("re:.*" if t == "Linear" else str(t) for t in (g.get("targets") or ["Linear"]))
+        groups.append(WeightGroup(str(gname), targets, scheme, "rtn"))
+        if w.get("actorder") == "group":
+            g_idx.add(str(gname))
+    if not groups:
+        raise ConfigError("compressed-tensors quantization_config has no weight groups")
+    kv = qc.get("kv_cache_scheme")
+    kv_spec = KVCacheSpec(kv.get("strategy", "tensor")) if isinstance(kv, Mapping) else None
+    ignore = tuple(str(x) for x in (qc.get("ignore") or [])) + _ROUTERS
+    return Recipe(name="quantization_config", groups=tuple(groups), ignore=ignore, kv_cache=kv_spec), frozenset(g_idx)
+
+
+def source_tensors(spec: ModelSpec, *, mtp: bool = True) -> TensorShapes:
+    """The tensors of the checkpoint a config.json describes, in its own format (BF16, FP8 block, or
+    compressed-tensors as its quantization_config says)."""
+    t = enumerate_tensors(spec, mtp=mtp)
+    q = spec.quantization
+    if not q:
+        return t
+    method = q.get("quant_method")
+    if method == "fp8":
+        return fp8_block_layout(t, q)
+    if method == "compressed-tensors":
+        recipe, g_idx = recipe_from_quantization_config(q)
+        return quantized_layout(t, recipe, spec=spec, g_idx_groups=g_idx)
+    raise ConfigError(f"quantization_config quant_method {method!r} is not supported by the planner",
+                      hint="supported: no quantization_config (BF16), quant_method fp8 (block), compressed-tensors")
+
+
+# ---- parameters -------------------------------------------------------------------------------------
+def parameter_count(name: str, shape: tuple[int, ...], dtype: str) -> int:
+    """Parameters a stored tensor holds: scales, zero points and shapes hold none; a packed INT4 word
+    holds 8 (INT8 checkpoints are counted as INT4 too: the header alone does not say)."""
+    last = name.rsplit(".", 1)[-1]
+    if last in _SCALE_SUFFIXES:
+        return 0
+    if last == "weight_packed":
+        return _numel(shape) * 8
+    return _numel(shape)
+
+
+def _by_role(tensors: Mapping[str, tuple[tuple[int, ...], str]], num_layers: int, fn) -> dict[str, int]:
+    acc = dict.fromkeys(ROLES, 0)
+    memo: dict[str, str] = {}  # module -> role: X.weight, X.weight_scale, X.weight_shape share one lookup
+    for name, (shape, dtype) in tensors.items():
+        module = name.rpartition(".")[0]
+        role = memo.get(module) if module else None
+        if role is None:
+            role = tensor_role(name, num_layers)
+            if module:
+                memo[module] = role
+        acc[role] += fn(name, tuple(shape), dtype)
+    return acc
+
+

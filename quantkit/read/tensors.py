@@ -1,0 +1,158 @@
+"""The one tensor reader: tensors of a checkpoint by name, expert slices of fused tensors, and stored-
+quantized weights decoded to floats (block/channel/tensor FP8 and pack-quantized INT4).
+
+Two ways to read, one interface:
+- mapped (convert, verify, the runtime): zero-copy views of each shard's memory map. Streaming a shard
+  through the page cache costs no copy; `release()` drops every mapping (verify does it per shard).
+- positioned (`mapped=False`, the calibration executor): each tensor is read with pread into fresh
+  memory. Mapped pages would count towards the process's resident memory until the mapping goes; a
+  read holds exactly one tensor's bytes.
+
+Headers are validated before a reader sees them (read/safetensors.py): offsets and sizes lie inside the
+file. Not here: deciding what a tensor means (read/sources.py) or where it goes (match/).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from ..errors import TruncatedShard
+from ..pack.int4 import dequantize_module
+from ..quant.fp8 import dequantize as fp8_dequantize
+from .safetensors import Header, SafetensorsFile, read_header
+
+
+class TensorReader:
+    """Tensors of one checkpoint. `location`: tensor name -> shard file name (inside `root`); `headers`:
+    shard file name -> validated Header, read on first use when not given."""
+
+    def __init__(self, root: str | os.PathLike, location: Mapping[str, str],
+                 headers: Mapping[str, Header] | None = None, *, mapped: bool = True):
+        self.root = Path(root)
+        self.location = location
+        self._headers = dict(headers or {})
+        self.mapped = mapped
+        self._files: dict[str, SafetensorsFile] = {}
+        self._fds: dict[str, int] = {}
+
+    @classmethod
+    def of(cls, ckpt, *, mapped: bool = True) -> "TensorReader":
+        """A reader over a read.checkpoint.Checkpoint."""
+        return cls(ckpt.root, ckpt.location, {s.name: s.header for s in ckpt.shards}, mapped=mapped)
+
+    # -- plumbing -------------------------------------------------------------------------------------
+    def header(self, shard: str) -> Header:
+        h = self._headers.get(shard)
+        if h is None:
+            h = self._headers[shard] = read_header(self.root / shard)
+        return h
+
+    def _file(self, shard: str) -> SafetensorsFile:
+        f = self._files.get(shard)
+        if f is None:
+            f = self._files[shard] = SafetensorsFile(self.header(shard))
+        return f
+
+    def _fd(self, shard: str) -> int:
+        fd = self._fds.get(shard)
+        if fd is None:
+            fd = self._fds[shard] = os.open(self.root / shard, os.O_RDONLY)
+        return fd
+
+    def _pread(self, shard: str, nbytes: int, offset: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        view, done = memoryview(buf.numpy()), 0
+        while done < nbytes:
+            n = os.preadv(self._fd(shard), [view[done:]], offset + done)
+            if n <= 0:
+                raise TruncatedShard(f"{shard}: short read at byte {offset + done}: the shard changed on disk")
+            done += n
+        return buf
+
+    # -- reads ----------------------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return name in self.location
+
+    def info(self, name: str):
+        return self.header(self.location[name]).tensors[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        """Tensor `name`: a view of the mapping (mapped), or a fresh tensor (positioned)."""
+        shard = self.location[name]
+        if self.mapped:
+            return self._file(shard).get(name, copy=False)
+        h = self.header(shard)
+        info = h.tensors[name]
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=info.dtype)
+        return self._pread(shard, info.nbytes, h.data_start + info.begin).view(info.dtype).reshape(info.shape)
+
+    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """table[index] for a 2-D tensor (embeddings), reading only the distinct rows used."""
+        shard = self.location[name]
+        h = self.header(shard)
+        info = h.tensors[name]
+        uniq, inverse = torch.unique(index, return_inverse=True)
+        row_bytes = info.nbytes // info.shape[0]
+        out = torch.empty((len(uniq), row_bytes), dtype=torch.uint8)
+        for j, r in enumerate(uniq.tolist()):
+            out[j] = self._pread(shard, row_bytes, h.data_start + info.begin + r * row_bytes)
+        return out.view(info.dtype)[inverse]  # [*index.shape, D]
+
+    def view(self, name: str, expert: int | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name`, or expert `expert` of a fused [E, N, K] tensor, or rows r0:r1 of either."""
+        t = self.get(name)
+        if expert is not None:
+            t = t[expert]
+        if rows is not None:
+            t = t[rows[0]:rows[1]]
+        return t
+
+    def read_into(self, name: str, out: torch.Tensor, expert: int | None = None,
+                  rows: tuple[int, int] | None = None) -> None:
+        """`out` [N, K] <- `view(name, expert, rows)`. When the slice is one byte range of the file in
+        `out`'s dtype it is read in place by positioned reads (no page faults on a mapping)."""
+        info = self.info(name)
+        shape = info.shape[1:] if expert is not None else info.shape
+        if rows is not None:
+            shape = (rows[1] - rows[0], *shape[1:])
+        if self.mapped and info.dtype == out.dtype and out.is_contiguous() and tuple(out.shape) == tuple(shape):
+            per_expert = info.nbytes // info.shape[0] if expert is not None else 0
+            row = info.shape[-1] * out.element_size()
+            offset = (expert or 0) * per_expert + (rows[0] * row if rows is not None else 0)
+            self._file(self.location[name]).readinto(name, out, offset)
+            return
+        out.copy_(self.view(name, expert, rows))
+
+    def decode(self, sw, dtype: torch.dtype = torch.float32, notes=None) -> torch.Tensor:
+        """The float weight [N, K] of a module the source stores quantized (a read.sources.StoredWeight):
+        FP8 as q.float() * scale (per tensor / row / block, edge blocks partial), INT4 as (q - zp) * scale;
+        returned in `dtype`."""
+        from .sources import read_scale
+
+        if sw.encoding == "int4":
+            return dequantize_module({suffix: self.get(t) for suffix, t in sw.tensors}, dtype)
+        scale = read_scale(self.get, sw.scale, sw.layout, sw.scale_fmt, notes)
+        return fp8_dequantize(self.get(sw.primary), scale, sw.layout, dtype)
+
+    # -- lifetime -------------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Drop every mapping and descriptor (a later read opens them again)."""
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    close = release
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,290 @@
+"""Loading a quantkit checkpoint for the runner: config groups (pack/config.py's precedence), every layer's
+weights through the one tensor reader (read/tensors.py) with routed experts kept packed as one INT4 stack
+per layer, and the FP8 KV-cache scales (pack/kv.py's rules)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import KVScalesMissing, UnsupportedCheckpoint
+from ..pack import kv as kvrules
+from ..pack.config import targeting
+from ..read.safetensors import SafetensorsFile
+from ..read.tensors import TensorReader
+from .fused_moe import Int4Experts
+from .int4 import PackedInt4, int4_gemm
+from .paged_attention import FP8_DTYPE
+from .spec import ModelSpec, MoESpec
+
+
+@dataclass(frozen=True)
+class Linear:
+    """y = x @ W^T (+ b). weight: dense [N, K] in the compute dtype, or PackedInt4 (N, K)."""
+
+    weight: torch.Tensor | PackedInt4
+    bias: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, backend: str) -> torch.Tensor:
+        if isinstance(self.weight, PackedInt4):
+            y = int4_gemm(x, self.weight, backend=backend)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        w = self.weight
+        return (w.dequantize(torch.float32) if isinstance(w, PackedInt4) else w).to(dtype)
+
+
+@dataclass(frozen=True)
+class DenseMLP:
+    gate: Linear
+    up: Linear
+    down: Linear
+
+
+@dataclass(frozen=True)
+class MoEBlock:
+    router: torch.Tensor  # [E, D]
+    bias: torch.Tensor | None  # fp32 [E] e_score_correction_bias (sigmoid routing)
+    experts: Int4Experts
+    shared: DenseMLP | None
+
+
+@dataclass(frozen=True)
+class GQAAttention:
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class MLAAttention:
+    q: Linear | None  # q_lora_rank None
+    q_a: Linear | None
+    q_a_norm: torch.Tensor | None
+    q_b: Linear | None
+    kv_a: Linear  # -> [L + R]
+    kv_a_norm: torch.Tensor  # [L]
+    kv_b: Linear  # [H * (nope + v), L]
+    w_uk: torch.Tensor  # fp32 [H, nope, L]  (absorbed into q for decode)
+    w_uv: torch.Tensor  # fp32 [H, v, L]
+    o: Linear
+
+
+@dataclass(frozen=True)
+class Layer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attn: GQAAttention | MLAAttention
+    mlp: DenseMLP | MoEBlock
+
+
+class _QuantScheme:
+    """The config's compressed-tensors groups, validated: every group must be pack-quantized INT4."""
+
+    def __init__(self, qcfg: dict | None):
+        self.groups = []
+        if qcfg is None:
+            return
+        if qcfg.get("quant_method") != "compressed-tensors":
+            raise UnsupportedCheckpoint(f"quantization_config.quant_method {qcfg.get('quant_method')!r}: the runner "
+                                        "reads compressed-tensors checkpoints")
+        if qcfg.get("quantization_status", "compressed") != "compressed":
+            raise UnsupportedCheckpoint(f"quantization_status {qcfg.get('quantization_status')!r}, "
+                                        "expected 'compressed'")
+        top_fmt = qcfg.get("format")
+        for name, g in (qcfg.get("config_groups") or {}).items():
+            w = g.get("weights") or {}
+            fmt = g.get("format", top_fmt)
+            int4 = fmt == "pack-quantized" and w.get("num_bits") == 4 and w.get("type") == "int"
+            if not int4 or g.get("input_activations"):
+                acts = " with quantized activations" if g.get("input_activations") else ""
+                raise UnsupportedCheckpoint(f"quantization group {str(name)[:40]!r} is {fmt} {w.get('type')}"
+                                            f"{w.get('num_bits')}{acts}; the runner executes pack-quantized INT4 "
+                                            "weight-only (W4A16)")
+            if w.get("actorder") == "group":
+                raise UnsupportedCheckpoint("act-order 'group' (weight_g_idx) is not supported by the INT4 kernels")
+            gs = w.get("group_size") if w.get("strategy") == "group" else None
+            self.groups.append((list(g.get("targets") or []), gs))
+
+    def group_size(self, module: str) -> int | None:
+        """The group size the config gives `module` (None: infer from the scale's shape)."""
+        hit = targeting(module, self.groups, lambda g: g[0])
+        return hit[0][1] if hit else None
+
+
+class _Reader(TensorReader):
+    """The checkpoint's tensors; a missing one is an UnsupportedCheckpoint."""
+
+    def __init__(self, ckpt):
+        r = TensorReader.of(ckpt)
+        super().__init__(r.root, r.location, r._headers)
+        self.ckpt = ckpt
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.location:
+            raise UnsupportedCheckpoint(f"tensor {name} is missing from the checkpoint")
+        return super().get(name).clone()  # weights outlive the mapping (closed after load)
+
+
+class _Loader:
+    def __init__(self, reader: _Reader, scheme: _QuantScheme, dtype: torch.dtype, device: torch.device):
+        self.r, self.scheme, self.dtype, self.device = reader, scheme, dtype, device
+
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        t = self.r.get(name)
+        if not t.is_floating_point() or t.dtype == FP8_DTYPE:
+            raise UnsupportedCheckpoint(f"{name} is {str(t.dtype).removeprefix('torch.')}; expected a BF16/FP16/FP32 "
+                                        "tensor (FP8 weights are not supported by the runner)")
+        return t.to(device=self.device, dtype=dtype or self.dtype)
+
+    def packed(self, module: str) -> PackedInt4:
+        if self.r.has(f"{module}.weight_g_idx"):
+            raise UnsupportedCheckpoint(f"{module} has weight_g_idx (act-order 'group'), which the kernels do not take")
+        zp = f"{module}.weight_zero_point"
+        return PackedInt4.from_tensors(
+            self.r.get(f"{module}.weight_packed").to(self.device), self.r.get(f"{module}.weight_scale").to(self.device),
+            self.r.get(f"{module}.weight_shape"), self.r.get(zp).to(self.device) if self.r.has(zp) else None,
+            self.scheme.group_size(module))
+
+    def linear(self, module: str, shape: tuple[int, int] | None = None) -> Linear:
+        if self.r.has(f"{module}.weight_packed"):
+            w = self.packed(module)
+            got = w.shape
+        elif self.r.has(f"{module}.weight"):
+            w = self.tensor(f"{module}.weight")
+            got = tuple(w.shape)
+        else:
+            raise UnsupportedCheckpoint(f"{module}: neither {module}.weight nor {module}.weight_packed is in "
+                                        "the checkpoint")
+        if shape is not None and tuple(got) != tuple(shape):
+            raise UnsupportedCheckpoint(f"{module} has shape {list(got)}, the config implies {list(shape)}")
+        b = f"{module}.bias"
+        return Linear(w, self.tensor(b) if self.r.has(b) else None)
+
+    def mlp(self, prefix: str, d: int, inter: int, names=("gate_proj", "up_proj", "down_proj")) -> DenseMLP:
+        g, u, dn = names
+        return DenseMLP(self.linear(f"{prefix}.{g}", (inter, d)), self.linear(f"{prefix}.{u}", (inter, d)),
+                        self.linear(f"{prefix}.{dn}", (d, inter)))
+
+    def experts(self, prefix: str, spec: MoESpec, d: int) -> Int4Experts:
+        """Stack the per-expert packed tensors of one layer into [E, ...] PackedInt4s."""
+        stacks = []
+        for name, shape in zip(spec.names, [(spec.intermediate_size, d)] * 2 + [(d, spec.intermediate_size)]):
+            mods = [f"{prefix}.{e}.{name}" for e in range(spec.num_experts)]
+            if not self.r.has(f"{mods[0]}.weight_packed"):
+                raise UnsupportedCheckpoint(
+                    f"{mods[0]} is not INT4 pack-quantized; the runner executes quantized experts only",
+                    hint="convert the model with an INT4 expert recipe (quantkit convert, e.g. int4-experts-rtn)")
+            parts = [self.packed(m) for m in mods]
+            if any(p.shape != tuple(shape) or p.group_size != parts[0].group_size for p in parts):
+                raise UnsupportedCheckpoint(f"{prefix}.*.{name}: experts disagree in shape or group size "
+                                            f"(expected {list(shape)})")
+            zps = [p.zero_point for p in parts]
+            zp = None if zps[0] is None else torch.stack(zps)
+            stacks.append(PackedInt4(torch.stack([p.packed for p in parts]), torch.stack([p.scale for p in parts]),
+                                     zp, tuple(shape), parts[0].group_size))
+        gate, up, down = stacks
+        return Int4Experts(down, gate=gate, up=up)
+
+
+def _load_layer(ld: _Loader, spec: ModelSpec, i: int) -> Layer:
+    p = f"model.layers.{i}"
+    d, h = spec.hidden_size, spec.num_heads
+    if spec.mla is None:
+        dh, hkv = spec.head_dim, spec.num_kv_heads
+        qn = f"{p}.self_attn.q_norm.weight"
+        attn = GQAAttention(ld.linear(f"{p}.self_attn.q_proj", (h * dh, d)),
+                            ld.linear(f"{p}.self_attn.k_proj", (hkv * dh, d)),
+                            ld.linear(f"{p}.self_attn.v_proj", (hkv * dh, d)),
+                            ld.linear(f"{p}.self_attn.o_proj", (d, h * dh)),
+                            ld.tensor(qn) if spec.qk_norm else None,
+                            ld.tensor(f"{p}.self_attn.k_norm.weight") if spec.qk_norm else None)
+    else:
+        m = spec.mla
+        a = f"{p}.self_attn"
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank is None:
+            q, q_a, q_a_norm, q_b = ld.linear(f"{a}.q_proj", (h * qk, d)), None, None, None
+        else:
+            q = None
+            q_a = ld.linear(f"{a}.q_a_proj", (m.q_lora_rank, d))
+            q_a_norm = ld.tensor(f"{a}.q_a_layernorm.weight")
+            q_b = ld.linear(f"{a}.q_b_proj", (h * qk, m.q_lora_rank))
+        kv_b = ld.linear(f"{a}.kv_b_proj", (h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank))
+        # the absorbed decode needs W_UK / W_UV as matrices: an INT4 kv_b_proj is dequantized once here
+        wkv = kv_b.dense(torch.float32).view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        attn = MLAAttention(q, q_a, q_a_norm, q_b,
+                            ld.linear(f"{a}.kv_a_proj_with_mqa", (m.kv_lora_rank + m.qk_rope_head_dim, d)),
+                            ld.tensor(f"{a}.kv_a_layernorm.weight"), kv_b,
+                            wkv[:, : m.qk_nope_head_dim].contiguous(), wkv[:, m.qk_nope_head_dim:].contiguous(),
+                            ld.linear(f"{a}.o_proj", (d, h * m.v_head_dim)))
+    if spec.moe_layers[i]:
+        mp = f"{p}.{spec.moe.prefix}"
+        if ld.r.has(f"{mp}.gate.weight_packed"):
+            raise UnsupportedCheckpoint(f"{mp}.gate (the router) is quantized; routers must stay in full precision")
+        sigmoid = spec.moe.scoring == "sigmoid"
+        # DeepSeek/GLM keep the router and its bias in fp32 (_keep_in_fp32_modules_strict)
+        router = ld.tensor(f"{mp}.gate.weight", torch.float32 if sigmoid else None)
+        bias = None
+        if sigmoid:
+            bn = f"{mp}.gate.e_score_correction_bias"
+            bias = ld.tensor(bn, torch.float32) if ld.r.has(bn) else torch.zeros(spec.moe.num_experts, device=ld.device)
+        shared = (ld.mlp(f"{mp}.shared_experts", d, spec.moe.shared_intermediate)
+                  if spec.moe.shared_intermediate else None)
+        mlp = MoEBlock(router, bias, ld.experts(f"{mp}.experts", spec.moe, d), shared)
+    else:
+        mlp = ld.mlp(f"{p}.mlp", d, spec.intermediate_size)
+    return Layer(ld.tensor(f"{p}.input_layernorm.weight"), ld.tensor(f"{p}.post_attention_layernorm.weight"), attn, mlp)
+
+
+def _kv_scale_source(kv_scales, reader: _Reader):
+    """name -> tensor lookup for the KV scales: the argument (mapping or safetensors path), else the checkpoint."""
+    if kv_scales is None:
+        return reader.get if any(kvrules.KV_SCALE.match(n) for n in reader.location) else None, "checkpoint"
+    if isinstance(kv_scales, (str, os.PathLike)):
+        path = Path(kv_scales)
+        if not path.is_file():
+            raise KVScalesMissing(f"KV-scales file {str(path)!r} does not exist")
+        with SafetensorsFile(path) as f:
+            table = {n: f.get(n) for n in f.header.tensors}
+        return table.get, str(path)
+    if isinstance(kv_scales, Mapping):
+        return (lambda n: kv_scales.get(n)), "kv_scales"
+    raise TypeError("kv_scales must be None, a path to a safetensors file, or a mapping name -> tensor")
+
+
+def _load_kv_scales(spec: ModelSpec, kv_dtype, kv_scales, reader: _Reader, device) -> list[tuple]:
+    """Per layer (k_scale, v_scale) fp32 [1] or [Hkv, 1, 1]; (None, None) for a BF16/FP16 cache."""
+    if kv_dtype != FP8_DTYPE:
+        return [(None, None)] * spec.num_layers
+    lookup, origin = _kv_scale_source(kv_scales, reader)
+    if lookup is None:
+        raise KVScalesMissing("kv_dtype is float8_e4m3fn but the checkpoint holds no self_attn.k_scale / v_scale")
+    out = []
+    for i in range(spec.num_layers):
+        pair = []
+        for kind in ("k", "v") if spec.mla is None else ("k",):  # MLA: one scale for the whole latent
+            name = kvrules.kv_scale_name(i, kind)
+            t = lookup(name) if (origin != "checkpoint" or reader.has(name)) else None
+            if t is None:
+                raise KVScalesMissing(f"{name} is missing ({origin})")
+            t = torch.as_tensor(t).to(device=device, dtype=torch.float32)
+            per_head = kvrules.scale_shape("attn_head", spec.num_kv_heads, spec.mla is not None)
+            ok_shape = t.numel() == 1 or tuple(t.shape) == per_head
+            if not ok_shape or not bool(torch.isfinite(t).all() and (t > 0).all()):
+                raise KVScalesMissing(f"{name} must be positive finite fp32 [1]"
+                                      + ("" if spec.mla else f" or [{spec.num_kv_heads}, 1, 1]")
+                                      + f", got {list(t.shape)}")
+            pair.append(t.reshape(-1, 1, 1) if t.numel() > 1 else t.reshape(1))
+        out.append((pair[0], pair[1] if len(pair) > 1 else None))
+    return out

@@ -1,0 +1,209 @@
+"""`quantkit verify`: prove that a converted checkpoint is what its manifest says, loads as the format
+says, and computes what the reference computes.
+
+Three stages, each reading only what `convert` wrote, through pack/ (never convert's internals):
+verify/integrity.py, verify/format.py, verify/numerics.py.
+
+1. Integrity (no model code): `quantkit_manifest.json` is complete; every shard it lists exists with the
+   recorded size and sha256; the index names no shard the manifest lacks and the directory holds no
+   shard or leftover temporary file the manifest lacks; the manifest's tensor table matches the headers.
+2. Format (headers + small tensors): `config.json`'s `quantization_config` against the tensors. Each
+   module with `weight_packed` resolves to one config group (exact name > `re:` pattern > class name, as
+   compressed-tensors matches), is not ignored, and carries `weight_scale` / `weight_shape` (and
+   `weight_zero_point` iff asymmetric, `weight_g_idx` iff actorder "group") of the dtypes and shapes
+   the group implies; compressed-tensors' own decompressor (the judge) must reproduce our dequantization
+   bit for bit.
+3. Numerics (needs `reference`, the source checkpoint): per-module weight SQNR of our dequantization
+   against the reference tensor (read lazily, shard by shard), aggregated per decoder layer and compared
+   with the SQNR the manifest recorded at conversion; then both models run with transformers on token
+   data: mean next-token KL(ref || quant), top-1 agreement, perplexity of each, greedy-generation
+   agreement. With `kernels="triton"` the runtime's INT4 GEMM kernel is checked on a few modules.
+
+A failed check never raises: the report says `passed: false` and names the shard, tensor or layer.
+Only unusable input raises a QuantkitError (a missing directory, an unreadable reference, an
+unavailable device). Memory: stages 1-2 and the SQNR pass hold one module at a time (plus the mapped
+pages of the shard being read); the model-level metrics load both models (see docs/verify.md).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..errors import CheckpointNotFound, QuantkitError
+from ..read.checkpoint import Checkpoint
+from .common import Check, Listing, listed
+from .format import Judge, tensor_pass
+from .integrity import check_integrity, check_manifest_tensors
+from .numerics import (check_reference, drift_check, kernel_check, layer_summary, model_metrics, sqnr_check,
+                       token_data)
+from .thresholds import Thresholds
+
+__all__ = ["verify", "VerifyReport", "Thresholds", "Check"]
+
+
+@dataclass
+class VerifyReport:
+    """What `verify` found. `to_json()` holds the contract keys (passed, integrity, format, metrics,
+    layers) first, then extras (generation, checks, thresholds, data, seconds)."""
+
+    passed: bool
+    integrity: dict  # {ok, mismatches: [{file, problem}], files_checked, bytes_hashed}
+    format: dict  # {ok, problems: [str], modules_checked, judge}
+    metrics: dict  # {kl_divergence, top1_agreement, perplexity_reference, perplexity_quantized}
+    layers: list  # [{layer, min_sqnr_db, mean_sqnr_db, modules, worst_module, ok}]
+    generation: dict | None  # {tokens, prompts, agreement, matching_prefix}
+    checks: list[Check]
+    thresholds: Thresholds
+    data: dict  # token data and run settings
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"passed": self.passed, "integrity": self.integrity, "format": self.format,
+                "metrics": self.metrics, "layers": self.layers, "generation": self.generation,
+                "checks": [asdict(c) for c in self.checks], "thresholds": asdict(self.thresholds),
+                "data": self.data, "seconds": self.seconds}
+
+    def failed_checks(self) -> list[Check]:
+        return [c for c in self.checks if c.ok is False]
+
+
+# ---- entry point ---------------------------------------------------------------------------------------
+def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = 8, seq_len: int = 128,
+           device: str = "cpu", kernels: str = "torch", thresholds: Thresholds = Thresholds(),
+           progress: Callable[[str], None] | None = None, generation_tokens: int = 32,
+           seed: int = 0) -> VerifyReport:
+    """Verify the converted checkpoint in `qmodel_dir` (see the module docstring).
+
+    reference: the source checkpoint it was converted from; without it the numerics are skipped and
+    `passed` depends on integrity and format only. dataset/num_samples/seq_len: the token data for the
+    model-level metrics (quantkit.calib.data formats; default: the shipped calibration set through the
+    reference's tokenizer, or seeded random ids when it has none). generation_tokens: greedy steps per prompt (0:
+    skip). device: where the models run. kernels: "torch", or "triton" to also check the runtime's
+    INT4 GEMM kernel against its torch reference on a few modules."""
+    t0 = time.perf_counter()
+    say = progress or (lambda _s: None)
+    thresholds = thresholds if thresholds is not None else Thresholds()
+    root = Path(qmodel_dir)
+    if not root.is_dir():
+        raise CheckpointNotFound(f"checkpoint directory {str(root)!r} does not exist")
+    if kernels not in ("torch", "triton"):
+        raise QuantkitError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
+    if not isinstance(num_samples, int) or num_samples <= 0 or not isinstance(seq_len, int) or seq_len < 2:
+        raise QuantkitError(f"num_samples must be >= 1 and seq_len >= 2 (got {num_samples}, {seq_len})",
+                            hint="pass --num-samples N and --seq-len L with L >= 2")
+    if generation_tokens < 0:
+        raise QuantkitError(f"generation_tokens must be >= 0, got {generation_tokens}")
+    dev = _device(device)
+    ref_ck = None
+    if reference is not None:
+        ref_ck = Checkpoint.open(reference)  # raises for an unusable reference (missing, corrupt headers)
+        if ref_ck.quantization_config is not None and ref_ck.quantization_config.get("quant_method") != "fp8":
+            raise QuantkitError(f"reference {str(reference)!r} is itself quantized "
+                                f"({ref_ck.quantization_config.get('quant_method')!r})",
+                                hint="pass the checkpoint the conversion started from (BF16/FP16/FP32 or block FP8)")
+    if kernels == "triton":
+        _require_triton(dev)
+
+    checks: list[Check] = []
+    # 1. integrity
+    manifest, mismatches, hashed = check_integrity(root, say)
+    ck, open_error = _open(root)
+    if ck is not None and manifest is not None:
+        check_manifest_tensors(ck, manifest, mismatches)
+    integrity = {"ok": len(mismatches) == 0, "mismatches": listed(mismatches, {"file": "*", "problem": None}),
+                 "files_checked": len((manifest or {}).get("shards") or []), "bytes_hashed": hashed}
+    checks.append(Check("integrity", integrity["ok"], "every shard matches the manifest" if integrity["ok"] else
+                        f"{len(mismatches)} mismatch(es), first: {mismatches.items[0]['file']}: "
+                        f"{mismatches.items[0]['problem']}"))
+
+    # 2. format (+ the per-module SQNR pass, which reads the same tensors)
+    problems = Listing()
+    sqnr: dict[str, float] = {}
+    drift: list[tuple[str, float, float]] = []
+    kernel_modules: list[tuple[str, dict]] = []
+    ref_check = None
+    judge = Judge()
+    modules_checked = 0
+    if ck is None:
+        problems.add(f"the checkpoint does not open: {open_error}")
+    else:
+        if ref_ck is not None:
+            ref_check = check_reference(ref_ck, manifest)
+        modules_checked = tensor_pass(ck, manifest, ref_ck, judge, problems, sqnr, drift, kernel_modules,
+                                       want_kernels=kernels == "triton", say=say)
+    fmt = {"ok": len(problems) == 0, "problems": listed(problems, None), "modules_checked": modules_checked,
+           "judge": judge.name}
+    checks.append(Check("format", fmt["ok"], f"{modules_checked} quantized modules consistent with config.json"
+                        if fmt["ok"] else f"{len(problems)} problem(s), first: {problems.items[0]}"))
+
+    # 3. numerics
+    metrics = {"kl_divergence": None, "top1_agreement": None, "perplexity_reference": None,
+               "perplexity_quantized": None}
+    layers: list[dict] = []
+    generation = None
+    data: dict[str, Any] = {"device": str(dev), "kernels": kernels, "source": None}
+    if ref_ck is None:
+        why = "no reference given: numerics skipped (pass the source checkpoint as reference)"
+        checks += [Check(n, None, why) for n in ("weight_sqnr", "kl_divergence", "top1_agreement",
+                                                 "perplexity_ratio", "generation_agreement")]
+    elif ck is None:
+        why = "the checkpoint does not open: numerics skipped"
+        checks += [Check(n, None, why) for n in ("weight_sqnr", "kl_divergence", "top1_agreement",
+                                                 "perplexity_ratio", "generation_agreement")]
+    else:
+        checks.append(ref_check)
+        layers = layer_summary(sqnr, thresholds.min_sqnr_db)
+        awq = sum(1 for n, e in (manifest or {}).get("tensors", {}).items()
+                  if n.endswith(".weight_packed") and isinstance(e, dict) and e.get("method") == "awq")
+        checks.append(sqnr_check(sqnr, layers, modules_checked - awq, thresholds, awq))
+        checks.append(drift_check(drift, thresholds))
+        say("numerics: preparing token data")
+        samples, data_info = token_data(ref_ck, dataset, num_samples, seq_len, seed)
+        data.update(data_info)
+        m, generation, model_checks = model_metrics(ref_ck.root, root, samples, dev, generation_tokens,
+                                                     thresholds, say)
+        metrics.update(m)
+        checks += model_checks
+    if kernels == "triton":
+        say("kernels: INT4 GEMM (triton) against its torch reference")
+        checks.append(kernel_check(kernel_modules, dev) if kernel_modules else
+                      Check("kernels", None, "no quantized module could be read: kernel check skipped"))
+
+    passed = integrity["ok"] and fmt["ok"] and all(c.ok is not False for c in checks)
+    return VerifyReport(passed, integrity, fmt, metrics, layers, generation, checks, thresholds, data,
+                        round(time.perf_counter() - t0, 3))
+
+
+def _device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise QuantkitError(f"unknown device {device!r}", hint="use cpu or cuda (cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise QuantkitError("device cuda requested but no CUDA device is available", hint="use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise QuantkitError(f"unsupported device {device!r}", hint="use cpu or cuda (cuda:N)")
+    return dev
+
+
+def _require_triton(dev: torch.device) -> None:
+    from ..runtime import interpreting, triton_available
+
+    if not triton_available():
+        raise QuantkitError("kernels=triton needs the triton package, which is not installed",
+                            hint="pip install triton, or use --kernels torch")
+    if dev.type != "cuda" and not interpreting():
+        raise QuantkitError("kernels=triton runs on a CUDA device (or on CPU with TRITON_INTERPRET=1)",
+                            hint="use --device cuda, set TRITON_INTERPRET=1, or use --kernels torch")
+
+
+def _open(root: Path) -> tuple[Checkpoint | None, str | None]:
+    try:
+        return Checkpoint.open(root), None
+    except QuantkitError as e:  # a corrupt header or index is a finding here, not a crash
+        return None, f"{type(e).__name__}: {e.message}"

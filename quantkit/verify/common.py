@@ -1,0 +1,49 @@
+"""What the stages of `verify` share: the capped listing of findings, one pass/fail check, and limits."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_LISTED = 100  # mismatches / problems listed in full; the rest are counted
+SQNR_CAP_DB = 300.0  # an exact match (inf dB) is reported as this, so the report stays valid JSON
+
+
+@dataclass
+class Check:
+    """One pass/fail decision. ok is None when the check was skipped (detail says why)."""
+
+    name: str
+    ok: bool | None
+    detail: str
+    value: float | None = None
+    threshold: float | None = None
+
+
+class Listing:
+    """A list capped at MAX_LISTED entries; the overflow is counted and summarized at the end."""
+
+    def __init__(self):
+        self.items: list = []
+        self.more = 0
+
+    def add(self, item) -> None:
+        if len(self.items) < MAX_LISTED:
+            self.items.append(item)
+        else:
+            self.more += 1
+
+    def __len__(self):
+        return len(self.items) + self.more
+
+
+def finite(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+def listed(listing: Listing, overflow_template) -> list:
+    out = list(listing.items)
+    if listing.more:
+        msg = f"... and {listing.more} more"
+        out.append(msg if overflow_template is None else {**overflow_template, "problem": msg})
+    return out

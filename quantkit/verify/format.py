@@ -1,0 +1,403 @@
+"""Stage 2 of `verify`, the format (headers and small tensors): config.json's `quantization_config`
+against the tensors. Each module with `weight_packed` resolves to one config group (exact name > `re:`
+pattern > class name, as compressed-tensors matches), is not ignored, and carries the tensors the group
+implies (pack/layout.py); compressed-tensors' own decompressor (the judge) must reproduce our
+dequantization bit for bit. The same pass measures each module's weight SQNR against the reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..arch import text_config
+from ..match.recipe import Scheme, matches
+from ..pack import kv as kvrules
+from ..pack.config import targeting, weights_label
+from ..pack.int4 import dequantize_module
+from ..pack.layout import INT4_SUFFIXES, module_tensors
+from ..quant.int4 import sqnr_db
+from ..read.checkpoint import Checkpoint
+from ..read.sources import SourceFormatError, detect_format, scan
+from ..read.tensors import TensorReader
+from .common import SQNR_CAP_DB, Listing
+
+KERNEL_MODULES = 4  # modules the kernel check runs the INT4 GEMM on
+SCALE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class _Group:
+    name: str
+    targets: tuple[str, ...]
+    weights: dict
+    ok: bool  # the weights config is one this version can check (INT4 int group/channel)
+
+    @property
+    def symmetric(self) -> bool:
+        return self.weights.get("symmetric", True) is not False
+
+    @property
+    def group_size(self) -> int | None:
+        return self.weights.get("group_size") if self.weights.get("strategy") == "group" else None
+
+    @property
+    def label(self) -> str:
+        return weights_label(self.weights)
+
+    @property
+    def scheme(self) -> Scheme | None:
+        return Scheme.from_weights_config(self.weights)
+
+
+def _config_groups(qc: dict | None, problems: Listing, judge: "Judge") -> tuple[list[_Group], list[str]]:
+    """(groups, ignore) from config.json's quantization_config, reporting what makes it unloadable."""
+    if not isinstance(qc, dict):
+        problems.add("config.json has no quantization_config, but the shards hold packed weights")
+        return [], []
+    if qc.get("quant_method") != "compressed-tensors":
+        problems.add(f"quantization_config.quant_method is {qc.get('quant_method')!r}, not 'compressed-tensors'")
+    top_format = qc.get("format")
+    if top_format not in ("pack-quantized", "mixed-precision"):
+        problems.add(f"quantization_config.format is {top_format!r}; packed INT4 weights need 'pack-quantized'")
+    if qc.get("quantization_status") != "compressed":
+        problems.add(f"quantization_config.quantization_status is {qc.get('quantization_status')!r}, not "
+                     "'compressed': loaders would not decompress the packed weights")
+    ignore = qc.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
+        problems.add("quantization_config.ignore must be a list of module names or 're:' patterns")
+        ignore = []
+    groups = []
+    raw = qc.get("config_groups")
+    if not isinstance(raw, dict) or not raw:
+        problems.add("quantization_config.config_groups is missing or empty")
+        raw = {}
+    for gname, g in raw.items():
+        where = f"quantization_config.config_groups.{gname}"
+        if not isinstance(g, dict) or not isinstance(g.get("targets"), list) or not isinstance(g.get("weights"), dict):
+            problems.add(f"{where} must hold `targets` (a list) and `weights` (an object)")
+            continue
+        w = g["weights"]
+        ok = True
+        fmt = g.get("format", top_format) if top_format == "mixed-precision" else top_format
+        if fmt != "pack-quantized":
+            continue  # another format (e.g. FP8 float-quantized): not packed INT4, not checked here
+        if w.get("num_bits") != 4 or w.get("type") != "int":
+            problems.add(f"{where}.weights: num_bits {w.get('num_bits')!r} type {w.get('type')!r}; this version "
+                         "checks INT4 (num_bits 4, type int) pack-quantized weights")
+            ok = False
+        strategy = w.get("strategy")
+        if strategy == "group":
+            gs = w.get("group_size")
+            if type(gs) is not int or gs <= 0:
+                problems.add(f"{where}.weights.group_size must be a positive integer, got {gs!r}")
+                ok = False
+        elif strategy != "channel":
+            problems.add(f"{where}.weights.strategy is {strategy!r}; pack-quantized INT4 uses group or channel")
+            ok = False
+        err = judge.args_error(w)
+        if err:
+            problems.add(f"{where}.weights: compressed-tensors rejects it: {err}")
+            ok = False
+        if ok and Scheme.from_weights_config(w) is None:
+            problems.add(f"{where}.weights: not a pack-quantized scheme quantkit can check ({str(w)[:80]})")
+            ok = False
+        groups.append(_Group(gname, tuple(t for t in g["targets"] if isinstance(t, str)), w, ok))
+    return groups, ignore
+
+
+def _group_for(module: str, groups: list[_Group]) -> tuple[_Group | None, str | None]:
+    """compressed-tensors' precedence: an exact name, then a `re:` pattern, then a class name (packed
+    modules are Linear layers). Returns (group, problem)."""
+    hit = targeting(module, groups)
+    if len(hit) > 1:
+        return None, (f"{module}: matched by several config groups at the same precedence "
+                      f"({', '.join(g.name for g in hit)})")
+    if hit:
+        return hit[0], None
+    return None, f"{module}: has weight_packed but no config group targets it"
+
+
+def _layout(group: _Group, n: int, k: int) -> dict[str, tuple]:
+    """suffix -> (dtype, shape) a module with weight [n, k] must carry under `group` (pack/layout.py)."""
+    g_idx = group.weights.get("actorder") == "group"
+    return {name.rsplit(".", 1)[1]: (dtype, shape)
+            for name, dtype, shape in module_tensors("m", (n, k), group.scheme, torch.bfloat16, g_idx=g_idx)}
+
+
+def _header_problems(module: str, infos: dict, group: _Group) -> list[str]:
+    """Problems visible in the headers alone (before weight_shape's value is known): which tensors are
+    present, and their dtypes (the scale may be bf16 or fp16)."""
+    out = []
+    want = _layout(group, 8, group.group_size or 8)
+    for suffix in INT4_SUFFIXES:
+        i, w = infos.get(suffix), want.get(suffix)
+        if w is None:
+            if i is not None:
+                why = ("symmetric" if suffix == "weight_zero_point" else
+                       f"actorder {group.weights.get('actorder')!r}")
+                out.append(f"{module}.{suffix}: present, but {group.name} is {why}" if suffix == "weight_zero_point"
+                           else f"{module}.{suffix}: present, but {group.name} has {why}")
+            continue
+        if i is None:
+            why = {"weight_zero_point": f" ({group.name} is asymmetric)", "weight_g_idx": " (actorder 'group')"}
+            out.append(f"{module}.{suffix}: missing{why.get(suffix, '')}")
+            continue
+        dtypes = SCALE_DTYPES if suffix == "weight_scale" else (w[0],)
+        if i.dtype not in dtypes:
+            what = "bfloat16 or float16" if suffix == "weight_scale" else str(w[0]).removeprefix("torch.")
+            out.append(f"{module}.{suffix}: dtype {str(i.dtype).removeprefix('torch.')}, expected {what}")
+    ws = infos.get("weight_shape")
+    if ws is not None and tuple(ws.shape) != (2,):
+        out.append(f"{module}.weight_shape: shape {list(ws.shape)}, expected [2]")
+    return out
+
+
+class Judge:
+    """compressed-tensors' own decompressor, when importable; else only our unpacking is exercised."""
+
+    def __init__(self):
+        self.ct = None
+        self.name = "quantkit (compressed-tensors not importable)"
+        self._schemes: dict[str, Any] = {}
+        if importlib.util.find_spec("compressed_tensors") is None:
+            return
+        try:
+            from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+            from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+        except ImportError:  # an incompatible version: fall back to our own unpack
+            return
+        import compressed_tensors
+
+        self.ct = (PackedQuantizationCompressor, QuantizationArgs, QuantizationScheme)
+        self.name = f"compressed-tensors {getattr(compressed_tensors, '__version__', '?')}"
+
+    def args_error(self, weights: dict) -> str | None:
+        if self.ct is None:
+            return None
+        try:
+            self.ct[1](**weights)
+        except Exception as e:  # pydantic ValidationError and friends: the message is the finding
+            return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        return None
+
+    def decompress(self, local: dict[str, torch.Tensor], group: _Group) -> torch.Tensor | None:
+        if self.ct is None:
+            return None
+        compressor, args, scheme_cls = self.ct
+        scheme = self._schemes.get(group.name)
+        if scheme is None:
+            scheme = self._schemes[group.name] = scheme_cls(targets=["Linear"], weights=args(**group.weights))
+        return compressor.decompress(dict(local), scheme)["weight"]
+
+
+def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None, judge: Judge,
+                 problems: Listing, sqnr: dict, drift: list, kernel_modules: list, *, want_kernels: bool,
+                 say) -> int:
+    """Format checks of every quantized module, and (with a reference) its weight SQNR, in one read
+    of each shard. Returns the number of quantized modules seen."""
+    qc = ck.quantization_config
+    groups, ignore = _config_groups(qc, problems, judge) if (qc is not None or _has_packed(ck)) else ([], [])
+    by_module: dict[str, dict] = {}
+    for name in ck.location:
+        module, _, suffix = name.rpartition(".")
+        if suffix in INT4_SUFFIXES:
+            by_module.setdefault(module, {})[suffix] = ck.info(name)
+    quantized = sorted(m for m, s in by_module.items() if "weight_packed" in s)
+    qset = set(quantized)
+    for m, s in sorted(by_module.items()):
+        if m not in qset and any(x in s for x in ("weight_shape", "weight_zero_point", "weight_g_idx")):
+            problems.add(f"{m}: has {', '.join(sorted(s))} but no weight_packed")
+        elif m not in qset and "weight_scale" in s and f"{m}.weight" not in ck.location:
+            problems.add(f"{m}.weight_scale: no weight_packed or weight beside it")
+    _check_dense_modules(ck, groups, ignore, qset, problems)
+    if qc is None and not quantized:
+        problems.add("config.json has no quantization_config and no shard holds weight_packed: "
+                     "this is not a quantized checkpoint")
+    elif isinstance(qc, dict):
+        _check_kv_scales(ck, qc, problems)
+    mtable = (manifest or {}).get("tensors") if isinstance((manifest or {}).get("tensors"), dict) else {}
+    reader = TensorReader.of(ck)
+    ref_reader = _Reference(ref_ck) if ref_ck is not None else None
+    shard_of = {m: ck.location[f"{m}.weight_packed"] for m in quantized}
+    try:
+        for si, shard in enumerate(ck.shards):
+            todo = [m for m in quantized if shard_of[m] == shard.name]
+            if todo:
+                say(f"format{' + sqnr' if ref_reader else ''}: {shard.name} ({si + 1}/{len(ck.shards)}, "
+                    f"{len(todo)} modules)")
+            for m in todo:
+                _check_module(m, by_module[m], ck, groups, ignore, mtable, reader, ref_reader, judge,
+                              problems, sqnr, drift, kernel_modules if want_kernels else None)
+            reader.release()  # bounded memory: the mapped pages of one shard at a time
+            if ref_reader is not None:
+                ref_reader.release()
+    finally:
+        reader.release()
+        if ref_reader is not None:
+            ref_reader.release()
+    return len(quantized)
+
+
+def _check_kv_scales(ck: Checkpoint, qc: dict, problems: Listing) -> None:
+    """FP8 KV-cache scales against `kv_cache_scheme` (pack/kv.py's rules)."""
+    cfg, _ = text_config(ck.config)
+    for p in kvrules.checkpoint_problems(ck.location, ck.info, qc.get("kv_cache_scheme"),
+                                         num_layers=cfg.get("num_hidden_layers"),
+                                         kv_heads=cfg.get("num_key_value_heads") or cfg.get("num_attention_heads"),
+                                         mla="kv_lora_rank" in cfg):
+        problems.add(p)
+
+
+def _has_packed(ck: Checkpoint) -> bool:
+    return any(n.endswith(".weight_packed") for n in ck.location)
+
+
+_EMBEDDING = re.compile(r".*(embed|wte|wpe)", re.IGNORECASE)
+
+
+def _check_dense_modules(ck: Checkpoint, groups: list[_Group], ignore: list[str], qset: set, problems) -> None:
+    """A 2-D float weight left dense must not be targeted: a loader would look for weight_packed."""
+    if not groups:
+        return
+    for name in ck.location:
+        if not name.endswith(".weight"):
+            continue
+        m = name[: -len(".weight")]
+        info = ck.info(name)
+        if m in qset:
+            problems.add(f"{m}: holds both weight and weight_packed")
+            continue
+        if len(info.shape) != 2 or not info.dtype.is_floating_point or info.dtype.itemsize == 1:
+            continue
+        if any(matches(p, m) for p in ignore):
+            continue
+        g, _ = _group_for(m, groups)
+        by_name = g is not None and (m in g.targets or any(t.startswith("re:") and matches(t, m) for t in g.targets))
+        # a ["Linear"] class target cannot see module classes here: embeddings are not Linear, skip them
+        if by_name or (g is not None and not _EMBEDDING.match(m)):
+            problems.add(f"{m}.weight: stored unquantized, but {g.name} targets it and it is not in ignore "
+                         "(loaders would expect weight_packed)")
+
+
+def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: dict, reader: TensorReader,
+                  ref_reader: "_Reference | None", judge: Judge, problems: Listing, sqnr: dict, drift: list,
+                  kernel_modules: list | None) -> None:
+    if any(matches(p, m) for p in ignore):
+        problems.add(f"{m}: quantized (has weight_packed) but listed in quantization_config.ignore")
+    group, why = _group_for(m, groups)
+    if group is None:
+        if groups or ck.quantization_config is not None:
+            problems.add(why)
+        return
+    if not group.ok:
+        return  # the group's config problem is already reported once
+    found = _header_problems(m, infos, group)
+    for p in found:
+        problems.add(p)
+    if found:
+        return
+    shape = reader.get(f"{m}.weight_shape")
+    n, k = (int(v) for v in shape.tolist())
+    if n <= 0 or k <= 0:
+        problems.add(f"{m}.weight_shape: holds {[n, k]}, expected positive [out, in]")
+        return
+    bad = False
+    for suffix, (_, want) in _layout(group, n, k).items():
+        have = tuple(infos[suffix].shape)
+        if have != want:
+            problems.add(f"{m}.{suffix}: shape {list(have)}, expected {list(want)} for weight [{n}, {k}] under "
+                         f"{group.name} ({group.label})")
+            bad = True
+    if group.group_size is not None and k % group.group_size:
+        problems.add(f"{m}: in_features {k} is not a multiple of group_size {group.group_size}")
+        bad = True
+    entry = mtable.get(f"{m}.weight_packed") if isinstance(mtable.get(f"{m}.weight_packed"), dict) else {}
+    if entry.get("scheme") and entry["scheme"] != group.label:
+        problems.add(f"{m}: the manifest records scheme {entry['scheme']}, config.json gives {group.label} "
+                     f"({group.name})")
+    if bad:
+        return
+    local = {s: reader.get(f"{m}.{s}") for s in infos}
+    scale = local["weight_scale"].float()
+    if not torch.isfinite(scale).all() or (scale < 0).any():
+        nbad = int((~torch.isfinite(scale) | (scale < 0)).sum())
+        problems.add(f"{m}.weight_scale: {nbad} non-finite or negative value(s)")
+        return
+    g_idx = local.get("weight_g_idx")
+    if g_idx is not None and g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= scale.shape[1]):
+        problems.add(f"{m}.weight_g_idx: values outside [0, {scale.shape[1]})")
+        return
+    mine = dequantize_module(local, torch.float32)  # [N, K]
+    try:
+        theirs = judge.decompress(local, group)
+    except Exception as e:  # third-party code on untrusted tensors: its failure is the finding
+        problems.add(f"{m}: compressed-tensors cannot decompress it: {type(e).__name__}: {str(e)[:160]}")
+        theirs = None
+    else:
+        if theirs is not None and (tuple(theirs.shape) != (n, k) or not torch.equal(theirs, mine.to(theirs.dtype))):
+            diff = (theirs.float() - mine).abs().max().item() if tuple(theirs.shape) == (n, k) else float("nan")
+            problems.add(f"{m}: compressed-tensors decompresses it differently from quantkit "
+                         f"(shape {list(theirs.shape)}, max |diff| {diff:.3g})")
+    if kernel_modules is not None and len(kernel_modules) < KERNEL_MODULES:
+        kernel_modules.append((m, local))
+    if ref_reader is not None:
+        if entry.get("method") == "awq":
+            # AWQ folds per-channel scales into the norm, router and up_proj: the stored weight is the
+            # scaled one, so it is compared with the reference at the model level (KL, top-1), not here
+            return
+        ref = _reference_weight(m, entry, ref_reader)
+        if isinstance(ref, str):
+            problems.add(ref)
+            return
+        if tuple(ref.shape) != (n, k):
+            problems.add(f"{m}: the reference weight is {list(ref.shape)}, weight_shape says {[n, k]}")
+            return
+        db = float(sqnr_db(ref, mine))
+        # exact (inf) or an all-zero reference and weight (nan) -> the cap; all-zero reference only -> -cap
+        sqnr[m] = SQNR_CAP_DB if math.isnan(db) else max(-SQNR_CAP_DB, min(SQNR_CAP_DB, db))
+        recorded = entry.get("sqnr_db")
+        if isinstance(recorded, (int, float)) and not isinstance(recorded, bool):
+            drift.append((m, db, float(recorded)))
+
+
+class _Reference:
+    """The reference checkpoint's weights as floats (block-FP8 dequantized, read.tensors), per shard."""
+
+    def __init__(self, ck: Checkpoint):
+        self.ck = ck
+        self.reader = TensorReader.of(ck)
+        try:
+            self.stored = scan(ck, detect_format(ck.config))
+        except SourceFormatError:
+            self.stored = {}
+
+    def release(self) -> None:
+        self.reader.release()
+
+
+def _reference_weight(m: str, entry: dict, ref: _Reference) -> torch.Tensor | str:
+    """The reference's float32 weight for module `m`, located through the manifest's `source_tensor` /
+    `source_slice` (fused 3-D experts), else `m.weight`; FP8 references are dequantized. A string is a
+    problem to report."""
+    ck = ref.ck
+    src = entry.get("source_tensor") if isinstance(entry.get("source_tensor"), str) else f"{m}.weight"
+    if src not in ck.location:
+        return f"{m}: the reference holds no tensor {src}"
+    sl = entry.get("source_slice")
+    sw = ref.stored.get(src.removesuffix(".weight")) if src.endswith(".weight") else None
+    if sw is not None and sw.layout is not None and sl is None:
+        return ref.reader.decode(sw, torch.float32)
+    w = ref.reader.get(src)
+    if isinstance(sl, dict):
+        e, rows = sl.get("expert"), sl.get("rows")
+        if w.ndim != 3 or type(e) is not int or not isinstance(rows, list) or len(rows) != 2 or not 0 <= e < w.shape[0]:
+            return f"{m}: the manifest's source_slice {sl} does not fit reference tensor {src} {list(w.shape)}"
+        w = w[e, rows[0]:rows[1]]
+    if w.dtype.itemsize == 1 and w.dtype.is_floating_point:
+        return f"{m}: the reference weight {src} is FP8 without a scale quantkit can read"
+    return w.float()

@@ -1,0 +1,132 @@
+"""Stage 1 of `verify`, integrity (no model code): the manifest is complete; every shard it lists exists
+with the recorded size and sha256; the index names no shard the manifest lacks and the directory holds no
+shard or leftover temporary file the manifest lacks; the manifest's tensor table matches the headers."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..errors import QuantkitError
+from ..pack.manifest import JOURNAL_DIR, MANIFEST_NAME, read_manifest
+from ..read.checkpoint import INDEX_NAME, Checkpoint, read_json_file
+from ..write.writer import sha256_file
+from .common import Listing
+
+_PLAIN_SHARD = re.compile(r"[A-Za-z0-9._+-]+\.safetensors")
+
+
+def _plain_name(name) -> bool:
+    return (isinstance(name, str) and _PLAIN_SHARD.fullmatch(name) is not None and not name.startswith(".")
+            and ".." not in name)
+
+
+def check_integrity(root: Path, say) -> tuple[dict | None, Listing, int]:
+    """(manifest or None, mismatches, bytes hashed). Reads JSON files and hashes shards; never parses
+    a safetensors header, so a corrupt shard is reported by name rather than failing to open."""
+    mm = Listing()
+    hashed = 0
+    manifest = None
+    try:
+        manifest = read_manifest(root, QuantkitError)
+    except QuantkitError as e:
+        mm.add({"file": MANIFEST_NAME, "problem": e.message})
+    shards: dict[str, dict] = {}
+    if manifest is not None:
+        if manifest.get("status") != "complete":
+            mm.add({"file": MANIFEST_NAME, "problem": f"status is {manifest.get('status')!r}, not 'complete': "
+                    "the conversion did not finish"})
+        raw = manifest.get("shards")
+        if not isinstance(raw, list) or not raw:
+            mm.add({"file": MANIFEST_NAME, "problem": "lists no shards"})
+            raw = []
+        for s in raw:
+            ok = (isinstance(s, dict) and _plain_name(s.get("name")) and type(s.get("size")) is int
+                  and isinstance(s.get("sha256"), str))
+            if not ok:
+                mm.add({"file": MANIFEST_NAME, "problem": f"malformed shard entry {str(s)[:80]!r}"})
+                continue
+            if s["name"] in shards:
+                mm.add({"file": s["name"], "problem": "listed twice in the manifest"})
+            shards[s["name"]] = s
+    for i, (name, s) in enumerate(sorted(shards.items())):
+        p = root / name
+        if not p.is_file():  # symlinks are followed: a Hugging Face cache snapshot links into blobs/
+            mm.add({"file": name, "problem": "missing (listed in the manifest)" if not p.exists() else
+                    "not a regular file"})
+            continue
+        size = p.stat().st_size
+        if size != s["size"]:
+            mm.add({"file": name, "problem": f"size {size} B, the manifest records {s['size']} B"})
+            continue
+        say(f"integrity: sha256 {name} ({i + 1}/{len(shards)})")
+        digest = sha256_file(p)
+        hashed += size
+        if digest != s["sha256"]:
+            mm.add({"file": name, "problem": f"sha256 {digest[:16]}... differs from the manifest's "
+                    f"{s['sha256'][:16]}..."})
+
+    # the index: every shard it names must exist and be in the manifest
+    listed_in_index: set[str] = set()
+    try:
+        index = read_json_file(root / INDEX_NAME, INDEX_NAME, QuantkitError)
+        wm = index.get("weight_map")
+        if not isinstance(wm, dict) or not wm:
+            mm.add({"file": INDEX_NAME, "problem": "has no weight_map"})
+            wm = {}
+        if not all(isinstance(f, str) for f in wm.values()):
+            mm.add({"file": INDEX_NAME, "problem": "weight_map values must be shard file names"})
+        for f in sorted({f for f in wm.values() if isinstance(f, str)}):
+            if not _plain_name(f):
+                mm.add({"file": INDEX_NAME, "problem": f"names {f[:80]!r}, not a plain shard file name"})
+                continue
+            listed_in_index.add(f)
+            if manifest is not None and f not in shards:
+                mm.add({"file": f, "problem": "named by the index but not listed in the manifest"})
+            if f not in shards and not (root / f).is_file():
+                mm.add({"file": f, "problem": "named by the index but missing"})
+        total = (index.get("metadata") or {}).get("total_size") if isinstance(index.get("metadata"), dict) else None
+        if shards and total is not None and total != sum(s["size"] for s in shards.values()):
+            mm.add({"file": INDEX_NAME, "problem": f"total_size {total} differs from the shards' "
+                    f"{sum(s['size'] for s in shards.values())} B"})
+    except QuantkitError as e:
+        mm.add({"file": INDEX_NAME, "problem": e.message})
+    for name in shards:
+        if listed_in_index and name not in listed_in_index:
+            mm.add({"file": name, "problem": "listed in the manifest but the index maps no tensor to it"})
+
+    # nothing else that looks like weights, and nothing half-written
+    for p in sorted(root.iterdir()):
+        if p.name.endswith(".safetensors") and p.name not in shards:
+            mm.add({"file": p.name, "problem": "extra shard not listed in the manifest"})
+        elif p.name.startswith(".") and p.name.endswith(".tmp"):
+            mm.add({"file": p.name, "problem": "leftover temporary file of an unfinished write"})
+        elif p.name == JOURNAL_DIR:
+            mm.add({"file": p.name, "problem": "the conversion journal is still there: the conversion did not finish"})
+    return manifest, mm, hashed
+
+
+def check_manifest_tensors(ck: Checkpoint, manifest: dict, mm: Listing) -> None:
+    """The manifest's tensor table against the (validated) headers: same names, shards, shapes, dtypes."""
+    table = manifest.get("tensors")
+    if not isinstance(table, dict):
+        mm.add({"file": MANIFEST_NAME, "problem": "has no tensor table"})
+        return
+    for name, e in table.items():
+        where = ck.location.get(name)
+        if where is None:
+            mm.add({"file": e.get("shard", MANIFEST_NAME) if isinstance(e, dict) else MANIFEST_NAME,
+                    "problem": f"tensor {name} is in the manifest but in no shard"})
+            continue
+        info = ck.info(name)
+        if not isinstance(e, dict):
+            mm.add({"file": MANIFEST_NAME, "problem": f"tensor {name}: malformed entry"})
+            continue
+        if e.get("shard") != where:
+            mm.add({"file": where, "problem": f"tensor {name}: the manifest places it in {e.get('shard')}"})
+        if e.get("shape") != list(info.shape) or e.get("dtype") != str(info.dtype).removeprefix("torch."):
+            mm.add({"file": where, "problem": f"tensor {name}: header says {str(info.dtype).removeprefix('torch.')}"
+                    f"{list(info.shape)}, the manifest {e.get('dtype')}{e.get('shape')}"})
+    for name, where in ck.location.items():
+        if name not in table:
+            mm.add({"file": where, "problem": f"tensor {name} is not in the manifest"})

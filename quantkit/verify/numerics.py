@@ -1,0 +1,310 @@
+"""Stage 3 of `verify`, numerics (needs the reference, the source checkpoint): per-module weight SQNR
+aggregated per decoder layer and compared with what the manifest recorded at conversion; then both models
+run with transformers on token data: mean next-token KL(ref || quant), top-1 agreement, perplexity of
+each, greedy-generation agreement; with `kernels="triton"` the runtime's INT4 GEMM on a few modules."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import math
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..errors import QuantkitError
+from ..read.checkpoint import Checkpoint
+from .common import Check, finite
+from .thresholds import Thresholds
+
+KERNEL_RTOL = 2e-2  # |triton - torch| <= rtol * max|torch|: bf16 outputs, fp32 accumulation either way
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Built-in text for token data when the reference has a tokenizer but no dataset is given (varied prose,
+# code and numbers so that the distributions are not all trivially repetitive).
+_BUILTIN_TEXT = (
+    "The committee met on a grey Tuesday morning to review the harbour plans. Three proposals were on the "
+    "table: widen the northern channel, rebuild the old breakwater, or do nothing until the survey was done. "
+    "def moving_average(xs, n):\n    out = []\n    for i in range(len(xs) - n + 1):\n"
+    "        out.append(sum(xs[i:i + n]) / n)\n    return out\n"
+    "In 1869 the canal opened, cutting the voyage from London to Bombay by roughly 7,000 kilometres. "
+    "Photosynthesis converts light energy into chemical energy stored in glucose; oxygen is released as a "
+    "by-product. She asked whether the train to Lyon left at 14:05 or 14:35, and the clerk checked twice. "
+    "Q: What is 17 times 23? A: 391. Q: Name a prime between 90 and 100. A: 97. "
+    "Le marché ouvre à huit heures; les pêcheurs arrivent plus tôt avec la marée. "
+    "A good error message says what went wrong, where, and what to do next. "
+)
+
+
+def check_reference(ref_ck: Checkpoint, manifest: dict | None) -> Check:
+    """Is `reference` the source the manifest records? Names, sizes and the config hash (shard contents
+    are not hashed: that would read the whole source)."""
+    src = (manifest or {}).get("source")
+    if not isinstance(src, dict) or not isinstance(src.get("shards"), list):
+        return Check("reference", None, "the manifest records no source: the reference cannot be matched to it")
+    want = {s.get("name"): s.get("size") for s in src["shards"] if isinstance(s, dict)}
+    have = {s.name: s.size for s in ref_ck.shards}
+    diffs = []
+    for name in sorted(set(want) | set(have)):
+        if name not in have:
+            diffs.append(f"{name} missing")
+        elif name not in want:
+            diffs.append(f"{name} not in the manifest's source")
+        elif want[name] != have[name]:
+            diffs.append(f"{name} is {have[name]} B, the source was {want[name]} B")
+    cfg = hashlib.sha256((ref_ck.root / "config.json").read_bytes()).hexdigest()
+    if src.get("config_sha256") and cfg != src["config_sha256"]:
+        diffs.append("config.json differs from the source's")
+    if diffs:
+        return Check("reference", False, "the reference is not the source this checkpoint was converted from: "
+                     + "; ".join(diffs[:5]) + (f" (+{len(diffs) - 5} more)" if len(diffs) > 5 else ""))
+    return Check("reference", True, f"shard names, sizes and config.json match the manifest's source "
+                 f"({len(have)} shards; contents not hashed)")
+
+
+def _layer_key(module: str) -> int | None:
+    m = _LAYER.search(module)
+    return int(m[1]) if m else None
+
+
+def layer_summary(sqnr: dict[str, float], min_db: float) -> list[dict]:
+    by_layer: dict[int | None, list[tuple[float, str]]] = {}
+    for m, db in sqnr.items():
+        by_layer.setdefault(_layer_key(m), []).append((db, m))
+    out = []
+    for layer in sorted(by_layer, key=lambda x: (x is None, x or 0)):
+        vals = by_layer[layer]
+        worst = min(vals)
+        mean = sum(v for v, _ in vals) / len(vals)
+        out.append({"layer": layer, "min_sqnr_db": round(worst[0], 3), "mean_sqnr_db": round(mean, 3),
+                    "modules": len(vals),
+                    "worst_module": worst[1], "ok": bool(worst[0] >= min_db)})
+    return out
+
+
+def sqnr_check(sqnr: dict, layers: list[dict], modules: int, t: Thresholds, awq: int = 0) -> Check:
+    if not modules:
+        if awq:
+            return Check("weight_sqnr", None, f"{awq} AWQ module(s) store scaled weights: compared with the "
+                                              "reference at the model level (KL, top-1) only")
+        return Check("weight_sqnr", None, "the checkpoint holds no pack-quantized module")
+    if not sqnr:
+        return Check("weight_sqnr", False, "no quantized module could be compared with the reference")
+    bad = [lay for lay in layers if not lay["ok"]]
+    worst = min(layers, key=lambda lay: lay["min_sqnr_db"])
+    if bad:
+        named = ", ".join(f"layer {lay['layer']} ({lay['worst_module']}: {lay['min_sqnr_db']:.1f} dB)"
+                          for lay in bad[:5])
+        return Check("weight_sqnr", False, f"{len(bad)} layer(s) below {t.min_sqnr_db} dB: {named}",
+                     worst["min_sqnr_db"], t.min_sqnr_db)
+    return Check("weight_sqnr", True, f"{len(sqnr)} modules, worst {worst['min_sqnr_db']:.2f} dB "
+                 f"({worst['worst_module']})", worst["min_sqnr_db"], t.min_sqnr_db)
+
+
+def drift_check(drift: list[tuple[str, float, float]], t: Thresholds) -> Check:
+    if not drift:
+        return Check("sqnr_vs_manifest", None, "the manifest records no per-module SQNR")
+    off = sorted(((abs(now - rec), m, now, rec) for m, now, rec in drift), reverse=True)
+    worst = off[0]
+    bad = [o for o in off if not o[0] <= t.max_sqnr_drift_db]
+    if bad:
+        named = ", ".join(f"{m} ({now:.2f} dB now, {rec:.2f} recorded)" for _, m, now, rec in bad[:3])
+        return Check("sqnr_vs_manifest", False, f"{len(bad)} module(s) differ from the SQNR recorded at conversion: "
+                     f"{named}", round(worst[0], 4), t.max_sqnr_drift_db)
+    return Check("sqnr_vs_manifest", True, f"{len(drift)} modules match the recorded SQNR "
+                 f"(max drift {worst[0]:.4f} dB)", round(worst[0], 4), t.max_sqnr_drift_db)
+
+
+def token_data(ref_ck: Checkpoint, dataset, num_samples: int, seq_len: int, seed: int):
+    """(samples: list of int64 [T] tensors, description of the data).
+
+    With `dataset`: quantkit.calib.data reads it (its formats, its tokenizer rules). Without: the shipped
+    calibration set through the reference's tokenizer (built-in text if that set is unavailable), or
+    seeded random ids when the reference has no tokenizer (the tiny test models)."""
+    vocab = _vocab_size(ref_ck.config)
+    calib = importlib.import_module("quantkit.calib.data") if importlib.util.find_spec("quantkit.calib.data") else None
+    if calib is not None and not hasattr(calib, "load_calibration_data"):
+        calib = None
+    if dataset is not None:
+        if calib is None:
+            raise QuantkitError("a dataset needs quantkit.calib.data, which this installation lacks",
+                                hint="omit --dataset to use the built-in token data")
+        return _calib_samples(calib, dataset, calib.load_tokenizer(ref_ck.root), vocab, num_samples, seq_len, seed)
+    tok, notes = None, []
+    if calib is not None:
+        try:
+            tok = calib.load_tokenizer(ref_ck.root)
+        except QuantkitError as e:  # e.g. a remote-code tokenizer: random ids still compare the two models
+            notes.append(f"the reference's tokenizer could not be loaded ({e.message}); using random token ids")
+    if tok is not None:
+        try:
+            return _calib_samples(calib, None, tok, vocab, num_samples, seq_len, seed)
+        except QuantkitError as e:  # the shipped set is missing or too small: fall back to built-in text
+            notes.append(f"the shipped calibration set is unusable ({e.message}); using built-in text")
+        ids = [i for i in tok(_BUILTIN_TEXT, add_special_tokens=False)["input_ids"] if 0 <= i < vocab] or [0, 1]
+        step = 37  # each sample starts at a different offset of the tiled text
+        need = seq_len + (num_samples - 1) * step
+        stream = torch.tensor((ids * (need // len(ids) + 1))[:need], dtype=torch.long)
+        samples = [stream[i * step: i * step + seq_len].clone() for i in range(num_samples)]
+        return samples, {"source": "quantkit built-in text", "tokenizer": type(tok).__name__,
+                         "num_samples": num_samples, "seq_len": seq_len, "seed": seed, "notes": notes}
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (num_samples, seq_len), generator=g)  # [N, L]
+    notes = notes or ["the reference has no tokenizer: seeded random token ids (fine for random-weight test "
+                      "models, weak evidence for a real one: pass a dataset)"]
+    return list(ids), {"source": f"random token ids (seed {seed})", "tokenizer": None, "num_samples": num_samples,
+                       "seq_len": seq_len, "seed": seed, "notes": notes}
+
+
+def _calib_samples(calib, dataset, tok, vocab: int, num_samples: int, seq_len: int, seed: int):
+    with warnings.catch_warnings(record=True) as caught:  # its CalibrationWarnings become report notes
+        warnings.simplefilter("always")
+        cd = calib.load_calibration_data(dataset, tokenizer=tok, vocab_size=vocab, num_samples=num_samples,
+                                         seq_len=seq_len, seed=seed)
+    samples = [s.long().reshape(-1) for s in cd.samples if s.numel() >= 2]
+    if not samples:
+        raise QuantkitError(f"dataset {str(dataset)!r} gives no sample of 2 or more tokens")
+    info = cd.describe() if hasattr(cd, "describe") else {"source": str(dataset)}
+    notes = list(info.get("notes") or [])
+    info["notes"] = notes + [str(w.message) for w in caught if str(w.message) not in notes]
+    return samples, info
+
+
+def _vocab_size(config: dict) -> int:
+    v = config.get("vocab_size")
+    if not isinstance(v, int):
+        v = (config.get("text_config") or {}).get("vocab_size")
+    if not isinstance(v, int) or v <= 0:
+        raise QuantkitError("the reference's config.json has no vocab_size", hint="pass a dataset with input_ids")
+    return v
+
+
+def _load(path: Path, dev: torch.device):
+    from ..testing import load_model
+
+    return load_model(path, torch.bfloat16).eval().to(dev)
+
+
+def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: torch.device, gen_tokens: int,
+                   t: Thresholds, say) -> tuple[dict, dict | None, list[Check]]:
+    """Both models in bf16 (transformers keeps the decompressed experts in the scale dtype) on `samples`."""
+    import torch.nn.functional as F
+
+    names = ("kl_divergence", "top1_agreement", "perplexity_ratio", "generation_agreement")
+    say("numerics: loading the reference model")
+    try:
+        ref = _load(ref_dir, dev)
+    except Exception as e:  # transformers' errors are many and unnamed
+        raise QuantkitError(f"transformers cannot load the reference {str(ref_dir)!r}: {type(e).__name__}: "
+                            f"{str(e)[:160]}", hint="pass a checkpoint transformers can load") from None
+    say("numerics: loading the quantized model (compressed-tensors decompresses it)")
+    try:
+        qnt = _load(q_dir, dev)
+    except Exception as e:  # an unloadable output is a finding, not a crash
+        del ref
+        why = f"transformers cannot load the quantized checkpoint: {type(e).__name__}: {str(e)[:160]}"
+        return {}, None, [Check(n, False, why) for n in names]
+
+    vocab = None
+    kl_sum = top1_sum = nll_ref = nll_q = 0.0
+    positions = targets = 0
+    say(f"numerics: logits on {len(samples)} samples")
+    with torch.no_grad():
+        for batch in _batches(samples, ref.config):
+            ids = batch.to(dev)  # [B, L]
+            la = F.log_softmax(ref(ids).logits.float(), -1)  # [B, L, V]
+            lb = F.log_softmax(qnt(ids).logits.float(), -1)
+            vocab = la.shape[-1]
+            kl_sum += float((la.exp() * (la - lb)).sum(-1).double().sum())  # KL(ref || quant) per position
+            top1_sum += float((la.argmax(-1) == lb.argmax(-1)).double().sum())
+            positions += la.shape[0] * la.shape[1]
+            nxt = ids[:, 1:, None]
+            nll_ref -= float(la[:, :-1].gather(-1, nxt).double().sum())
+            nll_q -= float(lb[:, :-1].gather(-1, nxt).double().sum())
+            targets += nxt.numel()
+        kl = kl_sum / positions
+        top1 = top1_sum / positions
+        ppl_r = math.exp(nll_ref / targets) if nll_ref / targets < 700 else float("inf")
+        ppl_q = math.exp(nll_q / targets) if nll_q / targets < 700 else float("inf")
+        generation = None
+        if gen_tokens > 0:
+            say(f"numerics: greedy generation ({gen_tokens} tokens)")
+            generation = _generation(ref, qnt, samples, gen_tokens, dev)
+    metrics = {"kl_divergence": finite(kl), "top1_agreement": finite(top1),
+               "perplexity_reference": finite(ppl_r), "perplexity_quantized": finite(ppl_q)}
+    checks = [
+        _limit("kl_divergence", kl, t.max_kl, upper=True, what=f"mean next-token KL over {positions} positions"),
+        _limit("top1_agreement", top1, t.min_top1, upper=False, what=f"top-1 agreement over {positions} positions"),
+        _limit("perplexity_ratio", ppl_q / ppl_r if math.isfinite(ppl_r) and ppl_r > 0 else float("nan"),
+               t.max_ppl_ratio, upper=True, what=f"perplexity {ppl_q:.4g} vs reference {ppl_r:.4g} (vocab {vocab})"),
+    ]
+    if generation is None:
+        checks.append(Check("generation_agreement", None, "generation_tokens is 0: skipped"))
+    else:
+        checks.append(_limit("generation_agreement", generation["agreement"], t.min_generation_agreement,
+                             upper=False, what=f"{generation['prompts']} prompts x {gen_tokens} greedy tokens, "
+                                               f"mean matching prefix {generation['matching_prefix']:.2f}"))
+    return metrics, generation, checks
+
+
+def _limit(name: str, value: float, limit: float, *, upper: bool, what: str) -> Check:
+    if not math.isfinite(value):
+        return Check(name, False, f"{what}: not finite", None, limit)
+    ok = value <= limit if upper else value >= limit
+    return Check(name, ok, f"{what}: {value:.4g} ({'<=' if upper else '>='} {limit} {'ok' if ok else 'FAILED'})",
+                 float(value), limit)
+
+
+def _batches(samples: list[torch.Tensor], config, max_logit_bytes: int = 256 << 20):
+    """Equal-length samples stacked into [B, L] batches whose float32 logits stay under max_logit_bytes."""
+    vocab = getattr(config, "vocab_size", None) or 1
+    by_len: dict[int, list[torch.Tensor]] = {}
+    for s in samples:
+        by_len.setdefault(int(s.numel()), []).append(s)
+    for length, group in by_len.items():
+        per = max(1, max_logit_bytes // (length * vocab * 4 * 3))  # log-probs of both models + a temporary
+        for i in range(0, len(group), per):
+            yield torch.stack(group[i:i + per])
+
+
+def _generation(ref, qnt, samples: list[torch.Tensor], n: int, dev: torch.device) -> dict:
+    """Greedy-generate n tokens with the reference from up to 4 prompts, then score the quantized model
+    teacher-forced on that continuation: `agreement` = fraction of steps where its greedy token equals the
+    reference's (immune to the divergence cascade of free-running generation); `matching_prefix` =
+    mean fraction of tokens until the first disagreement, i.e. what free-running generation would share."""
+    from transformers import GenerationConfig
+
+    prompts = [s[: max(1, min(32, s.numel() // 2))] for s in samples[:4]]
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    agree = prefix = 0.0
+    for p in prompts:
+        ids = p.reshape(1, -1).to(dev)
+        full = ref.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)  # [1, P + n]
+        cont = full[0, ids.shape[1]:]
+        pred = qnt(full[:, :-1]).logits[0, ids.shape[1] - 1:].argmax(-1)  # quantized greedy choice per step
+        same = (pred == cont).double()
+        agree += float(same.mean())
+        prefix += float(same.cumprod(0).sum()) / n
+    return {"tokens": n, "prompts": len(prompts), "agreement": agree / len(prompts),
+            "matching_prefix": prefix / len(prompts)}
+
+
+def kernel_check(modules: list[tuple[str, dict]], dev: torch.device) -> Check:
+    """The runtime's Triton INT4 GEMM against its torch reference on a few real modules."""
+    from ..runtime.int4 import PackedInt4, int4_gemm, int4_gemm_ref
+
+    worst, worst_m = 0.0, None
+    for m, t in modules:
+        w = PackedInt4.from_tensors(t["weight_packed"], t["weight_scale"], t["weight_shape"],
+                                    t.get("weight_zero_point")).to(dev)
+        x = torch.randn(16, w.shape[1], generator=torch.Generator().manual_seed(0)).to(dev, torch.bfloat16)
+        want = int4_gemm_ref(x, w).float()
+        got = int4_gemm(x, w, backend="triton").float()
+        err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+        if not err <= worst:
+            worst, worst_m = err, m
+    ok = worst <= KERNEL_RTOL
+    return Check("kernels", ok, f"triton INT4 GEMM vs torch on {len(modules)} modules: max relative error "
+                 f"{worst:.2e}{f' ({worst_m})' if worst_m else ''}", worst, KERNEL_RTOL)

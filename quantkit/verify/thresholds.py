@@ -1,0 +1,51 @@
+"""Pass/fail limits of `verify`, one CLI flag each (`--max-kl`, ...): the flags take their defaults and help
+texts from here."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+
+from ..errors import QuantkitError
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Pass/fail limits. The defaults pass a correct int4-experts-rtn (g32) conversion with margin and
+    fail a single tensor with a wrong scale; `docs/verify.md` says why each value was chosen. The CLI
+    exposes one flag per field (`--max-kl`, ...) and builds the object with `with_overrides`."""
+
+    max_kl: float = field(default=0.05, metadata={"help": "maximum mean next-token KL(reference || quantized), nats"})
+    min_top1: float = field(default=0.85, metadata={"help": "minimum top-1 next-token agreement, 0..1"})
+    max_ppl_ratio: float = field(default=1.10, metadata={
+        "help": "maximum perplexity(quantized) / perplexity(reference)"})
+    min_sqnr_db: float = field(default=10.0, metadata={"help": "minimum weight SQNR of every quantized module, dB"})
+    max_sqnr_drift_db: float = field(default=0.1, metadata={
+        "help": "maximum |SQNR measured now - SQNR the manifest recorded at conversion|, dB"})
+    min_generation_agreement: float = field(default=0.80, metadata={
+        "help": "minimum fraction of greedy-generation steps where the quantized model picks the reference's token"})
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+                raise QuantkitError(f"threshold {f.name} must be a number, got {v!r}")
+        for name in ("min_top1", "min_generation_agreement"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise QuantkitError(f"threshold {name} must lie in [0, 1], got {getattr(self, name)}")
+        for name in ("max_kl", "max_ppl_ratio", "max_sqnr_drift_db"):
+            if getattr(self, name) < 0:
+                raise QuantkitError(f"threshold {name} must be >= 0, got {getattr(self, name)}")
+
+    def with_overrides(self, **overrides: float | None) -> "Thresholds":
+        """A copy with the given fields replaced; None means "keep" (an unset CLI flag)."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise QuantkitError(f"unknown threshold(s) {unknown}; known: {sorted(known)}")
+        return replace(self, **{k: float(v) for k, v in overrides.items() if v is not None})
+
+    @classmethod
+    def options(cls) -> list[tuple[str, float, str]]:
+        """(field name, default, help) per threshold: what the CLI turns into flags."""
+        return [(f.name, f.default, f.metadata["help"]) for f in fields(cls)]
