@@ -1,0 +1,328 @@
+"""FP4 (E2M1) weight quantization: compressed-tensors `nvfp4-pack-quantized` and `mxfp4-pack-quantized`.
+
+This file is the math only: E2M1 rounding and codes, nibble packing, the scales of both formats, RTN over
+a batch of weights, and a column quantizer for GPTQ. It does not read or write checkpoints, build config
+groups, quantize activations (W4A4 `input_global_scale`) or run a kernel. Verbs as in quant/int4.py:
+`choose_qparams_*` -> `quantize_*` -> `dequantize_*`, plus `pack_fp4`/`unpack_fp4`. Every function is
+pure and batched over leading dims: a weight is [..., N, K] (all experts of a layer as [E, N, K]).
+
+The judge is compressed-tensors 0.20.1 (tests/test_fp4.py): its compressors must give the same bytes from
+the same BF16/FP32 weight, and decompress ours to the same bits. What it does, and so what we do:
+
+- E2M1 (`quantization/utils/fp4_utils.py: cast_to_fp4`): magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 at index
+  0..7, code = sign << 3 | index. Ties go to the even index (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2,
+  2.5 -> 2, 3.5 -> 4, 5 -> 4), beyond 6 saturates. A negative value that rounds to 0 keeps its sign
+  (code 8, "-0"); a -0.0 input gives code 0 (torch.sign(-0.0) is +0).
+- packing (`compressors/nvfp4/helpers.py: pack_fp4_to_uint8`): two codes per uint8, even column in the
+  low nibble: `weight_packed` uint8 [N, K/2].
+- NVFP4 (strategy tensor_group, group 16; `quantization/utils/helpers.py: generate_gparam`,
+  `calculate_qparams`). Statistics are taken in the weight's own dtype (llm-compressor's observers do):
+    global_scale = float32(nan_to_num(448 * 6 / max(amax, tiny), nan/inf -> 1.0))   [1], float32
+      (the division runs in the weight's dtype: a BF16 weight gets a BF16-rounded global scale; an
+      all-zero weight gets 1.0)
+    scale = fp8_e4m3(clamp(global_scale * (amax_group / 6), -448, 448)), and 0 -> 0.125   [N, K/16]
+      (amax_group / 6 is rounded to the weight's dtype first, the product is float32)
+    q = e2m1(w.float() / (scale.float() / global_scale));  w ~= q * (scale.float() / global_scale)
+- MXFP4 (strategy group, group 32, `quantization/utils/mxfp_utils.py: generate_mx_scales`):
+    scale = uint8 E8M0 = clamp(127 + log2(p) - 2, 0, 255) with p = amax_group rounded to a power of two:
+      down (floor of log2) unless amax's mantissa is >= 1.75, then up. So amax in [1.5, 1.75) * 2^k
+      saturates to 6 * 2^(k-2) (up to 1/7 relative error on the largest values); amax = 0 gives 0.
+    q = e2m1(w / 2^(scale - 127)) (exact: a power-of-two division);  w ~= q * 2^(scale - 127)
+- dequantization (the compressors' `decompress`): float32 product, rounded once to the output dtype
+  (compressed-tensors returns BF16).
+
+FP16 sources are widened to float32 before any statistic: in FP16, 2688 / amax overflows for
+amax < 0.041, which compressed-tensors turns into global_scale = 1.0 (nearly every layer); for FP16
+only, our scales therefore differ from what compressed-tensors computes from FP16 statistics. NaN/Inf
+weights have no defined encoding: `FP4Result.finite` reports them for the caller to refuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.errors import GroupSizeError
+
+# Legend: N = out_features, K = in_features, G = groups = K / group_size, g = group_size, R = rows
+
+FP4_MAX = 6.0  # largest E2M1 magnitude
+FP8_MAX = 448.0  # float8_e4m3fn max: NVFP4 group scales are e4m3
+NVFP4_GROUP_SIZE = 16
+MXFP4_GROUP_SIZE = 32
+E8M0_BIAS = 127
+_MX_EMAX = 2  # floor(log2(FP4_MAX)): what MXFP4 takes off the group's exponent
+_ZERO_GROUP_SCALE = 0.125  # compressed-tensors' replacement for a zero fp8 scale (its "eps" of e4m3)
+
+# E2M1 value of each 4-bit code; code 8 is -0.0, as compressed-tensors decodes it
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
+# rounding thresholds between consecutive magnitudes, and whether a tie there goes up (to the even index)
+_E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+# Rows per chunk in the RTN functions: ~2 MiB of float32 temporaries per step (as int4.rtn)
+CHUNK_ELEMENTS = 1 << 19
+
+
+# --- E2M1 codes and packing -------------------------------------------------------------------------
+def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """x [...] float (already divided by its scale) -> uint8 codes [...] in 0..15: round to the nearest
+    E2M1 value, ties to the even index, saturating at +-6; sign bit set for x < 0 (also when it rounds
+    to 0)."""
+    a = x.abs()
+    idx = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for bound, tie_up in _E2M1_BOUNDS:  # count the thresholds passed: index 0..7
+        idx += (a >= bound) if tie_up else (a > bound)
+    return idx | ((x < 0).to(torch.uint8) << 3)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [...] -> float32 E2M1 values [...] (code 8 -> -0.0)."""
+    return E2M1_VALUES.to(codes.device)[codes.long()]
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """x [...] -> float32 [...] on the E2M1 grid (fake quantization with scale 1)."""
+    return decode_e2m1(encode_e2m1(x))
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [..., R, C] uint8 in 0..15 -> uint8 [..., R, C/2]: column 2j in the low nibble of byte j,
+    column 2j+1 in the high nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"FP4 packing needs an even number of columns, got {codes.shape[-1]}")
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_fp4`: uint8 [..., R, W] -> codes uint8 [..., R, 2W]."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+# --- shared helpers ---------------------------------------------------------------------------------
+def _check_group(k: int, group_size: int, fmt: str) -> int:
+    if k % group_size:
+        raise GroupSizeError(f"{fmt} needs in_features divisible by its group size {group_size}, got {k} "
+                             f"({k % group_size} columns left over); {fmt} has no partial groups")
+    return k // group_size
+
+
+def _stat_dtype(w: torch.Tensor) -> torch.dtype:
+    """The dtype statistics are computed in: the weight's own (as compressed-tensors does) for BF16 and
+    FP32; FP16 and anything else is widened to float32 (see the module docstring)."""
+    if not w.is_floating_point():
+        raise TypeError(f"FP4 quantization needs a floating-point weight, got {w.dtype}")
+    return w.dtype if w.dtype in (torch.bfloat16, torch.float32) else torch.float32
+
+
+def _group_amax(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """w [..., N, K] -> max |w| per group [..., N, G], in the statistics dtype."""
+    wg = w.to(_stat_dtype(w)).unflatten(-1, (-1, group_size))  # [..., N, G, g]
+    return torch.maximum(-wg.amin(-1), wg.amax(-1)).clamp_(min=0)
+
+
+def quantize_fp4(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """w [..., N, K] / per-group float32 scale [..., N, G] -> codes uint8 [..., N, K]:
+    e2m1(w.float() / scale). The scale is the effective one (`effective_scale_*`)."""
+    g = w.shape[-1] // scale.shape[-1]
+    x = w.float().unflatten(-1, (-1, g)) / scale.unsqueeze(-1)  # [..., N, G, g]
+    return encode_e2m1(x).flatten(-2)
+
+
+def dequantize_fp4(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """codes [..., N, K] uint8, effective float32 scale [..., N, G] -> w [..., N, K] in `dtype`: the
+    float32 product e2m1 * scale, rounded once to `dtype`."""
+    g = codes.shape[-1] // scale.shape[-1]
+    v = decode_e2m1(codes).unflatten(-1, (-1, g)) * scale.float().unsqueeze(-1)  # [..., N, G, g]
+    return v.flatten(-2).to(dtype)
+
+
+# --- NVFP4 ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NVFP4QParams:
+    scale: torch.Tensor  # [..., N, G] float8_e4m3fn, G = K / 16: `weight_scale`
+    global_scale: torch.Tensor  # [..., 1] float32: `weight_global_scale`
+
+    def effective(self) -> torch.Tensor:
+        return effective_scale_nvfp4(self.scale, self.global_scale)
+
+
+def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """amax [...] (>= 0, in the statistics dtype) -> float32 [..., 1] = 448 * 6 / amax, computed in
+    amax's dtype; zero amax is clamped to the dtype's tiny, and a NaN/inf result becomes 1.0."""
+    gs = (FP8_MAX * FP4_MAX) / amax.clamp(min=torch.finfo(amax.dtype).tiny)
+    return torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0).float().unsqueeze(-1)
+
+
+def choose_global_scale(*weights: torch.Tensor) -> torch.Tensor:
+    """One NVFP4 global scale per matrix from the amax over all `weights` (each [..., N_i, K_i], the same
+    leading dims): float32 [..., 1]. Pass gate and up of each expert to give the pair one global scale,
+    as vLLM needs when it fuses them into w13 (an on-disk fused gate_up [E, 2I, H] is one weight)."""
+    if not weights:
+        raise ValueError("choose_global_scale needs at least one weight")
+    amax = None
+    for w in weights:
+        wc = w.to(_stat_dtype(w))
+        m = torch.maximum(-wc.amin(dim=(-2, -1)), wc.amax(dim=(-2, -1))).clamp_(min=0)  # [...]
+        amax = m if amax is None else torch.maximum(amax, m)
+    return global_scale_from_amax(amax)
+
+
+def _nvfp4_scale(amax_g: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """amax per group [..., N, G] (statistics dtype), global scale [..., 1] -> float8_e4m3fn [..., N, G]."""
+    local = amax_g / FP4_MAX  # rounded to the statistics dtype, as compressed-tensors does
+    s = global_scale.float().unsqueeze(-1) * local.float()  # [..., N, G] float32
+    s = s.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    s = torch.where(s == 0, torch.full_like(s, _ZERO_GROUP_SCALE), s)  # never divide by zero
+    return s.to(torch.float8_e4m3fn)
+
+
+def choose_qparams_nvfp4(w: torch.Tensor, global_scale: torch.Tensor | None = None) -> NVFP4QParams:
+    """w [..., N, K] -> NVFP4 scales. `global_scale` ([..., 1] float32, e.g. `choose_global_scale(gate,
+    up)`) replaces the one derived from w alone."""
+    *lead, n, k = w.shape
+    _check_group(k, NVFP4_GROUP_SIZE, "NVFP4")
+    gs = choose_global_scale(w) if global_scale is None else _as_global(global_scale, lead)
+    return NVFP4QParams(_nvfp4_scale(_group_amax(w, NVFP4_GROUP_SIZE), gs), gs)
+
+
+def _as_global(global_scale: torch.Tensor, lead: list[int]) -> torch.Tensor:
+    if global_scale.dtype != torch.float32:
+        raise TypeError(f"an NVFP4 global scale is float32, got {global_scale.dtype}")
+    return global_scale.expand(*lead, 1)
+
+
+def effective_scale_nvfp4(scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """fp8 scale [..., N, G], float32 global scale [..., 1] -> float32 [..., N, G] = scale / global_scale
+    (the one float32 division both directions of compressed-tensors use)."""
+    return scale.float() / global_scale.unsqueeze(-1)
+
+
+def quantize_nvfp4(w: torch.Tensor, qp: NVFP4QParams) -> torch.Tensor:
+    """w [..., N, K] -> codes uint8 [..., N, K]."""
+    return quantize_fp4(w, qp.effective())
+
+
+def dequantize_nvfp4(codes: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """codes [..., N, K], fp8 scale [..., N, G], global scale [..., 1] -> w [..., N, K] in `dtype`."""
+    return dequantize_fp4(codes, effective_scale_nvfp4(scale, global_scale), dtype)
+
+
+# --- MXFP4 ------------------------------------------------------------------------------------------
+def _mx_exponent(amax_g: torch.Tensor) -> torch.Tensor:
+    """amax per group [...] -> E8M0 uint8 [...]. compressed-tensors rounds amax to a power of two by
+    adding a quarter of the leading binade to the float bits and masking the mantissa away (mantissa
+    >= 1.75 rounds up), then takes the E2M1 max exponent (2) off. In float32 bits that is exponent
+    field - 2, clamped to [0, 255]; BF16 amax widened to float32 rounds identically."""
+    bits = amax_g.float().view(torch.int32).to(torch.int64)
+    field = ((bits + (1 << 21)) >> 23) & 0xFF  # biased exponent of the rounded amax; 0 for amax = 0
+    e = torch.where(field == 0xFF, torch.full_like(field, 255), (field - _MX_EMAX).clamp_(0, 254))
+    return e.to(torch.uint8)
+
+
+def choose_qparams_mxfp4(w: torch.Tensor) -> torch.Tensor:
+    """w [..., N, K] -> E8M0 scale uint8 [..., N, G], G = K / 32: `weight_scale`."""
+    _check_group(w.shape[-1], MXFP4_GROUP_SIZE, "MXFP4")
+    return _mx_exponent(_group_amax(w, MXFP4_GROUP_SIZE))
+
+
+def effective_scale_mxfp4(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 uint8 [..., N, G] -> float32 2^(scale - 127), built from its bits (exact, 2^-127 included)."""
+    e = scale.to(torch.int32)
+    bits = torch.where(e == 0, torch.full_like(e, 1 << 22), e << 23)  # e = 0: the subnormal 2^-127
+    return bits.view(torch.float32)
+
+
+def quantize_mxfp4(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """w [..., N, K], E8M0 scale [..., N, G] -> codes uint8 [..., N, K]. The division runs in the
+    statistics dtype, as compressed-tensors runs it (for BF16 this decides the sign of values that
+    underflow to zero)."""
+    dt = _stat_dtype(w)
+    s = effective_scale_mxfp4(scale).to(dt).unsqueeze(-1)  # [..., N, G, 1], exact in bf16 too
+    x = w.to(dt).unflatten(-1, (-1, MXFP4_GROUP_SIZE)) / s  # [..., N, G, g]
+    return encode_e2m1(x.float()).flatten(-2)
+
+
+def dequantize_mxfp4(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """codes [..., N, K], E8M0 scale [..., N, G] -> w [..., N, K] in `dtype`."""
+    return dequantize_fp4(codes, effective_scale_mxfp4(scale), dtype)
+
+
+# --- GPTQ -------------------------------------------------------------------------------------------
+def quantize_column(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None):
+    """Quantize-dequantize columns onto the FP4 grid with fixed group scales, for GPTQ's sweep:
+    w [..., N] (one column) or [..., N, B] (a block within one group), float32 effective scale of the
+    column's group broadcastable to w ([..., N] or [..., N, 1]; `effective_scale_nvfp4/_mxfp4`) ->
+    (codes uint8 like w, dequantized float32 like w). FP4 is symmetric: `zero_point` must be None."""
+    if zero_point is not None:
+        raise ValueError("FP4 is symmetric: no zero point")
+    codes = encode_e2m1(w.float() / scale)
+    return codes, decode_e2m1(codes) * scale
+
+
+# --- RTN over a batch ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FP4Result:
+    packed: torch.Tensor  # [..., N, K/2] uint8: `weight_packed`
+    scale: torch.Tensor  # [..., N, G] float8_e4m3fn (NVFP4) or uint8 E8M0 (MXFP4): `weight_scale`
+    global_scale: torch.Tensor | None  # [..., 1] float32 (NVFP4 `weight_global_scale`), None for MXFP4
+    finite: torch.Tensor  # [...] bool: the matrix held no NaN/Inf (their encoding is undefined)
+    signal: torch.Tensor  # [...] float64: sum of w^2 per matrix
+    noise: torch.Tensor  # [...] float64: sum of (w - float32 dequantization)^2 per matrix
+
+    def sqnr_db(self) -> torch.Tensor:
+        return 10 * torch.log10(self.signal / self.noise)
+
+
+def _rtn(w: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> FP4Result:
+    """Rows are independent once the global scale is fixed, so the batch is flattened to rows [R, K] and
+    processed in cache-sized chunks (float32 temporaries stay small whatever the batch)."""
+    *lead, n, k = w.shape
+    nv = fmt == "NVFP4"
+    groups = _check_group(k, NVFP4_GROUP_SIZE if nv else MXFP4_GROUP_SIZE, fmt)
+    rows = w.reshape(-1, k)
+    r = rows.shape[0]
+    gs = gs_rows = None
+    if nv:
+        gs = choose_global_scale(w) if global_scale is None else _as_global(global_scale, lead)
+        gs_rows = gs.expand(*lead, n).reshape(r)  # [R]: row r's matrix's global scale
+    packed = torch.empty(r, k // 2, dtype=torch.uint8)
+    scale = torch.empty(r, groups, dtype=torch.float8_e4m3fn if nv else torch.uint8)
+    finite = torch.empty(r, dtype=torch.bool)
+    sig = torch.empty(r, dtype=torch.float64)
+    noise = torch.empty(r, dtype=torch.float64)
+    step = max(1, CHUNK_ELEMENTS // max(k, 1))
+    for i in range(0, r, step):
+        wc = rows[i:i + step]  # [r, K]
+        if nv:
+            s = _nvfp4_scale(_group_amax(wc, NVFP4_GROUP_SIZE), gs_rows[i:i + step])
+            eff = effective_scale_nvfp4(s, gs_rows[i:i + step])
+            codes = quantize_fp4(wc, eff)
+        else:
+            s = _mx_exponent(_group_amax(wc, MXFP4_GROUP_SIZE))
+            eff = effective_scale_mxfp4(s)
+            codes = quantize_mxfp4(wc, s)
+        wf = wc.float()
+        err = dequantize_fp4(codes, eff, torch.float32).sub_(wf)
+        packed[i:i + step] = pack_fp4(codes)
+        scale[i:i + step] = s
+        finite[i:i + step] = torch.isfinite(wf).all(-1)
+        sig[i:i + step] = wf.square().sum(-1)  # per row in float32, summed per matrix in float64
+        noise[i:i + step] = err.square_().sum(-1)
+    lead_n = (*lead, n)
+    return FP4Result(packed.reshape(*lead_n, k // 2), scale.reshape(*lead_n, groups), gs,
+                     finite.reshape(lead_n).all(-1), sig.reshape(lead_n).sum(-1), noise.reshape(lead_n).sum(-1))
+
+
+def rtn_nvfp4(w: torch.Tensor, global_scale: torch.Tensor | None = None) -> FP4Result:
+    """Round-to-nearest NVFP4 of a batch [..., N, K] (K % 16 == 0), packed. `global_scale` [..., 1]
+    float32 shares one global scale across several weights (`choose_global_scale(gate, up)`)."""
+    return _rtn(w, "NVFP4", global_scale)
+
+
+def rtn_mxfp4(w: torch.Tensor) -> FP4Result:
+    """Round-to-nearest MXFP4 of a batch [..., N, K] (K % 32 == 0), packed."""
+    return _rtn(w, "MXFP4", None)
