@@ -33,6 +33,9 @@ def _earlier_demo(out: Path) -> bool:
 def run_demo(out: str | Path, arch: str = "qwen3_moe", overwrite: bool = False,
              log: Callable[[str], None] = print) -> dict:
     from .calibrate import calibrate, write_scales
+    from .card import VERIFY_JSON, write_model_card
+    from .report import build_report
+    from .write.writer import write_json_atomic
     from .convert import ConvertOptions, convert
     from .inspect import inspect_checkpoint
     from .plan import plan
@@ -49,34 +52,39 @@ def run_demo(out: str | Path, arch: str = "qwen3_moe", overwrite: bool = False,
     out.mkdir(parents=True, exist_ok=True)
     (out / DEMO_MARKER).write_text("written by `quantkit demo`; a new demo run replaces this directory\n")
     src, dst, scales = out / "source-bf16", out / "int4", out / "kv-scales.safetensors"
-    log(f"[1/6] generating a tiny {arch} model in {src}")
+    log(f"[1/7] generating a tiny {arch} model in {src}")
     make_tiny_model(arch, src, layers=4, experts=8)
-    log("[2/6] quantkit calibrate (FP8 KV-cache scales)")
+    log("[2/7] quantkit calibrate (FP8 KV-cache scales)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the tiny model has no tokenizer: bytes stand in for tokens
         cal = calibrate(src, num_samples=8, seq_len=128)
     write_scales(cal, scales)
     log(f"      {len(cal.layers)} layers, k_scale of layer 0 = {cal.layers[0].k_scale:.3g}")
-    log("[3/6] quantkit convert --recipe int4-experts-rtn --kv-scales")
+    log("[3/7] quantkit convert --recipe int4-experts-rtn --kv-scales")
     res = convert(src, dst, ConvertOptions(recipe="int4-experts-rtn", kv_scales=str(scales)))
     log(f"      {res.tensors_quantized} expert Linears -> INT4 g32; {res.bytes_read:,} B -> {res.bytes_written:,} B "
         f"in {res.seconds:.2f} s")
-    log("[4/6] quantkit inspect")
+    log("[4/7] quantkit inspect")
     rep = inspect_checkpoint(dst)
     for label, s in rep["schemes"].items():
         log(f"      {label:>18}: {s['tensors']:4d} tensors, {s['bytes']:,} B")
-    log("[5/6] quantkit verify --reference (transformers loads the INT4 checkpoint)")
+    log("[5/7] quantkit verify --reference (transformers loads the INT4 checkpoint)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ver = verify(dst, reference=src, num_samples=4, seq_len=64, generation_tokens=16)
     for c in ver.checks:
         log(f"      {'ok  ' if c.ok else ('skip' if c.ok is None else 'FAIL')} {c.name}: {c.detail}")
-    log("[6/6] quantkit plan")
+    write_json_atomic(dst / VERIFY_JSON, {**ver.to_json(), "reference": str(src)})  # as `quantkit verify` keeps it
+    write_model_card(dst, verify_report=ver.to_json())
+    log("[6/7] quantkit plan")
     pl = plan(dst).to_json()
     log(f"      checkpoint {pl['checkpoint_bytes']['source']:,} B; KV bytes/token bf16 "
         f"{pl['kv_bytes_per_token']['bfloat16']:,} -> fp8 {pl['kv_bytes_per_token']['float8_e4m3']:,}")
+    log("[7/7] quantkit report (the pictures) and the model card")
+    html = build_report(dst, reference=src)
+    log(f"      {html.output} ({len(html.figures)} figures), {dst / 'README.md'}")
     doc = {"source": str(src), "output": str(dst), "calibrate": cal.to_json(), "convert": res.to_json(),
-           "inspect": rep, "verify": ver.to_json(), "plan": pl}
+           "inspect": rep, "verify": ver.to_json(), "plan": pl, "report": html.to_json()}
     if not ver.passed:
         raise VerificationFailed(f"the demo's conversion failed verification: "
                                  f"{', '.join(c.name for c in ver.failed_checks())}")

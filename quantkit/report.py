@@ -1,0 +1,917 @@
+"""`quantkit report`: one self-contained HTML page that shows where a converted checkpoint's error went.
+
+Reads what `convert` wrote and nothing else: `quantkit_manifest.json` (per-module SQNR, calibration
+tokens and fallbacks), `config.json`, the shards' headers (bytes per tensor) and the KV-scale tensors
+(a few floats per layer). Draws, each in its own section with a caption:
+- per MoE layer x routed expert, the SQNR of the expert's worst projection (one heatmap), and per
+  layer the min / median / max SQNR of every quantized module (experts or not);
+- per MoE layer x expert, the calibration tokens routed to it, fallbacks and starved experts marked;
+- per layer (and per KV head with `attn_head`), the FP8 KV-cache scales k and v;
+- bytes by scheme, labelled as `quantkit inspect` labels them;
+- `quantkit verify`'s checks, metrics and per-layer SQNR, when its `--json` object is passed or
+  `verify.json` lies in the output directory.
+It is not a verifier: it dequantizes no tensor and loads no model (`verify` measures, this shows).
+
+Plotting: matplotlib rendered to inline SVG: well maintained, no JavaScript, nothing fetched, and
+byte-deterministic with a fixed `svg.hashsalt` and no date. Heatmaps are drawn with
+`interpolation="none"`, i.e. one embedded PNG at one pixel per cell, so 61 layers x 384 experts is a
+single element, not 23k rectangles.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+import math
+import os
+import re
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import CheckpointNotFound, ConfigError
+from .read.checkpoint import Checkpoint, read_json_file
+from .read.safetensors import SafetensorsFile
+
+MANIFEST_NAME = "quantkit_manifest.json"  # = convert.MANIFEST_NAME (not imported: report reads, never converts)
+VERIFY_NAME = "verify.json"  # picked up from the output directory when no verify JSON is passed
+DEFAULT_OUTPUT_NAME = "quantkit_report.html"
+# The manifest has ~530 bytes per output tensor: Kimi K2 (60 MoE layers x 384 experts x 3 projections x
+# 3 tensors) writes ~110 MB, over read_json_file's 64 MiB cap for config files, so it is read here.
+MAX_MANIFEST_BYTES = 1 << 30
+
+# Module names are the only place the manifest keeps (layer, expert, projection); convert's
+# calibration report reads them with the same pattern.
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)(?:\.|$)")
+_KV = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.self_attn\.(?P<kind>[kv])_scale$")
+
+WORST_MODULES = 10
+MAX_EXPERTS = 1 << 14  # per layer; the largest releases have 384
+MAX_FALLBACK_ROWS = 1000  # one row per expert; the rest are counted (all of them are in the manifest)
+ANNOTATE_CELLS = 256  # heatmaps up to this many cells print their values in the cells
+SQNR_CAP_DB = 300.0  # an exact module has infinite SQNR; verify caps at the same value
+FIG_WIDTH_IN = 10.0
+
+# Colours shared by figures and their legends.
+BELOW_THRESHOLD = "#d62728"  # SQNR below verify's min_sqnr_db
+FALLBACK = "#d62728"  # expert whose calibration fell back (too few tokens)
+ZERO_TOKENS = "#000000"  # expert that saw no token and has no recorded fallback
+MISSING = "#e6e6e6"  # no such module / no value
+
+_CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"  # offline by construction
+
+_CSS = """
+body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif;
+       color: #1d1d1f; margin: 0 auto; max-width: 1100px; padding: 0 24px 48px; }
+h1 { font-size: 24px; margin: 24px 0 4px; } h2 { font-size: 19px; margin: 36px 0 8px;
+       border-bottom: 1px solid #ddd; padding-bottom: 4px; } h3 { font-size: 16px; margin: 20px 0 6px; }
+.sub { color: #555; margin: 0 0 16px; }
+table { border-collapse: collapse; margin: 8px 0 16px; font-size: 13.5px; }
+th, td { border-bottom: 1px solid #e3e3e3; padding: 3px 10px 3px 0; text-align: left; vertical-align: top; }
+th { color: #444; font-weight: 600; } td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
+table.kv th { width: 190px; } td.nw { white-space: nowrap; }
+code, .mono { font-family: ui-monospace, "DejaVu Sans Mono", Menlo, monospace; font-size: 12.5px; }
+figure { margin: 12px 0 20px; } figure svg { max-width: 100%; height: auto; display: block; }
+figure svg image { image-rendering: crisp-edges; image-rendering: pixelated; }
+figcaption { color: #333; font-size: 14px; margin-top: 6px; max-width: 900px; }
+.skip { color: #666; font-style: italic; }
+.ok { color: #1a7f37; font-weight: 600; } .bad { color: #c62828; font-weight: 600; } .na { color: #777; }
+nav a { margin-right: 14px; color: #0b57d0; text-decoration: none; }
+details pre { background: #f6f6f6; padding: 8px; overflow-x: auto; font-size: 12px; }
+ul.notes { margin: 4px 0 12px; padding-left: 20px; }
+"""
+
+
+# ---- result ------------------------------------------------------------------------------------------
+@dataclass
+class ReportResult:
+    output: str  # the HTML file written
+    figures: list[str]  # ids of the <svg> elements drawn, in page order
+    bytes: int  # size of the HTML file
+    skipped: dict[str, str] = field(default_factory=dict)  # section -> why it shows no figure
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """Contract keys `output`, `figures`, `bytes`, then extras."""
+        return {"output": self.output, "figures": list(self.figures), "bytes": self.bytes,
+                "skipped": dict(self.skipped), "seconds": round(self.seconds, 3)}
+
+
+# ---- what the manifest says, per module --------------------------------------------------------------
+@dataclass(frozen=True)
+class ModuleInfo:
+    name: str
+    scheme: str
+    method: str | None
+    sqnr_db: float | None  # None when the manifest records none (pass-through)
+    tokens: int | None  # calibration tokens routed to it (calibrated methods only)
+    fallback: str | None
+    layer: int | None  # the N of `...layers.N...`, None outside the decoder layers
+    prefix: str | None  # `...experts` for a routed expert
+    expert: int | None
+    proj: str | None
+
+
+def _number(x) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        x = float(x)
+    except OverflowError:  # a JSON integer beyond float range
+        return None
+    return None if math.isnan(x) else x
+
+
+def _layer_of(name: str) -> int | None:
+    m = _LAYER.search(name)
+    return int(m["layer"]) if m else None
+
+
+def collect_modules(tensors: dict[str, dict]) -> list[ModuleInfo]:
+    """One entry per quantized or passed-through module (the manifest keys those tensors by `scheme`;
+    every tensor of a module repeats the module's fields, so the first that has an SQNR is taken)."""
+    first: dict[str, dict] = {}
+    for name, e in tensors.items():
+        if not isinstance(e, dict) or "scheme" not in e:
+            continue
+        module = name.rsplit(".", 1)[0]
+        if module not in first or (first[module].get("sqnr_db") is None and e.get("sqnr_db") is not None):
+            first[module] = e
+    out = []
+    for module, e in first.items():
+        m = _EXPERT.match(module)
+        tokens = e.get("tokens")
+        out.append(ModuleInfo(
+            name=module, scheme=str(e["scheme"]), method=e.get("method"), sqnr_db=_number(e.get("sqnr_db")),
+            tokens=tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None,
+            fallback=str(e["fallback"]) if e.get("fallback") else None, layer=_layer_of(module),
+            prefix=m["prefix"] if m else None, expert=int(m["expert"]) if m else None,
+            proj=m["proj"] if m else None))
+    return out
+
+
+@dataclass(frozen=True)
+class ExpertGrid:
+    """Rows = expert containers (`model.layers.L.mlp.experts`) in layer order, columns = expert index."""
+
+    rows: tuple[str, ...]
+    labels: tuple[str, ...]  # row labels: the layer index, or the whole prefix when layers repeat
+    n_experts: int
+
+    @classmethod
+    def of(cls, prefixes, n_experts: int) -> ExpertGrid:
+        if n_experts > MAX_EXPERTS:  # the grid is dense: a hostile index must not allocate gigabytes
+            raise ConfigError(f"{MANIFEST_NAME} names routed expert {n_experts - 1}, beyond the {MAX_EXPERTS} "
+                              "experts per layer the report draws", hint="the manifest is damaged or not quantkit's")
+        rows = sorted(set(prefixes), key=lambda p: (_layer_of(p) if _layer_of(p) is not None else -1, p))
+        labels = [str(_layer_of(p)) if _layer_of(p) is not None else p for p in rows]
+        if len(set(labels)) < len(labels):
+            labels = list(rows)
+        return cls(tuple(rows), tuple(labels), n_experts)
+
+    def index(self) -> dict[str, int]:
+        return {p: i for i, p in enumerate(self.rows)}
+
+
+# ---- entry point --------------------------------------------------------------------------------------
+def build_report(qmodel_dir: str | os.PathLike, reference: str | os.PathLike | None = None,
+                 output: str | os.PathLike | None = None,
+                 verify_json: dict | str | os.PathLike | None = None) -> ReportResult:
+    """Write the HTML report of the converted checkpoint in `qmodel_dir` and return what was written.
+
+    reference: the source checkpoint, only shown (nothing is computed from it). output: the HTML path
+    (default `<qmodel_dir>/quantkit_report.html`). verify_json: the object `quantkit verify --json`
+    printed, or the path of a file holding it; default `<qmodel_dir>/verify.json` when present.
+    """
+    t0 = time.perf_counter()
+    _mpl()  # fail early, before reading anything, when the plotting library is missing
+    root = Path(qmodel_dir)
+    ck = Checkpoint.open(root)  # CheckpointNotFound / ConfigMissing / header errors for unusable input
+    manifest = _read_manifest(root)
+    if reference is not None and not Path(reference).is_dir():
+        raise CheckpointNotFound(f"reference checkpoint directory {str(reference)!r} does not exist",
+                                 hint="pass the source directory the output was converted from, or omit --reference")
+    verify_doc, verify_origin = _read_verify(root, verify_json)
+
+    tensors = manifest.get("tensors") or {}
+    modules = collect_modules(tensors)
+    threshold = _sqnr_threshold(verify_doc)
+    page = _Page()
+    page.header(root, ck, manifest, reference, verify_origin)
+    _section_sqnr(page, modules, threshold)
+    _section_tokens(page, manifest, modules)
+    _section_kv(page, ck, tensors)
+    _section_bytes(page, ck, tensors)
+    _section_verify(page, verify_doc, verify_origin)
+    _section_tables(page, modules, manifest)
+    doc = page.render(title=f"quantkit report: {root.resolve().name}")
+
+    out = Path(output) if output is not None else root / DEFAULT_OUTPUT_NAME
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    data = doc.encode("utf-8")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return ReportResult(output=str(out), figures=page.figures, bytes=len(data), skipped=page.skipped,
+                        seconds=time.perf_counter() - t0)
+
+
+def _read_manifest(root: Path) -> dict:
+    path = root / MANIFEST_NAME
+    if not path.is_file():
+        raise CheckpointNotFound(f"{root} has no {MANIFEST_NAME}: it is not an output of `quantkit convert`",
+                                 hint="run `quantkit convert SRC OUT --recipe R` first; the report reads what convert wrote")
+    hint = "the manifest is damaged; re-run `quantkit convert` with --overwrite"
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise ConfigError(f"{path} is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte limit", hint=hint)
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (UnicodeError, ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError
+        raise ConfigError(f"{path} is not valid JSON: {type(e).__name__}: {str(e)[:120]}".replace("\n", " "),
+                          hint=hint) from None
+    if not isinstance(manifest, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(manifest).__name__}", hint=hint)
+    if manifest.get("status") != "complete":
+        raise CheckpointNotFound(f"{path}: status is {manifest.get('status')!r}, not 'complete': the conversion "
+                                 "did not finish", hint="run the same `quantkit convert` command again to resume it")
+    if not isinstance(manifest.get("tensors"), dict):
+        raise ConfigError(f"{path}: 'tensors' is missing or not an object", hint=hint)
+    return manifest
+
+
+def _read_verify(root: Path, verify_json) -> tuple[dict | None, str | None]:
+    hint = "pass the object `quantkit verify OUT --json` prints (or a file holding it)"
+    if verify_json is None:
+        path = root / VERIFY_NAME
+        if not path.is_file():
+            return None, None
+        verify_json = path
+    if isinstance(verify_json, dict):
+        doc, origin = verify_json, "passed in"
+    else:
+        path = Path(verify_json)
+        if not path.is_file():
+            raise ConfigError(f"verify JSON {str(path)!r} does not exist", hint=hint)
+        doc, origin = read_json_file(path, path.name, ConfigError), str(path)
+    if not isinstance(doc, dict) or not ({"passed", "checks"} & set(doc)):
+        raise ConfigError(f"verify JSON ({origin}) is not a `quantkit verify --json` object "
+                          "(no 'passed' or 'checks')", hint=hint)
+    return doc, origin
+
+
+def _sqnr_threshold(verify_doc: dict | None) -> float:
+    """verify's `min_sqnr_db`: the one the verify JSON ran with, else verify's default."""
+    t = _number(((verify_doc or {}).get("thresholds") or {}).get("min_sqnr_db"))
+    if t is not None:
+        return t
+    from .verify import Thresholds
+
+    return Thresholds().min_sqnr_db
+
+
+# ---- the page -----------------------------------------------------------------------------------------
+def _e(x) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _fmt_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "—"
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _fmt_db(x: float | None) -> str:
+    if x is None:
+        return "—"
+    return "inf" if math.isinf(x) else f"{x:.2f}"
+
+
+def _fmt_value(x) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return str(x)
+
+
+class _Page:
+    """HTML fragments in page order, the figures drawn and the sections skipped (with the reason)."""
+
+    def __init__(self):
+        self.parts: list[str] = []
+        self.nav: list[tuple[str, str]] = []
+        self.figures: list[str] = []
+        self.skipped: dict[str, str] = {}
+
+    def add(self, fragment: str) -> None:
+        self.parts.append(fragment)
+
+    def section(self, sid: str, title: str) -> None:
+        self.nav.append((sid, title))
+        self.add(f'<h2 id="{sid}">{_e(title)}</h2>')
+
+    def skip(self, key: str, sentence: str) -> None:
+        self.skipped[key] = sentence
+        self.add(f'<p class="skip">{_e(sentence)}</p>')
+
+    def figure(self, fig_id: str, fig, caption: str) -> None:
+        """`caption` is HTML (callers escape what they interpolate)."""
+        self.figures.append(fig_id)
+        self.add(f"<figure>{_svg(fig, fig_id)}<figcaption>{caption}</figcaption></figure>")
+
+    def header(self, root: Path, ck: Checkpoint, manifest: dict, reference, verify_origin: str | None) -> None:
+        cfg = ck.config
+        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+        get = lambda *keys: next((c[k] for k in keys for c in (cfg, text) if c.get(k) is not None), None)  # noqa: E731
+        recipe = manifest.get("recipe") or {}
+        summary = manifest.get("summary") or {}
+        source = manifest.get("source") or {}
+        src_bytes = summary.get("bytes_read") or sum(s.get("size", 0) for s in source.get("shards") or [])
+        out_bytes = ck.total_bytes
+        ratio = f" ({out_bytes / src_bytes:.1%} of the source)" if src_bytes else ""
+        arch = ", ".join(cfg.get("architectures") or []) or "—"
+        experts = get("n_routed_experts", "num_experts", "num_local_experts")
+        rows = [
+            ("output", f'<span class="mono">{_e(root)}</span>'),
+            ("model", f"{_e(get('model_type') or '—')} ({_e(arch)}), {_e(get('num_hidden_layers') or '?')} layers"
+                      + (f", {_e(experts)} routed experts" if experts else "")),
+            ("recipe", (f"<b>{_e(recipe.get('name', '—'))}</b> <span class=\"mono\">sha256 "
+                       f"{_e(str(recipe.get('sha256', ''))[:12])}</span>")),
+            ("source format", _e((source.get("format") or {}).get("description")
+                                 or (source.get("format") or {}).get("kind") or "—")),
+            ("size", (f"{_fmt_bytes(src_bytes)} &rarr; <b>{_fmt_bytes(out_bytes)}</b>{ratio}, "
+                     f"{len(ck.shards)} shard(s), {len(ck.location)} tensors")),
+            ("modules", (f"{_e(summary.get('modules_quantized', '—'))} quantized by this run, "
+                        f"{_e(summary.get('modules_passed_through', '—'))} passed through")),
+        ]
+        cal = manifest.get("calibration") if isinstance(manifest.get("calibration"), dict) else None
+        if cal:
+            rows.append(("calibration", (f"{_e(cal.get('num_samples', '?'))} samples x {_e(cal.get('seq_len', '?'))} "
+                                        f"tokens = {_e(cal.get('num_tokens', '?'))} tokens from "
+                                        f"<span class=\"mono\">{_e(cal.get('source', '?'))}</span>")))
+        kv = manifest.get("kv_cache")
+        if isinstance(kv, dict):
+            origin = kv.get("origin") or {}
+            rows.append(("KV cache", f"FP8, strategy <b>{_e(kv.get('strategy', '?'))}</b>, "
+                                     f"{_e(kv.get('tensors', '?'))} scale tensors"
+                                     + (f" from <span class=\"mono\">{_e(origin['file'])}</span>"
+                                        if isinstance(origin, dict) and origin.get("file") else "")))
+        if reference is not None:
+            rows.append(("reference", (f'<span class="mono">{_e(reference)}</span> (shown only; the report '
+                                      "computes nothing from it: <code>quantkit verify --reference</code> does)")))
+        rows.append(("verify", _e(verify_origin) if verify_origin else "no verify JSON (section skipped)"))
+        rows.append(("quantkit", _e((manifest.get("tool") or {}).get("version", "—"))))
+        self.add("<table class=\"kv\">" + "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows) + "</table>")
+        notes = list(manifest.get("notes") or []) + list((cal or {}).get("notes") or [])
+        if notes:
+            self.add("<h3>Notes recorded by convert</h3><ul class=\"notes\">"
+                     + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>")
+        if recipe.get("text"):
+            self.add(f"<details><summary>recipe text</summary><pre>{_e(recipe['text'])}</pre></details>")
+
+    def render(self, title: str) -> str:
+        nav = "".join(f'<a href="#{sid}">{_e(t)}</a>' for sid, t in self.nav)
+        return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+                f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
+                '<meta name="viewport" content="width=device-width, initial-scale=1">'
+                f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>"
+                f"<h1>{_e(title)}</h1><p class=\"sub\">What <code>quantkit convert</code> wrote, where the "
+                f"quantization error went, and what <code>quantkit verify</code> measured.</p>"
+                f"<nav>{nav}</nav>\n" + "\n".join(self.parts) + "\n</body></html>\n")
+
+
+# ---- figures ------------------------------------------------------------------------------------------
+def _mpl():
+    """matplotlib with the non-interactive SVG canvas (no pyplot: no global figure registry)."""
+    try:
+        import matplotlib
+    except ImportError as e:  # an optional dependency: only the report needs it
+        raise ConfigError("matplotlib is not installed; the report draws its figures with it",
+                          hint="pip install matplotlib") from e
+    return matplotlib
+
+
+def _new_figure(height_in: float, ncols: int = 1, nrows: int = 1, **kw):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(FIG_WIDTH_IN, height_in), layout="constrained")
+    return fig, fig.subplots(nrows, ncols, squeeze=False, **kw)
+
+
+_SVG_PROLOG = re.compile(r"\A.*?(?=<svg\b)", re.DOTALL)
+_SVG_METADATA = re.compile(r"<metadata>.*?</metadata>\s*", re.DOTALL)
+_SVG_XMLNS = re.compile(r'\s+xmlns(?::\w+)?="[^"]*"')
+
+
+def _svg(fig, fig_id: str) -> str:
+    """The figure as an inline <svg id=fig_id>: no XML prolog, DOCTYPE, metadata or namespace URIs (the
+    HTML parser puts inline <svg> in the SVG namespace itself), `href` instead of `xlink:href` (SVG 2).
+    The hash salt is per figure, so the clip-path/image ids of two figures never collide."""
+    mpl = _mpl()
+    buf = io.StringIO()
+    with mpl.rc_context({"svg.hashsalt": f"quantkit-report-{fig_id}", "svg.fonttype": "none",
+                         "svg.image_inline": True, "svg.id": fig_id}):
+        fig.savefig(buf, format="svg", metadata={"Date": None})
+    s = _SVG_PROLOG.sub("", buf.getvalue(), count=1)
+    s = _SVG_METADATA.sub("", s, count=1)
+    s = _SVG_XMLNS.sub("", s)
+    s = s.replace("xlink:href=", "href=")
+    s = s.replace("data:image/png;base64,\n", "data:image/png;base64,")
+    return s
+
+
+def _heat_rows(n_rows: int) -> float:
+    """Figure height (inches) for a heatmap of n_rows rows: readable cells for a few layers, 61 still fit."""
+    return 1.5 + n_rows * min(0.4, max(0.11, 5.0 / max(n_rows, 1)))
+
+
+def _label_axes(ax, grid: ExpertGrid) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    rows, cols = len(grid.rows), grid.n_experts
+    if cols <= 40:
+        ax.set_xticks(range(cols))
+        ax.tick_params(axis="x", labelsize=7 if cols > 20 else 9)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=24, integer=True))
+    step = max(1, math.ceil(rows / 32))
+    ax.set_yticks(range(0, rows, step))
+    ax.set_yticklabels(grid.labels[::step], fontsize=8 if rows > 16 else 9)
+    ax.set_xlabel("routed expert")
+    ax.set_ylabel("layer")
+
+
+def _annotate(ax, values: np.ndarray, fmt, dark: np.ndarray) -> None:
+    """Write each cell's value (small grids only); white text on dark cells."""
+    if values.size > ANNOTATE_CELLS:
+        return
+    for (i, j), v in np.ndenumerate(values):
+        text = fmt(v)
+        if text:
+            ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark[i, j] else "black")
+
+
+def _integer_x(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _luminance(rgba: np.ndarray) -> np.ndarray:
+    return 0.299 * rgba[..., 0] + 0.587 * rgba[..., 1] + 0.114 * rgba[..., 2]
+
+
+# ---- section: SQNR ------------------------------------------------------------------------------------
+def _section_sqnr(page: _Page, modules: list[ModuleInfo], threshold: float) -> None:
+    page.section("sec-sqnr", "Weight SQNR per layer and expert")
+    measured = [m for m in modules if m.sqnr_db is not None]
+    if not measured:
+        page.skip("sqnr", "No module carries an SQNR in the manifest (nothing was quantized by this run: "
+                          "modules only copied or passed through), so there is no error to map.")
+        return
+    experts = [m for m in measured if m.prefix is not None]
+    if experts:
+        _sqnr_heatmap(page, experts, threshold)
+    else:
+        page.skip("sqnr-heatmap", "No routed-expert module was quantized in this output (a dense model, or a "
+                                  "recipe that leaves the experts alone), so there is no layer x expert heatmap.")
+    _sqnr_layers(page, measured, threshold)
+
+
+def _sqnr_heatmap(page: _Page, experts: list[ModuleInfo], threshold: float) -> None:
+    import matplotlib as mpl
+    from matplotlib.colors import Normalize
+    from matplotlib.patches import Patch
+
+    grid = ExpertGrid.of((m.prefix for m in experts), max(m.expert for m in experts) + 1)
+    row = grid.index()
+    projs = sorted({m.proj for m in experts})
+    worst = np.full((len(grid.rows), grid.n_experts), np.nan)  # [layers, experts] dB
+    worst_proj = np.full(worst.shape, -1)
+    pidx = {p: i for i, p in enumerate(projs)}
+    for m in experts:
+        i, j = row[m.prefix], m.expert
+        if not worst[i, j] <= m.sqnr_db:  # NaN (unset) or larger
+            worst[i, j], worst_proj[i, j] = m.sqnr_db, pidx[m.proj]
+    shown = np.clip(worst, -SQNR_CAP_DB, SQNR_CAP_DB)
+    finite = shown[np.isfinite(shown)]
+    lo, hi = float(finite.min()), float(finite.max())
+    # the colours span the passing values; a value below the threshold takes the map's `under` colour
+    passing = finite[finite >= threshold]
+    vmin = max(float(passing.min()), threshold) if passing.size else threshold
+    vmax = max(hi, vmin + 0.1)
+    below = int(np.sum(shown < threshold))
+    cmap = mpl.colormaps["viridis"].with_extremes(under=BELOW_THRESHOLD, bad=MISSING)
+    norm = Normalize(vmin=vmin, vmax=vmax)
+
+    fig, axs = _new_figure(_heat_rows(len(grid.rows)))
+    ax = axs[0, 0]
+    im = ax.imshow(np.ma.masked_invalid(shown), cmap=cmap, norm=norm, aspect="auto", interpolation="none")
+    _label_axes(ax, grid)
+    ax.set_title(f"SQNR of each expert's worst projection (min over {', '.join(projs)}), dB", fontsize=11)
+    cb = fig.colorbar(im, ax=ax, extend="min" if below else "neither", fraction=0.04, pad=0.01)
+    cb.set_label("dB (darker = more error)")
+    handles = [Patch(color=MISSING, label="no such module")] if np.isnan(worst).any() else []
+    if below:
+        handles.append(Patch(color=BELOW_THRESHOLD, label=f"below {threshold:g} dB"))
+    if handles:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, -0.12 if len(grid.rows) < 8 else -0.06),
+                  ncols=len(handles), fontsize=8, frameon=False)
+    _annotate(ax, shown, lambda v: "" if not np.isfinite(v) else f"{v:.1f}",
+              _luminance(cmap(norm(np.nan_to_num(shown, nan=vmax)))) < 0.5)
+
+    # caption: where it is worst, which projection is usually the worst one
+    i, j = np.unravel_index(np.nanargmin(shown), shown.shape)
+    counts = Counter(int(p) for p in worst_proj.ravel() if p >= 0)
+    share = ", ".join(f"{projs[p]} {c / sum(counts.values()):.0%}" for p, c in counts.most_common())
+    med = {p: float(np.median([m.sqnr_db for m in experts if m.proj == p])) for p in projs}
+    cap = (f"Each cell is one routed expert (column) of one MoE layer (row); its colour is the lowest SQNR "
+           f"among the expert's projections ({_e(', '.join(projs))}), as convert recorded it "
+           f"(10&nbsp;log10(&Sigma;w&sup2; / &Sigma;(w &minus; dequant)&sup2;)). Higher is better: dark cells "
+           f"carry the most quantization error; red cells are below verify's {threshold:g}&nbsp;dB threshold "
+           f"({below} of {int(np.isfinite(worst).sum())}). Worst: layer {_e(grid.labels[i])}, expert {j} at "
+           f"{shown[i, j]:.2f}&nbsp;dB; range {lo:.2f}&ndash;{hi:.2f}&nbsp;dB. The worst projection is "
+           f"{_e(share)} of the time; median per projection: "
+           + ", ".join(f"{_e(p)} {v:.2f}&nbsp;dB" for p, v in med.items()) + ".")
+    page.figure("fig-sqnr-heatmap", fig, cap)
+
+
+def _sqnr_layers(page: _Page, measured: list[ModuleInfo], threshold: float) -> None:
+    by_layer: dict[int, list[float]] = defaultdict(list)
+    outside = [m for m in measured if m.layer is None]
+    for m in measured:
+        if m.layer is not None:
+            by_layer[m.layer].append(min(m.sqnr_db, SQNR_CAP_DB))
+    if not by_layer:
+        return
+    layers = sorted(by_layer)
+    stats = np.array([[min(by_layer[L]), float(np.median(by_layer[L])), max(by_layer[L])] for L in layers])
+    fig, axs = _new_figure(3.2)
+    ax = axs[0, 0]
+    marker = "o" if len(layers) <= 64 else None
+    ax.fill_between(layers, stats[:, 0], stats[:, 2], color="#9ecae1", alpha=0.5, label="min – max")
+    ax.plot(layers, stats[:, 1], color="#08519c", marker=marker, ms=3, label="median")
+    ax.plot(layers, stats[:, 0], color="#3f007d", marker=marker, ms=3, lw=1, label="min")
+    ax.axhline(threshold, color=BELOW_THRESHOLD, ls="--", lw=1, label=f"verify threshold {threshold:g} dB")
+    ax.set_xlabel("layer")
+    _integer_x(ax)
+    ax.set_ylabel("SQNR, dB")
+    fig.legend(fontsize=8, loc="outside upper left", ncols=4, frameon=False)
+    ax.grid(alpha=0.3)
+    kinds = Counter(m.scheme for m in measured)
+    cap = (f"Per decoder layer, the SQNR of every quantized module ({len(measured)} modules: "
+           + ", ".join(f"{c} {_e(s)}" for s, c in kinds.most_common())
+           + "): the line is the median, the band spans min to max, the dark line is the minimum. A layer whose "
+           "minimum dips far below its median holds one badly quantized module; see the worst-modules table."
+           + (f" {len(outside)} quantized module(s) outside the decoder layers are in the table only."
+              if outside else ""))
+    page.figure("fig-sqnr-layers", fig, cap)
+
+
+# ---- section: calibration tokens ------------------------------------------------------------------------
+def _section_tokens(page: _Page, manifest: dict, modules: list[ModuleInfo]) -> None:
+    import matplotlib as mpl
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import LogNorm
+    from matplotlib.patches import Patch
+
+    page.section("sec-tokens", "Expert token coverage (calibration)")
+    cal = manifest.get("calibration")
+    if not isinstance(cal, dict):
+        methods = sorted({m.method for m in modules if m.method})
+        page.skip("tokens", "This output was not calibrated (methods: " + (", ".join(methods) or "none")
+                  + "), so no expert saw calibration tokens and nothing fell back.")
+        return
+    counts = {p: c for p, c in (cal.get("expert_tokens") or {}).items() if isinstance(c, list)}
+    fallbacks = cal.get("fallbacks") or {}
+    if not counts:
+        page.skip("tokens", f"Calibrated, but no routed expert was calibrated (no calibration.expert_tokens); "
+                            f"{len(fallbacks)} fallback(s) are listed in the table below.")
+        return
+    grid = ExpertGrid.of(counts, max(len(c) for c in counts.values()))
+    row = grid.index()
+    tokens = np.full((len(grid.rows), grid.n_experts), -1.0)  # [layers, experts]; -1 = no such expert
+    for p, c in counts.items():
+        tokens[row[p], :len(c)] = [float(x) if isinstance(x, (int, float)) else -1.0 for x in c]
+    fell = np.zeros(tokens.shape, bool)
+    for module in fallbacks:
+        m = _EXPERT.match(module)
+        if m and m["prefix"] in row and int(m["expert"]) < grid.n_experts:
+            fell[row[m["prefix"]], int(m["expert"])] = True
+
+    # one RGBA image: token counts on a log colour scale, then the marks painted over
+    vmax = max(float(tokens.max()), 2.0)
+    norm = LogNorm(vmin=1.0, vmax=vmax)
+    cmap = mpl.colormaps["cividis"]
+    rgba = cmap(norm(np.clip(tokens, 1.0, None)))
+    rgba[tokens == 0] = mpl.colors.to_rgba(ZERO_TOKENS)
+    rgba[tokens < 0] = mpl.colors.to_rgba(MISSING)
+    rgba[fell] = mpl.colors.to_rgba(FALLBACK)
+    zero_no_fb = int(np.sum((tokens == 0) & ~fell))
+
+    fig, axs = _new_figure(_heat_rows(len(grid.rows)))
+    ax = axs[0, 0]
+    ax.imshow(rgba, aspect="auto", interpolation="none")
+    _label_axes(ax, grid)
+    ax.set_title("calibration tokens routed to each expert (log scale); fallbacks in red", fontsize=11)
+    cb = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.04, pad=0.01)
+    cb.set_label("tokens")
+    handles = [Patch(color=FALLBACK, label="fallback (too few tokens)")]
+    if zero_no_fb:
+        handles.append(Patch(color=ZERO_TOKENS, label="0 tokens, no fallback recorded"))
+    if (tokens < 0).any():
+        handles.append(Patch(color=MISSING, label="no such expert"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, -0.12 if len(grid.rows) < 8 else -0.06),
+              ncols=len(handles), fontsize=8, frameon=False)
+    _annotate(ax, tokens, lambda v: "" if v < 0 else f"{int(v)}", _luminance(rgba) < 0.5)
+
+    total_experts = int((tokens >= 0).sum())
+    fb_experts = int(fell.sum())
+    per_layer = tokens.clip(0, None).sum(axis=1)
+    share = tokens.clip(0, None) / np.where(per_layer > 0, per_layer, 1)[:, None]
+    sq_fb = [m.sqnr_db for m in modules if m.sqnr_db is not None and m.name in fallbacks]
+    sq_ok = [m.sqnr_db for m in modules if m.sqnr_db is not None and m.prefix and m.name not in fallbacks]
+    sqnr_note = (f" Median SQNR of fallback modules {np.median(sq_fb):.2f}&nbsp;dB vs {np.median(sq_ok):.2f}&nbsp;dB "
+                 "for the others." if sq_fb and sq_ok else "")
+    cap = (f"Each cell is one routed expert; its colour is the number of calibration tokens ({_e(cal.get('num_tokens', '?'))} "
+           f"in all, each routed to top-k experts) the router sent to it, on a log scale. A GPTQ/AWQ expert needs "
+           f"tokens to estimate its Hessian / activation scales: <b>red</b> cells are experts that saw too few and "
+           f"fell back (reason in the table below), black cells saw none. {fb_experts} of {total_experts} experts "
+           f"fell back; {int((tokens == 0).sum())} saw no token. The busiest expert took "
+           f"{float(share.max()):.1%} of its layer's routed tokens.{sqnr_note} More calibration samples "
+           f"(<code>--num-samples</code>) shrink the red area.")
+    page.figure("fig-expert-tokens", fig, cap)
+
+
+# ---- section: KV-cache scales ---------------------------------------------------------------------------
+def _kv_scales(ck: Checkpoint, tensors: dict[str, dict]) -> dict[str, dict[int, np.ndarray]]:
+    """{'k'|'v': {layer: per-head float32 values}} read from the output's KV-scale tensors. The manifest
+    marks them with `kv_cache`; a source's own KV scales kept by convert are matched by name."""
+    names = [n for n, e in tensors.items() if isinstance(e, dict) and "kv_cache" in e and n in ck.location]
+    if not names:
+        names = [n for n in ck.location if _KV.search(n)]
+    by_shard: dict[str, list[str]] = defaultdict(list)
+    for n in names:
+        by_shard[ck.location[n]].append(n)
+    out: dict[str, dict[int, np.ndarray]] = {"k": {}, "v": {}}
+    for shard, ns in sorted(by_shard.items()):
+        with SafetensorsFile(ck.shard(shard).header) as f:
+            for n in ns:
+                m = _KV.search(n)
+                if m:
+                    out[m["kind"]][int(m["layer"])] = f.get(n).float().reshape(-1).numpy()
+    return out
+
+
+def _section_kv(page: _Page, ck: Checkpoint, tensors: dict[str, dict]) -> None:
+    page.section("sec-kv", "FP8 KV-cache scales")
+    kv = _kv_scales(ck, tensors)
+    if not kv["k"] and not kv["v"]:
+        page.skip("kv", "This output ships no KV-cache scales (no --kv-scales, no kv_cache in the recipe): "
+                        "engines run the KV cache in the model dtype.")
+        return
+    layers = sorted(set(kv["k"]) | set(kv["v"]))
+    heads = max(len(a) for d in kv.values() for a in d.values())
+    kinds = [k for k in ("k", "v") if kv[k]]
+
+    def matrix(kind):  # [heads, layers]
+        a = np.full((heads, len(layers)), np.nan)
+        for c, L in enumerate(layers):
+            vals = kv[kind].get(L)
+            if vals is not None:
+                a[:len(vals), c] = vals
+        return a
+
+    if heads == 1:
+        fig, axs = _new_figure(3.2)
+        ax = axs[0, 0]
+        for kind, colour in (("k", "#1f77b4"), ("v", "#ff7f0e")):
+            if kv[kind]:
+                a = matrix(kind)[0]
+                ax.plot(layers, a, marker="o" if len(layers) <= 64 else None, ms=3, color=colour,
+                        label=f"{kind}_scale")
+        vals = np.concatenate([matrix(k)[0] for k in kinds])
+        vals = vals[np.isfinite(vals) & (vals > 0)]
+        if vals.size and vals.max() / vals.min() > 20:
+            ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        _integer_x(ax)
+        ax.set_ylabel("scale (amax / 448)")
+        ax.grid(alpha=0.3)
+        fig.legend(fontsize=8, frameon=False, ncols=2, loc="outside upper left")
+        how = "one scale per layer (strategy tensor)"
+    else:
+        import matplotlib as mpl
+
+        fig, axs = _new_figure(1.2 + len(kinds) * (0.9 + heads * min(0.3, 4.0 / heads)), nrows=len(kinds))
+        cmap = mpl.colormaps["magma"].with_extremes(bad=MISSING)
+        for ax, kind in zip(axs[:, 0], kinds):
+            a = matrix(kind)
+            im = ax.imshow(np.ma.masked_invalid(a), cmap=cmap, aspect="auto", interpolation="none")
+            fig.colorbar(im, ax=ax, fraction=0.04, pad=0.01).set_label(f"{kind}_scale")
+            ax.set_ylabel("KV head")
+            ax.set_yticks(range(heads) if heads <= 16 else range(0, heads, math.ceil(heads / 16)))
+            step = max(1, math.ceil(len(layers) / 40))
+            ax.set_xticks(range(0, len(layers), step))
+            ax.set_xticklabels([str(L) for L in layers[::step]], fontsize=8)
+            ax.set_title(f"{kind}_scale per layer and KV head", fontsize=10)
+            if a.size <= ANNOTATE_CELLS // 2:
+                norm = im.norm
+                dark = _luminance(cmap(norm(np.nan_to_num(a, nan=np.nanmax(a))))) < 0.5
+                _annotate(ax, a, lambda v: "" if not np.isfinite(v) else f"{v:.3g}", dark)
+        axs[-1, 0].set_xlabel("layer")
+        how = f"one scale per KV head ({heads} heads, strategy attn_head)"
+    spread = []
+    for kind in kinds:
+        a = matrix(kind)
+        if np.isfinite(a).any():
+            c, L = np.unravel_index(np.nanargmax(a), a.shape)
+            spread.append(f"largest {kind}_scale {np.nanmax(a):.4g} (layer {layers[L]}"
+                          + (f", head {c}" if heads > 1 else "") + f"), median {np.nanmedian(a):.4g}")
+    extremes = "; ".join(spread)
+    cap = (f"The FP8 (e4m3) KV-cache scales this output ships, {how}, for {len(layers)} layers: scale = amax / 448 "
+           f"of the post-RoPE keys (k) and the values (v) seen in calibration, so a cached value is stored as "
+           f"fp8(x / scale). A scale far above its neighbours marks outlier activations, which FP8 then resolves "
+           f"more coarsely in that layer/head. " + extremes[:1].upper() + extremes[1:] + ".")
+    page.figure("fig-kv-scales", fig, cap)
+
+
+# ---- section: bytes by scheme ---------------------------------------------------------------------------
+def bytes_by_scheme(ck: Checkpoint, tensors: dict[str, dict]) -> dict[str, dict[str, int]]:
+    """{label: {tensors, modules, bytes}} over the output's shards. Labels as `quantkit inspect`: a
+    quantized or passed-through module's tensors under its scheme (from the manifest), KV scales under
+    `kv-scales`, everything else under its dtype. Bytes are the headers' (what the shard holds)."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "modules": 0, "bytes": 0})
+    modules: dict[str, set[str]] = defaultdict(set)
+    for shard in ck.shards:
+        for name, info in shard.tensors.items():
+            e = tensors.get(name)
+            if isinstance(e, dict) and "scheme" in e:
+                label = str(e["scheme"])
+                modules[label].add(name.rsplit(".", 1)[0])
+            elif (isinstance(e, dict) and "kv_cache" in e) or _KV.search(name):
+                label = "kv-scales"
+            else:
+                label = str(info.dtype).removeprefix("torch.")
+            out[label]["tensors"] += 1
+            out[label]["bytes"] += info.nbytes
+    for label, ms in modules.items():
+        out[label]["modules"] = len(ms)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["bytes"]))
+
+
+def _section_bytes(page: _Page, ck: Checkpoint, tensors: dict[str, dict]) -> None:
+    page.section("sec-bytes", "Bytes by scheme")
+    schemes = bytes_by_scheme(ck, tensors)
+    total = sum(s["bytes"] for s in schemes.values()) or 1
+    labels = list(schemes)
+    fig, axs = _new_figure(1.0 + 0.38 * len(labels))
+    ax = axs[0, 0]
+    vals = [schemes[k]["bytes"] for k in labels]
+    colours = ["#2ca02c" if k.startswith(("int4", "fp8")) else "#ff7f0e" if k == "kv-scales" else "#7f7f7f"
+               for k in labels]
+    ax.barh(range(len(labels)), vals, color=colours)
+    ax.set_yticks(range(len(labels)))
+    ax.set_yticklabels(labels, fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(vals) * 1.3 if vals and max(vals) > 0 else 1)
+    for i, v in enumerate(vals):
+        ax.text(v, i, f"  {_fmt_bytes(v)} ({v / total:.1%})", va="center", fontsize=8)
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _fmt_bytes(x) if x else "0"))
+    ax.set_xlabel("bytes in the output shards")
+    ax.grid(axis="x", alpha=0.3)
+    rows = "".join(f"<tr><td class=\"mono\">{_e(k)}</td><td class=\"num\">{s['modules'] or ''}</td>"
+                   f"<td class=\"num\">{s['tensors']}</td><td class=\"num\">{_fmt_bytes(s['bytes'])}</td>"
+                   f"<td class=\"num\">{s['bytes'] / total:.1%}</td></tr>" for k, s in schemes.items())
+    cap = (f"Where the {_fmt_bytes(total)} of the output go, grouped as <code>quantkit inspect</code> groups them: "
+           "quantized (green) and passed-through modules under their scheme (weights, scales and shapes "
+           "together), KV-cache scales (orange), everything left as it was under its dtype (grey). A large grey "
+           "bar is the part the recipe did not shrink.")
+    page.figure("fig-bytes", fig, cap)
+    page.add("<table><tr><th>scheme</th><th class=\"num\">modules</th><th class=\"num\">tensors</th>"
+             f"<th class=\"num\">bytes</th><th class=\"num\">share</th></tr>{rows}</table>")
+
+
+# ---- section: verify --------------------------------------------------------------------------------------
+def _ok(v) -> str:
+    return ('<span class="ok">pass</span>' if v is True else '<span class="bad">FAIL</span>' if v is False
+            else '<span class="na">skipped</span>')
+
+
+def _section_verify(page: _Page, doc: dict | None, origin: str | None) -> None:
+    page.section("sec-verify", "quantkit verify")
+    if doc is None:
+        page.skip("verify", f"No verify result: run `quantkit verify OUT --reference SRC --json > OUT/{VERIFY_NAME}` "
+                            "(or pass its JSON) to add the checks and metrics here.")
+        return
+    page.add(f"<p>Result: {_ok(doc.get('passed'))} (from {_e(origin)}).</p>")
+    checks = [c for c in doc.get("checks") or [] if isinstance(c, dict)]
+    if checks:
+        page.add("<table><tr><th>check</th><th>result</th><th class=\"num\">value</th><th class=\"num\">threshold</th>"
+                 "<th>detail</th></tr>" + "".join(
+                     f"<tr><td>{_e(c.get('name', '?'))}</td><td>{_ok(c.get('ok'))}</td>"
+                     f"<td class=\"num\">{_e(_fmt_value(c.get('value')))}</td>"
+                     f"<td class=\"num\">{_e(_fmt_value(c.get('threshold')))}</td><td>{_e(c.get('detail', ''))}</td></tr>"
+                     for c in checks) + "</table>")
+    metrics = {**(doc.get("metrics") or {}), **{f"generation {k}": v for k, v in (doc.get("generation") or {}).items()}}
+    if any(v is not None for v in metrics.values()):
+        page.add("<h3>Model-level metrics</h3><table>" + "".join(
+            f"<tr><th>{_e(k)}</th><td class=\"num\">{_e(_fmt_value(v))}</td></tr>" for k, v in metrics.items())
+            + "</table>")
+    else:
+        page.add('<p class="skip">No model-level metrics: verify ran without --reference.</p>')
+    layers = [x for x in doc.get("layers") or [] if isinstance(x, dict) and isinstance(x.get("layer"), int)
+              and _number(x.get("min_sqnr_db")) is not None]
+    if not layers:
+        page.skip("verify-layers", "verify measured no per-layer SQNR (it needs --reference).")
+        return
+    threshold = _number((doc.get("thresholds") or {}).get("min_sqnr_db"))
+    xs = [x["layer"] for x in layers]
+    fig, axs = _new_figure(3.0)
+    ax = axs[0, 0]
+    ax.plot(xs, [x["min_sqnr_db"] for x in layers], marker="o", ms=3, color="#3f007d", label="min (worst module)")
+    if all(_number(x.get("mean_sqnr_db")) is not None for x in layers):
+        ax.plot(xs, [x["mean_sqnr_db"] for x in layers], marker="o", ms=3, color="#08519c", label="mean")
+    bad = [x for x in layers if x.get("ok") is False]
+    if bad:
+        ax.scatter([x["layer"] for x in bad], [x["min_sqnr_db"] for x in bad], color=BELOW_THRESHOLD, zorder=3,
+                   label="failing layer")
+    if threshold is not None:
+        ax.axhline(threshold, color=BELOW_THRESHOLD, ls="--", lw=1, label=f"threshold {threshold:g} dB")
+    ax.set_xlabel("layer")
+    _integer_x(ax)
+    ax.set_ylabel("SQNR measured by verify, dB")
+    ax.grid(alpha=0.3)
+    fig.legend(fontsize=8, frameon=False, ncols=4, loc="outside upper left")
+    worst = min(layers, key=lambda x: x["min_sqnr_db"])
+    page.figure("fig-verify-layers", fig,
+                "Per decoder layer, the weight SQNR verify measured against the reference (dequantized output vs "
+                "source tensor): worst and mean module. Points in red fail the threshold. Worst: layer "
+                f"{worst['layer']} ({_e(worst.get('worst_module', '?'))}, {worst['min_sqnr_db']:.2f}&nbsp;dB). "
+                "These should match the manifest's values in the first figure; the <code>sqnr_vs_manifest</code> "
+                "check says whether they do.")
+
+
+# ---- section: tables --------------------------------------------------------------------------------------
+def _section_tables(page: _Page, modules: list[ModuleInfo], manifest: dict) -> None:
+    page.section("sec-tables", "Worst modules and fallbacks")
+    measured = sorted((m for m in modules if m.sqnr_db is not None), key=lambda m: (m.sqnr_db, m.name))
+    if measured:
+        page.add(f"<h3>The {min(WORST_MODULES, len(measured))} modules with the lowest SQNR (of {len(measured)})</h3>"
+                 "<table><tr><th>module</th><th class=\"num\">layer</th><th class=\"num\">expert</th><th>scheme</th>"
+                 "<th>method</th><th class=\"num\">SQNR dB</th><th class=\"num\">tokens</th><th>fallback</th></tr>"
+                 + "".join(f"<tr><td class=\"mono\">{_e(m.name)}</td><td class=\"num\">{_e(_fmt_value(m.layer))}</td>"
+                           f"<td class=\"num\">{_e(_fmt_value(m.expert))}</td><td class=\"nw\">{_e(m.scheme)}</td>"
+                           f"<td>{_e(m.method or '—')}</td><td class=\"num\">{_fmt_db(m.sqnr_db)}</td>"
+                           f"<td class=\"num\">{_e(_fmt_value(m.tokens))}</td><td>{_e(m.fallback or '')}</td></tr>"
+                           for m in measured[:WORST_MODULES]) + "</table>")
+    else:
+        page.skip("worst-modules", "No module has an SQNR: nothing to rank.")
+    cal = manifest.get("calibration") if isinstance(manifest.get("calibration"), dict) else {}
+    fallbacks = cal.get("fallbacks") or {}
+    if not fallbacks:
+        page.add("<h3>Fallbacks</h3><p class=\"skip\">"
+                 + ("No module fell back: every calibrated module saw enough tokens." if cal else
+                    "No calibration, so no fallbacks.") + "</p>")
+        return
+    # one row per expert (its projections usually share the reason), other modules one row each
+    tokens = {m.name: m.tokens for m in modules}
+    grouped: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for module, reason in fallbacks.items():
+        m = _EXPERT.match(module)
+        key = (f"{m['prefix']}.{m['expert']}", str(reason)) if m else (module, str(reason))
+        grouped[key].append(m["proj"] if m else "")
+    items = sorted(grouped.items(), key=lambda kv: (_layer_of(kv[0][0]) or -1, _natural(kv[0][0])))
+    rows = []
+    for (owner, reason), projs in items[:MAX_FALLBACK_ROWS]:
+        tk = next((tokens.get(f"{owner}.{p}" if p else owner) for p in projs
+                   if tokens.get(f"{owner}.{p}" if p else owner) is not None), None)
+        rows.append(f"<tr><td class=\"mono\">{_e(owner)}</td><td>{_e(', '.join(p for p in sorted(projs) if p))}</td>"
+                    f"<td class=\"num\">{_e(_fmt_value(tk))}</td><td>{_e(reason)}</td></tr>")
+    more = len(items) - MAX_FALLBACK_ROWS
+    page.add(f"<h3>All fallbacks: {len(fallbacks)} modules in {len(items)} rows</h3>"
+             "<table><tr><th>module / expert</th><th>projections</th><th class=\"num\">tokens</th><th>reason</th></tr>"
+             + "".join(rows) + "</table>"
+             + (f"<p class=\"skip\">... and {more} more rows (all listed in the manifest's calibration.fallbacks).</p>"
+                if more > 0 else ""))
+
+
+def _natural(name: str) -> list:
+    """Sort key putting experts.2 before experts.10."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]

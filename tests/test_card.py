@@ -1,0 +1,173 @@
+"""The model card (quantkit/card.py) of real conversions: valid YAML front matter that huggingface_hub's own
+ModelCard parser accepts, a body that tells what was quantized and how to serve it."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from quantkit.card import MLA_KV_SCALES_CAVEAT, START, ModelCardError, split_front_matter, write_model_card
+
+QK = Path(sys.executable).parent / "quantkit"
+
+
+def qk(*args):
+    env = {**os.environ, "QUANTKIT_DEBUG": "0"}
+    p = subprocess.run([str(QK), *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return p
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_models, tmp_path_factory):
+    src = tiny_models("qwen3_moe")
+    d = tmp_path_factory.mktemp("card")
+    qk("convert", src, d / "q", "--recipe", "int4-experts-rtn")
+    qk("calibrate", src, "-o", d / "kv.safetensors", "--num-samples", 2, "--seq-len", 16)
+    qk("convert", src, d / "qkv", "--recipe", "int4-experts-rtn", "--kv-scales", d / "kv.safetensors")
+    return {"src": src, "q": d / "q", "qkv": d / "qkv"}
+
+
+@pytest.fixture
+def out(converted, tmp_path):
+    """A fresh copy of a converted checkpoint per test (cards are written into it)."""
+    def copy(name):
+        return Path(shutil.copytree(converted[name], tmp_path / name))
+    return copy
+
+
+def front_matter(path: Path) -> tuple[dict, str]:
+    text = path.read_text()
+    assert text.startswith("---\n")
+    head, body = text[4:].split("\n---\n", 1)
+    meta = yaml.safe_load(head)
+    assert isinstance(meta, dict)
+    return meta, body
+
+
+def test_card_yaml_and_hub_parser(converted, out):
+    from huggingface_hub import ModelCard
+
+    q = out("q")
+    path = write_model_card(q, converted["src"], source_id="org/tiny")
+    assert path == q / "README.md"
+    meta, body = front_matter(path)
+    assert meta["base_model"] == "org/tiny" and meta["base_model_relation"] == "quantized"
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    assert isinstance(meta["tags"], list) and all(isinstance(t, str) for t in meta["tags"])
+    assert {"compressed-tensors", "quantkit", "int4", "w4a16", "moe"} <= set(meta["tags"])
+    assert "fp8-kv" not in meta["tags"]
+    assert "quantized_by" not in meta and "\n# quantized_by:" in path.read_text()  # a placeholder for the user
+
+    card = ModelCard.load(path)  # the Hub client's own parser
+    data = card.data.to_dict()
+    assert data["base_model"] == "org/tiny" and data["base_model_relation"] == "quantized"
+    assert data["library_name"] == "transformers" and "compressed-tensors" in data["tags"]
+    assert ModelCard(path.read_text()).data.to_dict() == data
+
+    manifest = json.loads((q / "quantkit_manifest.json").read_text())
+    assert "| `int4-g32-sym` |" in body and "| 24 | rtn 24 |" in body
+    summary = manifest["summary"]
+    assert f"{summary['bytes_read'] / 1e3:.2f} kB (source shards) -> {summary['bytes_written'] / 1e3:.2f} kB" in body
+    assert "vllm serve ./MODEL\n" in body and "--kv-cache-dtype fp8" not in body
+    assert "Not measured" in body and "round-to-nearest needs none" in body
+
+
+def test_kv_scales_add_the_fp8_kv_cache_flag(out):
+    qkv = out("qkv")
+    meta, body = front_matter(write_model_card(qkv, source_id="org/tiny"))
+    assert "fp8-kv" in meta["tags"]
+    assert "vllm serve ./MODEL --kv-cache-dtype fp8\n" in body and "strategy `tensor`" in body
+    assert "--kv-scales kv.safetensors" in body  # the reproduce line
+    assert MLA_KV_SCALES_CAVEAT not in body  # qwen3_moe is not MLA
+
+    cfg = json.loads((qkv / "config.json").read_text())
+    (qkv / "config.json").write_text(json.dumps({**cfg, "kv_lora_rank": 512}))  # as DeepSeek-V3 / Kimi / GLM-5
+    _, body = front_matter(write_model_card(qkv, source_id="org/tiny"))
+    assert MLA_KV_SCALES_CAVEAT in body
+    _, body = front_matter(write_model_card(qkv, source_id="org/tiny", mla_kv_caveat=None))
+    assert MLA_KV_SCALES_CAVEAT not in body
+
+
+def test_no_mla_caveat_without_kv_scales(out):
+    q = out("q")
+    cfg = json.loads((q / "config.json").read_text())
+    (q / "config.json").write_text(json.dumps({**cfg, "kv_lora_rank": 512}))
+    assert MLA_KV_SCALES_CAVEAT not in write_model_card(q, source_id="org/tiny").read_text()
+
+
+def test_source_readme_is_kept_and_metadata_merged(converted, out):
+    q = out("q")
+    original = ("---\nlicense: apache-2.0\nlanguage:\n- en\nbase_model: upstream/base\npipeline_tag: "
+                "image-text-to-text\ntags:\n- chat\nmodel-index:\n- name: upstream\n  results: []\n---\n"
+                "# Upstream model\n\nThe original description.\n")
+    (q / "README.md").write_text(original)  # as convert copies the source's README.md
+    path = write_model_card(q, converted["src"])
+    meta, body = front_matter(path)
+    assert meta["base_model"] == converted["src"].name  # no hub id known: the source directory's name
+    assert meta["license"] == "apache-2.0" and meta["language"] == ["en"]
+    assert meta["pipeline_tag"] == "image-text-to-text" and "model-index" not in meta
+    assert meta["tags"][:2] == ["compressed-tensors", "quantkit"] and "chat" in meta["tags"]
+    assert body.index("The original description.") < body.index(START)
+    assert "# license:" not in path.read_text()  # no placeholder: the source's license is there
+
+    # the user fills in quantized_by; a re-run replaces the section, keeps the rest
+    text = path.read_text().replace("# quantized_by: YOUR_HF_USERNAME", "quantized_by: alice\n#", 1)
+    path.write_text(text)
+    assert split_front_matter(text)[0]["quantized_by"] == "alice"
+    write_model_card(q, converted["src"], source_id="org/tiny")
+    meta2, body2 = front_matter(path)
+    assert body2.count(START) == 1 and body2.count("The original description.") == 1
+    assert meta2["quantized_by"] == "alice" and meta2["base_model"] == "org/tiny"
+    assert "# quantized_by:" not in path.read_text() and meta2["tags"].count("int4") == 1
+
+
+def test_verify_report_and_calibration(out):
+    q = out("q")
+    report = {"passed": True, "metrics": {"kl_divergence": 0.0123, "top1_agreement": 0.9375,
+                                          "perplexity_reference": 7.25, "perplexity_quantized": 7.5},
+              "layers": [{"layer": 0, "min_sqnr_db": 18.04}, {"layer": 1, "min_sqnr_db": 21.0}],
+              "generation": {"agreement": 0.9},
+              "data": {"source": "quantkit:default.jsonl", "num_samples": 8, "seq_len": 128}}
+    (q / "verify.json").write_text(json.dumps(report))
+    # a calibrated conversion's manifest: GPTQ experts, two of them starved (as convert records them)
+    mpath = q / "quantkit_manifest.json"
+    m = json.loads(mpath.read_text())
+    for e in m["tensors"].values():
+        if e.get("method") == "rtn":
+            e["method"] = "gptq"
+    m["calibration"] = {"source": "quantkit:default.jsonl", "num_samples": 16, "seq_len": 256, "num_tokens": 4096,
+                        "tokenizer": "bytes-mod-vocab",
+                        "expert_tokens": {"model.layers.0.mlp.experts": [0, 3, 900, 1200],
+                                          "model.layers.1.mlp.experts": [700, 800, 1000, 1100]},
+                        "fallbacks": {f"model.layers.0.mlp.experts.{e}.{p}_proj": "rtn: too few tokens"
+                                      for e in (0, 1) for p in ("gate", "up", "down")}}
+    mpath.write_text(json.dumps(m))
+    meta, body = front_matter(write_model_card(q, source_id="org/tiny"))
+    assert "gptq" in meta["tags"]
+    assert "| top-1 agreement | 93.75% |" in body and "| mean next-token KL divergence | 0.0123 |" in body
+    assert "7.25 -> 7.5" in body and "18.0 dB" in body and "| verify | passed |" in body
+    assert "16 samples x 256 tokens" in body and "min 0, median 900, max 1200; 1 saw none" in body
+    assert "Starved experts (too few calibration tokens, fallback used): 2 (rtn: too few tokens: 2)" in body
+    # an explicit report wins over verify.json
+    _, body = front_matter(write_model_card(q, source_id="org/tiny", verify_report={**report, "passed": False}))
+    assert "| verify | FAILED |" in body
+
+
+def test_hub_snapshot_names_the_base_model(out, tmp_path):
+    q = out("q")
+    snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("a" * 40)
+    meta, body = front_matter(write_model_card(q, snap))
+    assert meta["base_model"] == "org/tiny" and "[org/tiny](https://huggingface.co/org/tiny)" in body
+
+
+def test_unfinished_conversion_has_no_card(out):
+    q = out("q")
+    (q / "quantkit_manifest.json").write_text(json.dumps({"status": "in_progress"}))
+    with pytest.raises(ModelCardError):
+        write_model_card(q)

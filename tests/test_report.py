@@ -1,0 +1,324 @@
+"""`quantkit report`: the HTML page built from real `convert` outputs (RTN; GPTQ with starved experts and
+attn_head KV scales; a dense model), checked as text (sections, tables, no network reference), at
+Kimi K2 scale (61 layers x 384 experts from a synthetic manifest), and in a real headless Chromium
+(no console message, the figures in the DOM, a screenshot whose heatmap is not blank).
+
+The browser test skips when /usr/bin/chromium is absent, unless QUANTKIT_REQUIRE_BROWSER is set (CI),
+in which case it fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import io
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from quantkit.cli import main as cli_main  # noqa: E402
+from quantkit.errors import CheckpointNotFound, ConfigError, QuantkitError  # noqa: E402
+from quantkit.report import build_report  # noqa: E402
+from quantkit.testing import make_tiny_model  # noqa: E402
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def _cli(*args) -> str:
+    """Run `quantkit ARGS` in-process (the CLI contract, not library internals); return its stdout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            cli_main([str(a) for a in args])
+        except SystemExit as e:
+            assert e.code in (None, 0), f"quantkit {' '.join(map(str, args))} exited with {e.code}"
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    """Converted tiny models: `rtn` (no calibration, no KV), `gptq` (16 experts, 2 x 16 tokens: some
+    experts starve and fall back; attn_head KV scales; verify.json beside it), `dense` (no experts)."""
+    d = tmp_path_factory.mktemp("report")
+    src = make_tiny_model("qwen3_moe", d / "src", experts=16)
+    dense_src = make_tiny_model("qwen3", d / "dense_src")
+    _cli("convert", src, d / "rtn", "--recipe", "int4-experts-rtn")
+    _cli("calibrate", src, "-o", d / "kv.safetensors", "--num-samples", 2, "--seq-len", 16, "--strategy", "attn_head")
+    _cli("convert", src, d / "gptq", "--recipe", "int4-experts-gptq", "--num-samples", 2, "--seq-len", 16,
+         "--kv-scales", d / "kv.safetensors")
+    (d / "gptq" / "verify.json").write_text(_cli("verify", d / "gptq", "--json"))
+    _cli("convert", dense_src, d / "dense", "--recipe", "int4-experts-rtn")
+    return {"src": src, "rtn": d / "rtn", "gptq": d / "gptq", "dense": d / "dense", "tmp": d}
+
+
+@pytest.fixture(scope="module")
+def gptq_report(outputs):
+    res = build_report(outputs["gptq"], reference=outputs["src"], output=outputs["tmp"] / "gptq.html")
+    return res, Path(res.output).read_text(encoding="utf-8")
+
+
+# ---- the page as text ---------------------------------------------------------------------------------
+def test_gptq_report_has_every_figure_and_the_fallbacks(outputs, gptq_report):
+    res, page = gptq_report
+    manifest = json.loads((outputs["gptq"] / "quantkit_manifest.json").read_text())
+    fallbacks = manifest["calibration"]["fallbacks"]
+    assert fallbacks, "the fixture should starve some of the 16 experts (2 samples x 16 tokens)"
+
+    assert res.figures == ["fig-sqnr-heatmap", "fig-sqnr-layers", "fig-expert-tokens", "fig-kv-scales", "fig-bytes"]
+    doc = res.to_json()
+    assert doc["output"] == res.output and doc["figures"] == res.figures
+    assert doc["bytes"] == Path(res.output).stat().st_size
+    for fig_id in res.figures:
+        assert len(re.findall(rf'<svg\b[^>]*\bid="{fig_id}"', page)) == 1
+    assert page.count("<figcaption>") == len(res.figures)
+    # every starved expert is listed (one row per expert), with its reason
+    for module, reason in fallbacks.items():
+        assert module.rsplit(".", 1)[0] in page
+        assert reason.replace("<", "&lt;") in page
+    # the worst module by recorded SQNR heads the worst-modules table
+    worst = min((e["sqnr_db"], n.rsplit(".", 1)[0]) for n, e in manifest["tensors"].items() if e.get("sqnr_db") is not None)
+    table = page[page.index("modules with the lowest SQNR"):]
+    assert table.index(worst[1]) < table.index("</table>")
+    # header: recipe, reference (shown only), verify picked up from OUT/verify.json
+    assert "int4-experts-gptq" in page and str(outputs["src"]) in page
+    assert "verify.json" in page and 'class="ok">pass' in page
+    assert "verify-layers" in res.skipped  # verify ran without --reference: no per-layer SQNR
+
+
+def test_sections_without_data_say_why(outputs, tmp_path):
+    rtn = build_report(outputs["rtn"], output=tmp_path / "rtn.html")
+    assert rtn.figures == ["fig-sqnr-heatmap", "fig-sqnr-layers", "fig-bytes"]
+    assert set(rtn.skipped) == {"tokens", "kv", "verify"}
+    page = Path(rtn.output).read_text()
+    for sentence in rtn.skipped.values():
+        assert html.escape(sentence) in page
+    assert "No calibration, so no fallbacks." in page
+
+    dense = build_report(outputs["dense"])  # default output: OUT/quantkit_report.html
+    assert Path(dense.output) == outputs["dense"] / "quantkit_report.html"
+    assert dense.figures == ["fig-bytes"]
+    assert {"sqnr", "tokens", "kv", "verify", "worst-modules"} <= set(dense.skipped)
+
+
+def test_verify_metrics_and_layers(outputs, tmp_path):
+    verify = {
+        "passed": False, "integrity": {"ok": True}, "format": {"ok": True},
+        "metrics": {"kl_divergence": 7.6e-05, "top1_agreement": 0.9375,
+                    "perplexity_reference": 492.7, "perplexity_quantized": 493.9},
+        "layers": [{"layer": 0, "min_sqnr_db": 20.3, "mean_sqnr_db": 20.5, "modules": 48,
+                    "worst_module": "model.layers.0.mlp.experts.2.gate_proj", "ok": True},
+                   {"layer": 1, "min_sqnr_db": -9.6, "mean_sqnr_db": 18.0, "modules": 48,
+                    "worst_module": "model.layers.1.mlp.experts.2.down_proj", "ok": False}],
+        "generation": {"tokens": 32, "prompts": 4, "agreement": 0.94, "matching_prefix": 0.8},
+        "checks": [{"name": "weight_sqnr", "ok": False, "value": -9.558, "threshold": 10.0, "detail": "1 layer(s) below"}],
+        "thresholds": {"min_sqnr_db": 10.0},
+    }
+    res = build_report(outputs["rtn"], output=tmp_path / "r.html", verify_json=verify)
+    page = Path(res.output).read_text()
+    assert res.figures[-1] == "fig-verify-layers"
+    assert 'class="bad">FAIL' in page and "7.6e-05" in page and "model.layers.1.mlp.experts.2.down_proj" in page
+
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(verify))
+    assert build_report(outputs["rtn"], output=tmp_path / "r2.html", verify_json=path).figures == res.figures
+    path.write_text('{"not": "a verify object"}')
+    with pytest.raises(ConfigError):
+        build_report(outputs["rtn"], output=tmp_path / "r3.html", verify_json=path)
+    with pytest.raises(ConfigError):
+        build_report(outputs["rtn"], output=tmp_path / "r3.html", verify_json=tmp_path / "missing.json")
+
+
+def test_unusable_input_raises_named_errors(outputs, tmp_path):
+    with pytest.raises(CheckpointNotFound):
+        build_report(tmp_path / "nope", output=tmp_path / "r.html")
+    with pytest.raises(CheckpointNotFound, match="quantkit_manifest.json"):
+        build_report(outputs["src"], output=tmp_path / "r.html")  # a source checkpoint, not a convert output
+    with pytest.raises(CheckpointNotFound):
+        build_report(outputs["rtn"], reference=tmp_path / "nope", output=tmp_path / "r.html")
+    out = tmp_path / "out"
+    shutil.copytree(outputs["rtn"], out)
+    manifest = out / "quantkit_manifest.json"
+    doc = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**doc, "status": "in_progress"}))
+    with pytest.raises(CheckpointNotFound, match="did not finish"):
+        build_report(out, output=tmp_path / "r.html")
+    manifest.write_text("{not json")
+    with pytest.raises(ConfigError):
+        build_report(out, output=tmp_path / "r.html")
+    assert issubclass(ConfigError, QuantkitError) and not (tmp_path / "r.html").exists()
+
+
+def test_deterministic(outputs, tmp_path):
+    a = build_report(outputs["gptq"], output=tmp_path / "a.html")
+    b = build_report(outputs["gptq"], output=tmp_path / "b.html")
+    assert Path(a.output).read_bytes() == Path(b.output).read_bytes()
+
+
+# Attributes and CSS that make a browser fetch something; only in-page fragments and data: URIs may follow.
+_ATTR = re.compile(r"""\b(?:src|href|srcset|action|poster|data|formaction|background)\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s>]+))""", re.IGNORECASE)
+_CSS_URL = re.compile(r"""(?:url\(|@import)\s*["']?([^"')\s;]*)""", re.IGNORECASE)
+
+
+def _fetched(page: str) -> list[str]:
+    """Every attribute value or CSS reference that would make a browser load something."""
+    values = [next(v for v in m.groups() if v is not None) for m in _ATTR.finditer(page)]
+    values += [m.group(1) for m in _CSS_URL.finditer(page)]
+    return [v for v in values if not v.strip().startswith(("#", "data:"))]
+
+
+def test_no_network_reference(gptq_report, outputs, tmp_path):
+    pages = [gptq_report[1], Path(build_report(outputs["dense"], output=tmp_path / "d.html").output).read_text()]
+    for page in pages:
+        assert _fetched(page) == []
+        assert not re.search(r"(?:https?|ftp|wss?):|(?<![:\w])//[\w.-]+\.\w", page, re.IGNORECASE), "a URL in the page"
+        assert "<script" not in page and "<link" not in page and "<iframe" not in page
+        assert "default-src 'none'" in page  # CSP: a browser would refuse any fetch anyway
+    assert _fetched('<img src="https://x.org/a.png"><a href=#top><div style="background:url(//cdn.x/y)">') == \
+        ["https://x.org/a.png", "//cdn.x/y"]
+
+
+# ---- scale ----------------------------------------------------------------------------------------------
+def _synthetic_output(root: Path, layers: int = 61, experts: int = 384) -> Path:
+    """A convert-shaped output of a Kimi K2-sized MoE: one small real shard (the KV scales), and a manifest
+    listing 61 x 384 experts x 3 projections (layer 0 dense) with SQNR, tokens and fallbacks."""
+    import torch
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True)
+    rng = random.Random(0)
+    (root / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+                                                  "num_hidden_layers": layers, "n_routed_experts": experts}))
+    kv = {f"model.layers.{L}.self_attn.{k}_scale": torch.tensor([0.01 + 0.001 * L]) for L in range(layers) for k in "kv"}
+    save_file(kv, str(root / "model-kv-scales.safetensors"), metadata={"format": "pt"})
+    tensors = {n: {"shape": [1], "dtype": "float32", "shard": "model-kv-scales.safetensors", "kv_cache": "tensor"}
+               for n in kv}
+    expert_tokens, fallbacks = {}, {}
+    for L in range(1, layers):
+        prefix = f"model.layers.{L}.mlp.experts"
+        counts = [int(rng.expovariate(1 / 200)) for _ in range(experts)]
+        expert_tokens[prefix] = counts
+        for e in range(experts):
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                fb = f"{counts[e]} routed tokens < min_tokens 15: Hessian from all tokens" if counts[e] < 15 else None
+                if fb:
+                    fallbacks[f"{prefix}.{e}.{p}"] = fb
+                meta = {"scheme": "int4-g32-sym", "method": "gptq", "sqnr_db": round(rng.gauss(19, 0.8), 4),
+                        "tokens": counts[e], "fallback": fb}
+                for t in ("weight_packed", "weight_scale", "weight_shape"):
+                    tensors[f"{prefix}.{e}.{p}.{t}"] = meta
+    manifest = {"status": "complete", "recipe": {"name": "kimi-k2"}, "summary": {"bytes_read": 2 * 10**12},
+                "calibration": {"num_tokens": 65536, "expert_tokens": expert_tokens, "fallbacks": fallbacks},
+                "kv_cache": {"strategy": "tensor", "tensors": 2 * layers}, "tensors": tensors}
+    (root / "quantkit_manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
+def test_kimi_k2_scale_renders_in_seconds_and_stays_small(tmp_path):
+    out = _synthetic_output(tmp_path / "k2")
+    t0 = time.perf_counter()
+    res = build_report(out, output=tmp_path / "k2.html")
+    seconds = time.perf_counter() - t0
+    page = Path(res.output).read_text()
+    assert res.figures == ["fig-sqnr-heatmap", "fig-sqnr-layers", "fig-expert-tokens", "fig-kv-scales", "fig-bytes"]
+    assert res.bytes < 3_000_000, res.bytes
+    assert seconds < 20, seconds  # ~5 s on 2 cores, half of it reading the 40 MB manifest and importing matplotlib
+    # the heatmap is one embedded image (plus the colour bar's), not one element per cell
+    start = re.search(r'<svg\b[^>]*\bid="fig-sqnr-heatmap"', page).start()
+    heat = page[start:page.index("</svg>", start)]
+    assert heat.count("<image") <= 2 and heat.count("<path") + heat.count("<use") < 300
+    assert "... and" in page  # the fallback table is capped; the manifest keeps them all
+
+
+# ---- a real browser ---------------------------------------------------------------------------------------
+def _chromium_or_skip() -> str:
+    if CHROMIUM.exists():
+        return str(CHROMIUM)
+    if "QUANTKIT_REQUIRE_BROWSER" in os.environ:
+        pytest.fail(f"QUANTKIT_REQUIRE_BROWSER is set but {CHROMIUM} is missing (apt-get install -y chromium)")
+    pytest.skip(f"{CHROMIUM} is not installed (apt-get install -y chromium); set QUANTKIT_REQUIRE_BROWSER to make this fail")
+
+
+def _chromium(browser: str, profile: Path, url: str, *args: str) -> subprocess.CompletedProcess:
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={profile}", "--host-resolver-rules=MAP * ~NOTFOUND", "--hide-scrollbars",
+           "--enable-logging=stderr", "--v=0", *args, url]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+_CONSOLE = re.compile(r"\bCONSOLE\b.*")  # Chromium logs every console message (errors, CSP violations) this way
+
+
+class _Elements(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.ids: dict[str, str] = {}
+        self.tags: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        a = dict(attrs)
+        if "id" in a:
+            self.ids[a["id"]] = tag
+
+
+def test_headless_chromium_renders_it(gptq_report, tmp_path):
+    browser = _chromium_or_skip()
+    res, _ = gptq_report
+    url = Path(res.output).resolve().as_uri()
+
+    # the console check can fail: a page that breaks its CSP and throws is caught
+    bad = tmp_path / "bad.html"
+    bad.write_text("<!DOCTYPE html><html><head><meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'\">"
+                   "</head><body><img src=\"http://example.invalid/x.png\"></body></html>")
+    control = _chromium(browser, tmp_path / "p0", bad.resolve().as_uri(), "--dump-dom")
+    assert _CONSOLE.findall(control.stderr), "Chromium's console log format changed: fix _CONSOLE"
+
+    dom = _chromium(browser, tmp_path / "p1", url, "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert _CONSOLE.findall(dom.stderr) == []
+    elements = _Elements()
+    elements.feed(dom.stdout)
+    for fig_id in res.figures:
+        assert elements.ids.get(fig_id) == "svg", f"{fig_id} missing from the DOM"
+    assert "parsererror" not in elements.tags and elements.tags.count("figcaption") == len(res.figures)
+
+    png = tmp_path / "report.png"
+    shot = _chromium(browser, tmp_path / "p2", url, f"--screenshot={png}", "--window-size=1200,1800")
+    assert shot.returncode == 0 and png.is_file(), shot.stderr[-2000:]
+    assert _CONSOLE.findall(shot.stderr) == []
+    _assert_heatmap_drawn(png)
+
+
+def _assert_heatmap_drawn(png: Path) -> None:
+    """The screenshot is not blank, and it holds a heatmap: a band of rows, each mostly saturated
+    colour (text and axes are grey), with many distinct colours (16 experts x 2 layers)."""
+    from PIL import Image
+
+    img = Image.open(png).convert("RGB")
+    w, h = img.size
+    px = img.load()
+    non_white = 0
+    band: list[int] = []  # rows that are mostly saturated colour
+    for y in range(h):
+        sat = 0
+        for x in range(0, w, 2):
+            r, g, b = px[x, y]
+            non_white += (r, g, b) != (255, 255, 255)
+            sat += max(r, g, b) - min(r, g, b) >= 60
+        if sat >= w // 2 * 0.4:
+            band.append(y)
+    assert non_white > 0.05 * (w // 2) * h, "the screenshot is (nearly) blank"
+    assert len(band) >= 40, f"no heatmap-like band of saturated rows ({len(band)} rows)"
+    colours = {px[x, y] for y in band[:: max(1, len(band) // 20)] for x in range(0, w, 3)}
+    assert len(colours) >= 12, f"the heatmap band has only {len(colours)} colours"
