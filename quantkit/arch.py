@@ -196,8 +196,10 @@ def _int(cfg: Mapping, key: str, default: Any = ..., upper: int | None = None) -
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         raise ConfigError(f"config.json {key!r} must be a non-negative integer, got {str(v)[:40]}")
     if upper is not None and v > upper:
-        raise ConfigError(f"config.json {key!r} = {v} is beyond any real model (at most {upper})",
-                          hint="the config.json is corrupt or does not belong to these shards")
+        e = ConfigError(f"config.json {key!r} = {v} is beyond any real model (at most {upper})",
+                        hint="the config.json is corrupt or does not belong to these shards")
+        e.field, e.value = key, v
+        raise e
     return v
 
 
@@ -232,7 +234,8 @@ def _indexer_types(cfg: Mapping, n: int) -> list[str]:
 
 
 def parse_config(config: Mapping[str, Any]) -> ModelSpec:
-    """A `ModelSpec` from a config.json dict; ConfigError for unsupported, incomplete or absurd configs."""
+    """A `ModelSpec` from a config.json dict; ConfigError for unsupported, incomplete or absurd configs
+    (the error's `field` names the key)."""
     if not isinstance(config, Mapping):
         raise ConfigError("config.json must be a JSON object")
     model_type = str(config.get("model_type", ""))
@@ -337,8 +340,10 @@ def check_tensors(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]]) -> Non
             _mismatch("vocab_size", spec.vocab_size, f"{p}model.embed_tokens.weight", emb)
     layers: set[int] = set()
     experts: dict[int, set[int]] = {}
+    fused: dict[int, int] = {}
     ex = re.compile(re.escape(p) + r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
-    for name in shapes:
+    fx = re.compile(re.escape(p) + r"model\.layers\.(\d+)\.mlp\.experts\.(?:gate_up_proj|down_proj)$")
+    for name, shape in shapes.items():
         if not name.startswith(f"{p}model.layers."):
             continue
         m = _LAYER.search(name)
@@ -346,32 +351,34 @@ def check_tensors(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]]) -> Non
         e = ex.match(name)
         if e:
             experts.setdefault(int(e[1]), set()).add(int(e[2]))
+        f = fx.match(name)
+        if f and len(shape) == 3:
+            fused[int(f[1])] = shape[0]
     if layers:
         top = max(layers)
         if top >= spec.num_layers + spec.mtp_layers:
             _mismatch("num_hidden_layers", spec.num_layers, f"{p}model.layers.{top}.*", None,
                       f"the shards hold layer {top}")
-        missing = sorted(set(range(spec.num_layers)) - layers)
-        if missing:
-            _mismatch("num_hidden_layers", spec.num_layers, f"{p}model.layers.{missing[0]}.*", None,
-                      f"the shards hold no layer {missing[0]}")
-    for layer, ids in sorted(experts.items()):
-        if max(ids) >= spec.num_experts:
-            key = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}.get(spec.arch, "n_routed_experts")
-            _mismatch(key, spec.num_experts, f"{p}model.layers.{layer}.*.experts.{max(ids)}.*", None,
-                      f"the shards hold expert {max(ids)}")
-    for name, shape in shapes.items():
-        if name.startswith(f"{p}model.layers.") and name.endswith(".self_attn.q_proj.weight") and len(shape) == 2:
-            want = spec.num_heads * (spec.head_dim if spec.attention == "gqa"
-                                     else spec.qk_nope_head_dim + spec.qk_rope_head_dim)
-            if shape[0] != want:
-                _mismatch("num_attention_heads", spec.num_heads, name, shape,
-                          f"{shape[0]} output rows, {want} implied")
-            break
-        if name.startswith(f"{p}model.layers.") and name.endswith(".self_attn.k_proj.weight") and len(shape) == 2:
-            if shape[0] != spec.num_kv_heads * spec.head_dim:
-                _mismatch("num_key_value_heads", spec.num_kv_heads, name, shape,
-                          f"{shape[0]} output rows, {spec.num_kv_heads * spec.head_dim} implied")
+        gap = next((i for i in range(spec.num_layers) if i not in layers), None)  # O(layers on disk)
+        if gap is not None:
+            _mismatch("num_hidden_layers", spec.num_layers, f"{p}model.layers.{gap}.*", None,
+                      f"the shards hold no layer {gap}")
+    key = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}.get(spec.arch, "n_routed_experts")
+    for layer in sorted(set(experts) | set(fused)):
+        ids = experts.get(layer, set())
+        count = fused.get(layer, max(ids) + 1 if ids else 0)
+        if count != spec.num_experts or (ids and len(ids) != count):
+            _mismatch(key, spec.num_experts, f"{p}model.layers.{layer}.*.experts.*", None,
+                      f"layer {layer} stores {count if not ids or len(ids) == count else len(ids)} routed experts")
+    q_dim = spec.head_dim if spec.attention == "gqa" else spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    rows = {"q_proj": ("num_attention_heads", spec.num_heads, spec.num_heads * q_dim)}
+    if spec.attention == "gqa":
+        rows["k_proj"] = ("num_key_value_heads", spec.num_kv_heads, spec.num_kv_heads * spec.head_dim)
+    for proj, (field_, value, want) in rows.items():
+        name = next((n for n in shapes if n.startswith(f"{p}model.layers.")
+                     and n.endswith(f".self_attn.{proj}.weight") and len(shapes[n]) == 2), None)
+        if name is not None and shapes[name][0] != want:
+            _mismatch(field_, value, name, shapes[name], f"{shapes[name][0]} output rows, {want} implied")
 
 
 def _mismatch(field_: str, value, tensor: str, shape, detail: str | None = None):
@@ -405,3 +412,48 @@ def fused_experts(name: str, shape: tuple[int, ...], hidden: int | None = None):
         else:
             out.append((f"{prefix}.{e}.down_proj", e, (0, a), (a, b)))
     return out
+
+
+def validate(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> ModelSpec | None:
+    """Hold a checkpoint's config.json against its tensors before anything is built from it: parse it and
+    `check_tensors` (ConfigMismatch names the field and the tensor). A value beyond the sanity bounds is
+    reported against the tensors too when they show the real one. A model type the registry does not know
+    is not checked (None): model-free conversions stream any architecture."""
+    try:
+        family(config)
+    except ConfigError:
+        return None
+    try:
+        spec = parse_config(config)
+    except ConfigError as e:
+        field_ = getattr(e, "field", None)
+        seen = _evidence(field_, shapes, text_config(config)[1]) if field_ else None
+        if seen:
+            _mismatch(field_, e.value, seen[0], None, seen[1])
+        raise
+    check_tensors(spec, shapes)
+    return spec
+
+
+def _evidence(field_: str, shapes: Mapping[str, tuple[int, ...]], p: str) -> tuple[str, str] | None:
+    """(tensor, what it shows) for the real value of a config field, when the tensors show it."""
+    emb = f"{p}model.embed_tokens.weight"
+    if field_ in ("hidden_size", "vocab_size") and emb in shapes and len(shapes[emb]) == 2:
+        return emb, f"shape {list(shapes[emb])}"
+    if field_ == "num_hidden_layers":
+        layers = {int(m[1]) for n in shapes if n.startswith(f"{p}model.layers.") and (m := _LAYER.search(n))}
+        if layers:
+            return f"{p}model.layers.{max(layers)}.*", f"the shards' last layer is {max(layers)}"
+    if field_ in ("num_experts", "num_local_experts", "n_routed_experts"):
+        ex = re.compile(re.escape(p) + r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
+        ids = [(int(m[1]), int(m[2])) for n in shapes if (m := ex.match(n))]
+        if ids:
+            layer = ids[0][0]
+            n = 1 + max(e for lay, e in ids if lay == layer)
+            return f"{p}model.layers.{layer}.*.experts.*", f"layer {layer} stores {n} routed experts"
+    if field_ in ("num_attention_heads", "num_key_value_heads"):
+        proj = "q_proj" if field_ == "num_attention_heads" else "k_proj"
+        name = next((n for n in shapes if n.endswith(f".self_attn.{proj}.weight")), None)
+        if name:
+            return name, f"shape {list(shapes[name])}"
+    return None

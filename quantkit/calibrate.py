@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,22 +22,20 @@ from typing import Any, Callable
 
 import torch
 
-from . import __version__
-from .errors import CalibrationError, KVScalesError
+from . import __version__, options
+from .errors import CalibrationError
 from .calib.data import DEFAULT_SEED, load_calibration_data, load_tokenizer
 from .calib.executor import DEFAULT_ACTIVATION_BUDGET, LayerExecutor
 from .calib.observers import FP8_E4M3_MAX, ExpertTokenCounter, KVCacheObserver, fp8_scale
-from .read.safetensors import SafetensorsFile
 from .write.writer import write_safetensors
-from .match.recipe import CalibrationSpec, KVCacheSpec
+from .pack import kv as kvrules
 
-# The one set of defaults the CLI and recipes share (recipe.CalibrationSpec holds the values).
-DEFAULT_NUM_SAMPLES: int = CalibrationSpec.num_samples
-DEFAULT_SEQ_LEN: int = CalibrationSpec.seq_len
-DEFAULT_STRATEGY = "tensor"
-STRATEGIES = ("tensor", "attn_head")
+# The one set of defaults the CLI, recipes and library share (quantkit/options.py).
+DEFAULT_NUM_SAMPLES: int = options.NUM_SAMPLES
+DEFAULT_SEQ_LEN: int = options.SEQ_LEN
+DEFAULT_STRATEGY = options.KV_STRATEGY
+STRATEGIES = kvrules.STRATEGIES
 SCALES_FORMAT = "quantkit-kv-scales"
-_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
 @dataclass(frozen=True)
@@ -73,7 +70,7 @@ class CalibrationResult:
 
     @property
     def kv_cache_scheme(self) -> dict[str, Any]:
-        return KVCacheSpec(self.strategy).config()
+        return kvrules.kv_cache_scheme(self.strategy)
 
     def to_json(self) -> dict[str, Any]:
         """The `--json` object: contract keys `output`, `layers`, `expert_tokens`, plus extras."""
@@ -124,8 +121,8 @@ def calibrate(model_dir: str | os.PathLike, *, dataset: str | os.PathLike | None
         ks, vs = fp8_scale(ka), fp8_scale(va)
         layers.append(LayerKV(i, _floats(ka, strategy), _floats(va, strategy), _floats(ks, strategy),
                               _floats(vs, strategy)))
-        scales[f"model.layers.{i}.self_attn.k_scale"] = ks
-        scales[f"model.layers.{i}.self_attn.v_scale"] = vs
+        scales[kvrules.kv_scale_name(i, "k")] = ks
+        scales[kvrules.kv_scale_name(i, "v")] = vs
     return CalibrationResult(
         model=str(model_dir), model_type=str(ex.ckpt.config.get("model_type")), attention=ex.spec.attention,
         strategy=strategy, layers=layers, expert_tokens={i: c.tolist() for i, c in sorted(experts.counts.items())},
@@ -148,36 +145,15 @@ def write_scales(result: CalibrationResult, path: str | os.PathLike) -> int:
 
 
 def read_scales(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Read and validate a KV-scales file: only `model.layers.L.self_attn.{k,v}_scale`, float32, shape [1]
-    or [H, 1, 1], finite and positive, both K and V for every layer, one strategy throughout."""
-    p = Path(path)
-    if not p.is_file():
-        raise KVScalesError(f"KV-scales file {str(p)!r} does not exist")
-    out: dict[str, torch.Tensor] = {}
-    with SafetensorsFile(p) as f:
-        for name, info in f.header.tensors.items():
-            if not _SCALE_NAME.match(name):
-                raise KVScalesError(f"{p.name}: unexpected tensor {name!r}")
-            if info.dtype != torch.float32:
-                raise KVScalesError(f"{p.name}: {name} is {info.dtype}, not float32")
-            if not (info.shape == (1,) or (len(info.shape) == 3 and info.shape[1:] == (1, 1) and info.shape[0] > 0)):
-                raise KVScalesError(f"{p.name}: {name} has shape {list(info.shape)}, not [1] or [H, 1, 1]")
-            t = f.get(name)
-            if not (torch.isfinite(t).all() and (t > 0).all()):
-                raise KVScalesError(f"{p.name}: {name} holds a zero, negative or non-finite scale")
-            out[name] = t
-    layers = {int(_SCALE_NAME.match(n).group(1)) for n in out}
-    for i in sorted(layers):
-        for kind in "kv":
-            if f"model.layers.{i}.self_attn.{kind}_scale" not in out:
-                raise KVScalesError(f"{p.name}: layer {i} has no {kind}_scale")
-    if len({len(t.shape) for t in out.values()}) > 1:
-        raise KVScalesError(f"{p.name}: mixes per-tensor and per-head scales")
-    if not out:
-        raise KVScalesError(f"{p.name}: holds no scales")
-    return out
+    """Read and validate a KV-scales file (pack/kv.py's rules): only `model.layers.L.self_attn.{k,v}_scale`,
+    float32, shape [1] or [H, 1, 1], finite and positive, both K and V for every layer, one shape throughout."""
+    scales = kvrules.read_file(path)
+    layers = {int(kvrules.KV_SCALE.match(n)[1]) for n in scales}
+    shape = next(iter(scales.values())).shape
+    kvrules.validate(scales, num_layers=max(layers) + 1, attn_layers=layers, kv_heads=shape[0], mla=False)
+    return scales
 
 
 def scales_strategy(scales: dict[str, torch.Tensor]) -> str:
     """"tensor" or "attn_head", from the shapes of validated scales (`read_scales`)."""
-    return "tensor" if all(t.shape == (1,) for t in scales.values()) else "attn_head"
+    return kvrules.strategy_of(tuple(next(iter(scales.values())).shape))

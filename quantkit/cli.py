@@ -17,7 +17,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from . import options
 from .errors import QuantkitError
+from .options import Thresholds
 
 # compressed-tensors and transformers draw per-module progress bars on stderr while loading; tqdm reads
 # this when it is imported, so it is set before anything imports it
@@ -31,7 +33,16 @@ app = typer.Typer(
 )
 err = Console(stderr=True, highlight=False)
 
+# ---- option aliases shared by the commands (defaults: quantkit/options.py) ---------------------------------
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout (human output goes to stderr).")]
+RevisionOpt = Annotated[Optional[str], typer.Option(help="Branch, tag or commit of a hub id (default: main).")]
+DatasetOpt = Annotated[Optional[str], typer.Option(
+    help="Calibration data: .jsonl/.json/.txt/.parquet, a save_to_disk folder or a hub dataset id (default: the "
+         "recipe's, then the shipped set).")]
+NumSamplesOpt = Annotated[Optional[int], typer.Option(
+    min=1, help=f"Calibration samples (default: the recipe's, then {options.NUM_SAMPLES}).")]
+SeqLenOpt = Annotated[Optional[int], typer.Option(
+    min=1, help=f"Tokens per calibration sample (default: the recipe's, then {options.SEQ_LEN}).")]
 
 
 def _print_json(doc) -> None:
@@ -47,36 +58,46 @@ def _progress(description: str, enabled: bool = True):
                     TimeRemainingColumn(), console=err, transient=False, disable=not enabled)
 
 
+def _source(name: str, revision: str | None) -> Path:
+    """A checkpoint argument: a local directory, or a hub id resolved to its snapshot (quantkit/hub.py)."""
+    from .hub import resolve_source
+
+    return resolve_source(name, revision, log=lambda m: err.print(f"note: {escape(m)}", soft_wrap=True))
+
+
 @app.command()
 def convert(
-    src: Annotated[Path, typer.Argument(help="Source checkpoint directory (config.json + *.safetensors).")],
+    src: Annotated[str, typer.Argument(help="Source checkpoint: a directory (config.json + *.safetensors) or a hub id.")],
     out: Annotated[Path, typer.Argument(help="Output directory (must be empty unless --overwrite/--resume).")],
-    recipe: Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (see `quantkit recipes`) or YAML path.")] = "int4-experts-rtn",
-    workers: Annotated[int, typer.Option(min=1, help="Shards processed in parallel (processes).")] = 1,
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (see `quantkit recipes`) or YAML path.")] = options.RECIPE,
+    workers: Annotated[int, typer.Option(min=1, help="Shards processed in parallel (processes).")] = options.WORKERS,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue an interrupted conversion in OUT.")] = True,
     overwrite: Annotated[bool, typer.Option(help="Delete OUT first if it is not empty.")] = False,
-    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB.")] = "5GB",
-    dataset: Annotated[Optional[str], typer.Option(help="Calibration data for GPTQ/AWQ/KV recipes (default: the "
-                                                        "recipe's, then the shipped set).")] = None,
-    num_samples: Annotated[Optional[int], typer.Option(min=1, help="Calibration samples.")] = None,
-    seq_len: Annotated[Optional[int], typer.Option(min=1, help="Tokens per calibration sample.")] = None,
+    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB (10^9 bytes) or 4GiB.")] = options.MAX_SHARD_SIZE,
+    dataset: DatasetOpt = None,
+    num_samples: NumSamplesOpt = None,
+    seq_len: SeqLenOpt = None,
     kv_scales: Annotated[Optional[Path], typer.Option(help="FP8 KV-cache scales from `quantkit calibrate`.")] = None,
+    revision: RevisionOpt = None,
     json_out: JsonOpt = False,
 ):
     """Quantize SRC into OUT per RECIPE, streaming shard by shard."""
+    max_shard_bytes = _parse_size(max_shard_size)  # a usage error (exit 2) before anything else
+    src_dir = _source(src, revision)
     from .read import prehash
 
-    prehash.start(src)  # the source shards' sha256, computed while the next import runs
+    prehash.start(src_dir)  # the source shards' sha256, computed while the next import runs
     from .convert import ConvertOptions, convert as run
 
     gc.freeze()  # the imported modules' objects are permanent: collections scan only what convert makes
 
     opts = ConvertOptions(recipe=recipe, workers=workers, resume=resume and not overwrite, overwrite=overwrite,
-                          max_shard_bytes=_parse_size(max_shard_size), dataset=dataset, num_samples=num_samples,
-                          seq_len=seq_len, kv_scales=str(kv_scales) if kv_scales else None)
+                          max_shard_bytes=max_shard_bytes, dataset=dataset, num_samples=num_samples,
+                          seq_len=seq_len, kv_scales=str(kv_scales) if kv_scales else None,
+                          source_id=None if Path(src).exists() else src)
     with _progress("converting") as prog:
         task = prog.add_task("converting", total=None)
-        res = run(src, out, opts, progress=lambda done, total: prog.update(task, completed=done, total=total),
+        res = run(src_dir, out, opts, progress=lambda done, total: prog.update(task, completed=done, total=total),
                   log=lambda line: prog.console.print(f"note: {escape(line)}", soft_wrap=True))
     if json_out:
         _print_json(res.to_json())
@@ -88,13 +109,14 @@ def convert(
 
 @app.command()
 def inspect(
-    ckpt: Annotated[Path, typer.Argument(help="Checkpoint directory.")],
+    ckpt: Annotated[str, typer.Argument(help="Checkpoint directory or hub id.")],
+    revision: RevisionOpt = None,
     json_out: JsonOpt = False,
 ):
     """Show a checkpoint's format and, per scheme, tensor counts and bytes."""
     from .inspect import inspect_checkpoint
 
-    rep = inspect_checkpoint(ckpt)
+    rep = inspect_checkpoint(_source(ckpt, revision))
     if json_out:
         _print_json(rep)
         return
@@ -114,22 +136,23 @@ def inspect(
 
 @app.command()
 def calibrate(
-    model: Annotated[Path, typer.Argument(help="Checkpoint directory (BF16, block-FP8 or INT4 compressed-tensors).")],
+    model: Annotated[str, typer.Argument(help="Checkpoint directory or hub id (BF16, block-FP8 or INT4 compressed-tensors).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the scales (.safetensors).")],
-    dataset: Annotated[Optional[str], typer.Option(help="Calibration data: .jsonl/.json/.txt/.parquet, a save_to_disk "
-                                                        "folder or a hub id. Default: the shipped set.")] = None,
-    num_samples: Annotated[Optional[int], typer.Option(min=1, help="Samples to draw.")] = None,
-    seq_len: Annotated[Optional[int], typer.Option(min=1, help="Tokens per sample.")] = None,
-    strategy: Annotated[str, typer.Option(help="tensor (one scale per layer) or attn_head (one per KV head).")] = "tensor",
+    dataset: DatasetOpt = None,
+    num_samples: NumSamplesOpt = None,
+    seq_len: SeqLenOpt = None,
+    strategy: Annotated[str, typer.Option(help="tensor (one scale per layer) or attn_head (one per KV head).")] = options.KV_STRATEGY,
+    revision: RevisionOpt = None,
     json_out: JsonOpt = False,
 ):
     """Measure FP8 KV-cache scales on what the engine caches (post-RoPE K, V; the MLA latent), layer by layer."""
-    from .calibrate import DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN, calibrate as run, write_scales
+    model_dir = _source(model, revision)
+    from .calibrate import calibrate as run, write_scales
 
     with _progress("calibrating", enabled=True) as prog:
         task = prog.add_task("layers", total=None)
-        res = run(model, dataset=dataset, num_samples=num_samples or DEFAULT_NUM_SAMPLES,
-                  seq_len=seq_len or DEFAULT_SEQ_LEN, strategy=strategy,
+        res = run(model_dir, dataset=dataset, num_samples=num_samples or options.NUM_SAMPLES,
+                  seq_len=seq_len or options.SEQ_LEN, strategy=strategy,
                   progress=lambda i, n: prog.update(task, completed=i + 1, total=n))
     write_scales(res, output)
     if json_out:
@@ -139,34 +162,60 @@ def calibrate(
                   f"{res.data['num_samples']} samples x {res.data['seq_len']} tokens in {res.seconds:.1f} s")
 
 
+def _threshold_options(command):
+    """Add one `--<name>` option per `Thresholds` field to `command` (default None: keep the library's
+    default; help text and default from options.Thresholds), collected into `thresholds=`."""
+    import functools
+    import inspect as pyinspect
+    import typing
+
+    hints = typing.get_type_hints(command, include_extras=True)
+    sig = pyinspect.signature(command)
+    sig = sig.replace(parameters=[p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()])
+    extra = []
+    for name, default, help_ in Thresholds.options():
+        opt = typer.Option(f"--{name.replace('_', '-')}", help=f"{help_[0].upper()}{help_[1:]} (default {default:g}).")
+        extra.append(pyinspect.Parameter(name, pyinspect.Parameter.KEYWORD_ONLY, default=None,
+                                         annotation=Annotated[Optional[float], opt]))
+    params = [p for p in sig.parameters.values() if p.name != "thresholds"]
+
+    @functools.wraps(command)
+    def wrapper(**kw):
+        th = Thresholds().with_overrides(**{name: kw.pop(name) for name, _, _ in Thresholds.options()})
+        return command(thresholds=th, **kw)
+
+    wrapper.__signature__ = sig.replace(parameters=params + extra)
+    return wrapper
+
+
 @app.command()
+@_threshold_options
 def verify(
     qmodel: Annotated[Path, typer.Argument(help="A checkpoint written by `quantkit convert`.")],
-    reference: Annotated[Optional[Path], typer.Option(help="The source checkpoint, for the numeric checks.")] = None,
+    reference: Annotated[Optional[str], typer.Option(help="The source checkpoint (directory or hub id), for the "
+                                                          "numeric checks.")] = None,
     dataset: Annotated[Optional[str], typer.Option(help="Token data for the model-level metrics.")] = None,
-    num_samples: Annotated[int, typer.Option(min=1, help="Samples for the model-level metrics.")] = 8,
-    seq_len: Annotated[int, typer.Option(min=2, help="Tokens per sample.")] = 128,
+    num_samples: Annotated[int, typer.Option(min=1, help="Samples for the model-level metrics.")] = options.VERIFY_NUM_SAMPLES,
+    seq_len: Annotated[int, typer.Option(min=2, help="Tokens per sample.")] = options.VERIFY_SEQ_LEN,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     kernels: Annotated[str, typer.Option(help="torch, or triton to also check the runtime's INT4 GEMM.")] = "torch",
-    max_kl: Annotated[Optional[float], typer.Option(help="Maximum mean next-token KL (default 0.05).")] = None,
-    min_top1: Annotated[Optional[float], typer.Option(help="Minimum top-1 agreement (default 0.85).")] = None,
-    max_ppl_ratio: Annotated[Optional[float], typer.Option(help="Maximum perplexity ratio (default 1.10).")] = None,
-    min_sqnr_db: Annotated[Optional[float], typer.Option(help="Minimum weight SQNR, dB (default 10).")] = None,
-    max_sqnr_drift_db: Annotated[Optional[float], typer.Option(help="Maximum SQNR drift vs the manifest, dB (default 0.1).")] = None,
-    min_generation_agreement: Annotated[Optional[float], typer.Option(help="Minimum greedy agreement (default 0.8).")] = None,
+    save: Annotated[bool, typer.Option("--save/--no-save", help="Keep the report in QMODEL (verify.json) and refresh "
+                                                                "its model card.")] = True,
+    revision: RevisionOpt = None,
     json_out: JsonOpt = False,
+    thresholds: Thresholds = Thresholds(),
 ):
     """Check a converted checkpoint: shard hashes, format, and numerics against the reference. Exit 1 on failure."""
-    from .verify import Thresholds, verify as run
+    from .verify import verify as run
 
     if device not in ("cpu", "cuda") or kernels not in ("torch", "triton"):
         raise typer.BadParameter("--device is cpu or cuda; --kernels is torch or triton")
-    th = Thresholds().with_overrides(max_kl=max_kl, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio,
-                                     min_sqnr_db=min_sqnr_db, max_sqnr_drift_db=max_sqnr_drift_db,
-                                     min_generation_agreement=min_generation_agreement)
-    rep = run(qmodel, reference=reference, dataset=dataset, num_samples=num_samples, seq_len=seq_len, device=device,
-              kernels=kernels, thresholds=th, progress=lambda step: err.print(f"  {step}"))
+    ref = _source(reference, revision) if reference is not None else None
+    rep = run(qmodel, reference=ref, dataset=dataset, num_samples=num_samples, seq_len=seq_len, device=device,
+              kernels=kernels, thresholds=thresholds, progress=lambda step: err.print(f"  {step}"))
     doc = rep.to_json()
+    if save and rep.integrity.get("ok"):
+        _save_verify(qmodel, doc, reference)
     if json_out:
         _print_json(doc)
     else:
@@ -180,23 +229,59 @@ def verify(
         raise typer.Exit(1)
 
 
+def _save_verify(qmodel: Path, doc: dict, reference: str | None) -> None:
+    """verify.json in the checkpoint (what the model card and `quantkit report` show), and the card refreshed."""
+    from .card import VERIFY_JSON, write_model_card
+    from .write.writer import write_json_atomic
+
+    write_json_atomic(qmodel / VERIFY_JSON, {**doc, "reference": reference})
+    if (qmodel / "README.md").is_file():
+        write_model_card(qmodel, verify_report=doc)
+
+
+@app.command()
+def report(
+    qmodel: Annotated[Path, typer.Argument(help="A checkpoint written by `quantkit convert`.")],
+    reference: Annotated[Optional[str], typer.Option(help="The source checkpoint, named in the report.")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="The HTML file (default: "
+                                                                          "QMODEL/quantkit_report.html).")] = None,
+    verify_json: Annotated[Optional[Path], typer.Option(help="`quantkit verify --json` output to show (default: "
+                                                             "QMODEL/verify.json when present).")] = None,
+    json_out: JsonOpt = False,
+):
+    """One self-contained HTML page of pictures: where the error went (SQNR per layer and expert), expert
+    token coverage and fallbacks, KV scales, bytes by scheme, verify's metrics."""
+    from .report import build_report
+
+    res = build_report(qmodel, reference=reference, output=output, verify_json=verify_json)
+    if json_out:
+        _print_json(res.to_json())
+    else:
+        err.print(f"[green]wrote[/] {escape(str(res.output))}: {len(res.figures)} figure(s), {res.bytes:,} bytes",
+                  soft_wrap=True)
+
+
 @app.command()
 def plan(
-    model_or_config: Annotated[str, typer.Argument(help="config.json, a checkpoint directory, or a shipped reference "
-                                                        "config: kimi-k2, glm-4.5, glm-5.")],
+    model_or_config: Annotated[str, typer.Argument(help="config.json, a checkpoint directory, a hub id, or a shipped "
+                                                        "reference config: kimi-k2, glm-4.5, glm-5.")],
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Predict the checkpoint `convert` would write.")] = None,
     gpu_memory_gib: Annotated[float, typer.Option(min=1, help="Memory per GPU, GiB.")] = 80,
     gpus: Annotated[int, typer.Option(min=1, help="GPUs.")] = 8,
     tp: Annotated[Optional[int], typer.Option(min=1, help="Tensor-parallel size (default: all GPUs).")] = None,
     context_len: Annotated[int, typer.Option(min=1, help="Tokens per request for the concurrency figure.")] = 131072,
     activation_reserve_gib: Annotated[Optional[float], typer.Option(help="Memory kept free per GPU for activations, GiB.")] = None,
+    revision: RevisionOpt = None,
     json_out: JsonOpt = False,
 ):
     """Explain the memory: parameters by role, checkpoint bytes per recipe, KV bytes per token, resident
     tokens and concurrency."""
-    from .plan import plan as run, render
+    from .plan import REFERENCE_CONFIGS, plan as run, render
 
-    rep = run(model_or_config, recipe, gpu_memory_gib=gpu_memory_gib, gpus=gpus, context_len=context_len,
+    target = model_or_config
+    if model_or_config not in REFERENCE_CONFIGS and not Path(model_or_config).exists():
+        target = str(_source(model_or_config, revision))
+    rep = run(target, recipe, gpu_memory_gib=gpu_memory_gib, gpus=gpus, context_len=context_len,
               activation_reserve_gib=activation_reserve_gib, tp=tp)
     if json_out:
         _print_json(rep.to_json())

@@ -19,33 +19,28 @@ Reuse (GPTQ/AWQ, true-sequential):
     # a step the body did not forward is forwarded by the executor when the loop resumes
 
 What it is not: a serving runtime (no KV cache, no padding, no generation) or a weights loader for the
-whole model. `load_layer_weights` is the one place that knows the on-disk layouts (fused vs per-expert
+whole model. `load_layer_weights` (calib/weights.py) maps the on-disk layouts (fused vs per-expert
 experts, Mixtral's names, block-FP8 and pack-quantized INT4 sources).
 """
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import inspect
-import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Protocol, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
-from ..arch import arch_for, check_tensors, parse_config
+from ..arch import arch_for, validate
 from ..errors import CalibrationError, UnsupportedArchitecture, UnsupportedWeights
 from ..read.checkpoint import Checkpoint
-from ..read.sources import detect_format, scan
 from ..read.tensors import TensorReader
-from ..write.writer import write_atomic
+from .activations import ActivationStore
+from .weights import bound_heap, load_layer_weights, release_memory, stored_modules
 
 # Legend: N = samples, B = samples in a batch, T = tokens per sample, D = hidden size,
 #         E = routed experts, I = expert intermediate size
@@ -58,17 +53,6 @@ DEFAULT_ACTIVATION_BUDGET = 4 << 30  # bytes of one activation copy kept in RAM;
 # token copy (tokens x top_k x (2D + 3I) floats: ~5 GB per 8k-token batch on Kimi K2), which breaks the
 # memory bound on CPU for no gain in speed there.
 DEFAULT_EXPERTS_IMPLEMENTATION = "eager"
-
-
-# ---- architectures (arch.py's registry) ----------------------------------------------------------------
-def _expert_parts(names) -> dict[str, tuple[str, int]]:
-    """Per-expert on-disk projection names -> (fused in-memory tensor, part). transformers 5 keeps
-    experts.gate_up_proj [E, 2I, D] = cat(gate, up) and experts.down_proj [E, D, I] (conversion_mapping.py)."""
-    return {names.gate: ("gate_up_proj", 0), names.up: ("gate_up_proj", 1), names.down: ("down_proj", 0)}
-
-
-# Tensors a layer may carry on disk that are not module state (old rotary caches, static activation scales).
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".input_scale", ".output_scale", ".k_scale", ".v_scale")
 
 
 def build_config(config: dict):
@@ -96,217 +80,6 @@ def build_meta_model(config, experts_implementation: str | None = None) -> nn.Mo
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, **kw)
     return model.eval()
-
-
-# ---- weights ----------------------------------------------------------------------------------------
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-HEAP_MMAP_THRESHOLD = 1 << 20
-
-
-def bound_heap() -> None:
-    """Serve every allocation of 1 MiB or more with its own mapping, returned to the OS when freed.
-    glibc otherwise raises its mmap threshold after each large free (up to 32 MiB), and the many
-    1-32 MiB temporaries of a layer (weights, Gram products, factorizations) then fragment a heap
-    that is never given back: measured on bench/gptq_rss.py, the peak RSS drops by ~200 MB."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-def release_memory() -> None:
-    """Give freed memory back to the OS between layers (glibc keeps freed heap pages otherwise)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-def stored_modules(ckpt: Checkpoint) -> dict:
-    """The modules the checkpoint stores quantized (read/sources.py), to be decoded to floats on load."""
-    return scan(ckpt, detect_format(ckpt.config))
-
-
-def _read_weight(r: TensorReader, stored: dict, base: str) -> torch.Tensor:
-    """The float weight of module `base`: as stored, or decoded from block-FP8 / pack-quantized INT4."""
-    sw = stored.get(base)
-    if sw is not None:
-        if any(suffix == "weight_g_idx" for suffix, _ in sw.tensors):
-            raise UnsupportedWeights(f"{base}: act-order (weight_g_idx) INT4 sources are not supported")
-        return r.decode(sw, torch.float32)
-    w = r.get(base + ".weight")
-    if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise UnsupportedWeights(f"{base}.weight is {w.dtype} but has no weight_scale_inv / weight_scale")
-    if not w.dtype.is_floating_point:
-        raise UnsupportedWeights(f"{base}.weight has dtype {w.dtype}")
-    return w
-
-
-_COMPANIONS = (".weight_scale_inv", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx",
-               ".weight_packed")
-
-
-def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype = torch.float32,
-                       device: str | torch.device = "cpu", stored: dict | None = None) -> dict[str, torch.Tensor]:
-    """The state dict of decoder layer `layer_idx` as transformers 5 holds it in memory, keyed relative to
-    the layer (`self_attn.q_proj.weight`, `mlp.experts.gate_up_proj`, ...), in `dtype` on `device`.
-
-    Maps the on-disk layout: per-expert `mlp.experts.E.{gate,up,down}_proj.weight` (Mixtral:
-    `block_sparse_moe.experts.E.w1/w3/w2`) -> fused `mlp.experts.gate_up_proj` [E, 2I, D] (gate rows first)
-    and `mlp.experts.down_proj` [E, D, I]; fused on-disk experts pass through. Quantized sources are
-    dequantized here: block-FP8 (`weight` float8 + `weight_scale_inv`/`weight_scale`) and compressed-tensors
-    pack-quantized INT4 (`weight_packed`, `weight_scale`, `weight_shape`[, `weight_zero_point`]).
-    Reads only this layer's tensors; each expert is copied straight into its slice of the fused tensor."""
-    names = arch_for(ckpt.config, "calibrate").experts
-    stored = stored_modules(ckpt) if stored is None else stored
-    prefix = f"model.layers.{layer_idx}."
-    disk = {n for n in ckpt.location if n.startswith(prefix)}
-    if not disk:
-        raise UnsupportedWeights(f"the checkpoint holds no tensors for layer {layer_idx} ({prefix}*)")
-    renames = ((f".{names.block}.", ".mlp."),) if names is not None and names.block != "mlp" else ()
-    parts = _expert_parts(names) if names is not None else {}
-    expert_rx = re.compile(r"^mlp\.experts\.(\d+)\.(" + "|".join(parts or ["-"]) + r")$")
-
-    # logical modules: relative in-memory module name -> on-disk base name
-    modules: dict[str, str] = {}
-    direct: dict[str, str] = {}  # relative tensor name -> on-disk tensor name (non-`.weight` tensors)
-    for name in sorted(disk):
-        if name.endswith(_IGNORED_SUFFIXES):
-            continue
-        rel = name[len(prefix):]
-        for a, b in renames:
-            rel = ("." + rel).replace(a, b)[1:]
-        if name.endswith(".weight") or name.endswith(".weight_packed"):
-            base = name.rsplit(".", 1)[0]
-            modules[rel.rsplit(".", 1)[0]] = base
-        elif not name.endswith(_COMPANIONS):  # companions (scales, shapes) are read with their weight
-            direct[rel] = name
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, int], dict[int, str]] = {}  # (fused name, part) -> {expert: disk base}
-    r = TensorReader.of(ckpt, mapped=False)
-    try:
-        for rel, base in modules.items():
-            m = expert_rx.match(rel)
-            if m:
-                experts.setdefault(parts[m.group(2)], {})[int(m.group(1))] = base
-                continue
-            out[rel + ".weight"] = _read_weight(r, stored, base).to(device=device, dtype=dtype)
-        for rel, name in direct.items():
-            t = r.get(name)
-            out[rel] = t.to(device=device, dtype=dtype if t.dtype.is_floating_point else t.dtype)
-        for fused in sorted({f for f, _ in experts}):
-            want_parts = (0, 1) if fused == "gate_up_proj" else (0,)
-            part_maps = [experts.get((fused, p), {}) for p in want_parts]  # gate, up (or down)
-            n_exp = max(len(pm) for pm in part_maps)
-            for pm in part_maps:
-                if sorted(pm) != list(range(n_exp)):
-                    raise UnsupportedWeights(f"layer {layer_idx}: routed experts for {fused} are incomplete on disk "
-                                             f"(found {len(pm)} of {n_exp} experts for one of its parts)")
-            dst = None
-            for e in range(n_exp):
-                ws = [_read_weight(r, stored, pm[e]) for pm in part_maps]  # [I, D] each (down: [D, I])
-                if dst is None:
-                    dst = torch.empty((n_exp, sum(w.shape[0] for w in ws), ws[0].shape[1]), dtype=dtype,
-                                      device=device)  # [E, 2I, D] = cat(gate, up) / [E, D, I]
-                r0 = 0
-                for w in ws:
-                    dst[e, r0:r0 + w.shape[0]].copy_(w)
-                    r0 += w.shape[0]
-            out[f"mlp.experts.{fused}"] = dst
-    finally:
-        r.close()
-    return out
-
-
-# ---- activations ------------------------------------------------------------------------------------
-class ActivationStore:
-    """Hidden states of all calibration samples, [T_i, D] each, in one flat buffer: RAM, or a
-    memory-mapped temporary file when larger than the budget (the file is deleted on close)."""
-
-    def __init__(self, lengths: Sequence[int], hidden: int, dtype: torch.dtype, *, budget_bytes: int,
-                 workdir: str | Path | None = None):
-        self.lengths = [int(t) for t in lengths]
-        self.hidden = hidden
-        self.dtype = dtype
-        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
-        tokens = int(self.offsets[-1])
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        self.nbytes = tokens * hidden * itemsize
-        self.path: Path | None = None
-        self._mm = None
-        if self.nbytes > budget_bytes:
-            fd, name = tempfile.mkstemp(prefix="quantkit-act-", suffix=".bin", dir=workdir)
-            os.close(fd)
-            self.path = Path(name)
-            self._mm = np.memmap(self.path, dtype=np.uint8, mode="w+", shape=(max(self.nbytes, 1),))
-            self.data = torch.from_numpy(self._mm)[: self.nbytes].view(dtype).view(tokens, hidden)
-        else:
-            self.data = torch.empty((tokens, hidden), dtype=dtype)  # [sum T_i, D]
-
-    @property
-    def on_disk(self) -> bool:
-        return self.path is not None
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, i: int) -> torch.Tensor:  # [T_i, D] view
-        return self.data[self.offsets[i]:self.offsets[i + 1]]
-
-    def __setitem__(self, i: int, value: torch.Tensor):
-        self[i].copy_(value)
-
-    def batches(self, batch_tokens: int) -> Iterator[tuple[list[int], torch.Tensor]]:
-        """(sample indices, [B, T, D]) with equal-length samples grouped (no padding needed)."""
-        by_len: dict[int, list[int]] = {}
-        for i, t in enumerate(self.lengths):
-            by_len.setdefault(t, []).append(i)
-        for t in sorted(by_len):
-            idx = by_len[t]
-            b = max(1, batch_tokens // max(t, 1))
-            for j in range(0, len(idx), b):
-                chunk = idx[j:j + b]
-                if chunk == list(range(chunk[0], chunk[0] + len(chunk))):  # contiguous: a view
-                    x = self.data[self.offsets[chunk[0]]:self.offsets[chunk[-1] + 1]].view(len(chunk), t, -1)
-                else:
-                    x = torch.stack([self[i] for i in chunk])
-                yield chunk, x
-
-    def write(self, indices: list[int], x: torch.Tensor):
-        for k, i in enumerate(indices):
-            self[i] = x[k]
-
-    def _bytes(self) -> memoryview:
-        return memoryview(self.data.view(-1).view(torch.uint8).numpy()) if self.nbytes else memoryview(b"")
-
-    def save(self, path: str | Path, chunk: int = 1 << 26) -> None:
-        """Write the raw buffer to `path` atomically and durably (a reader finds the whole store or none)."""
-        buf = self._bytes()
-        write_atomic(path, (buf[i:i + chunk] for i in range(0, len(buf), chunk)))
-
-    def load(self, path: str | Path) -> None:
-        """Fill this store from a file written by `save` for the same lengths, hidden size and dtype."""
-        buf = self._bytes()
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != len(buf):
-                raise ValueError(f"{path}: {size} bytes, expected {len(buf)}")
-            got = 0
-            while got < len(buf):
-                n = f.readinto(buf[got:])
-                if not n:
-                    raise ValueError(f"{path}: short read")
-                got += n
-
-    def close(self):
-        self.data = None
-        if self._mm is not None:
-            del self._mm
-            self._mm = None
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
-            self.path = None
 
 
 # ---- observers protocol -----------------------------------------------------------------------------
@@ -346,7 +119,7 @@ class LayerExecutor:
         bound_heap()
         self.spec = arch_for(self.ckpt.config, "calibrate")
         # config.json is hostile input: every field the layers are built from must agree with the tensors
-        check_tensors(parse_config(self.ckpt.config), {n: self.ckpt.info(n).shape for n in self.ckpt.location})
+        validate(self.ckpt.config, {n: self.ckpt.info(n).shape for n in self.ckpt.location})
         self.stored = stored_modules(self.ckpt)
         self.config = build_config(self.ckpt.config)
         self.model = build_meta_model(self.config, experts_implementation if self.spec.experts else None)

@@ -28,7 +28,9 @@ from typing import Callable
 
 import torch
 
-from .. import __version__
+from .. import __version__, options
+from ..arch import validate as validate_config
+from ..card import write_model_card
 from ..errors import OutputExists
 from ..match.recipe import Recipe, load_recipe
 from ..match.shards import (DEFAULT_BATCH_BYTES, DEFAULT_MAX_SHARD_BYTES, ShardPlan, output_shard_names, plan_notes,
@@ -52,8 +54,8 @@ __all__ = ["convert", "ConvertOptions", "ConvertResult", "MANIFEST_NAME", "JOURN
 class ConvertOptions:
     """Everything `convert` takes besides the two directories; the CLI's defaults are these."""
 
-    recipe: str | Recipe = "int4-experts-rtn"
-    workers: int = 1
+    recipe: str | Recipe = options.RECIPE
+    workers: int = options.WORKERS
     resume: bool = True
     overwrite: bool = False
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
@@ -66,6 +68,9 @@ class ConvertOptions:
     dataset: str | None = None
     num_samples: int | None = None
     seq_len: int | None = None
+    # the source's hub id, when it came from the hub: the model card's base_model
+    source_id: str | None = None
+    model_card: bool = True  # write README.md (quantkit/card.py; a README of the source is extended)
 
 
 @dataclass
@@ -107,6 +112,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     recipe = opts.recipe if isinstance(opts.recipe, Recipe) else load_recipe(opts.recipe)
     calibrated = recipe.needs_calibrated_pass
     src = Checkpoint.open(src_dir)
+    validate_config(src.config, {n: src.info(n).shape for n in src.location})  # hostile configs stop here
     fmt = detect_format(src.config)
     stored = scan(src, fmt)
     want_kv = opts.kv_scales is not None or recipe.kv_cache is not None
@@ -121,7 +127,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
                         skip=skip, location=src.location, info=src.info, calibrated=calibrated) for s in src.shards]
     notes = plan_notes(plans, len(source_kv) if want_kv else 0, stored)
     # KV scales: read and checked (or calibrated) once the plan is known to be valid, before any write
-    kv = kv_scales(src, recipe, opts.kv_scales) if want_kv else None
+    kv = kv_scales(src, recipe, opts.kv_scales, opts.dataset, opts.num_samples, opts.seq_len) if want_kv else None
     for n in notes:
         if log:
             log(n)
@@ -181,7 +187,8 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
         kv_scheme = kv.config() if kv is not None else (fmt.kv_cache_scheme if source_kv else None)
         return _finalize(src, fmt, out, recipe, plans, results, identity, t0, resumed=len(done), notes=notes,
                          kv=kv, kv_out=kv_out, kv_scheme=kv_scheme,
-                         calibration=None if data is None else data.describe())
+                         calibration=None if data is None else data.describe(), source_id=opts.source_id,
+                         model_card=opts.model_card)
 
 
 def _cpu_count() -> int:
@@ -217,7 +224,7 @@ def _run_shards(todo, src: Checkpoint, out: Path, opts: ConvertOptions, spool, r
 def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, plans: list[ShardPlan],
               results: dict[str, dict], identity: dict, t0: float, resumed: int, notes: list[str],
               kv: kvrules.KVScales | None, kv_out: dict | None, kv_scheme: dict | None,
-              calibration: dict | None = None) -> ConvertResult:
+              calibration: dict | None = None, source_id: str | None = None, model_card: bool = True) -> ConvertResult:
     """The index, config.json, the copied files, and the manifest (pack/manifest.py) last."""
     wait_durable()  # every shard written by this process is on disk before the index and manifest
     ordered = [results[p.source] for p in plans]
@@ -276,6 +283,8 @@ def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, pla
     write_json_atomic(out / MANIFEST_NAME, manifest)  # still in_progress: journal removed next
     shutil.rmtree(out / JOURNAL_DIR, ignore_errors=True)
     manifest["status"] = "complete"
+    if model_card:
+        write_model_card(out, src.root, source_id=source_id, manifest=manifest)
     write_json_atomic(out / MANIFEST_NAME, manifest)  # the last write: only now does it look finished
     return ConvertResult(str(out), round(time.perf_counter() - t0, 3), manifest["summary"]["bytes_read"],
                          total_size, len(tensors), len(quantized), peak_rss_bytes(), resumed,

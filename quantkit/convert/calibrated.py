@@ -54,9 +54,11 @@ def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log)
     return Spool(files, index["modules"])
 
 
-def kv_scales(src: Checkpoint, recipe: Recipe, path: str | None) -> kvrules.KVScales:
-    """The KV scales to ship, checked against the source model: from `path`, or calibrated now with the
-    recipe's calibration settings (recipe `kv_cache` section)."""
+def kv_scales(src: Checkpoint, recipe: Recipe, path: str | None, dataset: str | None = None,
+              num_samples: int | None = None, seq_len: int | None = None) -> kvrules.KVScales:
+    """The KV scales to ship, checked against the source model: from `path`, or calibrated now (recipe
+    `kv_cache` section) on the same data as the calibrated groups: the options first, then the recipe's
+    calibration section, then the defaults."""
     want = recipe.kv_cache.strategy if recipe.kv_cache is not None else None
     if path is not None:
         scales = kvrules.read_file(path)
@@ -67,10 +69,11 @@ def kv_scales(src: Checkpoint, recipe: Recipe, path: str | None) -> kvrules.KVSc
             raise CalibrationNeeded(f"recipe {recipe.name!r} asks for FP8 KV-cache scales (kv_cache), which need "
                                     "calibration on real activations; no --kv-scales file was given")
         cal = recipe.calibration or CalibrationSpec()
-        res = calibrate(str(src.root), dataset=cal.dataset, num_samples=cal.num_samples, seq_len=cal.seq_len,
-                        strategy=want)
+        data = {"dataset": dataset or cal.dataset, "num_samples": num_samples or cal.num_samples,
+                "seq_len": seq_len or cal.seq_len}
+        res = calibrate(str(src.root), **data, strategy=want)
         scales = {n: t.detach().cpu() for n, t in dict(res.scales).items()}
-        origin = {"calibrate": {"dataset": cal.dataset, "num_samples": cal.num_samples, "seq_len": cal.seq_len}}
+        origin = {"calibrate": data}
     cfg = text_config(src.config)[0]
     mla = "kv_lora_rank" in cfg
     if mla:

@@ -30,8 +30,11 @@ from typing import Any
 
 import yaml
 
+from .. import options
 from ..errors import RecipeError
 from ..pack.config import scheme_label, weights_config
+from ..pack.kv import STRATEGIES as KV_STRATEGIES
+from ..pack.kv import kv_cache_scheme
 
 METHODS = ("rtn", "gptq", "awq")
 STRATEGIES = ("group", "channel", "tensor", "block")
@@ -209,21 +212,21 @@ class WeightGroup:
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    strategy: str = "tensor"  # tensor | attn_head
+    strategy: str = "tensor"  # tensor | attn_head (pack/kv.py)
 
     def __post_init__(self):
-        if self.strategy not in ("tensor", "attn_head"):
+        if self.strategy not in KV_STRATEGIES:
             raise RecipeError(f"kv_cache.strategy must be 'tensor' or 'attn_head', got {self.strategy!r}")
 
     def config(self) -> dict[str, Any]:
-        return {"num_bits": 8, "type": "float", "strategy": self.strategy, "dynamic": False, "symmetric": True}
+        return kv_cache_scheme(self.strategy)
 
 
 @dataclass(frozen=True)
 class CalibrationSpec:
     dataset: str | None = None
-    num_samples: int = 128
-    seq_len: int = 512
+    num_samples: int = options.NUM_SAMPLES
+    seq_len: int = options.SEQ_LEN
 
     def __post_init__(self):
         if self.num_samples <= 0 or self.seq_len <= 0:

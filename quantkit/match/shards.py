@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from .. import options
 from ..arch import fused_experts
 from ..errors import GroupSizeError, QuantkitError, UnsupportedDtype
 from ..pack.config import canonical_json, scheme_config
@@ -30,8 +31,8 @@ from ..write.writer import ELEMENT_SIZE
 from .recipe import Recipe, Scheme, WeightGroup
 from .units import CalibratedUnit, CopyUnit, FP8Unit, PassUnit, QuantItem, RTNUnit, SourceRef, Unit
 
-DEFAULT_BATCH_BYTES = 256 << 20  # source weight bytes quantized in one batch at most
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the hub convention ("5GB"), as the CLI's --max-shard-size default says
+DEFAULT_BATCH_BYTES = options.BATCH_BYTES
+DEFAULT_MAX_SHARD_BYTES = options.MAX_SHARD_BYTES
 
 
 def spec_bytes(specs) -> int:

@@ -72,7 +72,7 @@ def tensor_problem(name: str, t: torch.Tensor) -> str | None:
     if strategy_of(tuple(t.shape)) is None:
         return f"{name} has shape {list(t.shape)}, neither [1] (tensor) nor [H, 1, 1] (attn_head)"
     if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
-        return f"{name} holds a scale that is not a positive finite number"
+        return f"{name} holds a zero, negative or non-finite scale: KV scales must be positive finite numbers"
     return None
 
 
@@ -101,8 +101,9 @@ def validate(scales: Mapping[str, torch.Tensor], *, num_layers: int, attn_layers
             raise KVScalesError(f"{name}: the source has no model.layers.{layer}.self_attn weights")
         shapes.add(tuple(t.shape))
     missing = [kv_scale_name(L, kind) for L in attn for kind in "kv" if kv_scale_name(L, kind) not in scales]
-    if missing:
-        raise KVScalesError(f"{len(missing)} KV scale(s) missing, e.g. {missing[0]}")
+    if missing:  # an engine would silently use 1.0 for them
+        m = KV_SCALE.match(missing[0])
+        raise KVScalesError(f"{len(missing)} KV scale(s) missing, e.g. {missing[0]} (layer {m[1]} has no {m[2]}_scale)")
     if len(shapes) != 1:
         raise KVScalesError(f"the KV scales mix shapes {sorted(shapes)}; use one strategy for all layers")
     (shape,) = shapes

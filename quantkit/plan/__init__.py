@@ -26,7 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..arch import SUPPORTED_MODEL_TYPES, ModelSpec, check_tensors, parse_config
+from ..arch import SUPPORTED_MODEL_TYPES, ModelSpec, parse_config, validate
 from ..errors import ConfigError
 from ..match.recipe import Recipe, load_recipe
 from ..read.checkpoint import read_json_file
@@ -189,7 +189,10 @@ def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *, gpu
     if gpu_memory_gib <= 0 or context_len < 1 or (activation_reserve_gib is not None and activation_reserve_gib < 0):
         raise ConfigError("gpu_memory_gib and context_len must be positive and the activation reserve >= 0")
     src = _resolve(model_or_config)
-    spec = parse_config(src.config)
+    headers = _tensor_shapes_from_checkpoint(src.checkpoint) if src.checkpoint is not None else None
+    # a checkpoint's config.json is held against its tensors (arch.validate) before anything is computed
+    spec = (validate(src.config, {n: sh for n, (sh, _) in headers.items()}) if headers else None) \
+        or parse_config(src.config)
     rec = load_recipe(recipe) if isinstance(recipe, (str, Path)) else recipe
     kv_sel = _kv_dtype(kv_dtype, rec, "mla" if spec.attention == "mla" else "gqa")
     if rec is not None and spec.quantization and spec.quantization.get("quant_method") == "compressed-tensors":
@@ -200,8 +203,7 @@ def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *, gpu
 
     # Tensors: the real headers of a checkpoint directory, or the hub layout enumerated from config.json.
     if src.checkpoint is not None:
-        tensors = _tensor_shapes_from_checkpoint(src.checkpoint)
-        check_tensors(spec, {n: sh for n, (sh, _) in tensors.items()})
+        tensors = headers
         shard_files = sorted(src.checkpoint.glob("*.safetensors"))
         n_shards = len(shard_files)
         source_total = sum(f.stat().st_size for f in shard_files)

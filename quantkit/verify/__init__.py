@@ -41,7 +41,8 @@ from .format import Judge, tensor_pass
 from .integrity import check_integrity, check_manifest_tensors
 from .numerics import (check_reference, drift_check, kernel_check, layer_summary, model_metrics, sqnr_check,
                        token_data)
-from .thresholds import Thresholds
+from .. import options
+from ..options import Thresholds
 
 __all__ = ["verify", "VerifyReport", "Thresholds", "Check"]
 
@@ -73,9 +74,10 @@ class VerifyReport:
 
 
 # ---- entry point ---------------------------------------------------------------------------------------
-def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = 8, seq_len: int = 128,
-           device: str = "cpu", kernels: str = "torch", thresholds: Thresholds = Thresholds(),
-           progress: Callable[[str], None] | None = None, generation_tokens: int = 32,
+def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = options.VERIFY_NUM_SAMPLES,
+           seq_len: int = options.VERIFY_SEQ_LEN, device: str = "cpu", kernels: str = "torch",
+           thresholds: Thresholds = Thresholds(), progress: Callable[[str], None] | None = None,
+           generation_tokens: int = options.VERIFY_GENERATION_TOKENS,
            seed: int = 0) -> VerifyReport:
     """Verify the converted checkpoint in `qmodel_dir` (see the module docstring).
 

@@ -18,7 +18,7 @@ import torch
 from ..errors import QuantkitError
 from ..read.checkpoint import Checkpoint
 from .common import Check, finite
-from .thresholds import Thresholds
+from ..options import Thresholds
 
 KERNEL_RTOL = 2e-2  # |triton - torch| <= rtol * max|torch|: bf16 outputs, fp32 accumulation either way
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

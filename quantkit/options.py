@@ -1,12 +1,30 @@
-"""Pass/fail limits of `verify`, one CLI flag each (`--max-kl`, ...): the flags take their defaults and help
-texts from here."""
+"""Options and their defaults, shared by the command line and the library: each default is written once,
+here, and both `cli.py` and the library's config dataclasses (convert.ConvertOptions, match.recipe.
+CalibrationSpec, calibrate, verify) take it from here. Deliberately light: importing it costs no torch, so
+the CLI can build its options before any heavy import.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
 
-from ..errors import QuantkitError
+from .errors import QuantkitError
+
+# convert
+RECIPE = "int4-experts-rtn"
+WORKERS = 1
+MAX_SHARD_BYTES = 5 * 10**9  # the hub convention, "5GB"
+MAX_SHARD_SIZE = "5GB"  # MAX_SHARD_BYTES as the CLI spells it
+BATCH_BYTES = 256 << 20  # source weight bytes quantized in one batch at most
+# calibration data (GPTQ/AWQ and KV scales): a recipe's `calibration` section overrides these
+NUM_SAMPLES = 128
+SEQ_LEN = 512
+KV_STRATEGY = "tensor"
+# verify's model-level metrics
+VERIFY_NUM_SAMPLES = 8
+VERIFY_SEQ_LEN = 128
+VERIFY_GENERATION_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -47,5 +65,5 @@ class Thresholds:
 
     @classmethod
     def options(cls) -> list[tuple[str, float, str]]:
-        """(field name, default, help) per threshold: what the CLI turns into flags."""
+        """(field name, default, help) per threshold: what the CLI turns into flags (`--max-kl`, ...)."""
         return [(f.name, f.default, f.metadata["help"]) for f in fields(cls)]

@@ -11,7 +11,8 @@ import torch
 
 from quantkit.errors import CalibrationError, KVScalesError, UnsupportedArchitecture, UnsupportedWeights
 from quantkit.calib.data import CalibrationWarning, load_calibration_data
-from quantkit.calib.executor import LayerExecutor, load_layer_weights, modeling_module
+from quantkit.calib.executor import LayerExecutor, modeling_module
+from quantkit.calib.weights import load_layer_weights
 from quantkit.calib.observers import ExpertTokenCounter, KVCacheObserver
 from quantkit.calibrate import (DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN, calibrate, read_scales, scales_strategy,
                                 write_scales)

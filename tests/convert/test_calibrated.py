@@ -13,7 +13,7 @@ from quantkit.match.recipe import load_recipe
 from quantkit.testing import load_model, make_tiny_model
 from quantkit.verify import verify
 
-from test_convert import check_against_judge
+from convert.test_convert import check_against_judge
 
 
 def _kl(a, b):

@@ -22,7 +22,7 @@ import pytest
 
 from quantkit import errors as E
 from quantkit.convert import JOURNAL_DIR, MANIFEST_NAME, ConvertOptions, convert
-from test_hostile import (GROUP48, assert_clean_failure, cli, manifest_status,  # noqa: F401
+from harness import (GROUP48, assert_clean_failure, cli, manifest_status,  # noqa: F401
                           reference, src18, tree)
 
 SIGKILLED = -9

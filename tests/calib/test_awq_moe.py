@@ -8,12 +8,12 @@ import torch
 from quantkit.calib.data import load_calibration_data
 from quantkit.calib.hessians import routed_batches
 from quantkit.calib.spool import run_calibrated
-from quantkit.calib.executor import load_layer_weights
+from quantkit.calib.weights import load_layer_weights
 from quantkit.read.checkpoint import Checkpoint
 from quantkit.read.safetensors import SafetensorsFile
 from quantkit.testing import make_tiny_model
 
-from test_calib_quantize import recipe
+from calib.test_passes import recipe
 
 
 def test_routed_batches_carry_routing_weights():

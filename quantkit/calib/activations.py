@@ -1,0 +1,103 @@
+"""Hidden states of all calibration samples between decoder layers: one flat buffer in RAM, or a memory-
+mapped temporary file when larger than the budget; saved and restored whole for a resumable pass."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..write.writer import write_atomic
+
+
+class ActivationStore:
+    """Hidden states of all calibration samples, [T_i, D] each, in one flat buffer: RAM, or a
+    memory-mapped temporary file when larger than the budget (the file is deleted on close)."""
+
+    def __init__(self, lengths: Sequence[int], hidden: int, dtype: torch.dtype, *, budget_bytes: int,
+                 workdir: str | Path | None = None):
+        self.lengths = [int(t) for t in lengths]
+        self.hidden = hidden
+        self.dtype = dtype
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        tokens = int(self.offsets[-1])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.nbytes = tokens * hidden * itemsize
+        self.path: Path | None = None
+        self._mm = None
+        if self.nbytes > budget_bytes:
+            fd, name = tempfile.mkstemp(prefix="quantkit-act-", suffix=".bin", dir=workdir)
+            os.close(fd)
+            self.path = Path(name)
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="w+", shape=(max(self.nbytes, 1),))
+            self.data = torch.from_numpy(self._mm)[: self.nbytes].view(dtype).view(tokens, hidden)
+        else:
+            self.data = torch.empty((tokens, hidden), dtype=dtype)  # [sum T_i, D]
+
+    @property
+    def on_disk(self) -> bool:
+        return self.path is not None
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:  # [T_i, D] view
+        return self.data[self.offsets[i]:self.offsets[i + 1]]
+
+    def __setitem__(self, i: int, value: torch.Tensor):
+        self[i].copy_(value)
+
+    def batches(self, batch_tokens: int) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """(sample indices, [B, T, D]) with equal-length samples grouped (no padding needed)."""
+        by_len: dict[int, list[int]] = {}
+        for i, t in enumerate(self.lengths):
+            by_len.setdefault(t, []).append(i)
+        for t in sorted(by_len):
+            idx = by_len[t]
+            b = max(1, batch_tokens // max(t, 1))
+            for j in range(0, len(idx), b):
+                chunk = idx[j:j + b]
+                if chunk == list(range(chunk[0], chunk[0] + len(chunk))):  # contiguous: a view
+                    x = self.data[self.offsets[chunk[0]]:self.offsets[chunk[-1] + 1]].view(len(chunk), t, -1)
+                else:
+                    x = torch.stack([self[i] for i in chunk])
+                yield chunk, x
+
+    def write(self, indices: list[int], x: torch.Tensor):
+        for k, i in enumerate(indices):
+            self[i] = x[k]
+
+    def _bytes(self) -> memoryview:
+        return memoryview(self.data.view(-1).view(torch.uint8).numpy()) if self.nbytes else memoryview(b"")
+
+    def save(self, path: str | Path, chunk: int = 1 << 26) -> None:
+        """Write the raw buffer to `path` atomically and durably (a reader finds the whole store or none)."""
+        buf = self._bytes()
+        write_atomic(path, (buf[i:i + chunk] for i in range(0, len(buf), chunk)))
+
+    def load(self, path: str | Path) -> None:
+        """Fill this store from a file written by `save` for the same lengths, hidden size and dtype."""
+        buf = self._bytes()
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != len(buf):
+                raise ValueError(f"{path}: {size} bytes, expected {len(buf)}")
+            got = 0
+            while got < len(buf):
+                n = f.readinto(buf[got:])
+                if not n:
+                    raise ValueError(f"{path}: short read")
+                got += n
+
+    def close(self):
+        self.data = None
+        if self._mm is not None:
+            del self._mm
+            self._mm = None
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = None

@@ -1,0 +1,1 @@
+"""Integration with serving engines (optional; nothing here is imported by quantkit itself)."""
