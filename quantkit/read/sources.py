@@ -28,6 +28,7 @@ import torch
 
 from ..errors import SourceFormatError
 from ..quant.fp8 import FP8_DTYPE, FP8Layout, dequantize as fp8_dequantize, is_power_of_two
+from ..pack.layout import FP8_SUFFIXES, INT4_SUFFIXES
 from ..pack.config import fp8_input_activations, fp8_weights_config, targeting, weights_label
 from .checkpoint import Checkpoint
 
@@ -35,8 +36,8 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SCALE_DTYPES = FLOAT_DTYPES + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
 CT_FP8_FORMATS = ("float-quantized", "naive-quantized")
 CT_INT_FORMATS = ("pack-quantized",)
-INT4_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
-FP8_SUFFIXES = ("weight", "weight_scale", "input_scale", "input_zero_point")
+# an FP8 module of a compressed-tensors source may carry static activation scales: passed through with it
+FP8_SOURCE_SUFFIXES = FP8_SUFFIXES + ("input_scale", "input_zero_point")
 
 
 
@@ -177,10 +178,7 @@ def scan(ck: Checkpoint, fmt: SourceFormat) -> dict[str, StoredWeight]:
     if fmt.kind == "fp8-block":
         for name in f8:
             info = loc[name]
-            if not name.endswith(".weight") or len(info.shape) != 2 or info.dtype != FP8_DTYPE:
-                raise SourceFormatError(f"{name} {info.dtype} {list(info.shape)}: only 2-D float8_e4m3fn "
-                                        "`.weight` tensors are read from block-FP8 sources")
-            m = name[: -len(".weight")]
+            m = _fp8_module(name, info, "block-FP8 sources")
             layout = FP8Layout("block", fmt.block)
             sname = f"{m}.weight_scale_inv"
             _check_scale(loc, m, sname, layout.scale_shape(*info.shape))
@@ -207,17 +205,22 @@ def scan(ck: Checkpoint, fmt: SourceFormat) -> dict[str, StoredWeight]:
                                   dict(g["weights"]), g["input_activations"], g["format"])
     for name in f8:
         info = loc[name]
-        if not name.endswith(".weight") or len(info.shape) != 2 or info.dtype != FP8_DTYPE:
-            raise SourceFormatError(f"{name} {info.dtype} {list(info.shape)}: only 2-D float8_e4m3fn `.weight` "
-                                    "tensors are read from compressed-tensors FP8 groups")
-        m = name[: -len(".weight")]
+        m = _fp8_module(name, info, "compressed-tensors FP8 groups")
         g = _ct_group(fmt, m, want_float=True)
         layout = _layout_from_args(g["weights"], m)
         _check_scale(loc, m, f"{m}.weight_scale", layout.scale_shape(*info.shape))
-        tensors = (("weight", name),) + tuple((s, f"{m}.{s}") for s in FP8_SUFFIXES[1:] if f"{m}.{s}" in loc)
+        tensors = (("weight", name),) + tuple((s, f"{m}.{s}") for s in FP8_SOURCE_SUFFIXES[1:] if f"{m}.{s}" in loc)
         out[m] = StoredWeight(m, "fp8", tuple(info.shape), tensors, dict(g["weights"]), g["input_activations"],
                               g["format"], layout)
     return out
+
+
+def _fp8_module(name: str, info, where: str) -> str:
+    """The module of an FP8 `.weight` tensor; anything else stored in float8 is refused."""
+    if not name.endswith(".weight") or len(info.shape) != 2 or info.dtype != FP8_DTYPE:
+        raise SourceFormatError(f"{name} {info.dtype} {list(info.shape)}: only 2-D float8_e4m3fn `.weight` "
+                                f"tensors are read from {where}")
+    return name[: -len(".weight")]
 
 
 def _check_scale(loc: dict, module: str, sname: str, want: tuple[int, ...]) -> None:

@@ -1,0 +1,145 @@
+"""`quantkit report`: one self-contained HTML page that shows where a converted checkpoint's error went.
+
+Reads what `convert` wrote and nothing else: `quantkit_manifest.json` (per-module SQNR, calibration
+tokens and fallbacks), `config.json`, the shards' headers (bytes per tensor) and the KV-scale tensors
+(a few floats per layer). Draws, each in its own section with a caption:
+- per MoE layer x routed expert, the SQNR of the expert's worst projection (one heatmap), and per
+  layer the min / median / max SQNR of every quantized module (experts or not);
+- per MoE layer x expert, the calibration tokens routed to it, fallbacks and starved experts marked;
+- per layer (and per KV head with `attn_head`), the FP8 KV-cache scales k and v;
+- bytes by scheme, labelled as `quantkit inspect` labels them;
+- `quantkit verify`'s checks, metrics and per-layer SQNR, when its `--json` object is passed or
+  `verify.json` lies in the output directory.
+It is not a verifier: it dequantizes no tensor and loads no model (`verify` measures, this shows).
+
+Plotting: matplotlib rendered to inline SVG: well maintained, no JavaScript, nothing fetched, and
+byte-deterministic with a fixed `svg.hashsalt` and no date. Heatmaps are drawn with
+`interpolation="none"`, i.e. one embedded PNG at one pixel per cell, so 61 layers x 384 experts is a
+single element, not 23k rectangles.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointNotFound, ConfigError
+from ..read.checkpoint import Checkpoint, read_json_file
+from ..pack.manifest import MANIFEST_NAME, read_manifest
+from .model import DEFAULT_OUTPUT_NAME, VERIFY_NAME, _number, collect_modules
+from .page import _Page, _mpl
+from .sections import _section_bytes, _section_kv, _section_sqnr, _section_tables, _section_tokens, _section_verify
+
+
+# ---- result ------------------------------------------------------------------------------------------
+@dataclass
+class ReportResult:
+    output: str  # the HTML file written
+    figures: list[str]  # ids of the <svg> elements drawn, in page order
+    bytes: int  # size of the HTML file
+    skipped: dict[str, str] = field(default_factory=dict)  # section -> why it shows no figure
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """Contract keys `output`, `figures`, `bytes`, then extras."""
+        return {"output": self.output, "figures": list(self.figures), "bytes": self.bytes,
+                "skipped": dict(self.skipped), "seconds": round(self.seconds, 3)}
+
+
+# ---- entry point --------------------------------------------------------------------------------------
+def build_report(qmodel_dir: str | os.PathLike, reference: str | os.PathLike | None = None,
+                 output: str | os.PathLike | None = None,
+                 verify_json: dict | str | os.PathLike | None = None) -> ReportResult:
+    """Write the HTML report of the converted checkpoint in `qmodel_dir` and return what was written.
+
+    reference: the source checkpoint, only shown (nothing is computed from it). output: the HTML path
+    (default `<qmodel_dir>/quantkit_report.html`). verify_json: the object `quantkit verify --json`
+    printed, or the path of a file holding it; default `<qmodel_dir>/verify.json` when present.
+    """
+    t0 = time.perf_counter()
+    _mpl()  # fail early, before reading anything, when the plotting library is missing
+    root = Path(qmodel_dir)
+    ck = Checkpoint.open(root)  # CheckpointNotFound / ConfigMissing / header errors for unusable input
+    manifest = _read_manifest(root)
+    if reference is not None and not Path(reference).is_dir():
+        raise CheckpointNotFound(f"reference checkpoint directory {str(reference)!r} does not exist",
+                                 hint="pass the source directory the output was converted from, or omit --reference")
+    verify_doc, verify_origin = _read_verify(root, verify_json)
+
+    tensors = manifest.get("tensors") or {}
+    modules = collect_modules(tensors)
+    threshold = _sqnr_threshold(verify_doc)
+    page = _Page()
+    page.header(root, ck, manifest, reference, verify_origin)
+    _section_sqnr(page, modules, threshold)
+    _section_tokens(page, manifest, modules)
+    _section_kv(page, ck, tensors)
+    _section_bytes(page, ck, tensors)
+    _section_verify(page, verify_doc, verify_origin)
+    _section_tables(page, modules, manifest)
+    doc = page.render(title=f"quantkit report: {root.resolve().name}")
+
+    out = Path(output) if output is not None else root / DEFAULT_OUTPUT_NAME
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    data = doc.encode("utf-8")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return ReportResult(output=str(out), figures=page.figures, bytes=len(data), skipped=page.skipped,
+                        seconds=time.perf_counter() - t0)
+
+
+def _read_manifest(root: Path) -> dict:
+    path = root / MANIFEST_NAME
+    if not path.is_file():
+        raise CheckpointNotFound(f"{root} has no {MANIFEST_NAME}: it is not an output of `quantkit convert`",
+                                 hint="run `quantkit convert SRC OUT --recipe R` first; the report reads what convert wrote")
+    hint = "the manifest is damaged; re-run `quantkit convert` with --overwrite"
+    try:
+        manifest = read_manifest(root, ConfigError)  # pack/manifest.py: the size limit for manifests
+    except ConfigError as e:
+        raise ConfigError(e.message, hint=hint) from None
+    if manifest.get("status") != "complete":
+        raise CheckpointNotFound(f"{path}: status is {manifest.get('status')!r}, not 'complete': the conversion "
+                                 "did not finish", hint="run the same `quantkit convert` command again to resume it")
+    if not isinstance(manifest.get("tensors"), dict):
+        raise ConfigError(f"{path}: 'tensors' is missing or not an object", hint=hint)
+    return manifest
+
+
+def _read_verify(root: Path, verify_json) -> tuple[dict | None, str | None]:
+    hint = "pass the object `quantkit verify OUT --json` prints (or a file holding it)"
+    if verify_json is None:
+        path = root / VERIFY_NAME
+        if not path.is_file():
+            return None, None
+        verify_json = path
+    if isinstance(verify_json, dict):
+        doc, origin = verify_json, "passed in"
+    else:
+        path = Path(verify_json)
+        if not path.is_file():
+            raise ConfigError(f"verify JSON {str(path)!r} does not exist", hint=hint)
+        doc, origin = read_json_file(path, path.name, ConfigError), str(path)
+    if not isinstance(doc, dict) or not ({"passed", "checks"} & set(doc)):
+        raise ConfigError(f"verify JSON ({origin}) is not a `quantkit verify --json` object "
+                          "(no 'passed' or 'checks')", hint=hint)
+    return doc, origin
+
+
+def _sqnr_threshold(verify_doc: dict | None) -> float:
+    """verify's `min_sqnr_db`: the one the verify JSON ran with, else verify's default."""
+    t = _number(((verify_doc or {}).get("thresholds") or {}).get("min_sqnr_db"))
+    if t is not None:
+        return t
+    from ..options import Thresholds
+
+    return Thresholds().min_sqnr_db
+
+

@@ -1,0 +1,136 @@
+"""What the manifest says, per module and per (layer, expert): the report's data model."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+
+from ..errors import ConfigError
+from ..pack.manifest import MANIFEST_NAME
+
+VERIFY_NAME = "verify.json"  # picked up from the output directory when no verify JSON is passed
+DEFAULT_OUTPUT_NAME = "quantkit_report.html"
+# The manifest has ~530 bytes per output tensor: Kimi K2 (60 MoE layers x 384 experts x 3 projections x
+# 3 tensors) writes ~110 MB, over read_json_file's 64 MiB cap for config files, so it is read here.
+
+# Module names are the only place the manifest keeps (layer, expert, projection); convert's
+# calibration report reads them with the same pattern.
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)(?:\.|$)")
+_KV = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.self_attn\.(?P<kind>[kv])_scale$")
+
+WORST_MODULES = 10
+MAX_EXPERTS = 1 << 14  # per layer; the largest releases have 384
+MAX_FALLBACK_ROWS = 1000  # one row per expert; the rest are counted (all of them are in the manifest)
+ANNOTATE_CELLS = 256  # heatmaps up to this many cells print their values in the cells
+SQNR_CAP_DB = 300.0  # an exact module has infinite SQNR; verify caps at the same value
+FIG_WIDTH_IN = 10.0
+
+# Colours shared by figures and their legends.
+BELOW_THRESHOLD = "#d62728"  # SQNR below verify's min_sqnr_db
+FALLBACK = "#d62728"  # expert whose calibration fell back (too few tokens)
+ZERO_TOKENS = "#000000"  # expert that saw no token and has no recorded fallback
+MISSING = "#e6e6e6"  # no such module / no value
+
+_CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"  # offline by construction
+
+_CSS = """
+body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif;
+       color: #1d1d1f; margin: 0 auto; max-width: 1100px; padding: 0 24px 48px; }
+h1 { font-size: 24px; margin: 24px 0 4px; } h2 { font-size: 19px; margin: 36px 0 8px;
+       border-bottom: 1px solid #ddd; padding-bottom: 4px; } h3 { font-size: 16px; margin: 20px 0 6px; }
+.sub { color: #555; margin: 0 0 16px; }
+table { border-collapse: collapse; margin: 8px 0 16px; font-size: 13.5px; }
+th, td { border-bottom: 1px solid #e3e3e3; padding: 3px 10px 3px 0; text-align: left; vertical-align: top; }
+th { color: #444; font-weight: 600; } td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
+table.kv th { width: 190px; } td.nw { white-space: nowrap; }
+code, .mono { font-family: ui-monospace, "DejaVu Sans Mono", Menlo, monospace; font-size: 12.5px; }
+figure { margin: 12px 0 20px; } figure svg { max-width: 100%; height: auto; display: block; }
+figure svg image { image-rendering: crisp-edges; image-rendering: pixelated; }
+figcaption { color: #333; font-size: 14px; margin-top: 6px; max-width: 900px; }
+.skip { color: #666; font-style: italic; }
+.ok { color: #1a7f37; font-weight: 600; } .bad { color: #c62828; font-weight: 600; } .na { color: #777; }
+nav a { margin-right: 14px; color: #0b57d0; text-decoration: none; }
+details pre { background: #f6f6f6; padding: 8px; overflow-x: auto; font-size: 12px; }
+ul.notes { margin: 4px 0 12px; padding-left: 20px; }
+"""
+
+
+# ---- what the manifest says, per module --------------------------------------------------------------
+@dataclass(frozen=True)
+class ModuleInfo:
+    name: str
+    scheme: str
+    method: str | None
+    sqnr_db: float | None  # None when the manifest records none (pass-through)
+    tokens: int | None  # calibration tokens routed to it (calibrated methods only)
+    fallback: str | None
+    layer: int | None  # the N of `...layers.N...`, None outside the decoder layers
+    prefix: str | None  # `...experts` for a routed expert
+    expert: int | None
+    proj: str | None
+
+
+def _number(x) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        x = float(x)
+    except OverflowError:  # a JSON integer beyond float range
+        return None
+    return None if math.isnan(x) else x
+
+
+def _layer_of(name: str) -> int | None:
+    m = _LAYER.search(name)
+    return int(m["layer"]) if m else None
+
+
+def collect_modules(tensors: dict[str, dict]) -> list[ModuleInfo]:
+    """One entry per quantized or passed-through module (the manifest keys those tensors by `scheme`;
+    every tensor of a module repeats the module's fields, so the first that has an SQNR is taken)."""
+    first: dict[str, dict] = {}
+    for name, e in tensors.items():
+        if not isinstance(e, dict) or "scheme" not in e:
+            continue
+        module = name.rsplit(".", 1)[0]
+        if module not in first or (first[module].get("sqnr_db") is None and e.get("sqnr_db") is not None):
+            first[module] = e
+    out = []
+    for module, e in first.items():
+        m = _EXPERT.match(module)
+        tokens = e.get("tokens")
+        out.append(ModuleInfo(
+            name=module, scheme=str(e["scheme"]), method=e.get("method"), sqnr_db=_number(e.get("sqnr_db")),
+            tokens=tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None,
+            fallback=str(e["fallback"]) if e.get("fallback") else None, layer=_layer_of(module),
+            prefix=m["prefix"] if m else None, expert=int(m["expert"]) if m else None,
+            proj=m["proj"] if m else None))
+    return out
+
+
+@dataclass(frozen=True)
+class ExpertGrid:
+    """Rows = expert containers (`model.layers.L.mlp.experts`) in layer order, columns = expert index."""
+
+    rows: tuple[str, ...]
+    labels: tuple[str, ...]  # row labels: the layer index, or the whole prefix when layers repeat
+    n_experts: int
+
+    @classmethod
+    def of(cls, prefixes, n_experts: int) -> ExpertGrid:
+        if n_experts > MAX_EXPERTS:  # the grid is dense: a hostile index must not allocate gigabytes
+            raise ConfigError(f"{MANIFEST_NAME} names routed expert {n_experts - 1}, beyond the {MAX_EXPERTS} "
+                              "experts per layer the report draws", hint="the manifest is damaged or not quantkit's")
+        rows = sorted(set(prefixes), key=lambda p: (_layer_of(p) if _layer_of(p) is not None else -1, p))
+        labels = [str(_layer_of(p)) if _layer_of(p) is not None else p for p in rows]
+        if len(set(labels)) < len(labels):
+            labels = list(rows)
+        return cls(tuple(rows), tuple(labels), n_experts)
+
+    def index(self) -> dict[str, int]:
+        return {p: i for i, p in enumerate(self.rows)}
+
+
