@@ -1,6 +1,6 @@
 """Time the runtime kernels on a CUDA GPU: INT4 GEMM (W4A16) vs torch bf16 matmul, fused INT4 MoE vs a
 bf16 per-expert torch loop, paged decode attention with a BF16 vs FP8 KV cache, GQA and MLA, with the
-KV-cache integrity check on and off.
+KV-cache integrity check on and off; NVFP4 / MXFP4 weight-only GEMM and fused MoE (`--only fp4`).
 
     python bench/kernels.py                 # CUDA: full table (~1-2 minutes on an H100/H200)
     python bench/kernels.py --smoke         # CPU: tiny shapes in the Triton interpreter (crash test only)
@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantkit.runtime import (FP8_DTYPE, fused_moe_int4, int4_gemm, paged_decode_attention,  # noqa: E402
                               paged_mla_decode_attention, quantize_kv)
+from quantkit.runtime.fp4 import FP4Experts, PackedFP4, fp4_gemm, fused_moe_fp4  # noqa: E402
 from quantkit.runtime.synth import random_int4, random_int4_experts  # noqa: E402
 
 ROWS: list[dict] = []
@@ -101,6 +102,46 @@ def bench_moe(dev, smoke):
     del dense, gate_up, down, ex
 
 
+def _random_fp4(kind, n, k, dev, experts=None) -> PackedFP4:
+    """Random FP4 bytes and scales drawn on `dev` (every code occurs; ~unit-scale weights / sqrt(K))."""
+    lead = () if experts is None else (experts,)
+    packed = torch.randint(0, 256, (*lead, n, k // 2), device=dev, dtype=torch.uint8)
+    if kind == "nvfp4":
+        scale = (torch.rand(*lead, n, k // 16, device=dev) + 0.5).to(torch.float8_e4m3fn)
+        gs = torch.full((*lead, 1), 3.0 * math.sqrt(k), device=dev)
+        return PackedFP4(packed, scale, gs, (n, k), kind)
+    scale = torch.full((*lead, n, k // 32), 127 - round(math.log2(3.0 * math.sqrt(k))), device=dev, dtype=torch.uint8)
+    return PackedFP4(packed, scale, None, (n, k), kind)
+
+
+def bench_fp4(dev, smoke):
+    """FP4 weight-only (W4A16) GEMM vs torch bf16, then fused FP4 MoE, NVFP4 and MXFP4."""
+    shapes = [(64, 128)] if smoke else [(7168, 2048), (2048, 7168), (4096, 5120)]
+    for n, k in shapes:
+        wb = (torch.randn(n, k, device=dev) / math.sqrt(k)).to(torch.bfloat16)
+        ws = {kind: _random_fp4(kind, n, k, dev) for kind in ("nvfp4", "mxfp4")}
+        for m in ([1, 16] if smoke else [1, 16, 64]):
+            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+            t_bf16 = timeit(lambda: x @ wb.T, smoke)
+            row("fp4-gemm", f"M={m} N={n} K={k}", "torch bf16", t_bf16, tbps=round(2 * n * k / t_bf16 / 1e9, 3))
+            for kind, w in ws.items():
+                t = timeit(lambda: fp4_gemm(x, w, backend="triton"), smoke)
+                g = w.group_size
+                row("fp4-gemm", f"M={m} N={n} K={k}", f"{kind} (triton)", t, speedup=round(t_bf16 / t, 2),
+                    tbps=round((n * k / 2 + n * k / g) / t / 1e9, 3))
+        del wb, ws
+    e, d, i, k = (4, 64, 32, 2) if smoke else (16, 7168, 2048, 8)
+    for kind in ("nvfp4", "mxfp4"):
+        ex = FP4Experts(w13=_random_fp4(kind, 2 * i, d, dev, e), w2=_random_fp4(kind, d, i, dev, e))
+        for t in ([1, 4] if smoke else [1, 16, 64]):
+            x = torch.randn(t, d, device=dev).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
+            w = torch.softmax(torch.randn(t, k, device=dev), -1)
+            row("fp4-moe", f"T={t} E={e} D={d} I={i} top{k}", f"{kind} fused (triton)",
+                timeit(lambda: fused_moe_fp4(x, ids, w, ex, backend="triton"), smoke))
+        del ex
+
+
 def _paged(dev, b, ctx, page, hkv, d, dtype, gen):
     need = math.ceil(ctx / page)
     p = b * need
@@ -156,7 +197,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU in the Triton interpreter")
     ap.add_argument("--json", type=Path, default=None, help="write rows as JSON (default: $OUT/kernels.json if $OUT)")
-    ap.add_argument("--only", choices=["gemm", "moe", "attn"], default=None, help="run one section")
+    ap.add_argument("--only", choices=["gemm", "moe", "attn", "fp4"], default=None, help="run one section")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -167,7 +208,7 @@ def main(argv=None):
     t0 = time.time()
     print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu (Triton interpreter, timings meaningless)'}")
     print(f"{'section':<10} {'case':<34} {'variant':<26} {'time':>13}")
-    for name, fn in (("gemm", bench_gemm), ("moe", bench_moe), ("attn", bench_attention)):
+    for name, fn in (("gemm", bench_gemm), ("moe", bench_moe), ("attn", bench_attention), ("fp4", bench_fp4)):
         if args.only in (None, name):
             fn(dev, args.smoke)
             if cuda:

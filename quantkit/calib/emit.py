@@ -34,3 +34,11 @@ def emit(res: LayerResult, module: str, q: torch.Tensor, qp: QParams, scheme: Sc
         res.tensors[name] = t
     res.modules[module] = {"scheme": scheme.label, **meta}
 
+
+def emit_tensors(res: LayerResult, module: str, tensors: dict[str, torch.Tensor], scheme: Scheme, meta: dict) -> None:
+    """Record one quantized module given its output tensors by local name (FP4: weight_packed,
+    weight_scale[, weight_global_scale]), in pack/layout.py's order."""
+    for suffix, t in tensors.items():
+        res.tensors[f"{module}.{suffix}"] = t.contiguous()
+    res.modules[module] = {"scheme": scheme.label, **meta}
+

@@ -8,20 +8,61 @@ import torch
 from torch import nn
 
 from ..match.recipe import WeightGroup
+from ..quant import fp4
 from ..quant.gptq import gptq
 from ..quant.int4 import QParams, dequantize, rtn, sqnr_db
-from .emit import LayerResult, emit, source_dtype
+from .emit import LayerResult, emit, emit_tensors, source_dtype
 from .hessians import PAIR_BUDGET, ExpertStats, LinearStats, coverage
+
+class _FP4Grid:
+    """GPTQ on an FP4 grid (quant/fp4.py): every group's scale is fixed before the solve from the weights
+    as they are (NVFP4: the global scale spans the whole matrix, and a fused gate/up pair shares it)."""
+
+    def __init__(self, s, w: torch.Tensor):
+        self.kind = s.fp4
+        if self.kind == "nvfp4":
+            qp = fp4.choose_qparams_nvfp4(w)  # [c, N, K] -> one global scale per matrix (gate+up fused: shared)
+            self.scale, self.global_scale, self.eff = qp.scale, qp.global_scale, qp.effective()
+        else:
+            self.scale = fp4.choose_qparams_mxfp4(w)
+            self.global_scale, self.eff = None, fp4.effective_scale_mxfp4(self.scale)
+
+    def rtn(self, w: torch.Tensor, sel) -> torch.Tensor:
+        return fp4.quantize_fp4(w, self.eff[sel])
+
+    def dequantize(self, codes: torch.Tensor) -> torch.Tensor:
+        return fp4.dequantize_fp4(codes, self.eff, torch.float32)
+
+    def tensors(self, j: int, rows, codes: torch.Tensor) -> dict:
+        out = {"weight_packed": fp4.pack_fp4(codes), "weight_scale": self.scale[j, rows]}
+        if self.global_scale is not None:
+            out["weight_global_scale"] = self.global_scale[j].reshape(1)
+        return out
+
+
+def _solve(w: torch.Tensor, h: torch.Tensor, s, **kw):
+    """GPTQ of w [c, N, K]: (result, FP4 grid or None). INT4 chooses its group parameters in the sweep."""
+    if not s.fp4:
+        return gptq(w, h, s.num_bits, s.group_size, s.symmetric, **kw), None
+    grid = _FP4Grid(s, w)
+    return gptq(w, h, 4, s.group_size, True, static_scale=grid.eff, quantize_column=fp4.quantize_column, **kw), grid
+
 
 def gptq_dense(res: LayerResult, ckpt, disk: str, mod: nn.Linear, g: WeightGroup, st: LinearStats):
     w = mod.weight.detach().float()
     s = g.scheme.for_in_features(w.shape[1])
-    r = gptq(w, st.hessian(), s.num_bits, s.group_size, s.symmetric, damp=g.options.damp,
-             actorder=g.options.actorder, block_size=g.options.block_size)
-    deq = dequantize(r.q, r.qparams.scale, r.qparams.zero_point)
-    emit(res, disk, r.q, r.qparams, s, source_dtype(ckpt, disk + ".weight"),
-          {"method": "gptq", "tokens": st.count, "damping": round(float(r.damping), 6), "fallback": r.fallback[0],
-           "sqnr_db": round(float(sqnr_db(w, deq)), 4)})
+    r, grid = _solve(w[None], st.hessian()[None], s, damp=g.options.damp, actorder=g.options.actorder,
+                     block_size=g.options.block_size)
+    meta = {"method": "gptq", "tokens": st.count, "damping": round(float(r.damping[0]), 6), "fallback": r.fallback[0]}
+    if grid is None:
+        deq = dequantize(r.q[0], r.qparams.scale[0], None if r.qparams.zero_point is None else r.qparams.zero_point[0])
+        emit(res, disk, r.q[0], QParams(r.qparams.scale[0], None if r.qparams.zero_point is None
+                                        else r.qparams.zero_point[0]), s, source_dtype(ckpt, disk + ".weight"),
+             {**meta, "sqnr_db": round(float(sqnr_db(w, deq)), 4)})
+    else:
+        deq = grid.dequantize(r.q)[0]
+        emit_tensors(res, disk, grid.tensors(0, slice(None), r.q[0]), s,
+                     {**meta, "sqnr_db": round(float(sqnr_db(w, deq)), 4)})
     mod.weight.data.copy_(deq.to(mod.weight.dtype))
 
 
@@ -78,22 +119,28 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
         for i0 in range(0, E, per):
             i1 = min(E, i0 + per)
             w = param.data[i0:i1].float()  # [c, N, K]
-            r = gptq(w, h[i0:i1], s.num_bits, s.group_size, s.symmetric, **kw)
+            r, grid = _solve(w, h[i0:i1], s, **kw)
             q, qp = r.q, r.qparams
             sel = use_rtn[i0:i1]
             if sel.any():
-                rr = rtn(w[sel], s.num_bits, s.group_size, s.symmetric)
-                q[sel] = rr.q
-                qp.scale[sel] = rr.qparams.scale
-                if qp.zero_point is not None:
-                    qp.zero_point[sel] = rr.qparams.zero_point
-            deq = dequantize(q, qp.scale, qp.zero_point)  # [c, N, K]
+                if grid is not None:
+                    q[sel] = grid.rtn(w[sel], sel)
+                else:
+                    rr = rtn(w[sel], s.num_bits, s.group_size, s.symmetric)
+                    q[sel] = rr.q
+                    qp.scale[sel] = rr.qparams.scale
+                    if qp.zero_point is not None:
+                        qp.zero_point[sel] = rr.qparams.zero_point
+            deq = dequantize(q, qp.scale, qp.zero_point) if grid is None else grid.dequantize(q)  # [c, N, K]
             for j, e in enumerate(range(i0, i1)):
                 meta = {"method": "gptq" if not use_rtn[e] else "rtn", "tokens": int(stats.counts[e]),
                         "fallback": reasons[e] or r.fallback[j], "damping": round(float(r.damping[j]), 6)}
                 for kind, rows in parts:
+                    m = {**meta, "sqnr_db": round(float(sqnr_db(w[j, rows], deq[j, rows])), 4)}
+                    if grid is not None:
+                        emit_tensors(res, names.module(e, kind), grid.tensors(j, rows, q[j, rows]), s, m)
+                        continue
                     zp = None if qp.zero_point is None else qp.zero_point[j, rows]
-                    emit(res, names.module(e, kind), q[j, rows], QParams(qp.scale[j, rows], zp), s, src_dtype,
-                          {**meta, "sqnr_db": round(float(sqnr_db(w[j, rows], deq[j, rows])), 4)})
+                    emit(res, names.module(e, kind), q[j, rows], QParams(qp.scale[j, rows], zp), s, src_dtype, m)
             param.data[i0:i1].copy_(deq.to(param.dtype))
             del w, r, q, qp, deq

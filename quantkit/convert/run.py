@@ -20,11 +20,11 @@ import torch
 
 from ..errors import NonFiniteWeight, QuantkitError
 from ..match.shards import ShardPlan
-from ..match.units import CalibratedUnit, CopyUnit, FP8Unit, PassUnit, QuantItem, RTNUnit
+from ..match.units import CalibratedUnit, CopyUnit, FP4Unit, FP8Unit, PassUnit, QuantItem, RTNUnit
 from ..pack.config import scheme_config
 from ..pack.layout import check_module, int4_module, module_tensors, scale_dtype
 from ..pack.manifest import module_entry, tensor_entry
-from ..quant import fp8
+from ..quant import fp4, fp8
 from ..quant.int4 import QParams, RTNResult, native_available, rtn
 from ..read import prehash
 from ..read.safetensors import SafetensorsFile, read_header
@@ -212,8 +212,48 @@ def _rtn(u: RTNUnit, ctx: _Context) -> int:
     return sum(int(x.numel() * x.element_size()) for x in w)
 
 
+def _fp4(u: FP4Unit, ctx: _Context) -> int:
+    """NVFP4 / MXFP4 round-to-nearest (quant/fp4.py). An NVFP4 gate/up pair gets one global scale, from the
+    amax over both halves; a half whose partner is not in this batch (a shard boundary fell between them)
+    reads the partner just for its amax."""
+    s = u.scheme
+    w = _read_batch(u, ctx)  # [B, N, K]
+    read = int(w.numel() * w.element_size())
+    if s.fp4 == "nvfp4":
+        index = {it.module: b for b, it in enumerate(u.items)}
+        gs = []
+        for b, it in enumerate(u.items):
+            if it.partner is None:
+                gs.append(fp4.choose_global_scale(w[b]))
+                continue
+            j = index.get(it.partner.module)
+            if j is not None:
+                other = w[j]
+            else:
+                other = torch.empty(it.partner.shape, dtype=u.src_dtype)
+                _read_2d(ctx, it.partner.source, other)
+                read += int(other.numel() * other.element_size())
+            gs.append(fp4.choose_global_scale(w[b], other))
+        res = fp4.rtn_nvfp4(w, torch.stack(gs))  # global scales [B, 1]
+    else:
+        res = fp4.rtn_mxfp4(w)
+    if not bool(res.finite.all()):
+        bad = int((~res.finite).nonzero()[0])
+        raise NonFiniteWeight(f"{u.items[bad].module}: weight holds NaN or Inf values")
+    sqnr = res.sqnr_db().tolist()
+    for b, it in enumerate(u.items):
+        meta = _item_meta(u, it, "rtn", sqnr[b])
+        values = {"weight_packed": res.packed[b], "weight_scale": res.scale[b]}
+        if res.global_scale is not None:
+            values["weight_global_scale"] = res.global_scale[b].reshape(1)
+        for name, dtype, shape in module_tensors(it.module, it.shape, s, u.src_dtype):
+            ctx.write(name, values[name.rsplit(".", 1)[1]], tensor_entry(shape, dtype, **meta))
+    ctx.schemes[s.label] = scheme_config(s)
+    return read
+
+
 HANDLERS: dict[type, Callable] = {CopyUnit: _copy, PassUnit: _passthrough, CalibratedUnit: _calibrated,
-                                  FP8Unit: _fp8, RTNUnit: _rtn}
+                                  FP8Unit: _fp8, FP4Unit: _fp4, RTNUnit: _rtn}
 
 
 # ---- reading a batch ---------------------------------------------------------------------------------
@@ -222,6 +262,8 @@ def _read_2d(ctx: _Context, ref, out: torch.Tensor) -> None:
     if ref.layout is not None:
         scale = read_scale(ctx.r.get, ref.scale, ref.layout, ref.scale_fmt, ctx.notes)
         fp8.dequantize(ctx.r.get(ref.tensor), scale, ref.layout, out.dtype, out=out)
+    elif ref.stored is not None:  # an FP4 source: decoded as compressed-tensors decompresses it
+        out.copy_(ctx.r.decode(ref.stored, out.dtype))
     else:
         ctx.r.read_into(ref.tensor, out, ref.expert, ref.rows)
 
@@ -262,7 +304,7 @@ def _mapped_views(u: RTNUnit, ctx: _Context) -> list[torch.Tensor] | None:
     views = []
     for it in u.items:
         ref = it.source
-        if (ref.layout is not None or ctx.r.location.get(ref.tensor) != ctx.own
+        if (ref.layout is not None or ref.stored is not None or ctx.r.location.get(ref.tensor) != ctx.own
                 or (ref.expert is None and ctx.sp.has(ref.tensor))):
             return None
         t = ctx.r.view(ref.tensor, ref.expert, ref.rows)  # this shard's own tensor: a view of its mapping

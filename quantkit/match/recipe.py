@@ -37,18 +37,25 @@ from ..pack.kv import STRATEGIES as KV_STRATEGIES
 from ..pack.kv import kv_cache_scheme
 
 METHODS = ("rtn", "gptq", "awq")
-STRATEGIES = ("group", "channel", "tensor", "block")
+STRATEGIES = ("group", "channel", "tensor", "block", "tensor_group")
+FP4_GROUP_SIZES = {"tensor_group": 16, "group": 32}  # NVFP4: 16 + a global scale; MXFP4: 32, E8M0 scales
 
 
 @dataclass(frozen=True)
 class Scheme:
-    """How one weight is quantized. `type: int` -> INT4/INT8 pack-quantized; `type: float` -> FP8."""
+    """How one weight is quantized (compressed-tensors QuantizationArgs terms):
+
+        type int,   num_bits 4, group | channel      INT4 pack-quantized (W4A16)
+        type float, num_bits 8, tensor | channel | block   FP8 float-quantized (W8A8, dynamic activations)
+        type float, num_bits 4, tensor_group, group_size 16   NVFP4 (nvfp4-pack-quantized, W4A16)
+        type float, num_bits 4, group, group_size 32          MXFP4 (mxfp4-pack-quantized, W4A16)
+    """
 
     num_bits: int = 4
     type: str = "int"
     symmetric: bool = True
     strategy: str = "group"
-    group_size: int | None = 32
+    group_size: int | None = None  # INT4 group: 32 when not given; FP4: fixed by the format
     block_structure: tuple[int, int] | None = None
     # Used when in_features % group_size != 0: "channel", or another group size (int), or None (error).
     fallback: str | int | None = None
@@ -59,18 +66,32 @@ class Scheme:
         if self.strategy not in STRATEGIES:
             raise RecipeError(f"scheme.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.type == "int":
-            if self.num_bits not in (4, 8):
-                raise RecipeError(f"integer schemes support num_bits 4 or 8, got {self.num_bits}")
+            if self.num_bits != 4:
+                raise RecipeError(f"integer schemes are INT4 (num_bits 4, pack-quantized), got {self.num_bits}")
             if self.strategy == "group":
+                if self.group_size is None:
+                    object.__setattr__(self, "group_size", 32)
                 if not isinstance(self.group_size, int) or self.group_size <= 0 or self.group_size % 8:
                     raise RecipeError(f"group_size must be a positive multiple of 8, got {self.group_size!r}")
             elif self.strategy == "channel":
                 object.__setattr__(self, "group_size", None)
             else:
                 raise RecipeError(f"integer schemes support strategy group or channel, got {self.strategy!r}")
+        elif self.num_bits == 4:  # FP4: NVFP4 or MXFP4
+            if not self.symmetric:
+                raise RecipeError("FP4 schemes are symmetric")
+            if self.strategy not in FP4_GROUP_SIZES:
+                raise RecipeError(f"FP4 schemes use strategy tensor_group (NVFP4) or group (MXFP4), got {self.strategy!r}")
+            want = FP4_GROUP_SIZES[self.strategy]
+            if self.group_size not in (None, want):
+                raise RecipeError(f"{self.fp4} has group_size {want}, got {self.group_size!r}")
+            if self.fallback is not None:
+                raise RecipeError("FP4 schemes take no fallback: in_features must be a multiple of the group size")
+            object.__setattr__(self, "group_size", want)
+            object.__setattr__(self, "block_structure", None)
         else:
             if self.num_bits != 8:
-                raise RecipeError(f"float schemes are FP8 (num_bits 8), got {self.num_bits}")
+                raise RecipeError(f"float schemes are FP8 (num_bits 8) or FP4 (num_bits 4), got {self.num_bits}")
             if not self.symmetric:
                 raise RecipeError("FP8 schemes are symmetric")
             if self.strategy == "block":
@@ -87,6 +108,13 @@ class Scheme:
         if fb is not None and fb != "channel" and not (isinstance(fb, int) and fb > 0 and fb % 8 == 0):
             raise RecipeError(f"scheme.fallback must be 'channel' or a group size, got {fb!r}")
 
+    @property
+    def fp4(self) -> str | None:
+        """"nvfp4" or "mxfp4" for an FP4 scheme, else None."""
+        if self.type != "float" or self.num_bits != 4:
+            return None
+        return "nvfp4" if self.strategy == "tensor_group" else "mxfp4"
+
     @classmethod
     def from_weights_config(cls, w: dict) -> "Scheme | None":
         """The scheme that compressed-tensors weight args describe, or None when quantkit has no such
@@ -102,6 +130,9 @@ class Scheme:
         """The scheme actually applied to a weight with `k` input features (applies `fallback`)."""
         from ..errors import GroupSizeError
 
+        if self.fp4 and k % self.group_size:
+            raise GroupSizeError(f"in_features {k} is not a multiple of the {self.fp4} group size {self.group_size}",
+                                 hint="leave such modules unquantized (ignore), or use an INT4/FP8 scheme for them")
         if self.type != "int" or self.strategy != "group" or k % self.group_size == 0:
             return self
         if self.fallback == "channel":
@@ -117,6 +148,8 @@ class Scheme:
 
     @property
     def format(self) -> str:
+        if self.fp4:
+            return f"{self.fp4}-pack-quantized"
         return "pack-quantized" if self.type == "int" else "float-quantized"
 
     @property
@@ -351,8 +384,10 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
             raise RecipeError(f"groups.{gname}.{e.message}") from None
         except TypeError as e:
             raise RecipeError(f"groups.{gname}.scheme: {e}") from None
-        if method != "rtn" and scheme.type != "int":
-            raise RecipeError(f"groups.{gname}: method {method} applies to integer schemes only")
+        if method == "awq" and scheme.type != "int":
+            raise RecipeError(f"groups.{gname}: method awq applies to INT4 schemes only")
+        if method == "gptq" and scheme.type != "int" and not scheme.fp4:
+            raise RecipeError(f"groups.{gname}: method gptq applies to INT4 and FP4 schemes")
         opts = parse_options(method, g.get("options") or {}, f"groups.{gname}.options")
         groups.append(WeightGroup(str(gname), _str_list(f"groups.{gname}.targets", g["targets"]), scheme,
                                   method, opts))

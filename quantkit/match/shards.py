@@ -29,8 +29,10 @@ from ..read.safetensors import TensorInfo
 from ..read.sources import FLOAT_DTYPES, StoredWeight
 from ..write.writer import ELEMENT_SIZE
 from .recipe import Recipe, Scheme, WeightGroup
-from .units import CalibratedUnit, CopyUnit, FP8Unit, PassUnit, QuantItem, RTNUnit, SourceRef, Unit
+from .units import CalibratedUnit, CopyUnit, FP4Unit, FP8Unit, PassUnit, QuantItem, RTNUnit, SourceRef, Unit
 
+# NVFP4: projections vLLM fuses (w13 = gate + up) and so must share one global scale
+_PAIRS = {"gate_proj": "up_proj", "up_proj": "gate_proj", "w1": "w3", "w3": "w1"}
 DEFAULT_BATCH_BYTES = options.BATCH_BYTES
 DEFAULT_MAX_SHARD_BYTES = options.MAX_SHARD_BYTES
 
@@ -129,6 +131,10 @@ def decide(sw: StoredWeight | None, scheme: Scheme | None, targeted: bool) -> tu
         return ("copy", None) if scheme is None else ("quantize", None)
     if sw.encoding == "int4":
         return "pass", ("int4-source-targeted" if targeted else "int4-source")
+    if sw.encoding in ("nvfp4", "mxfp4"):
+        if scheme is None:
+            return "pass", "fp4-kept"
+        return ("pass", "fp4-same-scheme") if scheme.fp4 == sw.encoding else ("dequantize", None)
     if scheme is None:
         return "pass", "fp8-kept"
     if scheme.type == "float" and FP8Layout(scheme.strategy, scheme.block_structure) == sw.layout:
@@ -145,6 +151,8 @@ NOTE_TEXT = {
                  "bit-exact, a block-FP8 weight_scale_inv written as weight_scale)"),
     "fp8-same-scheme": "{n} FP8 module(s) already in the recipe's FP8 scheme ({labels}) passed through bit-exact",
     "fp8-dequantized": ("{n} FP8 module(s) dequantized to BF16 on read and re-quantized ({labels})"),
+    "fp4-kept": "{n} FP4 module(s) not targeted by the recipe kept as the source stores them ({labels})",
+    "fp4-same-scheme": "{n} FP4 module(s) already in the recipe's FP4 scheme ({labels}) passed through bit-exact",
     "kv-dropped": "{n} KV-cache scale tensor(s) of the source replaced by the new scales",
     "fp8-partial-k": ("{n} block-FP8 module(s) passed through have in_features that is not a multiple of the "
                       "block width ({labels}): compressed-tensors and vLLM cannot run their dynamic 1 x block "
@@ -169,17 +177,59 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
     order: list[tuple] = []  # unit order: copies and batches by first appearance
     foreign: dict[str, str] = {}
 
+    loc = location if location is not None else {n: shard.name for n in shard.tensors}
+
     def add_quant(module, ref, shape, dtype, layer_key, g, scheme=None):
         if g.method != "rtn" and not calibrated:
             raise QuantkitError(f"{module}: method {g.method} needs calibration data")
         scheme = scheme or effective_scheme(module, g.scheme, shape)
-        kind = FP8Unit if scheme.type == "float" else RTNUnit if g.method == "rtn" else CalibratedUnit
+        if g.method != "rtn":
+            kind = CalibratedUnit
+        else:
+            kind = FP4Unit if scheme.fp4 else FP8Unit if scheme.type == "float" else RTNUnit
+        partner = _partner(module, g, scheme) if kind is FP4Unit and scheme.fp4 == "nvfp4" else None
+        if partner is not None:  # the pair in one batch: one read gives both halves' amax
+            layer_key = ("pair", re.sub(r"\.(gate_proj|up_proj|w1|w3)$", ".gate_up", layer_key)
+                         if isinstance(layer_key, str) else layer_key[0])
         key = (kind.__name__, layer_key, g.name, scheme, shape, dtype)
         if key not in batches:
             batches[key] = []
             batch_meta[key] = (kind, g, scheme, dtype)
             order.append(("quant", key))
-        batches[key].append(QuantItem(module, ref, shape))
+        batches[key].append(QuantItem(module, ref, shape, partner))
+
+    def _partner(module, g, scheme):
+        """NVFP4: the other half of a gate/up pair, targeted by the same group (one global scale)."""
+        base, _, last = module.rpartition(".")
+        other = _PAIRS.get(last)
+        if other is None or recipe.match(f"{base}.{other}") is not g:
+            return None
+        ref = _ref_of(f"{base}.{other}")
+        if ref is None:
+            return None
+        for t in (ref.tensor, ref.scale):
+            if t is not None:
+                need(t)
+        return QuantItem(f"{base}.{other}", ref, shape_of(ref))
+
+    def _ref_of(module):
+        """Where a module's float weight comes from, anywhere in the checkpoint (None: not a float weight)."""
+        sw = stored.get(module)
+        if sw is not None:
+            return None if sw.layout is None else SourceRef(sw.primary, scale=sw.scale, layout=sw.layout,
+                                                            scale_fmt=sw.scale_fmt, encoding=sw.encoding)
+        if f"{module}.weight" in loc:
+            return SourceRef(f"{module}.weight")
+        m = re.match(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj)$", module)
+        if m and f"{m[1]}.gate_up_proj" in loc:
+            rows = info(f"{m[1]}.gate_up_proj").shape[1]
+            return SourceRef(f"{m[1]}.gate_up_proj", int(m[2]), (0, rows // 2) if m[3] == "gate_proj" else (rows // 2, rows))
+        return None
+
+    def shape_of(ref):
+        i = info(ref.tensor)
+        shape = tuple(i.shape[1:] if ref.expert is not None else i.shape)
+        return (ref.rows[1] - ref.rows[0], shape[1]) if ref.rows is not None else shape
 
     def need(tensor):
         where = (location or {}).get(tensor, shard.name)
@@ -203,8 +253,10 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
                     need(src)
                 order.append(("unit", u))
             else:  # dequantize on read, then quantize as the recipe says
-                need(sw.scale)
-                ref = SourceRef(name, scale=sw.scale, layout=sw.layout, scale_fmt=sw.scale_fmt, encoding=sw.encoding)
+                for _, t in sw.tensors:
+                    need(t)
+                ref = SourceRef(name, scale=sw.scale, layout=sw.layout, scale_fmt=sw.scale_fmt, encoding=sw.encoding,
+                                stored=sw if sw.layout is None else None)
                 add_quant(module, ref, sw.shape, torch.bfloat16, layer_key, g, scheme)
             continue
         fused = _fused_items(name, tinfo, hidden) if tinfo.dtype in FLOAT_DTYPES else None
@@ -243,6 +295,8 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
         ukind, g, scheme, dtype = batch_meta[key]
         items = batches[key]
         per = max(1, batch_bytes // (items[0].shape[0] * items[0].shape[1] * 2))
+        if items[0].partner is not None:  # never split a gate/up pair over two batches
+            per = max(2, per - per % 2)
         for i in range(0, len(items), per):
             units.append(ukind(tuple(items[i:i + per]), g, scheme, dtype))
     return ShardPlan(shard.name, split_parts(output, units, lambda n: shard.tensors[n], max_shard_bytes),
@@ -266,7 +320,7 @@ def plan_notes(plans: list[ShardPlan], kv_dropped: int, stored: Mapping[str, Sto
                 if lay is not None and lay.block is not None and u.items[0].shape[1] % lay.block[1]:
                     counts.setdefault("fp8-partial-k", {}).setdefault(u.label, 0)
                     counts["fp8-partial-k"][u.label] += 1
-            elif isinstance(u, (RTNUnit, FP8Unit, CalibratedUnit)):
+            elif isinstance(u, (RTNUnit, FP8Unit, FP4Unit, CalibratedUnit)):
                 for it in u.items:
                     if it.source.encoding is not None:
                         key = f"{it.source.encoding} -> {u.scheme.label}"

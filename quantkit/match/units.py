@@ -3,6 +3,8 @@
     CopyUnit        a tensor the recipe does not touch, copied unchanged
     RTNUnit         same-shape weights of one layer quantized to INT4/INT8 pack-quantized, round-to-nearest
     FP8Unit         same-shape weights quantized to FP8 float-quantized
+    FP4Unit         same-shape weights quantized to NVFP4 / MXFP4 (RTN); an NVFP4 gate/up pair shares
+                    one global scale (`QuantItem.partner`: vLLM fuses the pair into w13 with one)
     CalibratedUnit  weights the calibrated pass (GPTQ/AWQ) already quantized: written from its spool
     PassUnit        one module the source already stores quantized, written unchanged
 
@@ -33,7 +35,8 @@ class SourceRef:
     scale: str | None = None
     layout: FP8Layout | None = None
     scale_fmt: str | None = None
-    encoding: str | None = None  # the source encoding when not dense ("fp8-block" | "fp8")
+    encoding: str | None = None  # the source encoding when not dense ("fp8-block" | "fp8" | "nvfp4" | "mxfp4")
+    stored: object | None = None  # FP4 sources: the read.sources.StoredWeight decoded on read
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class QuantItem:
     module: str  # output module name, e.g. model.layers.3.mlp.experts.7.down_proj
     source: SourceRef
     shape: tuple[int, int]  # [out, in]
+    partner: QuantItem | None = None  # NVFP4: the other half of a gate/up pair (one global scale for both)
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,11 @@ class FP8Unit(_BatchUnit):
 
 
 @dataclass(frozen=True)
+class FP4Unit(_BatchUnit):
+    pass
+
+
+@dataclass(frozen=True)
 class CalibratedUnit(_BatchUnit):
     pass
 
@@ -103,4 +112,4 @@ class PassUnit:
         return [(name, dtype, shape) for name, _, dtype, shape in self.renames]
 
 
-Unit = Union[CopyUnit, RTNUnit, FP8Unit, CalibratedUnit, PassUnit]
+Unit = Union[CopyUnit, RTNUnit, FP8Unit, FP4Unit, CalibratedUnit, PassUnit]

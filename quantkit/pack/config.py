@@ -16,9 +16,20 @@ def canonical_json(d) -> str:
     return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
 
+# the packed formats (weights stored as `weight_packed`) and the encoding each names
+PACKED_FORMATS = {"pack-quantized": "int4", "nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
+FP4_SCALE_DTYPES = {"nvfp4": "torch.float8_e4m3fn", "mxfp4": "torch.uint8"}  # as compressed-tensors serializes them
+
+
 def weights_config(scheme) -> dict[str, Any]:
     """compressed-tensors QuantizationArgs of a match.recipe.Scheme, minimal field set (older vLLM pins
-    reject unknown keys)."""
+    reject unknown keys). FP4 schemes add `scale_dtype`, as compressed-tensors' NVFP4A16 / MXFP4A16
+    presets write it: the engines that read FP4 know the key, and it says how to read the scales."""
+    fp4 = getattr(scheme, "fp4", None)
+    if fp4:
+        return {"num_bits": 4, "type": "float", "symmetric": True, "strategy": scheme.strategy,
+                "group_size": scheme.group_size, "dynamic": False, "actorder": None, "block_structure": None,
+                "observer": "minmax", "observer_kwargs": {}, "scale_dtype": FP4_SCALE_DTYPES[fp4]}
     return {
         "num_bits": scheme.num_bits, "type": scheme.type, "symmetric": scheme.symmetric,
         "strategy": scheme.strategy, "group_size": scheme.group_size, "dynamic": False, "actorder": None,
@@ -53,6 +64,9 @@ def fp8_input_activations(layout: FP8Layout) -> dict[str, Any]:
 def weights_label(w: dict) -> str:
     """The manifest's scheme label of compressed-tensors weight args, e.g. int4-g32-sym, int4-channel-asym,
     fp8-block128x128, fp8-channel."""
+    if w.get("type") == "float" and w.get("num_bits") == 4:
+        kind = "nvfp4" if w.get("strategy") == "tensor_group" else "mxfp4"
+        return f"{kind}-g{w.get('group_size')}"
     if w.get("type") == "float":
         bs = w.get("block_structure")
         return f"fp8-{w.get('strategy')}" + (f"{bs[0]}x{bs[1]}" if bs else "")
@@ -66,6 +80,8 @@ def scheme_label(scheme) -> str:
 
 def scheme_config(scheme) -> dict:
     """format + compressed-tensors args of a scheme convert applies (FP8: dynamic FP8 activations)."""
+    if getattr(scheme, "fp4", None):
+        return {"format": scheme.format, "weights": weights_config(scheme), "input_activations": None}
     if scheme.type == "float":
         layout = FP8Layout(scheme.strategy, scheme.block_structure)
         return {"format": "float-quantized", "weights": fp8_weights_config(layout),
@@ -141,9 +157,10 @@ def quantization_config(results: dict[str, dict], kv_scheme: dict | None) -> dic
             groups[f"group_{i}"] = group(label, ["Linear"] if i == 0 else sorted(by_label[label]), False)
         top = "pack-quantized"
     else:
-        int_labels = sorted((lb for lb in by_label if configs[lb]["format"] == "pack-quantized"), key=rank)
-        fp_labels = sorted((lb for lb in by_label if configs[lb]["format"] != "pack-quantized"), key=rank)
-        mains = [lbs[0] for lbs in (int_labels, fp_labels) if lbs]
+        # packed 4-bit formats (INT4, NVFP4, MXFP4: the experts) first, then FP8 (the dense Linears)
+        packed = sorted((lb for lb in by_label if configs[lb]["format"].endswith("pack-quantized")), key=rank)
+        fp8 = sorted((lb for lb in by_label if not configs[lb]["format"].endswith("pack-quantized")), key=rank)
+        mains = [lbs[0] for lbs in (packed, fp8) if lbs]
         rest = sorted((lb for lb in by_label if lb not in mains), key=rank)
         exact = {m for lb in rest for m in by_label[lb]}
         every = [m for lb in by_label for m in by_label[lb]] + sorted(kept)
@@ -162,8 +179,6 @@ def quantization_config(results: dict[str, dict], kv_scheme: dict | None) -> dic
     return {"quant_method": "compressed-tensors", "format": top,
             "quantization_status": "compressed", "config_groups": groups, "ignore": sorted(kept),
             "kv_cache_scheme": kv_scheme}
-
-
 
 
 def targeting(module: str, groups, targets=lambda g: g.targets) -> list:

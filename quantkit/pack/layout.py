@@ -8,6 +8,9 @@
                                   + weight_g_idx int32 [K] (actorder "group")
     FP8 float-quantized           weight float8_e4m3fn [N, K], weight_scale float32 [1] | [N, 1] |
                                   [ceil(N/b0), ceil(K/b1)]
+    NVFP4 nvfp4-pack-quantized    weight_packed uint8 [N, K/2] (two E2M1 codes a byte, even column low),
+                                  weight_scale float8_e4m3fn [N, K/16], weight_global_scale float32 [1]
+    MXFP4 mxfp4-pack-quantized    weight_packed uint8 [N, K/2], weight_scale uint8 E8M0 [N, K/32]
 
 The INT4 scale dtype is the source weight's when that is bf16 or fp16, else bf16 (fp32 sources, and FP8
 sources, which are dequantized to bf16 on read): `scale_dtype`.
@@ -25,6 +28,7 @@ from .int4 import pack_zero_point
 TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape)
 INT4_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 FP8_SUFFIXES = ("weight", "weight_scale")
+FP4_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
 
 
 def scale_dtype(src_dtype: torch.dtype) -> torch.dtype:
@@ -46,6 +50,13 @@ def module_tensors(module: str, shape: tuple[int, int], scheme, src_dtype: torch
     """The tensors that replace `module.weight` [N, K] = `shape` under `scheme` (a match.recipe.Scheme
     already resolved for this K), in the order they are written. `g_idx`: INT4 with actorder "group"."""
     n, k = shape
+    if scheme.fp4:
+        out = [(f"{module}.weight_packed", torch.uint8, (n, k // 2)),
+               (f"{module}.weight_scale", torch.float8_e4m3fn if scheme.fp4 == "nvfp4" else torch.uint8,
+                (n, k // scheme.group_size))]
+        if scheme.fp4 == "nvfp4":
+            out.append((f"{module}.weight_global_scale", torch.float32, (1,)))
+        return out
     if scheme.type == "float":
         return [(f"{module}.weight", FP8_DTYPE, (n, k)),
                 (f"{module}.weight_scale", torch.float32, fp8_layout(scheme).scale_shape(n, k))]

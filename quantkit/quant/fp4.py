@@ -3,7 +3,7 @@
 This file is the math only: E2M1 rounding and codes, nibble packing, the scales of both formats, RTN over
 a batch of weights, and a column quantizer for GPTQ. It does not read or write checkpoints, build config
 groups, quantize activations (W4A4 `input_global_scale`) or run a kernel. Verbs as in quant/int4.py:
-`choose_qparams_*` -> `quantize_*` -> `dequantize_*`, plus `pack_fp4`/`unpack_fp4`. Every function is
+`choose_qparams_*` -> `quantize_*` -> `dequantize_*` (the packing is pack/fp4.py). Every function is
 pure and batched over leading dims: a weight is [..., N, K] (all experts of a layer as [E, N, K]).
 
 The judge is compressed-tensors 0.20.1 (tests/test_fp4.py): its compressors must give the same bytes from
@@ -43,7 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.errors import GroupSizeError
+from ..errors import GroupSizeError
+from ..pack.fp4 import E2M1_VALUES, E8M0_BIAS, pack_fp4, unpack_fp4  # noqa: F401  (the RTN functions pack)
 
 # Legend: N = out_features, K = in_features, G = groups = K / group_size, g = group_size, R = rows
 
@@ -51,13 +52,9 @@ FP4_MAX = 6.0  # largest E2M1 magnitude
 FP8_MAX = 448.0  # float8_e4m3fn max: NVFP4 group scales are e4m3
 NVFP4_GROUP_SIZE = 16
 MXFP4_GROUP_SIZE = 32
-E8M0_BIAS = 127
 _MX_EMAX = 2  # floor(log2(FP4_MAX)): what MXFP4 takes off the group's exponent
 _ZERO_GROUP_SCALE = 0.125  # compressed-tensors' replacement for a zero fp8 scale (its "eps" of e4m3)
 
-# E2M1 value of each 4-bit code; code 8 is -0.0, as compressed-tensors decodes it
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
 # rounding thresholds between consecutive magnitudes, and whether a tie there goes up (to the even index)
 _E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
@@ -85,20 +82,6 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """x [...] -> float32 [...] on the E2M1 grid (fake quantization with scale 1)."""
     return decode_e2m1(encode_e2m1(x))
-
-
-def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """codes [..., R, C] uint8 in 0..15 -> uint8 [..., R, C/2]: column 2j in the low nibble of byte j,
-    column 2j+1 in the high nibble."""
-    if codes.shape[-1] % 2:
-        raise ValueError(f"FP4 packing needs an even number of columns, got {codes.shape[-1]}")
-    c = codes.to(torch.uint8)
-    return c[..., 0::2] | (c[..., 1::2] << 4)
-
-
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of `pack_fp4`: uint8 [..., R, W] -> codes uint8 [..., R, 2W]."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
 
 
 # --- shared helpers ---------------------------------------------------------------------------------

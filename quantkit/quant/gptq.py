@@ -16,12 +16,16 @@ Algorithm (per matrix, all of them at once):
 - group parameters are chosen when the sweep reaches a group's first column, from the already-updated
   weights (groups align with blocks: B is a multiple of g);
 - act-order with static groups: columns are visited by descending diag(H), but every group's parameters
-  are computed up front from the original weights in natural order, so the stored layout needs no g_idx.
+  are computed up front from the original weights in natural order, so the stored layout needs no g_idx;
+- other grids (FP4): the caller fixes every group's scale up front (`static_scale`, e.g. NVFP4's two-level
+  scales, whose global scale spans the whole matrix) and quantizes a column onto its grid
+  (`quantize_column(w_col, scale) -> (codes, dequantized)`); the sweep and the error feedback are the same.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -78,8 +82,11 @@ def _cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int):
 
 def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetric: bool = True,
          *, damp: float = 0.01, block_size: int = 128, actorder: bool = False, max_retries: int = 4,
-         scale_dtype: torch.dtype = torch.bfloat16) -> GPTQResult:
-    """Quantize weights w [E, N, K] (or [N, K]) given Hessians h [E, K, K] (or [K, K]) = 2/n * sum x x^T."""
+         scale_dtype: torch.dtype = torch.bfloat16, static_scale: torch.Tensor | None = None,
+         quantize_column: Callable | None = None) -> GPTQResult:
+    """Quantize weights w [E, N, K] (or [N, K]) given Hessians h [E, K, K] (or [K, K]) = 2/n * sum x x^T.
+    `static_scale` [E, N, G] float32 + `quantize_column`: another grid with scales fixed up front (FP4);
+    the result's q then holds that grid's codes and its qparams the given scales."""
     squeeze = w.ndim == 2
     if squeeze:
         w, h = w[None], h[None]
@@ -101,9 +108,13 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
     W.masked_fill_(dead[:, None, :], 0.0)
 
     static = None
+    if static_scale is not None:
+        static = QParams(static_scale.reshape(e, n, -1).float(), None)
+        group_of = (torch.arange(k) // gs).expand(e, k)  # natural order, unless act-order permutes below
     if actorder:
         perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)  # [E, K]
-        static = choose_qparams(W, num_bits, group_size, symmetric, scale_dtype)  # natural-order groups
+        if static is None:
+            static = choose_qparams(W, num_bits, group_size, symmetric, scale_dtype)  # natural-order groups
         W = torch.gather(W, 2, perm[:, None, :].expand(e, n, k))
         H = torch.gather(torch.gather(H, 1, perm[:, :, None].expand(e, k, k)), 2, perm[:, None, :].expand(e, k, k))
         group_of = torch.div(perm, gs, rounding_mode="floor")  # [E, K] natural group of each visited column
@@ -136,23 +147,28 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
                 cur_z = (None if static.zero_point is None else
                          torch.gather(static.zero_point, 2, gidx[:, None, None].expand(e, n, 1))[..., 0])
             wcol = W1[:, :, i]  # [E, N]
-            q = torch.round(wcol / cur_s)
-            if cur_z is not None:
-                q = q + cur_z
-            q = q.clamp_(qmin, qmax)
-            Q[:, :, col] = q
-            deq = (q - cur_z) * cur_s if cur_z is not None else q * cur_s
+            if quantize_column is not None:
+                q, deq = quantize_column(wcol, cur_s)
+                Q[:, :, col] = q.float()
+            else:
+                q = torch.round(wcol / cur_s)
+                if cur_z is not None:
+                    q = q + cur_z
+                q = q.clamp_(qmin, qmax)
+                Q[:, :, col] = q
+                deq = (q - cur_z) * cur_s if cur_z is not None else q * cur_s
             err = (wcol - deq) / Hinv1[:, i, i][:, None]  # [E, N]
             W1[:, :, i:] -= err[:, :, None] * Hinv1[:, None, i, i:]
             Err1[:, :, i] = err
         if i2 < k:
             W[:, :, i2:] -= torch.bmm(Err1, U[:, i1:i2, i2:])  # lazy batch update of all later columns
 
-    if static is not None:
+    if actorder:
         inv = torch.argsort(perm, dim=-1)
         Q = torch.gather(Q, 2, inv[:, None, :].expand(e, n, k))
+    if static is not None:
         scale, zp = static.scale, static.zero_point
-    q8 = Q.to(torch.int8)
+    q8 = Q.to(torch.int8 if quantize_column is None else torch.uint8)
     qp = QParams(scale, zp)
     if squeeze:
         q8, qp = q8[0], QParams(scale[0], None if zp is None else zp[0])

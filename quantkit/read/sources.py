@@ -28,7 +28,7 @@ import torch
 
 from ..errors import SourceFormatError
 from ..quant.fp8 import FP8_DTYPE, FP8Layout, dequantize as fp8_dequantize, is_power_of_two
-from ..pack.layout import FP8_SUFFIXES, INT4_SUFFIXES
+from ..pack.layout import FP4_SUFFIXES, FP8_SUFFIXES, INT4_SUFFIXES
 from ..pack.config import fp8_input_activations, fp8_weights_config, targeting, weights_label
 from .checkpoint import Checkpoint
 
@@ -36,6 +36,7 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SCALE_DTYPES = FLOAT_DTYPES + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
 CT_FP8_FORMATS = ("float-quantized", "naive-quantized")
 CT_INT_FORMATS = ("pack-quantized",)
+CT_FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
 # an FP8 module of a compressed-tensors source may carry static activation scales: passed through with it
 FP8_SOURCE_SUFFIXES = FP8_SUFFIXES + ("input_scale", "input_zero_point")
 
@@ -98,11 +99,12 @@ def detect_format(config: dict) -> SourceFormat:
                 raise SourceFormatError(f"quantization_config.config_groups.{name} must be an object")
             fmt = g.get("format") or top
             w = g.get("weights") or {}
-            if fmt not in CT_FP8_FORMATS + CT_INT_FORMATS:
+            if fmt not in CT_FP8_FORMATS + CT_INT_FORMATS + CT_FP4_FORMATS:
                 raise SourceFormatError(f"compressed-tensors group {name} has format {fmt!r}; convert reads "
-                                        f"{', '.join(CT_FP8_FORMATS + CT_INT_FORMATS)}")
-            want = "float" if fmt in CT_FP8_FORMATS else "int"
-            if w.get("type", "int") != want or (want == "float" and w.get("num_bits") != 8):
+                                        f"{', '.join(CT_FP8_FORMATS + CT_INT_FORMATS + CT_FP4_FORMATS)}")
+            want = "int" if fmt in CT_INT_FORMATS else "float"
+            bits = 8 if fmt in CT_FP8_FORMATS else 4
+            if w.get("type", "int") != want or (want == "float" and w.get("num_bits") != bits):
                 raise SourceFormatError(f"compressed-tensors group {name}: format {fmt} with weights "
                                         f"{w.get('type')}{w.get('num_bits')} is not a scheme convert reads")
             targets = g.get("targets") or []
@@ -121,7 +123,7 @@ class StoredWeight:
     """One module's weight as the source stores it, when the source quantized it."""
 
     module: str
-    encoding: str  # "fp8-block" | "fp8" (compressed-tensors float-quantized) | "int4" (pack-quantized)
+    encoding: str  # "fp8-block" | "fp8" (compressed-tensors float-quantized) | "int4" (pack-quantized) | "nvfp4" | "mxfp4"
     shape: tuple[int, int]  # [N, K] = [out, in]
     tensors: tuple[tuple[str, str], ...]  # (output suffix, source tensor): the primary first
     weights: dict  # compressed-tensors QuantizationArgs (dict) that describe this encoding
@@ -156,7 +158,7 @@ def _layout_from_args(w: dict, module: str) -> FP8Layout:
 def _ct_group(fmt: SourceFormat, module: str, want_float: bool) -> dict:
     """The source config group that describes `module` (compressed-tensors rules: exact name, then
     `re:`, then class-name targets such as "Linear")."""
-    cands = [g for g in fmt.groups if (g["format"] in CT_FP8_FORMATS) == want_float]
+    cands = [g for g in fmt.groups if (g["format"] in CT_FP8_FORMATS) == want_float]  # FP8, or the packed formats
     pool = targeting(module, cands, lambda g: g["targets"])
     if not pool:
         raise SourceFormatError(f"{module} is stored {'FP8' if want_float else 'INT4'}, but no config group "
@@ -169,7 +171,8 @@ def scan(ck: Checkpoint, fmt: SourceFormat) -> dict[str, StoredWeight]:
     Companion tensors (scales, shapes, ...) may live in another shard than the weight."""
     loc = {n: i for s in ck.shards for n, i in s.tensors.items()}  # tensor -> TensorInfo
     out: dict[str, StoredWeight] = {}
-    f8 = sorted(n for n, i in loc.items() if i.dtype in (FP8_DTYPE, torch.float8_e5m2))
+    f8 = sorted(n for n, i in loc.items() if i.dtype in (FP8_DTYPE, torch.float8_e5m2)
+                and not (n.endswith(".weight_scale") and f"{n[: -len('_scale')]}_packed" in loc))  # NVFP4 scales
     if fmt.kind == "dense":
         if f8:
             raise SourceFormatError(f"{f8[0]} is float8, but config.json has no quantization_config saying how "
@@ -194,6 +197,16 @@ def scan(ck: Checkpoint, fmt: SourceFormat) -> dict[str, StoredWeight]:
         if name.endswith(".weight_packed"):
             m = name[: -len(".weight_packed")]
             g = _ct_group(fmt, m, want_float=False)
+            if g["format"] in CT_FP4_FORMATS:  # two E2M1 codes a byte, never padded: no weight_shape
+                kind = g["format"].split("-", 1)[0]
+                if f"{m}.weight_scale" not in loc or (kind == "nvfp4" and f"{m}.weight_global_scale" not in loc):
+                    raise SourceFormatError(f"{m}: {kind} weight without its weight_scale"
+                                            + ("/weight_global_scale" if kind == "nvfp4" else ""))
+                rows, cols = loc[name].shape[0], loc[name].shape[1] * 2
+                tensors = tuple((s, f"{m}.{s}") for s in FP4_SUFFIXES if f"{m}.{s}" in loc)
+                out[m] = StoredWeight(m, kind, (rows, cols), tensors, dict(g["weights"]), g["input_activations"],
+                                      g["format"])
+                continue
             shape_t = f"{m}.weight_shape"
             if shape_t not in loc or f"{m}.weight_scale" not in loc:
                 raise SourceFormatError(f"{m}: pack-quantized weight without weight_scale/weight_shape")

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import TruncatedShard
+from ..pack.fp4 import dequantize_module as fp4_module
 from ..pack.int4 import dequantize_module
 from ..quant.fp8 import dequantize as fp8_dequantize
 from .safetensors import Header, SafetensorsFile, read_header
@@ -130,12 +131,14 @@ class TensorReader:
 
     def decode(self, sw, dtype: torch.dtype = torch.float32, notes=None) -> torch.Tensor:
         """The float weight [N, K] of a module the source stores quantized (a read.sources.StoredWeight):
-        FP8 as q.float() * scale (per tensor / row / block, edge blocks partial), INT4 as (q - zp) * scale;
-        returned in `dtype`."""
+        FP8 as q.float() * scale (per tensor / row / block, edge blocks partial), INT4 as (q - zp) * scale,
+        NVFP4 / MXFP4 as e2m1 * the group's scale; returned in `dtype`."""
         from .sources import read_scale
 
         if sw.encoding == "int4":
             return dequantize_module({suffix: self.get(t) for suffix, t in sw.tensors}, dtype)
+        if sw.encoding in ("nvfp4", "mxfp4"):
+            return fp4_module(sw.encoding, {suffix: self.get(t) for suffix, t in sw.tensors}, dtype)
         scale = read_scale(self.get, sw.scale, sw.layout, sw.scale_fmt, notes)
         return fp8_dequantize(self.get(sw.primary), scale, sw.layout, dtype)
 

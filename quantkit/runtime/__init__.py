@@ -1,5 +1,5 @@
-"""Reference runtime for the INT4 checkpoints quantkit writes: Triton kernels, each with a plain torch
-reference beside it, for INT4 GEMM (W4A16), fused INT4 MoE, paged decode attention over a BF16/FP8
+"""Reference runtime for the INT4 and FP4 checkpoints quantkit writes: Triton kernels, each with a plain
+torch reference beside it, for INT4 and FP4 (NVFP4, MXFP4) GEMM (W4A16), fused INT4 / FP4 MoE, paged decode attention over a BF16/FP8
 KV cache (GQA and MLA latent) with an in-kernel page-ownership check, and a paged KV pool.
 
 This is a correctness reference and a benchmark harness for the formats, not a serving engine: no
@@ -10,6 +10,7 @@ kernels on a CPU (Triton reads it when the kernels are defined). See docs/runtim
 
 from ._triton import interpreting, triton_available
 from .decode import DecodeResult, decode_step
+from .fp4 import FP4Experts, PackedFP4, fp4_gemm, fp4_gemm_ref, fuse_gate_up_fp4, fused_moe_fp4, fused_moe_fp4_ref
 from .fused_moe import Int4Experts, fused_moe_int4, fused_moe_int4_ref, moe_align_block_size
 from .int4 import (PackedInt4, dequantize_int4, int4_gemm, int4_gemm_ref, pack_int4, unpack_int4,
                    unpack_zero_point)
@@ -23,6 +24,7 @@ __all__ = [
     "interpreting", "triton_available",
     "PackedInt4", "pack_int4", "unpack_int4", "unpack_zero_point", "dequantize_int4", "int4_gemm", "int4_gemm_ref",
     "Int4Experts", "moe_align_block_size", "fused_moe_int4", "fused_moe_int4_ref",
+    "PackedFP4", "fp4_gemm", "fp4_gemm_ref", "FP4Experts", "fuse_gate_up_fp4", "fused_moe_fp4", "fused_moe_fp4_ref",
     "FP8_DTYPE", "quantize_kv", "dequantize_kv", "block_table_violations_ref",
     "paged_decode_attention", "paged_decode_attention_ref",
     "paged_mla_decode_attention", "paged_mla_decode_attention_ref", "write_kv_cache", "write_kv_cache_ref",

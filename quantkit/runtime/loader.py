@@ -17,6 +17,7 @@ from ..pack import kv as kvrules
 from ..pack.config import targeting
 from ..read.safetensors import SafetensorsFile
 from ..read.tensors import TensorReader
+from .fp4 import FP4Experts, PackedFP4, fuse_gate_up_fp4
 from .fused_moe import Int4Experts
 from .int4 import PackedInt4, int4_gemm
 from .paged_attention import FP8_DTYPE
@@ -52,7 +53,7 @@ class DenseMLP:
 class MoEBlock:
     router: torch.Tensor  # [E, D]
     bias: torch.Tensor | None  # fp32 [E] e_score_correction_bias (sigmoid routing)
-    experts: Int4Experts
+    experts: Int4Experts | FP4Experts
     shared: DenseMLP | None
 
 
@@ -106,7 +107,8 @@ class _QuantScheme:
             w = g.get("weights") or {}
             fmt = g.get("format", top_fmt)
             int4 = fmt == "pack-quantized" and w.get("num_bits") == 4 and w.get("type") == "int"
-            if not int4 or g.get("input_activations"):
+            fp4 = fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized")  # routed experts (fused_moe_fp4)
+            if not (int4 or fp4) or g.get("input_activations"):
                 acts = " with quantized activations" if g.get("input_activations") else ""
                 raise UnsupportedCheckpoint(f"quantization group {str(name)[:40]!r} is {fmt} {w.get('type')}"
                                             f"{w.get('num_bits')}{acts}; the runner executes pack-quantized INT4 "
@@ -176,8 +178,12 @@ class _Loader:
         return DenseMLP(self.linear(f"{prefix}.{g}", (inter, d)), self.linear(f"{prefix}.{u}", (inter, d)),
                         self.linear(f"{prefix}.{dn}", (d, inter)))
 
-    def experts(self, prefix: str, spec: MoESpec, d: int) -> Int4Experts:
-        """Stack the per-expert packed tensors of one layer into [E, ...] PackedInt4s."""
+    def experts(self, prefix: str, spec: MoESpec, d: int) -> Int4Experts | FP4Experts:
+        """Stack the per-expert packed tensors of one layer into [E, ...] PackedInt4s (or, for NVFP4 /
+        MXFP4 experts, PackedFP4 w13 = gate + up and w2)."""
+        first = f"{prefix}.0.{spec.names[0]}"
+        if self.r.has(f"{first}.weight_packed") and self.r.info(f"{first}.weight_packed").dtype == torch.uint8:
+            return self._fp4_experts(prefix, spec, d)
         stacks = []
         for name, shape in zip(spec.names, [(spec.intermediate_size, d)] * 2 + [(d, spec.intermediate_size)]):
             mods = [f"{prefix}.{e}.{name}" for e in range(spec.num_experts)]
@@ -195,6 +201,29 @@ class _Loader:
                                      zp, tuple(shape), parts[0].group_size))
         gate, up, down = stacks
         return Int4Experts(down, gate=gate, up=up)
+
+    def _fp4_experts(self, prefix: str, spec: MoESpec, d: int) -> FP4Experts:
+        stacks = []
+        for name, shape in zip(spec.names, [(spec.intermediate_size, d)] * 2 + [(d, spec.intermediate_size)]):
+            parts = []
+            for e in range(spec.num_experts):
+                m = f"{prefix}.{e}.{name}"
+                gs = f"{m}.weight_global_scale"
+                parts.append(PackedFP4.from_tensors(self.r.get(f"{m}.weight_packed"), self.r.get(f"{m}.weight_scale"),
+                                                    self.r.get(gs) if self.r.has(gs) else None))
+            if any(p.shape != tuple(shape) or p.kind != parts[0].kind for p in parts):
+                raise UnsupportedCheckpoint(f"{prefix}.*.{name}: experts disagree in shape or FP4 kind "
+                                            f"(expected {list(shape)})")
+            gss = [p.global_scale for p in parts]
+            stacks.append(PackedFP4(torch.stack([p.packed for p in parts]), torch.stack([p.scale for p in parts]),
+                                    None if gss[0] is None else torch.stack([g.reshape(1) for g in gss]),
+                                    tuple(shape), parts[0].kind).to(self.device))
+        gate, up, down = stacks
+        try:
+            w13 = fuse_gate_up_fp4(gate, up)
+        except ValueError as e:
+            raise UnsupportedCheckpoint(f"{prefix}: {e}") from None
+        return FP4Experts(w13, down)
 
 
 def _load_layer(ld: _Loader, spec: ModelSpec, i: int) -> Layer:

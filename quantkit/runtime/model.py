@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fp4 import FP4Experts, fused_moe_fp4
 from .fused_moe import fused_moe_int4
 from .loader import DenseMLP, MoEBlock
 from .spec import MoESpec, RopeSpec
@@ -74,9 +75,12 @@ def mlp_forward(m: DenseMLP, x: torch.Tensor, backend: str) -> torch.Tensor:
 
 
 def moe_forward(moe: MoESpec, block: MoEBlock, x: torch.Tensor, backend: str) -> torch.Tensor:
-    """x [T, D] -> [T, D]: every routed expert runs packed, through fused_moe_int4."""
+    """x [T, D] -> [T, D]: every routed expert runs packed, through fused_moe_int4 (or fused_moe_fp4)."""
     ids, w = route(moe, block, x)
-    y = fused_moe_int4(x, ids, w, block.experts, backend=backend)
+    if isinstance(block.experts, FP4Experts):
+        y = fused_moe_fp4(x, ids, w, block.experts, backend=backend)
+    else:
+        y = fused_moe_int4(x, ids, w, block.experts, backend=backend)
     if block.shared is not None:
         y = y + mlp_forward(block.shared, x, backend)
     return y

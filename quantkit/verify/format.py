@@ -17,9 +17,10 @@ import torch
 from ..arch import text_config
 from ..match.recipe import Scheme, matches
 from ..pack import kv as kvrules
-from ..pack.config import targeting, weights_label
+from ..pack import fp4 as fp4pack
+from ..pack.config import PACKED_FORMATS, targeting, weights_label
 from ..pack.int4 import dequantize_module
-from ..pack.layout import INT4_SUFFIXES, module_tensors
+from ..pack.layout import FP4_SUFFIXES, INT4_SUFFIXES, module_tensors
 from ..quant.int4 import sqnr_db
 from ..read.checkpoint import Checkpoint
 from ..read.sources import SourceFormatError, detect_format, scan
@@ -35,7 +36,8 @@ class _Group:
     name: str
     targets: tuple[str, ...]
     weights: dict
-    ok: bool  # the weights config is one this version can check (INT4 int group/channel)
+    ok: bool  # the weights config is one this version can check (INT4 group/channel, NVFP4, MXFP4)
+    kind: str = "int4"  # the encoding its format names: int4 | nvfp4 | mxfp4
 
     @property
     def symmetric(self) -> bool:
@@ -43,6 +45,8 @@ class _Group:
 
     @property
     def group_size(self) -> int | None:
+        if self.kind != "int4":
+            return self.weights.get("group_size")
         return self.weights.get("group_size") if self.weights.get("strategy") == "group" else None
 
     @property
@@ -62,8 +66,9 @@ def _config_groups(qc: dict | None, problems: Listing, judge: "Judge") -> tuple[
     if qc.get("quant_method") != "compressed-tensors":
         problems.add(f"quantization_config.quant_method is {qc.get('quant_method')!r}, not 'compressed-tensors'")
     top_format = qc.get("format")
-    if top_format not in ("pack-quantized", "mixed-precision"):
-        problems.add(f"quantization_config.format is {top_format!r}; packed INT4 weights need 'pack-quantized'")
+    if top_format not in (*PACKED_FORMATS, "mixed-precision"):
+        problems.add(f"quantization_config.format is {top_format!r}; packed weights need one of "
+                     f"{', '.join(PACKED_FORMATS)} (or mixed-precision)")
     if qc.get("quantization_status") != "compressed":
         problems.add(f"quantization_config.quantization_status is {qc.get('quantization_status')!r}, not "
                      "'compressed': loaders would not decompress the packed weights")
@@ -84,21 +89,28 @@ def _config_groups(qc: dict | None, problems: Listing, judge: "Judge") -> tuple[
         w = g["weights"]
         ok = True
         fmt = g.get("format", top_format) if top_format == "mixed-precision" else top_format
-        if fmt != "pack-quantized":
-            continue  # another format (e.g. FP8 float-quantized): not packed INT4, not checked here
-        if w.get("num_bits") != 4 or w.get("type") != "int":
-            problems.add(f"{where}.weights: num_bits {w.get('num_bits')!r} type {w.get('type')!r}; this version "
-                         "checks INT4 (num_bits 4, type int) pack-quantized weights")
-            ok = False
-        strategy = w.get("strategy")
-        if strategy == "group":
-            gs = w.get("group_size")
-            if type(gs) is not int or gs <= 0:
-                problems.add(f"{where}.weights.group_size must be a positive integer, got {gs!r}")
+        kind = PACKED_FORMATS.get(fmt)
+        if kind is None:
+            continue  # another format (e.g. FP8 float-quantized): not packed, not checked here
+        if kind == "int4":
+            if w.get("num_bits") != 4 or w.get("type") != "int":
+                problems.add(f"{where}.weights: num_bits {w.get('num_bits')!r} type {w.get('type')!r}; this version "
+                             "checks INT4 (num_bits 4, type int) pack-quantized weights")
                 ok = False
-        elif strategy != "channel":
-            problems.add(f"{where}.weights.strategy is {strategy!r}; pack-quantized INT4 uses group or channel")
-            ok = False
+            strategy = w.get("strategy")
+            if strategy == "group":
+                gs = w.get("group_size")
+                if type(gs) is not int or gs <= 0:
+                    problems.add(f"{where}.weights.group_size must be a positive integer, got {gs!r}")
+                    ok = False
+            elif strategy != "channel":
+                problems.add(f"{where}.weights.strategy is {strategy!r}; pack-quantized INT4 uses group or channel")
+                ok = False
+        else:
+            s = Scheme.from_weights_config(w)
+            if s is None or s.fp4 != kind:
+                problems.add(f"{where}.weights: {str(w)[:100]} is not {kind} (format {fmt})")
+                ok = False
         err = judge.args_error(w)
         if err:
             problems.add(f"{where}.weights: compressed-tensors rejects it: {err}")
@@ -106,7 +118,7 @@ def _config_groups(qc: dict | None, problems: Listing, judge: "Judge") -> tuple[
         if ok and Scheme.from_weights_config(w) is None:
             problems.add(f"{where}.weights: not a pack-quantized scheme quantkit can check ({str(w)[:80]})")
             ok = False
-        groups.append(_Group(gname, tuple(t for t in g["targets"] if isinstance(t, str)), w, ok))
+        groups.append(_Group(gname, tuple(t for t in g["targets"] if isinstance(t, str)), w, ok, kind))
     return groups, ignore
 
 
@@ -134,7 +146,7 @@ def _header_problems(module: str, infos: dict, group: _Group) -> list[str]:
     present, and their dtypes (the scale may be bf16 or fp16)."""
     out = []
     want = _layout(group, 8, group.group_size or 8)
-    for suffix in INT4_SUFFIXES:
+    for suffix in (INT4_SUFFIXES if group.kind == "int4" else FP4_SUFFIXES):
         i, w = infos.get(suffix), want.get(suffix)
         if w is None:
             if i is not None:
@@ -147,12 +159,14 @@ def _header_problems(module: str, infos: dict, group: _Group) -> list[str]:
             why = {"weight_zero_point": f" ({group.name} is asymmetric)", "weight_g_idx": " (actorder 'group')"}
             out.append(f"{module}.{suffix}: missing{why.get(suffix, '')}")
             continue
-        dtypes = SCALE_DTYPES if suffix == "weight_scale" else (w[0],)
+        dtypes = SCALE_DTYPES if suffix == "weight_scale" and group.kind == "int4" else (w[0],)
         if i.dtype not in dtypes:
             what = "bfloat16 or float16" if suffix == "weight_scale" else str(w[0]).removeprefix("torch.")
             out.append(f"{module}.{suffix}: dtype {str(i.dtype).removeprefix('torch.')}, expected {what}")
     ws = infos.get("weight_shape")
-    if ws is not None and tuple(ws.shape) != (2,):
+    if group.kind != "int4" and ws is not None:
+        out.append(f"{module}.weight_shape: present, but {group.kind} modules carry none")
+    elif ws is not None and tuple(ws.shape) != (2,):
         out.append(f"{module}.weight_shape: shape {list(ws.shape)}, expected [2]")
     return out
 
@@ -189,6 +203,10 @@ class Judge:
         if self.ct is None:
             return None
         compressor, args, scheme_cls = self.ct
+        if group.kind != "int4":  # the format's own compressor (nvfp4- / mxfp4-pack-quantized)
+            from compressed_tensors.compressors import BaseCompressor
+
+            compressor = BaseCompressor.get_value_from_registry(f"{group.kind}-pack-quantized")
         scheme = self._schemes.get(group.name)
         if scheme is None:
             scheme = self._schemes[group.name] = scheme_cls(targets=["Linear"], weights=args(**group.weights))
@@ -205,7 +223,7 @@ def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None
     by_module: dict[str, dict] = {}
     for name in ck.location:
         module, _, suffix = name.rpartition(".")
-        if suffix in INT4_SUFFIXES:
+        if suffix in INT4_SUFFIXES or suffix in FP4_SUFFIXES:
             by_module.setdefault(module, {})[suffix] = ck.info(name)
     quantized = sorted(m for m, s in by_module.items() if "weight_packed" in s)
     qset = set(quantized)
@@ -301,8 +319,10 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
         problems.add(p)
     if found:
         return
-    shape = reader.get(f"{m}.weight_shape")
-    n, k = (int(v) for v in shape.tolist())
+    if group.kind == "int4":
+        n, k = (int(v) for v in reader.get(f"{m}.weight_shape").tolist())
+    else:  # FP4 stores no shape: two codes a byte, never padded
+        n, k = infos["weight_packed"].shape[0], infos["weight_packed"].shape[1] * 2
     if n <= 0 or k <= 0:
         problems.add(f"{m}.weight_shape: holds {[n, k]}, expected positive [out, in]")
         return
@@ -332,7 +352,10 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
     if g_idx is not None and g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= scale.shape[1]):
         problems.add(f"{m}.weight_g_idx: values outside [0, {scale.shape[1]})")
         return
-    mine = dequantize_module(local, torch.float32)  # [N, K]
+    if group.kind == "int4":
+        mine = dequantize_module(local, torch.float32)  # [N, K]
+    else:
+        mine = fp4pack.dequantize_module(group.kind, local, torch.float32)
     try:
         theirs = judge.decompress(local, group)
     except Exception as e:  # third-party code on untrusted tensors: its failure is the finding
@@ -343,7 +366,7 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
             diff = (theirs.float() - mine).abs().max().item() if tuple(theirs.shape) == (n, k) else float("nan")
             problems.add(f"{m}: compressed-tensors decompresses it differently from quantkit "
                          f"(shape {list(theirs.shape)}, max |diff| {diff:.3g})")
-    if kernel_modules is not None and len(kernel_modules) < KERNEL_MODULES:
+    if kernel_modules is not None and len(kernel_modules) < KERNEL_MODULES and group.kind == "int4":
         kernel_modules.append((m, local))
     if ref_reader is not None:
         if entry.get("method") == "awq":

@@ -187,6 +187,64 @@ def _load(path: Path, dev: torch.device):
     return load_model(path, torch.bfloat16).eval().to(dev)
 
 
+def _transformers_cannot_load(q_dir: Path) -> bool:
+    """transformers 5.24 decompresses routed experts stored per expert through a path that knows
+    `weight_packed` + `weight_scale` (+ `weight_shape`) only: NVFP4 experts lose their global scale there.
+    Such checkpoints are measured as the reference model with quantkit's dequantized weights (which the
+    format stage has proven equal, bit for bit, to compressed-tensors' own decompression)."""
+    ck = Checkpoint.open(q_dir)
+    return any(n.endswith(".weight_global_scale") and ".experts." in n for n in ck.location)
+
+
+def _load_dequantized(ref_dir: Path, q_dir: Path, dev: torch.device):
+    """The reference model with every quantized module of `q_dir` replaced by its dequantization."""
+    from ..pack import fp4 as fp4pack
+    from ..pack.int4 import dequantize_module
+    from ..read.tensors import TensorReader
+
+    model = _load(ref_dir, dev)
+    ck = Checkpoint.open(q_dir)
+    params = dict(model.named_parameters())
+    r = TensorReader.of(ck)
+    try:
+        for name in ck.location:
+            if not name.endswith(".weight_packed"):
+                continue
+            m = name[: -len(".weight_packed")]
+            local = {s: r.get(t) for t in ck.location if t.startswith(m + ".") and "." not in (s := t[len(m) + 1:])}
+            if "weight_shape" in local:
+                w = dequantize_module(local, torch.float32)
+            else:
+                kind = "nvfp4" if "weight_global_scale" in local else "mxfp4"
+                w = fp4pack.dequantize_module(kind, local, torch.float32)
+            _assign(params, m, w)
+    finally:
+        r.close()
+    return model
+
+
+def _assign(params: dict, module: str, w: torch.Tensor) -> None:
+    """Write weight `w` [N, K] of on-disk `module` into the model: a Linear's weight, or expert e's rows of
+    the fused experts (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]; Mixtral's w1/w3/w2)."""
+    if f"{module}.weight" in params:
+        params[f"{module}.weight"].data.copy_(w)
+        return
+    m = re.match(r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)$", module)
+    if m is None:
+        raise QuantkitError(f"{module}: no parameter of the reference model takes it")
+    base, e, proj = m[1], int(m[2]), m[3]
+    fused = f"{base}.mlp.experts.{'down_proj' if proj in ('down_proj', 'w2') else 'gate_up_proj'}"
+    if fused not in params:
+        raise QuantkitError(f"{module}: the reference model has no {fused}")
+    p = params[fused].data
+    if proj in ("down_proj", "w2"):
+        p[e].copy_(w)
+    else:
+        half = p.shape[1] // 2
+        rows = slice(0, half) if proj in ("gate_proj", "w1") else slice(half, None)
+        p[e, rows].copy_(w)
+
+
 def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: torch.device, gen_tokens: int,
                    t: Thresholds, say) -> tuple[dict, dict | None, list[Check]]:
     """Both models in bf16 (transformers keeps the decompressed experts in the scale dtype) on `samples`."""
@@ -201,7 +259,12 @@ def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: 
                             f"{str(e)[:160]}", hint="pass a checkpoint transformers can load") from None
     say("numerics: loading the quantized model (compressed-tensors decompresses it)")
     try:
-        qnt = _load(q_dir, dev)
+        if _transformers_cannot_load(q_dir):
+            say("numerics: NVFP4 routed experts (transformers cannot decompress them): the reference model with "
+                "quantkit's dequantized weights")
+            qnt = _load_dequantized(ref_dir, q_dir, dev)
+        else:
+            qnt = _load(q_dir, dev)
     except Exception as e:  # an unloadable output is a finding, not a crash
         del ref
         why = f"transformers cannot load the quantized checkpoint: {type(e).__name__}: {str(e)[:160]}"

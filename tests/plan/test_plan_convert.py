@@ -29,7 +29,7 @@ def _compare(src, out, recipe):
     return data
 
 
-@pytest.mark.parametrize("recipe", ["int4-experts-rtn", "glm"])
+@pytest.mark.parametrize("recipe", ["int4-experts-rtn", "glm", "nvfp4-experts", "mxfp4-experts"])
 def test_predicted_tensors_equal_written(arch, tiny_models, tmp_path, recipe):
     src = tiny_models(arch)
     convert(src, tmp_path / "q", ConvertOptions(recipe=recipe))
@@ -51,7 +51,7 @@ def test_every_source_dtype(tiny_models, tmp_path, dtype, recipe):
     _compare(src, tmp_path / "q", recipe)
 
 
-@pytest.mark.parametrize("recipe", ["int4-experts-gptq", "int4-experts-awq", "kimi-k2", "fp8-kv"])
+@pytest.mark.parametrize("recipe", ["int4-experts-gptq", "int4-experts-awq", "kimi-k2", "kimi-k2-nvfp4", "fp8-kv"])
 def test_calibrated_recipes(tiny_models, tmp_path, recipe):
     src = tiny_models("deepseek_v3")
     convert(src, tmp_path / "q", ConvertOptions(recipe=recipe, **CAL))
