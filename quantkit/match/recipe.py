@@ -127,9 +127,18 @@ class Scheme:
             return None
 
     def for_in_features(self, k: int) -> "Scheme":
-        """The scheme actually applied to a weight with `k` input features (applies `fallback`)."""
+        """The scheme actually applied to a weight with `k` input features: INT4 group-size `fallback`s,
+        and for FP8 block schemes the K % b1 rule (dynamic 1 x b1 activation groups in compressed-tensors
+        and vLLM need K to be a multiple of the block width, so such a weight takes `fallback: channel`,
+        per-channel FP8, or is an error). convert, the calibrated pass and plan all go through here."""
         from ..errors import GroupSizeError
 
+        if self.type == "float" and self.strategy == "block" and k % self.block_structure[1]:
+            if self.fallback == "channel":
+                return Scheme(8, "float", True, "channel", None)
+            raise GroupSizeError(f"in_features {k} is not a multiple of the FP8 block width {self.block_structure[1]}",
+                                 hint="set `fallback: channel` in the recipe's FP8 scheme (per-channel FP8 for such "
+                                      "modules), or leave them unquantized")
         if self.fp4 and k % self.group_size:
             raise GroupSizeError(f"in_features {k} is not a multiple of the {self.fp4} group size {self.group_size}",
                                  hint="leave such modules unquantized (ignore), or use an INT4/FP8 scheme for them")

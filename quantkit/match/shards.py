@@ -105,21 +105,11 @@ def pass_unit(sw: StoredWeight, reason: str, group: WeightGroup | None, info: Ca
 
 
 def effective_scheme(module: str, scheme: Scheme, shape: tuple[int, int]) -> Scheme:
-    """The scheme applied to a [N, K] weight: INT4 group-size `fallback`s, and for FP8 block schemes the
-    K % b1 rule — dynamic 1 x b1 activation groups (compressed-tensors, vLLM) need K to be a multiple of
-    the block width, so such a module takes `fallback: channel` (per-channel FP8) or is an error."""
-    k = shape[1]
+    """The scheme applied to `module`'s [N, K] weight (Scheme.for_in_features), errors naming the module."""
     try:
-        s = scheme.for_in_features(k)
+        return scheme.for_in_features(shape[1])
     except GroupSizeError as e:
-        raise GroupSizeError(f"{module}: {e.message}") from None
-    if s.type == "float" and s.strategy == "block" and k % s.block_structure[1]:
-        if s.fallback == "channel":
-            return Scheme(8, "float", True, "channel", None)
-        raise GroupSizeError(f"{module}: in_features {k} is not a multiple of the FP8 block width "
-                             f"{s.block_structure[1]}", hint="set `fallback: channel` in the recipe's FP8 scheme "
-                             "(per-channel FP8 for such modules), or leave them unquantized")
-    return s
+        raise GroupSizeError(f"{module}: {e.message}", hint=e.hint) from None
 
 
 def decide(sw: StoredWeight | None, scheme: Scheme | None, targeted: bool) -> tuple[str, str | None]:

@@ -29,6 +29,9 @@ TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape)
 INT4_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 FP8_SUFFIXES = ("weight", "weight_scale")
 FP4_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
+# A block-FP8 release's `weight_scale_inv` (a multiplier despite its name) is exactly compressed-tensors'
+# block `weight_scale`: a module passed through is written with it renamed and widened to float32.
+FP8_RELEASE_SCALE = "weight_scale_inv"
 
 
 def scale_dtype(src_dtype: torch.dtype) -> torch.dtype:

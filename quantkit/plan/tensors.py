@@ -15,7 +15,7 @@ from ..arch import ModelSpec, fused_experts
 from ..errors import ConfigError
 from ..match.recipe import KVCacheSpec, Recipe, Scheme, WeightGroup, load_recipe
 from ..pack import kv as kvrules
-from ..pack.layout import module_tensors
+from ..pack.layout import FP8_RELEASE_SCALE, module_tensors
 from ..read.safetensors import CODE_OF, DTYPES
 
 # Legend: D = hidden_size, V = vocab_size, H = attention heads, KV = key/value heads, hd = head_dim,
@@ -214,8 +214,9 @@ def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe:
                      spec: ModelSpec | None = None, g_idx_groups: frozenset[str] = frozenset()) -> TensorShapes:
     """The checkpoint `tensors` become after `recipe`, as quantkit writes it (recipe None: unchanged).
 
-    Per Linear weight `X.weight` [out, k]: `group = recipe.match("X")`; None keeps `X.weight` (and an
-    FP8 source's `X.weight_scale_inv`) as is, otherwise the scheme's tensors replace them. Every other
+    Per Linear weight `X.weight` [out, k]: `group = recipe.match("X")`; None keeps `X.weight` as is (an
+    FP8 release's `X.weight_scale_inv` becomes `X.weight_scale`, float32, as convert passes it through),
+    otherwise the scheme's tensors replace them. Every other
     tensor (norms, biases, embeddings, router bias) is kept. With `recipe.kv_cache`, k_scale/v_scale
     float32 tensors are added to every attention module of the decoder layers (not MTP layers).
     `g_idx_groups`: groups whose modules carry `weight_g_idx` (sources written with actorder "group")."""
@@ -253,6 +254,9 @@ def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe:
             dropped.add(module + ".weight_scale_inv")
     for n in dropped:
         out.pop(n, None)
+    for n in [n for n in out if n.endswith("." + FP8_RELEASE_SCALE)]:  # kept FP8 modules: compressed-tensors' name
+        shape, _ = out.pop(n)
+        out[n[: -len(FP8_RELEASE_SCALE)] + "weight_scale"] = (shape, "F32")
     if recipe.kv_cache is not None:
         out.update(_kv_scale_tensors(tensors, recipe.kv_cache, spec))
     return out
