@@ -51,9 +51,10 @@ BASE_MODEL_PLACEHOLDER = "# base_model: ORG/NAME   # uncomment and fill in: the 
 # GLM-5) and KV-cache scales were shipped. To refine as engine support changes; `write_model_card(...,
 # mla_kv_caveat=...)` overrides it per call (None: no caveat).
 MLA_KV_SCALES_CAVEAT = (
-    "vLLM 0.33 does not load KV-cache scales for MLA attention layers: it runs the FP8 latent cache with scale "
-    "1.0, so the `k_scale` shipped here is not in use there. Check that your engine version loads MLA KV "
-    "scales before relying on them for accuracy.")
+    "vLLM 0.33.0 does not load KV-cache scales for MLA attention layers: it runs the FP8 latent cache with scale "
+    "1.0, so the `k_scale` shipped here is not in use there. Installing quantkit in vLLM's environment adds a "
+    "vLLM plugin (`quantkit.engine.vllm_plugin`) that makes it load them (`quantkit verify --engine vllm` "
+    "says which rules your checkpoint meets).")
 
 # Tags this module writes: on a re-run they are recomputed, not accumulated from the previous card.
 OWN_TAGS = {"compressed-tensors", "quantkit", "int4", "w4a16", "fp8", "w8a8", "fp8-kv", "moe", "gptq", "awq", "rtn"}

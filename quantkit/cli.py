@@ -199,6 +199,9 @@ def verify(
     seq_len: Annotated[int, typer.Option(min=2, help="Tokens per sample.")] = options.VERIFY_SEQ_LEN,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     kernels: Annotated[str, typer.Option(help="torch, or triton to also check the runtime's INT4 GEMM.")] = "torch",
+    engine: Annotated[Optional[str], typer.Option(help="vllm: also check the rules vLLM applies when it loads "
+                                                       "the checkpoint (no vLLM needed).")] = None,
+    tp: Annotated[int, typer.Option(min=1, help="Tensor parallelism the engine rules are checked at.")] = 1,
     save: Annotated[bool, typer.Option("--save/--no-save", help="Keep the report in QMODEL (verify.json) and refresh "
                                                                 "its model card.")] = True,
     revision: RevisionOpt = None,
@@ -212,7 +215,7 @@ def verify(
         raise typer.BadParameter("--device is cpu or cuda; --kernels is torch or triton")
     ref = _source(reference, revision) if reference is not None else None
     rep = run(qmodel, reference=ref, dataset=dataset, num_samples=num_samples, seq_len=seq_len, device=device,
-              kernels=kernels, thresholds=thresholds, progress=lambda step: err.print(f"  {step}"))
+              kernels=kernels, thresholds=thresholds, progress=lambda step: err.print(f"  {step}"), engine=engine, tp=tp)
     doc = rep.to_json()
     if save and rep.integrity.get("ok"):
         _save_verify(qmodel, doc, reference)
@@ -221,7 +224,9 @@ def verify(
     else:
         for c in rep.checks:
             mark = "[green]ok[/]" if c.ok else ("[yellow]skipped[/]" if c.ok is None else "[red]FAILED[/]")
-            err.print(f"{mark} {c.name}: {c.detail}")
+            err.print(f"{mark} {c.name}: {escape(c.detail)}")
+        for w in (rep.engine or {}).get("warnings", []):
+            err.print(f"[yellow]warning[/] ({w['rule']}) {escape(w['where'])}: {escape(w['detail'])}", soft_wrap=True)
     if not rep.passed:
         failed = rep.failed_checks()
         err.print(f"[red]error:[/] verification failed: {', '.join(c.name for c in failed) or 'see report'}")

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from .. import __version__, options
+from ..arch import text_config
 from ..arch import validate as validate_config
 from ..card import write_model_card
 from ..errors import OutputExists
@@ -48,6 +49,12 @@ from .run import ShardResult, Spool, run_shard, worker
 
 __all__ = ["convert", "ConvertOptions", "ConvertResult", "MANIFEST_NAME", "JOURNAL_DIR", "DEFAULT_MAX_SHARD_BYTES",
            "DEFAULT_BATCH_BYTES"]
+
+
+# What vLLM does with them (quantkit/engine/vllm.py, rule K2; docs/engine.md), said where the user looks.
+MLA_KV_NOTE = ("FP8 KV-cache scales of an MLA model (DeepSeek-V3 / Kimi K2 / GLM-5) are written, but vLLM 0.33.0 "
+               "does not load them: it serves the FP8 latent cache with scale 1.0. Install quantkit in vLLM's "
+               "environment: its vLLM plugin (quantkit.engine.vllm_plugin) makes vLLM load them")
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,8 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     notes = plan_notes(plans, len(source_kv) if want_kv else 0, stored)
     # KV scales: read and checked (or calibrated) once the plan is known to be valid, before any write
     kv = kv_scales(src, recipe, opts.kv_scales, opts.dataset, opts.num_samples, opts.seq_len) if want_kv else None
+    if kv is not None and "kv_lora_rank" in text_config(src.config)[0]:
+        notes.append(MLA_KV_NOTE)
     for n in notes:
         if log:
             log(n)

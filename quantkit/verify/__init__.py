@@ -62,12 +62,13 @@ class VerifyReport:
     thresholds: Thresholds
     data: dict  # token data and run settings
     seconds: float = 0.0
+    engine: dict | None = None  # `engine="vllm"`: the rules vLLM applies (quantkit/engine/vllm.py)
 
     def to_json(self) -> dict:
         return {"passed": self.passed, "integrity": self.integrity, "format": self.format,
                 "metrics": self.metrics, "layers": self.layers, "generation": self.generation,
                 "checks": [asdict(c) for c in self.checks], "thresholds": asdict(self.thresholds),
-                "data": self.data, "seconds": self.seconds}
+                "data": self.data, "seconds": self.seconds, "engine": self.engine}
 
     def failed_checks(self) -> list[Check]:
         return [c for c in self.checks if c.ok is False]
@@ -77,7 +78,7 @@ class VerifyReport:
 def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = options.VERIFY_NUM_SAMPLES,
            seq_len: int = options.VERIFY_SEQ_LEN, device: str = "cpu", kernels: str = "torch",
            thresholds: Thresholds = Thresholds(), progress: Callable[[str], None] | None = None,
-           generation_tokens: int = options.VERIFY_GENERATION_TOKENS,
+           generation_tokens: int = options.VERIFY_GENERATION_TOKENS, engine: str | None = None, tp: int = 1,
            seed: int = 0) -> VerifyReport:
     """Verify the converted checkpoint in `qmodel_dir` (see the module docstring).
 
@@ -86,7 +87,8 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
     model-level metrics (quantkit.calib.data formats; default: the shipped calibration set through the
     reference's tokenizer, or seeded random ids when it has none). generation_tokens: greedy steps per prompt (0:
     skip). device: where the models run. kernels: "torch", or "triton" to also check the runtime's
-    INT4 GEMM kernel against its torch reference on a few modules."""
+    INT4 GEMM kernel against its torch reference on a few modules. engine: "vllm" to also check the rules
+    vLLM applies when it loads the checkpoint (quantkit/engine/vllm.py), at tensor parallelism `tp`."""
     t0 = time.perf_counter()
     say = progress or (lambda _s: None)
     thresholds = thresholds if thresholds is not None else Thresholds()
@@ -176,9 +178,22 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
         checks.append(kernel_check(kernel_modules, dev) if kernel_modules else
                       Check("kernels", None, "no quantized module could be read: kernel check skipped"))
 
+    engine_doc = None
+    if engine is not None:
+        if engine != "vllm":
+            raise QuantkitError(f"unknown engine {engine!r}", hint="the engine rules quantkit knows: vllm")
+        from ..engine.vllm import check as engine_check
+
+        say(f"engine: the rules vLLM applies, at tp {tp}")
+        er = engine_check(root, tp=tp)
+        engine_doc = er.to_json()
+        first = (er.problems or er.warnings or [None])[0]
+        detail = (f"{len(er.problems)} problem(s), {len(er.warnings)} warning(s)"
+                  + (f"; first: {first['rule']} {first['where']}: {first['detail']}" if first else ""))
+        checks.append(Check(f"engine_{engine}", er.ok, detail if first else f"{er.engine} loads it as written"))
     passed = integrity["ok"] and fmt["ok"] and all(c.ok is not False for c in checks)
     return VerifyReport(passed, integrity, fmt, metrics, layers, generation, checks, thresholds, data,
-                        round(time.perf_counter() - t0, 3))
+                        round(time.perf_counter() - t0, 3), engine_doc)
 
 
 def _device(device: str) -> torch.device:

@@ -219,7 +219,9 @@ def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None
     """Format checks of every quantized module, and (with a reference) its weight SQNR, in one read
     of each shard. Returns the number of quantized modules seen."""
     qc = ck.quantization_config
-    groups, ignore = _config_groups(qc, problems, judge) if (qc is not None or _has_packed(ck)) else ([], [])
+    # the packed formats' checks apply when there are packed weights (a KV-scales-only or FP8-only output
+    # has a "dense" / "float-quantized" config and nothing packed)
+    groups, ignore = _config_groups(qc, problems, judge) if _has_packed(ck) else ([], (qc or {}).get("ignore") or [])
     by_module: dict[str, dict] = {}
     for name in ck.location:
         module, _, suffix = name.rpartition(".")

@@ -1,0 +1,242 @@
+"""`quantkit verify --engine vllm [--tp N]`: the rules vLLM 0.33.0 applies when it loads a compressed-tensors
+checkpoint, as data, each with the vLLM source file it comes from, checked on the checkpoint with no vLLM
+installed (config.json, safetensors headers, and a few small tensors: NVFP4 global scales).
+
+The rules were read in vLLM's code and exercised with vLLM's own model classes and weight loaders on the CPU
+(bench/vllm_check.py; docs/engine.md has the method, the results and what was only read). A failed rule
+names the tensor (or module) and the rule; a warning is something vLLM loads but does not do as the
+checkpoint intends (MLA KV scales left at 1.0, a slower kernel path).
+
+Not here: loading the model, or anything vLLM decides at run time from the GPU (kernel availability beyond
+the documented gates).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..arch import text_config
+from ..pack import kv as kvrules
+from ..pack.config import PACKED_FORMATS, targeting
+from ..read.checkpoint import Checkpoint
+from ..read.tensors import TensorReader
+
+VLLM_VERSION = "0.33.0"
+MARLIN_GROUP_SIZES = (-1, 32, 64, 128)  # marlin_utils.MARLIN_SUPPORTED_GROUP_SIZES
+FP8_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    text: str
+    source: str  # the vLLM file(s) it comes from, relative to the installed vllm/ package
+
+
+RULES = {r.id: r for r in (
+    Rule("K1", "a KV scale `model.layers.L.self_attn.{k,v}_scale` is renamed `...self_attn.attn.{k,v}_scale` and "
+               "must then be a parameter, or it is dropped",
+         "model_executor/layers/quantization/base_config.py (get_cache_scale_mapper); "
+         "model_executor/model_loader/weight_utils.py (maybe_remap_kv_scale_name)"),
+    Rule("K2", "only `Attention` layers get KV-scale parameters from a compressed-tensors config: an MLA layer's "
+               "scales are dropped and the FP8 latent cache runs with scale 1.0",
+         "model_executor/layers/quantization/compressed_tensors/compressed_tensors.py (get_quant_method); "
+         "model_executor/layers/attention/mla_attention.py"),
+    Rule("K3", "kv_cache_scheme must be num_bits 8, type float, symmetric, strategy tensor or attn_head",
+         "model_executor/layers/quantization/compressed_tensors/compressed_tensors.py "
+         "(CompressedTensorsKVCacheMethod.validate_kv_cache_scheme)"),
+    Rule("K4", "KV scales: strategy tensor -> one value; attn_head -> [num_kv_heads, 1, 1], sliced per TP rank",
+         "model_executor/layers/quantization/compressed_tensors/compressed_tensors.py (create_weights)"),
+    Rule("K5", "attn_head KV scales need an attention backend with per-head scales (FlashAttention 3 in 0.33.0)",
+         "model_executor/layers/attention/attention.py; v1/attention/backends/flash_attn.py"),
+    Rule("K6", "a missing KV scale stays 1.0 without a warning: every attention layer must ship k_scale and v_scale",
+         "model_executor/layers/quantization/compressed_tensors/compressed_tensors.py (create_weights)"),
+    Rule("M1", "all routed experts and all three projections of a layer take one scheme (vLLM reads expert 0's "
+               "and applies it to every expert)",
+         "model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/compressed_tensors_moe.py "
+         "(get_moe_method)"),
+    Rule("M4", "INT4 experts: hidden_size and moe_intermediate_size / tp must be multiples of the group size "
+               "(scale groups may not cross TP shard boundaries)",
+         "model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+         "compressed_tensors_moe_wna16.py (create_weights)"),
+    Rule("M5", "Marlin MoE (tried first on NVIDIA): group size in {-1, 32, 64, 128} and hidden_size % 128 == 0; "
+               "otherwise the Triton WNA16 path, which takes group strategy only",
+         "model_executor/layers/quantization/utils/marlin_utils.py (check_moe_marlin_supports_config); "
+         "model_executor/layers/fused_moe/oracle/int_wna16.py"),
+    Rule("M6", "an expert's gate and up load into one w13 tensor: they need the same number of scale groups",
+         "model_executor/layers/fused_moe/routed_experts.py (_load_w13)"),
+    Rule("F1", "NVFP4 experts: gate and up are fused into w13 with one global scale per expert; when they "
+               "differ vLLM warns and uses the gate's (the up half is then mis-scaled)",
+         "model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+         "compressed_tensors_moe_w4a4_nvfp4.py"),
+    Rule("B1", "block-FP8 Linears at tp > 1: a row-parallel K / tp and a column-parallel N / tp must be multiples "
+               "of the block",
+         "model_executor/layers/quantization/utils/fp8_utils.py (validate_fp8_block_shape)"),
+    Rule("B2", "a fused block-FP8 Linear (qkv_proj = q, k, v; gate_up_proj = gate, up; fused_qkv_a_proj = q_a_proj, "
+               "kv_a_proj_with_mqa) needs every part but the last to have a multiple of 128 output rows, even at tp 1",
+         "model_executor/layers/quantization/utils/fp8_utils.py (validate_fp8_block_shape)"),
+)}
+
+# the parts vLLM fuses into one Linear (the last part may be ragged)
+FUSED_LINEARS = ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj"),
+                 (("q_a_proj", "kv_a_proj_with_mqa"), "fused_qkv_a_proj"))
+_EXPERT = re.compile(r"^(?P<layer>.*)\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
+
+
+@dataclass
+class EngineReport:
+    engine: str
+    tp: int
+    problems: list[dict] = field(default_factory=list)  # {rule, where, detail}: vLLM refuses or mis-loads
+    warnings: list[dict] = field(default_factory=list)  # vLLM loads it, but not as the checkpoint intends
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        return {"engine": self.engine, "tp": self.tp, "ok": self.ok, "problems": self.problems,
+                "warnings": self.warnings,
+                "rules": {r.id: {"text": r.text, "source": r.source} for r in RULES.values()}}
+
+    def add(self, rule: str, where: str, detail: str, warning: bool = False) -> None:
+        (self.warnings if warning else self.problems).append({"rule": rule, "where": where, "detail": detail})
+
+
+class _Group:
+    def __init__(self, name: str, g: dict, top: str | None):
+        self.name, self.targets, self.weights = name, tuple(g.get("targets") or ()), g.get("weights") or {}
+        self.format = g.get("format") or top
+
+
+def check(root, tp: int = 1, plugin: bool = False) -> EngineReport:
+    """The vLLM rules on the checkpoint in `root` at tensor parallelism `tp`. `plugin`: quantkit's vLLM plugin
+    (quantkit.engine.vllm_plugin) is installed in vLLM's environment, so MLA KV scales do load."""
+    ck = Checkpoint.open(root)
+    rep = EngineReport(f"vllm {VLLM_VERSION}", tp)
+    cfg, prefix = text_config(ck.config)
+    qc = ck.quantization_config or {}
+    groups = [_Group(n, g, qc.get("format")) for n, g in (qc.get("config_groups") or {}).items()
+              if isinstance(g, dict)]
+    _kv(ck, cfg, qc, rep, tp, plugin)
+    with TensorReader.of(ck) as reader:
+        _experts(ck, cfg, groups, rep, tp, reader)
+    _fp8_blocks(ck, rep, tp)
+    return rep
+
+
+def _kv(ck, cfg, qc, rep: EngineReport, tp: int, plugin: bool) -> None:
+    scheme = qc.get("kv_cache_scheme")
+    present = sorted(n for n in ck.location if kvrules.KV_SCALE.match(n))
+    if scheme is None:
+        return
+    if not (isinstance(scheme, dict) and scheme.get("num_bits") == 8 and scheme.get("type") == "float"
+            and scheme.get("symmetric", True) and scheme.get("strategy") in ("tensor", "attn_head")):
+        rep.add("K3", "config.json quantization_config.kv_cache_scheme", f"{scheme!r} is refused when the model is built")
+        return
+    mla = "kv_lora_rank" in cfg
+    if mla and present and not plugin:
+        rep.add("K2", present[0].rsplit(".", 1)[0],
+                f"vLLM {VLLM_VERSION} does not load the FP8 KV-cache scales of MLA layers ({len(present)} tensors): "
+                "it serves the FP8 latent cache with scale 1.0. Remedy: install quantkit in vLLM's environment (its "
+                "vLLM plugin, quantkit.engine.vllm_plugin, gives MLA layers the KV-cache method and the names)",
+                warning=True)
+    n_layers = cfg.get("num_hidden_layers")
+    heads = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    attn = sorted({int(m[1]) for n in ck.location if (m := kvrules.ATTN_TENSOR.match(n))})
+    for layer in attn:
+        if isinstance(n_layers, int) and layer >= n_layers:
+            continue
+        for kind in "kv":
+            name = kvrules.kv_scale_name(layer, kind)
+            if name not in ck.location:
+                rep.add("K6", name, "missing: vLLM would use 1.0 for it, silently")
+                continue
+            shape = tuple(ck.info(name).shape)
+            if scheme["strategy"] == "tensor" and ck.info(name).numel != 1:
+                rep.add("K4", name, f"shape {list(shape)}: strategy tensor loads one value")
+            if scheme["strategy"] == "attn_head" and not mla and shape != (heads, 1, 1):
+                rep.add("K4", name, f"shape {list(shape)}: attn_head needs [{heads}, 1, 1]")
+    if scheme["strategy"] == "attn_head" and not mla:
+        rep.add("K5", "config.json kv_cache_scheme", "per-head KV scales need FlashAttention 3 (Hopper) in vLLM "
+                f"{VLLM_VERSION}; other backends refuse them", warning=True)
+
+
+def _experts(ck, cfg, groups, rep: EngineReport, tp: int, reader) -> None:
+    layers: dict[str, dict] = {}
+    for name in ck.location:
+        if not name.endswith(".weight_packed"):
+            continue
+        m = _EXPERT.match(name[: -len(".weight_packed")])
+        if m:
+            layers.setdefault(m["layer"], {}).setdefault((int(m["e"]), m["proj"]), name[: -len(".weight_packed")])
+    hidden = cfg.get("hidden_size")
+    for layer, mods in sorted(layers.items()):
+        schemes = {}
+        for key, module in mods.items():
+            hit = targeting(module, groups)
+            schemes[key] = hit[0] if hit else None
+        first = next(iter(schemes.values()))
+        odd = [mods[k] for k, s in schemes.items() if s is not first]
+        if odd:
+            rep.add("M1", odd[0], f"{len(odd)} expert module(s) of {layer} take another scheme than expert 0's: vLLM "
+                    "applies expert 0's to all of them")
+            continue
+        w = first.weights if first else {}
+        kind = PACKED_FORMATS.get(first.format) if first else None
+        down_name = next((mods[k] for k in sorted(mods) if k[1] in ("down_proj", "w2")), None)
+        inter = ck.info(down_name + ".weight_packed").shape[1] * (8 if kind == "int4" else 2) if down_name else None
+        if kind == "int4" and w.get("strategy") == "group":
+            g = w.get("group_size")
+            for what, size in (("hidden_size", hidden), ("moe_intermediate_size / tp", None if inter is None
+                                                          else inter // max(tp, 1))):
+                if isinstance(size, int) and isinstance(g, int) and size % g:
+                    rep.add("M4", layer, f"{what} = {size} is not a multiple of group_size {g}"
+                            + (f" at tp {tp}" if "tp" in what else ""))
+            if g not in MARLIN_GROUP_SIZES or (isinstance(hidden, int) and hidden % 128):
+                rep.add("M5", layer, f"group_size {g}, hidden_size {hidden}: not a Marlin MoE shape; vLLM falls back "
+                        "to its Triton WNA16 kernels (slower)", warning=True)
+        if kind == "int4" and w.get("strategy") == "channel" and isinstance(hidden, int) and hidden % 128:
+            rep.add("M5", layer, "channel-wise INT4 experts need Marlin (hidden_size % 128 == 0)")
+        for (e, proj), module in sorted(mods.items()):
+            if proj not in ("gate_proj", "w1"):
+                continue
+            up = mods.get((e, "up_proj" if proj == "gate_proj" else "w3"))
+            if up is None:
+                continue
+            gs, us = ck.info(module + ".weight_scale").shape, ck.info(up + ".weight_scale").shape
+            if gs[-1] != us[-1]:
+                rep.add("M6", up, f"{us[-1]} scale groups, gate has {gs[-1]}: one w13 tensor takes both")
+            if kind == "nvfp4":
+                a, b = (x + ".weight_global_scale" for x in (module, up))
+                if a in ck.location and b in ck.location and not torch.equal(reader.get(a), reader.get(b)):
+                    rep.add("F1", up, "its weight_global_scale differs from the gate's: vLLM uses the gate's for both")
+
+
+def _fp8_blocks(ck, rep: EngineReport, tp: int) -> None:
+    blocks = {}
+    for name in ck.location:
+        if name.endswith(".weight") and ck.info(name).dtype == torch.float8_e4m3fn:
+            scale = name[: -len(".weight")] + ".weight_scale"
+            n, k = ck.info(name).shape
+            sshape = tuple(ck.info(scale).shape) if scale in ck.location else None
+            if sshape == (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)) and sshape != (n, 1):  # 128x128 blocks
+                blocks[name[: -len(".weight")]] = (n, k)
+    for parts, fused in FUSED_LINEARS:
+        for module in [m for m in blocks if m.endswith("." + parts[0])]:
+            base = module[: -len(parts[0])]
+            present = [(p, blocks[base + p]) for p in parts if base + p in blocks]
+            for p, (n, _) in present[:-1]:
+                if n % FP8_BLOCK:
+                    rep.add("B2", base + p, f"{n} output rows, not a multiple of {FP8_BLOCK}: vLLM refuses the fused "
+                            f"block-FP8 {base}{fused} at build time")
+    if tp > 1:
+        for module, (n, k) in sorted(blocks.items()):
+            row_parallel = module.endswith((".o_proj", ".down_proj", ".w2"))
+            size, what = (k // tp, "in_features / tp") if row_parallel else (n // tp, "out_features / tp")
+            if (k if row_parallel else n) % tp or size % FP8_BLOCK:
+                rep.add("B1", module, f"{what} = {(k if row_parallel else n) / tp:g} is not a multiple of the "
+                        f"{FP8_BLOCK}-wide block at tp {tp}")

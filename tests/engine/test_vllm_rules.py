@@ -1,0 +1,115 @@
+"""`verify --engine vllm`: the rules vLLM 0.33.0 applies, checked without vLLM. Each rule is shown to fail
+on a checkpoint that breaks it (made from a good output), and good outputs pass. (Whether vLLM itself
+accepts the outputs is bench/vllm_check.py's job: docs/engine.md.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from quantkit.convert import ConvertOptions, convert
+from quantkit.engine.vllm import RULES, check
+from quantkit.read.checkpoint import Checkpoint
+from quantkit.verify import verify
+from quantkit.write.writer import write_safetensors
+
+
+@pytest.fixture(scope="module")
+def outputs(tiny_models, tmp_path_factory):
+    d = tmp_path_factory.mktemp("engine")
+    out = {}
+    for name, arch, recipe, kw in (("int4", "qwen3_moe", "int4-experts-rtn", {}),
+                                   ("nvfp4", "qwen3_moe", "nvfp4-experts", {}),
+                                   ("mla-kv", "deepseek_v3", "fp8-kv", dict(num_samples=2, seq_len=16)),
+                                   ("glm", "glm4_moe", "glm", {})):
+        out[name] = d / name
+        convert(tiny_models(arch), out[name], ConvertOptions(recipe=recipe, **kw))
+    return out
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "m"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rules(rep, warnings=False):
+    return {p["rule"] for p in (rep.warnings if warnings else rep.problems)}
+
+
+def test_every_rule_names_its_vllm_source():
+    assert all(r.source and r.text for r in RULES.values())
+
+
+def test_good_outputs_pass(outputs):
+    for name in ("int4", "nvfp4"):
+        rep = check(outputs[name])
+        assert rep.ok and not rep.warnings, (name, rep.problems, rep.warnings)
+
+
+def test_mla_kv_scales_are_said_to_be_dropped_unless_the_plugin_is_there(outputs):
+    rep = check(outputs["mla-kv"])
+    assert rep.ok and _rules(rep, warnings=True) == {"K2"} and "1.0" in rep.warnings[0]["detail"]
+    assert not check(outputs["mla-kv"], plugin=True).warnings
+    v = verify(outputs["mla-kv"], engine="vllm")
+    assert v.passed and v.engine["warnings"] and v.checks[-1].name == "engine_vllm"
+
+
+def test_a_missing_kv_scale_is_refused(outputs, tmp_path):
+    m = _copy(outputs["mla-kv"], tmp_path)
+    ck = Checkpoint.open(m)
+    shard = ck.location["model.layers.1.self_attn.v_scale"]
+    from quantkit.read.tensors import TensorReader
+
+    with TensorReader.of(ck) as r:
+        kept = {n: r.get(n).clone() for n in ck.shard(shard).tensors if n != "model.layers.1.self_attn.v_scale"}
+    write_safetensors(m / shard, kept, metadata={"format": "pt"})
+    idx = json.loads((m / "model.safetensors.index.json").read_text())
+    del idx["weight_map"]["model.layers.1.self_attn.v_scale"]
+    (m / "model.safetensors.index.json").write_text(json.dumps(idx))
+    assert "K6" in _rules(check(m, plugin=True))
+
+
+def test_experts_of_one_layer_must_share_a_scheme(outputs, tmp_path):
+    m = _copy(outputs["int4"], tmp_path)
+    cfg = json.loads((m / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    other = json.loads(json.dumps(qc["config_groups"]["group_0"]))
+    other["targets"] = ["model.layers.1.mlp.experts.2.down_proj"]
+    other["weights"]["observer"] = "mse"  # another scheme for one expert module
+    qc["config_groups"]["group_1"] = other
+    (m / "config.json").write_text(json.dumps(cfg))
+    assert "M1" in _rules(check(m))
+
+
+def test_group_size_against_tp_shards(outputs):
+    rep = check(outputs["int4"], tp=4)  # moe_intermediate 64 / 4 = 16 < group 32
+    assert "M4" in _rules(rep) and "tp 4" in rep.problems[0]["detail"]
+    assert check(outputs["int4"], tp=2).ok
+
+
+def test_nvfp4_gate_and_up_must_share_the_global_scale(outputs, tmp_path):
+    m = _copy(outputs["nvfp4"], tmp_path)
+    ck = Checkpoint.open(m)
+    name = "model.layers.1.mlp.experts.0.up_proj.weight_global_scale"
+    shard = ck.location[name]
+    from quantkit.read.tensors import TensorReader
+
+    with TensorReader.of(ck) as r:
+        tensors = {n: r.get(n).clone() for n in ck.shard(shard).tensors}
+    tensors[name] = tensors[name] * 2
+    write_safetensors(m / shard, tensors, metadata={"format": "pt"})
+    rep = check(m)
+    assert "F1" in _rules(rep) and rep.problems[0]["where"] == name.rsplit(".", 1)[0]
+
+
+def test_fused_block_fp8_parts_must_be_whole_blocks(outputs):
+    """The glm recipe on the tiny glm4_moe: k_proj has 64 rows (2 KV heads x 32), so vLLM's fused qkv_proj
+    refuses it (real GLM configs have whole blocks)."""
+    rep = check(outputs["glm"])
+    assert "B2" in _rules(rep)
+    assert any(p["where"].endswith(("self_attn.k_proj", "shared_experts.gate_proj")) for p in rep.problems)
+    assert not verify(outputs["glm"], engine="vllm").passed
