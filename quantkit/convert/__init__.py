@@ -281,6 +281,7 @@ def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, pla
                    for o in out_shards],
         "summary": {"tensors_total": len(tensors), "modules_quantized": len(quantized),
                     "modules_passed_through": len(modules) - len(quantized),
+                    "modules_dequantized": sum(1 for e in tensors.values() if e.get("method") == "dequantized"),
                     "bytes_read": sum(r["source_size"] for r in ordered), "bytes_written": total_size},
         "notes": notes,
         "calibration": None if calibration is None else {**calibration, **expert_report(tensors)},

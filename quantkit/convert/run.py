@@ -20,12 +20,12 @@ import torch
 
 from ..errors import NonFiniteWeight, QuantkitError
 from ..match.shards import ShardPlan
-from ..match.units import CalibratedUnit, CopyUnit, FP4Unit, FP8Unit, PassUnit, QuantItem, RTNUnit
+from ..match.units import CalibratedUnit, CopyUnit, DecodeUnit, FP4Unit, FP8Unit, PassUnit, QuantItem, RTNUnit
 from ..pack.config import scheme_config
 from ..pack.layout import check_module, int4_module, module_tensors, scale_dtype
 from ..pack.manifest import module_entry, tensor_entry
 from ..quant import fp4, fp8
-from ..quant.int4 import QParams, RTNResult, native_available, rtn
+from ..quant.int4 import QParams, RTNResult, native_available, rtn, sqnr_db
 from ..read import prehash
 from ..read.safetensors import SafetensorsFile, read_header
 from ..read.sources import Notes, read_scale
@@ -252,8 +252,23 @@ def _fp4(u: FP4Unit, ctx: _Context) -> int:
     return read
 
 
+def _decode(u: DecodeUnit, ctx: _Context) -> int:
+    """A stored-quantized module written as its BF16 values (block-FP8 with a partial block along K), with
+    its SQNR against the exact (float32) dequantized values."""
+    it = u.item
+    exact = torch.empty(it.shape, dtype=torch.float32)
+    _read_2d(ctx, it.source, exact)
+    w = exact.to(torch.bfloat16)
+    sqnr = float(sqnr_db(exact, w.float()))
+    entry = tensor_entry(it.shape, torch.bfloat16, source_tensor=it.source.tensor, method="dequantized",
+                         reason=u.reason, source_scheme=u.label, source_encoding=it.source.encoding,
+                         sqnr_db=round(min(sqnr, 300.0), 4))
+    ctx.write(f"{it.module}.weight", w, entry)
+    return it.shape[0] * it.shape[1]
+
+
 HANDLERS: dict[type, Callable] = {CopyUnit: _copy, PassUnit: _passthrough, CalibratedUnit: _calibrated,
-                                  FP8Unit: _fp8, FP4Unit: _fp4, RTNUnit: _rtn}
+                                  FP8Unit: _fp8, FP4Unit: _fp4, RTNUnit: _rtn, DecodeUnit: _decode}
 
 
 # ---- reading a batch ---------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from ..read.safetensors import TensorInfo
 from ..read.sources import FLOAT_DTYPES, StoredWeight
 from ..write.writer import ELEMENT_SIZE
 from .recipe import Recipe, Scheme, WeightGroup
-from .units import CalibratedUnit, CopyUnit, FP4Unit, FP8Unit, PassUnit, QuantItem, RTNUnit, SourceRef, Unit
+from .units import CalibratedUnit, CopyUnit, DecodeUnit, FP4Unit, FP8Unit, PassUnit, QuantItem, RTNUnit, SourceRef, Unit
 
 # NVFP4: projections vLLM fuses (w13 = gate + up) and so must share one global scale
 _PAIRS = {"gate_proj": "up_proj", "up_proj": "gate_proj", "w1": "w3", "w3": "w1"}
@@ -113,7 +113,7 @@ def effective_scheme(module: str, scheme: Scheme, shape: tuple[int, int]) -> Sch
 
 
 def decide(sw: StoredWeight | None, scheme: Scheme | None, targeted: bool) -> tuple[str, str | None]:
-    """What happens to one weight: ("copy"|"quantize"|"dequantize"|"pass", reason). `sw` is how the
+    """What happens to one weight: ("copy"|"quantize"|"dequantize"|"pass"|"decode", reason). `sw` is how the
     source stores it (None: dense), `scheme` the effective recipe scheme for it (None: untouched;
     never computed for INT4 sources, which are never re-quantized), `targeted` whether a recipe group
     matches it."""
@@ -125,9 +125,15 @@ def decide(sw: StoredWeight | None, scheme: Scheme | None, targeted: bool) -> tu
         if scheme is None:
             return "pass", "fp4-kept"
         return ("pass", "fp4-same-scheme") if scheme.fp4 == sw.encoding else ("dequantize", None)
+    keep = scheme is None or (scheme.type == "float" and scheme.num_bits == 8
+                              and FP8Layout(scheme.strategy, scheme.block_structure) == sw.layout)
+    if keep and sw.layout.block is not None and sw.shape[1] % sw.layout.block[1]:
+        # a partial block along K: compressed-tensors and vLLM run dynamic 1 x width activation groups, which
+        # K must fill; no FP8 layout holds these scales exactly, so the module is written as its BF16 values
+        return "decode", "fp8-partial-block"
     if scheme is None:
         return "pass", "fp8-kept"
-    if scheme.type == "float" and FP8Layout(scheme.strategy, scheme.block_structure) == sw.layout:
+    if keep:
         return "pass", "fp8-same-scheme"
     return "dequantize", None
 
@@ -144,9 +150,11 @@ NOTE_TEXT = {
     "fp4-kept": "{n} FP4 module(s) not targeted by the recipe kept as the source stores them ({labels})",
     "fp4-same-scheme": "{n} FP4 module(s) already in the recipe's FP4 scheme ({labels}) passed through bit-exact",
     "kv-dropped": "{n} KV-cache scale tensor(s) of the source replaced by the new scales",
-    "fp8-partial-k": ("{n} block-FP8 module(s) passed through have in_features that is not a multiple of the "
-                      "block width ({labels}): compressed-tensors and vLLM cannot run their dynamic 1 x block "
-                      "activation groups; target them with an FP8 scheme with `fallback: channel`"),
+    "fp8-partial-block": ("{n} block-FP8 module(s) have in_features that is not a multiple of the block width "
+                          "({labels}): no engine runs their dynamic 1 x block activation groups, so they are written "
+                          "as their BF16 values (what the releases' fp8_cast_bf16 gives; each one's SQNR against "
+                          "the FP8 values is in the manifest); an FP8 scheme with `fallback: channel` re-quantizes "
+                          "them instead"),
 }
 
 
@@ -242,6 +250,11 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
                 for _, src, _, _ in u.renames:
                     need(src)
                 order.append(("unit", u))
+            elif action == "decode":
+                for _, t in sw.tensors:
+                    need(t)
+                ref = SourceRef(name, scale=sw.scale, layout=sw.layout, scale_fmt=sw.scale_fmt, encoding=sw.encoding)
+                order.append(("unit", DecodeUnit(QuantItem(module, ref, sw.shape), reason, sw.label)))
             else:  # dequantize on read, then quantize as the recipe says
                 for _, t in sw.tensors:
                     need(t)
@@ -306,10 +319,9 @@ def plan_notes(plans: list[ShardPlan], kv_dropped: int, stored: Mapping[str, Sto
             if isinstance(u, PassUnit):
                 counts.setdefault(u.reason, {}).setdefault(u.label, 0)
                 counts[u.reason][u.label] += 1
-                lay = stored[u.items[0].module].layout
-                if lay is not None and lay.block is not None and u.items[0].shape[1] % lay.block[1]:
-                    counts.setdefault("fp8-partial-k", {}).setdefault(u.label, 0)
-                    counts["fp8-partial-k"][u.label] += 1
+            elif isinstance(u, DecodeUnit):
+                counts.setdefault(u.reason, {}).setdefault(u.label, 0)
+                counts[u.reason][u.label] += 1
             elif isinstance(u, (RTNUnit, FP8Unit, FP4Unit, CalibratedUnit)):
                 for it in u.items:
                     if it.source.encoding is not None:

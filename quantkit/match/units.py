@@ -7,6 +7,8 @@
                     one global scale (`QuantItem.partner`: vLLM fuses the pair into w13 with one)
     CalibratedUnit  weights the calibrated pass (GPTQ/AWQ) already quantized: written from its spool
     PassUnit        one module the source already stores quantized, written unchanged
+    DecodeUnit      one module the source stores quantized in a layout no engine can run, written as its
+                    BF16 values (block-FP8 with a partial block along K)
 
 Every unit knows the tensors it writes (`outputs`, from pack/layout.py); convert/run.py has one handler
 per kind. Units are frozen and picklable: a shard's plan travels to a worker process as is.
@@ -112,4 +114,18 @@ class PassUnit:
         return [(name, dtype, shape) for name, _, dtype, shape in self.renames]
 
 
-Unit = Union[CopyUnit, RTNUnit, FP8Unit, FP4Unit, CalibratedUnit, PassUnit]
+@dataclass(frozen=True)
+class DecodeUnit:
+    item: QuantItem
+    reason: str
+    label: str  # the source's scheme label, e.g. fp8-block128x128
+
+    @property
+    def items(self) -> tuple[QuantItem, ...]:
+        return (self.item,)
+
+    def outputs(self, info: Callable = None) -> list[TensorSpec]:
+        return [(f"{self.item.module}.weight", torch.bfloat16, self.item.shape)]
+
+
+Unit = Union[CopyUnit, RTNUnit, FP8Unit, FP4Unit, CalibratedUnit, PassUnit, DecodeUnit]

@@ -254,8 +254,13 @@ def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe:
             dropped.add(module + ".weight_scale_inv")
     for n in dropped:
         out.pop(n, None)
+    b1 = ((spec.quantization or {}).get("weight_block_size") or [128, 128])[1] if spec is not None else 128
     for n in [n for n in out if n.endswith("." + FP8_RELEASE_SCALE)]:  # kept FP8 modules: compressed-tensors' name
         shape, _ = out.pop(n)
+        w = n[: -len(FP8_RELEASE_SCALE)] + "weight"
+        if w in out and out[w][0][1] % b1:  # a partial block along K: written as BF16 (convert's DecodeUnit)
+            out[w] = (out[w][0], "BF16")
+            continue
         out[n[: -len(FP8_RELEASE_SCALE)] + "weight_scale"] = (shape, "F32")
     if recipe.kv_cache is not None:
         out.update(_kv_scale_tensors(tensors, recipe.kv_cache, spec))

@@ -217,13 +217,13 @@ def _load_dequantized(ref_dir: Path, q_dir: Path, dev: torch.device):
             else:
                 kind = "nvfp4" if "weight_global_scale" in local else "mxfp4"
                 w = fp4pack.dequantize_module(kind, local, torch.float32)
-            _assign(params, m, w)
+            assign_weight(params, m, w)
     finally:
         r.close()
     return model
 
 
-def _assign(params: dict, module: str, w: torch.Tensor) -> None:
+def assign_weight(params: dict, module: str, w: torch.Tensor) -> None:
     """Write weight `w` [N, K] of on-disk `module` into the model: a Linear's weight, or expert e's rows of
     the fused experts (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]; Mixtral's w1/w3/w2)."""
     if f"{module}.weight" in params:

@@ -199,8 +199,11 @@ def test_fp8_nan_is_not_hidden():
     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, False),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, False),
     ({"quant_method": "gptq", "bits": 4}, False),
+    ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {
+        "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int"}}}}, False),
+    # FP4 formats are read (tests/convert/test_fp4.py), but not with weights that say something else
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {
-        "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float"}}}}, False),
+        "g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}}}, False),
 ])
 def test_detect_format(qc, ok):
     if ok:
@@ -222,9 +225,17 @@ def test_fp8_source_int4_experts_equal_bf16_dequantized(ds):
     for m in experts:  # FP8 -> INT4 equals BF16-dequantized -> INT4, bit for bit
         for s in ("weight_packed", "weight_scale", "weight_shape"):
             assert torch.equal(a[f"{m}.{s}"], b[f"{m}.{s}"]), f"{m}.{s}"
-    # every other FP8 Linear passes through: same e4m3 bytes, weight_scale_inv renamed weight_scale
-    kept = sorted(n[:-17] for n in src if n.endswith(".weight_scale_inv") and not EXPERT.match(n[:-17]))
-    assert len(kept) == 16
+    # every other FP8 Linear passes through (same e4m3 bytes, weight_scale_inv renamed weight_scale), but
+    # those with a partial block along K, which no engine runs: they are written as their BF16 values,
+    # exactly the BF16-dequantized checkpoint's
+    others = sorted(n[:-17] for n in src if n.endswith(".weight_scale_inv") and not EXPERT.match(n[:-17]))
+    assert len(others) == 16
+    partial = [m for m in others if src[f"{m}.weight"].shape[1] % 128]
+    kept = [m for m in others if m not in partial]
+    assert partial and kept
+    for m in partial:
+        assert a[f"{m}.weight"].dtype == torch.bfloat16 and f"{m}.weight_scale" not in a
+        assert torch.equal(a[f"{m}.weight"], b[f"{m}.weight"])
     for m in kept:
         assert torch.equal(a[f"{m}.weight"].view(torch.uint8), src[f"{m}.weight"].view(torch.uint8))
         assert torch.equal(a[f"{m}.weight_scale"], src[f"{m}.weight_scale_inv"])
@@ -252,18 +263,26 @@ def test_fp8_source_config_and_manifest(ds):
     assert g1["format"] == "float-quantized" and not any("experts" in t for t in g1["targets"])
     assert g1["weights"]["strategy"] == "block" and g1["weights"]["block_structure"] == [128, 128]
     assert g1["input_activations"]["dynamic"] is True
-    assert set(qc["ignore"]) == {"lm_head", "model.embed_tokens", "model.layers.1.mlp.gate"}
+    src = read_all(ds["fp8"])
+    partial = {n[: -len(".weight")] for n, t in src.items() if t.dtype == torch.float8_e4m3fn and t.shape[1] % 128
+               and not EXPERT.match(n[: -len(".weight")])}  # experts are re-quantized to INT4
+    assert partial  # written as BF16 (no engine runs them as FP8): unquantized, so ignored
+    assert set(qc["ignore"]) == {"lm_head", "model.embed_tokens", "model.layers.1.mlp.gate"} | partial
     m = json.loads((ds["out_fp8"] / MANIFEST_NAME).read_text())
     assert m["status"] == "complete" and m["source"]["format"]["kind"] == "fp8-block"
-    assert m["summary"]["modules_quantized"] == 12 and m["summary"]["modules_passed_through"] == 16
-    assert ds["r_fp8"].tensors_quantized == 12 and ds["r_fp8"].modules_passed_through == 16
+    n_kept = 16 - len(partial)
+    assert m["summary"]["modules_quantized"] == 12 and m["summary"]["modules_passed_through"] == n_kept
+    assert m["summary"]["modules_dequantized"] == len(partial)
+    assert ds["r_fp8"].tensors_quantized == 12 and ds["r_fp8"].modules_passed_through == n_kept
     notes = " | ".join(m["notes"])
-    assert "16 FP8 module(s) not targeted by the recipe kept" in notes
+    assert f"{n_kept} FP8 module(s) not targeted by the recipe kept" in notes
     assert "12 FP8 module(s) dequantized to BF16 on read" in notes and m["notes"] == ds["r_fp8"].notes
     assert "not a multiple of the block width" in notes  # in_features 160 / 96 / 320 here: flagged
-    e = m["tensors"]["model.layers.0.self_attn.q_a_proj.weight"]
+    kept = sorted(n for n, t in src.items() if t.dtype == torch.float8_e4m3fn and not t.shape[1] % 128
+                  and not EXPERT.match(n[: -len(".weight")]))
+    e = m["tensors"][kept[0]]
     assert e["method"] == "passthrough" and e["scheme"] == "fp8-block128x128" and e["reason"] == "fp8-kept"
-    assert e["source_tensor"] == "model.layers.0.self_attn.q_a_proj.weight"
+    assert e["source_tensor"] == kept[0]
     x = m["tensors"]["model.layers.1.mlp.experts.0.down_proj.weight_packed"]
     assert x["method"] == "rtn" and x["source_encoding"] == "fp8-block" and x["sqnr_db"] > 15
 
@@ -339,8 +358,13 @@ def test_ue8m0_scales_verified(ds, tmp_path):
     write_block_fp8_checkpoint(ds["bf16"], tmp_path / "p2", scale_fmt="ue8m0")
     res = convert(tmp_path / "p2", tmp_path / "o2", ConvertOptions())
     assert not any("ue8m0" in n for n in res.notes)
-    s = read_all(tmp_path / "o2")["model.layers.0.self_attn.q_a_proj.weight_scale"]
-    assert fp8.is_power_of_two(s)
+    out = read_all(tmp_path / "o2")
+    s = [t for n, t in out.items() if n.endswith("self_attn.o_proj.weight_scale")]  # kept FP8 (K = 128)
+    assert s and all(fp8.is_power_of_two(x) for x in s)
+    # with power-of-two scales the BF16 values of a partial-block module are exact (e4m3 * 2^k fits in BF16)
+    man = json.loads((tmp_path / "o2" / MANIFEST_NAME).read_text())
+    decoded = [e for e in man["tensors"].values() if e.get("method") == "dequantized"]
+    assert decoded and all(e["sqnr_db"] == 300.0 for e in decoded)
     # a release that claims ue8m0 but ships other scales is read all the same, with a note
     bad = tmp_path / "bad"
     shutil.copytree(ds["fp8"], bad)
@@ -400,7 +424,8 @@ def test_mixed_source_fp8_to_int4(ds, tmp_path):
     res = convert(ds["out_fp8"], tmp_path / "q", ConvertOptions(recipe=r))
     sd, qc, fp8_mods, int_mods = check_judges(tmp_path / "q")
     assert "model.layers.0.self_attn.o_proj" in int_mods and "model.layers.0.self_attn.o_proj" not in fp8_mods
-    assert len(int_mods) == 12 + 2 and len(fp8_mods) == 16 - 2
+    fp8_in_source = [n for n, t in read_all(ds["out_fp8"]).items() if t.dtype == torch.float8_e4m3fn]
+    assert len(int_mods) == 12 + 2 and len(fp8_mods) == len(fp8_in_source) - 2
     assert any("already INT4 in the source" in n for n in res.notes)
     assert any("fp8 -> int4-g32-sym" in n for n in res.notes)
 
@@ -424,7 +449,9 @@ def test_inspect_bf16_fp8_int4(ds):
     assert i4["quantization"]["format"] == "pack-quantized"
 
     mx = inspect_checkpoint(ds["out_fp8"])
-    assert mx["schemes"]["int4-g32-sym"]["modules"] == 12 and mx["schemes"]["fp8-block128x128"]["modules"] == 16
+    n_fp8 = sum(1 for n, t in read_all(ds["out_fp8"]).items() if t.dtype == torch.float8_e4m3fn)
+    assert n_fp8 >= 2  # the kept FP8 modules (those with a partial block along K are BF16 now)
+    assert mx["schemes"]["int4-g32-sym"]["modules"] == 12 and mx["schemes"]["fp8-block128x128"]["modules"] == n_fp8
     assert sum(v["bytes"] for v in mx["schemes"].values()) == sum(i.nbytes for i in _infos(ds["out_fp8"]))
 
 
@@ -464,3 +491,48 @@ def test_glm_recipe_loads_in_transformers(tmp_path):
     m = "model.layers.0.self_attn.q_proj"
     ours = fp8.dequantize(sd[f"{m}.weight"], sd[f"{m}.weight_scale"], fp8.FP8Layout("block", (128, 128)))
     assert torch.allclose(q_proj.float(), ours, rtol=1e-2, atol=1e-6)
+
+
+def test_partial_blocks_convert_to_outputs_that_load(tmp_path):
+    """A DeepSeek-style block-FP8 source whose kv_a_proj_with_mqa has 576 rows (4.5 blocks) and whose Linears
+    read a 64-wide hidden state (half a block along K): converted with int4-experts-rtn, the FP8 modules with a
+    partial block along K are written as their BF16 values (no engine runs a ragged 1 x 128 activation group),
+    the 576-row ones stay FP8; transformers loads the output, and its logits match the source's (the FP8
+    values, dequantized exactly) with the INT4 experts as the only change."""
+    import torch.nn.functional as F
+
+    from quantkit.read.sources import detect_format
+    from quantkit.read.tensors import TensorReader
+    from quantkit.testing import make_tiny_model
+
+    bf16 = make_tiny_model("deepseek_v3", tmp_path / "bf16", hidden=64, kv_lora_rank=512, qk_rope_head_dim=64,
+                           q_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32, experts=4, vocab=256,
+                           topk_method="noaux_tc")
+    write_block_fp8_checkpoint(bf16, tmp_path / "fp8")
+    src = Checkpoint.open(tmp_path / "fp8")
+    assert src.info("model.layers.0.self_attn.kv_a_proj_with_mqa.weight").shape == (576, 64)
+    res = convert(tmp_path / "fp8", tmp_path / "q", ConvertOptions(recipe="int4-experts-rtn"))
+    assert any("not a multiple of the block width" in n for n in res.notes)
+    man = json.loads((tmp_path / "q" / MANIFEST_NAME).read_text())
+    decoded = {n: e for n, e in man["tensors"].items() if e.get("method") == "dequantized"}
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in decoded
+    assert all(e["dtype"] == "bfloat16" and e["sqnr_db"] > 40 and e["source_encoding"] == "fp8-block"
+               for e in decoded.values())
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert set(n[: -len(".weight")] for n in decoded) <= set(cfg["ignore"])
+
+    # the source's logits: the model with every FP8 weight replaced by its exact dequantization
+    ref = load_model(bf16, torch.float32)
+    params = dict(ref.named_parameters())
+    stored = scan(src, detect_format(src.config))
+    from quantkit.verify.numerics import assign_weight
+
+    with TensorReader.of(src) as r:
+        for module, sw in stored.items():
+            assign_weight(params, module, r.decode(sw, torch.float32))
+    q = load_model(tmp_path / "q", torch.float32)  # transformers loads it (it did not before: unflatten error)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ref(ids).logits, q(ids).logits
+    cos = F.cosine_similarity(a.flatten(), b.flatten(), dim=0)
+    assert cos >= 0.99, cos
