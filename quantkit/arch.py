@@ -55,7 +55,7 @@ ARCHITECTURES: dict[str, Arch] = {
     "mixtral": Arch("mixtral", "gqa", MIXTRAL_EXPERTS, runner=True),
     "deepseek_v3": Arch("deepseek_v3", "mla", QWEN_EXPERTS, runner=True),
     "glm4_moe": Arch("glm4_moe", "gqa", QWEN_EXPERTS, runner=True),  # partial RoPE, optional qk norm
-    "glm_moe_dsa": Arch("glm_moe_dsa", "mla", QWEN_EXPERTS, calibrate=False),  # MLA + DSA indexer (GLM-5)
+    "glm_moe_dsa": Arch("glm_moe_dsa", "mla", QWEN_EXPERTS),  # MLA + DSA indexer (GLM-5)
 }
 # Kimi K2's config.json says model_type "kimi_k2" (with remote code); the architecture is DeepSeek-V3's.
 ALIASES = {"kimi_k2": "deepseek_v3"}

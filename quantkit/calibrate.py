@@ -5,7 +5,8 @@ decoder layers one at a time (`calib.executor`) with a KV-cache observer and an 
 attached (`calib.observers`) -> scales = amax / 448 per layer -> `CalibrationResult`, written by
 `write_scales` as a small safetensors file that `convert --kv-scales` and vLLM-style loaders read:
 `model.layers.L.self_attn.k_scale` / `v_scale`, float32, shape [1] (strategy "tensor") or
-[num_kv_heads, 1, 1] ("attn_head"; for MLA the "head" count is 1).
+[num_kv_heads, 1, 1] ("attn_head"; for MLA the "head" count is 1). Names are relative to the text
+model; a wrapper's checkpoint carries them under its prefix (`CalibrationResult.checkpoint_scales`).
 
 Memory: one decoder layer's weights (in the compute dtype) plus two copies of the calibration
 activations (samples x seq_len x hidden); docs/calibration.md derives the bound.
@@ -67,14 +68,27 @@ class CalibrationResult:
     peak_rss_bytes: int
     top_k: dict[int, int] = field(default_factory=dict)
     output: str | None = None  # set by write_scales
+    # DSA models (glm_moe_dsa): amax of the keys each indexer caches, per layer with an indexer. Reported,
+    # never written as a scale: vLLM quantizes those keys with scales it computes per 128 values.
+    indexer_k_amax: dict[int, float] = field(default_factory=dict)
+    # The text model's tensor prefix in the checkpoint ("language_model." for Kimi K2.5's kimi_k25 wrapper).
+    # `scales` (and the scales file) are named relative to the text model, as pack/kv.py defines them;
+    # `checkpoint_scales()` gives the names a serving engine loads from a checkpoint of this model.
+    prefix: str = ""
 
     @property
     def kv_cache_scheme(self) -> dict[str, Any]:
         return kvrules.kv_cache_scheme(self.strategy)
 
+    def checkpoint_scales(self) -> dict[str, torch.Tensor]:
+        """`scales` under the names a checkpoint of this model carries them (the wrapper's prefix added:
+        vLLM's KimiK25ForConditionalGeneration routes only `language_model.*` to its text model)."""
+        return {self.prefix + n: t for n, t in self.scales.items()}
+
     def to_json(self) -> dict[str, Any]:
-        """The `--json` object: contract keys `output`, `layers`, `expert_tokens`, plus extras."""
-        return {
+        """The `--json` object: contract keys `output`, `layers`, `expert_tokens`, plus extras
+        (`indexer_k_amax` for DSA models, `prefix` for wrapped text models)."""
+        out = {
             "output": self.output,
             "layers": [lk.to_json() for lk in self.layers],
             "expert_tokens": {str(k): v for k, v in sorted(self.expert_tokens.items())},
@@ -83,6 +97,11 @@ class CalibrationResult:
             "top_k": {str(k): v for k, v in sorted(self.top_k.items())},
             "data": self.data, "seconds": round(self.seconds, 3), "peak_rss_bytes": self.peak_rss_bytes,
         }
+        if self.indexer_k_amax:
+            out["indexer_k_amax"] = {str(k): v for k, v in sorted(self.indexer_k_amax.items())}
+        if self.prefix:
+            out["prefix"] = self.prefix
+        return out
 
 
 def peak_rss_bytes() -> int:
@@ -127,7 +146,7 @@ def calibrate(model_dir: str | os.PathLike, *, dataset: str | os.PathLike | None
         model=str(model_dir), model_type=str(ex.ckpt.config.get("model_type")), attention=ex.spec.attention,
         strategy=strategy, layers=layers, expert_tokens={i: c.tolist() for i, c in sorted(experts.counts.items())},
         scales=scales, data=data.describe(), seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(),
-        top_k=dict(experts.top_k))
+        top_k=dict(experts.top_k), indexer_k_amax=dict(sorted(kv.indexer_k_amax.items())), prefix=ex.prefix)
 
 
 def write_scales(result: CalibrationResult, path: str | os.PathLike) -> int:
@@ -137,6 +156,8 @@ def write_scales(result: CalibrationResult, path: str | os.PathLike) -> int:
     meta = {"format": SCALES_FORMAT, "strategy": result.strategy, "kv_cache_scheme": json.dumps(result.kv_cache_scheme),
             "model_type": result.model_type, "attention": result.attention, "quantkit_version": __version__,
             "data": json.dumps(result.data, sort_keys=True)}
+    if result.prefix:  # the names in the file are relative to the text model; a checkpoint adds this prefix
+        meta["prefix"] = result.prefix
     tmp = path.with_name(f".{path.name}.tmp")
     n = write_safetensors(tmp, result.scales, metadata=meta)
     os.replace(tmp, path)

@@ -48,10 +48,14 @@ def tiny_config(arch: str, *, layers: int = 2, hidden: int = 128, experts: int =
 def make_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                     max_shard_size: str = "300KB", layers: int = 2, **overrides) -> Path:
     """Build a random tiny `arch` model, save it sharded as safetensors to `out_dir`, return the path.
+    `arch` "kimi_k25" builds the Kimi K2.5 wrapper (`make_tiny_kimi_k25`; overrides go to it).
 
     The weights are re-drawn with a fixed generator (std 0.02, norms 1) so results do not depend on
     transformers' init code, then saved with `save_pretrained` exactly as a hub checkpoint would be.
     """
+    if arch == "kimi_k25":  # a multimodal wrapper around a deepseek_v3-shaped text model
+        return make_tiny_kimi_k25(out_dir, seed=seed, dtype=dtype, max_shard_size=max_shard_size, layers=layers,
+                                  **overrides)
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
@@ -69,6 +73,96 @@ def make_tiny_model(arch: str, out_dir: str | os.PathLike, *, seed: int = 0, dty
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size=max_shard_size)
+    return out
+
+
+# ---- Kimi K2.5 / K2.6: a multimodal wrapper around a DeepSeek-V3-shaped text model -----------------------
+KIMI_K25_PREFIX = "language_model."
+
+
+def make_tiny_kimi_k25(out_dir: str | os.PathLike, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                       max_shard_size: str = "300KB", layers: int = 2, int4_experts: bool = False,
+                       **overrides) -> Path:
+    """A tiny Kimi K2.5 checkpoint (model_type `kimi_k25`): a random deepseek_v3-shaped text model with
+    `topk_method: noaux_tc` (as the real configs have; `overrides` go to its config), optionally with its
+    routed experts INT4 pack-quantized group 32 symmetric as the releases ship them (`int4_experts`:
+    converted with quantkit's own int4-experts-rtn recipe), wrapped by `wrap_kimi_k25`."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="quantkit-k25-") as tmp:
+        text = make_tiny_model("deepseek_v3", Path(tmp) / "text", seed=seed, dtype=dtype,
+                               max_shard_size=max_shard_size, layers=layers,
+                               **{"topk_method": "noaux_tc", **overrides})
+        if int4_experts:
+            from .convert import ConvertOptions, convert
+
+            convert(text, Path(tmp) / "int4", ConvertOptions(recipe="int4-experts-rtn", model_card=False))
+            text = Path(tmp) / "int4"
+        return wrap_kimi_k25(text, out_dir, seed=seed)
+
+
+def wrap_kimi_k25(text_dir: str | os.PathLike, out_dir: str | os.PathLike, *, seed: int = 0,
+                  text_model_type: str = "kimi_k2") -> Path:
+    """Write the checkpoint in `text_dir` (a deepseek_v3 model, dense or quantized) as Kimi K2.5 lays it
+    out: every tensor under `language_model.` (`language_model.model.layers.*`, `language_model.lm_head`),
+    a few small random `vision_tower.*` / `mm_projector.*` tensors in a shard of their own, and config.json
+    `{"model_type": "kimi_k25", "text_config": {..., "model_type": text_model_type}, "vision_config": ...}`
+    with the text model's `quantization_config` moved to the top level (its exact-name entries prefixed,
+    the vision modules ignored). Shards keep the text model's names and split."""
+    import json
+
+    from .read.checkpoint import INDEX_NAME, Checkpoint
+    from .read.safetensors import SafetensorsFile
+    from .write.writer import write_safetensors
+
+    src, out = Checkpoint.open(text_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    p = KIMI_K25_PREFIX
+    weight_map, total = {}, 0
+    for shard in src.shards:
+        with SafetensorsFile(shard.header) as f:
+            tensors = {p + n: f.get(n) for n in shard.tensors}
+        total += write_safetensors(out / shard.name, tensors, metadata={"format": "pt"})
+        weight_map.update({n: shard.name for n in tensors})
+    text = {k: v for k, v in src.config.items() if k not in ("quantization_config", "transformers_version")}
+    hidden, g = text["hidden_size"], torch.Generator().manual_seed(seed + 1)
+    vision = {  # stand-ins: nothing in quantkit reads the vision tower, it is only carried along
+        "vision_tower.patch_embed.proj.weight": torch.randn(16, 3, 2, 2, generator=g) * 0.02,
+        "vision_tower.patch_embed.proj.bias": torch.zeros(16),
+        "vision_tower.encoder.final_layernorm.weight": torch.ones(16),
+        "mm_projector.pre_norm.weight": torch.ones(16),
+        "mm_projector.proj.0.weight": torch.randn(64, 64, generator=g) * 0.02,
+        "mm_projector.proj.2.weight": torch.randn(hidden, 64, generator=g) * 0.02,
+    }
+    vision = {n: t.to(torch.bfloat16) for n, t in vision.items()}
+    total += write_safetensors(out / "model-vision.safetensors", vision, metadata={"format": "pt"})
+    weight_map.update({n: "model-vision.safetensors" for n in vision})
+    cfg = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
+                     "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
+        "model_type": "kimi_k25",
+        "dtype": text.get("dtype") or text.get("torch_dtype") or "bfloat16",
+        "tie_word_embeddings": False,
+        "media_placeholder_token_id": text["vocab_size"] - 1,
+        "text_config": {**text, "model_type": text_model_type, "architectures": ["DeepseekV3ForCausalLM"]},
+        # transformers' own Kimi_K25VisionConfig fields (tiny): the stand-in tensors above have its shapes
+        "vision_config": {"model_type": "kimi_k25_vision", "patch_size": 2, "hidden_size": 16,
+                          "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32,
+                          "merge_kernel_size": [2, 2], "pos_emb_height": 4, "pos_emb_width": 4, "pos_emb_time": 2},
+        "projection_hidden_size": 16,
+    }
+    qc = src.config.get("quantization_config")
+    if qc is not None:
+        qc = json.loads(json.dumps(qc))
+        qc["ignore"] = [e if e.startswith("re:") else p + e for e in qc.get("ignore") or []] + \
+            ["re:vision_tower.*", "re:mm_projector.*"]
+        for grp in (qc.get("config_groups") or {}).values():  # exact module names move; class names stay
+            grp["targets"] = [t if t.startswith("re:") or t[:1].isupper() else p + t for t in grp.get("targets") or []]
+        cfg["quantization_config"] = qc
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
+                                              "weight_map": dict(sorted(weight_map.items()))}, indent=2))
     return out
 
 

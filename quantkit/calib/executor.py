@@ -21,11 +21,18 @@ Reuse (GPTQ/AWQ, true-sequential):
 What it is not: a serving runtime (no KV cache, no padding, no generation) or a weights loader for the
 whole model. `load_layer_weights` (calib/weights.py) maps the on-disk layouts (fused vs per-expert
 experts, Mixtral's names, block-FP8 and pack-quantized INT4 sources).
+
+A multimodal wrapper (Kimi K2.5's `kimi_k25`, arch.WRAPPERS) is built as its text model from its
+`text_config`, its tensors read under the wrapper's prefix (`language_model.`). GLM-5's sparse attention
+(glm_moe_dsa) needs what the model's own forward gives its layers besides the hidden states: a causal
+mask that is always materialized, and for "shared" indexer layers the previous full layer's top-k
+indices, carried across layers per sample (`TopKCarry`).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import sys
 from dataclasses import dataclass
@@ -35,7 +42,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 import torch
 from torch import nn
 
-from ..arch import arch_for, validate
+from ..arch import arch_for, text_config, validate
 from ..errors import CalibrationError, UnsupportedArchitecture, UnsupportedWeights
 from ..read.checkpoint import Checkpoint
 from ..read.tensors import TensorReader
@@ -58,11 +65,13 @@ DEFAULT_EXPERTS_IMPLEMENTATION = "eager"
 def build_config(config: dict):
     """A transformers config object from a config.json dict: the model_type's own config class
     (aliases resolved), without remote code (`auto_map` dropped) and without `quantization_config`
-    (quantized sources are dequantized on load by `load_layer_weights`)."""
+    (quantized sources are dequantized on load by `load_layer_weights`). A multimodal wrapper (Kimi
+    K2.5's `kimi_k25`) is built as its text model, from its `text_config` (arch.WRAPPERS)."""
     import transformers
 
     spec = arch_for(config, "calibrate")
-    cfg = {k: v for k, v in config.items()
+    text, _ = text_config(config)
+    cfg = {k: v for k, v in text.items()
            if k not in ("model_type", "auto_map", "quantization_config", "architectures", "transformers_version")
            and not k.startswith("_")}
     return transformers.CONFIG_MAPPING[spec.model_type](**cfg)
@@ -121,6 +130,7 @@ class LayerExecutor:
         # config.json is hostile input: every field the layers are built from must agree with the tensors
         validate(self.ckpt.config, {n: self.ckpt.info(n).shape for n in self.ckpt.location})
         self.stored = stored_modules(self.ckpt)
+        self.prefix = text_config(self.ckpt.config)[1]  # "language_model." for Kimi K2.5's wrapper
         self.config = build_config(self.ckpt.config)
         self.model = build_meta_model(self.config, experts_implementation if self.spec.experts else None)
         self.config = self.model.config
@@ -135,6 +145,7 @@ class LayerExecutor:
         self.rotary_emb = type(body.rotary_emb)(config=self.model.config).to(self.device)
         self._mask_fn, self._mask_kwargs = self._mask_function()
         self.batch_tokens = batch_tokens or self.auto_batch_tokens()
+        self.topk = TopKCarry(self) if "prev_topk_indices" in _forward_params(self.decoder_layers[0]) else None
 
     @property
     def hidden_size(self) -> int:
@@ -157,7 +168,7 @@ class LayerExecutor:
     # -- building blocks ------------------------------------------------------------------------
     def embed(self, samples: Sequence[torch.Tensor]) -> ActivationStore:
         """Embed token samples (1-D int tensors) into a new store; reads only the used rows."""
-        name = "model.embed_tokens.weight"
+        name = f"{self.prefix}model.embed_tokens.weight"
         if name not in self.ckpt.location:
             raise UnsupportedWeights(f"the checkpoint has no {name}")
         vocab = self.ckpt.info(name).shape[0]
@@ -232,26 +243,41 @@ class LayerExecutor:
               else masking_utils.create_causal_mask)
         params = inspect.signature(fn).parameters
         kw = {"cache": None} if "cache" in params else {"past_key_values": None}
+        if getattr(self.config, "indexer_types", None) is not None and "allow_is_causal_skip" in params:
+            kw["allow_is_causal_skip"] = False  # DSA: the indexer masks its scores with a real causal mask
         return fn, kw
 
     def forward_layer(self, layer: nn.Module, inputs: ActivationStore) -> ActivationStore:
         """Run `layer` over every sample of `inputs`; returns a new store with its outputs."""
         out = self._new_store(inputs.lengths)
-        with torch.inference_mode():
-            for idx, x in inputs.batches(self.batch_tokens):
-                x = x.to(self.device)
-                b, t, _ = x.shape
-                pos = torch.arange(t, device=self.device).unsqueeze(0).expand(b, t)  # every sample starts at 0
-                pe = self.rotary_emb(x, pos)
-                mask = self._mask_fn(config=self.config, inputs_embeds=x, attention_mask=None, position_ids=pos,
-                                     **self._mask_kwargs)
-                y = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe, use_cache=False)
-                if isinstance(y, tuple):  # older transformers return (hidden_states, ...)
-                    y = y[0]
-                if not bool(torch.isfinite(y).all()):
-                    raise CalibrationError(f"decoder layer {getattr(layer.self_attn, 'layer_idx', '?')} produced "
-                                           "non-finite hidden states")
-                out.write(idx, y)  # copy_ moves device -> host when needed
+        topk = self.topk.begin(layer, inputs.lengths) if self.topk is not None else None
+        try:
+            with torch.inference_mode():
+                for idx, x in inputs.batches(self.batch_tokens):
+                    x = x.to(self.device)
+                    b, t, _ = x.shape
+                    pos = torch.arange(t, device=self.device).unsqueeze(0).expand(b, t)  # every sample starts at 0
+                    pe = self.rotary_emb(x, pos)
+                    mask = self._mask_fn(config=self.config, inputs_embeds=x, attention_mask=None,
+                                         position_ids=pos, **self._mask_kwargs)
+                    extra = topk.inputs(idx, t) if topk is not None else {}
+                    y = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe, use_cache=False,
+                              **extra)
+                    if isinstance(y, tuple):  # (hidden_states, DSA top-k indices); older transformers: (h, ...)
+                        if topk is not None:
+                            topk.record(idx, y[1])
+                        y = y[0]
+                    if not bool(torch.isfinite(y).all()):
+                        raise CalibrationError(f"decoder layer {getattr(layer.self_attn, 'layer_idx', '?')} "
+                                               "produced non-finite hidden states")
+                    out.write(idx, y)  # copy_ moves device -> host when needed
+        except BaseException:
+            out.close()
+            if topk is not None:
+                topk.abort()
+            raise
+        if topk is not None:
+            topk.finish()
         return out
 
     # -- the loop -------------------------------------------------------------------------------
@@ -267,6 +293,8 @@ class LayerExecutor:
         self.final = None
         step = None
         try:
+            if start and self.topk is not None:
+                self.topk.resume(start, inputs.lengths)
             for idx in range(start, self.num_layers):
                 layer = self.load_layer(idx)
                 handles = [h for o in observers for h in o.attach(idx, layer)]
@@ -283,10 +311,14 @@ class LayerExecutor:
                 inputs.close()
                 inputs, step = step.outputs, None
             self.final, inputs = inputs, None
+            if self.topk is not None:
+                self.topk.discard_saved()  # the pass is complete: nothing left to resume
         finally:  # an early exit (break, error) must not leave memory-mapped activation files behind
             for store in (inputs, step.outputs if step is not None else None):
                 if store is not None:
                     store.close()
+            if self.topk is not None:
+                self.topk.close()
 
     def run(self, samples: Sequence[torch.Tensor], observers: Sequence[Observer] = (),
             progress: Callable[[int, int], None] | None = None) -> ActivationStore:
@@ -297,6 +329,121 @@ class LayerExecutor:
             if progress is not None:
                 progress(step.index, self.num_layers)
         return self.final
+
+
+def _forward_params(module: nn.Module):
+    return inspect.signature(type(module).forward).parameters
+
+
+# ---- DSA: top-k indices carried across decoder layers --------------------------------------------------
+class TopKCarry:
+    """GLM-5's DeepSeek Sparse Attention (glm_moe_dsa): a layer whose `indexer_types` entry is "full" runs its
+    own indexer and returns the top-k key positions each query attends to ([B, T, min(index_topk, T)]); a
+    "shared" layer has no indexer and must be given the previous full layer's indices (`prev_topk_indices`),
+    as the model's own forward does. Streaming one layer at a time, this keeps those indices per sample
+    (int32, in an ActivationStore: memory-mapped above the activation budget) from the last full layer for
+    as long as a later shared layer needs them. With a `workdir` (the spool of a resumable pass) they are
+    also saved there after each full layer, before the caller saves that layer's outputs, so that a pass
+    resumed at a shared layer finds them."""
+
+    FILE, META = "dsa-topk.bin", "dsa-topk.json"
+
+    def __init__(self, ex: "LayerExecutor"):
+        self.ex = ex
+        types = list(getattr(ex.config, "indexer_types", None) or ["full"] * ex.num_layers)
+        self.shared = [t == "shared" for t in types[: ex.num_layers]]
+        self.top = int(ex.config.index_topk)
+        self.store: ActivationStore | None = None  # indices of full layer `self.layer`
+        self.layer: int | None = None
+        self._new: ActivationStore | None = None
+        self._cur = None
+
+    def _width(self, lengths) -> int:
+        return max(1, min(self.top, max(lengths, default=1)))
+
+    def _needed_after(self, idx: int) -> bool:
+        """Does a shared layer after full layer `idx` read its indices?"""
+        return idx + 1 < len(self.shared) and self.shared[idx + 1]
+
+    def begin(self, layer: nn.Module, lengths) -> "TopKCarry":
+        idx = int(layer.self_attn.layer_idx)
+        self._cur = idx
+        if self.shared[idx]:
+            if self.store is None or list(self.store.lengths) != list(lengths):
+                raise CalibrationError(f"decoder layer {idx} reuses the DSA top-k indices of an earlier layer, "
+                                       "which were not computed in this pass")
+        elif self._needed_after(idx):
+            self._new = ActivationStore(lengths, self._width(lengths), torch.int32,
+                                        budget_bytes=self.ex.activation_budget_bytes, workdir=self.ex.workdir)
+        return self
+
+    def inputs(self, idx: list[int], t: int) -> dict:
+        if not self.shared[self._cur]:
+            return {}
+        k = min(self.top, t)
+        prev = torch.stack([self.store[i][:, :k] for i in idx]).to(self.ex.device)  # [B, T, k]
+        return {"prev_topk_indices": prev}
+
+    def record(self, idx: list[int], indices: torch.Tensor) -> None:
+        if self._new is None or self.shared[self._cur]:
+            return
+        w = self._new.hidden
+        if indices.shape[-1] < w:  # a shorter sample: pad with repeats (a repeated index selects nothing new)
+            indices = torch.cat([indices, indices[..., -1:].expand(*indices.shape[:-1], w - indices.shape[-1])], -1)
+        self._new.write(idx, indices.to(torch.int32))
+
+    def finish(self) -> None:
+        if self.shared[self._cur]:
+            return
+        if self.store is not None:  # a full layer supersedes the indices of any earlier one
+            self.store.close()
+        self.store, self._new = self._new, None
+        self.layer = self._cur if self.store is not None else None
+        if self.store is not None and self.ex.workdir is not None:
+            from ..write.writer import write_json_atomic
+
+            d = Path(self.ex.workdir)
+            self.store.save(d / self.FILE)
+            write_json_atomic(d / self.META, {"layer": self.layer, "lengths": self.store.lengths,
+                                              "width": self.store.hidden})
+
+    def abort(self) -> None:
+        if self._new is not None:
+            self._new.close()
+            self._new = None
+
+    def resume(self, start: int, lengths) -> None:
+        """Before a pass resumed at layer `start`: reload the indices a shared layer there needs."""
+        if not self.shared[start]:
+            return
+        want = max(i for i in range(start) if not self.shared[i])
+        store = None
+        try:
+            d = Path(self.ex.workdir)
+            meta = json.loads((d / self.META).read_text())
+            if meta["layer"] != want or meta["lengths"] != list(lengths) or meta["width"] != self._width(lengths):
+                raise ValueError("saved for another layer or other samples")
+            store = ActivationStore(lengths, meta["width"], torch.int32,
+                                    budget_bytes=self.ex.activation_budget_bytes, workdir=self.ex.workdir)
+            store.load(d / self.FILE)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            if store is not None:
+                store.close()
+            raise CalibrationError(f"cannot resume at decoder layer {start}: the DSA top-k indices of layer {want} "
+                                   f"were not saved with the interrupted pass ({e})",
+                                   hint="start the pass over (remove the spool)") from None
+        self.store, self.layer = store, want
+
+    def discard_saved(self) -> None:
+        if self.ex.workdir is not None:
+            for name in (self.FILE, self.META):
+                (Path(self.ex.workdir) / name).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.abort()
+        if self.store is not None:
+            self.store.close()
+        self.store = self.layer = None
 
 
 def modeling_module(module: nn.Module):

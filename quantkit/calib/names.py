@@ -1,11 +1,12 @@
 """Names of a decoder layer's modules on disk (the registry's expert naming, arch.py) for the in-memory
-modules transformers builds: `mlp.gate.weight` is Mixtral's `block_sparse_moe.gate.weight` on disk."""
+modules transformers builds: `mlp.gate.weight` is Mixtral's `block_sparse_moe.gate.weight` on disk, and a
+multimodal wrapper's text layers sit under its prefix (Kimi K2.5: `language_model.model.layers.L.`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..arch import arch_for
+from ..arch import arch_for, text_config
 from ..errors import CalibrationError
 from ..read.checkpoint import Checkpoint
 
@@ -14,7 +15,7 @@ from ..read.checkpoint import Checkpoint
 class ExpertNames:
     """Disk module names of expert e's projections, e.g. model.layers.3.mlp.experts.{e}.gate_proj."""
 
-    prefix: str  # model.layers.L.mlp.experts (or block_sparse_moe.experts)
+    prefix: str  # [language_model.]model.layers.L.mlp.experts (or block_sparse_moe.experts)
     gate: str
     up: str
     down: str
@@ -24,11 +25,13 @@ class ExpertNames:
 
 
 def expert_names(ckpt: Checkpoint, layer_idx: int) -> ExpertNames | None:
-    """The routed experts of layer `layer_idx` as the registry names them (arch.py), if it has any on disk."""
+    """The routed experts of layer `layer_idx` as the registry names them (arch.py), if it has any on disk as
+    float (or block-FP8) weights. Experts the source already stores INT4 (`weight_packed`, Kimi K2.x releases)
+    give None: convert passes them through and never re-quantizes them, so there is nothing to calibrate."""
     names = arch_for(ckpt.config).experts
     if names is None:
         return None
-    prefix = f"model.layers.{layer_idx}.{names.block}.experts"
+    prefix = f"{text_config(ckpt.config)[1]}model.layers.{layer_idx}.{names.block}.experts"
     if f"{prefix}.0.{names.gate}.weight" in ckpt.location or f"{prefix}.gate_up_proj" in ckpt.location:
         return ExpertNames(prefix, names.gate, names.up, names.down)
     return None
@@ -38,8 +41,9 @@ def disk_name(ckpt: Checkpoint, layer_idx: int, rel: str) -> str:
     """On-disk name of an in-memory layer tensor (`mlp.gate.weight` -> Mixtral's `block_sparse_moe.gate.weight`)."""
     names = arch_for(ckpt.config).experts
     block = names.block if names is not None else "mlp"
+    p = text_config(ckpt.config)[1]
     for cand in (rel, rel.replace("mlp.", f"{block}.", 1)):
-        name = f"model.layers.{layer_idx}.{cand}"
+        name = f"{p}model.layers.{layer_idx}.{cand}"
         if name in ckpt.location:
             return name
     raise CalibrationError(f"layer {layer_idx}: no on-disk tensor for {rel}")

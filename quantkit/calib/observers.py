@@ -5,9 +5,14 @@
   module's own projections/norms and the model's own `apply_rotary_pos_emb`:
   * GQA (llama, qwen3, qwen3_moe, mixtral, glm4_moe): K = rope(k_norm(k_proj(x))) (k_norm only where the
     model has one and uses it), V = v_proj(x); per KV head, shape [B, H_kv, T, head_dim].
-  * MLA (deepseek_v3 / Kimi K2): the cached latent = cat(kv_a_layernorm(c_kv), rope(k_pe)), where
-    kv_a_proj_with_mqa(x) = [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]; one "head" of 576 values on
-    Kimi K2. vLLM quantizes that latent with one scale for K and V, so k_amax == v_amax.
+  * MLA (deepseek_v3 / Kimi K2 / K2.5, glm_moe_dsa / GLM-5): the cached latent = cat(kv_a_layernorm(c_kv),
+    rope(k_pe)), where kv_a_proj_with_mqa(x) = [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]; one "head"
+    of 576 values on Kimi K2 and GLM-5. vLLM quantizes that latent with one scale for K and V, so
+    k_amax == v_amax. GLM-5's RoPE is always the interleaved one (its modeling file has no other).
+  * DSA indexer keys (glm_moe_dsa layers with their own indexer): the indexer caches one more key per token,
+    cat(rope(k_rot), k_pass) of k_norm(wk(x)) (index_head_dim = 128 on GLM-5). Its amax is recorded
+    (`indexer_k_amax`) for the report, but no scale is written: vLLM stores those keys in FP8 with a scale
+    per 128 values computed when they are cached (docs/calibration.md, "GLM-5").
   The recomputation costs one extra K/V projection per layer; it never touches the attention itself, so
   it does not depend on which attention kernel runs.
 - `ExpertTokenCounter`: how many calibration tokens the router sent to each routed expert (top-k
@@ -45,9 +50,7 @@ def cached_kv(attn: nn.Module, hidden_states: torch.Tensor,
         c_kv, k_pe = torch.split(ckv, [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
         c_kv = attn.kv_a_layernorm(c_kv).view(b, 1, t, attn.kv_lora_rank)
         k_pe = k_pe.view(b, 1, t, attn.qk_rope_head_dim)
-        rope = (mod.apply_rotary_pos_emb_interleave if getattr(attn.config, "rope_interleave", False)
-                else mod.apply_rotary_pos_emb)
-        _, k_pe = rope(k_pe, k_pe, cos, sin)
+        _, k_pe = _mla_rope(mod, attn)(k_pe, k_pe, cos, sin)
         latent = torch.cat([c_kv, k_pe], dim=-1)  # [B, 1, T, R + P]
         return latent, latent
     head_dim = attn.head_dim
@@ -59,6 +62,29 @@ def cached_kv(attn: nn.Module, hidden_states: torch.Tensor,
     v = attn.v_proj(hidden_states).view(b, t, -1, head_dim).transpose(1, 2)
     _, k = mod.apply_rotary_pos_emb(k, k, cos, sin)
     return k, v
+
+
+def _mla_rope(mod, attn: nn.Module):
+    """The RoPE an MLA attention applies to k_pe: interleaved when the config says `rope_interleave`
+    (DeepSeek-V3 / Kimi) or when the modeling file has no other (glm_moe_dsa)."""
+    if getattr(attn.config, "rope_interleave", False) or not hasattr(mod, "apply_rotary_pos_emb"):
+        return mod.apply_rotary_pos_emb_interleave
+    return mod.apply_rotary_pos_emb
+
+
+def indexer_keys(attn: nn.Module, hidden_states: torch.Tensor,
+                 position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+    """The keys a DSA indexer caches for these tokens, [B, T, index_head_dim] (None: no indexer here):
+    k_norm(wk(x)), its first qk_rope_head_dim values rotated (interleaved), as GlmMoeDsaIndexer computes them."""
+    ix = getattr(attn, "indexer", None)
+    if ix is None:
+        return None
+    mod = modeling_module(attn)
+    cos, sin = position_embeddings
+    k = ix.k_norm(ix.wk(hidden_states)).unsqueeze(2)  # [B, T, 1, D]
+    k_rot, k_pass = torch.split(k, [ix.qk_rope_head_dim, ix.head_dim - ix.qk_rope_head_dim], dim=-1)
+    _, k_rot = mod.apply_rotary_pos_emb_interleave(k_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    return torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
 
 
 def _attn_inputs(args, kwargs):
@@ -75,13 +101,15 @@ def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 class KVCacheObserver:
-    """Per layer and KV head, the running max |K| and |V| of what is cached (float32)."""
+    """Per layer and KV head, the running max |K| and |V| of what is cached (float32); for DSA layers also
+    the running max |K| of the indexer's keys (`indexer_k_amax`, a float per layer with an indexer)."""
 
     def __init__(self):
         self.k_amax: dict[int, torch.Tensor] = {}  # layer -> [H_kv] (MLA: [1])
         self.v_amax: dict[int, torch.Tensor] = {}
         self.mla: dict[int, bool] = {}
         self.tokens: dict[int, int] = {}
+        self.indexer_k_amax: dict[int, float] = {}
 
     def attach(self, layer_idx: int, layer: nn.Module) -> list:
         attn = layer.self_attn
@@ -90,6 +118,12 @@ class KVCacheObserver:
             h, pe = _attn_inputs(args, kwargs)
             k, v = cached_kv(module, h, pe)
             self.update(layer_idx, k, v, mla=is_mla(module))
+            ik = indexer_keys(module, h, pe)
+            if ik is not None:
+                a = float(ik.detach().abs().amax())
+                if a != a or a == float("inf"):
+                    raise CalibrationError(f"layer {layer_idx}: the DSA indexer keys hold NaN or Inf")
+                self.indexer_k_amax[layer_idx] = max(a, self.indexer_k_amax.get(layer_idx, 0.0))
 
         return [attn.register_forward_pre_hook(pre_hook, with_kwargs=True)]
 

@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from ..arch import arch_for
+from ..arch import arch_for, text_config
 from ..errors import UnsupportedWeights
 from ..read.checkpoint import Checkpoint
 from ..read.sources import detect_format, scan
@@ -86,10 +86,11 @@ def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype =
     and `mlp.experts.down_proj` [E, D, I]; fused on-disk experts pass through. Quantized sources are
     dequantized here: block-FP8 (`weight` float8 + `weight_scale_inv`/`weight_scale`) and compressed-tensors
     pack-quantized INT4 (`weight_packed`, `weight_scale`, `weight_shape`[, `weight_zero_point`]).
-    Reads only this layer's tensors; each expert is copied straight into its slice of the fused tensor."""
+    Reads only this layer's tensors; each expert is copied straight into its slice of the fused tensor.
+    A multimodal wrapper's text layers are read under its prefix (Kimi K2.5: `language_model.model.layers.L.`)."""
     names = arch_for(ckpt.config, "calibrate").experts
     stored = stored_modules(ckpt) if stored is None else stored
-    prefix = f"model.layers.{layer_idx}."
+    prefix = f"{text_config(ckpt.config)[1]}model.layers.{layer_idx}."  # wrappers: language_model.model.layers.L.
     disk = {n for n in ckpt.location if n.startswith(prefix)}
     if not disk:
         raise UnsupportedWeights(f"the checkpoint holds no tensors for layer {layer_idx} ({prefix}*)")
