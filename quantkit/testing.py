@@ -107,8 +107,8 @@ def wrap_kimi_k25(text_dir: str | os.PathLike, out_dir: str | os.PathLike, *, se
     out: every tensor under `language_model.` (`language_model.model.layers.*`, `language_model.lm_head`),
     a few small random `vision_tower.*` / `mm_projector.*` tensors in a shard of their own, and config.json
     `{"model_type": "kimi_k25", "text_config": {..., "model_type": text_model_type}, "vision_config": ...}`
-    with the text model's `quantization_config` moved to the top level (its exact-name entries prefixed,
-    the vision modules ignored). Shards keep the text model's names and split."""
+    with the text model's `quantization_config` moved to the top level (its ignore list the release's
+    prefix-free patterns, the vision modules ignored). Shards keep the text model's names and split."""
     import json
 
     from .read.checkpoint import INDEX_NAME, Checkpoint
@@ -155,8 +155,10 @@ def wrap_kimi_k25(text_dir: str | os.PathLike, out_dir: str | os.PathLike, *, se
     qc = src.config.get("quantization_config")
     if qc is not None:
         qc = json.loads(json.dumps(qc))
-        qc["ignore"] = [e if e.startswith("re:") else p + e for e in qc.get("ignore") or []] + \
-            ["re:vision_tower.*", "re:mm_projector.*"]
+        # the release's own list (prefix-free patterns: transformers renames the wrapper's modules
+        # model.language_model.*, vLLM keeps language_model.model.*), with the vision parts beside it
+        qc["ignore"] = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*", "re:.*vision_tower.*", "re:.*mm_projector.*"]
         for grp in (qc.get("config_groups") or {}).values():  # exact module names move; class names stay
             grp["targets"] = [t if t.startswith("re:") or t[:1].isupper() else p + t for t in grp.get("targets") or []]
         cfg["quantization_config"] = qc
@@ -182,11 +184,16 @@ def quiet_transformers() -> None:
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
-    """Load a (possibly quantized) checkpoint with transformers on CPU."""
-    from transformers import AutoModelForCausalLM
+    """Load a (possibly quantized) checkpoint with transformers on CPU: a causal LM, or for a multimodal
+    wrapper (Kimi K2.5) its image-text-to-text class, whose forward takes text alone."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from .arch import WRAPPERS
 
     quiet_transformers()
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model_type = read_json(Path(path) / "config.json").get("model_type")
+    cls = AutoModelForImageTextToText if model_type in WRAPPERS else AutoModelForCausalLM
+    return cls.from_pretrained(str(path), dtype=dtype)
 
 
 def read_json(path: str | os.PathLike) -> dict:

@@ -36,6 +36,7 @@ from ..errors import OutputExists
 from ..match.recipe import Recipe, load_recipe
 from ..match.shards import (DEFAULT_BATCH_BYTES, DEFAULT_MAX_SHARD_BYTES, ShardPlan, output_shard_names, plan_notes,
                             plan_shard)
+from ..match.units import CalibratedUnit
 from ..pack import kv as kvrules
 from ..pack.config import quantization_config
 from ..pack.manifest import FORMAT_VERSION, JOURNAL_DIR, MANIFEST_NAME, expert_report
@@ -133,6 +134,8 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     plans = [plan_shard(s, names[s.name], recipe, hidden, opts.batch_bytes, opts.max_shard_bytes, stored=stored,
                         skip=skip, location=src.location, info=src.info, calibrated=calibrated) for s in src.shards]
     notes = plan_notes(plans, len(source_kv) if want_kv else 0, stored)
+    # every module a calibrated group targets may be stored INT4 already (Kimi K2.5): then nothing to calibrate
+    calibrated = calibrated and any(isinstance(u, CalibratedUnit) for p in plans for u in p.units)
     # KV scales: read and checked (or calibrated) once the plan is known to be valid, before any write
     kv = kv_scales(src, recipe, opts.kv_scales, opts.dataset, opts.num_samples, opts.seq_len) if want_kv else None
     if kv is not None and "kv_lora_rank" in text_config(src.config)[0]:
@@ -254,7 +257,7 @@ def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, pla
     write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total_size},
                                          "weight_map": dict(sorted(weight_map.items()))})
     config = dict(src.config)
-    qc = quantization_config(results, kv_scheme)
+    qc = quantization_config(results, kv_scheme, text_config(src.config)[1])
     if qc is None:
         config.pop("quantization_config", None)  # nothing quantized: the source's (FP8) config must not stay
     else:

@@ -74,7 +74,7 @@ def kv_scales(src: Checkpoint, recipe: Recipe, path: str | None, dataset: str | 
         res = calibrate(str(src.root), **data, strategy=want)
         scales = {n: t.detach().cpu() for n, t in dict(res.scales).items()}
         origin = {"calibrate": data}
-    cfg = text_config(src.config)[0]
+    cfg, prefix = text_config(src.config)
     mla = "kv_lora_rank" in cfg
     if mla:
         scales = kvrules.normalize_mla(scales)
@@ -86,7 +86,7 @@ def kv_scales(src: Checkpoint, recipe: Recipe, path: str | None, dataset: str | 
     strategy = kvrules.validate(scales, num_layers=n_layers, attn_layers=[a for a in attn if a < n_layers],
                                 kv_heads=cfg.get("num_key_value_heads") or cfg.get("num_attention_heads"), mla=mla,
                                 strategy=want)
-    return kvrules.KVScales(scales, strategy, origin)
+    return kvrules.KVScales(scales, strategy, origin, prefix)
 
 
 def _find_calibrate():

@@ -54,6 +54,10 @@ RULES = {r.id: r for r in (
          "model_executor/layers/attention/attention.py; v1/attention/backends/flash_attn.py"),
     Rule("K6", "a missing KV scale stays 1.0 without a warning: every attention layer must ship k_scale and v_scale",
          "model_executor/layers/quantization/compressed_tensors/compressed_tensors.py (create_weights)"),
+    Rule("K7", "a wrapped text model (kimi_k25) takes its KV scales under the wrapper's prefix "
+               "(`language_model.model.layers.L.self_attn.k_scale`); a bare `model.layers...` name makes the "
+               "wrapper's loader raise (no module named 'model')",
+         "model_executor/models/kimi_k25.py (hf_to_vllm_mapper); model_executor/models/utils.py (AutoWeightsLoader)"),
     Rule("M1", "all routed experts and all three projections of a layer take one scheme (vLLM reads expert 0's "
                "and applies it to every expert)",
          "model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/compressed_tensors_moe.py "
@@ -121,14 +125,14 @@ def check(root, tp: int = 1, plugin: bool = False) -> EngineReport:
     qc = ck.quantization_config or {}
     groups = [_Group(n, g, qc.get("format")) for n, g in (qc.get("config_groups") or {}).items()
               if isinstance(g, dict)]
-    _kv(ck, cfg, qc, rep, tp, plugin)
+    _kv(ck, cfg, prefix, qc, rep, tp, plugin)
     with TensorReader.of(ck) as reader:
         _experts(ck, cfg, groups, rep, tp, reader)
     _fp8_blocks(ck, rep, tp)
     return rep
 
 
-def _kv(ck, cfg, qc, rep: EngineReport, tp: int, plugin: bool) -> None:
+def _kv(ck, cfg, prefix: str, qc, rep: EngineReport, tp: int, plugin: bool) -> None:
     scheme = qc.get("kv_cache_scheme")
     present = sorted(n for n in ck.location if kvrules.KV_SCALE.match(n))
     if scheme is None:
@@ -151,9 +155,13 @@ def _kv(ck, cfg, qc, rep: EngineReport, tp: int, plugin: bool) -> None:
         if isinstance(n_layers, int) and layer >= n_layers:
             continue
         for kind in "kv":
-            name = kvrules.kv_scale_name(layer, kind)
+            name = kvrules.kv_scale_name(layer, kind, prefix)
             if name not in ck.location:
-                rep.add("K6", name, "missing: vLLM would use 1.0 for it, silently")
+                bare = kvrules.kv_scale_name(layer, kind)
+                if prefix and bare in ck.location:
+                    rep.add("K7", bare, f"the wrapper's loader raises on it (no module 'model'); name it {name}")
+                else:
+                    rep.add("K6", name, "missing: vLLM would use 1.0 for it, silently")
                 continue
             shape = tuple(ck.info(name).shape)
             if scheme["strategy"] == "tensor" and ck.info(name).numel != 1:

@@ -116,7 +116,7 @@ def _patterns(modules: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def quantization_config(results: dict[str, dict], kv_scheme: dict | None) -> dict | None:
+def quantization_config(results: dict[str, dict], kv_scheme: dict | None, prefix: str = "") -> dict | None:
     """compressed-tensors config for what was written (None when nothing is quantized).
 
     INT4 only (the Kimi-K2-Thinking style, the most widely loadable): the most used scheme targets
@@ -125,7 +125,10 @@ def quantization_config(results: dict[str, dict], kv_scheme: dict | None) -> dic
     `format` per group) when formats differ; each format's most used scheme targets `re:` patterns of its
     modules (the INT4 expert group first: transformers takes its expert scheme from the first group whose
     re: targets mention "experts", its dense scheme from the first that does not), other schemes exact
-    names. Every 2-D weight left unquantized is listed in `ignore`, which wins over every target."""
+    names. Every 2-D weight left unquantized is listed in `ignore`, which wins over every target.
+
+    A wrapped text model (`prefix`, e.g. Kimi K2.5's "language_model.") gets its names written without the
+    wrapper's layout (`_unwrapped`): engines and transformers name the same modules differently."""
     by_label: dict[str, list[str]] = {}
     configs: dict[str, dict] = {}
     kept = set()
@@ -176,9 +179,39 @@ def quantization_config(results: dict[str, dict], kv_scheme: dict | None) -> dic
         for i, label in enumerate(mains + rest):
             groups[f"group_{i}"] = group(label, targets.get(label) or sorted(by_label[label]), mixed)
         top = "mixed-precision" if mixed else formats[0]
+    ignore = sorted(kept)
+    if prefix:
+        # the wrapper's other parts (a vision tower, its projector) are copied as they are: one entry each
+        # covers every module of theirs, including any the engine builds beyond the checkpoint's tensors
+        others = sorted({n.split(".", 1)[0] for rec in results.values() for n in rec["tensors"]
+                         if not n.startswith(prefix) and "." in n})
+        ignore = sorted({_unwrapped(e, prefix) for e in ignore if not e.startswith(tuple(o + "." for o in others))}
+                        | {rf"re:(?:.*\.)?{re.escape(o)}\..*" for o in others})
+        for g in groups.values():
+            g["targets"] = [t if t[:1].isupper() else _unwrapped(t, prefix) for t in g["targets"]]
     return {"quant_method": "compressed-tensors", "format": top,
-            "quantization_status": "compressed", "config_groups": groups, "ignore": sorted(kept),
+            "quantization_status": "compressed", "config_groups": groups, "ignore": ignore,
             "kv_cache_scheme": kv_scheme}
+
+
+def _unwrapped(entry: str, prefix: str) -> str:
+    r"""A target or ignore entry of a wrapped model as a `re:` pattern that holds whatever the wrapper's
+    modules are called: vLLM keeps the checkpoint's `language_model.model.layers.L...`, transformers' own
+    Kimi K2.5 class names them `model.language_model.layers.L...`, so an exact name matches in one and
+    misses in the other (and a missed ignore entry means an attention Linear quantized on load). The
+    pattern keeps the module's own path from `layers.` (or `lm_head`, `embed_tokens`, a vision module)
+    and lets anything precede it: `re:(?:.*\.)?layers\.0\.self_attn\.q_a_proj$`."""
+    wrapped = re.escape(prefix) + r"model\."
+    any_ = r"(?:.*\.)?"
+    if entry.startswith("re:"):
+        pat = entry[3:]
+        for head in (wrapped, re.escape(prefix)):
+            if pat.startswith(head):
+                return "re:" + any_ + pat[len(head):]
+        return entry
+    tail = entry.removeprefix(prefix)
+    tail = tail.removeprefix("model.") if entry.startswith(prefix) else tail
+    return "re:" + any_ + re.escape(tail) + "$"
 
 
 def targeting(module: str, groups, targets=lambda g: g.targets) -> list:

@@ -9,6 +9,10 @@ scales"). The one definition `calibrate` writes by, `convert` validates and ship
 - config.json `kv_cache_scheme`: {"num_bits": 8, "type": "float", "strategy": S, "dynamic": false,
   "symmetric": true}.
 - scale = amax / 448 over what the engine caches (K after RoPE and k_norm, V as projected, the MLA latent).
+- A multimodal wrapper (Kimi K2.5's kimi_k25) carries its text model's tensors under a prefix, and so its
+  scales: `language_model.model.layers.L.self_attn.k_scale`. vLLM maps that name to the text model's
+  attention; the bare name makes the wrapper's loader raise. Scales files (`quantkit calibrate`) hold the
+  text model's names; `KVScales.prefix` adds the wrapper's when they are shipped.
 """
 
 from __future__ import annotations
@@ -20,17 +24,27 @@ from pathlib import Path
 
 import torch
 
+from ..arch import WRAPPERS
 from ..errors import KVScalesError
 
 KV_SHARD_NAME = "model-kv-scales.safetensors"
-KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
+_PREFIX = "(?:" + "|".join(sorted(re.escape(w.prefix) for w in WRAPPERS.values())) + ")?"  # a wrapper's, or none
+KV_SCALE = re.compile(rf"^{_PREFIX}model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 STRATEGIES = ("tensor", "attn_head")
-ATTN_TENSOR = re.compile(r"^model\.layers\.(\d+)\.self_attn\.")  # a tensor of layer L's attention
+ATTN_TENSOR = re.compile(rf"^{_PREFIX}model\.layers\.(\d+)\.self_attn\.")  # a tensor of layer L's attention
 
 
-def kv_scale_name(layer: int, kind: str) -> str:
-    """kind: "k" or "v"."""
-    return f"model.layers.{layer}.self_attn.{kind}_scale"
+def kv_scale_name(layer: int, kind: str, prefix: str = "") -> str:
+    """kind: "k" or "v"; prefix: the wrapper's ("language_model.") in a wrapped model's checkpoint."""
+    return f"{prefix}model.layers.{layer}.self_attn.{kind}_scale"
+
+
+def unprefixed(name: str) -> str:
+    """The text model's name of a scale (a wrapper's prefix removed)."""
+    for w in WRAPPERS.values():
+        if name.startswith(w.prefix + "model.layers."):
+            return name[len(w.prefix):]
+    return name
 
 
 def kv_cache_scheme(strategy: str) -> dict:
@@ -120,9 +134,10 @@ def validate(scales: Mapping[str, torch.Tensor], *, num_layers: int, attn_layers
 
 
 def checkpoint_problems(location: Mapping[str, str], info, config_scheme, *, num_layers: int | None,
-                        kv_heads: int | None, mla: bool) -> list[str]:
+                        kv_heads: int | None, mla: bool, prefix: str = "") -> list[str]:
     """The KV scales of a written checkpoint against its `kv_cache_scheme` (`info(name)` gives a tensor's
-    header entry): every layer has both scales of the scheme's shape iff the scheme is set."""
+    header entry): every layer has both scales of the scheme's shape, under the model's `prefix`, iff the
+    scheme is set."""
     present = sorted(n for n in location if KV_SCALE.match(n))
     if config_scheme is None:
         return [f"{present[0]}: KV-cache scales present but quantization_config.kv_cache_scheme is null"] if present \
@@ -138,10 +153,13 @@ def checkpoint_problems(location: Mapping[str, str], info, config_scheme, *, num
     out = []
     for layer in range(num_layers if isinstance(num_layers, int) else 0):
         for kind in "kv":
-            name = kv_scale_name(layer, kind)
+            name = kv_scale_name(layer, kind, prefix)
             i = info(name) if name in location else None
             if i is None:
-                out.append(f"{name}: missing (kv_cache_scheme is set)")
+                bare = kv_scale_name(layer, kind)
+                out.append(f"{name}: missing (kv_cache_scheme is set)" + (
+                    f"; {bare} is there, which the wrapper's loader cannot place" if prefix and bare in location
+                    else ""))
             elif i.dtype != torch.float32 or (want and tuple(i.shape) not in want):
                 out.append(f"{name}: {str(i.dtype).removeprefix('torch.')}{list(i.shape)}, expected float32 "
                            f"{' or '.join(str(list(w)) for w in sorted(want))}")
@@ -156,7 +174,7 @@ def read_file(path: str | Path) -> dict[str, torch.Tensor]:
     if not p.is_file():
         raise KVScalesError(f"KV-scales file {str(p)!r} does not exist")
     with SafetensorsFile(p) as f:
-        scales = {n: f.get(n) for n in f.header.tensors}
+        scales = {unprefixed(n): f.get(n) for n in f.header.tensors}
     for name, t in scales.items():
         problem = tensor_problem(name, t)
         if problem:
@@ -168,12 +186,14 @@ def read_file(path: str | Path) -> dict[str, torch.Tensor]:
 
 @dataclass(frozen=True)
 class KVScales:
-    """Validated scales ready to ship: tensor name -> float32 tensor, their strategy, and where they came
-    from ({"file": path, "sha256": ...} or {"calibrate": {dataset, num_samples, seq_len}})."""
+    """Validated scales ready to ship: the text model's tensor name -> float32 tensor, their strategy,
+    where they came from ({"file": path, "sha256": ...} or {"calibrate": {dataset, num_samples, seq_len}})
+    and the prefix a wrapped model's checkpoint names them with."""
 
     scales: dict
     strategy: str
     origin: dict
+    prefix: str = ""
 
     def config(self) -> dict:
         return kv_cache_scheme(self.strategy)
@@ -184,4 +204,4 @@ class KVScales:
             m = KV_SCALE.match(n)
             return int(m[1]), m[2]
 
-        return [(n, self.scales[n]) for n in sorted(self.scales, key=key)]
+        return [(self.prefix + n, self.scales[n]) for n in sorted(self.scales, key=key)]

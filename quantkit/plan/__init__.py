@@ -195,9 +195,6 @@ def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *, gpu
         or parse_config(src.config)
     rec = load_recipe(recipe) if isinstance(recipe, (str, Path)) else recipe
     kv_sel = _kv_dtype(kv_dtype, rec, "mla" if spec.attention == "mla" else "gqa")
-    if rec is not None and spec.quantization and spec.quantization.get("quant_method") == "compressed-tensors":
-        raise ConfigError("the source is already a compressed-tensors checkpoint; quantkit quantizes BF16 or "
-                          "FP8 block sources", hint="plan the recipe from the original BF16/FP8 checkpoint")
     assumptions: list[str] = []
     warnings: list[str] = []
 
@@ -280,6 +277,9 @@ def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *, gpu
                            "(BF16 2 B, FP8 1 B per value; fp8_ds_mla adds one fp32 scale per 128 values)")
     if spec.quantization and spec.quantization.get("quant_method") == "fp8" and rec is not None:
         assumptions.append("recipe on an FP8 source: tensors the recipe does not target stay FP8 as they are")
+    if spec.quantization and spec.quantization.get("quant_method") == "compressed-tensors" and rec is not None:
+        assumptions.append("recipe on a compressed-tensors source: INT4 modules pass through as they are (never "
+                           "re-quantized), FP4 modules too unless the recipe asks for another scheme")
 
     return PlanReport(
         model=src.label, model_type=spec.model_type, arch=spec.arch, source_format=spec.source_format,

@@ -210,6 +210,17 @@ def _replacement(shape: tuple[int, int], dtype: str, scheme: Scheme, g_idx: bool
                                                                              g_idx=g_idx))
 
 
+def _fp4_source(name: str, shape: tuple[int, ...], dtype: str, tensors: Mapping) -> str | None:
+    """"nvfp4" / "mxfp4" when `name` is the packed weight of a module the source stores in FP4 (two E2M1
+    codes a byte, no weight_shape; NVFP4 has a global scale), else None."""
+    if not name.endswith(".weight_packed") or dtype != "U8" or len(shape) != 2:
+        return None
+    module = name[: -len(".weight_packed")]
+    if f"{module}.weight_shape" in tensors:
+        return None
+    return "nvfp4" if f"{module}.weight_global_scale" in tensors else "mxfp4"
+
+
 def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe: Recipe | None, *,
                      spec: ModelSpec | None = None, g_idx_groups: frozenset[str] = frozenset()) -> TensorShapes:
     """The checkpoint `tensors` become after `recipe`, as quantkit writes it (recipe None: unchanged).
@@ -227,6 +238,14 @@ def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe:
     # (group, shape, dtype) -> the replacement tensors as (suffix, shape, dtype): all experts of a model
     # share a handful of shapes, so each scheme is applied (and for_in_features checked) once per shape.
     memo: dict[tuple[int, tuple[int, ...], str], tuple[tuple[str, tuple[int, ...], str], ...]] = {}
+    requant: dict[str, tuple[Scheme, WeightGroup]] = {}  # FP4 in the source, another scheme in the recipe
+    for name, (shape, dtype) in tensors.items():
+        kind = _fp4_source(name, tuple(shape), dtype, tensors)
+        group = recipe.match(name[: -len(".weight_packed")]) if kind else None
+        if group is not None:
+            scheme = group.scheme.for_in_features(shape[1] * 2)
+            if scheme.fp4 != kind:
+                requant[name[: -len(".weight_packed")]] = (scheme, group)
     for name, (shape, dtype) in tensors.items():
         if type(shape) is not tuple:
             shape = tuple(shape)
@@ -236,6 +255,14 @@ def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe:
         else:
             todo = ((name, shape, dtype),)
         for name, shape, dtype in todo:
+            module, _, suffix = name.rpartition(".")
+            if module in requant:  # an FP4 source module the recipe re-quantizes: decoded, then its scheme
+                if suffix == "weight_packed":
+                    scheme, group = requant[module]
+                    for sfx, sh, d in _replacement((shape[0], shape[1] * 2), "BF16", scheme,
+                                                   group.name in g_idx_groups):
+                        out[module + sfx] = (sh, d)
+                continue
             if not _is_linear_weight(name, shape):
                 out[name] = (shape, dtype)
                 continue

@@ -106,10 +106,11 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
     ref_ck = None
     if reference is not None:
         ref_ck = Checkpoint.open(reference)  # raises for an unusable reference (missing, corrupt headers)
-        if ref_ck.quantization_config is not None and ref_ck.quantization_config.get("quant_method") != "fp8":
-            raise QuantkitError(f"reference {str(reference)!r} is itself quantized "
-                                f"({ref_ck.quantization_config.get('quant_method')!r})",
-                                hint="pass the checkpoint the conversion started from (BF16/FP16/FP32 or block FP8)")
+        method = (ref_ck.quantization_config or {}).get("quant_method")
+        if method not in (None, "fp8", "compressed-tensors"):
+            raise QuantkitError(f"reference {str(reference)!r} is quantized with {method!r}, which quantkit "
+                                "does not read", hint="pass the checkpoint the conversion started from (BF16/FP16/"
+                                "FP32, block FP8, or compressed-tensors such as Kimi K2.5's INT4 release)")
     if kernels == "triton":
         _require_triton(dev)
 

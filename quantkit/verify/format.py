@@ -265,11 +265,11 @@ def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None
 
 def _check_kv_scales(ck: Checkpoint, qc: dict, problems: Listing) -> None:
     """FP8 KV-cache scales against `kv_cache_scheme` (pack/kv.py's rules)."""
-    cfg, _ = text_config(ck.config)
+    cfg, prefix = text_config(ck.config)
     for p in kvrules.checkpoint_problems(ck.location, ck.info, qc.get("kv_cache_scheme"),
                                          num_layers=cfg.get("num_hidden_layers"),
                                          kv_heads=cfg.get("num_key_value_heads") or cfg.get("num_attention_heads"),
-                                         mla="kv_lora_rank" in cfg):
+                                         mla="kv_lora_rank" in cfg, prefix=prefix):
         problems.add(p)
 
 
@@ -407,16 +407,17 @@ class _Reference:
 
 def _reference_weight(m: str, entry: dict, ref: _Reference) -> torch.Tensor | str:
     """The reference's float32 weight for module `m`, located through the manifest's `source_tensor` /
-    `source_slice` (fused 3-D experts), else `m.weight`; FP8 references are dequantized. A string is a
-    problem to report."""
+    `source_slice` (fused 3-D experts), else `m.weight`; quantized reference modules (FP8, and INT4 or FP4
+    such as Kimi K2.5's QAT experts) are decoded. A string is a problem to report."""
     ck = ref.ck
     src = entry.get("source_tensor") if isinstance(entry.get("source_tensor"), str) else f"{m}.weight"
+    sl = entry.get("source_slice")
+    stored = next((src[: -len(x)] for x in (".weight", ".weight_packed") if src.endswith(x)), m)
+    sw = ref.stored.get(stored)
+    if sw is not None and sl is None:  # FP8, INT4 or FP4 in the reference: its decoded values
+        return ref.reader.decode(sw, torch.float32)
     if src not in ck.location:
         return f"{m}: the reference holds no tensor {src}"
-    sl = entry.get("source_slice")
-    sw = ref.stored.get(src.removesuffix(".weight")) if src.endswith(".weight") else None
-    if sw is not None and sw.layout is not None and sl is None:
-        return ref.reader.decode(sw, torch.float32)
     w = ref.reader.get(src)
     if isinstance(sl, dict):
         e, rows = sl.get("expert"), sl.get("rows")

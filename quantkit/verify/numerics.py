@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..arch import WRAPPERS
 from ..errors import QuantkitError
 from ..read.checkpoint import Checkpoint
 from .common import Check, finite
@@ -181,28 +182,32 @@ def _vocab_size(config: dict) -> int:
     return v
 
 
-def _load(path: Path, dev: torch.device):
+def _load(path: Path, dev: torch.device, dtype: torch.dtype = torch.bfloat16):
     from ..testing import load_model
 
-    return load_model(path, torch.bfloat16).eval().to(dev)
+    return load_model(path, dtype).eval().to(dev)
 
 
-def _transformers_cannot_load(q_dir: Path) -> bool:
+def transformers_cannot_load(q_dir: Path) -> bool:
     """transformers 5.24 decompresses routed experts stored per expert through a path that knows
-    `weight_packed` + `weight_scale` (+ `weight_shape`) only: NVFP4 experts lose their global scale there.
+    `weight_packed` + `weight_scale` (+ `weight_shape`) only: NVFP4 experts lose their global scale there;
+    its Kimi K2.5 class fails on a KV-scales-only config (no weight groups) for the same reason.
     Such checkpoints are measured as the reference model with quantkit's dequantized weights (which the
     format stage has proven equal, bit for bit, to compressed-tensors' own decompression)."""
     ck = Checkpoint.open(q_dir)
+    if ck.config.get("model_type") in WRAPPERS and not (ck.quantization_config or {}).get("config_groups"):
+        return True  # transformers' Kimi K2.5 class decompresses its experts whenever the quant_method is set
     return any(n.endswith(".weight_global_scale") and ".experts." in n for n in ck.location)
 
 
-def _load_dequantized(ref_dir: Path, q_dir: Path, dev: torch.device):
-    """The reference model with every quantized module of `q_dir` replaced by its dequantization."""
+def load_dequantized(ref_dir: Path, q_dir: Path, dev: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """The reference model (in `dtype`) with every quantized module of `q_dir` replaced by its
+    dequantization."""
     from ..pack import fp4 as fp4pack
     from ..pack.int4 import dequantize_module
     from ..read.tensors import TensorReader
 
-    model = _load(ref_dir, dev)
+    model = _load(ref_dir, dev, dtype)
     ck = Checkpoint.open(q_dir)
     params = dict(model.named_parameters())
     r = TensorReader.of(ck)
@@ -259,10 +264,10 @@ def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: 
                             f"{str(e)[:160]}", hint="pass a checkpoint transformers can load") from None
     say("numerics: loading the quantized model (compressed-tensors decompresses it)")
     try:
-        if _transformers_cannot_load(q_dir):
-            say("numerics: NVFP4 routed experts (transformers cannot decompress them): the reference model with "
-                "quantkit's dequantized weights")
-            qnt = _load_dequantized(ref_dir, q_dir, dev)
+        if transformers_cannot_load(q_dir):
+            say("numerics: transformers cannot load this checkpoint as written (NVFP4 routed experts, or a Kimi K2.5 "
+                "config with KV scales only): the reference model with quantkit's dequantized weights")
+            qnt = load_dequantized(ref_dir, q_dir, dev)
         else:
             qnt = _load(q_dir, dev)
     except Exception as e:  # an unloadable output is a finding, not a crash

@@ -56,3 +56,20 @@ def test_calibrated_recipes(tiny_models, tmp_path, recipe):
     src = tiny_models("deepseek_v3")
     convert(src, tmp_path / "q", ConvertOptions(recipe=recipe, **CAL))
     _compare(src, tmp_path / "q", recipe)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4-experts", "int4-experts-rtn", "nvfp4-experts", "glm"])
+def test_fp4_source(tiny_models, tmp_path, recipe):
+    """An MXFP4 release: kept when the recipe asks for MXFP4, decoded and re-quantized otherwise."""
+    mx = tmp_path / "mx"
+    convert(tiny_models("qwen3_moe"), mx, ConvertOptions(recipe="mxfp4-experts"))
+    convert(mx, tmp_path / "q", ConvertOptions(recipe=recipe))
+    _compare(mx, tmp_path / "q", recipe)
+
+
+@pytest.mark.parametrize("recipe", ["kimi-k2", "fp8-kv", "int4-experts-rtn"])
+def test_int4_wrapper_source(tiny_models, tmp_path, recipe):
+    """Kimi K2.5 as released: a kimi_k25 wrapper whose routed experts are already INT4 (passed through)."""
+    src = tiny_models("kimi_k25", int4_experts=True)
+    convert(src, tmp_path / "q", ConvertOptions(recipe=recipe, **CAL))
+    _compare(src, tmp_path / "q", recipe)
