@@ -17,7 +17,6 @@ Import is lazy and optional: without numba (or with QUANTKIT_NATIVE=0) `rtn` use
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit
 

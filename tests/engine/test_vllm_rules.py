@@ -8,7 +8,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from quantkit.convert import ConvertOptions, convert
 from quantkit.engine.vllm import RULES, check
