@@ -229,20 +229,41 @@ def _columns(ds) -> list:
 
 
 def _read_hub(name: str) -> Rows:
-    hint = "download the dataset where the hub is reachable and pass the local file or save_to_disk folder"
+    """A hub dataset by id: its snapshot in the hub cache (fetched unless HF_HUB_OFFLINE is set; from the
+    cache alone when it is), then its `train` split as `datasets` reads a local folder (data files only: a
+    repo's loading script is never run)."""
+    from ..hub import hub_cache_dir, hub_offline
+
+    hint = ("download it where the hub is reachable (`hf download --repo-type dataset NAME`) and copy that "
+            "Hugging Face cache here, or pass a local file or save_to_disk folder")
     try:
         import datasets
-    except ImportError:
-        raise DatasetError(f"dataset {name!r} is not a local path, and loading hub datasets needs the `datasets` "
-                           "package, which is not installed", hint=hint) from None
-    if any(os.environ.get(v, "0") not in ("0", "") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
-        raise DatasetError(f"dataset {name!r} is not a local path and the hub is offline (HF_HUB_OFFLINE)", hint=hint)
+        from huggingface_hub import snapshot_download
+    except ImportError as e:
+        raise DatasetError(f"dataset {name!r} is not a local path, and loading hub datasets needs the "
+                           f"`{e.name}` package, which is not installed", hint="pip install datasets") from None
+    offline = hub_offline() or os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("0", "")
     try:
-        ds = datasets.load_dataset(name, split="train")
-    except Exception as e:  # network errors, missing dataset, missing split
-        raise DatasetError(f"cannot load hub dataset {name!r}: {type(e).__name__}: {str(e)[:160]}", hint=hint) from None
-    fp = getattr(ds, "_fingerprint", None) or hashlib.sha256(name.encode()).hexdigest()
-    return Rows(_columns(ds), f"hub:{name}", str(fp))
+        snap = Path(snapshot_download(name, repo_type="dataset", cache_dir=str(hub_cache_dir()),
+                                      local_files_only=offline,
+                                      allow_patterns=[f"*{x}" for x in SUFFIXES] + ["*.csv", "README.md"]))
+    except Exception as e:  # not cached while offline, unreachable, no such repo
+        where = "is not in the local hub cache and the hub is offline (HF_HUB_OFFLINE)" if offline else \
+            f"cannot be fetched: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        raise DatasetError(f"dataset {name!r} is not a local path and {where}", hint=hint) from None
+    files = sorted(q for q in snap.rglob("*") if q.is_file() and q.suffix.lower() in SUFFIXES + (".csv",))
+    if not files:
+        raise DatasetError(f"hub dataset {name!r} holds no data file quantkit reads ({', '.join(SUFFIXES)})",
+                           hint=hint)
+    try:
+        ds = datasets.load_dataset(str(snap), split="train")
+    except Exception as e:  # no train split, mixed formats, unreadable files
+        raise DatasetError(f"cannot read hub dataset {name!r} ({snap}): {type(e).__name__}: {str(e)[:160]}",
+                           hint=hint) from None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.relative_to(snap).as_posix().encode() + b"\0" + sha256_file(f).encode())
+    return Rows(_columns(ds), f"hub:{name}@{snap.name}", h.hexdigest())
 
 
 # ---- samples ---------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Calibration data: formats, packing, pre-tokenized rows, deterministic sampling, chat templates, errors."""
 
-import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -184,15 +184,24 @@ def test_errors(tmp_path):
     assert issubclass(DatasetError, QuantkitError) and DatasetError.hint
 
 
-@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is not None, reason="pyarrow is installed")
-def test_parquet_without_pyarrow_is_a_clear_error(tmp_path):
+def _without(monkeypatch, *modules):
+    """Import of `modules` fails, as on a machine without them (they are dependencies here)."""
+    import sys
+
+    for m in modules:
+        for name in [n for n in sys.modules if n == m or n.startswith(m + ".")]:
+            monkeypatch.delitem(sys.modules, name)
+        monkeypatch.setitem(sys.modules, m, None)
+
+
+def test_parquet_without_pyarrow_is_a_clear_error(tmp_path, monkeypatch):
+    _without(monkeypatch, "pyarrow")
     (tmp_path / "d.parquet").write_bytes(b"PAR1")
     with pytest.raises(DatasetError, match="pyarrow") as e:
         read_rows(tmp_path / "d.parquet")
     assert "pip install pyarrow" in e.value.hint
 
 
-@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="pyarrow is not installed")
 def test_parquet(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -202,18 +211,48 @@ def test_parquet(tmp_path):
     assert torch.cat(data.samples).tolist() == _bytes("abcdefgh")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="datasets is installed")
-def test_saved_dataset_and_hub_without_datasets_are_clear_errors(tmp_path):
+def test_saved_dataset_and_hub_without_datasets_are_clear_errors(tmp_path, monkeypatch):
+    _without(monkeypatch, "datasets")
     (tmp_path / "saved").mkdir()
     (tmp_path / "saved" / "dataset_info.json").write_text("{}")
     with pytest.raises(DatasetError, match="`datasets` package"):
         read_rows(tmp_path / "saved")
-    with pytest.raises(DatasetError, match="not a local path") as e:
+    with pytest.raises(DatasetError, match="not a local path.*`datasets` package"):
         read_rows("someone/some-dataset")
-    assert "download" in e.value.hint
 
 
-@pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="datasets is not installed")
+def _hub_dataset(cache, repo: str, files: dict[str, str], commit: str = "a" * 40):
+    """A dataset repo in the hub cache's own layout: blobs, a snapshot of links to them, refs/main."""
+    import hashlib
+
+    root = cache / ("datasets--" + repo.replace("/", "--"))
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    for rel, text in files.items():
+        blob = root / "blobs" / hashlib.sha256(text.encode()).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_text(text)
+        link = root / "snapshots" / commit / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    return root
+
+
+def test_hub_dataset_id_resolves_offline_from_the_hub_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    rows = "".join(json.dumps({"text": t}) + "\n" for t in ("abcd", "efgh"))
+    _hub_dataset(cache, "acme/calib", {"data/train.jsonl": rows, "data/test.jsonl": '{"text": "zz"}\n'})
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "ds-cache"))
+    data = _load("acme/calib", num_samples=2, seq_len=4)
+    assert torch.cat(data.samples).tolist() == _bytes("abcdefgh")  # the train split only
+    assert data.describe()["source"].startswith("hub:acme/calib@")
+    with pytest.raises(DatasetError, match="not in the local hub cache") as e:
+        read_rows("acme/missing")
+    assert "hf download" in e.value.hint
+
+
 def test_saved_dataset(tmp_path):
     import datasets
 
