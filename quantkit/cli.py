@@ -95,10 +95,13 @@ def convert(
                           max_shard_bytes=max_shard_bytes, dataset=dataset, num_samples=num_samples,
                           seq_len=seq_len, kv_scales=str(kv_scales) if kv_scales else None,
                           source_id=None if Path(src).exists() else src)
-    with _progress("converting") as prog:
+    leader = os.environ.get("RANK", "0") in ("0", "")  # under torchrun only rank 0 shows progress and results
+    with _progress("converting", enabled=leader) as prog:
         task = prog.add_task("converting", total=None)
         res = run(src_dir, out, opts, progress=lambda done, total: prog.update(task, completed=done, total=total),
-                  log=lambda line: prog.console.print(f"note: {escape(line)}", soft_wrap=True))
+                  log=lambda line: prog.console.print(f"note: {escape(line)}", soft_wrap=True) if leader else None)
+    if not leader:
+        return
     if json_out:
         _print_json(res.to_json())
     else:

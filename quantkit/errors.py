@@ -218,3 +218,20 @@ class KVPoolError(QuantkitError):
 
 class KVPoolExhausted(KVPoolError):
     hint = "the pool has too few free pages: free finished requests, or build the pool with more pages"
+
+
+# --- several processes (torchrun) --------------------------------------------------------------------
+class DistributedError(QuantkitError):
+    hint = "launch with torchrun (it sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
+
+
+class RanksDisagree(DistributedError):
+    """The ranks were started with different work (source, recipe, options, version)."""
+
+    hint = "launch every node with the same arguments and quantkit version, on a shared filesystem"
+
+
+class RankFailed(DistributedError):
+    """Another rank failed; this one stops with it."""
+
+    hint = "the error that rank printed says what to fix; every rank stopped with it"

@@ -17,6 +17,7 @@ output is byte-identical whatever the order they finish in.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -32,6 +33,7 @@ from .. import __version__, options
 from ..arch import text_config
 from ..arch import validate as validate_config
 from ..card import write_model_card
+from ..dist import world
 from ..errors import OutputExists
 from ..match.recipe import Recipe, load_recipe
 from ..match.shards import (DEFAULT_BATCH_BYTES, DEFAULT_MAX_SHARD_BYTES, ShardPlan, output_shard_names, plan_notes,
@@ -136,8 +138,11 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     notes = plan_notes(plans, len(source_kv) if want_kv else 0, stored)
     # every module a calibrated group targets may be stored INT4 already (Kimi K2.5): then nothing to calibrate
     calibrated = calibrated and any(isinstance(u, CalibratedUnit) for p in plans for u in p.units)
+    w = world(getattr(opts, "device", None))  # torchrun: this rank's place (size 1 otherwise)
     # KV scales: read and checked (or calibrated) once the plan is known to be valid, before any write
-    kv = kv_scales(src, recipe, opts.kv_scales, opts.dataset, opts.num_samples, opts.seq_len) if want_kv else None
+    kv = w.broadcast(w.step(lambda: kv_scales(src, recipe, opts.kv_scales, opts.dataset, opts.num_samples,
+                                              opts.seq_len) if want_kv and w.leader else None,
+                            "reading the KV scales"))
     if kv is not None and "kv_lora_rank" in text_config(src.config)[0]:
         notes.append(MLA_KV_NOTE)
     for n in notes:
@@ -156,25 +161,35 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
         if sr == o or sr.is_relative_to(o):
             raise OutputExists(f"--overwrite would delete {str(out)!r}, which holds the source checkpoint",
                                hint="choose an output directory outside the source checkpoint")
-    with output_lock(out):
-        done = prepare_output(out, identity, overwrite=opts.overwrite, resume=opts.resume)
-        write_json_atomic(out / MANIFEST_NAME, {"status": "in_progress", "identity": identity}, durable=False)
+    w.agree({"identity": identity, "output": str(out.resolve()), "overwrite": opts.overwrite,
+             "resume": opts.resume, "kv_scales": opts.kv_scales})
+    with contextlib.ExitStack() as held:
+        def prepare():  # rank 0 holds OUT's lock for the whole job; the other ranks write into it under it
+            held.enter_context(output_lock(out))
+            found = prepare_output(out, identity, overwrite=opts.overwrite, resume=opts.resume)
+            write_json_atomic(out / MANIFEST_NAME, {"status": "in_progress", "identity": identity}, durable=False)
+            return found
+
+        done = w.broadcast(w.step(lambda: prepare() if w.leader else None, "preparing the output"))
         journal = out / JOURNAL_DIR
         spool = Spool()
         if calibrated and len(done) < len(plans):
-            spool = calibrated_pass(src, recipe, data, journal / "calib", log)
+            spool = w.broadcast(w.step(lambda: calibrated_pass(src, recipe, data, journal / "calib", log)
+                                       if w.leader else None, "calibrating"))
 
         total = src.total_bytes
         finished_bytes = sum(src.shard(s).size for s in done)
         results: dict[str, dict] = dict(done)
+        mine: dict[str, dict] = {}  # the shards this rank converts now
 
         def record(res: ShardResult):
             rec = asdict(res)
             # this shard is now done; no fsync: a record lost to a power cut only means the shard is redone
             write_json_atomic(journal / f"{res.source}.json", rec, indent=None, durable=False)
-            results[res.source] = rec
+            results[res.source] = mine[res.source] = rec
 
-        todo = [p for p in plans if p.source not in done]
+        # with several ranks each converts its share of the shards (balanced by bytes) and journals them
+        todo = w.split([p for p in plans if p.source not in done], lambda p: src.shard(p.source).size)
         if progress:
             progress(finished_bytes, total)
         # Streaming RTN is thousands of small cache-sized ops: OpenMP barriers cost more than a second thread
@@ -183,11 +198,23 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
         # barriers: it splits rows over the cores when shards run one at a time.
         prev_threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        try:
+
+        def shards():
             with native_threads(_cpu_count() if opts.workers <= 1 else 1):
                 _run_shards(todo, src, out, opts, spool, record, progress, finished_bytes, total)
+            wait_durable()  # this rank's shards are on disk before rank 0 writes the index and manifest
+
+        try:
+            w.step(shards, "converting its shards")
         finally:
             torch.set_num_threads(prev_threads)
+        if w.size > 1:
+            for part in w.all_gather(mine):
+                results.update(part)
+            if progress:
+                progress(total, total)
+            if not w.leader:  # rank 0 writes index, config, card and manifest; every rank returns its result
+                return _follow(w)
 
         for p in plans:  # what reading found (e.g. scales breaking a ue8m0 promise), in shard order
             for n in results[p.source].get("notes") or []:
@@ -195,12 +222,23 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
                     notes.append(n)
                     if log:
                         log(n)
-        kv_out = write_kv_scales(out, kv) if kv is not None else None
-        kv_scheme = kv.config() if kv is not None else (fmt.kv_cache_scheme if source_kv else None)
-        return _finalize(src, fmt, out, recipe, plans, results, identity, t0, resumed=len(done), notes=notes,
-                         kv=kv, kv_out=kv_out, kv_scheme=kv_scheme,
-                         calibration=None if data is None else data.describe(), source_id=opts.source_id,
-                         model_card=opts.model_card)
+
+        def finish():
+            kv_out = write_kv_scales(out, kv) if kv is not None else None
+            kv_scheme = kv.config() if kv is not None else (fmt.kv_cache_scheme if source_kv else None)
+            return _finalize(src, fmt, out, recipe, plans, results, identity, t0, resumed=len(done), notes=notes,
+                             kv=kv, kv_out=kv_out, kv_scheme=kv_scheme,
+                             calibration=None if data is None else data.describe(), source_id=opts.source_id,
+                             model_card=opts.model_card)
+
+        if w.size == 1:
+            return finish()
+        return w.broadcast(w.step(finish, "writing the index and manifest"))
+
+
+def _follow(w) -> "ConvertResult":
+    """A rank other than 0 after its shards: rank 0's result once it has written the index and manifest."""
+    return w.broadcast(w.step(lambda: None, "writing the index and manifest"))
 
 
 def _cpu_count() -> int:

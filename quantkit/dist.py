@@ -1,0 +1,187 @@
+"""Several processes, one job: torch.distributed as `torchrun` sets it up, nothing home-made.
+
+    torchrun --nproc-per-node 8 [--nnodes N --node-rank R --rdzv-endpoint HOST:PORT] -m quantkit convert SRC OUT -r R
+
+`world()` reads the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and joins the
+process group once: NCCL when the job runs on CUDA devices, gloo otherwise. A plain `quantkit convert` is
+world size 1 and never touches torch.distributed. Every rank must see the same source and output paths (one
+machine, or nodes on a shared filesystem).
+
+Collective steps go through `World.step`: each rank runs its part, then every rank learns whether any
+failed, and all of them raise the same error (the failing rank its own, the others `RankFailed` naming it),
+so a job never hangs at the next collective because one rank stopped early. A rank that dies outright is
+torchrun's to report: it stops the others. `agree` refuses to start when the ranks were given different
+work (source, recipe, options, quantkit version).
+
+Messages between ranks are small Python objects (identities, shard assignments, errors, results) sent
+with torch.distributed's object collectives; tensors never travel this way, and no checkpoint file is
+ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, TypeVar
+
+from .errors import DistributedError, RankFailed, RanksDisagree
+
+T = TypeVar("T")
+
+# How long a rank waits at a collective for the others (a layer of a trillion-parameter model's calibration
+# can take long); QUANTKIT_DIST_TIMEOUT (seconds) overrides it.
+DEFAULT_TIMEOUT_S = 6 * 3600
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    backend: str | None = None  # None: a single process, torch.distributed not used
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    # ---- collectives (identity operations when size == 1) ------------------------------------------------
+    def barrier(self) -> None:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def all_gather(self, obj: Any) -> list:
+        """Every rank's `obj`, in rank order."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: Any = None, src: int = 0) -> Any:
+        """`obj` of rank `src`, on every rank."""
+        if self.size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def step(self, fn: Callable[[], T], what: str) -> T:
+        """Run `fn` on this rank; if it raised here or on any other rank, raise on every rank (see the module
+        docstring). `what` names the step in the error the other ranks raise."""
+        if self.size == 1:
+            return fn()
+        err: BaseException | None = None
+        try:
+            val = fn()
+        except Exception as e:  # every kind: a bug on one rank must not leave the others waiting
+            err, val = e, None
+        report = None if err is None else (type(err).__name__, getattr(err, "message", None) or str(err))
+        reports = self.all_gather(report)
+        failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
+        if failed:
+            if err is not None:
+                raise err
+            r, (kind, msg) = failed[0]
+            raise RankFailed(f"rank {r} failed while {what}: {kind}: {msg}",
+                             hint="the error above from that rank says what to fix; every rank stopped with it")
+        return val
+
+    def agree(self, work: dict) -> None:
+        """Refuse to go on unless every rank was given the same `work` (a JSON-able description: source
+        fingerprint, recipe, options, version). Names the first field that differs and the ranks."""
+        if self.size == 1:
+            return
+        mine = _digest(work)
+        everyone = self.all_gather((mine, work))
+        lead_digest, lead = everyone[0]
+        for r, (d, w) in enumerate(everyone):
+            if d != lead_digest:
+                key = next((k for k in sorted(set(lead) | set(w)) if lead.get(k) != w.get(k)), "?")
+                raise RanksDisagree(f"rank {r} was started with different work than rank 0 ({key} differs): "
+                                    "every rank must run the same command on the same files",
+                                    hint="launch every node with the same arguments and quantkit version, "
+                                         "on a shared filesystem")
+
+    def split(self, items: list[T], weight: Callable[[T], int]) -> list[T]:
+        """This rank's share of `items`: the heaviest first, each to the least loaded rank (ties: the lower
+        rank). Deterministic for a given world size; the union over ranks is `items`."""
+        if self.size == 1:
+            return list(items)
+        load = [0] * self.size
+        owner: dict[int, int] = {}
+        for i in sorted(range(len(items)), key=lambda i: (-weight(items[i]), i)):
+            r = min(range(self.size), key=lambda r: (load[r], r))
+            owner[i] = r
+            load[r] += weight(items[i])
+        return [x for i, x in enumerate(items) if owner[i] == self.rank]
+
+
+def _digest(work: dict) -> str:
+    return hashlib.sha256(json.dumps(work, sort_keys=True, default=str).encode()).hexdigest()
+
+
+_WORLD: World | None = None
+
+
+def world(device: str | None = None) -> World:
+    """This process's place in the job (joined on first use). `device`: "cuda..." selects NCCL."""
+    global _WORLD
+    if _WORLD is not None:
+        return _WORLD
+    size = _env_int("WORLD_SIZE", 1)
+    if size <= 1:
+        _WORLD = World()
+        return _WORLD
+    rank, local = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    if not 0 <= rank < size:
+        raise DistributedError(f"RANK={rank} is outside WORLD_SIZE={size}", hint="launch with torchrun")
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if (device or "").startswith("cuda") and torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        try:
+            timeout = timedelta(seconds=float(os.environ.get("QUANTKIT_DIST_TIMEOUT", DEFAULT_TIMEOUT_S)))
+        except ValueError:
+            raise DistributedError("QUANTKIT_DIST_TIMEOUT must be a number of seconds") from None
+        if backend == "nccl":
+            torch.cuda.set_device(local)
+        try:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        except Exception as e:  # rendezvous failures: the launcher's environment is wrong or a peer is missing
+            raise DistributedError(f"joining the job ({size} ranks, backend {backend}) failed: "
+                                   f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+                                   hint="launch with torchrun (it sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)") \
+                from None
+    _WORLD = World(rank=rank, size=size, local_rank=local, backend=backend)
+    return _WORLD
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise DistributedError(f"{name}={v[:20]!r} is not an integer", hint="launch with torchrun") from None
+
+
+def shutdown() -> None:
+    """Leave the process group (the CLI calls it on exit)."""
+    global _WORLD
+    if _WORLD is not None and _WORLD.size > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    _WORLD = None

@@ -1,0 +1,113 @@
+"""`torchrun -m quantkit convert`: the shards split over ranks (gloo on the CPU), one output.
+
+Launched for real with torchrun (--standalone: a free port per job). What must hold: the output is byte
+for byte the single-process one for 2 and 3 ranks; ranks given different work refuse to start; a rank that
+fails stops every rank with an error naming it; a job whose rank was SIGKILLed mid-way resumes, run again
+with the same command, to the same bytes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from quantkit.convert import ConvertOptions, convert
+from quantkit.pack.manifest import JOURNAL_DIR, MANIFEST_NAME
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "QUANTKIT_DIST_TIMEOUT": "120"}
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def _torchrun(n: int, *args, script: str | None = None, cwd=None) -> subprocess.CompletedProcess:
+    target = [str(script)] if script else ["-m", "quantkit"]
+    return subprocess.run(TORCHRUN + [f"--nproc-per-node={n}"] + target + [str(a) for a in args],
+                          capture_output=True, text=True, env=ENV, timeout=300, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    from quantkit.testing import make_tiny_model
+
+    d = tmp_path_factory.mktemp("dist")
+    return make_tiny_model("qwen3_moe", d / "src", max_shard_size="100KB")  # 10 shards
+
+
+@pytest.fixture(scope="module")
+def single(src, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "q"
+    convert(src, out, ConvertOptions(recipe="int4-experts-rtn"))
+    return _files(out)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_write_the_single_process_bytes(src, single, tmp_path, ranks):
+    out = tmp_path / "q"
+    p = _torchrun(ranks, "convert", src, out, "-r", "int4-experts-rtn", "--json")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert _files(out) == single
+    assert p.stdout.count('"tensors_quantized"') == 1  # rank 0 alone prints the result
+
+
+RANKED = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    import quantkit.convert as qc
+    from quantkit.cli import main
+    from quantkit.errors import QuantkitError
+    rank = int(os.environ["RANK"])
+    src, out, mode, marker = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
+    recipe = "int4-experts-rtn"
+    if mode == "disagree" and rank == 1:
+        recipe = "nvfp4-experts"
+    if mode in ("fail", "kill") and rank == 1:
+        real, seen = qc.run_shard, []
+        def run_shard(*a, **k):
+            if mode == "fail":
+                raise QuantkitError("injected failure")
+            seen.append(real(*a, **k))
+            if len(seen) == 2 and not marker.exists():  # the first run only: SIGKILL mid-job
+                marker.touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return seen[-1]
+        qc.run_shard = run_shard
+    main(["convert", src, out, "-r", recipe])
+""")
+
+
+def _ranked(tmp_path, src, out, mode) -> subprocess.CompletedProcess:
+    p = tmp_path / "ranked.py"
+    p.write_text(RANKED)
+    return _torchrun(2, src, out, mode, tmp_path / "killed", script=p)
+
+
+def test_ranks_given_different_work_refuse(src, tmp_path):
+    p = _ranked(tmp_path, src, tmp_path / "q", "disagree")
+    assert p.returncode != 0
+    assert "rank 1 was started with different work than rank 0 (identity differs)" in p.stderr
+    assert not (tmp_path / "q" / MANIFEST_NAME).exists()
+
+
+def test_a_failing_rank_stops_every_rank(src, tmp_path):
+    p = _ranked(tmp_path, src, tmp_path / "q", "fail")
+    assert p.returncode != 0
+    assert "injected failure" in p.stderr  # rank 1's own error
+    assert "rank 1 failed while converting its shards" in p.stderr  # and rank 0's, naming it
+
+
+def test_a_killed_rank_resumes_to_the_same_bytes(src, single, tmp_path):
+    out = tmp_path / "q"
+    first = _ranked(tmp_path, src, out, "kill")
+    assert first.returncode != 0 and (tmp_path / "killed").exists()
+    journaled = len(list((out / JOURNAL_DIR).glob("*.json")))
+    assert 0 < journaled < 10  # it died mid-way, some shards done
+    again = _ranked(tmp_path, src, out, "kill")  # the same command; the marker says the kill has happened
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _files(out) == single
