@@ -22,12 +22,15 @@ Two things stop the scales, and no checkpoint name or config key gets past both:
    (deepseek_v2.py:1215, layers/mla.py:122), which ends in `mla_attn.k_scale`, never `.attn.k_scale`.
 
 What `register()` changes, and nothing else:
-- an MLAAttention layer of a compressed-tensors checkpoint that declares a kv_cache_scheme gets vLLM's own
+- an MLAAttention layer of a compressed-tensors checkpoint that declares a kv_cache_scheme with strategy
+  `tensor` (what quantkit writes for MLA models) gets vLLM's own
   `CompressedTensorsKVCacheMethod` (the method `Attention` layers get), so it has `k_scale`/`v_scale`
   parameters, which vLLM's generic post-load step (model_loader/utils.py `process_weights_after_loading`
   calls every module's quant_method) copies into `_k_scale`/`_v_scale` (that step was not run here: CPU);
-- `maybe_remap_kv_scale_name` first tries `<...>.mla_attn.mla_attn.{k,v}_scale` for a name ending in
-  `.attn.{k,v}_scale` that is not a parameter, and otherwise behaves as before.
+- `maybe_remap_kv_scale_name`, given a name ending in `.attn.{k,v}_scale` that is not a parameter, first
+  tries `<stem>.mla_attn.mla_attn.{k,v}_scale` (deepseek_v2.py: DeepSeek-V3, Kimi K2/K2.5, and GLM-5 off
+  CUDA) and `<stem>.{k,v}_scale` (models/deepseek_v32/{nvidia,amd}/model.py, where the attention module is
+  itself an MLAAttention: GLM-5 on CUDA/ROCm), and otherwise behaves as before.
 Both wrappers defer to vLLM whenever vLLM already handles the case (a method for the layer, a name that is
 a parameter), so on a vLLM release that handles MLA scales itself they change nothing.
 
@@ -57,15 +60,19 @@ def register() -> None:
 
 def _give_mla_the_kv_cache_method() -> None:
     from vllm.model_executor.layers.attention import MLAAttention
-    from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors as ct
+    from vllm.model_executor.layers.quantization.compressed_tensors import (
+        compressed_tensors as ct,
+    )
 
     original = ct.CompressedTensorsConfig.get_quant_method
 
     def get_quant_method(self, layer, prefix):
         method = original(self, layer, prefix)
-        if method is None and isinstance(layer, MLAAttention) and self.kv_cache_scheme is not None:
-            # the KV-cache method validates the scheme (fp8, symmetric, tensor/attn_head) as for Attention;
-            # an MLA layer has num_kv_heads == 1, so attn_head also means one scale
+        scheme = self.kv_cache_scheme
+        if method is None and isinstance(layer, MLAAttention) and scheme and scheme.get("strategy") == "tensor":
+            # one latent per token and layer, one scale: strategy tensor only. (attn_head is left to vLLM:
+            # the method's per-head loader slices by the config's num_key_value_heads, which an MLA layer,
+            # with its single cached head, does not have.) The method validates the rest of the scheme.
             return ct.CompressedTensorsKVCacheMethod(self)
         return method
 
@@ -82,9 +89,12 @@ def _route_kv_scale_names_to_mla() -> None:
         if name not in params_dict:
             for leaf in (".k_scale", ".v_scale"):
                 if name.endswith(".attn" + leaf):
-                    mla = name[: -len(".attn" + leaf)] + _MLA_PATH + leaf
-                    if mla in params_dict:
-                        return mla
+                    stem = name[: -len(".attn" + leaf)]
+                    # the MLAAttention inside DeepSeek-V2-family attention (deepseek_v2.py), or an attention
+                    # module that is itself the MLAAttention (models/deepseek_v32/*/model.py, GLM-5 on GPUs)
+                    for candidate in (stem + _MLA_PATH + leaf, stem + leaf):
+                        if candidate in params_dict:
+                            return candidate
         return original(name, params_dict)
 
     maybe_remap_kv_scale_name.__wrapped__ = original
