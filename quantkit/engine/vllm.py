@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..arch import text_config
+from ..match.recipe import FUSED_LINEARS
 from ..pack import kv as kvrules
 from ..pack.config import PACKED_FORMATS, targeting
 from ..read.checkpoint import Checkpoint
@@ -54,7 +55,7 @@ RULES = {r.id: r for r in (
          "model_executor/layers/attention/attention.py; v1/attention/backends/flash_attn.py"),
     Rule("K6", "a missing KV scale stays 1.0 without a warning: every attention layer must ship k_scale and v_scale",
          "model_executor/layers/quantization/compressed_tensors/compressed_tensors.py (create_weights)"),
-    Rule("K7", "a wrapped text model (kimi_k25) takes its KV scales under the wrapper's prefix "
+    Rule("K8", "a wrapped text model (kimi_k25) takes its KV scales under the wrapper's prefix "
                "(`language_model.model.layers.L.self_attn.k_scale`); a bare `model.layers...` name makes the "
                "wrapper's loader raise (no module named 'model')",
          "model_executor/models/kimi_k25.py (hf_to_vllm_mapper); model_executor/models/utils.py (AutoWeightsLoader)"),
@@ -85,8 +86,6 @@ RULES = {r.id: r for r in (
 )}
 
 # the parts vLLM fuses into one Linear (the last part may be ragged)
-FUSED_LINEARS = ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj"),
-                 (("q_a_proj", "kv_a_proj_with_mqa"), "fused_qkv_a_proj"))
 _EXPERT = re.compile(r"^(?P<layer>.*)\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
 
 
@@ -159,7 +158,7 @@ def _kv(ck, cfg, prefix: str, qc, rep: EngineReport, tp: int, plugin: bool) -> N
             if name not in ck.location:
                 bare = kvrules.kv_scale_name(layer, kind)
                 if prefix and bare in ck.location:
-                    rep.add("K7", bare, f"the wrapper's loader raises on it (no module 'model'); name it {name}")
+                    rep.add("K8", bare, f"the wrapper's loader raises on it (no module 'model'); name it {name}")
                 else:
                     rep.add("K6", name, "missing: vLLM would use 1.0 for it, silently")
                 continue

@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -39,6 +40,25 @@ from ..pack.kv import kv_cache_scheme
 METHODS = ("rtn", "gptq", "awq")
 STRATEGIES = ("group", "channel", "tensor", "block", "tensor_group")
 FP4_GROUP_SIZES = {"tensor_group": 16, "group": 32}  # NVFP4: 16 + a global scale; MXFP4: 32, E8M0 scales
+
+
+# Linears that engines run as one (vLLM: qkv_proj, gate_up_proj, DeepSeek's fused_qkv_a_proj): the parts and
+# the fused module's name. A block-FP8 fused Linear needs every part but the last to fill whole blocks of
+# rows (vLLM refuses it at build time otherwise) and takes one scheme for all parts (the first part's).
+FUSED_LINEARS = ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj"),
+                 (("q_a_proj", "kv_a_proj_with_mqa"), "fused_qkv_a_proj"))
+
+
+def fused_rows_ok(module: str, rows_of: Callable[[str], int | None], block_rows: int) -> bool:
+    """False when `module` is a part of a fused Linear (FUSED_LINEARS) whose parts but the last do not all
+    have a multiple of `block_rows` output rows: then every part of it must leave block FP8 alike.
+    `rows_of(module)` gives a module's output rows, None when the checkpoint has no such module."""
+    base, _, last = module.rpartition(".")
+    for parts, _fused in FUSED_LINEARS:
+        if last in parts:
+            rows = [r for r in (rows_of(f"{base}.{p}" if base else p) for p in parts) if r is not None]
+            return all(r % block_rows == 0 for r in rows[:-1])
+    return True
 
 
 @dataclass(frozen=True)
@@ -126,16 +146,24 @@ class Scheme:
         except (RecipeError, TypeError, ValueError):
             return None
 
-    def for_in_features(self, k: int) -> "Scheme":
+    def for_in_features(self, k: int, fused_rows_ok: bool = True) -> "Scheme":
         """The scheme actually applied to a weight with `k` input features: INT4 group-size `fallback`s,
         and for FP8 block schemes the K % b1 rule (dynamic 1 x b1 activation groups in compressed-tensors
         and vLLM need K to be a multiple of the block width, so such a weight takes `fallback: channel`,
-        per-channel FP8, or is an error). convert, the calibrated pass and plan all go through here."""
+        per-channel FP8, or is an error). `fused_rows_ok` False (see `fused_rows_ok`): the module is part of
+        a Linear engines fuse whose parts do not all fill whole blocks of rows, which takes the same
+        fallback. convert, the calibrated pass and plan all go through here."""
         from ..errors import GroupSizeError
 
-        if self.type == "float" and self.strategy == "block" and k % self.block_structure[1]:
+        if self.type == "float" and self.strategy == "block" and (k % self.block_structure[1] or not fused_rows_ok):
             if self.fallback == "channel":
                 return Scheme(8, "float", True, "channel", None)
+            if not k % self.block_structure[1]:  # K fits: the fused rows are what failed
+                raise GroupSizeError(f"it is part of a Linear engines fuse (qkv_proj, gate_up_proj, "
+                                     f"fused_qkv_a_proj) whose parts but the last need multiples of "
+                                     f"{self.block_structure[0]} output rows for block FP8",
+                                     hint="set `fallback: channel` in the recipe's FP8 scheme (per-channel FP8 for "
+                                          "such modules), or leave them unquantized")
             raise GroupSizeError(f"in_features {k} is not a multiple of the FP8 block width {self.block_structure[1]}",
                                  hint="set `fallback: channel` in the recipe's FP8 scheme (per-channel FP8 for such "
                                       "modules), or leave them unquantized")

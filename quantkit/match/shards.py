@@ -28,7 +28,7 @@ from ..read.checkpoint import Shard
 from ..read.safetensors import TensorInfo
 from ..read.sources import FLOAT_DTYPES, StoredWeight
 from ..write.writer import ELEMENT_SIZE
-from .recipe import Recipe, Scheme, WeightGroup
+from .recipe import Recipe, Scheme, WeightGroup, fused_rows_ok
 from .units import CalibratedUnit, CopyUnit, DecodeUnit, FP4Unit, FP8Unit, PassUnit, QuantItem, RTNUnit, SourceRef, Unit
 
 # NVFP4: projections vLLM fuses (w13 = gate + up) and so must share one global scale
@@ -104,10 +104,15 @@ def pass_unit(sw: StoredWeight, reason: str, group: WeightGroup | None, info: Ca
                     json.dumps(cfg), reason)
 
 
-def effective_scheme(module: str, scheme: Scheme, shape: tuple[int, int]) -> Scheme:
-    """The scheme applied to `module`'s [N, K] weight (Scheme.for_in_features), errors naming the module."""
+def effective_scheme(module: str, scheme: Scheme, shape: tuple[int, int],
+                     rows_of: Callable[[str], int | None] | None = None) -> Scheme:
+    """The scheme applied to `module`'s [N, K] weight (Scheme.for_in_features; with `rows_of`, a module's
+    output rows, also the fused-Linear rows rule of block FP8), errors naming the module."""
     try:
-        return scheme.for_in_features(shape[1])
+        ok = True
+        if rows_of is not None and scheme.type == "float" and scheme.strategy == "block":
+            ok = fused_rows_ok(module, rows_of, scheme.block_structure[0])
+        return scheme.for_in_features(shape[1], ok)
     except GroupSizeError as e:
         raise GroupSizeError(f"{module}: {e.message}", hint=e.hint) from None
 
@@ -177,10 +182,16 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
 
     loc = location if location is not None else {n: shard.name for n in shard.tensors}
 
+    def rows_of(module):
+        """Output rows of a module anywhere in the checkpoint (dense or stored quantized), None if absent."""
+        if module in stored:
+            return stored[module].shape[0]
+        return info(f"{module}.weight").shape[0] if f"{module}.weight" in loc else None
+
     def add_quant(module, ref, shape, dtype, layer_key, g, scheme=None):
         if g.method != "rtn" and not calibrated:
             raise QuantkitError(f"{module}: method {g.method} needs calibration data")
-        scheme = scheme or effective_scheme(module, g.scheme, shape)
+        scheme = scheme or effective_scheme(module, g.scheme, shape, rows_of)
         if g.method != "rtn":
             kind = CalibratedUnit
         else:
@@ -242,7 +253,8 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
         sw = stored.get(module)
         if sw is not None and sw.primary == name:
             g = recipe.match(module)
-            scheme = None if g is None or sw.encoding == "int4" else effective_scheme(module, g.scheme, sw.shape)
+            scheme = None if g is None or sw.encoding == "int4" else effective_scheme(module, g.scheme, sw.shape,
+                                                                                    rows_of)
             action, reason = decide(sw, scheme, g is not None)
             layer_key = re.sub(r"\.experts\.\d+\.", ".experts.*.", module)
             if action == "pass":

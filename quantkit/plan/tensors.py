@@ -13,7 +13,7 @@ from typing import Any
 
 from ..arch import ModelSpec, fused_experts
 from ..errors import ConfigError
-from ..match.recipe import KVCacheSpec, Recipe, Scheme, WeightGroup, load_recipe
+from ..match.recipe import KVCacheSpec, Recipe, Scheme, WeightGroup, fused_rows_ok, load_recipe
 from ..pack import kv as kvrules
 from ..pack.layout import FP8_RELEASE_SCALE, module_tensors
 from ..read.safetensors import CODE_OF, DTYPES
@@ -237,7 +237,11 @@ def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe:
     dropped: set[str] = set()
     # (group, shape, dtype) -> the replacement tensors as (suffix, shape, dtype): all experts of a model
     # share a handful of shapes, so each scheme is applied (and for_in_features checked) once per shape.
-    memo: dict[tuple[int, tuple[int, ...], str], tuple[tuple[str, tuple[int, ...], str], ...]] = {}
+    memo: dict[tuple[int, tuple[int, ...], str, bool], tuple[tuple[str, tuple[int, ...], str], ...]] = {}
+    def rows_of(module):
+        t = tensors.get(f"{module}.weight")
+        return None if t is None else t[0][0]
+
     requant: dict[str, tuple[Scheme, WeightGroup]] = {}  # FP4 in the source, another scheme in the recipe
     for name, (shape, dtype) in tensors.items():
         kind = _fp4_source(name, tuple(shape), dtype, tensors)
@@ -271,10 +275,13 @@ def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe:
             if group is None:
                 out[name] = (shape, dtype)
                 continue
-            key = (id(group), shape, dtype)
+            ok = True
+            if group.scheme.type == "float" and group.scheme.strategy == "block":  # fused Linears' rows rule
+                ok = fused_rows_ok(module, rows_of, group.scheme.block_structure[0])
+            key = (id(group), shape, dtype, ok)
             parts = memo.get(key)
             if parts is None:
-                scheme = group.scheme.for_in_features(shape[1])  # may raise GroupSizeError
+                scheme = group.scheme.for_in_features(shape[1], ok)  # may raise GroupSizeError
                 parts = memo[key] = _replacement(shape, dtype, scheme, group.name in g_idx_groups)
             for suffix, sh, d in parts:
                 out[module + suffix] = (sh, d)

@@ -487,10 +487,13 @@ def test_glm_recipe_loads_in_transformers(tmp_path):
                           for p in ("gate_proj", "up_proj")])
         assert torch.equal(gate_up[e].to(torch.bfloat16), mine)
     # and the FP8 weights it holds are ours (up to the BF16 rounding of scales it applies on load)
-    q_proj = qmodel.model.layers[0].self_attn.q_proj.weight
-    m = "model.layers.0.self_attn.q_proj"
-    ours = fp8.dequantize(sd[f"{m}.weight"], sd[f"{m}.weight_scale"], fp8.FP8Layout("block", (128, 128)))
-    assert torch.allclose(q_proj.float(), ours, rtol=1e-2, atol=1e-6)
+    # (o_proj in 128x128 blocks; q/k/v, one fused qkv_proj in engines, per channel: k_proj's 64 rows are
+    # not a whole block, tests/engine/test_vllm_rules.py)
+    for proj, layout in (("o_proj", fp8.FP8Layout("block", (128, 128))), ("q_proj", fp8.FP8Layout("channel"))):
+        m = f"model.layers.0.self_attn.{proj}"
+        ours = fp8.dequantize(sd[f"{m}.weight"], sd[f"{m}.weight_scale"], layout)
+        theirs = getattr(qmodel.model.layers[0].self_attn, proj).weight
+        assert torch.allclose(theirs.float(), ours, rtol=1e-2, atol=1e-6), proj
 
 
 def test_partial_blocks_convert_to_outputs_that_load(tmp_path):

@@ -128,7 +128,7 @@ def test_a_bare_kv_scale_name_is_caught(k25, tmp_path):
                            for n, s in index["weight_map"].items()}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     rules = {p["rule"] for p in engine_check(out).problems}
-    assert "K7" in rules
+    assert "K8" in rules
     rep = verify(out)
     assert not rep.format["ok"]
     assert any("wrapper's loader" in p for p in rep.format["problems"])

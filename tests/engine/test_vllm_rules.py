@@ -105,10 +105,35 @@ def test_nvfp4_gate_and_up_must_share_the_global_scale(outputs, tmp_path):
     assert "F1" in _rules(rep) and rep.problems[0]["where"] == name.rsplit(".", 1)[0]
 
 
-def test_fused_block_fp8_parts_must_be_whole_blocks(outputs):
-    """The glm recipe on the tiny glm4_moe: k_proj has 64 rows (2 KV heads x 32), so vLLM's fused qkv_proj
-    refuses it (real GLM configs have whole blocks)."""
-    rep = check(outputs["glm"])
+def test_fused_block_fp8_parts_must_be_whole_blocks(outputs, tmp_path):
+    """The glm recipe on the tiny glm4_moe: k_proj has 64 rows (2 KV heads x 32), which vLLM's fused
+    block-FP8 qkv_proj refuses (real GLM configs have whole blocks). convert gives every part of such a
+    fused Linear the recipe's fallback (per-channel FP8); the same modules in 128x128 blocks, as a tool
+    without the rule writes them, break B2."""
+    good = outputs["glm"]
+    rep = check(good)
+    assert rep.ok and "B2" not in _rules(rep), rep.problems
+    man = json.loads((good / "quantkit_manifest.json").read_text())["tensors"]
+    qkv = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    assert all("channel" in man[m + ".weight"]["scheme"] for m in qkv)  # all parts alike
+    assert "block" in man["model.layers.0.self_attn.o_proj.weight"]["scheme"]  # not fused: stays in blocks
+    m = _copy(good, tmp_path)
+    ck = Checkpoint.open(m)
+    from quantkit.read.tensors import TensorReader
+
+    with TensorReader.of(ck) as r:
+        for shard in {ck.location[q + ".weight"] for q in qkv}:
+            tensors = {n: r.get(n).clone() for n in ck.shard(shard).tensors}
+            for q in qkv:
+                if q + ".weight" in tensors:
+                    n, k = tensors[q + ".weight"].shape
+                    tensors[q + ".weight_scale"] = tensors[q + ".weight_scale"].new_ones(-(-n // 128), -(-k // 128))
+            write_safetensors(m / shard, tensors, metadata={"format": "pt"})
+    cfg = json.loads((m / "config.json").read_text())
+    for g in cfg["quantization_config"]["config_groups"].values():  # the block group's re: target takes them
+        g["targets"] = [t for t in g["targets"] if t not in qkv] or g["targets"]
+    (m / "config.json").write_text(json.dumps(cfg))
+    rep = check(m)
     assert "B2" in _rules(rep)
-    assert any(p["where"].endswith(("self_attn.k_proj", "shared_experts.gate_proj")) for p in rep.problems)
-    assert not verify(outputs["glm"], engine="vllm").passed
+    assert qkv[1] in {p["where"] for p in rep.problems if p["rule"] == "B2"}  # k_proj: 64 rows, not the last part
+    assert not verify(m, engine="vllm").passed

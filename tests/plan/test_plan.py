@@ -382,7 +382,7 @@ groups:
     scheme: {num_bits: 4, type: int, symmetric: false, strategy: group, group_size: 64}
   attention:
     targets: ['re:.*self_attn\\.(q|k|v|o)_proj$']
-    scheme: {num_bits: 8, type: float, strategy: block, block_structure: [128, 128]}
+    scheme: {num_bits: 8, type: float, strategy: block, block_structure: [128, 128], fallback: channel}
 kv_cache: {strategy: attn_head}
 ignore: ['re:.*\\.mlp\\.gate$']
 """
@@ -398,8 +398,12 @@ def test_asymmetric_fp8_block_and_kv_scale_tensors(tiny):
     assert out[e + ".weight_scale"] == ((64, 2), "BF16")
     assert out[e + ".weight_zero_point"] == ((8, 2), "I32")  # [ceil(out/8), groups]
     assert out[e + ".weight_shape"] == ((2,), "I64")
-    q = "model.layers.1.self_attn.q_proj"  # [128, 128] FP8 with one 128x128 block
-    assert out[q + ".weight"] == ((128, 128), "F8_E4M3") and out[q + ".weight_scale"] == ((1, 1), "F32")
+    o = "model.layers.1.self_attn.o_proj"  # [128, 128] FP8 with one 128x128 block (not fused)
+    assert out[o + ".weight"] == ((128, 128), "F8_E4M3") and out[o + ".weight_scale"] == ((1, 1), "F32")
+    q = "model.layers.1.self_attn.q_proj"  # [128, 128], fused with k_proj [64, 128] (not a whole block): channel
+    assert out[q + ".weight"] == ((128, 128), "F8_E4M3") and out[q + ".weight_scale"] == ((128, 1), "F32")
+    with pytest.raises(GroupSizeError, match="fuse"):  # without the fallback: refused, as convert refuses it
+        P.quantized_layout(headers, parse_recipe(MIXED.replace(", fallback: channel", "")), spec=spec)
     assert out["model.layers.1.self_attn.k_scale"] == ((2, 1, 1), "F32")  # [num_kv_heads, 1, 1]
     assert out["model.layers.0.mlp.gate.weight"] == headers["model.layers.0.mlp.gate.weight"]
     mla = P.quantized_layout(P._tensor_shapes_from_checkpoint(tiny["deepseek_v3"]), parse_recipe(MIXED),
