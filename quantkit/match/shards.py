@@ -152,6 +152,8 @@ NOTE_TEXT = {
                  "bit-exact, a block-FP8 weight_scale_inv written as weight_scale)"),
     "fp8-same-scheme": "{n} FP8 module(s) already in the recipe's FP8 scheme ({labels}) passed through bit-exact",
     "fp8-dequantized": ("{n} FP8 module(s) dequantized to BF16 on read and re-quantized ({labels})"),
+    "fp4-dequantized": ("{n} FP4 module(s) decoded on read and re-quantized ({labels}; each one's SQNR against "
+                        "the FP4 values is in the manifest)"),
     "fp4-kept": "{n} FP4 module(s) not targeted by the recipe kept as the source stores them ({labels})",
     "fp4-same-scheme": "{n} FP4 module(s) already in the recipe's FP4 scheme ({labels}) passed through bit-exact",
     "kv-dropped": "{n} KV-cache scale tensor(s) of the source replaced by the new scales",
@@ -216,7 +218,7 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
         ref = _ref_of(f"{base}.{other}")
         if ref is None:
             return None
-        for t in (ref.tensor, ref.scale):
+        for t in ([t for _, t in ref.stored.tensors] if ref.stored is not None else (ref.tensor, ref.scale)):
             if t is not None:
                 need(t)
         return QuantItem(f"{base}.{other}", ref, shape_of(ref))
@@ -225,8 +227,10 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
         """Where a module's float weight comes from, anywhere in the checkpoint (None: not a float weight)."""
         sw = stored.get(module)
         if sw is not None:
-            return None if sw.layout is None else SourceRef(sw.primary, scale=sw.scale, layout=sw.layout,
-                                                            scale_fmt=sw.scale_fmt, encoding=sw.encoding)
+            if sw.layout is None and sw.encoding not in ("nvfp4", "mxfp4"):
+                return None  # INT4 in the source: never re-quantized
+            return SourceRef(sw.primary, scale=sw.scale, layout=sw.layout, scale_fmt=sw.scale_fmt,
+                             encoding=sw.encoding, stored=sw if sw.layout is None else None)
         if f"{module}.weight" in loc:
             return SourceRef(f"{module}.weight")
         m = re.match(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj)$", module)
@@ -236,6 +240,8 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
         return None
 
     def shape_of(ref):
+        if ref.stored is not None:  # FP4 in the source: the decoded [N, K], not the packed bytes' shape
+            return tuple(ref.stored.shape)
         i = info(ref.tensor)
         shape = tuple(i.shape[1:] if ref.expert is not None else i.shape)
         return (ref.rows[1] - ref.rows[0], shape[1]) if ref.rows is not None else shape
@@ -338,8 +344,9 @@ def plan_notes(plans: list[ShardPlan], kv_dropped: int, stored: Mapping[str, Sto
                 for it in u.items:
                     if it.source.encoding is not None:
                         key = f"{it.source.encoding} -> {u.scheme.label}"
-                        counts.setdefault("fp8-dequantized", {}).setdefault(key, 0)
-                        counts["fp8-dequantized"][key] += 1
+                        reason = "fp4-dequantized" if it.source.encoding in ("nvfp4", "mxfp4") else "fp8-dequantized"
+                        counts.setdefault(reason, {}).setdefault(key, 0)
+                        counts[reason][key] += 1
     if kv_dropped:
         counts["kv-dropped"] = {"": kv_dropped}
     notes = []

@@ -109,6 +109,13 @@ def test_fp4_sources_pass_through_or_requantize(tiny_models, tmp_path):
         entries = [e for n, e in man["tensors"].items() if n.endswith(".weight_packed")]
         assert entries and all(e["source_encoding"] == "mxfp4" and 10 < e["sqnr_db"] < 60 for e in entries)
         assert verify(tmp_path / recipe).passed
+        assert any("FP4 module(s) decoded on read" in n for n in man["notes"])
+    # decoded gate/up halves still share one NVFP4 global scale (vLLM's w13 takes one: rule F1)
+    from quantkit.engine.vllm import check as engine_check
+
+    pairs = _pairs(_tensors(tmp_path / "nvfp4-experts"))
+    assert pairs and all(torch.equal(g, u) for g, u in pairs)
+    assert not engine_check(tmp_path / "nvfp4-experts").problems
     # an NVFP4 source passes through unchanged too (its fp8 scales are not FP8 weights to read)
     nv = _tensors(tmp_path / "nvfp4-experts")
     convert(tmp_path / "nvfp4-experts", tmp_path / "nv2", ConvertOptions(recipe="nvfp4-experts"))
