@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from ..arch import WRAPPERS
 from ..errors import QuantkitError
 from ..read.checkpoint import Checkpoint
 from .common import Check, finite
@@ -191,40 +190,28 @@ def _load(path: Path, dev: torch.device, dtype: torch.dtype = torch.bfloat16):
 def transformers_cannot_load(q_dir: Path) -> bool:
     """transformers 5.24 decompresses routed experts stored per expert through a path that knows
     `weight_packed` + `weight_scale` (+ `weight_shape`) only: NVFP4 experts lose their global scale there;
-    its Kimi K2.5 class fails on a KV-scales-only config (no weight groups) for the same reason.
+    and a KV-scales-only config (no weight groups) stops its MoE expert converter.
     Such checkpoints are measured as the reference model with quantkit's dequantized weights (which the
     format stage has proven equal, bit for bit, to compressed-tensors' own decompression)."""
     ck = Checkpoint.open(q_dir)
-    if ck.config.get("model_type") in WRAPPERS and not (ck.quantization_config or {}).get("config_groups"):
-        return True  # transformers' Kimi K2.5 class decompresses its experts whenever the quant_method is set
+    qc = ck.quantization_config or {}
+    if qc and not qc.get("config_groups"):
+        return True  # KV scales only: transformers' MoE expert converter indexes config_groups[0]
     return any(n.endswith(".weight_global_scale") and ".experts." in n for n in ck.location)
 
 
 def load_dequantized(ref_dir: Path, q_dir: Path, dev: torch.device, dtype: torch.dtype = torch.bfloat16):
-    """The reference model (in `dtype`) with every quantized module of `q_dir` replaced by its
-    dequantization."""
-    from ..pack import fp4 as fp4pack
-    from ..pack.int4 import dequantize_module
+    """The reference model (in `dtype`) with every quantized module of `q_dir` (INT4, NVFP4, MXFP4 and FP8
+    alike, read.sources.scan) replaced by its dequantization."""
+    from ..read.sources import detect_format, scan
     from ..read.tensors import TensorReader
 
     model = _load(ref_dir, dev, dtype)
     ck = Checkpoint.open(q_dir)
     params = dict(model.named_parameters())
-    r = TensorReader.of(ck)
-    try:
-        for name in ck.location:
-            if not name.endswith(".weight_packed"):
-                continue
-            m = name[: -len(".weight_packed")]
-            local = {s: r.get(t) for t in ck.location if t.startswith(m + ".") and "." not in (s := t[len(m) + 1:])}
-            if "weight_shape" in local:
-                w = dequantize_module(local, torch.float32)
-            else:
-                kind = "nvfp4" if "weight_global_scale" in local else "mxfp4"
-                w = fp4pack.dequantize_module(kind, local, torch.float32)
-            assign_weight(params, m, w)
-    finally:
-        r.close()
+    with TensorReader.of(ck) as r:
+        for m, sw in scan(ck, detect_format(ck.config)).items():
+            assign_weight(params, m, r.decode(sw, torch.float32))
     return model
 
 
@@ -265,7 +252,7 @@ def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: 
     say("numerics: loading the quantized model (compressed-tensors decompresses it)")
     try:
         if transformers_cannot_load(q_dir):
-            say("numerics: transformers cannot load this checkpoint as written (NVFP4 routed experts, or a Kimi K2.5 "
+            say("numerics: transformers cannot load this checkpoint as written (NVFP4 routed experts, or a "
                 "config with KV scales only): the reference model with quantkit's dequantized weights")
             qnt = load_dequantized(ref_dir, q_dir, dev)
         else:

@@ -256,3 +256,30 @@ def test_thresholds_overrides():
         Thresholds(min_top1=1.5)
     with pytest.raises(QuantkitError):
         Thresholds(max_kl=float("nan"))
+
+
+def test_outputs_transformers_cannot_load_are_measured_on_the_dequantized_reference(converted, tmp_path):
+    """A KV-scales-only config stops transformers' MoE expert converter, so the model-level checks run on the
+    reference model with the output's weights: here the reference's own (KL exactly 0). With FP8 modules
+    (glm recipe) the dequantized model carries their FP8 values, not the reference's."""
+    from quantkit.quant import fp8
+    from quantkit.verify.numerics import load_dequantized, transformers_cannot_load
+
+    src, _ = converted
+    kv = tmp_path / "kv"
+    convert(src, kv, ConvertOptions(recipe="fp8-kv", num_samples=2, seq_len=16))
+    assert transformers_cannot_load(kv)
+    rep = verify(kv, reference=src, **SMALL)
+    assert rep.passed, rep.failed_checks()
+    assert rep.metrics["kl_divergence"] == 0.0
+    glm = tmp_path / "glm"
+    convert(src, glm, ConvertOptions(recipe="glm"))
+    model = load_dequantized(src, glm, torch.device("cpu"), torch.float32)
+    ck = Checkpoint.open(glm)
+    m = "model.layers.0.self_attn.o_proj"
+    with SafetensorsFile(glm / ck.location[m + ".weight"]) as f:
+        q = f.get(m + ".weight")
+    with SafetensorsFile(glm / ck.location[m + ".weight_scale"]) as f:
+        s = f.get(m + ".weight_scale")
+    want = fp8.dequantize(q, s, fp8.FP8Layout("block", (128, 128)))
+    assert torch.equal(model.model.layers[0].self_attn.o_proj.weight.data, want)
