@@ -269,6 +269,12 @@ def describe_scheme(label: str) -> str:
     if m:
         gran = f"{m[2]}x{m[3]} blocks" if m[2] else f"per {m[1]}"
         return f"FP8 (e4m3) weights, {gran}; dynamic FP8 activations (W8A8){suffix}"
+    m = re.fullmatch(r"(nvfp4|mxfp4)-g(\d+)", core)
+    if m:
+        scales = ("an FP8 (e4m3) scale per group and an FP32 global scale per matrix" if m[1] == "nvfp4"
+                  else "an E8M0 (power-of-two) scale per group")
+        return (f"{m[1].upper()} weights (FP4 E2M1), group {m[2]}, {scales}; activations unquantized "
+                f"(W4A16){suffix}")
     return label
 
 

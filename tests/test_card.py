@@ -171,3 +171,16 @@ def test_unfinished_conversion_has_no_card(out):
     (q / "quantkit_manifest.json").write_text(json.dumps({"status": "in_progress"}))
     with pytest.raises(ModelCardError):
         write_model_card(q)
+
+
+@pytest.mark.parametrize("label, words", [
+    ("int4-g32-sym", ["INT4 weights", "group 32", "symmetric", "W4A16"]),
+    ("fp8-block128x128", ["FP8 (e4m3) weights", "128x128 blocks", "W8A8"]),
+    ("nvfp4-g16", ["NVFP4 weights", "group 16", "FP8 (e4m3) scale", "FP32 global scale", "W4A16"]),
+    ("mxfp4-g32+source", ["MXFP4 weights", "group 32", "E8M0", "as stored in the source"]),
+])
+def test_schemes_are_described_in_words(label, words):
+    from quantkit.card import describe_scheme
+
+    text = describe_scheme(label)
+    assert all(w in text for w in words), text

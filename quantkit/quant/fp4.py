@@ -6,7 +6,7 @@ groups, quantize activations (W4A4 `input_global_scale`) or run a kernel. Verbs 
 `choose_qparams_*` -> `quantize_*` -> `dequantize_*` (the packing is pack/fp4.py). Every function is
 pure and batched over leading dims: a weight is [..., N, K] (all experts of a layer as [E, N, K]).
 
-The judge is compressed-tensors 0.20.1 (tests/test_fp4.py): its compressors must give the same bytes from
+The judge is compressed-tensors 0.20.1 (tests/quant/test_fp4.py): its compressors must give the same bytes from
 the same BF16/FP32 weight, and decompress ours to the same bits. What it does, and so what we do:
 
 - E2M1 (`quantization/utils/fp4_utils.py: cast_to_fp4`): magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 at index
