@@ -11,8 +11,9 @@ verify/integrity.py, verify/format.py, verify/numerics.py.
    module with `weight_packed` resolves to one config group (exact name > `re:` pattern > class name, as
    compressed-tensors matches), is not ignored, and carries `weight_scale` / `weight_shape` (and
    `weight_zero_point` iff asymmetric, `weight_g_idx` iff actorder "group") of the dtypes and shapes
-   the group implies; compressed-tensors' own decompressor (the judge) must reproduce our dequantization
-   bit for bit.
+   the group implies; each FP8 module (a float8 `weight`) resolves to a `float-quantized` group and carries
+   a float32 `weight_scale` of the shape its strategy implies; compressed-tensors' own decompressor (the
+   judge) must reproduce our dequantization bit for bit.
 3. Numerics (needs `reference`, the source checkpoint): per-module weight SQNR of our dequantization
    against the reference tensor (read lazily, shard by shard), aggregated per decoder layer and compared
    with the SQNR the manifest recorded at conversion; then both models run with transformers on token

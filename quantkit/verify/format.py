@@ -1,8 +1,10 @@
 """Stage 2 of `verify`, the format (headers and small tensors): config.json's `quantization_config`
-against the tensors. Each module with `weight_packed` resolves to one config group (exact name > `re:`
-pattern > class name, as compressed-tensors matches), is not ignored, and carries the tensors the group
-implies (pack/layout.py); compressed-tensors' own decompressor (the judge) must reproduce our
-dequantization bit for bit. The same pass measures each module's weight SQNR against the reference."""
+against the tensors. Each quantized module resolves to one config group (exact name > `re:` pattern >
+class name, as compressed-tensors matches), is not ignored, and carries the tensors the group implies
+(pack/layout.py): packed modules (`weight_packed`: INT4, NVFP4, MXFP4) a packed group, FP8 modules (a
+float8 `weight` + `weight_scale`) a `float-quantized` group. compressed-tensors' own decompressor (the
+judge) must reproduce our dequantization bit for bit. The same pass measures each module's weight SQNR
+against the reference."""
 
 from __future__ import annotations
 
@@ -21,14 +23,19 @@ from ..pack import fp4 as fp4pack
 from ..pack.config import PACKED_FORMATS, targeting, weights_label
 from ..pack.int4 import dequantize_module
 from ..pack.layout import FP4_SUFFIXES, INT4_SUFFIXES, module_tensors
+from ..quant.fp8 import FP8_DTYPE, FP8Layout, dequantize as fp8_dequantize
 from ..quant.int4 import sqnr_db
 from ..read.checkpoint import Checkpoint
-from ..read.sources import SourceFormatError, detect_format, scan
+from ..read.sources import CT_FP8_FORMATS, SourceFormatError, detect_format, scan
 from ..read.tensors import TensorReader
 from .common import SQNR_CAP_DB, Listing
 
 KERNEL_MODULES = 4  # modules the kernel check runs the INT4 GEMM on
 SCALE_DTYPES = (torch.bfloat16, torch.float16)
+# FP8 scales are float32 (docs/format.md); a module passed through from a compressed-tensors source keeps
+# its source's scale dtype, which compressed-tensors also writes as bfloat16 / float16
+FP8_SOURCE_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_STRATEGIES = ("tensor", "channel", "block")
 
 
 @dataclass(frozen=True)
@@ -36,8 +43,10 @@ class _Group:
     name: str
     targets: tuple[str, ...]
     weights: dict
-    ok: bool  # the weights config is one this version can check (INT4 group/channel, NVFP4, MXFP4)
-    kind: str = "int4"  # the encoding its format names: int4 | nvfp4 | mxfp4
+    ok: bool  # the weights config is one this version can check (INT4 group/channel, NVFP4, MXFP4, FP8)
+    kind: str = "int4"  # the encoding its format names: int4 | nvfp4 | mxfp4 | fp8 | other (checks nothing)
+    format: str = "pack-quantized"  # its compressed-tensors format (the top-level one unless mixed-precision)
+    input_activations: dict | None = None
 
     @property
     def symmetric(self) -> bool:
@@ -57,21 +66,34 @@ class _Group:
     def scheme(self) -> Scheme | None:
         return Scheme.from_weights_config(self.weights)
 
+    @property
+    def packed(self) -> bool:
+        return self.kind in ("int4", "nvfp4", "mxfp4")
 
-def _config_groups(qc: dict | None, problems: Listing, judge: "Judge") -> tuple[list[_Group], list[str]]:
-    """(groups, ignore) from config.json's quantization_config, reporting what makes it unloadable."""
+    @property
+    def fp8_layout(self) -> FP8Layout:
+        """FP8 groups (ok): where the scales of a module's weight live."""
+        bs = self.weights.get("block_structure")
+        return FP8Layout(self.weights["strategy"], (bs[0], bs[1]) if self.weights["strategy"] == "block" else None)
+
+
+def _config_groups(qc: dict | None, problems: Listing, judge: "Judge",
+                   holds: str = "packed") -> tuple[list[_Group], list[str]]:
+    """(groups, ignore) from config.json's quantization_config, reporting what makes it unloadable.
+    `holds`: what the shards hold, for the messages ("packed", "FP8", "packed and FP8")."""
     if not isinstance(qc, dict):
-        problems.add("config.json has no quantization_config, but the shards hold packed weights")
+        problems.add(f"config.json has no quantization_config, but the shards hold {holds} weights")
         return [], []
     if qc.get("quant_method") != "compressed-tensors":
         problems.add(f"quantization_config.quant_method is {qc.get('quant_method')!r}, not 'compressed-tensors'")
     top_format = qc.get("format")
-    if top_format not in (*PACKED_FORMATS, "mixed-precision"):
-        problems.add(f"quantization_config.format is {top_format!r}; packed weights need one of "
-                     f"{', '.join(PACKED_FORMATS)} (or mixed-precision)")
+    allowed = [*(PACKED_FORMATS if "packed" in holds else ()), *(CT_FP8_FORMATS if "FP8" in holds else ())]
+    if top_format not in (*PACKED_FORMATS, *CT_FP8_FORMATS, "mixed-precision"):
+        problems.add(f"quantization_config.format is {top_format!r}; {holds} weights need one of "
+                     f"{', '.join(allowed)} (or mixed-precision)")
     if qc.get("quantization_status") != "compressed":
         problems.add(f"quantization_config.quantization_status is {qc.get('quantization_status')!r}, not "
-                     "'compressed': loaders would not decompress the packed weights")
+                     f"'compressed': loaders would not decompress the {holds} weights")
     ignore = qc.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
         problems.add("quantization_config.ignore must be a list of module names or 're:' patterns")
@@ -89,10 +111,29 @@ def _config_groups(qc: dict | None, problems: Listing, judge: "Judge") -> tuple[
         w = g["weights"]
         ok = True
         fmt = g.get("format", top_format) if top_format == "mixed-precision" else top_format
-        kind = PACKED_FORMATS.get(fmt)
+        kind = PACKED_FORMATS.get(fmt) or ("fp8" if fmt in CT_FP8_FORMATS else None)
+        targets = tuple(t for t in g["targets"] if isinstance(t, str))
+        acts = g.get("input_activations") if isinstance(g.get("input_activations"), dict) else None
         if kind is None:
-            continue  # another format (e.g. FP8 float-quantized): not packed, not checked here
-        if kind == "int4":
+            # another format (e.g. dense, int-quantized): nothing here to check, but it still takes part in
+            # the precedence, and a quantized module it targets is reported
+            groups.append(_Group(gname, targets, w, False, "other", str(fmt), acts))
+            continue
+        if kind == "fp8":
+            if w.get("num_bits") != 8 or w.get("type") != "float":
+                problems.add(f"{where}.weights: num_bits {w.get('num_bits')!r} type {w.get('type')!r}; format {fmt} "
+                             "is checked as FP8 (num_bits 8, type float)")
+                ok = False
+            strategy = w.get("strategy")
+            if strategy == "block":
+                bs = w.get("block_structure")
+                if not (isinstance(bs, list) and len(bs) == 2 and all(type(b) is int and b > 0 for b in bs)):
+                    problems.add(f"{where}.weights.block_structure must be two positive integers, got {bs!r}")
+                    ok = False
+            elif strategy not in FP8_STRATEGIES:
+                problems.add(f"{where}.weights.strategy is {strategy!r}; FP8 weights use tensor, channel or block")
+                ok = False
+        elif kind == "int4":
             if w.get("num_bits") != 4 or w.get("type") != "int":
                 problems.add(f"{where}.weights: num_bits {w.get('num_bits')!r} type {w.get('type')!r}; this version "
                              "checks INT4 (num_bits 4, type int) pack-quantized weights")
@@ -116,22 +157,27 @@ def _config_groups(qc: dict | None, problems: Listing, judge: "Judge") -> tuple[
             problems.add(f"{where}.weights: compressed-tensors rejects it: {err}")
             ok = False
         if ok and Scheme.from_weights_config(w) is None:
-            problems.add(f"{where}.weights: not a pack-quantized scheme quantkit can check ({str(w)[:80]})")
+            problems.add(f"{where}.weights: not a {fmt} scheme quantkit can check ({str(w)[:80]})")
             ok = False
-        groups.append(_Group(gname, tuple(t for t in g["targets"] if isinstance(t, str)), w, ok, kind))
+        groups.append(_Group(gname, targets, w, ok, kind, str(fmt), acts))
     return groups, ignore
 
 
-def _group_for(module: str, groups: list[_Group]) -> tuple[_Group | None, str | None]:
-    """compressed-tensors' precedence: an exact name, then a `re:` pattern, then a class name (packed
-    modules are Linear layers). Returns (group, problem)."""
+def _group_for(module: str, groups: list[_Group], has: str = "weight_packed") -> tuple[_Group | None, str | None]:
+    """compressed-tensors' precedence: an exact name, then a `re:` pattern, then a class name (quantized
+    modules are Linear layers). Returns (group, problem); `has` says what the module holds."""
     hit = targeting(module, groups)
     if len(hit) > 1:
         return None, (f"{module}: matched by several config groups at the same precedence "
                       f"({', '.join(g.name for g in hit)})")
     if hit:
         return hit[0], None
-    return None, f"{module}: has weight_packed but no config group targets it"
+    return None, f"{module}: has {has} but no config group targets it"
+
+
+def _wrong_group(module: str, has: str, group: _Group, want: str) -> str:
+    return (f"{module}: has {has}, but the config group that targets it, {group.name}, is {group.format} "
+            f"({group.label}), not {want}")
 
 
 def _layout(group: _Group, n: int, k: int) -> dict[str, tuple]:
@@ -203,10 +249,10 @@ class Judge:
         if self.ct is None:
             return None
         compressor, args, scheme_cls = self.ct
-        if group.kind != "int4":  # the format's own compressor (nvfp4- / mxfp4-pack-quantized)
+        if group.kind != "int4":  # the format's own compressor (nvfp4- / mxfp4-pack-quantized, float-quantized)
             from compressed_tensors.compressors import BaseCompressor
 
-            compressor = BaseCompressor.get_value_from_registry(f"{group.kind}-pack-quantized")
+            compressor = BaseCompressor.get_value_from_registry(group.format)
         scheme = self._schemes.get(group.name)
         if scheme is None:
             scheme = self._schemes[group.name] = scheme_cls(targets=["Linear"], weights=args(**group.weights))
@@ -216,12 +262,9 @@ class Judge:
 def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None, judge: Judge,
                  problems: Listing, sqnr: dict, drift: list, kernel_modules: list, *, want_kernels: bool,
                  say) -> int:
-    """Format checks of every quantized module, and (with a reference) its weight SQNR, in one read
-    of each shard. Returns the number of quantized modules seen."""
+    """Format checks of every quantized module (packed: INT4, NVFP4, MXFP4; FP8), and (with a reference)
+    its weight SQNR, in one read of each shard. Returns the number of quantized modules seen."""
     qc = ck.quantization_config
-    # the packed formats' checks apply when there are packed weights (a KV-scales-only or FP8-only output
-    # has a "dense" / "float-quantized" config and nothing packed)
-    groups, ignore = _config_groups(qc, problems, judge) if _has_packed(ck) else ([], (qc or {}).get("ignore") or [])
     by_module: dict[str, dict] = {}
     for name in ck.location:
         module, _, suffix = name.rpartition(".")
@@ -229,30 +272,40 @@ def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None
             by_module.setdefault(module, {})[suffix] = ck.info(name)
     quantized = sorted(m for m, s in by_module.items() if "weight_packed" in s)
     qset = set(quantized)
+    fp8 = _fp8_modules(ck, qset)
+    # the groups are checked when there are quantized weights (a KV-scales-only output has a "dense"
+    # config and no weight groups)
+    holds = " and ".join(w for w, present in (("packed", quantized), ("FP8", fp8)) if present)
+    groups, ignore = (_config_groups(qc, problems, judge, holds) if holds
+                      else ([], (qc or {}).get("ignore") or []))
     for m, s in sorted(by_module.items()):
         if m not in qset and any(x in s for x in ("weight_shape", "weight_zero_point", "weight_g_idx")):
             problems.add(f"{m}: has {', '.join(sorted(s))} but no weight_packed")
         elif m not in qset and "weight_scale" in s and f"{m}.weight" not in ck.location:
             problems.add(f"{m}.weight_scale: no weight_packed or weight beside it")
     _check_dense_modules(ck, groups, ignore, qset, problems)
-    if qc is None and not quantized:
-        problems.add("config.json has no quantization_config and no shard holds weight_packed: "
-                     "this is not a quantized checkpoint")
+    if qc is None and not quantized and not fp8:
+        problems.add("config.json has no quantization_config and no shard holds weight_packed or an FP8 "
+                     "weight: this is not a quantized checkpoint")
     elif isinstance(qc, dict):
         _check_kv_scales(ck, qc, problems)
     mtable = (manifest or {}).get("tensors") if isinstance((manifest or {}).get("tensors"), dict) else {}
     reader = TensorReader.of(ck)
     ref_reader = _Reference(ref_ck) if ref_ck is not None else None
     shard_of = {m: ck.location[f"{m}.weight_packed"] for m in quantized}
+    shard_of.update({m: ck.location[f"{m}.weight"] for m in fp8})
     try:
         for si, shard in enumerate(ck.shards):
             todo = [m for m in quantized if shard_of[m] == shard.name]
-            if todo:
+            todo_fp8 = [m for m in fp8 if shard_of[m] == shard.name]
+            if todo or todo_fp8:
                 say(f"format{' + sqnr' if ref_reader else ''}: {shard.name} ({si + 1}/{len(ck.shards)}, "
-                    f"{len(todo)} modules)")
+                    f"{len(todo) + len(todo_fp8)} modules)")
             for m in todo:
                 _check_module(m, by_module[m], ck, groups, ignore, mtable, reader, ref_reader, judge,
                               problems, sqnr, drift, kernel_modules if want_kernels else None)
+            for m in todo_fp8:
+                _check_fp8_module(m, ck, groups, ignore, mtable, reader, ref_reader, judge, problems, sqnr, drift)
             reader.release()  # bounded memory: the mapped pages of one shard at a time
             if ref_reader is not None:
                 ref_reader.release()
@@ -260,7 +313,7 @@ def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None
         reader.release()
         if ref_reader is not None:
             ref_reader.release()
-    return len(quantized)
+    return len(quantized) + len(fp8)
 
 
 def _check_kv_scales(ck: Checkpoint, qc: dict, problems: Listing) -> None:
@@ -273,15 +326,24 @@ def _check_kv_scales(ck: Checkpoint, qc: dict, problems: Listing) -> None:
         problems.add(p)
 
 
-def _has_packed(ck: Checkpoint) -> bool:
-    return any(n.endswith(".weight_packed") for n in ck.location)
+def _fp8_modules(ck: Checkpoint, packed: set) -> list[str]:
+    """Modules stored FP8: a `.weight` of a one-byte float dtype (the dtype and shape are checked later),
+    beside no `weight_packed` (that is reported as a packed module holding both)."""
+    out = []
+    for name in ck.location:
+        if name.endswith(".weight") and name[: -len(".weight")] not in packed:
+            dt = ck.info(name).dtype
+            if dt.is_floating_point and dt.itemsize == 1:
+                out.append(name[: -len(".weight")])
+    return sorted(out)
 
 
 _EMBEDDING = re.compile(r".*(embed|wte|wpe)", re.IGNORECASE)
 
 
 def _check_dense_modules(ck: Checkpoint, groups: list[_Group], ignore: list[str], qset: set, problems) -> None:
-    """A 2-D float weight left dense must not be targeted: a loader would look for weight_packed."""
+    """A 2-D float weight left dense must not be targeted: a loader would look for weight_packed (or, under
+    an FP8 group, read it as float8 with a weight_scale)."""
     if not groups:
         return
     for name in ck.location:
@@ -297,11 +359,14 @@ def _check_dense_modules(ck: Checkpoint, groups: list[_Group], ignore: list[str]
         if any(matches(p, m) for p in ignore):
             continue
         g, _ = _group_for(m, groups)
+        if g is not None and g.kind == "other":
+            continue
         by_name = g is not None and (m in g.targets or any(t.startswith("re:") and matches(t, m) for t in g.targets))
         # a ["Linear"] class target cannot see module classes here: embeddings are not Linear, skip them
         if by_name or (g is not None and not _EMBEDDING.match(m)):
+            want = "weight_packed" if g.packed else "a float8 weight and a weight_scale"
             problems.add(f"{m}.weight: stored unquantized, but {g.name} targets it and it is not in ignore "
-                         "(loaders would expect weight_packed)")
+                         f"(loaders would expect {want})")
 
 
 def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: dict, reader: TensorReader,
@@ -313,6 +378,9 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
     if group is None:
         if groups or ck.quantization_config is not None:
             problems.add(why)
+        return
+    if not group.packed:
+        problems.add(_wrong_group(m, "weight_packed", group, "a packed format"))
         return
     if not group.ok:
         return  # the group's config problem is already reported once
@@ -371,23 +439,133 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
     if kernel_modules is not None and len(kernel_modules) < KERNEL_MODULES and group.kind == "int4":
         kernel_modules.append((m, local))
     if ref_reader is not None:
-        if entry.get("method") == "awq":
-            # AWQ folds per-channel scales into the norm, router and up_proj: the stored weight is the
-            # scaled one, so it is compared with the reference at the model level (KL, top-1), not here
-            return
-        ref = _reference_weight(m, entry, ref_reader)
-        if isinstance(ref, str):
-            problems.add(ref)
-            return
-        if tuple(ref.shape) != (n, k):
-            problems.add(f"{m}: the reference weight is {list(ref.shape)}, weight_shape says {[n, k]}")
-            return
-        db = float(sqnr_db(ref, mine))
-        # exact (inf) or an all-zero reference and weight (nan) -> the cap; all-zero reference only -> -cap
-        sqnr[m] = SQNR_CAP_DB if math.isnan(db) else max(-SQNR_CAP_DB, min(SQNR_CAP_DB, db))
-        recorded = entry.get("sqnr_db")
-        if isinstance(recorded, (int, float)) and not isinstance(recorded, bool):
-            drift.append((m, db, float(recorded)))
+        _measure(m, entry, mtable, mine, ref_reader, problems, sqnr, drift,
+                 "weight_shape says" if group.kind == "int4" else "the stored weight is")
+
+
+_NORM_READER = re.compile(r"(.*)\.mlp\.shared_experts?\.(gate|up)_proj$")
+
+
+def _awq_scaled(m: str, entry: dict, mtable: dict) -> bool:
+    """Is the module's stored weight a scaled one? AWQ modules are (their own up->down scales), and so are the
+    shared expert's gate/up of a layer whose post-attention norm AWQ changed (the norm scale is compensated
+    there, so they were quantized from W * s: quantkit/calib/awq_pass.py)."""
+    if entry.get("method") == "awq" or entry.get("modified_by") == "awq":
+        return True
+    hit = _NORM_READER.match(m)
+    norm = mtable.get(f"{hit[1]}.post_attention_layernorm.weight") if hit else None
+    return isinstance(norm, dict) and norm.get("modified_by") == "awq"
+
+
+def _measure(m: str, entry: dict, mtable: dict, mine: torch.Tensor, ref_reader: "_Reference", problems: Listing,
+             sqnr: dict, drift: list, says: str) -> None:
+    """Weight SQNR of our dequantization `mine` [N, K] (float32) against the reference's weight, and the
+    SQNR the manifest recorded for the module, if any, for the drift check."""
+    n, k = mine.shape
+    if _awq_scaled(m, entry, mtable):
+        # AWQ folds per-channel scales into the norm, router, shared expert and up_proj: the stored weight is
+        # the scaled one, so it is compared with the reference at the model level (KL, top-1), not here
+        return
+    ref = _reference_weight(m, entry, ref_reader)
+    if isinstance(ref, str):
+        problems.add(ref)
+        return
+    if tuple(ref.shape) != (n, k):
+        problems.add(f"{m}: the reference weight is {list(ref.shape)}, {says} {[n, k]}")
+        return
+    db = float(sqnr_db(ref, mine))
+    # exact (inf) or an all-zero reference and weight (nan) -> the cap; all-zero reference only -> -cap
+    sqnr[m] = SQNR_CAP_DB if math.isnan(db) else max(-SQNR_CAP_DB, min(SQNR_CAP_DB, db))
+    recorded = entry.get("sqnr_db")
+    if isinstance(recorded, (int, float)) and not isinstance(recorded, bool):
+        drift.append((m, db, float(recorded)))
+
+
+def _check_fp8_module(m: str, ck: Checkpoint, groups: list[_Group], ignore: list[str], mtable: dict,
+                      reader: TensorReader, ref_reader: "_Reference | None", judge: Judge, problems: Listing,
+                      sqnr: dict, drift: list) -> None:
+    """One FP8 (`float-quantized`) module: `<m>.weight` float8_e4m3fn [N, K] + `<m>.weight_scale` of the
+    shape its group's strategy implies ([1], [N, 1], [ceil(N/b0), ceil(K/b1)]), positive and finite;
+    compressed-tensors' decompression equals quantkit's q.float() * scale bit for bit; the SQNR."""
+    winfo = ck.info(f"{m}.weight")
+    has = f"an FP8 weight ({str(winfo.dtype).removeprefix('torch.')})"
+    if any(matches(p, m) for p in ignore):
+        problems.add(f"{m}: stored FP8 (a float8 weight) but listed in quantization_config.ignore (loaders would "
+                     "read the float8 codes as an unquantized weight)")
+    group, why = _group_for(m, groups, has)
+    if group is None:
+        if groups or ck.quantization_config is not None:
+            problems.add(why)
+        return
+    if group.kind != "fp8":
+        problems.add(_wrong_group(m, has, group, "float-quantized (FP8)"))
+        return
+    if not group.ok:
+        return  # the group's config problem is already reported once
+    sname = f"{m}.weight_scale"
+    found = []
+    if winfo.dtype != FP8_DTYPE:
+        found.append(f"{m}.weight: dtype {str(winfo.dtype).removeprefix('torch.')}, expected float8_e4m3fn "
+                     f"({group.name} is {group.label})")
+    if len(winfo.shape) != 2 or not all(winfo.shape):
+        found.append(f"{m}.weight: shape {list(winfo.shape)}, expected a non-empty 2-D [out, in]")
+    if sname not in ck.location:
+        found.append(f"{sname}: missing ({group.name} is {group.label})")
+    for p in found:
+        problems.add(p)
+    if found:
+        return
+    n, k = winfo.shape
+    layout = group.fp8_layout
+    want = layout.scale_shape(n, k)
+    sinfo = ck.info(sname)
+    entry = mtable.get(f"{m}.weight") if isinstance(mtable.get(f"{m}.weight"), dict) else {}
+    bad = False
+    dtypes = FP8_SOURCE_SCALE_DTYPES if entry.get("method") == "passthrough" else (torch.float32,)
+    if sinfo.dtype not in dtypes:
+        problems.add(f"{sname}: dtype {str(sinfo.dtype).removeprefix('torch.')}, expected float32")
+        bad = True
+    have = tuple(sinfo.shape)
+    if have != want and not (want == (1,) and have in ((), (1, 1))):  # a per-tensor scale of another rank
+        problems.add(f"{sname}: shape {list(have)}, expected {list(want)} for weight [{n}, {k}] under "
+                     f"{group.name} ({group.label})")
+        bad = True
+    acts = group.input_activations or {}
+    gs = acts.get("group_size")
+    if acts.get("strategy") == "group" and type(gs) is int and gs > 0 and k % gs:
+        problems.add(f"{m}: in_features {k} is not a multiple of {gs}, the group size of {group.name}'s dynamic "
+                     "input activations (compressed-tensors and vLLM cannot run it)")
+        bad = True
+    if entry.get("scheme") and entry["scheme"] != group.label:
+        problems.add(f"{m}: the manifest records scheme {entry['scheme']}, config.json gives {group.label} "
+                     f"({group.name})")
+    if bad:
+        return
+    q, stored_scale = reader.get(f"{m}.weight"), reader.get(sname)
+    scale = stored_scale.float().reshape(want)
+    if not torch.isfinite(scale).all() or (scale <= 0).any():
+        nbad = int((~torch.isfinite(scale) | (scale <= 0)).sum())
+        problems.add(f"{sname}: {nbad} non-finite or non-positive value(s)")
+        return
+    mine = fp8_dequantize(q, scale, layout, torch.float32)  # [N, K]: q.float() * scale, one rounding
+    nan = int(torch.isnan(mine).sum())
+    if nan:
+        problems.add(f"{m}.weight: {nan} NaN code(s)")
+        return
+    try:
+        theirs = judge.decompress({"weight": q, "weight_scale": stored_scale}, group)
+    except Exception as e:  # third-party code on untrusted tensors: its failure is the finding
+        problems.add(f"{m}: compressed-tensors cannot decompress it: {type(e).__name__}: {str(e)[:160]}")
+    else:
+        # float32 scales: both sides compute float32(q) * scale, one IEEE multiply, so the bits agree;
+        # a passed-through bf16/fp16 scale: compressed-tensors multiplies in that dtype, i.e. rounds the exact
+        # product (q has 4 significant bits, the scale 8 or 11: exact in float32) once, as mine.to() does
+        if theirs is not None and (tuple(theirs.shape) != (n, k) or not torch.equal(theirs, mine.to(theirs.dtype))):
+            diff = (theirs.float() - mine).abs().max().item() if tuple(theirs.shape) == (n, k) else float("nan")
+            problems.add(f"{m}: compressed-tensors decompresses it differently from quantkit "
+                         f"(shape {list(theirs.shape)}, max |diff| {diff:.3g})")
+    if ref_reader is not None:
+        _measure(m, entry, mtable, mine, ref_reader, problems, sqnr, drift, "the stored weight is")
 
 
 class _Reference:
