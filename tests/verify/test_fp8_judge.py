@@ -123,8 +123,7 @@ def test_block_fp8_source_passed_through(tmp_path):
     assert all(man["tensors"][f"{m}.weight"]["method"] == "passthrough" for m in kept)
     r = verify(out)
     assert r.passed and r.format["modules_checked"] == 12 + 2, r.format
-    # the SQNR pass against the FP8 reference (the model-level metrics would load the FP8 reference in
-    # transformers, which needs accelerate: the tensor pass is what measures SQNR)
+    # the SQNR pass itself, against the FP8 reference
     problems, sqnr, drift = Listing(), {}, []
     n = vformat.tensor_pass(Checkpoint.open(out), man, Checkpoint.open(tmp_path / "fp8"), vformat.Judge(), problems,
                             sqnr, drift, [], want_kernels=False, say=lambda _s: None)
@@ -225,3 +224,17 @@ def test_awq_scaled_shared_expert_is_left_to_the_model_level(glm):
     assert measured(man) == (set(shared), set(shared))
     man["tensors"]["model.layers.1.post_attention_layernorm.weight"]["modified_by"] = "awq"
     assert measured(man) == ({shared[2]}, {shared[2]})
+
+
+def test_verify_against_a_block_fp8_release(tmp_path):
+    """The whole verify, numerics included, with the FP8 release as the reference: transformers loads it
+    through accelerate (a dependency). Whole 128-blocks here, as the releases have (transformers, like
+    vLLM, cannot load a release with partial blocks in a merged layer)."""
+    bf16 = make_tiny_model("deepseek_v3", tmp_path / "bf16")
+    write_block_fp8_checkpoint(bf16, tmp_path / "fp8")
+    out = tmp_path / "q"
+    convert(tmp_path / "fp8", out, ConvertOptions(recipe="int4-experts-rtn"))
+    rep = verify(out, reference=tmp_path / "fp8", num_samples=2, seq_len=16, generation_tokens=0)
+    assert rep.passed, rep.failed_checks()
+    assert 0 < rep.metrics["kl_divergence"] < 0.05
+    assert rep.format["modules_checked"] > len([m for m in _fp8_modules(out)])  # INT4 experts and FP8 kept
