@@ -1,3 +1,4 @@
+import faulthandler
 import os
 
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -5,6 +6,28 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import pytest  # noqa: E402
 
 from quantkit.testing import ARCHS, make_tiny_model  # noqa: E402
+
+
+# A test (setup and teardown included) that runs past this many seconds is a hang: every thread's stack is
+# written to the real stderr and the run ends there, instead of waiting for CI's own limit with no clue.
+TEST_TIMEOUT_S = float(os.environ.get("QUANTKIT_TEST_TIMEOUT", "900"))
+_STDERR_COPY: int | None = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    global _STDERR_COPY
+    _STDERR_COPY = os.dup(2)  # before any capture: where the watchdog writes
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if TEST_TIMEOUT_S > 0 and _STDERR_COPY is not None:
+        faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True, file=_STDERR_COPY)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")

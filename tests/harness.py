@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -23,9 +24,11 @@ from quantkit.convert import MANIFEST_NAME
 # Protocol: one JSON request per line on stdin, one JSON reply per line on stdout.
 # request: {argv, stdout, stderr, env, fsize, faults: {kill_at, log, action} | null,
 #           killpg_when_journal: [journal dir, n] | null}
-# reply:   {rc}  (negative: killed by that signal, as subprocess reports it)
+# reply:   {rc, timed_out}  (rc negative: killed by that signal, as subprocess reports it)
+# A child that runs past `timeout` seconds is sent SIGUSR1 (faulthandler dumps every thread's stack into its
+# stderr file), then SIGKILL with its process group: a hang fails that one test with the stacks, never the run.
 SERVER = r'''
-import json, os, resource, signal, sys, time, traceback
+import faulthandler, json, os, resource, signal, sys, time, traceback
 import quantkit.cli, quantkit.convert, quantkit.write.writer  # torch etc. imported once, before any fork
 
 
@@ -85,6 +88,7 @@ def child(req):
         os.dup2(f, fd)
         os.close(f)
     os.environ.update(req.get("env") or {})
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the server asks for the stacks of a hung child
     if req.get("fsize"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit then fail with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize"], req["fsize"]))
@@ -122,22 +126,28 @@ for line in sys.stdin:
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        if req.get("killpg_when_journal"):
-            os.setsid()  # its own process group, so that its worker processes die with it
+        os.setsid()  # its own process group, so that its worker processes die with it
         try:
             child(req)
         finally:
             os._exit(99)
     watch = req.get("killpg_when_journal")
+    deadline = time.monotonic() + float(req.get("timeout") or 600)
+    timed_out = False
     while True:
-        done, status = os.waitpid(pid, os.WNOHANG if watch else 0)
+        done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             break
-        if journal_count(watch[0]) >= watch[1]:
+        if watch and journal_count(watch[0]) >= watch[1]:
             os.killpg(pid, signal.SIGKILL)
             watch = None
+        if not timed_out and time.monotonic() > deadline:
+            timed_out = True
+            os.kill(pid, signal.SIGUSR1)
+            time.sleep(2)
+            os.killpg(pid, signal.SIGKILL)
         time.sleep(0.005)
-    sys.stdout.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
+    sys.stdout.write(json.dumps({"rc": os.waitstatus_to_exitcode(status), "timed_out": timed_out}) + "\n")
     sys.stdout.flush()
 '''
 
@@ -161,20 +171,23 @@ class ForkCli:
         self.lock = threading.Lock()
         self.n = 0
 
-    def run(self, *argv, env=None, fsize=None, faults=None, killpg_when_journal=None) -> Result:
+    def run(self, *argv, env=None, fsize=None, faults=None, killpg_when_journal=None, timeout=600) -> Result:
         with self.lock:
             self.n += 1
             out, err = self.workdir / f"{self.n}.out", self.workdir / f"{self.n}.err"
             req = {"argv": [str(a) for a in argv], "stdout": str(out), "stderr": str(err), "env": env or {},
-                   "fsize": fsize, "faults": faults,
+                   "fsize": fsize, "faults": faults, "timeout": timeout,
                    "killpg_when_journal": [str(killpg_when_journal[0]), killpg_when_journal[1]]
                    if killpg_when_journal else None}
             self.proc.stdin.write(json.dumps(req) + "\n")
             self.proc.stdin.flush()
             line = self.proc.stdout.readline()
             assert line, "the fork server died"
-            rc = json.loads(line)["rc"]
-            return Result(rc, out.read_text(errors="replace"), err.read_text(errors="replace"))
+            reply = json.loads(line)
+            r = Result(reply["rc"], out.read_text(errors="replace"), err.read_text(errors="replace"))
+            assert not reply.get("timed_out"), (f"`quantkit {' '.join(req['argv'])}` ran over {timeout} s and was "
+                                                f"killed; its stacks and stderr:\n{r.stderr[-6000:]}")
+            return r
 
     def convert(self, src, out, *args, **kw) -> Result:
         return self.run("convert", src, out, *args, **kw)
@@ -218,6 +231,25 @@ def reference(cli, src18, tmp_path_factory):
     r = cli.convert(src18, d / "out", faults={"kill_at": 0, "log": str(log)})
     assert r.rc == 0, r.stderr
     return d / "out", log.read_text().splitlines()
+
+
+def run_bounded(cmd, *, timeout: float, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) in a process group of its own: past `timeout`
+    the whole group is killed (subprocess.run kills only the direct child, and then waits for pipes that its
+    children may hold open forever: torchrun's workers, a browser's helpers) and the test fails."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **kw) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            try:
+                out, err = p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:  # a child that left the group still holds a pipe
+                out, err = "", ""
+            raise AssertionError(f"{' '.join(map(str, cmd))[:300]} ran over {timeout} s; its process group was "
+                                 f"killed; stderr:\n{(err or '')[-6000:]}") from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def tree(root: Path) -> dict[str, bytes]:

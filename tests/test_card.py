@@ -4,7 +4,6 @@ ModelCard parser accepts, a body that tells what was quantized and how to serve 
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,13 +11,14 @@ import pytest
 import yaml
 
 from quantkit.card import MLA_KV_SCALES_CAVEAT, START, ModelCardError, split_front_matter, write_model_card
+from harness import run_bounded
 
 QK = Path(sys.executable).parent / "quantkit"
 
 
 def qk(*args):
     env = {**os.environ, "QUANTKIT_DEBUG": "0"}
-    p = subprocess.run([str(QK), *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
+    p = run_bounded([str(QK), *map(str, args)], env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     return p
 

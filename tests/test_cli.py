@@ -3,17 +3,17 @@ errors with a hint and no traceback."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from harness import run_bounded
 
 QK = [sys.executable, "-m", "quantkit.cli"]
 
 
 def run(*args, env=None):
     e = {**os.environ, "QUANTKIT_DEBUG": "0", **(env or {})}
-    return subprocess.run([*QK, *map(str, args)], capture_output=True, text=True, env=e, timeout=600)
+    return run_bounded([*QK, *map(str, args)], env=e, timeout=600)
 
 
 def test_convert_json_is_one_object(tiny_models, tmp_path):

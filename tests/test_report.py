@@ -30,6 +30,7 @@ from quantkit.cli import main as cli_main  # noqa: E402
 from quantkit.errors import CheckpointNotFound, ConfigError, QuantkitError  # noqa: E402
 from quantkit.report import build_report  # noqa: E402
 from quantkit.testing import make_tiny_model  # noqa: E402
+from harness import run_bounded
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -253,7 +254,7 @@ def _chromium(browser: str, profile: Path, url: str, *args: str) -> subprocess.C
            "--disable-background-networking", "--disable-component-update", "--disable-sync",
            f"--user-data-dir={profile}", "--host-resolver-rules=MAP * ~NOTFOUND", "--hide-scrollbars",
            "--enable-logging=stderr", "--v=0", *args, url]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return run_bounded(cmd, timeout=120)
 
 
 _CONSOLE = re.compile(r"\bCONSOLE\b.*")  # Chromium logs every console message (errors, CSP violations) this way

@@ -17,6 +17,7 @@ import pytest
 
 from quantkit.convert import ConvertOptions, convert
 from quantkit.pack.manifest import JOURNAL_DIR, MANIFEST_NAME
+from harness import run_bounded
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "QUANTKIT_DIST_TIMEOUT": "120"}
@@ -28,8 +29,8 @@ def _files(d: Path) -> dict[str, bytes]:
 
 def _torchrun(n: int, *args, script: str | None = None, cwd=None) -> subprocess.CompletedProcess:
     target = [str(script)] if script else ["-m", "quantkit"]
-    return subprocess.run(TORCHRUN + [f"--nproc-per-node={n}"] + target + [str(a) for a in args],
-                          capture_output=True, text=True, env=ENV, timeout=300, cwd=cwd)
+    return run_bounded(TORCHRUN + [f"--nproc-per-node={n}"] + target + [str(a) for a in args],
+                       env=ENV, timeout=300, cwd=cwd)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ the same bytes."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from quantkit.quant import int4
 from quantkit.quant.int4 import dequantize, rtn
 from quantkit.pack.int4 import pack_int4, unpack_int4
+from harness import run_bounded
 
 pytest.importorskip("numba")
 
@@ -135,8 +135,8 @@ def test_convert_output_identical_without_kernel(tmp_path):
     for flag in ("1", "0"):
         out = tmp_path / f"out{flag}"
         env = {**os.environ, "QUANTKIT_NATIVE": flag}
-        r = subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", str(src), str(out), "--json"],
-                           env=env, capture_output=True, text=True)
+        r = run_bounded([sys.executable, "-m", "quantkit.cli", "convert", str(src), str(out), "--json"],
+                        env=env, timeout=600)
         assert r.returncode == 0, r.stderr
         outs[flag] = out
     files = sorted(p.name for p in outs["1"].glob("*.safetensors"))

@@ -26,7 +26,8 @@ import pytest
 from quantkit import errors as E
 from quantkit.convert import ConvertOptions, convert
 
-from harness import GROUP48, Result, assert_clean_failure, cli, manifest_status, reference, src18, tree  # noqa: F401
+from harness import (GROUP48, Result, assert_clean_failure, cli, manifest_status, reference,  # noqa: F401
+                     run_bounded, src18, tree)
 
 
 # ---- building broken checkpoints --------------------------------------------------------------------
@@ -422,9 +423,9 @@ def test_fork_harness_matches_real_cli(cli, src18, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(src18, src)
     _overlap(src)
-    real = subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", str(src), str(tmp_path / "o"), "--json"],
-                          capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k != "QUANTKIT_DEBUG"})
+    real = run_bounded([sys.executable, "-m", "quantkit.cli", "convert", str(src), str(tmp_path / "o"), "--json"],
+                       timeout=300,
+                       env={k: v for k, v in os.environ.items() if k != "QUANTKIT_DEBUG"})
     forked = cli.convert(src, tmp_path / "o", "--json")
     assert (real.returncode, real.stdout, real.stderr) == (forked.rc, forked.stdout, forked.stderr)
     assert_clean_failure(forked, tmp_path / "o", E.InvalidOffsets.hint)

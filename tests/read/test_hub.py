@@ -5,7 +5,6 @@ own layout (`models--ORG--NAME/{blobs,refs,snapshots,trees}`), which huggingface
 import hashlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 from quantkit.errors import CheckpointNotFound, QuantkitError, UnsafeCheckpoint
 from quantkit.hub import (HubError, HubOffline, PickleOnlyRepo, parse_hub_id, resolve_source,
                           snapshot_repo_id)
+from harness import run_bounded
 
 QK = Path(sys.executable).parent / "quantkit"
 
@@ -184,8 +184,8 @@ def test_convert_a_resolved_hub_id(offline, tmp_path):
     snap = resolve_source("org/tiny")
     out = tmp_path / "q"
     env = {**os.environ, "QUANTKIT_DEBUG": "0"}
-    p = subprocess.run([str(QK), "convert", str(snap), str(out), "--recipe", "int4-experts-rtn", "--json"],
-                       capture_output=True, text=True, env=env, timeout=300)
+    p = run_bounded([str(QK), "convert", str(snap), str(out), "--recipe", "int4-experts-rtn", "--json"],
+                    env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert doc["tensors_quantized"] == 24

@@ -5,7 +5,6 @@ MoE against their torch references (which are themselves checked against float64
 Weights come from quant/fp4.py's RTN (rtn_nvfp4 / rtn_mxfp4), i.e. what a converter would write."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from quantkit.runtime.fp4 import (FP4Experts, PackedFP4, fp4_gemm, fp4_gemm_ref,
                                   fused_moe_fp4_ref)
 
 from .helpers import DEVICE, HAVE_TRITON, needs_triton, rel_err
+from harness import run_bounded
 
 # kernel vs reference, as for INT4: both accumulate in fp32 and the dequantized weights are bit-identical
 # (same float32 product e2m1 * scale); on a GPU the kernel rounds them to bf16 for the tensor-core dot
@@ -322,6 +322,5 @@ def test_fp4_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, str(Path(__file__).with_name("_compile_sm90_fp4.py"))], capture_output=True,
-                       text=True, timeout=600, env=env, cwd=root)
+    r = run_bounded([sys.executable, str(Path(__file__).with_name("_compile_sm90_fp4.py"))], timeout=600, env=env, cwd=root)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]

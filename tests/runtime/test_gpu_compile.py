@@ -1,7 +1,6 @@
 """Without a GPU, check that every kernel variant compiles for sm_90 (see _compile_sm90.py)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -9,6 +8,7 @@ import pytest
 import torch
 
 from .helpers import needs_triton
+from harness import run_bounded
 
 
 @needs_triton
@@ -19,5 +19,5 @@ def test_kernels_compile_for_sm90():
     script = Path(__file__).with_name("_compile_sm90.py")
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    r = run_bounded([sys.executable, str(script)], timeout=600, env=env, cwd=root)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]

@@ -1,7 +1,8 @@
 """quantkit.runtime must import and run its torch paths when triton is not installed."""
 
-import subprocess
 import sys
+
+from harness import run_bounded
 
 SCRIPT = r"""
 import sys
@@ -28,6 +29,6 @@ print("ok")
 
 
 def test_imports_and_runs_without_triton():
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    r = run_bounded([sys.executable, "-c", SCRIPT], timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("ok")

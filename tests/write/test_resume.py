@@ -14,7 +14,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 from quantkit import errors as E
 from quantkit.convert import JOURNAL_DIR, MANIFEST_NAME, ConvertOptions, convert
 from harness import (GROUP48, assert_clean_failure, cli, manifest_status,  # noqa: F401
-                          reference, src18, tree)
+                     reference, run_bounded, src18, tree)
 
 SIGKILLED = -9
 M = "out/" + MANIFEST_NAME
@@ -277,8 +276,7 @@ def test_two_clean_runs_and_workers_are_byte_identical(cli, src18, reference, tm
     script = Path(sys.executable).parent / "quantkit"
     exe = [str(script)] if script.is_file() else [sys.executable, "-m", "quantkit.cli"]
     env = {k: v for k, v in os.environ.items() if k != "QUANTKIT_DEBUG"}
-    p = subprocess.run([*exe, "convert", str(src18), str(tmp_path / "a")], capture_output=True, text=True,
-                       env=env, timeout=300)
+    p = run_bounded([*exe, "convert", str(src18), str(tmp_path / "a")], env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     assert tree(tmp_path / "a") == tree(ref_out)
     r = cli.convert(src18, tmp_path / "b", "--workers", "2")
