@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# GPU check of the runtime kernels, for a machine with a CUDA GPU and torch + triton preinstalled
-# (no network needed): installs quantkit without dependencies, runs tests/runtime on CUDA (compiled
-# kernels, not the interpreter), then times the kernels. About 2-3 minutes on an H100/H200.
+# GPU check of the runtime kernels and of calibration on CUDA, for a machine with a CUDA GPU and torch +
+# triton preinstalled (no network needed): installs quantkit without dependencies, runs tests/runtime on
+# CUDA (compiled kernels, not the interpreter), times the kernels, then runs GPTQ of a small bench MoE with
+# --device cuda against the same conversion on the CPU (bench/calib_cuda.py: wall times, peak device memory
+# against the plan's estimate, SQNR / KL / KV-scale agreement within stated tolerances). About 4-6 minutes
+# on an H100/H200.
 #
 #   bench/gpu_check.sh            # logs and JSON under $OUT (default bench/results/gpu_check, gitignored)
 #
-# Exit status: 0 when both the tests and the benchmark succeeded.
+# Exit status: 0 when the tests, the benchmark and the calibration check all succeeded.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -35,4 +38,12 @@ timeout 300 python bench/kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/
 rc_bench=${PIPESTATUS[0]}
 echo "gpu_check: bench rc=$rc_bench in $(( $(date +%s) - start )) s; results in $out"
 
-[[ $rc_tests -eq 0 && $rc_bench -eq 0 ]]
+# calibration on CUDA: GPTQ of a 4-layer bench MoE (hidden 1024, 32 experts) on cuda and on the CPU
+start=$(date +%s)
+timeout 420 python bench/calib_cuda.py --device cuda --workdir "$out/calib_cuda" --json "$out/calib_cuda.json" \
+  2>&1 | tee "$out/calib_cuda.txt"
+rc_calib=${PIPESTATUS[0]}
+echo "gpu_check: calibration rc=$rc_calib in $(( $(date +%s) - start )) s; results in $out/calib_cuda.json"
+rm -rf "$out/calib_cuda"  # the model and the two outputs (~1 GB); the JSON keeps every figure
+
+[[ $rc_tests -eq 0 && $rc_bench -eq 0 && $rc_calib -eq 0 ]]

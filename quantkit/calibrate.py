@@ -9,7 +9,9 @@ attached (`calib.observers`) -> scales = amax / 448 per layer -> `CalibrationRes
 model; a wrapper's checkpoint carries them under its prefix (`CalibrationResult.checkpoint_scales`).
 
 Memory: one decoder layer's weights (in the compute dtype) plus two copies of the calibration
-activations (samples x seq_len x hidden); docs/calibration.md derives the bound.
+activations (samples x seq_len x hidden); docs/calibration.md derives the bound. `device` (cpu, cuda,
+cuda:N, auto; the default is options.DEVICE, shared with the CLI): on a GPU the layers run there in
+bfloat16, and every layer's peak device memory is estimated and checked before any work (calib/device.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .pack import kv as kvrules
 DEFAULT_NUM_SAMPLES: int = options.NUM_SAMPLES
 DEFAULT_SEQ_LEN: int = options.SEQ_LEN
 DEFAULT_STRATEGY = options.KV_STRATEGY
+DEFAULT_DEVICE = options.DEVICE
 STRATEGIES = kvrules.STRATEGIES
 SCALES_FORMAT = "quantkit-kv-scales"
 
@@ -75,6 +78,10 @@ class CalibrationResult:
     # `scales` (and the scales file) are named relative to the text model, as pack/kv.py defines them;
     # `checkpoint_scales()` gives the names a serving engine loads from a checkpoint of this model.
     prefix: str = ""
+    # where the layers ran ("cpu", "cuda:0") and the memory plan (calib/device.py: estimated peak bytes per
+    # layer, available bytes, where the activations lived, the measured peak on a GPU)
+    device: str | None = None
+    memory: dict | None = None
 
     @property
     def kv_cache_scheme(self) -> dict[str, Any]:
@@ -101,6 +108,9 @@ class CalibrationResult:
             out["indexer_k_amax"] = {str(k): v for k, v in sorted(self.indexer_k_amax.items())}
         if self.prefix:
             out["prefix"] = self.prefix
+        if self.device is not None:
+            out["device"] = self.device
+            out["device_memory"] = self.memory
         return out
 
 
@@ -116,23 +126,31 @@ def _floats(t: torch.Tensor, strategy: str) -> float | list[float]:
 
 def calibrate(model_dir: str | os.PathLike, *, dataset: str | os.PathLike | None = None,
               num_samples: int = DEFAULT_NUM_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, strategy: str = DEFAULT_STRATEGY,
-              seed: int = DEFAULT_SEED, dtype: torch.dtype = torch.float32, device: str = "cpu",
+              seed: int = DEFAULT_SEED, dtype: torch.dtype | None = None, device: str | None = DEFAULT_DEVICE,
               batch_tokens: int | None = None, activation_budget_bytes: int = DEFAULT_ACTIVATION_BUDGET,
-              progress: Callable[[int, int], None] | None = None) -> CalibrationResult:
+              available_bytes: int | None = None, progress: Callable[[int, int], None] | None = None,
+              log: Callable[[str], None] | None = None) -> CalibrationResult:
     """Calibrate FP8 KV-cache scales for the checkpoint in `model_dir` (see the module docstring).
-    `progress(layer_idx, num_layers)` is called after each decoder layer. `dtype`/`device`: what the
-    layers compute in; `batch_tokens`: tokens per forward call (None: sized to the layer, see
-    `LayerExecutor.auto_batch_tokens`)."""
+    `progress(layer_idx, num_layers)` is called after each decoder layer; `log(line)` gets the device and its
+    memory plan before the first. `device`: cpu, cuda, cuda:N or auto (None: the default); `dtype`: what the
+    layers compute in (None: float32 on the CPU, bfloat16 on a GPU); `available_bytes`: the device memory the
+    plan may use (None: what the GPU reports free); `batch_tokens`: tokens per forward call (None: sized to
+    the layer, see `LayerExecutor.auto_batch_tokens`)."""
     if strategy not in STRATEGIES:
         raise CalibrationError(f"unknown KV-cache strategy {strategy!r}", hint="use --strategy tensor or attn_head")
     t0 = time.perf_counter()
     ex = LayerExecutor(model_dir, dtype=dtype, device=device, batch_tokens=batch_tokens,
-                       activation_budget_bytes=activation_budget_bytes)
+                       activation_budget_bytes=activation_budget_bytes, available_bytes=available_bytes)
     data = load_calibration_data(dataset, tokenizer=load_tokenizer(model_dir), vocab_size=ex.config.vocab_size,
                                  num_samples=num_samples, seq_len=seq_len, seed=seed)
+    lengths = [len(s) for s in data.samples]
+    plan = ex.plan_memory(lengths, statistics=lambda i, layer: _observer_bytes(ex, ex.call_tokens(lengths)))
+    if log is not None:
+        log(plan.summary())
     kv, experts = KVCacheObserver(), ExpertTokenCounter()
     final = ex.run(data.samples, [kv, experts], progress=progress)
     final.close()
+    ex.measured_peak_bytes()
 
     layers, scales = [], {}
     for i in range(ex.num_layers):
@@ -146,7 +164,21 @@ def calibrate(model_dir: str | os.PathLike, *, dataset: str | os.PathLike | None
         model=str(model_dir), model_type=str(ex.ckpt.config.get("model_type")), attention=ex.spec.attention,
         strategy=strategy, layers=layers, expert_tokens={i: c.tolist() for i, c in sorted(experts.counts.items())},
         scales=scales, data=data.describe(), seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(),
-        top_k=dict(experts.top_k), indexer_k_amax=dict(sorted(kv.indexer_k_amax.items())), prefix=ex.prefix)
+        top_k=dict(experts.top_k), indexer_k_amax=dict(sorted(kv.indexer_k_amax.items())), prefix=ex.prefix,
+        device=str(ex.device), memory=plan.to_json())
+
+
+def _observer_bytes(ex: LayerExecutor, tokens: int) -> dict[str, int]:
+    """What the KV observer holds during one forward call: the recomputed K and V (or the MLA latent) of a
+    batch and their rotated copies, in the compute dtype."""
+    cfg = ex.config
+    item = torch.empty((), dtype=ex.dtype).element_size()
+    if getattr(cfg, "kv_lora_rank", None):
+        width = int(cfg.kv_lora_rank) + int(getattr(cfg, "qk_rope_head_dim", 0) or 0)
+    else:
+        heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        width = 2 * heads * int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    return {"kv_observer": 3 * tokens * width * item}
 
 
 def write_scales(result: CalibrationResult, path: str | os.PathLike) -> int:

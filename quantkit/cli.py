@@ -43,6 +43,17 @@ NumSamplesOpt = Annotated[Optional[int], typer.Option(
     min=1, help=f"Calibration samples (default: the recipe's, then {options.NUM_SAMPLES}).")]
 SeqLenOpt = Annotated[Optional[int], typer.Option(
     min=1, help=f"Tokens per calibration sample (default: the recipe's, then {options.SEQ_LEN}).")]
+DeviceOpt = Annotated[str, typer.Option(
+    help=f"Where calibration computes: {options.DEVICE_CHOICES} (auto: the first GPU torch sees, else the CPU; "
+         "on a GPU the layer runs in bfloat16 and its peak memory is checked before any work).")]
+
+
+def _device(value: str) -> str:
+    """--device spelled right (a usage error otherwise); whether it exists is the library's to say."""
+    try:
+        return options.parse_device(value)
+    except QuantkitError as e:
+        raise typer.BadParameter(e.message, param_hint="--device") from None
 
 
 def _print_json(doc) -> None:
@@ -78,11 +89,13 @@ def convert(
     num_samples: NumSamplesOpt = None,
     seq_len: SeqLenOpt = None,
     kv_scales: Annotated[Optional[Path], typer.Option(help="FP8 KV-cache scales from `quantkit calibrate`.")] = None,
+    device: DeviceOpt = options.DEVICE,
     revision: RevisionOpt = None,
     json_out: JsonOpt = False,
 ):
     """Quantize SRC into OUT per RECIPE, streaming shard by shard."""
     max_shard_bytes = _parse_size(max_shard_size)  # a usage error (exit 2) before anything else
+    device = _device(device)
     src_dir = _source(src, revision)
     from .read import prehash
 
@@ -94,7 +107,7 @@ def convert(
     opts = ConvertOptions(recipe=recipe, workers=workers, resume=resume and not overwrite, overwrite=overwrite,
                           max_shard_bytes=max_shard_bytes, dataset=dataset, num_samples=num_samples,
                           seq_len=seq_len, kv_scales=str(kv_scales) if kv_scales else None,
-                          source_id=None if Path(src).exists() else src)
+                          source_id=None if Path(src).exists() else src, device=device)
     leader = os.environ.get("RANK", "0") in ("0", "")  # under torchrun only rank 0 shows progress and results
     with _progress("converting", enabled=leader) as prog:
         task = prog.add_task("converting", total=None)
@@ -145,18 +158,21 @@ def calibrate(
     num_samples: NumSamplesOpt = None,
     seq_len: SeqLenOpt = None,
     strategy: Annotated[str, typer.Option(help="tensor (one scale per layer) or attn_head (one per KV head).")] = options.KV_STRATEGY,
+    device: DeviceOpt = options.DEVICE,
     revision: RevisionOpt = None,
     json_out: JsonOpt = False,
 ):
     """Measure FP8 KV-cache scales on what the engine caches (post-RoPE K, V; the MLA latent), layer by layer."""
+    device = _device(device)
     model_dir = _source(model, revision)
     from .calibrate import calibrate as run, write_scales
 
     with _progress("calibrating", enabled=True) as prog:
         task = prog.add_task("layers", total=None)
         res = run(model_dir, dataset=dataset, num_samples=num_samples or options.NUM_SAMPLES,
-                  seq_len=seq_len or options.SEQ_LEN, strategy=strategy,
-                  progress=lambda i, n: prog.update(task, completed=i + 1, total=n))
+                  seq_len=seq_len or options.SEQ_LEN, strategy=strategy, device=device,
+                  progress=lambda i, n: prog.update(task, completed=i + 1, total=n),
+                  log=lambda line: prog.console.print(f"note: {escape(line)}", soft_wrap=True))
     write_scales(res, output)
     if json_out:
         _print_json(res.to_json())

@@ -188,6 +188,19 @@ class CalibrationNeeded(QuantkitError):
             "`quantkit convert SRC OUT --recipe RECIPE --kv-scales kv.safetensors`")
 
 
+class DeviceError(QuantkitError):
+    """A calibration device that is malformed or not present on this machine."""
+
+    hint = "use --device cpu, cuda, cuda:N (N: a visible GPU) or auto (the first GPU when torch sees one, else cpu)"
+
+
+class DeviceMemoryError(DeviceError):
+    """A decoder layer's calibration does not fit in the device's free memory (found before any work)."""
+
+    hint = ("free memory on the device (other processes), use a GPU with more memory, or calibrate on the host "
+            "with --device cpu")
+
+
 # --- the reference runtime --------------------------------------------------------------------------
 class RunnerError(QuantkitError):
     hint = "see docs/runtime.md, 'Model runner'"

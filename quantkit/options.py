@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-from .errors import QuantkitError
+from .errors import DeviceError, QuantkitError
 
 # convert
 RECIPE = "int4-experts-rtn"
@@ -21,10 +21,27 @@ BATCH_BYTES = 256 << 20  # source weight bytes quantized in one batch at most
 NUM_SAMPLES = 128
 SEQ_LEN = 512
 KV_STRATEGY = "tensor"
+# where calibration computes (`calibrate`, the calibrated pass of `convert`): "auto" is the first CUDA device
+# torch sees, else the CPU (calib/device.py resolves it; on the CPU nothing changes: float32, host memory)
+DEVICE = "auto"
+DEVICE_CHOICES = "cpu|cuda|cuda:N|auto"
 # verify's model-level metrics
 VERIFY_NUM_SAMPLES = 8
 VERIFY_SEQ_LEN = 128
 VERIFY_GENERATION_TOKENS = 32
+
+
+def parse_device(spec: object) -> str:
+    """The canonical spelling of a calibration device: "cpu", "cuda", "cuda:N" or "auto" (case and blanks
+    around it ignored); anything else is a DeviceError. Only the spelling is checked here: whether that
+    device exists is decided when calibration starts (calib/device.py)."""
+    s = str(spec).strip().lower() if spec is not None else ""
+    if s in ("cpu", "cuda", "auto"):
+        return s
+    head, sep, num = s.partition(":")
+    if head == "cuda" and sep and num.isdigit() and num.isascii():
+        return f"cuda:{int(num)}"
+    raise DeviceError(f"unknown device {spec!r}: expected {DEVICE_CHOICES}")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Hidden states of all calibration samples between decoder layers: one flat buffer in RAM, or a memory-
-mapped temporary file when larger than the budget; saved and restored whole for a resumable pass."""
+"""Hidden states of all calibration samples between decoder layers: one flat buffer in RAM, a memory-mapped
+temporary file when larger than the budget, or (calibrating on a GPU, when they fit there) device memory;
+saved and restored whole for a resumable pass."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from ..write.writer import write_atomic
 
 class ActivationStore:
     """Hidden states of all calibration samples, [T_i, D] each, in one flat buffer: RAM, or a
-    memory-mapped temporary file when larger than the budget (the file is deleted on close)."""
+    memory-mapped temporary file when larger than the budget (the file is deleted on close), or on
+    `device` (an accelerator) when one is given."""
+
+    SAVE_CHUNK = 1 << 26  # bytes copied between the device and the host at once when saving or loading
 
     def __init__(self, lengths: Sequence[int], hidden: int, dtype: torch.dtype, *, budget_bytes: int,
-                 workdir: str | Path | None = None):
+                 workdir: str | Path | None = None, device: torch.device | str | None = None):
         self.lengths = [int(t) for t in lengths]
         self.hidden = hidden
         self.dtype = dtype
@@ -29,7 +33,10 @@ class ActivationStore:
         self.nbytes = tokens * hidden * itemsize
         self.path: Path | None = None
         self._mm = None
-        if self.nbytes > budget_bytes:
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        if self.device.type != "cpu":
+            self.data = torch.empty((tokens, hidden), dtype=dtype, device=self.device)
+        elif self.nbytes > budget_bytes:
             fd, name = tempfile.mkstemp(prefix="quantkit-act-", suffix=".bin", dir=workdir)
             os.close(fd)
             self.path = Path(name)
@@ -74,24 +81,35 @@ class ActivationStore:
     def _bytes(self) -> memoryview:
         return memoryview(self.data.view(-1).view(torch.uint8).numpy()) if self.nbytes else memoryview(b"")
 
+    def _device_chunks(self, chunk: int) -> Iterator[tuple[int, int]]:
+        """Row ranges of about `chunk` bytes (device stores move through the host a chunk at a time)."""
+        rows = int(self.data.shape[0]) if self.data is not None else 0
+        per = max(1, chunk // max(1, self.hidden * self.data.element_size()))
+        for r in range(0, rows, per):
+            yield r, min(rows, r + per)
+
     def save(self, path: str | Path, chunk: int = 1 << 26) -> None:
         """Write the raw buffer to `path` atomically and durably (a reader finds the whole store or none)."""
+        if self.device.type != "cpu":
+            write_atomic(path, (memoryview(self.data[a:b].cpu().view(-1).view(torch.uint8).numpy())
+                                for a, b in self._device_chunks(chunk)))
+            return
         buf = self._bytes()
         write_atomic(path, (buf[i:i + chunk] for i in range(0, len(buf), chunk)))
 
     def load(self, path: str | Path) -> None:
         """Fill this store from a file written by `save` for the same lengths, hidden size and dtype."""
-        buf = self._bytes()
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            if size != len(buf):
-                raise ValueError(f"{path}: {size} bytes, expected {len(buf)}")
-            got = 0
-            while got < len(buf):
-                n = f.readinto(buf[got:])
-                if not n:
-                    raise ValueError(f"{path}: short read")
-                got += n
+            if size != self.nbytes:
+                raise ValueError(f"{path}: {size} bytes, expected {self.nbytes}")
+            if self.device.type != "cpu":
+                for a, b in self._device_chunks(self.SAVE_CHUNK):
+                    host = torch.empty((b - a, self.hidden), dtype=self.dtype)
+                    _read_exact(f, memoryview(host.view(-1).view(torch.uint8).numpy()), path)
+                    self.data[a:b].copy_(host)
+                return
+            _read_exact(f, self._bytes(), path)
 
     def close(self):
         self.data = None
@@ -101,3 +119,12 @@ class ActivationStore:
         if self.path is not None:
             self.path.unlink(missing_ok=True)
             self.path = None
+
+
+def _read_exact(f, buf: memoryview, path) -> None:
+    got = 0
+    while got < len(buf):
+        n = f.readinto(buf[got:])
+        if not n:
+            raise ValueError(f"{path}: short read")
+        got += n

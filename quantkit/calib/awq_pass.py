@@ -1,6 +1,20 @@
 """AWQ for the routed experts of one decoder layer (quant/awq.py does the searches): a scale shared by every
 expert's gate/up folded into the post-attention norm (router and shared expert compensated), per-expert
-up -> down scales, clipping; then RTN with the found parameters, written back into the layer."""
+up -> down scales, clipping; then RTN with the found parameters, written back into the layer.
+
+Each search tries ~21 candidates (n_grid + plain RTN). What keeps that cheap:
+- (1) the norm scale: a candidate is a forward of the whole MoE block (router, routed experts with the
+  batched expert forward, shared expert). Every candidate runs on a strided subset of the sampled tokens
+  (NORM_SEARCH_TOKENS); the NORM_SEARCH_FINALISTS best of them and s = 1 then run on every sampled token,
+  and the best of those wins, so the result still can only improve on RTN over the whole sample. The
+  unquantized block's output on the sample is recorded by the statistics pass (no extra forward).
+- (2) the per-expert up -> down scales: a candidate's loss, the router-weighted output error of the expert,
+  is a quadratic form in the down weights' error: sum_t w_t^2 |(Q(dn s)/s - dn) he_t|^2 = sum_n d_n G d_n^T
+  with G = sum_t w_t^2 he_t he_t^T [I, I] formed once per expert, so a candidate costs H x I x I per expert
+  whatever the number of tokens (it was tokens x I x H).
+- (3) clipping: search_clip's Gram matrices; the four (gate/up, down) clip combinations share the two
+  gate/up products.
+On a GPU every tensor stays on the layer's device; results go to the host only to be emitted."""
 
 from __future__ import annotations
 
@@ -10,7 +24,7 @@ import torch
 
 from ..errors import CalibrationError
 from ..match.recipe import WeightGroup
-from ..quant.awq import choose_qparams_clipped, fake_quant, search_clip, search_scales
+from ..quant.awq import choose_qparams_clipped, fake_quant, scale_candidates, search_clip, search_scales
 from ..quant.int4 import QParams, dequantize, quantize, sqnr_db
 from ..pack.layout import scale_dtype
 from .emit import LayerResult, emit, source_dtype
@@ -18,6 +32,9 @@ from .hessians import PAIR_BUDGET, ExpertStats, coverage, routed_batches
 from .names import disk_name
 
 AWQ_TOKEN_CHUNK = 8192  # tokens per MoE forward inside the norm-scale search (bounds its temporaries)
+NORM_SEARCH_TOKENS = 512  # sampled tokens (strided) every norm-scale candidate is tried on first
+NORM_SEARCH_FINALISTS = 2  # best candidates on that subset, tried again with s = 1 on every sampled token
+CLIP_CHOICE_TOKENS = 512  # rows per expert (strided) the four clip combinations are compared on at most
 
 
 def _stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -41,14 +58,35 @@ def _group_w_mean(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
     return (a / a.amax(-1, keepdim=True).clamp(min=1e-12)).reshape(w.shape).mean(-2)
 
 
+def _search_norm_scale(x_mean, w_mean, loss_on, x: torch.Tensor, fp_out: torch.Tensor, n_grid: int):
+    """The norm-scale grid search (quant.awq.search_scales' candidates and tie rule: the earlier candidate,
+    s = 1 first, wins a tie) run in two rounds: every candidate on NORM_SEARCH_TOKENS strided tokens, then
+    the NORM_SEARCH_FINALISTS best and s = 1 on all of x. `loss_on(s, x, ref)` -> scalar. Returns (s, a)."""
+    n = x.shape[0]
+    if n <= NORM_SEARCH_TOKENS:
+        best, a, _ = search_scales(x_mean, w_mean, lambda s: loss_on(s, x, fp_out), n_grid)
+        return best, float(a)
+    sub = torch.linspace(0, n - 1, NORM_SEARCH_TOKENS, device=x.device).round().long()
+    xs, refs = x[sub], fp_out[sub]
+    cands = [(-1.0, torch.ones_like(x_mean, dtype=torch.float32))] + list(scale_candidates(x_mean, w_mean, n_grid))
+    first = [float(loss_on(s, xs, refs)) for _, s in cands]
+    ranked = sorted(range(len(cands)), key=lambda i: (first[i], i))
+    finalists = sorted({0, *ranked[:NORM_SEARCH_FINALISTS]})
+    full = {i: float(loss_on(cands[i][1], x, fp_out)) for i in finalists}
+    win = min(finalists, key=lambda i: (full[i], i))
+    return cands[win][1], float(cands[win][0])
+
+
 def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: WeightGroup, x: torch.Tensor,
-                    n_grid: int):
+                    n_grid: int, gu: torch.Tensor, fp_out: torch.Tensor | None = None):
     """(1) One per-channel scale s [H] for every routed expert's gate/up (and the shared expert's): the
     post-attention norm weight becomes norm / s, every reader of the norm output (experts, router, shared
     expert) is multiplied by s. The search loss is the MoE block output error against the unquantized block,
     with the routed experts' gate/up quantized in the scaled domain *and* the norm, router and shared
     expert exactly as they will be stored (rounded to their source dtype): a scale whose fold would perturb
-    the router more than it helps the experts loses. s = 1 (plain RTN) is a candidate.
+    the router more than it helps the experts loses. s = 1 (plain RTN) is a candidate. `gu`: the routed
+    experts' gate/up [E, P, H] in float32 as they are now (not modified); `fp_out`: the unquantized block's
+    output on x (computed here when None).
 
     Applies the chosen fold to the layer in place, records the changed source tensors as overrides and
     returns (effective scale s [H] (float32, exact for the stored norm), alpha)."""
@@ -71,8 +109,6 @@ def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: Weig
     norm_w = norm.weight.detach().float().clone()
     norm_dt = source_dtype(ckpt, norm_name)
     orig = [(m, name, m.weight.detach().float().clone(), source_dtype(ckpt, name)) for m, name in readers]
-    gu = experts.gate_up_proj.detach().float().clone()  # [E, P, H]
-    gu_orig = experts.gate_up_proj.data.clone()
 
     def fold(s):
         """The stored norm for scale s, the effective (exact) scale and the stored readers."""
@@ -81,32 +117,37 @@ def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: Weig
                             torch.ones_like(nw))
         return nw, s_eff, [_stored(w * s_eff, dt) for _, _, w, dt in orig]
 
-    fp_out = _mlp_out(mlp, x, dtype)
+    if fp_out is None:
+        fp_out = _mlp_out(mlp, x, dtype)
     x_mean = x.abs().mean(0)
     rows = [gu.reshape(-1, gu.shape[-1])] + [w for m, _, w, _ in orig if m is not router]
     w_mean = _group_w_mean(torch.cat(rows), s_gu.group_size)
+    del rows
+    last = [None]  # the scale whose quantized gate/up the experts hold now (the finalists repeat some)
 
-    def block_loss(s):
+    def block_loss(s, xs, ref):
         _, s_eff, stored = fold(s)
         for (m, _, _, _), w in zip(orig, stored):
             m.weight.data.copy_(w.to(m.weight.dtype))
-        experts.gate_up_proj.data.copy_(fake_quant(gu * s_eff, s_gu.num_bits, s_gu.group_size, s_gu.symmetric)
-                                        .to(dtype))
-        return (_mlp_out(mlp, x / s_eff, dtype) - fp_out).square().mean()
+        if last[0] is None or not torch.equal(last[0], s_eff):
+            experts.gate_up_proj.data.copy_(fake_quant(gu * s_eff, s_gu.num_bits, s_gu.group_size, s_gu.symmetric)
+                                            .to(dtype))
+            last[0] = s_eff
+        return (_mlp_out(mlp, xs / s_eff, dtype) - ref).square().mean()
 
     try:
-        s1, a1, _ = search_scales(x_mean, w_mean, block_loss, n_grid)
+        s1, a1 = _search_norm_scale(x_mean, w_mean, block_loss, x, fp_out, n_grid)
     finally:
-        experts.gate_up_proj.data.copy_(gu_orig)
+        experts.gate_up_proj.data.copy_(gu.to(dtype))  # gu is the float32 copy of these very values
         for m, _, w, _ in orig:
             m.weight.data.copy_(w.to(m.weight.dtype))
     nw, s_eff, stored = fold(s1)
     if bool((s_eff != 1).any()):
         norm.weight.data.copy_(nw.to(norm.weight.dtype))
-        res.overrides[norm_name] = norm.weight.detach().clone()
+        res.overrides[norm_name] = norm.weight.detach().cpu().clone()
         for (m, name, _, _), w in zip(orig, stored):
             m.weight.data.copy_(w.to(m.weight.dtype))
-            res.overrides[name] = m.weight.detach().clone()
+            res.overrides[name] = m.weight.detach().cpu().clone()
         experts.gate_up_proj.data.copy_((gu * s_eff).to(dtype))
     return s_eff, float(a1)
 
@@ -119,25 +160,37 @@ def _awq_expert_batches(stats: ExpertStats, x: torch.Tensor, low: torch.Tensor, 
     _, sidx = stats.samples()
     wts = stats.routing_weights()
     for ids, xe, mask, ws in routed_batches(x, sidx, stats.E, stats.H, weights=wts):
-        keep = ~low[ids]
+        keep = ~low[ids.to(low.device)].to(ids.device)
         if keep.any():
             yield ids[keep], xe[keep], (ws * mask)[keep]
     if fallback == "all_tokens" and low.any():
-        ids = low.nonzero().flatten()
+        ids = low.nonzero().flatten().to(x.device)
         per = max(1, PAIR_BUDGET // max(1, x.shape[0] * max(stats.P, stats.H) * 4))
         for i in range(0, len(ids), per):
             sel = ids[i:i + per]
-            yield sel, x.expand(len(sel), *x.shape), torch.ones(len(sel), x.shape[0])
+            yield sel, x.expand(len(sel), *x.shape), torch.ones(len(sel), x.shape[0], device=x.device)
 
 
-def _expert_out(xe, gu, dn, act_fn):
-    """act(gate x) * (up x) -> down, batched: xe [e, t, H], gu [e, P, H], dn [e, H, I] -> [e, t, H]."""
-    g_, u_ = torch.bmm(xe, gu.transpose(1, 2)).chunk(2, dim=-1)
-    return torch.bmm(act_fn(g_) * u_, dn.transpose(1, 2))
+def down_scale_loss(he: torch.Tensor, wt: torch.Tensor, dn: torch.Tensor, scheme):
+    """The per-expert up -> down scale search's loss: s [e, I] -> [e], the router-weighted output error of
+    each expert with its down_proj quantized in the scaled domain, sum_t wt_t^2 |he_t (Q(dn s)/s - dn)^T|^2 /
+    sum_t wt_t^2, for down inputs he [e, t, I], token weights wt [e, t] (0 on padding) and dn [e, H, I].
+    Computed as the quadratic form sum_n d_n G d_n^T with G = sum_t wt_t^2 he_t he_t^T [e, I, I], formed
+    here once: a candidate then costs H x I x I per expert, whatever the number of tokens."""
+    hw = he * wt[..., None]
+    gram = torch.bmm(hw.transpose(1, 2), hw)  # [e, I, I]
+    del hw
+    norm_ = wt.square().sum(1).clamp(min=1e-12)
+
+    def loss(s: torch.Tensor) -> torch.Tensor:
+        d = fake_quant(dn * s[:, None, :], scheme.num_bits, scheme.group_size, scheme.symmetric) / s[:, None, :] - dn
+        return (torch.bmm(d, gram) * d).sum((1, 2)) / norm_
+
+    return loss
 
 
 def awq_experts(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, layer, g: WeightGroup,
-                 stats: ExpertStats):
+                stats: ExpertStats, fp_out: torch.Tensor | None = None):
     """AWQ for a MoE block: (1) one scale s [H] shared by every routed expert's gate/up (and the shared
     expert's), searched on the MoE block output and folded into the post-attention norm (router and shared
     expert compensated, see `_awq_norm_scale`); (2) per-expert up->down scales folded into up_proj, searched
@@ -147,7 +200,8 @@ def awq_experts(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared
 
     Coverage (as for GPTQ, options min_tokens / fallback / stats): an expert with fewer sampled routed
     tokens than min_tokens searches (2) and (3) on all sampled tokens (fallback all_tokens) or skips them
-    (fallback rtn: down scale 1, no clipping); the manifest records it."""
+    (fallback rtn: down scale 1, no clipping); the manifest records it. `fp_out`: the block's unquantized
+    output on the sampled tokens when the statistics pass recorded it (else one more forward computes it)."""
     n_grid = g.options.n_grid
     do_clip = g.options.clip
     do_down = g.options.scale_down
@@ -156,17 +210,19 @@ def awq_experts(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared
     s_gu = g.scheme.for_in_features(H)
     s_dn = g.scheme.for_in_features(I)
     x, sidx = stats.samples()  # [T, H]: the MoE block's input (the post-attention norm output)
+    dev = x.device
     original = {"gu": experts.gate_up_proj.detach().float().clone(), "down": experts.down_proj.detach().float().clone()}
 
     # (1) norm -> gate/up
-    s1, a1 = _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g, x, n_grid)
+    s1, a1 = _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g, x, n_grid, original["gu"],
+                             fp_out)
     gu = experts.gate_up_proj.detach().float().clone()  # = original * s1, [E, P, H]
     dn = original["down"].clone()  # [E, H, I]
     x_scaled = x / s1  # what the experts now see
 
     # coverage: counted on the sampled tokens the searches use
     low, min_tokens, fallback, mode = coverage(g.options, stats)
-    sampled = torch.bincount(sidx.flatten(), minlength=E)[:E]
+    sampled = torch.bincount(sidx.flatten(), minlength=E + 1)[:E].cpu()
     if g.options.min_tokens is None:
         min_tokens = max(1, math.ceil(0.005 * x.shape[0]))
     if mode == "routed":
@@ -180,30 +236,27 @@ def awq_experts(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared
                           + ("down scale 1, no clipping" if fallback == "rtn" else "searched on all tokens"))
 
     # (2) per-expert up -> down scale and (3) clipping
-    s2 = torch.ones(E, I)
-    a2 = torch.full((E,), -1.0)
-    clip_gu = torch.ones(E, P, H // (s_gu.group_size or H))
-    clip_dn = torch.ones(E, H, I // (s_dn.group_size or I))
+    s2 = torch.ones(E, I, device=dev)
+    a2 = torch.full((E,), -1.0, device=dev)
+    clip_gu = torch.ones(E, P, H // (s_gu.group_size or H), device=dev)
+    clip_dn = torch.ones(E, H, I // (s_dn.group_size or I), device=dev)
     clipped = [""] * E
-    for ids, xe, wt in _awq_expert_batches(stats, x_scaled, low, fallback):
+    for ids, xe, wt in _awq_expert_batches(stats, x_scaled, low.to(dev), fallback):
         gu_e, dn_e = gu[ids], dn[ids]  # [e, P, H], [e, H, I]
         g_, u_ = torch.bmm(xe, gu_e.transpose(1, 2)).chunk(2, dim=-1)
         he = experts.act_fn(g_) * u_  # [e, t, I]: down_proj inputs
-        ref = torch.bmm(he, dn_e.transpose(1, 2))  # [e, t, H]
-        w2 = wt.square()[..., None]  # each token's share of the block output error
-        norm_ = wt.square().sum(1).clamp(min=1e-12)
+        del g_, u_
+        w2 = wt.square()  # [e, t]: each token's share of the block output error
         real = (wt > 0).float()
         cnt = real.sum(1).clamp(min=1)
 
-        def expert_loss(s, he=he, dn_e=dn_e, ref=ref, w2=w2, norm_=norm_):
-            dq = fake_quant(dn_e * s[:, None, :], s_dn.num_bits, s_dn.group_size, s_dn.symmetric) / s[:, None, :]
-            return ((torch.bmm(he, dq.transpose(1, 2)) - ref).square() * w2).sum((1, 2)) / norm_
-
         if do_down:
-            h_mean = (he.abs() * real[..., None]).sum(1) / cnt[:, None]
+            expert_loss = down_scale_loss(he, wt, dn_e, s_dn)
+            h_mean = torch.bmm(real[:, None, :], he.abs())[:, 0] / cnt[:, None]  # mean |he| over real tokens
             best, a_best, _ = search_scales(h_mean, _group_w_mean(dn_e, s_dn.group_size), expert_loss, n_grid)
+            del expert_loss
         else:
-            best, a_best = torch.ones(len(ids), I), torch.full((len(ids),), -1.0)
+            best, a_best = torch.ones(len(ids), I, device=dev), torch.full((len(ids),), -1.0, device=dev)
         s2[ids], a2[ids] = best, a_best.float()
         if not do_clip:
             continue
@@ -212,23 +265,34 @@ def awq_experts(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared
         dn_s = dn_e * best[:, None, :]
         wx = xe * wt[..., None]  # token-weighted inputs: the per-linear errors count like the block output's
         r_gu = search_clip(gu_s, wx, s_gu.num_bits, s_gu.group_size, s_gu.symmetric)
+        del wx
         r_dn = search_clip(dn_s, (he / best[:, None, :]) * wt[..., None], s_dn.num_bits, s_dn.group_size,
                            s_dn.symmetric)
-        # keep each clip only where it lowers the expert's output error (with everything quantized)
-        q_gu = {c: fake_quant(gu_s, s_gu.num_bits, s_gu.group_size, s_gu.symmetric, r)
-                for c, r in ((False, None), (True, r_gu))}
+        # keep each clip only where it lowers the expert's output error (with everything quantized), compared
+        # on at most CLIP_CHOICE_TOKENS of each expert's rows (strided; padding rows weigh 0)
+        if xe.shape[1] > CLIP_CHOICE_TOKENS:
+            rows_c = torch.linspace(0, xe.shape[1] - 1, CLIP_CHOICE_TOKENS, device=dev).round().long()
+            xe, he, w2 = xe[:, rows_c], he[:, rows_c], w2[:, rows_c]
+        ref = torch.bmm(he, dn_e.transpose(1, 2))  # [e, t, H]: the expert's unquantized output
         q_dn = {c: fake_quant(dn_s, s_dn.num_bits, s_dn.group_size, s_dn.symmetric, r)
                 for c, r in ((False, None), (True, r_dn))}
         best_err, choice = None, None
         for cg in (False, True):
+            q_gu = fake_quant(gu_s, s_gu.num_bits, s_gu.group_size, s_gu.symmetric, r_gu if cg else None)
+            g_, u_ = torch.bmm(xe, q_gu.transpose(1, 2)).chunk(2, dim=-1)
+            hq = experts.act_fn(g_) * u_  # the down inputs with gate/up quantized (clipped or not)
+            del g_, u_, q_gu
             for cd in (False, True):
-                err = ((_expert_out(xe, q_gu[cg], q_dn[cd], experts.act_fn) - ref).square() * w2).sum((1, 2))
+                d = torch.baddbmm(ref, hq, q_dn[cd].transpose(1, 2), beta=-1)  # [e, t, H]: output error
+                err = (d.square_().sum(-1) * w2).sum(1)
+                del d
                 if best_err is None:
-                    best_err, choice = err, torch.zeros(len(ids), 2, dtype=torch.bool)
+                    best_err, choice = err, torch.zeros(len(ids), 2, dtype=torch.bool, device=dev)
                     continue
                 better = err < best_err
                 best_err = torch.where(better, err, best_err)
-                choice[better] = torch.tensor([cg, cd])
+                choice[better] = torch.tensor([cg, cd], device=dev)
+        choice = choice.cpu()
         for r, e in enumerate(ids.tolist()):
             if choice[r, 0]:
                 clip_gu[e] = r_gu[r]
@@ -236,26 +300,33 @@ def awq_experts(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared
                 clip_dn[e] = r_dn[r]
             clipped[e] = {(False, False): "none", (True, False): "gate_up", (False, True): "down",
                           (True, True): "gate_up+down"}[(bool(choice[r, 0]), bool(choice[r, 1]))]
+        del ref, hq, q_dn
     gu[:, half:, :] /= s2[:, :, None]  # up rows / s
     dn = dn * s2[:, None, :]  # down columns * s
     # to report SQNR against the original weights: effective weight = stored / (what was folded into it)
-    unfold = {"gu": torch.cat([torch.ones(E, half, 1), s2[:, :, None]], 1) / s1, "down": 1.0 / s2[:, None, :]}
+    unfold = {"gu": torch.cat([torch.ones(E, half, 1, device=dev), s2[:, :, None]], 1) / s1,
+              "down": 1.0 / s2[:, None, :]}
 
     src_dtype = source_dtype(ckpt, names.module(0, "gate") + ".weight")
+    a2 = a2.tolist()
     for key, w, s, clip, param in (("gu", gu, s_gu, clip_gu, experts.gate_up_proj),
                                    ("down", dn, s_dn, clip_dn, experts.down_proj)):
         qp = choose_qparams_clipped(w, s.num_bits, s.group_size, s.symmetric, clip, scale_dtype(src_dtype))
         q = quantize(w, qp, s.num_bits)
         deq = dequantize(q, qp.scale, qp.zero_point)
         parts = (("gate", slice(0, half)), ("up", slice(half, P))) if key == "gu" else (("down", slice(None)),)
+        sq = {kind: sqnr_db(original[key][:, rows], deq[:, rows] * unfold[key][:, rows if key == "gu" else slice(None)],
+                            dim=(-2, -1)).tolist() for kind, rows in parts}
+        qh, sh = q.cpu(), qp.scale.cpu()  # emitted from the host (no-ops on the CPU)
+        zh = None if qp.zero_point is None else qp.zero_point.cpu()
         for e in range(E):
             meta = {"method": "awq", "tokens": int(stats.counts[e]), "fallback": reasons[e],
                     "awq_alpha": round(a1, 3), "awq_down_alpha": round(float(a2[e]), 3),
                     "awq_clip": clipped[e] or "none"}
             for kind, rows in parts:
-                zp = None if qp.zero_point is None else qp.zero_point[e, rows]
-                eff = deq[e, rows] * unfold[key][e][rows if key == "gu" else slice(None)]  # [N, K]
-                emit(res, names.module(e, kind), q[e, rows], QParams(qp.scale[e, rows], zp), s, src_dtype,
-                      {**meta, "sqnr_db": round(float(sqnr_db(original[key][e, rows], eff)), 4),
-                       "sqnr_domain": "original weights (AWQ scales unfolded)"})
+                zp = None if zh is None else zh[e, rows]
+                emit(res, names.module(e, kind), qh[e, rows], QParams(sh[e, rows], zp), s, src_dtype,
+                     {**meta, "sqnr_db": round(sq[kind][e], 4),
+                      "sqnr_domain": "original weights (AWQ scales unfolded)"})
         param.data.copy_(deq.to(param.dtype))
+        del q, deq

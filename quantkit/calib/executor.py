@@ -18,6 +18,15 @@ Reuse (GPTQ/AWQ, true-sequential):
         step.forward()                        # ... and propagate the *quantized* layer's outputs
     # a step the body did not forward is forwarded by the executor when the loop resumes
 
+Routed experts run grouped by expert (`calib/moe.py`, installed on every layer this executor materializes:
+bit-identical to transformers' eager loop, and the routing of each call is sorted once and shared with the
+observers' hooks, `moe.routing_for`).
+
+Device (`device=`: cpu, cuda, cuda:N or auto; calib/device.py): on a GPU the layer is materialized there in
+bfloat16 (quantized sources decoded there), and the activations stay there when they fit beside the largest
+layer, in host memory otherwise. Before any work, `plan_memory` estimates every layer's peak device memory;
+a layer that cannot fit is refused then (DeviceMemoryError). On the CPU everything is as it always was.
+
 What it is not: a serving runtime (no KV cache, no padding, no generation) or a weights loader for the
 whole model. `load_layer_weights` (calib/weights.py) maps the on-disk layouts (fused vs per-expert
 experts, Mixtral's names, block-FP8 and pack-quantized INT4 sources).
@@ -46,7 +55,9 @@ from ..arch import arch_for, text_config, validate
 from ..errors import CalibrationError, UnsupportedArchitecture, UnsupportedWeights
 from ..read.checkpoint import Checkpoint
 from ..read.tensors import TensorReader
+from . import moe
 from .activations import ActivationStore
+from .device import LayerMemory, MemoryPlan, available_bytes, compute_dtype, make_plan, peak_bytes, resolve_device
 from .weights import bound_heap, load_layer_weights, release_memory, stored_modules
 
 # Legend: N = samples, B = samples in a batch, T = tokens per sample, D = hidden size,
@@ -58,7 +69,8 @@ LIVE_TEMPORARIES = 16  # ~[tokens, hidden] buffers a decoder layer's forward hol
 DEFAULT_ACTIVATION_BUDGET = 4 << 30  # bytes of one activation copy kept in RAM; above it, a memory-mapped file
 # transformers' "eager" experts loop runs one expert at a time; "grouped_mm" first gathers every routed
 # token copy (tokens x top_k x (2D + 3I) floats: ~5 GB per 8k-token batch on Kimi K2), which breaks the
-# memory bound on CPU for no gain in speed there.
+# memory bound on CPU for no gain in speed there. With "eager" the executor installs quantkit's batched
+# expert forward (calib/moe.py), bit-identical to it and bounded by moe.DEFAULT_BUDGET bytes of temporaries.
 DEFAULT_EXPERTS_IMPLEMENTATION = "eager"
 
 
@@ -120,10 +132,17 @@ class LayerStep:
 
 # ---- the executor -----------------------------------------------------------------------------------
 class LayerExecutor:
-    def __init__(self, model: str | Path | Checkpoint, *, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", batch_tokens: int | None = None,
+    """`device`: cpu, cuda, cuda:N or auto (None: options.DEVICE); `dtype` (None: float32 on the CPU,
+    bfloat16 on a GPU). `batched_experts`: run routed experts with calib/moe.py's grouped forward (when
+    `experts_implementation` is "eager", whose results it reproduces). `available_bytes`: the device memory
+    the plan may use (None: the free memory a GPU reports; the CPU is not checked)."""
+
+    def __init__(self, model: str | Path | Checkpoint, *, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None, batch_tokens: int | None = None,
                  activation_budget_bytes: int = DEFAULT_ACTIVATION_BUDGET, workdir: str | Path | None = None,
-                 experts_implementation: str | None = DEFAULT_EXPERTS_IMPLEMENTATION):
+                 experts_implementation: str | None = DEFAULT_EXPERTS_IMPLEMENTATION, batched_experts: bool = True,
+                 available_bytes: int | None = None):
+        self.device = resolve_device(device)  # a bad or absent device fails before anything is read
         self.ckpt = model if isinstance(model, Checkpoint) else Checkpoint.open(model)
         bound_heap()
         self.spec = arch_for(self.ckpt.config, "calibrate")
@@ -134,8 +153,11 @@ class LayerExecutor:
         self.config = build_config(self.ckpt.config)
         self.model = build_meta_model(self.config, experts_implementation if self.spec.experts else None)
         self.config = self.model.config
-        self.dtype = dtype
-        self.device = torch.device(device)
+        self.dtype = dtype if dtype is not None else compute_dtype(self.device)
+        self.batched_experts = bool(batched_experts) and experts_implementation == "eager"
+        self.available_bytes = available_bytes
+        self.memory: MemoryPlan | None = None  # plan_memory(), before the first layer
+        self.activations_on_device = False
         self.activation_budget_bytes = activation_budget_bytes
         self.workdir = workdir
         body = self.model.model
@@ -156,6 +178,76 @@ class LayerExecutor:
         item = torch.empty((), dtype=self.dtype).element_size()
         layers = self.decoder_layers if idx is None else [self.decoder_layers[idx]]
         return max(sum(t.numel() for t in layer.state_dict().values()) for layer in layers) * item
+
+    # -- device memory --------------------------------------------------------------------------
+    def weight_bytes(self, idx: int) -> int:
+        """Bytes decoder layer `idx` holds once materialized: every tensor in the compute dtype, except what
+        stays float32 (routers, as from_pretrained keeps them) and integer buffers."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        total = 0
+        for name, t in self.decoder_layers[idx].state_dict().items():
+            if not t.dtype.is_floating_point:
+                total += t.numel() * t.element_size()
+            else:
+                total += t.numel() * (4 if self.dtype != torch.float32 and self._keep_fp32(name) else item)
+        return total
+
+    def call_tokens(self, lengths: Sequence[int]) -> int:
+        """The most tokens one forward call gets for samples of these lengths (`ActivationStore.batches`:
+        max(1, batch_tokens // T) samples of equal length T at once)."""
+        by_len: dict[int, int] = {}
+        for n in lengths:
+            by_len[int(n)] = by_len.get(int(n), 0) + 1
+        return max((t * min(c, max(1, self.batch_tokens // max(t, 1))) for t, c in by_len.items()), default=1)
+
+    def forward_bytes(self, idx: int, lengths: Sequence[int]) -> int:
+        """Temporaries of one forward call of layer `idx` over the largest batch of these samples: the batch
+        itself when the activations are not on the device, ~LIVE_TEMPORARIES [tokens, hidden] buffers, the
+        attention scores and probabilities [B, heads, T, T], the causal mask, and for a MoE layer the
+        router's logits, the output and the expert blocks (bounded by moe.DEFAULT_BUDGET)."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        t = max((int(n) for n in lengths), default=1) or 1
+        tokens = self.call_tokens(lengths)
+        b = max(1, tokens // t)
+        cfg = self.config
+        heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+        h = self.hidden_size
+        n = (LIVE_TEMPORARIES + 1) * tokens * h * item + 2 * b * heads * t * t * max(item, 4) + b * t * t * item
+        if getattr(cfg, "index_topk", None):  # DSA (glm_moe_dsa): the indexer's scores and its top-k indices
+            n += b * t * t * (int(getattr(cfg, "index_n_heads", 1) or 1) + 1) * 4 + b * t * min(int(cfg.index_topk), t) * 8
+        layer = self.decoder_layers[idx]
+        experts = next((m for m in layer.modules() if moe.is_routed_experts(m)), None)
+        if experts is not None:
+            e, p, _ = (int(d) for d in experts.gate_up_proj.shape)
+            k = int(getattr(cfg, "num_experts_per_tok", None) or 8)
+            pairs = moe._row_bytes(h, p, self.dtype, torch.float32, False) * tokens * k
+            n += min(moe.DEFAULT_BUDGET, pairs) + 2 * tokens * e * 4 + tokens * k * 24 + tokens * h * item
+        return int(n)
+
+    def plan_memory(self, lengths: Sequence[int],
+                    statistics: Callable[[int, nn.Module], dict[str, int]] | None = None) -> MemoryPlan:
+        """Estimate every layer's peak device memory (`statistics(idx, meta layer)`: the pass's own bytes per
+        component), place the activations (device or host) and check every layer against the available
+        memory: a DeviceMemoryError names the first layer that cannot fit, before any work. Reported as
+        `self.memory` (and by the callers: --json, the progress log)."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        act = int(sum(int(t) for t in lengths)) * self.hidden_size * item
+        layers = [LayerMemory(i, self.weight_bytes(i), self.forward_bytes(i, lengths),
+                              dict(statistics(i, self.decoder_layers[i])) if statistics is not None else {})
+                  for i in range(self.num_layers)]
+        avail = self.available_bytes if self.available_bytes is not None else available_bytes(self.device)
+        self.memory = make_plan(self.device, self.dtype, layers, act, avail)
+        self.activations_on_device = self.memory.activations == "device"
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self.memory
+
+    def measured_peak_bytes(self) -> int | None:
+        """The device's allocator peak since the plan (CUDA; None on the CPU), also recorded in the plan."""
+        peak = peak_bytes(self.device)
+        if self.memory is not None:
+            self.memory.measured_peak_bytes = peak
+        return peak
 
     def auto_batch_tokens(self) -> int:
         """Tokens per forward call. Big batches run faster on CPU, but the forward's temporaries grow with
@@ -209,6 +301,8 @@ class LayerExecutor:
         left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
         if left:  # a non-persistent buffer we cannot recompute
             raise UnsupportedArchitecture(f"layer {idx}: {left[0]} is not stored in the checkpoint")
+        if self.batched_experts:
+            moe.install(layer)
         return layer.eval()
 
     def _keep_fp32(self, name: str) -> bool:
@@ -217,12 +311,15 @@ class LayerExecutor:
         return any(re.search(rf"(^|\.){re.escape(m)}($|\.)", name) for m in mods)
 
     def free_layer(self, idx: int) -> None:
+        moe.uninstall(self.decoder_layers[idx])
         self.decoder_layers[idx].to_empty(device="meta")
         release_memory()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _new_store(self, lengths: Sequence[int]) -> ActivationStore:
         return ActivationStore(lengths, self.hidden_size, self.dtype, budget_bytes=self.activation_budget_bytes,
-                               workdir=self.workdir)
+                               workdir=self.workdir, device=self.device if self.activations_on_device else None)
 
     def restore(self, path: str | Path, lengths: Sequence[int]) -> ActivationStore:
         """A store of samples of `lengths` filled from a file written by `ActivationStore.save` (OSError or
@@ -289,6 +386,8 @@ class LayerExecutor:
         `start` > 0, `samples` must be the store of layer `start`'s inputs (a resumed pass)."""
         if start and not isinstance(samples, ActivationStore):
             raise ValueError("starting past layer 0 needs that layer's inputs as an ActivationStore")
+        if self.memory is None:  # every layer checked against the device before any work
+            self.plan_memory(samples.lengths if isinstance(samples, ActivationStore) else [len(s) for s in samples])
         inputs = samples if isinstance(samples, ActivationStore) else self.embed(samples)
         self.final = None
         step = None

@@ -1,6 +1,10 @@
 """GPTQ for one decoder layer (quant/gptq.py does the math): dense Linears from their input Hessians, and
 every routed expert from the Hessian of the tokens routed to it, a few experts at a time. The quantized
-weights are written back into the layer (true-sequential: the next layer sees quantized outputs)."""
+weights are written back into the layer (true-sequential: the next layer sees quantized outputs).
+
+Where the layer lives (calib/device.py): on the CPU the Hessians are factorized in float64, a few experts
+(GPTQ_CHUNK_BYTES of Hessians) at a time; on a GPU in float32 on the device, more experts at once
+(GPTQ_CHUNK_BYTES_DEVICE). Results are moved to the host only to be emitted."""
 
 from __future__ import annotations
 
@@ -13,6 +17,12 @@ from ..quant.gptq import gptq
 from ..quant.int4 import QParams, dequantize, rtn, sqnr_db
 from .emit import LayerResult, emit, emit_tensors, source_dtype
 from .hessians import PAIR_BUDGET, ExpertStats, LinearStats, coverage
+
+
+def solve_dtype(device: torch.device) -> torch.dtype:
+    """What Hessians are factorized in: float64 on the CPU (as always), float32 on a GPU."""
+    return torch.float64 if device.type == "cpu" else torch.float32
+
 
 class _FP4Grid:
     """GPTQ on an FP4 grid (quant/fp4.py): every group's scale is fixed before the solve from the weights
@@ -34,14 +44,15 @@ class _FP4Grid:
         return fp4.dequantize_fp4(codes, self.eff, torch.float32)
 
     def tensors(self, j: int, rows, codes: torch.Tensor) -> dict:
-        out = {"weight_packed": fp4.pack_fp4(codes), "weight_scale": self.scale[j, rows]}
+        out = {"weight_packed": fp4.pack_fp4(codes).cpu(), "weight_scale": self.scale[j, rows].cpu()}
         if self.global_scale is not None:
-            out["weight_global_scale"] = self.global_scale[j].reshape(1)
+            out["weight_global_scale"] = self.global_scale[j].reshape(1).cpu()
         return out
 
 
 def _solve(w: torch.Tensor, h: torch.Tensor, s, **kw):
     """GPTQ of w [c, N, K]: (result, FP4 grid or None). INT4 chooses its group parameters in the sweep."""
+    kw = {**kw, "solve_dtype": solve_dtype(w.device)}
     if not s.fp4:
         return gptq(w, h, s.num_bits, s.group_size, s.symmetric, **kw), None
     grid = _FP4Grid(s, w)
@@ -56,9 +67,9 @@ def gptq_dense(res: LayerResult, ckpt, disk: str, mod: nn.Linear, g: WeightGroup
     meta = {"method": "gptq", "tokens": st.count, "damping": round(float(r.damping[0]), 6), "fallback": r.fallback[0]}
     if grid is None:
         deq = dequantize(r.q[0], r.qparams.scale[0], None if r.qparams.zero_point is None else r.qparams.zero_point[0])
-        emit(res, disk, r.q[0], QParams(r.qparams.scale[0], None if r.qparams.zero_point is None
-                                        else r.qparams.zero_point[0]), s, source_dtype(ckpt, disk + ".weight"),
-             {**meta, "sqnr_db": round(float(sqnr_db(w, deq)), 4)})
+        emit(res, disk, r.q[0].cpu(), QParams(r.qparams.scale[0].cpu(), None if r.qparams.zero_point is None
+                                              else r.qparams.zero_point[0].cpu()), s,
+             source_dtype(ckpt, disk + ".weight"), {**meta, "sqnr_db": round(float(sqnr_db(w, deq)), 4)})
     else:
         deq = grid.dequantize(r.q)[0]
         emit_tensors(res, disk, grid.tensors(0, slice(None), r.q[0]), s,
@@ -69,7 +80,7 @@ def gptq_dense(res: LayerResult, ckpt, disk: str, mod: nn.Linear, g: WeightGroup
 def _all_token_down_hessians(stats: ExpertStats, ids: torch.Tensor) -> torch.Tensor:
     """Down-proj Hessians of experts `ids` from the sampled tokens of the layer sent through each of them."""
     x, _ = stats.samples()  # [t, H]
-    out = torch.empty(len(ids), stats.I, stats.I)
+    out = torch.empty(len(ids), stats.I, stats.I, device=x.device)
     per = max(1, PAIR_BUDGET // max(1, x.shape[0] * max(stats.P, stats.I) * 4))
     for i in range(0, len(ids), per):
         sel = ids[i:i + per]
@@ -82,6 +93,16 @@ def _all_token_down_hessians(stats: ExpertStats, ids: torch.Tensor) -> torch.Ten
 # solve holds ~5 float64 copies of them). Small: batching more experts gains little (the factorizations
 # are compute-bound) and a layer's peak memory is dominated by this buffer otherwise.
 GPTQ_CHUNK_BYTES = 1 << 24
+# On a GPU (float32 solves) each column step of the sweep is a few kernel launches whatever the batch:
+# solving more experts at once is what makes it fast there.
+GPTQ_CHUNK_BYTES_DEVICE = 1 << 30
+
+
+def chunk_experts(k: int, device: torch.device) -> int:
+    """Experts solved at once for in_features k on `device`."""
+    if device.type == "cpu":
+        return max(1, GPTQ_CHUNK_BYTES // (k * k * 8))
+    return max(1, GPTQ_CHUNK_BYTES_DEVICE // (k * k * torch.empty((), dtype=solve_dtype(device)).element_size()))
 
 
 def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: ExpertStats):
@@ -89,8 +110,9 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
     solved, dequantized and written back (true-sequential: the next layer sees quantized outputs) one
     chunk at a time, so besides the layer's Hessians only one chunk's working set is ever in memory."""
     E = stats.E
+    dev = stats.device
     low, min_tokens, fallback, mode = coverage(g.options, stats)
-    counts = stats.counts.clamp(min=1).float()
+    counts = stats.counts.clamp(min=1).float().to(dev)
     # the sums become 2/n-scaled Hessians in place: the statistics are not used after this
     h_gu = stats.h_gu.mul_((2.0 / counts)[:, None, None])
     h_down = stats.h_down.mul_((2.0 / counts)[:, None, None])
@@ -101,8 +123,8 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
         if fallback == "rtn" and mode == "routed":
             use_rtn[ids] = True
         else:
-            h_gu[ids] = stats.h_all * (2.0 / max(stats.total, 1))
-            h_down[ids] = _all_token_down_hessians(stats, ids)
+            h_gu[ids.to(dev)] = stats.h_all * (2.0 / max(stats.total, 1))
+            h_down[ids.to(dev)] = _all_token_down_hessians(stats, ids.to(dev))
         for e in ids.tolist():
             reasons[e] = ("stats: all tokens" if mode == "all" else
                           f"{int(stats.counts[e])} routed tokens < min_tokens {min_tokens}: "
@@ -115,7 +137,7 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
         k = param.shape[-1]
         s = g.scheme.for_in_features(k)
         parts = (("gate", slice(0, half)), ("up", slice(half, stats.P))) if key == "gu" else (("down", slice(None)),)
-        per = max(1, GPTQ_CHUNK_BYTES // (k * k * 8))
+        per = chunk_experts(k, dev)
         for i0 in range(0, E, per):
             i1 = min(E, i0 + per)
             w = param.data[i0:i1].float()  # [c, N, K]
@@ -123,24 +145,31 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
             q, qp = r.q, r.qparams
             sel = use_rtn[i0:i1]
             if sel.any():
+                sel = sel.to(dev)
                 if grid is not None:
-                    q[sel] = grid.rtn(w[sel], sel)
+                    q[sel] = grid.rtn(w[sel], sel).to(dev)
                 else:
                     rr = rtn(w[sel], s.num_bits, s.group_size, s.symmetric)
-                    q[sel] = rr.q
-                    qp.scale[sel] = rr.qparams.scale
+                    q[sel] = rr.q.to(dev)
+                    qp.scale[sel] = rr.qparams.scale.to(dev)
                     if qp.zero_point is not None:
-                        qp.zero_point[sel] = rr.qparams.zero_point
+                        qp.zero_point[sel] = rr.qparams.zero_point.to(dev)
             deq = dequantize(q, qp.scale, qp.zero_point) if grid is None else grid.dequantize(q)  # [c, N, K]
+            sq = {kind: sqnr_db(w[:, rows], deq[:, rows], dim=(-2, -1)).tolist() for kind, rows in parts} \
+                if dev.type != "cpu" else None  # one transfer per chunk on a GPU, not one per expert
+            qh = q.cpu()  # emitted from the host (a no-op on the CPU)
+            sh, zh = qp.scale.cpu(), None if qp.zero_point is None else qp.zero_point.cpu()
+            damping, fb = r.damping.tolist(), r.fallback
             for j, e in enumerate(range(i0, i1)):
                 meta = {"method": "gptq" if not use_rtn[e] else "rtn", "tokens": int(stats.counts[e]),
-                        "fallback": reasons[e] or r.fallback[j], "damping": round(float(r.damping[j]), 6)}
+                        "fallback": reasons[e] or fb[j], "damping": round(float(damping[j]), 6)}
                 for kind, rows in parts:
-                    m = {**meta, "sqnr_db": round(float(sqnr_db(w[j, rows], deq[j, rows])), 4)}
+                    db = sq[kind][j] if sq is not None else float(sqnr_db(w[j, rows], deq[j, rows]))
+                    m = {**meta, "sqnr_db": round(db, 4)}
                     if grid is not None:
                         emit_tensors(res, names.module(e, kind), grid.tensors(j, rows, q[j, rows]), s, m)
                         continue
-                    zp = None if qp.zero_point is None else qp.zero_point[j, rows]
-                    emit(res, names.module(e, kind), q[j, rows], QParams(qp.scale[j, rows], zp), s, src_dtype, m)
+                    zp = None if zh is None else zh[j, rows]
+                    emit(res, names.module(e, kind), qh[j, rows], QParams(sh[j, rows], zp), s, src_dtype, m)
             param.data[i0:i1].copy_(deq.to(param.dtype))
             del w, r, q, qp, deq

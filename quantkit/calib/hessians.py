@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from . import moe
+
 # Legend: E = experts, T = tokens, H = hidden, I = expert intermediate, P = 2*I (gate+up rows)
 PAIR_BUDGET = 1 << 26  # bytes of padded [E, T, *] activations processed at once when batching over experts
 
@@ -18,28 +20,42 @@ PAIR_BUDGET = 1 << 26  # bytes of padded [E, T, *] activations processed at once
 class ExpertStats:
     """Hooks `experts.forward(hidden [T, H], top_k_index [T, k], top_k_weights)` and accumulates, per expert,
     the routed-token Hessians of gate/up inputs and of down inputs, token counts, and (for AWQ / fallbacks)
-    bounded token samples."""
+    bounded token samples. The routing of each call is the one the batched expert forward uses
+    (`moe.routing_for`: sorted once per call). Hessians and samples live on the experts' device, in float32;
+    the counts on the host."""
 
-    def __init__(self, experts: nn.Module, need_hessians: bool, sample_tokens: int):
+    def __init__(self, experts: nn.Module, need_hessians: bool, sample_tokens: int, block: nn.Module | None = None):
+        """`block`: the MoE block around `experts`; when given, its outputs for the sampled tokens are kept
+        too (`block_outputs`: the unquantized block's response AWQ's norm-scale search measures against)."""
         self.experts = experts
         e, p, h = experts.gate_up_proj.shape
         self.E, self.P, self.H, self.I = e, p, h, experts.down_proj.shape[-1]
+        self.device = dev = experts.gate_up_proj.device
         self.need_h = need_hessians
         self.counts = torch.zeros(e, dtype=torch.long)
-        self.h_gu = torch.zeros(e, h, h) if need_hessians else None  # sums of x x^T (scaled at the end)
-        self.h_down = torch.zeros(e, self.I, self.I) if need_hessians else None
-        self.h_all = torch.zeros(h, h)
+        self.h_gu = torch.zeros(e, h, h, device=dev) if need_hessians else None  # sums of x x^T (scaled at the end)
+        self.h_down = torch.zeros(e, self.I, self.I, device=dev) if need_hessians else None
+        self.h_all = torch.zeros(h, h, device=dev)
         self.total = 0
         self.sample_tokens = sample_tokens
         self.x_samples: list[torch.Tensor] = []  # [t, H] all tokens (subsampled) for AWQ / fallbacks
         self.idx_samples: list[torch.Tensor] = []
         self.w_samples: list[torch.Tensor] = []  # [t, k] the router's weights of those tokens' top-k experts
         self._n_samples = 0
+        self.y_samples: list[torch.Tensor] = []  # [t, H] float32: the block's outputs for x_samples
+        self._take = 0  # sampled rows of the current call, for the block's output hook
         self.handle = experts.register_forward_pre_hook(self._hook)
+        self.block_handle = block.register_forward_hook(self._block_hook) if block is not None else None
 
     def _hook(self, module, args):
         x, idx = args[0].detach().float(), args[1].detach()
         x = x.reshape(-1, self.H)
+        wts_in = args[2] if len(args) > 2 else None
+        if idx.dim() == 2 and idx.shape[0] == x.shape[0] and (wts_in is None or wts_in.shape == idx.shape):
+            routing = moe.routing_for(module, args[1], wts_in)  # shared with the forward of this call
+        else:
+            idx = idx.reshape(x.shape[0], -1)
+            routing = moe.route(idx, None, self.E)
         idx = idx.reshape(x.shape[0], -1)
         self.total += x.shape[0]
         self.h_all += x.T @ x
@@ -47,14 +63,15 @@ class ExpertStats:
             take = min(self.sample_tokens - self._n_samples, x.shape[0])
             self.x_samples.append(x[:take].clone())
             self.idx_samples.append(idx[:take].clone())
-            wts = args[2].detach().reshape(x.shape[0], -1)[:take].float() if len(args) > 2 else None
+            wts = wts_in.detach().reshape(x.shape[0], -1)[:take].float() if wts_in is not None else None
             self.w_samples.append(wts.clone() if wts is not None and wts.shape == idx[:take].shape
-                                  else torch.ones(take, idx.shape[1]))
+                                  else torch.ones(take, idx.shape[1], device=x.device))
             self._n_samples += take
-        self.counts += torch.bincount(idx.flatten(), minlength=self.E)[: self.E]
+            self._take = take
+        self.counts += routing.counts.cpu()
         if self.need_h:
             per = max(1, GRAM_CHUNK_BYTES // (max(self.H, self.P) * self.H * 4))  # bounds gathered weights too
-            for experts_ids, xs, mask in routed_batches(x, idx, self.E, self.H):
+            for experts_ids, xs, mask in routed_blocks(x, routing, self.H):
                 for a in range(0, len(experts_ids), per):
                     ids, xa, ma = experts_ids[a:a + per], xs[a:a + per], mask[a:a + per, :, None]
                     _add_gram(self.h_gu, ids, xa * ma)
@@ -66,8 +83,23 @@ class ExpertStats:
         g, u = gu.chunk(2, dim=-1)
         return self.experts.act_fn(g) * u
 
+    def _block_hook(self, module, args, output):
+        take, self._take = self._take, 0
+        if take:
+            y = output[0] if isinstance(output, tuple) else output
+            self.y_samples.append(y.detach().reshape(-1, self.H)[:take].float().clone())
+
     def remove(self):
         self.handle.remove()
+        if self.block_handle is not None:
+            self.block_handle.remove()
+
+    def block_outputs(self) -> torch.Tensor | None:
+        """[t, H] float32: the MoE block's outputs for the sampled tokens (aligned with `samples()`), when a
+        block was hooked and every sampled call went through it; else None."""
+        if self.block_handle is None or sum(len(y) for y in self.y_samples) != self._n_samples:
+            return None
+        return torch.cat(self.y_samples) if self.y_samples else None
 
     def samples(self) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.cat(self.x_samples), torch.cat(self.idx_samples)
@@ -92,18 +124,25 @@ def _add_gram(h: torch.Tensor, ids: torch.Tensor, xs: torch.Tensor) -> None:
 def routed_batches(x: torch.Tensor, idx: torch.Tensor, num_experts: int, width: int, budget: int = PAIR_BUDGET,
                    weights: torch.Tensor | None = None):
     """Yield (expert ids [e], padded tokens [e, t, D], mask [e, t]) over chunks of experts: the tokens routed
-    to each expert, gathered and zero-padded to the chunk's longest list, so that per-expert products are
-    one batched matmul. With `weights` [T, k] (the router's top-k weights), each item also carries the
-    weight of each gathered token for that expert: (ids, tokens, mask, weights [e, t], 0 on padding)."""
-    t, k = idx.shape
-    flat = idx.flatten()
-    token = torch.arange(t).repeat_interleave(k)
-    order = torch.argsort(flat, stable=True)
-    flat, token = flat[order], token[order]
-    slot_w = None if weights is None else weights.reshape(-1).float()[order]
-    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
-    starts = torch.cumsum(counts, 0) - counts
+    to each expert (idx [T, k], the router's top-k indices), gathered and zero-padded to the chunk's longest
+    list, so that per-expert products are one batched matmul. With `weights` [T, k] (the router's top-k
+    weights), each item also carries the weight of each gathered token for that expert: (ids, tokens, mask,
+    weights [e, t], 0 on padding)."""
+    yield from routed_blocks(x, moe.route(idx, weights, num_experts), width, budget, weights=weights is not None)
+
+
+def routed_blocks(x: torch.Tensor, routing: "moe.Routing", width: int, budget: int = PAIR_BUDGET,
+                  weights: bool = False):
+    """`routed_batches` from a routing already sorted (`moe.route` / `moe.routing_for`). Each expert's tokens
+    come in ascending token order, zero-padded; experts are chunked so that a padded block [e, t, width]
+    of float32 stays within `budget` bytes (at least one expert). On x's device."""
+    token, slot_w = routing.token_major()
+    if weights:
+        slot_w = slot_w.float()
+    counts = routing.counts.cpu()
+    starts = routing.bounds
     present = counts.nonzero().flatten()
+    dev = x.device
     i = 0
     while i < present.numel():
         # grow the chunk while the padded block stays within the budget
@@ -115,15 +154,16 @@ def routed_batches(x: torch.Tensor, idx: torch.Tensor, num_experts: int, width: 
                 break
             longest, j = nl, j + 1
         ids = present[i:j]
-        xs = torch.zeros(len(ids), longest, width)
-        mask = torch.zeros(len(ids), longest)
-        ws = None if slot_w is None else torch.zeros(len(ids), longest)
+        xs = torch.zeros(len(ids), longest, width, device=dev)
+        mask = torch.zeros(len(ids), longest, device=dev)
+        ws = torch.zeros(len(ids), longest, device=dev) if weights else None
         for r, e in enumerate(ids.tolist()):
-            c, s = int(counts[e]), int(starts[e])
+            c, s = int(counts[e]), starts[e]
             xs[r, :c] = x[token[s:s + c]]
             mask[r, :c] = 1
             if ws is not None:
                 ws[r, :c] = slot_w[s:s + c]
+        ids = ids.to(dev)
         yield (ids, xs, mask) if ws is None else (ids, xs, mask, ws)
         i = j
 
@@ -132,7 +172,7 @@ class LinearStats:
     """Hessian of one nn.Linear's inputs (dense targets: attention, dense MLP, shared experts)."""
 
     def __init__(self, module: nn.Linear):
-        self.h = torch.zeros(module.in_features, module.in_features)
+        self.h = torch.zeros(module.in_features, module.in_features, device=module.weight.device)
         self.count = 0
         self.handle = module.register_forward_pre_hook(self._hook)
 

@@ -15,7 +15,7 @@ one block, each expert's two products written into its rows of shared buffers (o
 rows in the same order as eager, so the same GEMM calls), the activation, gating and routing weights applied
 once per block, and the results added into the output with one `index_add_` per expert in ascending order,
 eager's sequence of calls (so bfloat16 rounds after each expert as eager does). On the machine it was
-written on the result is bit-identical to eager in float32 and bfloat16 (tests/test_calib_moe.py states the
+written on the result is bit-identical to eager in float32 and bfloat16 (tests/calib/test_moe.py states the
 tolerance it asserts).
 
 Blocks are bounded by `budget` bytes of temporaries (gathered inputs, gate/up products, down products), in
@@ -30,8 +30,10 @@ the benchmark keeps that variant for comparison.
 
 `install(model_or_layer)` binds this forward on every routed-experts instance (module forward_pre_hooks, such
 as quantkit's GPTQ/AWQ statistics, still see `(hidden, top_k_index, top_k_weights)`); `uninstall` undoes it.
-Observers can reuse the routing bookkeeping: `route(top_k_index, top_k_weights, E)` gives, per expert, the
-token indices and router weights.
+The calibration executor installs it on every decoder layer it materializes. Observers reuse the routing
+bookkeeping: `routing_for(experts, top_k_index, top_k_weights)` in a pre-hook returns the `Routing` of that
+call (per expert, the token indices and router weights), computed once and shared with the forward and every
+other hook of the call.
 """
 
 from __future__ import annotations
@@ -95,6 +97,16 @@ class Routing:
         for e, s, t in self.segments():
             yield e, self.token[s:t], self.weight[s:t]
 
+    def token_major(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token, weight) of every pair with each expert's pairs in ascending token order (ties, a token sent
+        twice to one expert, by slot): the order a token-major scan of `top_k_index` visits them, which is the
+        order the Hessian accumulation (calib/hessians.py) has always summed rows in. Same `bounds`."""
+        if self.top_k == 1 or not self.bounds[-1]:
+            return self.token, self.weight
+        expert = torch.repeat_interleave(torch.arange(self.num_experts, device=self.token.device), self.counts)
+        perm = torch.argsort(expert * self.num_tokens + self.token, stable=True)
+        return self.token[perm], (self.weight[perm] if self.weight.numel() else self.weight)
+
     def blocks(self, max_rows: int) -> Iterator[tuple[int, int, list[tuple[int, int, int]]]]:
         """Consecutive pairs in blocks of at most `max_rows` rows: (start, end, [(expert, start, end), ...]).
         A block holds whole experts unless a single expert has more than `max_rows` pairs; that one is split."""
@@ -142,6 +154,24 @@ def route(top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None, num_exp
     weight = (top_k_weights[token, slot] if top_k_weights is not None
               else torch.empty(0, dtype=torch.float32, device=flat.device))
     return Routing(num_experts, t, k, token, slot, weight, counts, offsets, bounds, int(hist[num_experts]))
+
+
+_ROUTING = "_quantkit_routing"  # instance attribute: (top_k_index, top_k_weights, Routing) of the current call
+
+
+def routing_for(experts: nn.Module, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None) -> Routing:
+    """The routing of the current call of `experts`, computed once per call: forward pre-hooks (quantkit's
+    expert statistics and token counters) and the batched forward all get the same object. Only while the
+    batched forward is installed is it kept (on the instance, keyed by the identity of the two tensors, which it
+    holds, so no other tensor can take their place), and the batched forward drops it when the call ends;
+    otherwise each caller gets a fresh one."""
+    hit = experts.__dict__.get(_ROUTING)
+    if hit is not None and hit[0] is top_k_index and hit[1] is top_k_weights:
+        return hit[2]
+    r = route(top_k_index, top_k_weights, int(experts.gate_up_proj.shape[0]))
+    if installed(experts):
+        experts.__dict__[_ROUTING] = (top_k_index, top_k_weights, r)
+    return r
 
 
 # ---- the forward ----------------------------------------------------------------------------------------
@@ -252,7 +282,11 @@ def _make_forward(budget: int):
                                         or self.down_proj.requires_grad):
             # `mm(out=...)` has no autograd: the module's own forward when gradients are wanted
             return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
-        return batched_experts_forward(self, hidden_states, top_k_index, top_k_weights, budget=budget)
+        try:
+            return batched_experts_forward(self, hidden_states, top_k_index, top_k_weights, budget=budget,
+                                           routing=routing_for(self, top_k_index, top_k_weights))
+        finally:
+            self.__dict__.pop(_ROUTING, None)  # the call is over: nobody may reuse its routing
 
     forward._quantkit_batched = True
     return forward
@@ -280,6 +314,7 @@ def uninstall(model_or_layer: nn.Module) -> int:
         if _SAVED not in m.__dict__:
             continue
         saved = m.__dict__.pop(_SAVED)
+        m.__dict__.pop(_ROUTING, None)
         if saved is _NONE:
             m.__dict__.pop("forward", None)
         else:

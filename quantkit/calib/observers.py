@@ -15,8 +15,9 @@
     per 128 values computed when they are cached (docs/calibration.md, "GLM-5").
   The recomputation costs one extra K/V projection per layer; it never touches the attention itself, so
   it does not depend on which attention kernel runs.
-- `ExpertTokenCounter`: how many calibration tokens the router sent to each routed expert (top-k
-  indices from the `mlp.gate` router's output).
+- `ExpertTokenCounter`: how many calibration tokens the router sent to each routed expert (the top-k
+  indices the routed experts are called with, counted from the call's sorted routing, `moe.routing_for`,
+  which the batched expert forward and the GPTQ/AWQ statistics share).
 
 Both follow one protocol: `attach(layer_idx, layer) -> [hook handles]` (the executor removes them).
 """
@@ -28,6 +29,7 @@ from torch import nn
 
 from ..errors import CalibrationError
 from .executor import modeling_module
+from .moe import routing_for
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn; scale = amax / 448 (vLLM, compressed-tensors)
 MIN_SCALE = torch.finfo(torch.float32).tiny  # never write a zero scale (0/0 at serving time)
@@ -152,7 +154,8 @@ class KVCacheObserver:
 
 
 class ExpertTokenCounter:
-    """Tokens routed to each expert per MoE layer: bincount of the router's top-k indices."""
+    """Tokens routed to each expert per MoE layer: the per-expert pair counts of the routing the experts are
+    called with (the router's top-k indices; the sentinel index E, "no local expert", is not counted)."""
 
     def __init__(self):
         self.counts: dict[int, torch.Tensor] = {}  # layer -> [E] int64
@@ -167,10 +170,16 @@ class ExpertTokenCounter:
         self.counts[layer_idx] = torch.zeros(n_exp, dtype=torch.int64)
         self.top_k[layer_idx] = int(getattr(gate, "top_k", 0))
 
-        def hook(module, args, output):
-            idx = output[-1] if isinstance(output, tuple) else output  # [tokens, top_k]
-            if idx.dtype.is_floating_point:
-                raise CalibrationError(f"layer {layer_idx}: the router did not return top-k expert indices")
-            self.counts[layer_idx] += torch.bincount(idx.reshape(-1).cpu(), minlength=n_exp)[:n_exp]
+        def hook(module, args):
+            idx = args[1] if len(args) > 1 else None  # experts(hidden [T, H], top_k_index [T, k], top_k_weights)
+            if not isinstance(idx, torch.Tensor) or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+                raise CalibrationError(f"layer {layer_idx}: the routed experts were not called with top-k expert "
+                                       "indices")
+            wts = args[2] if len(args) > 2 and isinstance(args[2], torch.Tensor) else None
+            if idx.dim() == 2 and (wts is None or wts.shape == idx.shape) and hasattr(module, "gate_up_proj"):
+                counts = routing_for(module, idx, wts).counts  # shared with the forward of this call
+            else:
+                counts = torch.bincount(idx.reshape(-1), minlength=n_exp + 1)[:n_exp]
+            self.counts[layer_idx] += counts.cpu()
 
-        return [gate.register_forward_hook(hook)]
+        return [experts.register_forward_pre_hook(hook)]

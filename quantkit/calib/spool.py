@@ -19,7 +19,7 @@ import torch
 
 from ..match.recipe import Recipe
 from ..write.writer import fsync_path, write_json_atomic, write_safetensors
-from .layer import quantize_layer
+from .layer import quantize_layer, statistics_bytes
 
 PROGRESS_NAME = "progress.json"  # in the spool: how far an interrupted pass got
 
@@ -45,9 +45,15 @@ def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int
 
 
 def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: Callable[[int, int], None] | None = None,
-                   log: Callable[[str], None] = lambda m: None, dtype: torch.dtype = torch.float32) -> dict:
+                   log: Callable[[str], None] = lambda m: None, dtype: torch.dtype | None = None,
+                   device: str | torch.device | None = None, available_bytes: int | None = None) -> dict:
     """Quantize every calibrated group of `recipe` layer by layer; write the spool; return its index
-    {"layers": [...], "modules": {module: meta}, "overrides": [names]}.
+    {"layers": [...], "modules": {module: meta}, "overrides": [names], "device": ..., "memory": {...}}.
+
+    `device` (cpu, cuda, cuda:N, auto; None: options.DEVICE) and `dtype` (None: the device's compute dtype)
+    as for LayerExecutor. Before any layer is read, every layer's peak device memory is estimated (its
+    weights, forward, statistics and solves: layer.statistics_bytes) and checked against `available_bytes`
+    (None: what the GPU reports free; the CPU is not checked); the plan goes to `log` and the index.
 
     Resumable per layer: after each layer the spool gets that layer's results (fsynced), then the next
     layer's input activations (the quantized layer's outputs, written whole or not at all), then a progress
@@ -56,10 +62,14 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
     from .executor import LayerExecutor
 
     spool = Path(spool)
-    spool.mkdir(parents=True, exist_ok=True)
-    ex = LayerExecutor(src_dir, dtype=dtype, workdir=spool)
+    ex = LayerExecutor(src_dir, dtype=dtype, device=device, workdir=spool, available_bytes=available_bytes)
     ckpt = ex.ckpt
+    dtype = ex.dtype
     lengths = [int(len(x)) for x in samples]
+    plan = ex.plan_memory(lengths, statistics=lambda i, layer: statistics_bytes(
+        ckpt, recipe, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths))  # refuses before any work
+    log(plan.summary())
+    spool.mkdir(parents=True, exist_ok=True)
     index = {"layers": [], "modules": {}, "overrides": []}
     start, inputs = 0, samples
     found = _read_progress(spool, ex.num_layers, lengths, ex.hidden_size, dtype)
@@ -99,4 +109,7 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
             progress(step.index + 1, ex.num_layers)
     for p in [spool / PROGRESS_NAME, *spool.glob("activations-*"), *spool.glob(".activations-*")]:
         p.unlink(missing_ok=True)
+    ex.measured_peak_bytes()
+    index["device"] = str(ex.device)
+    index["memory"] = plan.to_json()
     return index

@@ -57,13 +57,14 @@ def stored_modules(ckpt: Checkpoint) -> dict:
     return scan(ckpt, detect_format(ckpt.config))
 
 
-def _read_weight(r: TensorReader, stored: dict, base: str) -> torch.Tensor:
-    """The float weight of module `base`: as stored, or decoded from block-FP8 / pack-quantized INT4."""
+def _read_weight(r: TensorReader, stored: dict, base: str, device: torch.device | None = None) -> torch.Tensor:
+    """The float weight of module `base`: as stored, or decoded from block-FP8 / pack-quantized INT4 / FP4
+    (on `device` when given: the packed tensors are moved there and decoded there)."""
     sw = stored.get(base)
     if sw is not None:
         if any(suffix == "weight_g_idx" for suffix, _ in sw.tensors):
             raise UnsupportedWeights(f"{base}: act-order (weight_g_idx) INT4 sources are not supported")
-        return r.decode(sw, torch.float32)
+        return r.decode(sw, torch.float32, device=device)
     w = r.get(base + ".weight")
     if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise UnsupportedWeights(f"{base}.weight is {w.dtype} but has no weight_scale_inv / weight_scale")
@@ -87,6 +88,7 @@ def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype =
     dequantized here: block-FP8 (`weight` float8 + `weight_scale_inv`/`weight_scale`) and compressed-tensors
     pack-quantized INT4 (`weight_packed`, `weight_scale`, `weight_shape`[, `weight_zero_point`]).
     Reads only this layer's tensors; each expert is copied straight into its slice of the fused tensor.
+    On an accelerator (`device` not the CPU) quantized sources are decoded there, from their packed tensors.
     A multimodal wrapper's text layers are read under its prefix (Kimi K2.5: `language_model.model.layers.L.`)."""
     names = arch_for(ckpt.config, "calibrate").experts
     stored = stored_modules(ckpt) if stored is None else stored
@@ -114,6 +116,8 @@ def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype =
             direct[rel] = name
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, int], dict[int, str]] = {}  # (fused name, part) -> {expert: disk base}
+    dev = torch.device(device)
+    decode_on = dev if dev.type != "cpu" else None  # the CPU decodes as it always has
     r = TensorReader.of(ckpt, mapped=False)
     try:
         for rel, base in modules.items():
@@ -121,7 +125,7 @@ def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype =
             if m:
                 experts.setdefault(parts[m.group(2)], {})[int(m.group(1))] = base
                 continue
-            out[rel + ".weight"] = _read_weight(r, stored, base).to(device=device, dtype=dtype)
+            out[rel + ".weight"] = _read_weight(r, stored, base, decode_on).to(device=device, dtype=dtype)
         for rel, name in direct.items():
             t = r.get(name)
             out[rel] = t.to(device=device, dtype=dtype if t.dtype.is_floating_point else t.dtype)
@@ -135,7 +139,7 @@ def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype =
                                              f"(found {len(pm)} of {n_exp} experts for one of its parts)")
             dst = None
             for e in range(n_exp):
-                ws = [_read_weight(r, stored, pm[e]) for pm in part_maps]  # [I, D] each (down: [D, I])
+                ws = [_read_weight(r, stored, pm[e], decode_on) for pm in part_maps]  # [I, D] each (down: [D, I])
                 if dst is None:
                     dst = torch.empty((n_exp, sum(w.shape[0] for w in ws), ws[0].shape[1]), dtype=dtype,
                                       device=device)  # [E, 2I, D] = cat(gate, up) / [E, D, I]

@@ -81,6 +81,8 @@ class ConvertOptions:
     # the source's hub id, when it came from the hub: the model card's base_model
     source_id: str | None = None
     model_card: bool = True  # write README.md (quantkit/card.py; a README of the source is extended)
+    # where calibration (GPTQ/AWQ, KV scales) computes: cpu, cuda, cuda:N or auto (calib/device.py)
+    device: str = options.DEVICE
 
 
 @dataclass
@@ -95,6 +97,10 @@ class ConvertResult:
     shards_resumed: int = 0
     modules_passed_through: int = 0
     notes: list = field(default_factory=list)  # what was not quantized as asked, and why (also in the manifest)
+    # the calibration's device and its memory plan (calib/device.py: estimated peak bytes per layer, where
+    # the activations lived, the measured peak on a GPU); None when nothing was calibrated in this run
+    device: str | None = None
+    device_memory: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -138,10 +144,23 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     notes = plan_notes(plans, len(source_kv) if want_kv else 0, stored)
     # every module a calibrated group targets may be stored INT4 already (Kimi K2.5): then nothing to calibrate
     calibrated = calibrated and any(isinstance(u, CalibratedUnit) for p in plans for u in p.units)
+    options.parse_device(opts.device)  # a misspelled device fails here, whatever the recipe
+    calib_device = None
+    if calibrated or (want_kv and opts.kv_scales is None):
+        from ..calib.device import resolve_device
+
+        calib_device = resolve_device(opts.device)  # a device that is not there fails before anything is written
     w = world(getattr(opts, "device", None))  # torchrun: this rank's place (size 1 otherwise)
+    data = calibration_data(src, recipe, opts.dataset, opts.num_samples, opts.seq_len) if calibrated else None
+    if calibrated and calib_device.type != "cpu":  # a layer that cannot fit on the GPU: refused before any work
+        from .calibrated import preflight
+
+        w.step(lambda: preflight(src, recipe, data, str(calib_device)) if w.leader else None, "planning device memory")
     # KV scales: read and checked (or calibrated) once the plan is known to be valid, before any write
+    calib_report: dict = {}  # the calibration's device and memory plan, for the result
     kv = w.broadcast(w.step(lambda: kv_scales(src, recipe, opts.kv_scales, opts.dataset, opts.num_samples,
-                                              opts.seq_len) if want_kv and w.leader else None,
+                                              opts.seq_len, device=opts.device, report=calib_report)
+                            if want_kv and w.leader else None,
                             "reading the KV scales"))
     if kv is not None and "kv_lora_rank" in text_config(src.config)[0]:
         notes.append(MLA_KV_NOTE)
@@ -149,7 +168,6 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
         if log:
             log(n)
 
-    data = calibration_data(src, recipe, opts.dataset, opts.num_samples, opts.seq_len) if calibrated else None
     identity = {"tool_version": __version__, "recipe_sha256": recipe.sha256,
                 "config_sha256": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
                 "source": _source_fingerprint(src), "batch_bytes": opts.batch_bytes,
@@ -174,7 +192,8 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
         journal = out / JOURNAL_DIR
         spool = Spool()
         if calibrated and len(done) < len(plans):
-            spool = w.broadcast(w.step(lambda: calibrated_pass(src, recipe, data, journal / "calib", log)
+            spool = w.broadcast(w.step(lambda: calibrated_pass(src, recipe, data, journal / "calib", log,
+                                                               device=opts.device, report=calib_report)
                                        if w.leader else None, "calibrating"))
 
         total = src.total_bytes
@@ -226,10 +245,12 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
         def finish():
             kv_out = write_kv_scales(out, kv) if kv is not None else None
             kv_scheme = kv.config() if kv is not None else (fmt.kv_cache_scheme if source_kv else None)
-            return _finalize(src, fmt, out, recipe, plans, results, identity, t0, resumed=len(done), notes=notes,
-                             kv=kv, kv_out=kv_out, kv_scheme=kv_scheme,
-                             calibration=None if data is None else data.describe(), source_id=opts.source_id,
-                             model_card=opts.model_card)
+            res = _finalize(src, fmt, out, recipe, plans, results, identity, t0, resumed=len(done), notes=notes,
+                            kv=kv, kv_out=kv_out, kv_scheme=kv_scheme,
+                            calibration=None if data is None else data.describe(), source_id=opts.source_id,
+                            model_card=opts.model_card)
+            res.device, res.device_memory = calib_report.get("device"), calib_report.get("memory")
+            return res
 
         if w.size == 1:
             return finish()

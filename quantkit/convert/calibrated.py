@@ -29,10 +29,12 @@ def calibration_data(src: Checkpoint, recipe: Recipe, dataset: str | None, num_s
                                  num_samples=num_samples or cal.num_samples, seq_len=seq_len or cal.seq_len)
 
 
-def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log) -> Spool:
-    """GPTQ/AWQ layer by layer (quantkit.calib), spooled under the journal. A spool left by an
-    interrupted run of the same identity is reused when it is complete, and continued from the last
-    finished layer when it is not."""
+def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log, device: str | None = None,
+                    report: dict | None = None) -> Spool:
+    """GPTQ/AWQ layer by layer (quantkit.calib) on `device` (cpu, cuda, cuda:N, auto; None: the default),
+    spooled under the journal. A spool left by an interrupted run of the same identity is reused when it is
+    complete, and continued from the last finished layer when it is not. `report` (a dict) receives the
+    device and its memory plan (calib/device.py) of the pass that made the spool."""
     from ..calib.spool import PROGRESS_NAME, run_calibrated
 
     done = spool_dir / "index.json"
@@ -44,8 +46,11 @@ def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log)
         if log:
             log(f"calibrating {', '.join(sorted({g.method for g in recipe.groups if g.method != 'rtn'}))} on "
                 f"{data.num_samples} samples x {data.seq_len} tokens, layer by layer")
-        index = run_calibrated(src.root, recipe, data.samples, spool_dir, log=log or (lambda m: None))
+        index = run_calibrated(src.root, recipe, data.samples, spool_dir, log=log or (lambda m: None),
+                               device=device)
         write_json_atomic(done, index)
+    if report is not None and "device" in index:
+        report.update(device=index["device"], memory=index.get("memory"))
     files = {}
     for layer in index["layers"]:
         meta = read_json_file(spool_dir / f"{layer}.json", f"{layer}.json")
@@ -54,11 +59,25 @@ def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log)
     return Spool(files, index["modules"])
 
 
+def preflight(src: Checkpoint, recipe: Recipe, data, device: str) -> None:
+    """Plan the calibrated pass's device memory (calib/device.py) before any work, so that a layer that
+    cannot fit on the device stops the conversion before KV calibration or anything else runs."""
+    from ..calib.executor import LayerExecutor
+    from ..calib.layer import statistics_bytes
+
+    ex = LayerExecutor(src.root, device=device)
+    lengths = [int(len(x)) for x in data.samples]
+    ex.plan_memory(lengths, statistics=lambda i, layer: statistics_bytes(
+        ex.ckpt, recipe, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths))
+
+
 def kv_scales(src: Checkpoint, recipe: Recipe, path: str | None, dataset: str | None = None,
-              num_samples: int | None = None, seq_len: int | None = None) -> kvrules.KVScales:
+              num_samples: int | None = None, seq_len: int | None = None, device: str | None = None,
+              report: dict | None = None) -> kvrules.KVScales:
     """The KV scales to ship, checked against the source model: from `path`, or calibrated now (recipe
-    `kv_cache` section) on the same data as the calibrated groups: the options first, then the recipe's
-    calibration section, then the defaults."""
+    `kv_cache` section, on `device`) on the same data as the calibrated groups: the options first, then the
+    recipe's calibration section, then the defaults. `report` (a dict) receives the calibration's device and
+    memory plan when it ran."""
     want = recipe.kv_cache.strategy if recipe.kv_cache is not None else None
     if path is not None:
         scales = kvrules.read_file(path)
@@ -71,7 +90,9 @@ def kv_scales(src: Checkpoint, recipe: Recipe, path: str | None, dataset: str | 
         cal = recipe.calibration or CalibrationSpec()
         data = {"dataset": dataset or cal.dataset, "num_samples": num_samples or cal.num_samples,
                 "seq_len": seq_len or cal.seq_len}
-        res = calibrate(str(src.root), **data, strategy=want)
+        res = calibrate(str(src.root), **data, strategy=want, **({} if device is None else {"device": device}))
+        if report is not None and getattr(res, "device", None) is not None:
+            report.update(device=res.device, memory=res.memory)
         scales = {n: t.detach().cpu() for n, t in dict(res.scales).items()}
         origin = {"calibrate": data}
     cfg, prefix = text_config(src.config)

@@ -130,10 +130,11 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, num_bits: int = 4, group_size:
     xs = x.float() if x_mask is None else x.float() * x_mask[..., None].float()
     # errors are quadratic forms in the weight error: sum_t (x_t . d)^2 = d^T (X^T X) d
     gram = torch.bmm(xs.transpose(1, 2), xs).double()  # [E, K, K]
-    idx = torch.arange(groups)
+    dev = w.device
+    idx = torch.arange(groups, device=dev)
     gram_g = gram.reshape(e, groups, g, groups, g)[:, idx, :, idx].transpose(0, 1)  # [E, G, g, g] diagonal blocks
-    best = torch.ones(e, n, groups)
-    best_err = torch.full((e, n, groups), float("inf"), dtype=torch.float64)
+    best = torch.ones(e, n, groups, device=dev)
+    best_err = torch.full((e, n, groups), float("inf"), dtype=torch.float64, device=dev)
     ratios = clip_ratios(num_bits, symmetric, n_grid, max_shrink)
     for i0 in range(0, n, row_chunk):
         wc = w[:, i0:i0 + row_chunk].float()
@@ -141,7 +142,7 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, num_bits: int = 4, group_size:
         be = best_err[:, i0:i0 + nb]
         br = best[:, i0:i0 + nb]
         for r in [1.0] + [r for r in ratios if r != 1.0]:  # r = 1 first: ties keep RTN
-            ratio = torch.full((e, nb, groups), r)
+            ratio = torch.full((e, nb, groups), r, device=dev)
             dw = (wc - fake_quant(wc, num_bits, group_size, symmetric, ratio)).double().reshape(e, nb, groups, g)
             err = torch.einsum("engk,egkl,engl->eng", dw, gram_g, dw)  # [E, n, G]
             better = err < be

@@ -149,7 +149,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, layout: FP8Layout, dtype: t
     """q [..., N, K] fp8 -> w [..., N, K] in `dtype`: q.float() * scale, rounded once to `dtype`.
     `out` (shape of q, `dtype`) receives the result in place, e.g. one slot of a batch."""
     if out is None:
-        out = torch.empty(q.shape, dtype=dtype)
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
     return _apply(q, scale.float(), layout, lambda x, s: (x * s).to(dtype), out)
 
 

@@ -46,9 +46,9 @@ def _cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int):
     factorization fails. Returns (U, damping used [E], fallback reasons)."""
     e, k, _ = h.shape
     diag_mean = torch.diagonal(h, dim1=-2, dim2=-1).mean(-1)  # [E]
-    rel = torch.full((e,), float(damp), dtype=h.dtype)
+    rel = torch.full((e,), float(damp), dtype=h.dtype, device=h.device)
     u = torch.empty_like(h)
-    todo = torch.arange(e)
+    todo = torch.arange(e, device=h.device)
     fallback: list[str | None] = [None] * e
     for attempt in range(max_retries + 1):
         hd = h[todo] if todo.numel() < e else h.clone()
@@ -83,10 +83,12 @@ def _cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int):
 def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetric: bool = True,
          *, damp: float = 0.01, block_size: int = 128, actorder: bool = False, max_retries: int = 4,
          scale_dtype: torch.dtype = torch.bfloat16, static_scale: torch.Tensor | None = None,
-         quantize_column: Callable | None = None) -> GPTQResult:
+         quantize_column: Callable | None = None, solve_dtype: torch.dtype = torch.float64) -> GPTQResult:
     """Quantize weights w [E, N, K] (or [N, K]) given Hessians h [E, K, K] (or [K, K]) = 2/n * sum x x^T.
     `static_scale` [E, N, G] float32 + `quantize_column`: another grid with scales fixed up front (FP4);
-    the result's q then holds that grid's codes and its qparams the given scales."""
+    the result's q then holds that grid's codes and its qparams the given scales. `solve_dtype`: what the
+    Hessian is factorized in (float64 on the CPU; float32 on a GPU, where float64 is slow). Every tensor
+    lives on w's device."""
     squeeze = w.ndim == 2
     if squeeze:
         w, h = w[None], h[None]
@@ -98,7 +100,8 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
         block_size = max(gs, block_size - block_size % gs)  # keep group boundaries on block boundaries
     qmin, qmax = qrange(num_bits)
     W = w.float().clone()
-    H = h.double()  # factorize in float64: tiny models and fp32 Hessians of real ones both benefit
+    dev = W.device
+    H = h.to(device=dev, dtype=solve_dtype)  # float64 on the CPU: tiny models and fp32 Hessians of real ones benefit
     if H.data_ptr() == h.data_ptr():
         H = H.clone()  # modified below (dead columns); the caller's Hessian stays as it was
 
@@ -110,7 +113,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
     static = None
     if static_scale is not None:
         static = QParams(static_scale.reshape(e, n, -1).float(), None)
-        group_of = (torch.arange(k) // gs).expand(e, k)  # natural order, unless act-order permutes below
+        group_of = (torch.arange(k, device=dev) // gs).expand(e, k)  # natural order, unless act-order permutes below
     if actorder:
         perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)  # [E, K]
         if static is None:
@@ -124,9 +127,9 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
     U = U.float()
 
     groups = k // gs
-    scale = torch.empty(e, n, groups)
-    zp = None if symmetric else torch.empty(e, n, groups, dtype=torch.int32)
-    Q = torch.empty(e, n, k)
+    scale = torch.empty(e, n, groups, device=dev)
+    zp = None if symmetric else torch.empty(e, n, groups, dtype=torch.int32, device=dev)
+    Q = torch.empty(e, n, k, device=dev)
     cur_s = cur_z = None
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)

@@ -129,18 +129,21 @@ class TensorReader:
             return
         out.copy_(self.view(name, expert, rows))
 
-    def decode(self, sw, dtype: torch.dtype = torch.float32, notes=None) -> torch.Tensor:
+    def decode(self, sw, dtype: torch.dtype = torch.float32, notes=None,
+               device: torch.device | str | None = None) -> torch.Tensor:
         """The float weight [N, K] of a module the source stores quantized (a read.sources.StoredWeight):
         FP8 as q.float() * scale (per tensor / row / block, edge blocks partial), INT4 as (q - zp) * scale,
-        NVFP4 / MXFP4 as e2m1 * the group's scale; returned in `dtype`."""
+        NVFP4 / MXFP4 as e2m1 * the group's scale; returned in `dtype`. With `device`, the stored tensors are
+        moved there first and decoded there (the same arithmetic, on e.g. a GPU)."""
         from .sources import read_scale
 
+        get = self.get if device is None else (lambda name: self.get(name).to(device))
         if sw.encoding == "int4":
-            return dequantize_module({suffix: self.get(t) for suffix, t in sw.tensors}, dtype)
+            return dequantize_module({suffix: get(t) for suffix, t in sw.tensors}, dtype)
         if sw.encoding in ("nvfp4", "mxfp4"):
-            return fp4_module(sw.encoding, {suffix: self.get(t) for suffix, t in sw.tensors}, dtype)
-        scale = read_scale(self.get, sw.scale, sw.layout, sw.scale_fmt, notes)
-        return fp8_dequantize(self.get(sw.primary), scale, sw.layout, dtype)
+            return fp4_module(sw.encoding, {suffix: get(t) for suffix, t in sw.tensors}, dtype)
+        scale = read_scale(get, sw.scale, sw.layout, sw.scale_fmt, notes)
+        return fp8_dequantize(get(sw.primary), scale, sw.layout, dtype)
 
     # -- lifetime -------------------------------------------------------------------------------------
     def release(self) -> None:

@@ -1,0 +1,165 @@
+"""GPTQ and AWQ wall time side by side, on the quality fixture's model and recipes (bench/quality.py), for one
+or more source trees of quantkit in the same run (e.g. before and after a change).
+
+    .venv/bin/python bench/calib_passes.py                              # this tree, --groups 32 --repeat 3
+    .venv/bin/python bench/calib_passes.py --trees /tmp/qk-before .     # two trees, rounds interleaved
+
+The model: the trained quality fixture (bench/fixture.py) when it is cached, else (`--random`, or when it is
+not) a random-weight qwen3_moe of the fixture's exact shape (hidden 128, 4 layers, 8 experts top-2 of width 128,
+4 / 2 heads of 32, vocab 256) built with quantkit.testing, cached in bench/.cache/. Calibration: 64 windows of
+128 tokens (the fixture's training windows with bench/quality.py's seed; random ids for the random model),
+written as pre-tokenized rows. Each conversion is quantkit's `convert()` with bench/quality.py's recipe for
+the method and group (routed experts only), timed as bench/quality.py times it: the whole call.
+
+A round runs, for each tree in turn, one fresh process (PYTHONPATH = the tree) that converts once with RTN
+(imports and first-touch costs, untimed), then GPTQ, then AWQ. `--repeat` rounds. The table gives every wall
+time, the fastest, the CPU time of the fastest and the ratio of the fastest AWQ to the fastest GPTQ (the
+issue's target: AWQ within 2x of GPTQ). `other` is the CPU (in cores) other processes used during a run: on a
+shared machine it inflates wall times. Results go to bench/results/calib_passes.json (`--json` elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _cpu_total() -> float:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # busy seconds of every core (idle, iowait out)
+
+
+def model_and_rows(random: bool, num_samples: int, seq_len: int, work: Path) -> tuple[Path, Path, str]:
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from fixture import CACHE, FixtureSpec
+    from quality import windows
+
+    spec = FixtureSpec()
+    done = CACHE / f"fixture-{spec.key}" / "fixture.json"
+    rows = work / "calib.jsonl"
+    if not random and done.is_file():
+        train = torch.load(done.parent / "train.pt")
+        ids = windows(train, seq_len, num_samples, seed=2)
+        rows.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in ids))
+        return done.parent / "model", rows, f"the quality fixture ({done.parent.name}, trained)"
+    from quantkit.testing import make_tiny_model
+
+    src = CACHE / f"fixture-shaped-random-{spec.key}"
+    if not (src / "config.json").exists():
+        make_tiny_model("qwen3_moe", src, layers=spec.layers, hidden=spec.hidden, experts=spec.experts,
+                        moe_intermediate=spec.moe_intermediate, vocab=256, max_shard_size="2MB",
+                        num_experts_per_tok=spec.top_k, num_attention_heads=spec.heads,
+                        num_key_value_heads=spec.kv_heads, head_dim=spec.hidden // spec.heads)
+    g = torch.Generator().manual_seed(2)
+    rows.write_text("".join(json.dumps({"input_ids": torch.randint(0, 256, (seq_len,), generator=g).tolist()}) + "\n"
+                            for _ in range(num_samples)))
+    return src, rows, "a random-weight qwen3_moe of the fixture's shape (the trained fixture is not cached)"
+
+
+def worker(a) -> int:
+    """One round for one tree: RTN (untimed), then GPTQ and AWQ per group; one JSON line on stdout."""
+    import quantkit
+    import torch
+    from quantkit.convert import ConvertOptions, convert
+    from quantkit.match.recipe import parse_recipe
+
+    sys.path.insert(0, str(HERE))
+    from quality import recipe_yaml
+
+    work = Path(a.work)
+
+    def run(method: str, group: int) -> dict:
+        t0, c0, o0 = time.perf_counter(), time.process_time(), _cpu_total()
+        convert(a.model, work / f"out-{os.getpid()}-{method}-{group}", ConvertOptions(
+            recipe=parse_recipe(recipe_yaml(method, group)), overwrite=True, dataset=a.rows,
+            num_samples=a.num_samples, seq_len=a.seq_len, model_card=False))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+                "other_cores": round(max(0.0, _cpu_total() - o0 - cpu) / wall, 2)}
+
+    run("rtn", a.groups[0])
+    out = {"quantkit": quantkit.__file__, "threads": torch.get_num_threads(),
+           "runs": {f"g{g}": {m: run(m, g) for m in ("gptq", "awq")} for g in a.groups}}
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trees", nargs="+", default=[str(HERE.parent)], help="quantkit source trees to time")
+    ap.add_argument("--groups", type=int, nargs="+", default=[32])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--num-samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--random", action="store_true", help="the random-weight model even if the fixture is cached")
+    ap.add_argument("--json", default=str(HERE / "results" / "calib_passes.json"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--rows", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        return worker(a)
+
+    work = Path(tempfile.mkdtemp(prefix="qk-calib-passes-"))
+    src, rows, what = model_and_rows(a.random, a.num_samples, a.seq_len, work)
+    trees = [str(Path(t).resolve()) for t in a.trees]
+    print(f"model: {what}\n{a.num_samples} x {a.seq_len} tokens; trees: {', '.join(trees)}", flush=True)
+    runs: dict[str, list[dict]] = {t: [] for t in trees}
+    for r in range(a.repeat):
+        for t in trees:
+            env = {**os.environ, "PYTHONPATH": t + os.pathsep + os.environ.get("PYTHONPATH", "")}
+            cmd = [sys.executable, __file__, "--worker", "--model", str(src), "--rows", str(rows), "--work", str(work),
+                   "--num-samples", str(a.num_samples), "--seq-len", str(a.seq_len),
+                   "--groups", *map(str, a.groups)]
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if p.returncode != 0:
+                print(p.stderr[-3000:], file=sys.stderr)
+                return 1
+            doc = json.loads(p.stdout.strip().splitlines()[-1])
+            runs[t].append(doc)
+            print(f"round {r + 1}, {t}: " + "; ".join(f"{g} gptq {v['gptq']['wall_s']:.2f} s, awq {v['awq']['wall_s']:.2f} s"
+                                                     for g, v in doc["runs"].items()), flush=True)
+    summary = {}
+    for t, docs in runs.items():
+        for g in (f"g{x}" for x in a.groups):
+            per = {m: [d["runs"][g][m] for d in docs] for m in ("gptq", "awq")}
+            best = {m: min(v, key=lambda x: x["wall_s"]) for m, v in per.items()}
+            summary.setdefault(t, {})[g] = {
+                "gptq_wall_s": [x["wall_s"] for x in per["gptq"]], "awq_wall_s": [x["wall_s"] for x in per["awq"]],
+                "best": best, "awq_over_gptq_wall": round(best["awq"]["wall_s"] / best["gptq"]["wall_s"], 2),
+                "awq_over_gptq_cpu": round(min(x["cpu_s"] for x in per["awq"])
+                                           / min(x["cpu_s"] for x in per["gptq"]), 2)}
+    print("\ntree / group                       GPTQ wall s (runs)       AWQ wall s (runs)        best G / A   "
+          "cpu G / A     AWQ/GPTQ wall (cpu)")
+    for t, by in summary.items():
+        for g, s in by.items():
+            gw = " ".join(f"{x:5.2f}" for x in s["gptq_wall_s"])
+            aw = " ".join(f"{x:5.2f}" for x in s["awq_wall_s"])
+            print(f"{t[-28:]:28s} {g:5s} {gw:24s} {aw:24s} {s['best']['gptq']['wall_s']:5.2f} / "
+                  f"{s['best']['awq']['wall_s']:5.2f}  {s['best']['gptq']['cpu_s']:5.2f} / {s['best']['awq']['cpu_s']:5.2f}"
+                  f"   {s['awq_over_gptq_wall']} ({s['awq_over_gptq_cpu']})")
+    import torch
+
+    doc = {"model": what, "settings": {k: v for k, v in vars(a).items() if k not in ("worker", "model", "rows", "work")},
+           "summary": summary, "runs": runs,
+           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
