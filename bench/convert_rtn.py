@@ -399,6 +399,9 @@ def main(argv=None) -> int:
                     help="OMP_NUM_THREADS for both tools (default: unset, each tool's own default)")
     ap.add_argument("--group-size", type=int, default=32, help="INT4 group size for both tools (default 32, quantkit's)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each tool, alternating; the fastest is used")
+    ap.add_argument("--recipe", default=None,
+                    help="a shipped RTN recipe instead of int4-experts-rtn (e.g. nvfp4-experts, mxfp4-experts: the "
+                         "same streaming bound applies; the llm-compressor comparison is INT4's and is skipped)")
     ap.add_argument("--skip-peer", action="store_true", help="do not run llm-compressor")
     ap.add_argument("--peer-venv", type=Path, default=CACHE / "peer-venv", help="venv made by bench/setup_peers.sh")
     ap.add_argument("--quantkit", default=None, help="quantkit executable (default: the one next to this python, "
@@ -444,7 +447,9 @@ def main(argv=None) -> int:
 
     logs = CACHE / "logs"
     qk_out, llmc_out = CACHE / "out-quantkit", CACHE / "out-llmcompressor"
-    recipe = recipe_for(args.group_size)
+    recipe = args.recipe or recipe_for(args.group_size)
+    if args.recipe and args.recipe != "int4-experts-rtn":
+        args.skip_peer = True
     qk_py = Path(qk_bin).parent / "python"
     floor = None
     if qk_py.exists():  # what starting the tool costs before it reads a byte
