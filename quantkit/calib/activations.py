@@ -58,21 +58,18 @@ class ActivationStore:
     def __setitem__(self, i: int, value: torch.Tensor):
         self[i].copy_(value)
 
-    def batches(self, batch_tokens: int) -> Iterator[tuple[list[int], torch.Tensor]]:
-        """(sample indices, [B, T, D]) with equal-length samples grouped (no padding needed)."""
-        by_len: dict[int, list[int]] = {}
-        for i, t in enumerate(self.lengths):
-            by_len.setdefault(t, []).append(i)
-        for t in sorted(by_len):
-            idx = by_len[t]
-            b = max(1, batch_tokens // max(t, 1))
-            for j in range(0, len(idx), b):
-                chunk = idx[j:j + b]
-                if chunk == list(range(chunk[0], chunk[0] + len(chunk))):  # contiguous: a view
-                    x = self.data[self.offsets[chunk[0]]:self.offsets[chunk[-1] + 1]].view(len(chunk), t, -1)
-                else:
-                    x = torch.stack([self[i] for i in chunk])
-                yield chunk, x
+    def batches(self, batch_tokens: int, only: set[int] | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """(sample indices, [B, T, D]) with equal-length samples grouped (no padding needed): the batches of
+        `batch_plan(self.lengths, batch_tokens)`, in order; with `only`, just those batch numbers."""
+        for n, chunk in enumerate(batch_plan(self.lengths, batch_tokens)):
+            if only is not None and n not in only:
+                continue
+            t = self.lengths[chunk[0]]
+            if chunk == list(range(chunk[0], chunk[0] + len(chunk))):  # contiguous: a view
+                x = self.data[self.offsets[chunk[0]]:self.offsets[chunk[-1] + 1]].view(len(chunk), t, -1)
+            else:
+                x = torch.stack([self[i] for i in chunk])
+            yield chunk, x
 
     def write(self, indices: list[int], x: torch.Tensor):
         for k, i in enumerate(indices):
@@ -111,6 +108,35 @@ class ActivationStore:
                 return
             _read_exact(f, self._bytes(), path)
 
+    def save_samples(self, path: str | Path, samples: Sequence[int], chunk: int = 1 << 26) -> None:
+        """Write the rows of `samples` (in the order given) to `path`, atomically and durably: the part of
+        the store one rank of a distributed pass holds (`load_samples` reads it back)."""
+        def parts():
+            for i in samples:
+                rows = self[i]
+                if self.device.type != "cpu":
+                    rows = rows.cpu()
+                buf = memoryview(rows.contiguous().view(-1).view(torch.uint8).numpy()) if rows.numel() \
+                    else memoryview(b"")
+                for a in range(0, len(buf), chunk):
+                    yield buf[a:a + chunk]
+        write_atomic(path, parts())
+
+    def load_samples(self, path: str | Path, samples: Sequence[int]) -> None:
+        """Fill the rows of `samples` from a file written by `save_samples` with the same samples (ValueError
+        when its size does not fit them)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        want = sum(self.lengths[i] for i in samples) * self.hidden * itemsize
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != want:
+                raise ValueError(f"{path}: {size} bytes, expected {want}")
+            for i in samples:
+                host = torch.empty((self.lengths[i], self.hidden), dtype=self.dtype)
+                if host.numel():
+                    _read_exact(f, memoryview(host.view(-1).view(torch.uint8).numpy()), path)
+                self[i].copy_(host)
+
     def close(self):
         self.data = None
         if self._mm is not None:
@@ -119,6 +145,21 @@ class ActivationStore:
         if self.path is not None:
             self.path.unlink(missing_ok=True)
             self.path = None
+
+
+def batch_plan(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """The forward batches of samples of these lengths: equal-length samples grouped (shortest first, each
+    length's samples in index order), max(1, batch_tokens // T) samples per batch. A distributed pass
+    forwards the same batches, each on one rank, so that every batch is computed as one process computes it."""
+    by_len: dict[int, list[int]] = {}
+    for i, t in enumerate(lengths):
+        by_len.setdefault(int(t), []).append(i)
+    plan = []
+    for t in sorted(by_len):
+        idx = by_len[t]
+        b = max(1, batch_tokens // max(t, 1))
+        plan.extend(idx[j:j + b] for j in range(0, len(idx), b))
+    return plan
 
 
 def _read_exact(f, buf: memoryview, path) -> None:

@@ -168,6 +168,10 @@ class LayerExecutor:
         self._mask_fn, self._mask_kwargs = self._mask_function()
         self.batch_tokens = batch_tokens or self.auto_batch_tokens()
         self.topk = TopKCarry(self) if "prev_topk_indices" in _forward_params(self.decoder_layers[0]) else None
+        # A distributed pass (calib/parallel.py): the batch numbers of `batch_plan` this rank forwards (None:
+        # every batch) and the suffix of the files it saves in `workdir` ("" in one process)
+        self.share: set[int] | None = None
+        self.file_tag = ""
 
     @property
     def hidden_size(self) -> int:
@@ -332,6 +336,18 @@ class LayerExecutor:
             raise
         return store
 
+    def restore_samples(self, path: str | Path, lengths: Sequence[int], samples: Sequence[int]) -> ActivationStore:
+        """A store of samples of `lengths` whose rows `samples` are filled from a file written by
+        `ActivationStore.save_samples` (a distributed pass's rank file; OSError or ValueError when it does
+        not fit them)."""
+        store = self._new_store(lengths)
+        try:
+            store.load_samples(path, samples)
+        except BaseException:
+            store.close()
+            raise
+        return store
+
     def _mask_function(self):
         # The model's own choice (modeling_*.py): sliding-window mask iff config.sliding_window is set.
         from transformers import masking_utils
@@ -350,7 +366,7 @@ class LayerExecutor:
         topk = self.topk.begin(layer, inputs.lengths) if self.topk is not None else None
         try:
             with torch.inference_mode():
-                for idx, x in inputs.batches(self.batch_tokens):
+                for idx, x in inputs.batches(self.batch_tokens, only=self.share):
                     x = x.to(self.device)
                     b, t, _ = x.shape
                     pos = torch.arange(t, device=self.device).unsqueeze(0).expand(b, t)  # every sample starts at 0
@@ -502,9 +518,14 @@ class TopKCarry:
             from ..write.writer import write_json_atomic
 
             d = Path(self.ex.workdir)
-            self.store.save(d / self.FILE)
-            write_json_atomic(d / self.META, {"layer": self.layer, "lengths": self.store.lengths,
-                                              "width": self.store.hidden})
+            self.store.save(d / self._name(self.FILE))
+            write_json_atomic(d / self._name(self.META), {"layer": self.layer, "lengths": self.store.lengths,
+                                                          "width": self.store.hidden})
+
+    def _name(self, base: str) -> str:
+        """The file name in the spool: a distributed pass's ranks each keep their own samples' indices."""
+        stem, dot, ext = base.partition(".")
+        return f"{stem}{self.ex.file_tag}{dot}{ext}"
 
     def abort(self) -> None:
         if self._new is not None:
@@ -519,12 +540,12 @@ class TopKCarry:
         store = None
         try:
             d = Path(self.ex.workdir)
-            meta = json.loads((d / self.META).read_text())
+            meta = json.loads((d / self._name(self.META)).read_text())
             if meta["layer"] != want or meta["lengths"] != list(lengths) or meta["width"] != self._width(lengths):
                 raise ValueError("saved for another layer or other samples")
             store = ActivationStore(lengths, meta["width"], torch.int32,
                                     budget_bytes=self.ex.activation_budget_bytes, workdir=self.ex.workdir)
-            store.load(d / self.FILE)
+            store.load(d / self._name(self.FILE))
         except (OSError, ValueError, KeyError, TypeError) as e:
             if store is not None:
                 store.close()
@@ -536,7 +557,7 @@ class TopKCarry:
     def discard_saved(self) -> None:
         if self.ex.workdir is not None:
             for name in (self.FILE, self.META):
-                (Path(self.ex.workdir) / name).unlink(missing_ok=True)
+                (Path(self.ex.workdir) / self._name(name)).unlink(missing_ok=True)
 
     def close(self) -> None:
         self.abort()

@@ -1,10 +1,14 @@
 """GPTQ for one decoder layer (quant/gptq.py does the math): dense Linears from their input Hessians, and
-every routed expert from the Hessian of the tokens routed to it, a few experts at a time. The quantized
+every routed expert from the Hessian of the tokens routed to it, a group of experts at a time. The quantized
 weights are written back into the layer (true-sequential: the next layer sees quantized outputs).
 
+Experts are solved in fixed groups (`expert_group_size`: a function of the layer's shapes only, never of the
+number of ranks), which are also the unit of ownership in a distributed pass (calib/parallel.py), so that
+every solve sees the same operands whatever the world size.
+
 Where the layer lives (calib/device.py): on the CPU the Hessians are factorized in float64, a few experts
-(GPTQ_CHUNK_BYTES of Hessians) at a time; on a GPU in float32 on the device, more experts at once
-(GPTQ_CHUNK_BYTES_DEVICE). Results are moved to the host only to be emitted."""
+(at most GPTQ_CHUNK_BYTES of Hessians) at a time; on a GPU in float32 on the device, more experts at once
+(at most GPTQ_CHUNK_BYTES_DEVICE). Results are moved to the host only to be emitted."""
 
 from __future__ import annotations
 
@@ -78,14 +82,13 @@ def gptq_dense(res: LayerResult, ckpt, disk: str, mod: nn.Linear, g: WeightGroup
 
 
 def _all_token_down_hessians(stats: ExpertStats, ids: torch.Tensor) -> torch.Tensor:
-    """Down-proj Hessians of experts `ids` from the sampled tokens of the layer sent through each of them."""
+    """Down-proj Hessians of experts `ids` from the sampled tokens of the layer sent through each of them
+    (one expert at a time: each value depends only on that expert's weights and the samples)."""
     x, _ = stats.samples()  # [t, H]
     out = torch.empty(len(ids), stats.I, stats.I, device=x.device)
-    per = max(1, PAIR_BUDGET // max(1, x.shape[0] * max(stats.P, stats.I) * 4))
-    for i in range(0, len(ids), per):
-        sel = ids[i:i + per]
-        hd = stats.down_inputs(sel, x.expand(len(sel), *x.shape))
-        out[i:i + per] = torch.bmm(hd.transpose(1, 2), hd) * (2.0 / x.shape[0])
+    for j, e in enumerate(ids.tolist()):
+        hd = stats.down_inputs_one(e, x)
+        out[j] = (hd.T @ hd) * (2.0 / x.shape[0])
     return out
 
 
@@ -105,12 +108,39 @@ def chunk_experts(k: int, device: torch.device) -> int:
     return max(1, GPTQ_CHUNK_BYTES_DEVICE // (k * k * torch.empty((), dtype=solve_dtype(device)).element_size()))
 
 
-def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: ExpertStats):
-    """GPTQ for every expert of a layer, a few experts at a time: weights are converted to float32,
-    solved, dequantized and written back (true-sequential: the next layer sees quantized outputs) one
-    chunk at a time, so besides the layer's Hessians only one chunk's working set is ever in memory."""
+# A layer's experts are solved in at least this many groups when it has that many experts: a group is the
+# unit of work of one rank in a distributed pass (calib/parallel.py), and the groups are the same whatever
+# the world size, so that every solve sees the same operands as in one process.
+SOLVE_GROUPS = 8
+
+
+def expert_group_size(num_experts: int, hidden: int, inter: int, device: torch.device) -> int:
+    """Experts per solve group (and per unit of expert ownership): at most `chunk_experts` for both of the
+    experts' matrices, and small enough for SOLVE_GROUPS groups. Depends on the layer only."""
+    cap = -(-int(num_experts) // SOLVE_GROUPS)
+    return max(1, min(chunk_experts(hidden, device), chunk_experts(inter, device), cap))
+
+
+def expert_owners(num_experts: int, group: int, par) -> list[int]:
+    """The rank that accumulates and solves each expert: group g = e // group belongs to rank g % world."""
+    size = par.size if par is not None else 1
+    return [(e // group) % size for e in range(num_experts)]
+
+
+def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: ExpertStats, group: int | None = None,
+                 par=None):
+    """GPTQ for every expert of a layer, `group` experts at a time (None: expert_group_size): weights are
+    converted to float32, solved, dequantized and written back (true-sequential: the next layer sees
+    quantized outputs) one group at a time, so besides the layer's Hessians only one group's working set is
+    ever in memory. With a distributed `par`, only the groups this rank owns are solved (their Hessians are
+    the ones it accumulated); `share_expert_weights` then gives every rank the others' groups."""
     E = stats.E
     dev = stats.device
+    if group is None:
+        group = expert_group_size(E, stats.H, stats.I, dev)
+    rank = par.rank if par is not None else 0
+    owner = expert_owners(E, group, par)
+    owned = torch.tensor([o == rank for o in owner], dtype=torch.bool)
     low, min_tokens, fallback, mode = coverage(g.options, stats)
     counts = stats.counts.clamp(min=1).float().to(dev)
     # the sums become 2/n-scaled Hessians in place: the statistics are not used after this
@@ -123,8 +153,10 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
         if fallback == "rtn" and mode == "routed":
             use_rtn[ids] = True
         else:
-            h_gu[ids.to(dev)] = stats.h_all * (2.0 / max(stats.total, 1))
-            h_down[ids.to(dev)] = _all_token_down_hessians(stats, ids.to(dev))
+            mine = ids[owned[ids]]
+            if mine.numel():
+                h_gu[mine.to(dev)] = stats.h_all * (2.0 / max(stats.total, 1))
+                h_down[mine.to(dev)] = _all_token_down_hessians(stats, mine.to(dev))
         for e in ids.tolist():
             reasons[e] = ("stats: all tokens" if mode == "all" else
                           f"{int(stats.counts[e])} routed tokens < min_tokens {min_tokens}: "
@@ -137,9 +169,10 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
         k = param.shape[-1]
         s = g.scheme.for_in_features(k)
         parts = (("gate", slice(0, half)), ("up", slice(half, stats.P))) if key == "gu" else (("down", slice(None)),)
-        per = chunk_experts(k, dev)
-        for i0 in range(0, E, per):
-            i1 = min(E, i0 + per)
+        for i0 in range(0, E, group):
+            if owner[i0] != rank:
+                continue
+            i1 = min(E, i0 + group)
             w = param.data[i0:i1].float()  # [c, N, K]
             r, grid = _solve(w, h[i0:i1], s, **kw)
             q, qp = r.q, r.qparams
@@ -173,3 +206,15 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                     emit(res, names.module(e, kind), qh[j, rows], QParams(sh[j, rows], zp), s, src_dtype, m)
             param.data[i0:i1].copy_(deq.to(param.dtype))
             del w, r, q, qp, deq
+
+
+def share_expert_weights(experts, group: int, par) -> None:
+    """Distributed: every group's dequantized gate/up and down weights, broadcast from the rank that solved
+    it, so that every rank holds the quantized layer for the next forward. A no-op in one process."""
+    if par is None or not par.distributed:
+        return
+    E = experts.gate_up_proj.shape[0]
+    owner = expert_owners(E, group, par)
+    for param in (experts.gate_up_proj, experts.down_proj):
+        for i0 in range(0, E, group):
+            par.broadcast_(param.data[i0:min(E, i0 + group)], owner[i0])

@@ -1,7 +1,8 @@
 """Statistics a calibrated pass collects in one forward of a decoder layer: per-expert Hessians of the
-tokens the router sends to each expert (batched over experts), Hessians of dense Linears, token counts
-and bounded token samples (for AWQ's searches and for experts that see too few tokens), and the expert
-coverage policy (which experts fall back, and to what).
+tokens the router sends to each expert (one Gram per expert and forward batch, summed in batch order),
+Hessians of dense Linears, token counts and bounded token samples (for AWQ's searches and for experts that
+see too few tokens), and the expert coverage policy (which experts fall back, and to what). With several
+ranks the statistics are reduced to the rank that owns each expert or module (calib/parallel.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from ..errors import CalibrationError
 from . import moe
 
 # Legend: E = experts, T = tokens, H = hidden, I = expert intermediate, P = 2*I (gate+up rows)
@@ -22,16 +24,28 @@ class ExpertStats:
     the routed-token Hessians of gate/up inputs and of down inputs, token counts, and (for AWQ / fallbacks)
     bounded token samples. The routing of each call is the one the batched expert forward uses
     (`moe.routing_for`: sorted once per call). Hessians and samples live on the experts' device, in float32;
-    the counts on the host."""
+    the counts on the host.
 
-    def __init__(self, experts: nn.Module, need_hessians: bool, sample_tokens: int, block: nn.Module | None = None):
+    Each forward call (one batch of the executor's batch plan) adds, for each expert, the Gram of exactly
+    the rows routed to it in that batch (one `mm` on those rows, in ascending token order): an expert's sum
+    depends on nothing but its own rows and the batch order. With a distributed `par` (calib/parallel.py)
+    the hook only records its rank's batches; `reduce()` then replays every batch in batch order on every
+    rank (the forwarding rank broadcasts its inputs and routing), each rank adding the Grams of the experts
+    it owns (`owned`), so that the sums are the ones a single process computes."""
+
+    def __init__(self, experts: nn.Module, need_hessians: bool, sample_tokens: int, block: nn.Module | None = None,
+                 par=None, owned: torch.Tensor | None = None):
         """`block`: the MoE block around `experts`; when given, its outputs for the sampled tokens are kept
-        too (`block_outputs`: the unquantized block's response AWQ's norm-scale search measures against)."""
+        too (`block_outputs`: the unquantized block's response AWQ's norm-scale search measures against).
+        `par`: the pass's Parallel (None: one process); `owned` [E] bool: the experts whose Hessians this
+        rank accumulates (None: all)."""
         self.experts = experts
         e, p, h = experts.gate_up_proj.shape
         self.E, self.P, self.H, self.I = e, p, h, experts.down_proj.shape[-1]
         self.device = dev = experts.gate_up_proj.device
         self.need_h = need_hessians
+        self.par = par if par is not None and par.distributed else None
+        self.owned = owned
         self.counts = torch.zeros(e, dtype=torch.long)
         self.h_gu = torch.zeros(e, h, h, device=dev) if need_hessians else None  # sums of x x^T (scaled at the end)
         self.h_down = torch.zeros(e, self.I, self.I, device=dev) if need_hessians else None
@@ -44,6 +58,7 @@ class ExpertStats:
         self._n_samples = 0
         self.y_samples: list[torch.Tensor] = []  # [t, H] float32: the block's outputs for x_samples
         self._take = 0  # sampled rows of the current call, for the block's output hook
+        self._records: list[list] = []  # distributed: [x, idx, weights, block output] of each own call
         self.handle = experts.register_forward_pre_hook(self._hook)
         self.block_handle = block.register_forward_hook(self._block_hook) if block is not None else None
 
@@ -57,25 +72,54 @@ class ExpertStats:
             idx = idx.reshape(x.shape[0], -1)
             routing = moe.route(idx, None, self.E)
         idx = idx.reshape(x.shape[0], -1)
-        self.total += x.shape[0]
-        self.h_all += x.T @ x
+        wts = wts_in.detach().reshape(x.shape[0], -1).float() if wts_in is not None else None
+        if wts is None or wts.shape != idx.shape:
+            wts = torch.ones(idx.shape, device=x.device)
+        if self.par is not None:  # reduce() replays it in batch order
+            self._records.append([x.clone(), idx.clone(), wts.clone(), None])
+            return
+        self._observe(x, idx, wts, routing, h_all=True)
+
+    def _observe(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor, routing: "moe.Routing",
+                 h_all: bool, rows: int | None = None) -> None:
+        """One batch's contribution, in batch order: token total, all-token Hessian, samples, counts, Grams.
+        `rows`: the batch's tokens when x holds only its first (sampled) rows (no Hessians then)."""
+        self.total += x.shape[0] if rows is None else rows
+        if h_all:
+            self.h_all += x.T @ x
         if self._n_samples < self.sample_tokens:
             take = min(self.sample_tokens - self._n_samples, x.shape[0])
             self.x_samples.append(x[:take].clone())
             self.idx_samples.append(idx[:take].clone())
-            wts = wts_in.detach().reshape(x.shape[0], -1)[:take].float() if wts_in is not None else None
-            self.w_samples.append(wts.clone() if wts is not None and wts.shape == idx[:take].shape
-                                  else torch.ones(take, idx.shape[1], device=x.device))
+            self.w_samples.append(wts[:take].clone())
             self._n_samples += take
             self._take = take
         self.counts += routing.counts.cpu()
         if self.need_h:
-            per = max(1, GRAM_CHUNK_BYTES // (max(self.H, self.P) * self.H * 4))  # bounds gathered weights too
-            for experts_ids, xs, mask in routed_blocks(x, routing, self.H):
-                for a in range(0, len(experts_ids), per):
-                    ids, xa, ma = experts_ids[a:a + per], xs[a:a + per], mask[a:a + per, :, None]
-                    _add_gram(self.h_gu, ids, xa * ma)
-                    _add_gram(self.h_down, ids, self.down_inputs(ids, xa) * ma)
+            self._add_grams(x, routing)
+
+    def _add_grams(self, x: torch.Tensor, routing: "moe.Routing") -> None:
+        """h_gu[e] += X_e^T X_e and h_down[e] += D_e^T D_e for every (owned) expert e, X_e the rows routed to
+        it (ascending token order), D_e = act(X_e gate_e^T) * (X_e up_e^T): one product per expert on its exact
+        rows, so its value does not depend on which other experts are computed alongside."""
+        token, _ = routing.token_major()
+        b = routing.bounds
+        gu_w = self.experts.gate_up_proj
+        owned = self.owned
+        for e in range(self.E):
+            s, t = b[e], b[e + 1]
+            if t == s or (owned is not None and not bool(owned[e])):
+                continue
+            xe = x.index_select(0, token[s:t])  # [n, H]
+            self.h_gu[e] += xe.T @ xe
+            hd = self.down_inputs_one(e, xe)
+            self.h_down[e] += hd.T @ hd
+
+    def down_inputs_one(self, e: int, xe: torch.Tensor) -> torch.Tensor:
+        """act(gate_e x) * up_e x for the rows xe [n, H] of expert e -> [n, I]."""
+        gu = xe @ self.experts.gate_up_proj[e].float().T  # [n, P]
+        g, u = gu.chunk(2, dim=-1)
+        return self.experts.act_fn(g) * u
 
     def down_inputs(self, experts_ids: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
         """act(gate x) * up x for experts [e] and padded tokens xs [e, t, H] -> [e, t, I]."""
@@ -84,10 +128,60 @@ class ExpertStats:
         return self.experts.act_fn(g) * u
 
     def _block_hook(self, module, args, output):
+        y = output[0] if isinstance(output, tuple) else output
+        if self.par is not None:
+            if self._records and self._records[-1][3] is None:
+                self._records[-1][3] = y.detach().reshape(-1, self.H).float().clone()
+            return
         take, self._take = self._take, 0
         if take:
-            y = output[0] if isinstance(output, tuple) else output
             self.y_samples.append(y.detach().reshape(-1, self.H)[:take].float().clone())
+
+    def reduce(self, h_all_owner: int | None = None) -> None:
+        """Distributed: replay every batch in batch order on every rank, from the rank that forwarded it
+        (its routing and router weights, and its MoE inputs: all rows for GPTQ, the sampled rows and the
+        block's outputs for them otherwise; broadcast). Counts, totals and samples end equal on every rank;
+        each rank's Hessians hold its owned experts' sums; the all-token Hessian is summed by `h_all_owner`
+        (default: the last rank) and broadcast. A no-op in one process (the hook observed every batch)."""
+        par = self.par
+        if par is None:
+            return
+        if len(par.mine) != len(self._records):
+            raise CalibrationError(f"{len(self._records)} routed-experts calls observed for "
+                                   f"{len(par.mine)} forward batches")
+        mine = dict(zip(par.mine, self._records))
+        shapes = par.world.all_gather([(int(r[0].shape[0]), int(r[1].shape[1]), r[3] is not None)
+                                       for r in self._records])
+        meta: dict[int, tuple[int, int, bool]] = {}
+        for rank, lst in enumerate(shapes):
+            meta.update(zip([b for b, o in enumerate(par.owner) if o == rank], lst))
+        dev = self.device
+        h_all_owner = par.size - 1 if h_all_owner is None else h_all_owner
+        for b in range(len(par.plan)):
+            rows, k, has_y = meta[b]
+            src, rec = par.owner[b], mine.get(b)
+            take = min(max(self.sample_tokens - self._n_samples, 0), rows)
+            n_x = rows if self.need_h else take
+            x = rec[0] if rec is not None else torch.empty(rows, self.H, device=dev)
+            idx = rec[1] if rec is not None else torch.empty(rows, k, dtype=torch.long, device=dev)
+            wts = rec[2] if rec is not None else torch.empty(rows, k, device=dev)
+            par.broadcast_(idx, src)
+            par.broadcast_(wts, src)
+            par.broadcast_(x[:n_x], src)
+            if has_y and take:
+                y = rec[3] if rec is not None else torch.empty(rows, self.H, device=dev)
+                par.broadcast_(y[:take], src)
+                self.y_samples.append(y[:take].clone())
+            routing = moe.route(idx, None, self.E)
+            if self.need_h:
+                self._observe(x, idx, wts, routing, h_all=par.rank == h_all_owner)
+            else:
+                self._observe(x[:n_x], idx, wts, routing, h_all=False, rows=rows)
+            if rec is not None:
+                rec.clear()
+        self._records = []
+        if self.need_h:
+            par.broadcast_(self.h_all, h_all_owner)
 
     def remove(self):
         self.handle.remove()
@@ -169,16 +263,23 @@ def routed_blocks(x: torch.Tensor, routing: "moe.Routing", width: int, budget: i
 
 
 class LinearStats:
-    """Hessian of one nn.Linear's inputs (dense targets: attention, dense MLP, shared experts)."""
+    """Hessian of one nn.Linear's inputs (dense targets: attention, dense MLP, shared experts): the sum over
+    forward batches, in batch order, of each batch's partial x^T x. With a distributed `par` the hook keeps
+    its rank's partials and `reduce_linear_stats` sums every batch's on the module's owner."""
 
-    def __init__(self, module: nn.Linear):
+    def __init__(self, module: nn.Linear, par=None):
         self.h = torch.zeros(module.in_features, module.in_features, device=module.weight.device)
         self.count = 0
+        self.par = par if par is not None and par.distributed else None
+        self.parts: list[torch.Tensor] = []  # distributed: this rank's partials, in its batch order
         self.handle = module.register_forward_pre_hook(self._hook)
 
     def _hook(self, module, args):
         x = args[0].detach().float().reshape(-1, self.h.shape[0])
-        self.h += x.T @ x
+        if self.par is not None:
+            self.parts.append(x.T @ x)
+        else:
+            self.h += x.T @ x
         self.count += x.shape[0]
 
     def hessian(self) -> torch.Tensor:
@@ -186,6 +287,26 @@ class LinearStats:
 
     def remove(self):
         self.handle.remove()
+
+
+def reduce_linear_stats(par, stats: dict[str, LinearStats], owners: dict[str, int]) -> None:
+    """Distributed: each module's Hessian summed on its owner (`owners[name]`) from every batch's partial,
+    in batch order (Parallel.sum_in_batch_order); token counts summed on every rank (integers, exact).
+    Other ranks' `h` stay zero. A no-op in one process."""
+    if par is None or not par.distributed or not stats:
+        return
+    for name, st in stats.items():
+        if len(st.parts) != len(par.mine):
+            raise CalibrationError(f"{name}: {len(st.parts)} forward calls observed for {len(par.mine)} batches")
+    counts = par.world.all_gather({n: st.count for n, st in stats.items()})
+    parts = {(n, b): t for n, st in stats.items() for b, t in zip(par.mine, st.parts)}
+    keys = [(n, owners[n], tuple(st.h.shape)) for n, st in stats.items()]
+    sums = par.sum_in_batch_order(keys, parts)
+    for n, st in stats.items():
+        st.parts = []
+        st.count = sum(c[n] for c in counts)
+        if n in sums:
+            st.h = sums[n].to(st.h.device)
 
 
 def coverage(options, stats: ExpertStats) -> tuple[torch.Tensor, int, str, str]:

@@ -64,46 +64,103 @@ def _targets(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Module):
     return names, egroup, dense
 
 
-def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], None] = lambda m: None) -> LayerResult:
+def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], None] = lambda m: None,
+                   par=None) -> LayerResult:
     """Calibrate and quantize decoder layer `step.index` in place (weights replaced by their dequantized
-    values); returns what convert must write. The caller forwards the step afterwards (true-sequential)."""
+    values); returns what convert must write. The caller forwards the step afterwards (true-sequential).
+
+    `par` (calib/parallel.py; None: one process): the statistics forward runs this rank's batches, the
+    statistics are reduced to their owners in batch order, each owner solves its dense modules and expert
+    groups (AWQ: rank 0 runs the searches), the dequantized weights are broadcast to every rank, and the
+    result (packed tensors, overrides, metadata) is gathered on rank 0 (other ranks return an empty one).
+    Every local phase runs under World.step, so that a failure on one rank stops every rank."""
+    from .gptq_pass import expert_group_size, expert_owners, share_expert_weights
+    from .hessians import reduce_linear_stats
+
     idx, layer = step.index, step.layer
     res = LayerResult()
     names, egroup, dense = _targets(ckpt, recipe, idx, layer)
     moe = _find_moe(layer)
     if egroup is None and not dense:
         return res
+    dist_par = par if par is not None and par.distributed else None
+    run = par.step if par is not None else (lambda fn, what: fn())
+    rank = par.rank if par is not None else 0
 
     mlp = experts = router = shared = None
     stats = None
+    group = None
     if egroup is not None:
         mlp, experts, router, shared = moe
+        e_, _, h_ = experts.gate_up_proj.shape
+        owned = None
+        if egroup.method == "gptq":
+            group = expert_group_size(e_, h_, experts.down_proj.shape[-1], experts.gate_up_proj.device)
+            if dist_par is not None:
+                owned = torch.tensor([o == rank for o in expert_owners(e_, group, dist_par)], dtype=torch.bool)
         stats = ExpertStats(experts, need_hessians=egroup.method == "gptq",
-                            sample_tokens=egroup.options.sample_tokens, block=mlp if egroup.method == "awq" else None)
-    lstats = {d: LinearStats(m) for d, (m, _) in dense.items()}
+                            sample_tokens=egroup.options.sample_tokens, block=mlp if egroup.method == "awq" else None,
+                            par=dist_par, owned=owned)
+    lstats = {d: LinearStats(m, dist_par) for d, (m, _) in dense.items()}
+    dense_owner = {d: (par.dense_owner(i) if par is not None else 0) for i, d in enumerate(dense)}
     try:
-        step.forward()  # one pass: all statistics of this layer
+        run(step.forward, f"collecting the statistics of decoder layer {idx}")  # one pass: all statistics
     finally:
         for s in lstats.values():
             s.remove()
         if stats is not None:
             stats.remove()
+    if dist_par is not None:
+        if stats is not None:
+            stats.reduce()
+        reduce_linear_stats(dist_par, lstats, dense_owner)
 
     with torch.no_grad():
-        for disk, (mod, g) in dense.items():
-            gptq_dense(res, ckpt, disk, mod, g, lstats[disk])
+        def dense_solves():
+            for disk, (mod, g) in dense.items():
+                if dense_owner[disk] == rank:
+                    gptq_dense(res, ckpt, disk, mod, g, lstats[disk])
+
+        run(dense_solves, f"quantizing the dense modules of decoder layer {idx}")
+        if dist_par is not None:
+            for disk, (mod, _) in dense.items():
+                dist_par.broadcast_(mod.weight.data, dense_owner[disk])
         if egroup is not None:
             if egroup.method == "gptq":
-                gptq_experts(res, ckpt, names, experts, egroup, stats)
+                run(lambda: gptq_experts(res, ckpt, names, experts, egroup, stats, group, dist_par),
+                    f"quantizing the experts of decoder layer {idx}")
+                share_expert_weights(experts, group, dist_par)
             else:
                 # the block's recorded outputs are its unquantized response unless a dense group above just
                 # quantized a module inside it (a shared expert's down_proj): then it is measured again
                 mlp_rel = next(n for n, m in layer.named_modules() if m is mlp) + "."
                 inside = any(n.startswith(mlp_rel) for n, m in layer.named_modules()
                              if any(m is d for d, _ in dense.values()))
-                awq_experts(res, ckpt, idx, names, mlp, experts, router, shared, layer, egroup, stats,
-                            fp_out=None if inside else stats.block_outputs())
+
+                def awq():
+                    if rank == 0:  # the searches run on rank 0 (every rank holds the same samples)
+                        awq_experts(res, ckpt, idx, names, mlp, experts, router, shared, layer, egroup, stats,
+                                    fp_out=None if inside else stats.block_outputs())
+
+                run(awq, f"quantizing the experts of decoder layer {idx}")
+                if dist_par is not None:  # AWQ changed the norm, the router, the shared and routed experts
+                    for _, p in sorted(layer.named_parameters()):
+                        dist_par.broadcast_(p.data, 0)
+    if dist_par is not None:
+        res = _gather_result(dist_par, res)
     return res
+
+
+def _gather_result(par, res: LayerResult) -> LayerResult:
+    """Every rank's part of the layer's result on rank 0, merged in rank order (an empty result elsewhere)."""
+    tensors = {**{"t:" + k: v for k, v in res.tensors.items()}, **{"o:" + k: v for k, v in res.overrides.items()}}
+    parts = par.gather_to_leader(tensors, res.modules)
+    out = LayerResult()
+    for got, modules in parts:
+        for k, v in got.items():
+            (out.tensors if k.startswith("t:") else out.overrides)[k[2:]] = v
+        out.modules.update(modules)
+    return out
 
 
 # ---- device memory of a layer's statistics and solves (calib/device.py plans with it) ------------------

@@ -23,22 +23,45 @@ from .layer import quantize_layer, statistics_bytes
 
 PROGRESS_NAME = "progress.json"  # in the spool: how far an interrupted pass got
 
+# The calibrated pass cuts the samples into at least this many forward batches when they allow it (whole
+# samples per batch; fewer tokens per call than the executor's default when needed): the batches are the
+# unit of data parallelism, and they are the same whatever the world size (calib/parallel.py).
+MIN_BATCHES = 8
 
-def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int, dtype: torch.dtype):
+
+def pass_batch_tokens(batch_tokens: int, lengths: list[int]) -> int:
+    """Tokens per forward call of the calibrated pass: the executor's, capped so that the samples make at
+    least MIN_BATCHES batches (never below the longest sample). Depends on the samples only."""
+    if not lengths:
+        return batch_tokens
+    cap = max(max(lengths), -(-sum(lengths) // MIN_BATCHES))
+    return max(1, min(int(batch_tokens), cap))
+
+
+def activations_name(layer: int, rank: int = 0, size: int = 1) -> str:
+    """The spool file of layer `layer`'s input activations (of rank `rank`'s samples in a world of `size`)."""
+    return f"activations-{layer:05d}.bin" if size == 1 else f"activations-{layer:05d}-rank{rank}-of-{size}.bin"
+
+
+def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int, dtype: torch.dtype,
+                   batch_tokens: int, rank: int = 0, size: int = 1):
     """The progress record of an interrupted pass over the same samples, if whole and consistent (anything
-    else, torn or foreign, means starting over): (next layer, index so far, activation file)."""
+    else, torn or foreign, means starting over): (next layer, index so far, this rank's activation file).
+    A distributed pass's record names its world size and batch size: it resumes under the same ones."""
     try:
         rec = json.loads((spool / PROGRESS_NAME).read_text())
         nxt, index, name = rec["next_layer"], rec["index"], rec["activations"]
         layers = index["layers"]
         ok = (isinstance(nxt, int) and 0 < nxt < num_layers and rec["lengths"] == lengths
               and rec["hidden"] == hidden and rec["dtype"] == str(dtype)
-              and name == f"activations-{nxt:05d}.bin" and (spool / name).is_file()
+              and rec.get("world", 1) == size and rec.get("batch_tokens", batch_tokens) == batch_tokens
+              and name == activations_name(nxt, 0, size)
+              and (spool / activations_name(nxt, rank, size)).is_file()
               and isinstance(index["modules"], dict) and isinstance(index["overrides"], list)
               and isinstance(layers, list) and all(isinstance(n, str) and re.fullmatch(r"layer-\d{5}", n)
                                                    and int(n[6:]) < nxt for n in layers)
               and all((spool / f"{n}.json").is_file() and (spool / f"{n}.safetensors").is_file() for n in layers))
-        act = spool / name
+        act = spool / activations_name(nxt, rank, size)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return (nxt, index, act) if ok else None
@@ -46,7 +69,8 @@ def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int
 
 def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: Callable[[int, int], None] | None = None,
                    log: Callable[[str], None] = lambda m: None, dtype: torch.dtype | None = None,
-                   device: str | torch.device | None = None, available_bytes: int | None = None) -> dict:
+                   device: str | torch.device | None = None, available_bytes: int | None = None,
+                   world=None) -> dict | None:
     """Quantize every calibrated group of `recipe` layer by layer; write the spool; return its index
     {"layers": [...], "modules": {module: meta}, "overrides": [names], "device": ..., "memory": {...}}.
 
@@ -55,36 +79,61 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
     weights, forward, statistics and solves: layer.statistics_bytes) and checked against `available_bytes`
     (None: what the GPU reports free; the CPU is not checked); the plan goes to `log` and the index.
 
-    Resumable per layer: after each layer the spool gets that layer's results (fsynced), then the next
-    layer's input activations (the quantized layer's outputs, written whole or not at all), then a progress
-    record naming both. A pass that finds a consistent record in `spool` continues at that layer with
-    those activations, and ends with the same results as an uninterrupted pass (the pass is deterministic)."""
-    from .executor import LayerExecutor
+    `world` (quantkit.dist.World; None: one process): with several ranks every rank calls this with the same
+    arguments; the pass is data and expert parallel (calib/parallel.py), rank 0 writes the spool and returns
+    the index, the other ranks return None. The result is the same bytes whatever the world size.
 
+    Resumable per layer: after each layer the spool gets that layer's results (fsynced), then the next
+    layer's input activations (the quantized layer's outputs, written whole or not at all; with several
+    ranks, one file per rank holding its own batches' samples, every one written before the record), then a
+    progress record naming them. A pass that finds a consistent record in `spool` (under the same world
+    size) continues at that layer with those activations, and ends with the same results as an
+    uninterrupted pass (the pass is deterministic)."""
+    from ..dist import World
+    from .executor import LayerExecutor
+    from .parallel import Parallel
+
+    w = world if world is not None else World()
     spool = Path(spool)
     ex = LayerExecutor(src_dir, dtype=dtype, device=device, workdir=spool, available_bytes=available_bytes)
     ckpt = ex.ckpt
     dtype = ex.dtype
     lengths = [int(len(x)) for x in samples]
+    ex.batch_tokens = pass_batch_tokens(ex.batch_tokens, lengths)
+    par = Parallel(w, lengths, ex.batch_tokens)
+    if par.distributed:
+        ex.share = set(par.mine)
+        ex.file_tag = f"-rank{par.rank}-of-{par.size}"
     plan = ex.plan_memory(lengths, statistics=lambda i, layer: statistics_bytes(
         ckpt, recipe, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths))  # refuses before any work
-    log(plan.summary())
+    if par.leader:
+        log(plan.summary())
     spool.mkdir(parents=True, exist_ok=True)
     index = {"layers": [], "modules": {}, "overrides": []}
     start, inputs = 0, samples
-    found = _read_progress(spool, ex.num_layers, lengths, ex.hidden_size, dtype)
+    found = _read_progress(spool, ex.num_layers, lengths, ex.hidden_size, dtype, ex.batch_tokens, par.rank, par.size)
+    restored = None
     if found is not None:
         try:
-            inputs = ex.restore(found[2], lengths)
+            restored = ex.restore_samples(found[2], lengths, par.samples())
         except (OSError, ValueError):
-            pass  # activations that do not fit the samples: start over
-        else:
-            start, index = found[0], found[1]
+            restored = None  # activations that do not fit the samples: start over
+    # every rank resumes at the same layer, or none does
+    views = w.all_gather(None if restored is None else found[0])
+    if restored is not None and all(v == found[0] for v in views):
+        inputs, start, index = restored, found[0], found[1]
+        if par.leader:
             log(f"resuming calibration at layer {start} of {ex.num_layers}")
+    elif restored is not None:
+        restored.close()
     for step in ex.layers(inputs, start=start):
-        r = quantize_layer(ckpt, recipe, step, log)
-        step.forward()  # true-sequential: the next layer calibrates on this layer's quantized output
-        if r.tensors or r.overrides:
+        r = quantize_layer(ckpt, recipe, step, log, **({"par": par} if par.distributed else {}))
+        # true-sequential: the next layer calibrates on this layer's quantized output
+        par.step(step.forward, f"forwarding decoder layer {step.index}")
+
+        def write_layer():
+            if not par.leader or not (r.tensors or r.overrides):
+                return
             name = f"layer-{step.index:05d}"
             tensors = {**{k: v.contiguous() for k, v in r.tensors.items()},
                        **{k: v.contiguous() for k, v in r.overrides.items()}}
@@ -96,20 +145,39 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
             index["layers"].append(name)
             index["modules"].update(r.modules)
             index["overrides"].extend(sorted(r.overrides))
+
+        par.step(write_layer, f"writing decoder layer {step.index} to the calibration spool")
         if step.index + 1 < ex.num_layers:
-            act = f"activations-{step.index + 1:05d}.bin"
-            step.outputs.save(spool / act)
-            write_json_atomic(spool / PROGRESS_NAME, {"next_layer": step.index + 1, "activations": act,
-                                                      "lengths": lengths, "hidden": ex.hidden_size,
-                                                      "dtype": str(dtype), "index": index})
-            for old in spool.glob("activations-*.bin"):
-                if old.name != act:
-                    old.unlink(missing_ok=True)
+            nxt = step.index + 1
+            par.step(lambda: step.outputs.save_samples(spool / activations_name(nxt, par.rank, par.size),
+                                                       par.samples()),
+                     f"saving the inputs of decoder layer {nxt}")
+
+            def record():  # every rank's activations are durable: the record may name them
+                if not par.leader:
+                    return
+                write_json_atomic(spool / PROGRESS_NAME, {
+                    "next_layer": nxt, "activations": activations_name(nxt, 0, par.size), "world": par.size,
+                    "batch_tokens": ex.batch_tokens, "lengths": lengths, "hidden": ex.hidden_size,
+                    "dtype": str(dtype), "index": index})
+                keep = {activations_name(nxt, r_, par.size) for r_ in range(par.size)}
+                for old in spool.glob("activations-*.bin"):
+                    if old.name not in keep:
+                        old.unlink(missing_ok=True)
+
+            par.step(record, f"recording the progress of the calibration after decoder layer {step.index}")
         if progress:
             progress(step.index + 1, ex.num_layers)
-    for p in [spool / PROGRESS_NAME, *spool.glob("activations-*"), *spool.glob(".activations-*")]:
-        p.unlink(missing_ok=True)
+
+    def cleanup():
+        if par.leader:
+            for p in [spool / PROGRESS_NAME, *spool.glob("activations-*"), *spool.glob(".activations-*")]:
+                p.unlink(missing_ok=True)
+
+    par.step(cleanup, "finishing the calibration spool")
     ex.measured_peak_bytes()
+    if not par.leader:
+        return None
     index["device"] = str(ex.device)
     index["memory"] = plan.to_json()
     return index

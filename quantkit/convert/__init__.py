@@ -158,10 +158,17 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
         w.step(lambda: preflight(src, recipe, data, str(calib_device)) if w.leader else None, "planning device memory")
     # KV scales: read and checked (or calibrated) once the plan is known to be valid, before any write
     calib_report: dict = {}  # the calibration's device and memory plan, for the result
-    kv = w.broadcast(w.step(lambda: kv_scales(src, recipe, opts.kv_scales, opts.dataset, opts.num_samples,
-                                              opts.seq_len, device=opts.device, report=calib_report)
-                            if want_kv and w.leader else None,
-                            "reading the KV scales"))
+    # Several ranks calibrate together on the CPU (gloo; calib/parallel.py). On an accelerator rank 0
+    # calibrates alone while the others wait: the ranks' exchanges are not implemented there.
+    split_calib = w.size > 1 and calib_device is not None and calib_device.type == "cpu"
+    if want_kv and opts.kv_scales is None and split_calib:  # calibrated here: data parallel over the ranks
+        kv = kv_scales(src, recipe, None, opts.dataset, opts.num_samples, opts.seq_len, device=opts.device,
+                       report=calib_report if w.leader else None, world=w)
+    else:
+        kv = w.broadcast(w.step(lambda: kv_scales(src, recipe, opts.kv_scales, opts.dataset, opts.num_samples,
+                                                  opts.seq_len, device=opts.device, report=calib_report)
+                                if want_kv and w.leader else None,
+                                "reading the KV scales"))
     if kv is not None and "kv_lora_rank" in text_config(src.config)[0]:
         notes.append(MLA_KV_NOTE)
     for n in notes:
@@ -192,9 +199,14 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
         journal = out / JOURNAL_DIR
         spool = Spool()
         if calibrated and len(done) < len(plans):
-            spool = w.broadcast(w.step(lambda: calibrated_pass(src, recipe, data, journal / "calib", log,
-                                                               device=opts.device, report=calib_report)
-                                       if w.leader else None, "calibrating"))
+            if split_calib or w.size == 1:
+                # every rank takes part (data and expert parallel, calib/parallel.py); rank 0 writes the spool
+                spool = calibrated_pass(src, recipe, data, journal / "calib", log, device=opts.device,
+                                        report=calib_report, world=w)
+            else:
+                spool = w.broadcast(w.step(lambda: calibrated_pass(src, recipe, data, journal / "calib", log,
+                                                                   device=opts.device, report=calib_report)
+                                           if w.leader else None, "calibrating"))
 
         total = src.total_bytes
         finished_bytes = sum(src.shard(s).size for s in done)

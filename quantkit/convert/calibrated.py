@@ -30,33 +30,61 @@ def calibration_data(src: Checkpoint, recipe: Recipe, dataset: str | None, num_s
 
 
 def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log, device: str | None = None,
-                    report: dict | None = None) -> Spool:
+                    report: dict | None = None, world=None) -> Spool:
     """GPTQ/AWQ layer by layer (quantkit.calib) on `device` (cpu, cuda, cuda:N, auto; None: the default),
     spooled under the journal. A spool left by an interrupted run of the same identity is reused when it is
     complete, and continued from the last finished layer when it is not. `report` (a dict) receives the
-    device and its memory plan (calib/device.py) of the pass that made the spool."""
-    from ..calib.spool import PROGRESS_NAME, run_calibrated
+    device and its memory plan (calib/device.py) of the pass that made the spool.
 
+    `world` (quantkit.dist.World; None: one process): under torchrun every rank calls this; the pass runs
+    data and expert parallel over the ranks (calib/parallel.py), rank 0 writes the spool, and every rank
+    returns the same Spool. Failures on any rank are raised on every rank (World.step)."""
+    from ..calib.spool import PROGRESS_NAME, run_calibrated
+    from ..dist import World
+
+    w = world if world is not None else World()
     done = spool_dir / "index.json"
-    if done.is_file():
-        index = read_json_file(done, "calibration spool index")
-    else:
+
+    def look():  # rank 0: the finished spool's index, or None (an unusable partial spool removed)
+        if done.is_file():
+            return read_json_file(done, "calibration spool index")
         if spool_dir.exists() and not (spool_dir / PROGRESS_NAME).is_file():
             shutil.rmtree(spool_dir)
-        if log:
+        return None
+
+    index = w.broadcast(w.step(lambda: look() if w.leader else None, "reading the calibration spool"))
+    if index is None:
+        if log and w.leader:
             log(f"calibrating {', '.join(sorted({g.method for g in recipe.groups if g.method != 'rtn'}))} on "
-                f"{data.num_samples} samples x {data.seq_len} tokens, layer by layer")
-        index = run_calibrated(src.root, recipe, data.samples, spool_dir, log=log or (lambda m: None),
-                               device=device)
-        write_json_atomic(done, index)
+                f"{data.num_samples} samples x {data.seq_len} tokens, layer by layer"
+                + (f", over {w.size} ranks" if w.size > 1 else ""))
+        if w.size == 1:
+            index = run_calibrated(src.root, recipe, data.samples, spool_dir, log=log or (lambda m: None),
+                                   device=device)
+            write_json_atomic(done, index)
+        else:
+            index = run_calibrated(src.root, recipe, data.samples, spool_dir, log=log or (lambda m: None),
+                                   device=device, world=w)
+
+            def finish():
+                if w.leader:
+                    write_json_atomic(done, index)
+                    return index
+                return None
+
+            index = w.broadcast(w.step(finish, "writing the calibration spool index"))
     if report is not None and "device" in index:
         report.update(device=index["device"], memory=index.get("memory"))
-    files = {}
-    for layer in index["layers"]:
-        meta = read_json_file(spool_dir / f"{layer}.json", f"{layer}.json")
-        for name in meta["tensors"] + meta["overrides"]:
-            files[name] = str(spool_dir / f"{layer}.safetensors")
-    return Spool(files, index["modules"])
+
+    def spool():
+        files = {}
+        for layer in index["layers"]:
+            meta = read_json_file(spool_dir / f"{layer}.json", f"{layer}.json")
+            for name in meta["tensors"] + meta["overrides"]:
+                files[name] = str(spool_dir / f"{layer}.safetensors")
+        return Spool(files, index["modules"])
+
+    return w.step(spool, "reading the calibration spool")
 
 
 def preflight(src: Checkpoint, recipe: Recipe, data, device: str) -> None:
@@ -73,11 +101,12 @@ def preflight(src: Checkpoint, recipe: Recipe, data, device: str) -> None:
 
 def kv_scales(src: Checkpoint, recipe: Recipe, path: str | None, dataset: str | None = None,
               num_samples: int | None = None, seq_len: int | None = None, device: str | None = None,
-              report: dict | None = None) -> kvrules.KVScales:
+              report: dict | None = None, world=None) -> kvrules.KVScales:
     """The KV scales to ship, checked against the source model: from `path`, or calibrated now (recipe
     `kv_cache` section, on `device`) on the same data as the calibrated groups: the options first, then the
     recipe's calibration section, then the defaults. `report` (a dict) receives the calibration's device and
-    memory plan when it ran."""
+    memory plan when it ran. `world` (quantkit.dist.World): under torchrun every rank calls this and the
+    calibration runs data parallel over the ranks (calib/kv_dist.py), with the same result on every rank."""
     want = recipe.kv_cache.strategy if recipe.kv_cache is not None else None
     if path is not None:
         scales = kvrules.read_file(path)
@@ -90,7 +119,12 @@ def kv_scales(src: Checkpoint, recipe: Recipe, path: str | None, dataset: str | 
         cal = recipe.calibration or CalibrationSpec()
         data = {"dataset": dataset or cal.dataset, "num_samples": num_samples or cal.num_samples,
                 "seq_len": seq_len or cal.seq_len}
-        res = calibrate(str(src.root), **data, strategy=want, **({} if device is None else {"device": device}))
+        if world is not None and world.size > 1:
+            from ..calib.kv_dist import calibrate_ranks
+
+            res = calibrate_ranks(str(src.root), world, **data, strategy=want, device=device)
+        else:
+            res = calibrate(str(src.root), **data, strategy=want, **({} if device is None else {"device": device}))
         if report is not None and getattr(res, "device", None) is not None:
             report.update(device=res.device, memory=res.memory)
         scales = {n: t.detach().cpu() for n, t in dict(res.scales).items()}

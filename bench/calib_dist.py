@@ -1,0 +1,149 @@
+"""GPTQ convert of the bench MoE on 1, 2 and 3 ranks (torchrun, gloo, one thread per rank): wall times and
+a byte comparison of every output file.
+
+    .venv/bin/python bench/calib_dist.py                      # the issue's bench model, 32 x 256 tokens, ranks 1 2 3
+    .venv/bin/python bench/calib_dist.py --samples 16         # 16 x 256
+    .venv/bin/python bench/calib_dist.py --quick --out /tmp/x # 2 layers, 8 x 64: the script's own logic (~1 min)
+
+The model: qwen3_moe built with quantkit.testing.make_tiny_model (random BF16 weights): 8 layers, 32 routed
+experts per layer, hidden 512, expert width 256, top-4 routing, 8 query / 4 KV heads of 64, vocab 4096.
+Calibration: `--samples` rows of `--seq-len` random token ids (seeded; an `input_ids` JSONL file, so no
+tokenizer is involved). Recipe int4-experts-gptq.
+
+World size 1 is a plain `python -m quantkit convert` with OMP_NUM_THREADS=1 (one thread); world size n > 1 is
+`torchrun --standalone --nproc-per-node n -m quantkit convert ...` with OMP_NUM_THREADS=1 in every rank (gloo
+on the CPU). Each run writes a fresh output directory (--overwrite). Reported per world size: the command's
+wall time (process start and imports included) and the conversion's own `seconds` (rank 0's ConvertResult),
+the speed-up of both against world size 1, and whether every output file is byte-identical to world size 1's.
+Run it on a quiet machine with at least as many cores as the largest world size: the ranks share the cores.
+
+Writes bench/results/calib_dist.json and bench/results/calib_dist.md (or under --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / "bench" / ".cache"
+BENCH = dict(hidden=512, experts=32, moe_intermediate=256, vocab=4096, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=64, num_experts_per_tok=4, intermediate_size=1024)
+RECIPE = "int4-experts-gptq"
+
+
+def _source(layers: int) -> Path:
+    from quantkit.testing import make_tiny_model
+
+    key = hashlib.sha256(json.dumps({"layers": layers, **BENCH}, sort_keys=True).encode()).hexdigest()[:12]
+    d = CACHE / f"calib-dist-{key}" / "src"
+    if not (d / "config.json").is_file():
+        shutil.rmtree(d, ignore_errors=True)
+        make_tiny_model("qwen3_moe", d, layers=layers, max_shard_size="200MB", **BENCH)
+    return d
+
+
+def _dataset(path: Path, samples: int, seq_len: int, vocab: int, seed: int = 0) -> Path:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, vocab, (samples, seq_len), generator=g).tolist()
+    path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    return path
+
+
+def _hashes(d: Path) -> dict[str, str]:
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _run(n: int, src: Path, out: Path, data: Path, samples: int, seq_len: int, timeout: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "QUANTKIT_DIST_TIMEOUT": str(timeout)}
+    args = ["convert", str(src), str(out), "-r", RECIPE, "--dataset", str(data), "--num-samples", str(samples),
+            "--seq-len", str(seq_len), "--overwrite", "--json"]
+    if n == 1:
+        cmd = [sys.executable, "-m", "quantkit", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+               "-m", "quantkit", *args]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"world size {n} failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    start = p.stdout.find("{")
+    res = json.loads(p.stdout[start:]) if start >= 0 else {}
+    return {"world_size": n, "wall_s": round(wall, 2), "convert_s": res.get("seconds"),
+            "peak_rss_bytes": res.get("peak_rss_bytes")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--quick", action="store_true", help="2 layers, 8 samples x 64 tokens")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--timeout", type=int, default=3600)
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.layers, a.samples, a.seq_len = 2, 8, 64
+    ranks = sorted(set(a.ranks) | {1})
+    src = _source(a.layers)
+    work = CACHE / "calib-dist-work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    data = _dataset(work / "tokens.jsonl", a.samples, a.seq_len, BENCH["vocab"])
+    rows, hashes = [], {}
+    for n in ranks:
+        out = work / f"world{n}"
+        r = _run(n, src, out, data, a.samples, a.seq_len, a.timeout)
+        hashes[n] = _hashes(out)
+        print(f"world size {n}: {r['wall_s']} s wall, {r['convert_s']} s convert", file=sys.stderr)
+        rows.append(r)
+    base = rows[0]
+    for r in rows:
+        r["speedup_wall"] = round(base["wall_s"] / r["wall_s"], 3)
+        r["speedup_convert"] = (round(base["convert_s"] / r["convert_s"], 3)
+                                if base["convert_s"] and r["convert_s"] else None)
+        diff = sorted(f for f in set(hashes[1]) | set(hashes[r["world_size"]])
+                      if hashes[1].get(f) != hashes[r["world_size"]].get(f))
+        r["byte_identical"] = not diff
+        r["differing_files"] = diff
+    import torch
+
+    doc = {"model": {"arch": "qwen3_moe", "layers": a.layers, **BENCH}, "recipe": RECIPE,
+           "calibration": {"samples": a.samples, "seq_len": a.seq_len, "tokens": "random ids, seed 0"},
+           "threads_per_rank": 1, "backend": "gloo",
+           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                       "torch": torch.__version__},
+           "runs": rows, "files": len(hashes[1])}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "calib_dist.json").write_text(json.dumps(doc, indent=1) + "\n")
+    lines = [f"GPTQ convert ({RECIPE}) of the bench MoE: qwen3_moe, {a.layers} layers, {BENCH['experts']} experts, "
+             f"hidden {BENCH['hidden']}; {a.samples} x {a.seq_len} calibration tokens; one thread per rank, gloo; "
+             f"{os.cpu_count()} CPUs.", "",
+             "| world size | wall (s) | convert (s) | speed-up (wall) | speed-up (convert) | peak RSS rank 0 (MiB) "
+             "| output vs world size 1 |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rss = f"{r['peak_rss_bytes'] / 2 ** 20:.0f}" if r["peak_rss_bytes"] else "-"
+        same = "byte-identical" if r["byte_identical"] else f"{len(r['differing_files'])} files differ"
+        lines.append(f"| {r['world_size']} | {r['wall_s']} | {r['convert_s']} | {r['speedup_wall']}x | "
+                     f"{r['speedup_convert']}x | {rss} | {same} ({len(hashes[r['world_size']])} files) |")
+    (a.out / "calib_dist.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if all(r["byte_identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The calibrated pass over the ranks of a torchrun job (quantkit/dist.py's World): data parallel over
+fixed forward batches, expert parallel over fixed groups of experts, and the same floating-point sums
+whatever the number of ranks.
+
+- **Batches.** The calibration samples are cut into forward batches exactly as one process cuts them
+  (`activations.batch_plan`: same `batch_tokens`, same composition, whatever the world size). Batch b is
+  forwarded by one rank (`owner[b]`: the batches by tokens, the heaviest first, each to the least loaded
+  rank), and every rank holds the whole current layer. A rank's activation stores hold every sample's
+  slot, but only its own batches' samples are ever written or read.
+- **Statistics.** What a batch contributes (a routed expert's Gram of that batch's rows, a dense Linear's
+  partial Hessian) is computed by one rank from exactly that batch's rows and added to its owner's
+  running sum in batch order: the same operands, the same shapes, the same order as in one process.
+  Routed experts: the forwarding rank broadcasts each batch's MoE inputs and routing (one tensor each, in
+  batch order) and the owner of each expert computes its Gram from them; dense Linears: the forwarding
+  rank's partial Hessians go to the module's owner, which sums them in batch order.
+- **Ownership.** Experts are solved in fixed groups (`gptq_pass.expert_group_size`: depends on the layer's
+  shapes, never on the world size); group g belongs to rank g % world. Dense targets: the i-th belongs to
+  rank i % world. Each owner solves its own, then broadcasts the dequantized weights (every rank needs the
+  quantized layer for the next forward) and sends the packed results to rank 0, which writes the spool.
+
+Tensors travel as raw bytes with torch.distributed's tensor collectives (broadcast, send/recv); only small
+metadata (tensor names, shapes, dtypes, per-module metadata) goes through the object collectives. With a
+world of one process every method is a no-op or a plain call, and the pass runs the same code.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence, TypeVar
+
+import torch
+
+from ..dist import World
+from .activations import batch_plan
+
+T = TypeVar("T")
+
+
+def assign_batches(tokens: Sequence[int], size: int) -> list[int]:
+    """The rank that forwards each batch: the heaviest first, each to the least loaded rank (ties: the lower
+    batch, the lower rank). Deterministic for a given world size."""
+    load = [0] * size
+    owner = [0] * len(tokens)
+    for b in sorted(range(len(tokens)), key=lambda b: (-int(tokens[b]), b)):
+        r = min(range(size), key=lambda r: (load[r], r))
+        owner[b] = r
+        load[r] += int(tokens[b])
+    return owner
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of a contiguous tensor's storage (any dtype travels the same way)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+class Parallel:
+    """One calibrated pass's place in the job: the batch plan, who forwards which batch, and the tensor
+    collectives the pass uses. `world` None or of size 1: a single process (every collective is a no-op)."""
+
+    def __init__(self, world: World | None, lengths: Sequence[int], batch_tokens: int):
+        self.world = world if world is not None else World()
+        self.rank, self.size = self.world.rank, self.world.size
+        self.lengths = [int(t) for t in lengths]
+        self.plan = batch_plan(self.lengths, batch_tokens)
+        self.tokens = [sum(self.lengths[i] for i in c) for c in self.plan]
+        self.owner = assign_batches(self.tokens, self.size)
+        self.mine = [b for b, r in enumerate(self.owner) if r == self.rank]
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def samples(self, rank: int | None = None) -> list[int]:
+        """The samples whose activations `rank` (default: this one) holds, ascending."""
+        r = self.rank if rank is None else rank
+        return sorted(i for b, c in enumerate(self.plan) if self.owner[b] == r for i in c)
+
+    def step(self, fn: Callable[[], T], what: str) -> T:
+        """World.step: run `fn` here; a failure on any rank is raised on every rank."""
+        return self.world.step(fn, what)
+
+    # ---- ownership ---------------------------------------------------------------------------------------
+    def group_owner(self, group: int) -> int:
+        return group % self.size
+
+    def dense_owner(self, i: int) -> int:
+        return i % self.size
+
+    # ---- tensor collectives (raw bytes) -------------------------------------------------------------------
+    def broadcast_(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Make `t` (every rank's tensor of the same shape and dtype) equal to rank `src`'s, in place."""
+        if not self.distributed or t.numel() == 0:
+            return t
+        import torch.distributed as dist
+
+        buf = t if t.is_contiguous() else t.contiguous()
+        dist.broadcast(_bytes(buf), src=src)
+        if buf is not t:
+            t.copy_(buf)
+        return t
+
+    def sum_in_batch_order(self, keys: Sequence[tuple[object, int, tuple[int, ...]]],
+                           parts: dict[tuple[object, int], torch.Tensor]) -> dict[object, torch.Tensor]:
+        """For each (key, owner rank, shape): on the owner, the float32 sum of every batch's partial
+        parts[(key, b)] (held by the rank that forwarded batch b), added in batch order to zeros. Other
+        ranks get nothing for that key. Sends are posted without waiting and receives follow one global
+        order, so no rank waits on one that waits on it."""
+        import torch.distributed as dist
+
+        out: dict[object, torch.Tensor] = {}
+        pending = []
+        for key, dst, shape in keys:
+            acc = torch.zeros(shape, dtype=torch.float32) if self.rank == dst else None
+            for b in range(len(self.plan)):
+                src = self.owner[b]
+                if self.rank == src and self.rank == dst:
+                    acc += parts[(key, b)]
+                elif self.rank == src:
+                    t = parts[(key, b)].contiguous()
+                    pending.append((dist.isend(_bytes(t), dst), t))
+                elif self.rank == dst:
+                    buf = torch.empty(shape, dtype=torch.float32)
+                    dist.recv(_bytes(buf), src)
+                    acc += buf
+            if acc is not None:
+                out[key] = acc
+        for h, _ in pending:
+            h.wait()
+        return out
+
+    def gather_to_leader(self, tensors: dict[str, torch.Tensor], meta) -> list[tuple[dict[str, torch.Tensor], object]]:
+        """Every rank's (tensors, meta) on rank 0, in rank order (other ranks get []): the names, dtypes and
+        shapes (and `meta`, small and JSON-like) through an object collective, the tensors as one byte
+        buffer per rank through send/recv."""
+        if not self.distributed:
+            return [(tensors, meta)]
+        import torch.distributed as dist
+
+        items = [(n, str(t.dtype), list(t.shape)) for n, t in tensors.items()]
+        everyone = self.world.all_gather((items, meta))
+        if not self.leader:
+            if tensors:
+                flat = torch.cat([_bytes(t.detach().cpu().contiguous()) for t in tensors.values()])
+                dist.send(flat, 0)
+            return []
+        out = [(tensors, meta)]
+        for r in range(1, self.size):
+            items_r, meta_r = everyone[r]
+            got: dict[str, torch.Tensor] = {}
+            if items_r:
+                shapes = [(n, _dtype(d), tuple(s)) for n, d, s in items_r]
+                sizes = [int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for _, d, s in shapes]
+                flat = torch.empty(sum(sizes), dtype=torch.uint8)
+                dist.recv(flat, r)
+                pos = 0
+                for (n, d, s), k in zip(shapes, sizes):
+                    got[n] = flat[pos:pos + k].clone().view(d).reshape(s)
+                    pos += k
+            out.append((got, meta_r))
+        return out

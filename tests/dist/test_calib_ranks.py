@@ -1,0 +1,257 @@
+"""`torchrun -m quantkit convert` with a calibrated recipe: the pass runs data and expert parallel over the
+ranks (gloo on the CPU, one thread per rank), and its output is byte for byte a single process's.
+
+Launched for real with torchrun (--standalone). What must hold: GPTQ (routed experts, dense targets, FP8
+KV scales) writes the same bytes, every output file, for 1, 2 and 3 ranks, and AWQ for 1 and 3; a job whose
+rank was SIGKILLed mid-pass resumes, run again with the same command, at the layer it was on and to the same bytes;
+a rank that fails mid-pass stops every rank with the error named; and, more sensitive than the packed
+output (INT4 codes rarely move when a Hessian's last bits do), the statistics themselves: every expert's
+and every dense module's Hessian equal bit for bit on its owner for 1 and 3 ranks."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import run_bounded
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "QUANTKIT_DIST_TIMEOUT": "120"}
+CAL = ["--num-samples", "8", "--seq-len", "32"]  # 8 forward batches of one sample
+# the dense + KV recipe: 8 batches of 3 samples for GPTQ, and 2 forward batches for the KV scales (1024 tokens
+# per call at least), so that the KV calibration is split over the ranks too
+DENSE_CAL = ["--num-samples", "24", "--seq-len", "64"]
+
+# dense GPTQ targets (MLA attention, the shared expert, the dense MLP of layer 0) besides the routed experts,
+# and FP8 KV-cache scales calibrated in the same convert
+DENSE = """\
+name: dense-gptq-kv
+groups:
+  experts:
+    targets: ['re:.*\\.mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$']
+    method: gptq
+    scheme: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
+    options: {fallback: all_tokens}
+  dense:
+    targets: ['re:.*\\.self_attn\\.(q_a|q_b|kv_a|kv_b|o)_proj(_with_mqa)?$',
+              're:.*\\.mlp\\.shared_experts\\.(gate|up|down)_proj$', 're:.*\\.mlp\\.(gate|up|down)_proj$']
+    method: gptq
+    scheme: {num_bits: 4, type: int, symmetric: false, strategy: group, group_size: 32}
+ignore: ['re:.*\\.mlp\\.gate$', 'lm_head']
+kv_cache: {strategy: tensor}
+"""
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def _cal(recipe) -> list[str]:
+    return DENSE_CAL if str(recipe).endswith("dense-gptq-kv.yaml") else CAL
+
+
+def _convert(n: int, src, out, recipe, *extra, script: Path | None = None):
+    """`quantkit convert` on n ranks (n == 1: a plain process, no torch.distributed)."""
+    if n == 1 and script is None:
+        cmd = [sys.executable, "-m", "quantkit"]
+    else:
+        cmd = TORCHRUN + [f"--nproc-per-node={n}"] + ([str(script)] if script else ["-m", "quantkit"])
+    return run_bounded(cmd + ["convert", str(src), str(out), "-r", str(recipe), *_cal(recipe), *map(str, extra)],
+                       env=ENV, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    from quantkit.testing import make_tiny_model
+
+    d = tmp_path_factory.mktemp("calib-dist")
+    # a dense first layer, then two MoE layers of 8 routed experts and a shared expert
+    return make_tiny_model("deepseek_v3", d / "src", layers=3, experts=8, max_shard_size="200KB")
+
+
+@pytest.fixture(scope="module")
+def dense_recipe(tmp_path_factory):
+    p = tmp_path_factory.mktemp("recipe") / "dense-gptq-kv.yaml"
+    p.write_text(DENSE)
+    return p
+
+
+@pytest.fixture(scope="module")
+def reference(src, dense_recipe, tmp_path_factory):
+    """The single-process outputs, one per recipe, made once."""
+    made = {}
+
+    def get(recipe):
+        if recipe not in made:
+            out = tmp_path_factory.mktemp("single") / "q"
+            p = _convert(1, src, out, recipe)
+            assert p.returncode == 0, p.stderr[-3000:]
+            made[recipe] = _files(out)
+        return made[recipe]
+
+    return get
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_gptq_dense_and_kv_byte_identical(src, dense_recipe, reference, tmp_path, ranks):
+    ref = reference(dense_recipe)
+    out = tmp_path / "q"
+    p = _convert(ranks, src, out, dense_recipe)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"over {ranks} ranks" in p.stderr
+    got = _files(out)
+    assert sorted(got) == sorted(ref)
+    for name in ref:  # every output file: shards, index, config, KV scales, manifest, card
+        assert got[name] == ref[name], name
+    assert "model-kv-scales.safetensors" in got
+
+
+def test_awq_byte_identical_on_3_ranks(src, reference, tmp_path):
+    out = tmp_path / "q"
+    p = _convert(3, src, out, "int4-experts-awq")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert _files(out) == reference("int4-experts-awq")
+
+
+RANKED = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    import quantkit.calib.spool as spool
+    import quantkit.calib.layer as lay
+    from quantkit.cli import main
+    from quantkit.errors import QuantkitError
+    rank = int(os.environ["RANK"])
+    mode, marker = os.environ["QK_TEST_MODE"], Path(os.environ["QK_TEST_MARKER"])
+    if rank == 1 and mode == "kill":
+        real = spool.quantize_layer
+        def quantize_layer(ckpt, recipe, step, *a, **k):
+            if step.index == 2 and not marker.exists():  # the first run only: SIGKILL mid-pass
+                marker.touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(ckpt, recipe, step, *a, **k)
+        spool.quantize_layer = quantize_layer
+    if rank == 1 and mode == "fail":
+        def gptq_experts(*a, **k):
+            raise QuantkitError("injected solver failure")
+        lay.gptq_experts = gptq_experts
+    main(sys.argv[1:])
+""")
+
+
+def _ranked(tmp_path, mode, src, out, recipe):
+    script = tmp_path / "ranked.py"
+    script.write_text(RANKED)
+    env = {**ENV, "QK_TEST_MODE": mode, "QK_TEST_MARKER": str(tmp_path / "killed")}
+    cmd = TORCHRUN + ["--nproc-per-node=2", str(script), "convert", str(src), str(out), "-r", str(recipe),
+                      *_cal(recipe)]
+    return run_bounded(cmd, env=env, timeout=300)
+
+
+def test_a_rank_killed_mid_pass_resumes_to_the_same_bytes(src, dense_recipe, reference, tmp_path):
+    out = tmp_path / "q"
+    first = _ranked(tmp_path, "kill", src, out, dense_recipe)
+    assert first.returncode != 0 and (tmp_path / "killed").exists()
+    spool = out / ".quantkit-journal" / "calib"
+    assert (spool / "progress.json").is_file()
+    assert sorted(p.name for p in spool.glob("activations-*.bin")) == [
+        "activations-00002-rank0-of-2.bin", "activations-00002-rank1-of-2.bin"]
+    again = _ranked(tmp_path, "kill", src, out, dense_recipe)  # the same command; the marker says it happened
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming calibration at layer 2 of 3" in again.stderr
+    assert _files(out) == reference(dense_recipe)
+
+
+def test_a_rank_failing_mid_pass_stops_every_rank(src, tmp_path):
+    p = _ranked(tmp_path, "fail", src, tmp_path / "q", "int4-experts-gptq")
+    assert p.returncode != 0
+    assert "injected solver failure" in p.stderr  # rank 1's own error
+    assert "rank 1 failed while quantizing the experts of decoder layer 1" in p.stderr  # and rank 0's
+
+
+STATS = textwrap.dedent("""
+    import sys, torch
+    from safetensors.torch import save_file
+    from quantkit.dist import world
+    from quantkit.calib.executor import LayerExecutor
+    from quantkit.calib.parallel import Parallel
+    from quantkit.calib.hessians import ExpertStats, LinearStats, reduce_linear_stats
+    from quantkit.calib.gptq_pass import expert_group_size, expert_owners
+    from quantkit.calib.spool import pass_batch_tokens
+    src, out = sys.argv[1], sys.argv[2]
+    w = world()
+    g = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, 512, (32,), generator=g) for _ in range(8)]
+    ex = LayerExecutor(src)
+    ex.batch_tokens = pass_batch_tokens(ex.batch_tokens, [32] * 8)
+    par = Parallel(w, [32] * 8, ex.batch_tokens)
+    dp = par if par.distributed else None
+    if dp:
+        ex.share = set(par.mine)
+    found = {}
+    for step in ex.layers(samples):
+        i, layer = step.index, step.layer
+        experts = getattr(layer.mlp, "experts", None)
+        stats = None
+        if experts is not None:
+            e, _, h = experts.gate_up_proj.shape
+            group = expert_group_size(e, h, experts.down_proj.shape[-1], experts.gate_up_proj.device)
+            own = expert_owners(e, group, par)
+            stats = ExpertStats(experts, True, 4096, par=dp,
+                                owned=torch.tensor([o == par.rank for o in own]) if dp else None)
+        lin = {"o": LinearStats(layer.self_attn.o_proj, dp)}
+        step.forward()
+        for s in [stats, *lin.values()]:
+            if s is not None:
+                s.remove()
+        owner = {"o": par.dense_owner(i)}
+        if dp:
+            if stats is not None:
+                stats.reduce()
+            reduce_linear_stats(dp, lin, owner)
+        if owner["o"] == par.rank:
+            found[f"{i}.o"] = lin["o"].h
+        if stats is not None:
+            found[f"{i}.all"] = stats.h_all
+            found[f"{i}.counts"] = stats.counts
+            for j in range(e):
+                if own[j] == par.rank:
+                    found[f"{i}.gu.{j}"], found[f"{i}.down.{j}"] = stats.h_gu[j], stats.h_down[j]
+        step.forward()
+    save_file({k: v.contiguous() for k, v in found.items()}, f"{out}/rank{par.rank}.safetensors")
+""")
+
+
+def test_statistics_bit_identical_on_their_owners(src, tmp_path):
+    """The Hessians each owner ends with, merged over the ranks, equal one process's bit for bit (and the
+    merged key sets are the same: every expert has exactly one owner). A change of summation order (the
+    batches taken in rank order, say) fails here even where the packed INT4 output does not move."""
+    from safetensors.torch import load_file
+
+    script = tmp_path / "stats.py"
+    script.write_text(STATS)
+    merged = {}
+    for n in (1, 3):  # 1: a plain process; 3 ranks: groups of experts spread unevenly (2 ranks: the tests above)
+        out = tmp_path / f"w{n}"
+        out.mkdir()
+        launch = [sys.executable] if n == 1 else TORCHRUN + [f"--nproc-per-node={n}"]
+        p = run_bounded(launch + [str(script), str(src), str(out)], env=ENV, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        got = {}
+        for r in range(n):
+            part = load_file(out / f"rank{r}.safetensors")
+            for k, v in part.items():
+                if k.split(".")[1] in ("all", "counts"):  # every rank holds these: all equal
+                    assert k not in got or torch.equal(got[k], v), k
+                else:
+                    assert k not in got, k  # one owner
+                got[k] = v
+        merged[n] = got
+    assert sorted(merged[1]) == sorted(merged[3])
+    assert any(".gu." in k for k in merged[1]) and any(k.endswith(".o") for k in merged[1])
+    for k, v in merged[1].items():
+        assert torch.equal(merged[3][k], v), k
