@@ -285,6 +285,24 @@ def report(
                   soft_wrap=True)
 
 
+def _calibration(value: Optional[str]) -> Optional[tuple[int, int]]:
+    """--calibration N,T as (samples, tokens per sample); anything else is a usage error."""
+    if value is None:
+        return None
+    from .plan.calibration import parse_calibration
+
+    try:
+        return parse_calibration(value)
+    except QuantkitError as e:
+        raise typer.BadParameter(e.message, param_hint="--calibration") from None
+
+
+def _cost_device(value: str) -> str:
+    if value not in ("cuda", "cpu"):
+        raise typer.BadParameter(f"{value!r} is not one of cuda, cpu", param_hint="--device")
+    return value
+
+
 @app.command()
 def plan(
     model_or_config: Annotated[str, typer.Argument(help="config.json, a checkpoint directory, a hub id, or a shipped "
@@ -295,18 +313,29 @@ def plan(
     tp: Annotated[Optional[int], typer.Option(min=1, help="Tensor-parallel size (default: all GPUs).")] = None,
     context_len: Annotated[int, typer.Option(min=1, help="Tokens per request for the concurrency figure.")] = 131072,
     activation_reserve_gib: Annotated[Optional[float], typer.Option(help="Memory kept free per GPU for activations, GiB.")] = None,
+    calibration: Annotated[Optional[str], typer.Option(
+        "--calibration", metavar="N,T", callback=lambda v: _calibration(v),
+        help="Also predict the recipe's calibrated pass (GPTQ/AWQ, KV scales) on N samples x T tokens: wall time "
+             "by component, device memory and host RAM per rank, on --gpus ranks of --device (docs/cost.md).")] = None,
+    device: Annotated[str, typer.Option(
+        "--device", callback=lambda v: _cost_device(v),
+        help="What the calibration cost is predicted for: cuda (--gpus GPUs of --gpu-memory-gib) or cpu (--gpus "
+             "processes).")] = "cuda",
     revision: RevisionOpt = None,
     json_out: JsonOpt = False,
 ):
     """Explain the memory: parameters by role, checkpoint bytes per recipe, KV bytes per token, resident
-    tokens and concurrency."""
+    tokens and concurrency; with --calibration, what the calibrated pass costs."""
     from .plan import REFERENCE_CONFIGS, plan as run, render
 
+    if calibration is not None and recipe is None:
+        raise typer.BadParameter("--calibration needs --recipe (the calibrated recipe to cost)",
+                                 param_hint="--calibration")
     target = model_or_config
     if model_or_config not in REFERENCE_CONFIGS and not Path(model_or_config).exists():
         target = str(_source(model_or_config, revision))
     rep = run(target, recipe, gpu_memory_gib=gpu_memory_gib, gpus=gpus, context_len=context_len,
-              activation_reserve_gib=activation_reserve_gib, tp=tp)
+              activation_reserve_gib=activation_reserve_gib, tp=tp, calibration=calibration, device=device)
     if json_out:
         _print_json(rep.to_json())
     else:

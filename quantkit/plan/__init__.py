@@ -30,6 +30,7 @@ from ..arch import SUPPORTED_MODEL_TYPES, ModelSpec, parse_config, validate
 from ..errors import ConfigError
 from ..match.recipe import Recipe, load_recipe
 from ..read.checkpoint import read_json_file
+from .calibration import THROUGHPUT, CalibrationCost, Throughput, calibration_cost
 from .kv import KV_DTYPES, KVLayout, kv_layout
 from .render import render
 from .tensors import (DEFAULT_SHARD_BYTES, ROLES, TensorShapes, _by_role, enumerate_tensors, header_bytes,
@@ -37,7 +38,8 @@ from .tensors import (DEFAULT_SHARD_BYTES, ROLES, TensorShapes, _by_role, enumer
 
 __all__ = ["plan", "PlanReport", "render", "parse_config", "ModelSpec", "enumerate_tensors", "quantized_layout",
            "predict_bytes", "source_tensors", "tensor_role", "kv_layout", "KVLayout", "reference_config",
-           "REFERENCE_CONFIGS", "ROLES", "KV_DTYPES", "SUPPORTED_MODEL_TYPES"]
+           "REFERENCE_CONFIGS", "ROLES", "KV_DTYPES", "SUPPORTED_MODEL_TYPES", "calibration_cost", "CalibrationCost",
+           "Throughput", "THROUGHPUT"]
 
 GIB = 1 << 30
 _KV_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "auto": "bfloat16", "fp8": "float8_e4m3",
@@ -134,12 +136,13 @@ class PlanReport:
     kv_budget_bytes_per_gpu: int
     assumptions: tuple[str, ...]
     warnings: tuple[str, ...] = ()
+    calibration: CalibrationCost | None = None  # `--calibration N,T`: the calibrated pass's cost (calibration.py)
 
     def to_json(self) -> dict[str, Any]:
         """The `quantkit plan --json` object. Contract keys: parameters, checkpoint_bytes,
         kv_bytes_per_token, kv_tokens, max_concurrency; the rest is extra detail."""
         kv = self.kv
-        return {
+        doc = {
             "parameters": dict(self.parameters),
             "checkpoint_bytes": dict(self.checkpoint_bytes),
             "kv_bytes_per_token": dict(self.kv_bytes_per_token),
@@ -162,6 +165,9 @@ class PlanReport:
             "assumptions": list(self.assumptions),
             "warnings": list(self.warnings),
         }
+        if self.calibration is not None:
+            doc["calibration"] = self.calibration.to_json()
+        return doc
 
 
 def _kv_dtype(kv_dtype: str | None, recipe: Recipe | None, kind: str) -> str:
@@ -177,17 +183,25 @@ def _kv_dtype(kv_dtype: str | None, recipe: Recipe | None, kind: str) -> str:
 
 def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *, gpu_memory_gib: float = 80, gpus: int = 8,
          context_len: int = 131072, tp: int | None = None, activation_reserve_gib: float | None = None,
-         kv_dtype: str | None = None) -> PlanReport:
+         kv_dtype: str | None = None, calibration: tuple[int, int] | None = None,
+         device: str = "cuda") -> PlanReport:
     """Plan memory for `model_or_config` (config.json, checkpoint directory, or reference config name),
     optionally after `recipe`, served on `gpus` GPUs of `gpu_memory_gib` GiB with tensor parallelism
     `tp` (default: all GPUs; gpus/tp data-parallel replicas otherwise) at `context_len` tokens per request.
-    `activation_reserve_gib` per GPU is kept free of weights and KV (default 10% of the GPU)."""
+    `activation_reserve_gib` per GPU is kept free of weights and KV (default 10% of the GPU).
+    `calibration` (samples, tokens per sample): also predict the recipe's calibrated pass on `gpus` ranks of
+    `device` ("cuda" or "cpu"): wall time by component, device memory and host RAM per rank
+    (calibration.calibration_cost)."""
     tp = gpus if tp is None else tp
     if gpus < 1 or tp < 1 or gpus % tp:
         raise ConfigError(f"gpus={gpus} must be a positive multiple of tp={tp}",
                           hint="tp GPUs hold one copy of the model; gpus/tp copies serve in parallel")
     if gpu_memory_gib <= 0 or context_len < 1 or (activation_reserve_gib is not None and activation_reserve_gib < 0):
         raise ConfigError("gpu_memory_gib and context_len must be positive and the activation reserve >= 0")
+    if calibration is not None and recipe is None:
+        raise ConfigError("a calibration cost needs a recipe", hint="pass --recipe, e.g. int4-experts-gptq")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r}: the cost model knows cpu and cuda")
     src = _resolve(model_or_config)
     headers = _tensor_shapes_from_checkpoint(src.checkpoint) if src.checkpoint is not None else None
     # a checkpoint's config.json is held against its tensors (arch.validate) before anything is computed
@@ -281,6 +295,10 @@ def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *, gpu
         assumptions.append("recipe on a compressed-tensors source: INT4 modules pass through as they are (never "
                            "re-quantized), FP4 modules too unless the recipe asks for another scheme")
 
+    cost = None
+    if calibration is not None:
+        cost = calibration_cost(model_or_config, rec, int(calibration[0]), int(calibration[1]), world_size=gpus,
+                                device=device, gpu_memory_gib=gpu_memory_gib if device == "cuda" else None)
     return PlanReport(
         model=src.label, model_type=spec.model_type, arch=spec.arch, source_format=spec.source_format,
         recipe=rec.name if rec else None, parameters=params, active_parameters=active,
@@ -288,6 +306,6 @@ def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *, gpu
         kv_bytes_per_token=kv_total, kv_bytes_per_token_per_gpu=kv_gpu, kv_tokens=tokens, max_concurrency=conc,
         kv_dtype=kv_sel, gpus=gpus, tp=tp, gpu_memory_gib=gpu_memory_gib,
         context_len=context_len, activation_reserve_gib=reserve_gib, weight_bytes_per_gpu=weights_per_gpu,
-        kv_budget_bytes_per_gpu=budget, assumptions=tuple(assumptions), warnings=tuple(warnings))
+        kv_budget_bytes_per_gpu=budget, assumptions=tuple(assumptions), warnings=tuple(warnings), calibration=cost)
 
 

@@ -78,3 +78,55 @@ def render(report, console) -> None:
     console.print("assumptions:")
     for a in r.assumptions:
         console.print(f"  - {a}", highlight=False)
+    if getattr(r, "calibration", None) is not None:
+        render_calibration(r.calibration, console)
+
+
+def _secs(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:,.2f} h"
+    if s >= 60:
+        return f"{s / 60:,.1f} min"
+    return f"{s:,.2f} s"
+
+
+def render_calibration(c, console) -> None:
+    """The calibration cost (plan/calibration.py) as a table of components, then memory and assumptions."""
+    from rich.table import Table
+
+    if not c.calibrated:
+        for w in c.warnings:
+            console.print(f"calibration: {w}", highlight=False)
+        return
+    where = f"{c.world_size} x {c.device}" + (" rank" if c.world_size == 1 else " ranks")
+    t = Table(title=f"Calibration cost: {c.recipe} ({', '.join(c.methods)}) on {c.num_samples} x {c.seq_len} tokens, "
+                    f"{where} ({c.dtype}), {c.calibrated_layers} of {c.layers} layers calibrated",
+              title_justify="left")
+    t.add_column("component")
+    t.add_column("wall", justify="right")
+    t.add_column("share", justify="right")
+    total = c.total_seconds or 1.0
+    for k, v in c.seconds.items():
+        t.add_row(k, _secs(v), f"{100 * v / total:.1f}%")
+    t.add_row("calibration total", _secs(c.total_seconds), "100%", style="bold")
+    t.add_row("then: writing the output", _secs(c.convert_output_seconds), "")
+    console.print(t)
+    mem = f"device memory per rank: {_gb(c.device_memory_bytes)} (the executor's plan, every expert's statistics)"
+    if c.device_memory_expert_parallel_bytes is not None:
+        mem += f", {_gb(c.device_memory_expert_parallel_bytes)} if a rank held only its own experts' Hessians"
+    if c.fits is not None:
+        mem += "; fits" if c.fits else "; DOES NOT FIT"
+    console.print(mem, highlight=False)
+    console.print(f"host RAM per rank: {_gb(c.host_ram_bytes)} ("
+                  + ", ".join(f"{k} {_gb(v)}" for k, v in c.host_ram.items()) + ")", highlight=False)
+    if c.communication_bytes:
+        console.print("between ranks, per rank: " + ", ".join(f"{k.replace('_', ' ')} {_gb(v)}"
+                                                             for k, v in c.communication_bytes.items()),
+                      highlight=False)
+    k = c.constants
+    console.print(f"constants ({k.get('kind')}): {k.get('provenance', '').upper()}: {k.get('source')}", highlight=False)
+    for w in c.warnings:
+        console.print(f"[bold red]warning:[/] {w}")
+    console.print("calibration assumptions:")
+    for a in c.assumptions:
+        console.print(f"  - {a}", highlight=False)

@@ -1,0 +1,810 @@
+"""Cost model of the calibrated pass: wall time, device memory and host RAM of GPTQ / AWQ / KV-scale
+calibration of a model, from its shapes and a small table of throughput figures, for a world of G ranks.
+
+`calibration_cost(model_or_config, recipe, num_samples, seq_len, world_size=1, device="cpu")` answers,
+before anything is downloaded: how long `convert --recipe R` spends calibrating N samples x T tokens, where
+the time goes (per-layer forwards, Hessian accumulation, GPTQ solves, AWQ searches, reading the weights,
+writing the spool and the activations, communication between ranks), how much device memory one rank
+needs at its peak and how much host RAM. docs/cost.md describes the model and its constants.
+
+Memory is not re-derived here: the executor's own estimate (`LayerExecutor.plan_memory` with
+`calib.layer.statistics_bytes`, calib/device.py) is run on the meta model built from the config, over a
+checkpoint that exists only as its enumerated tensor headers (plan/tensors.py): no weights are needed.
+
+Time is a sum of counted work divided by rates:
+- GEMM-shaped work (FLOPs) at `gemm_flops` scaled down for short matrices: a GEMM of m rows runs at
+  gemm_flops * m / (m + gemm_half_rows); the Hessians' Gram products (x^T x, reduced over tokens) at
+  `gram_flops` likewise; AWQ's float64 Gram work at `gemm64_flops`;
+- GPTQ's factorizations (Cholesky, its inverse, the upper factor of the inverse: 4/3 K^3 per matrix,
+  batched) at `chol_flops`; its column sweep as `sweep_col_s` per column step (a dozen small ops: the fixed
+  part) plus its in-block updates at `sweep_elems_per_s` (elements updated per second), the lazy block
+  updates as GEMM work;
+- streaming work (norms, softmax, gathers, conversions, quantize/dequantize) at `mem_bytes_per_s`; every
+  small tensor op (one per expert in the batched forward, per expert per chunk in the statistics) costs
+  `op_s`; reads, writes and hashing of files at their own rates; MoE inputs, Hessians and weights
+  between ranks at `link_bytes_per_s`.
+The table (`THROUGHPUT`) holds one row per device kind: "cpu" measured by bench/calib_cost.py (which prints
+a new row to paste, and compares the prediction with a real conversion), "cuda" assumed from published
+peak figures with stated efficiency factors. Every report says which of its constants are measured and
+which assumed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import ConfigError
+
+GIB = 1 << 30
+
+
+# ---- the constants ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Throughput:
+    """Rates of one device kind. Units: FLOP/s, bytes/s, seconds, elements/s; `*_half_rows`: rows."""
+
+    kind: str  # "cpu" | "cuda"
+    provenance: str  # "measured" | "assumed"
+    source: str  # where the figures come from: the machine and date, or the published figures and factors
+    gemm_flops: float  # large GEMM in the compute dtype (cpu: float32, cuda: bfloat16)
+    gemm_half_rows: float  # rows m at which a GEMM [m, k] x [k, n] reaches half of gemm_flops
+    gram_flops: float  # x^T x over tokens in float32 (Hessian accumulation), large
+    gram_half_rows: float
+    gemm64_flops: float  # float64 GEMM (AWQ's clip search Gram work on the CPU; float32 on a GPU)
+    chol_flops: float  # batched Cholesky + inverse + upper factor, nominal 4/3 K^3 per matrix, solve dtype
+    sweep_col_s: float  # fixed seconds per column step of GPTQ's sweep (per chunk of experts)
+    sweep_elems_per_s: float  # in-block error-feedback updates, elements per second
+    mem_bytes_per_s: float  # streaming element-wise work (read + write bytes)
+    op_s: float  # one small tensor op: Python dispatch (cpu) or a kernel launch (cuda)
+    read_bytes_per_s: float  # checkpoint reads (safetensors, positioned reads)
+    write_bytes_per_s: float  # spool, activations and output shards, fsynced
+    fsync_s: float  # a small file written and fsynced (spool records, progress, journal, manifest)
+    module_s: float  # per quantized module: packing, metadata, its tensors recorded and written (beyond bytes)
+    fake_quant_elems_per_s: float  # quant.awq.fake_quant (RTN quantize-dequantize, group 32), elements per second
+    hash_bytes_per_s: float  # sha256 of written shards
+    link_bytes_per_s: float  # between two ranks, each direction (cpu: gloo on one host; cuda: NVLink)
+    process_bytes: int  # host RSS of a process once torch, transformers and quantkit are imported
+    setup_s: float  # fixed: building the meta model, embedding, opening the checkpoint
+    layer_s: float  # fixed per layer and pass: materializing, freeing (gc, malloc_trim), hooks
+    notes: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> "Throughput":
+        names = {f.name for f in fields(cls)}
+        missing = names - set(doc) - {"notes"}
+        if missing:
+            raise ConfigError(f"throughput table lacks {sorted(missing)}")
+        kw = {k: v for k, v in doc.items() if k in names}
+        kw["notes"] = tuple(kw.get("notes") or ())
+        return cls(**kw)
+
+
+# Measured by `python bench/calib_cost.py` (it prints this row to paste here). This one: 2026-12-01 on a
+# 2-core AMD EPYC VM while other jobs kept both cores busy, so in CPU seconds of one thread (`--cpu-time`);
+# a quiet-machine run (wall seconds, both threads) replaces it.
+CPU_MEASURED = Throughput(
+    kind="cpu", provenance="measured",
+    source="bench/calib_cost.py --quick --cpu-time, AMD EPYC VM, 2 CPUs, torch 2.13.0+cpu, 1 thread, 2026-12-01, "
+           "load average 9.1 (other jobs on both cores): CPU seconds of one thread",
+    gemm_flops=9.659e10, gemm_half_rows=7.499, gram_flops=9.621e10, gram_half_rows=10.0, gemm64_flops=4.874e10,
+    chol_flops=1.079e10, sweep_col_s=3.89e-05, sweep_elems_per_s=8.37e8, mem_bytes_per_s=2.511e10, op_s=1.054e-06,
+    read_bytes_per_s=1.851e10, write_bytes_per_s=2.664e9, fsync_s=3.984e-04, module_s=5.37e-04,
+    fake_quant_elems_per_s=1.783e8, hash_bytes_per_s=1.872e9, link_bytes_per_s=1.0e9, process_bytes=533336064,
+    setup_s=0.02363, layer_s=0.1219,
+    notes=("link_bytes_per_s: assumed (gloo over loopback on one host), not measured",
+           "measured in CPU seconds of one thread on a busy machine: replace with a quiet-machine run "
+           "(python bench/calib_cost.py prints the row)"),
+)
+
+# Assumed: one NVIDIA H100/H200 SXM GPU. Published dense peaks (NVIDIA H100/H200 SXM datasheets, without
+# sparsity): bf16 tensor cores 989 TFLOP/s, fp32 (no TF32) 67 TFLOP/s; HBM3 3.35 TB/s (H100) / HBM3e
+# 4.8 TB/s (H200); NVLink 4: 900 GB/s per GPU both directions together.
+CUDA_ASSUMED = Throughput(
+    kind="cuda", provenance="assumed",
+    source="assumed from NVIDIA H100/H200 SXM published peaks x stated efficiency factors (not measured)",
+    gemm_flops=0.5 * 989e12,  # bf16 dense peak x 0.5: the executor's GEMMs are separate eager matmuls
+    gemm_half_rows=256.0,  # a [m, 7168] x [7168, 4096] bf16 GEMM is launch/memory bound below a few hundred rows
+    gram_flops=0.7 * 67e12,  # Hessians are float32 bmm (TF32 off, torch's default for matmul): fp32 peak x 0.7
+    gram_half_rows=256.0,
+    gemm64_flops=0.7 * 67e12,  # on the GPU AWQ's Gram work is float32 too
+    chol_flops=0.15 * 67e12,  # batched float32 potrf/potri: far from peak (cuSOLVER per matrix), x 0.15
+    sweep_col_s=15 * 10e-6,  # ~15 kernel launches of ~10 us per column step, whatever the chunk
+    sweep_elems_per_s=0.4 * 4.8e12 / 12,  # in-block update reads/writes ~12 bytes per element at 0.4 x HBM
+    mem_bytes_per_s=0.5 * 4.8e12,  # H200 HBM3e x 0.5 for eager element-wise kernels
+    op_s=10e-6,  # one kernel launch plus Python dispatch
+    read_bytes_per_s=5e9,  # one node's local NVMe (or a parallel filesystem), shared by the node's ranks
+    write_bytes_per_s=2e9,
+    fsync_s=0.005,  # a local NVMe's flush
+    module_s=0.003,  # per module on the host: packing, metadata, recording (as the CPU's)
+    fake_quant_elems_per_s=0.5 * 4.8e12 / 240,  # ~15 element-wise kernels (~240 bytes per element) at 0.5 x HBM
+    hash_bytes_per_s=1.5e9,  # sha256 on one host core
+    link_bytes_per_s=0.7 * 450e9,  # NVLink 4, 450 GB/s each direction x 0.7 (NCCL all-to-all / all-gather bus)
+    process_bytes=3_000_000_000,  # torch + transformers + the CUDA context's host side
+    setup_s=30.0,  # building the meta model of a 1T model, opening ~1000 shards' headers, embedding
+    layer_s=1.0,  # per layer and pass: allocating, freeing and synchronizing the device
+    notes=("every figure assumed: published H100/H200 peaks times the efficiency factors in "
+           "quantkit/plan/calibration.py; measure on a GPU with bench/calib_cost.py --device cuda to replace them",),
+)
+
+THROUGHPUT: dict[str, Throughput] = {"cpu": CPU_MEASURED, "cuda": CUDA_ASSUMED}
+DEVICE_KINDS = tuple(THROUGHPUT)
+
+
+def throughput_for(device: str, table: Mapping[str, Throughput] | None = None) -> Throughput:
+    kind = "cuda" if str(device).startswith("cuda") else str(device)
+    t = (table or THROUGHPUT).get(kind)
+    if t is None:
+        raise ConfigError(f"no throughput figures for device {device!r}", hint=f"choose one of {', '.join(DEVICE_KINDS)}")
+    return t
+
+
+def parse_calibration(text: str) -> tuple[int, int]:
+    """"N,T" -> (samples, tokens per sample); a ConfigError for anything else."""
+    parts = str(text).replace("x", ",").split(",")
+    try:
+        n, t = (int(p.strip()) for p in parts)
+    except ValueError:
+        raise ConfigError(f"--calibration must be N,T (samples, tokens per sample), got {text!r}",
+                          hint="e.g. --calibration 128,2048") from None
+    if n < 1 or t < 1:
+        raise ConfigError(f"--calibration N,T must be positive, got {text!r}")
+    return n, t
+
+
+# ---- the result ------------------------------------------------------------------------------------------
+@dataclass
+class CalibrationCost:
+    """What `calibration_cost` predicts. Seconds are wall seconds of the whole world (the ranks run in
+    parallel; a rank's work is its share); bytes are per rank."""
+
+    model: str
+    recipe: str
+    methods: tuple[str, ...]  # "gptq", "awq", "kv_scales": the passes the recipe runs
+    calibrated: bool
+    num_samples: int
+    seq_len: int
+    world_size: int
+    device: str
+    dtype: str
+    layers: int
+    calibrated_layers: int
+    seconds: dict[str, float] = field(default_factory=dict)  # by component, summed over layers and passes
+    total_seconds: float = 0.0
+    convert_output_seconds: float = 0.0  # after the pass: streaming the source and writing the output
+    per_layer: list[dict[str, Any]] = field(default_factory=list)
+    communication_bytes: dict[str, int] = field(default_factory=dict)  # per rank, summed over layers
+    device_memory: dict[str, Any] | None = None  # the executor's plan for one rank (calib/device.py)
+    device_memory_bytes: int | None = None  # the plan's peak (every expert's statistics on the rank)
+    device_memory_expert_parallel_bytes: int | None = None  # world size > 1: only the owned experts' Hessians
+    fits: bool | None = None  # the largest layer fits the device memory (None: not checked)
+    host_ram_bytes: int | None = None
+    host_ram: dict[str, int] = field(default_factory=dict)
+    constants: dict[str, Any] = field(default_factory=dict)
+    assumptions: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """The `calibration` object of `quantkit plan --json` (docs/cost.md lists the keys)."""
+        return {
+            "calibrated": self.calibrated, "recipe": self.recipe, "methods": list(self.methods),
+            "num_samples": self.num_samples, "seq_len": self.seq_len, "world_size": self.world_size,
+            "device": self.device, "dtype": self.dtype, "layers": self.layers,
+            "calibrated_layers": self.calibrated_layers,
+            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+            "total_seconds": round(self.total_seconds, 3),
+            "convert_output_seconds": round(self.convert_output_seconds, 3),
+            "communication_bytes": dict(self.communication_bytes),
+            "device_memory_bytes": self.device_memory_bytes,
+            "device_memory_expert_parallel_bytes": self.device_memory_expert_parallel_bytes, "fits": self.fits,
+            "device_memory": self.device_memory,
+            "host_ram_bytes": self.host_ram_bytes, "host_ram": dict(self.host_ram),
+            "per_layer": self.per_layer,
+            "constants": self.constants, "assumptions": list(self.assumptions), "warnings": list(self.warnings),
+        }
+
+
+COMPONENTS = ("forward", "hessians", "gptq_solve", "awq_search", "kv_observe", "read_weights", "write_spool",
+              "communication", "fixed")
+
+
+# ---- a checkpoint that exists only as headers --------------------------------------------------------------
+def virtual_checkpoint(config: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[int, ...], str]] | None = None):
+    """A read.checkpoint.Checkpoint whose one shard exists only as a header: the tensors a config.json
+    describes (plan.tensors.source_tensors), or `tensors`. Enough for the executor's meta model, its
+    memory plan and the calibrated targets; never for reading data."""
+    from ..arch import parse_config
+    from ..read.checkpoint import Checkpoint, Shard
+    from ..read.safetensors import DTYPES, Header, TensorInfo
+    from .tensors import source_tensors
+
+    cfg = {k: v for k, v in config.items() if not k.startswith("_")}
+    if tensors is None:
+        tensors = source_tensors(parse_config(cfg))
+    name = "virtual.safetensors"
+    infos, off = {}, 0
+    for n, (shape, code) in tensors.items():
+        nb = math.prod(shape) * DTYPES[code][1]
+        infos[n] = TensorInfo(n, DTYPES[code][0], tuple(shape), off, off + nb)
+        off += nb
+    header = Header(Path("/nonexistent") / name, infos, {}, 0, off)
+    return Checkpoint(Path("/nonexistent"), cfg, (Shard(name, header),), dict.fromkeys(infos, name))
+
+
+@contextlib.contextmanager
+def _no_cuda_calls():
+    """plan_memory resets CUDA's peak statistics for a CUDA device; planning on a machine without one, skip it."""
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.reset_peak_memory_stats
+    torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        torch.cuda.reset_peak_memory_stats = saved
+
+
+def build_executor(ckpt, device: str):
+    """The LayerExecutor a calibrated pass on `device` ("cpu" or "cuda") builds, over `ckpt` (a checkpoint
+    or a virtual one), without touching a device: a CUDA executor is built on the CPU in bfloat16 and then
+    pointed at "cuda" (only its memory plan is used)."""
+    import torch
+
+    from ..calib.device import compute_dtype
+    from ..calib.executor import LayerExecutor
+
+    dev = torch.device("cuda" if device.startswith("cuda") else "cpu")
+    ex = LayerExecutor(ckpt, device="cpu", dtype=compute_dtype(dev))
+    ex.device = dev
+    return ex
+
+
+def memory_plan(ex, recipe, lengths: list[int], available: int | None):
+    """`ex.plan_memory` for the pass `recipe` runs (GPTQ/AWQ statistics, else the KV observer's), as the
+    calibrated convert and `calibrate` call it. A DeviceMemoryError is turned into (plan without a check,
+    the error's message)."""
+    from ..calib.layer import statistics_bytes
+    from ..errors import DeviceMemoryError
+
+    if recipe.needs_calibrated_pass:
+        def stats(i, layer):
+            return statistics_bytes(ex.ckpt, recipe, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths)
+    else:
+        from ..calibrate import _observer_bytes
+
+        def stats(i, layer):
+            return _observer_bytes(ex, ex.call_tokens(lengths))
+    ex.available_bytes = available
+    with _no_cuda_calls():
+        try:
+            return ex.plan_memory(lengths, statistics=stats), None
+        except DeviceMemoryError as e:
+            # plan it anyway, with the activations in host memory (what the pass would do if it could run)
+            ex.available_bytes = 1 << 62  # no check (None would ask the device what is free)
+            first = ex.plan_memory(lengths, statistics=stats)
+            ex.available_bytes = max(m.without_activations for m in first.layers)
+            return ex.plan_memory(lengths, statistics=stats), e.message
+
+
+# ---- shapes of a layer -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _LayerShape:
+    dense_params: int  # Linear weights every token passes through (attention, dense MLP, shared experts, router)
+    experts: int
+    p: int  # gate+up rows (2I)
+    h: int
+    i: int
+    top_k: int
+    heads: int
+    qk_dim: int
+    v_dim: int
+    indexer: int  # index_n_heads * index_head_dim of a DSA indexer layer (0: none)
+    src_bytes: int  # the layer's bytes on disk
+    elements: int  # the layer's parameters
+    tensors: int  # tensors read
+    expert_src_bytes: int
+
+
+def _layer_shape(ex, idx: int, layer, src_bytes: int, n_tensors: int, expert_bytes: int) -> _LayerShape:
+    from torch import nn
+
+    from ..calib import moe
+
+    cfg = ex.config
+    experts = next((m for m in layer.modules() if moe.is_routed_experts(m)), None)
+    dense = 0
+    for name, m in layer.named_modules():
+        if isinstance(m, nn.Linear):
+            dense += m.in_features * m.out_features
+        elif name.endswith(("mlp.gate", "block_sparse_moe.gate")) and getattr(m, "weight", None) is not None:
+            dense += m.weight.numel()  # routers that are not nn.Linear
+    e = p = h = i = k = 0
+    if experts is not None:
+        e, p, h = (int(d) for d in experts.gate_up_proj.shape)
+        i = int(experts.down_proj.shape[-1])
+        k = int(getattr(cfg, "num_experts_per_tok", None) or 8)
+    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+    if getattr(cfg, "kv_lora_rank", None):
+        qk = int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim)
+        v = int(cfg.v_head_dim)
+    else:
+        qk = v = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    indexer = 0
+    if getattr(cfg, "index_topk", None) and any("indexer" in n for n, _ in layer.named_modules()):
+        indexer = int(getattr(cfg, "index_n_heads", 1) or 1) * int(getattr(cfg, "index_head_dim", 128) or 128)
+    elements = sum(t.numel() for t in layer.state_dict().values())
+    return _LayerShape(dense, e, p, h, i, k, heads, qk, v, indexer, src_bytes, elements, n_tensors, expert_bytes)
+
+
+def _rate(peak: float, half: float, rows: float) -> float:
+    rows = max(1.0, rows)
+    return peak * rows / (rows + half)
+
+
+# ---- the work of one layer ---------------------------------------------------------------------------------
+def _forward(c: Throughput, s: _LayerShape, batches: list[int], t: int, item: int, hidden: int) -> float:
+    """One forward of a layer over `batches` (the tokens of each forward call; samples of t tokens)."""
+    from ..calib.executor import LIVE_TEMPORARIES
+
+    sec = 0.0
+    for per_call in batches:
+        n = max(1, per_call // t)  # samples in the call
+        sec += 2 * per_call * s.dense_params / _rate(c.gemm_flops, c.gemm_half_rows, per_call)
+        sec += 2 * n * s.heads * t * t * (s.qk_dim + s.v_dim) / _rate(c.gemm_flops, c.gemm_half_rows, t)
+        if s.indexer:
+            sec += 2 * n * t * t * s.indexer / _rate(c.gemm_flops, c.gemm_half_rows, t)
+        # element-wise: ~LIVE_TEMPORARIES [tokens, hidden] buffers written and read, the [B, heads, T, T]
+        # scores (scale, mask, softmax in float32: ~6 passes), the mask
+        stream = 2 * LIVE_TEMPORARIES * per_call * hidden * item + 6 * n * s.heads * t * t * max(item, 4) \
+            + n * t * t * item
+        ops = 150  # the layer's own ops per call (norms, projections, rotary, attention, residuals, routing)
+        if s.experts:
+            rows = per_call * s.top_k / s.experts  # routed rows per expert and call
+            sec += 2 * per_call * s.top_k * (s.p * s.h + s.h * s.i) / _rate(c.gemm_flops, c.gemm_half_rows, rows)
+            # gather, activation, routing weights, index_add of every routed row; router softmax/top-k; sorting
+            stream += per_call * s.top_k * (3 * s.h + 3 * s.p) * item + per_call * s.experts * 4 * 4
+            ops += 4 * s.experts  # the batched expert forward: two GEMMs, an index_add_ and bookkeeping per expert
+        sec += stream / c.mem_bytes_per_s + ops * c.op_s
+    return sec
+
+
+def _hessians(c: Throughput, s: _LayerShape, batches: list[int], owned: int, hidden: int) -> float:
+    """GPTQ statistics of one layer, by the rank that owns `owned` of its experts: the all-token x x^T (one
+    rank sums it over every batch), and for each owned expert and batch the Gram of the rows routed to it,
+    the down inputs of those rows (one gate/up product) and their Gram, added to the expert's sums."""
+    h, e = s.h or hidden, s.experts
+    sec = 0.0
+    for per_call in batches:
+        sec += 2 * per_call * h * h / _rate(c.gram_flops, c.gram_half_rows, per_call)
+        if not e or not owned:
+            continue
+        rows = per_call * s.top_k / e  # per expert and batch (balanced routing)
+        routed = rows * owned
+        sec += 2 * routed * (h * h + s.i * s.i) / _rate(c.gram_flops, c.gram_half_rows, rows)
+        sec += 2 * routed * h * s.p / _rate(c.gemm_flops, c.gemm_half_rows, rows)
+        stream = routed * (2 * h + s.p + 2 * s.i) * 4 + owned * (h * h + s.i * s.i) * 4 * 3  # gathers, sums
+        sec += stream / c.mem_bytes_per_s + owned * 12 * c.op_s
+    return sec
+
+
+def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: int) -> tuple[float, float]:
+    """(Cholesky seconds, sweep seconds) of GPTQ on matrices [(count, n_out, k_in, chunk)]: `count` of them
+    solved `chunk` at a time."""
+    chol = sweep = 0.0
+    for count, n_out, k, per in shapes:
+        if not count:
+            continue
+        per = max(1, min(count, per))
+        chunks = math.ceil(count / per)
+        chol += count * (4 / 3) * k ** 3 / c.chol_flops
+        b = min(block, k)
+        sweep += chunks * k * c.sweep_col_s
+        sweep += count * n_out * k * (b / 2 + 4) / c.sweep_elems_per_s
+        # the lazy block updates: float32 bmm in the solve, at the float32 (Gram) rate
+        sweep += count * n_out * k * max(0, k - b) / _rate(c.gram_flops, c.gram_half_rows, n_out)
+        # act-order permutations, dequantize, SQNR, packing and emitting every module
+        sweep += count * (6 * k * k * 8 + 24 * n_out * k) / c.mem_bytes_per_s + count * 40 * c.op_s
+        sweep += count * c.module_s  # emitting it (gate/up: two modules, counted at the call)
+    return chol, sweep
+
+
+def _awq_search(c: Throughput, s: _LayerShape, s_tok: int, n_grid: int, clip: bool, down: bool,
+                experts: int, g_gu: int, g_dn: int) -> float:
+    """AWQ's searches for one MoE layer (calib/awq_pass.py): the norm scale (n_grid + 1 candidates on 512
+    strided sampled tokens, 3 finalists on all of them: each a fake-quantized copy of every expert's
+    gate/up and a forward of the MoE block), the per-expert up -> down scale (a fake-quant of down and a
+    quadratic form, H x I x I, per candidate and expert), the clip search (per ratio a fake-quant and a
+    group-diagonal quadratic form in float64, and each matrix's row errors twice), the clip choice (four
+    combinations on <= 512 rows), then RTN, SQNR and packing."""
+    e, h, p, i, k = s.experts, s.h, s.p, s.i, s.top_k
+    cands = n_grid + 1
+    fq = c.fake_quant_elems_per_s
+    sec = 0.0
+    # (1) norm scale: every expert's gate/up scaled, fake-quantized and copied in per candidate, block forwards
+    sub = min(512, s_tok)
+    sec += (cands + 3) * e * p * h * (1 / fq + 12 / c.mem_bytes_per_s)
+    block_tokens = cands * sub + 3 * s_tok
+    block_rows = max(1.0, sub * k / e)
+    sec += 2 * block_tokens * (k * (p * h + h * i) + s.dense_params) / _rate(c.gemm_flops, c.gemm_half_rows,
+                                                                               block_rows)
+    sec += block_tokens * k * (3 * h + 3 * p) * 4 / c.mem_bytes_per_s + (cands + 3) * (4 * e + 150) * c.op_s
+    # the routed rows of the sampled tokens per expert (experts searched on their own rows)
+    rows = s_tok * k / max(1, e)
+    # (2) up -> down: down inputs, their weighted Gram, then per candidate a fake-quant of down and H x I x I
+    sec += experts * 2 * rows * (h * p + i * i) / _rate(c.gemm_flops, c.gemm_half_rows, rows)
+    if down:
+        sec += experts * cands * (2 * h * i * i / _rate(c.gemm_flops, c.gemm_half_rows, h) + h * i / fq)
+    if clip:
+        nratio = 12  # clip_ratios(4 bits, n_grid 20, max_shrink 0.5) and r = 1
+        for n_out, kk, g in ((p, h, g_gu), (h, i, g_dn)):
+            sec += experts * 2 * rows * kk * kk / _rate(c.gram_flops, c.gram_half_rows, rows)
+            # per ratio: a fake-quant of the rows and the group-diagonal quadratic form (float64)
+            sec += experts * nratio * (n_out * kk / fq + 2 * n_out * kk * g / c.gemm64_flops
+                                       + n_out * kk * 8 * 3 / c.mem_bytes_per_s)
+            # the rows' whole errors with and without clipping: two fake-quants and two quadratic forms (float64)
+            sec += experts * 2 * (n_out * kk / fq + 2 * n_out * kk * kk / c.gemm64_flops)
+        crow = min(rows, 512)
+        sec += experts * crow * (2 * 2 * h * p + 4 * 2 * i * h) / _rate(c.gemm_flops, c.gemm_half_rows, crow)
+        sec += experts * (p * h + h * i) * 2 / fq
+    # RTN with the found parameters, SQNR, packing and emitting
+    sec += experts * (p * h + h * i) * (1 / fq + 24 / c.mem_bytes_per_s) + experts * 60 * c.op_s
+    sec += experts * 3 * c.module_s
+    return sec
+
+
+
+# ---- how the pass cuts its work ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Batches:
+    batch_tokens: int  # tokens per forward call of the pass
+    all_batches: list[int]  # tokens of every forward batch
+    rank_batches: list[int]  # the busiest rank's batches
+    rank_tokens: int  # the busiest rank's tokens
+
+
+def _pass_batches(ex, lengths: list[int], g: int, capped: bool = True) -> _Batches:
+    """A pass's forward batches (calib/activations.batch_plan; GPTQ/AWQ, `capped`: the executor's batch size
+    capped so that the samples make at least a few batches, calib/spool.py; KV scales: the executor's) and
+    the busiest rank's share of them (calib/parallel.py: the heaviest batch first, each to the least loaded
+    rank)."""
+    from ..calib import spool
+
+    bt = ex.batch_tokens
+    cap = getattr(spool, "pass_batch_tokens", None)
+    if capped and cap is not None:
+        bt = cap(bt, lengths)
+    tokens = [sum(lengths[i] for i in b) for b in _batch_plan(lengths, bt)]
+    load = [0] * g
+    mine: list[list[int]] = [[] for _ in range(g)]
+    for b in sorted(range(len(tokens)), key=lambda b: (-tokens[b], b)):
+        r = min(range(g), key=lambda r: (load[r], r))
+        load[r] += tokens[b]
+        mine[r].append(tokens[b])
+    busiest = max(range(g), key=lambda r: (load[r], -r))
+    return _Batches(bt, tokens, mine[busiest], load[busiest])
+
+
+def _batch_plan(lengths: list[int], bt: int) -> list[list[int]]:
+    try:
+        from ..calib.activations import batch_plan
+    except ImportError:  # the executor's own grouping: max(1, bt // T) samples of equal length per call
+        def batch_plan(lengths, bt):
+            per = max(1, bt // max(1, max(lengths)))
+            return [list(range(i, min(len(lengths), i + per))) for i in range(0, len(lengths), per)]
+    return batch_plan(lengths, bt)
+
+
+def _kv_batch_tokens(ex) -> int:
+    return ex.auto_batch_tokens()
+
+
+def _kv_batches(ex, lengths: list[int], g: int) -> list[int]:
+    """KV-scale calibration (quantkit.calibrate; calib/kv_dist.py over ranks): the executor's own batches,
+    the busiest rank's share."""
+    return _pass_batches(ex, lengths, g, capped=False).rank_batches
+
+
+def _expert_group(s: _LayerShape, kind: str) -> int:
+    """Experts solved at once, and the unit of expert ownership (calib/gptq_pass.py)."""
+    import torch
+
+    from ..calib import gptq_pass
+
+    dev = torch.device("cuda" if kind == "cuda" else "cpu")
+    fn = getattr(gptq_pass, "expert_group_size", None)
+    if fn is not None:
+        return int(fn(s.experts, s.h, s.i, dev))
+    return min(gptq_pass.chunk_experts(s.h, dev), gptq_pass.chunk_experts(s.i, dev))
+
+
+def _communication(s: _LayerShape, egroup, dense, gq: _Batches, g: int, item: int, hidden: int, packed: int,
+                   owned: int, s_tok: int) -> dict[str, float]:
+    """Bytes one rank receives for one layer in a world of g ranks (calib/parallel.py): every batch's MoE
+    inputs (float32 rows, routing indices and weights) broadcast by the rank that forwarded it (AWQ: the
+    sampled rows and the block's outputs for them); dense targets' partial Hessians sent to their owners;
+    the dequantized weights broadcast by their owners (AWQ: every parameter of the layer, from rank 0); the
+    packed results gathered on rank 0."""
+    out: dict[str, float] = {}
+    others = sum(gq.all_batches) - gq.rank_tokens
+    if egroup is not None and egroup.method == "gptq":
+        out["moe_inputs"] = others * (hidden * 4 + s.top_k * 16)
+        out["dequantized_weights"] = (s.experts - owned) * (s.p * s.h + s.h * s.i) * item
+    elif egroup is not None:
+        out["moe_inputs"] = s_tok * (g - 1) / g * (2 * hidden * 4 + s.top_k * 16)
+        out["dequantized_weights"] = s.elements * item
+    if dense:
+        out["dense_partials"] = len(gq.all_batches) * sum(m.in_features ** 2 * 4 for m, _ in dense.values()) \
+            * (g - 1) / g
+        out["dequantized_weights"] = out.get("dequantized_weights", 0) + sum(
+            m.in_features * m.out_features * item for m, _ in dense.values()) * (g - 1) / g
+    out["packed_results"] = packed * (g - 1) / g
+    return out
+
+
+# ---- the model ---------------------------------------------------------------------------------------------------
+def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *, world_size: int = 1,
+                     device: str = "cpu", gpu_memory_gib: float | None = None,
+                     throughput: Throughput | None = None) -> CalibrationCost:
+    """Predict the calibrated pass of `recipe` (a name, path or Recipe) on `num_samples` x `seq_len` tokens
+    for `model_or_config` (config.json, checkpoint directory, reference config name), on `world_size` ranks
+    of `device` ("cpu" or "cuda"). `gpu_memory_gib`: the device memory each rank may use (cuda; None: not
+    checked). `throughput`: the rates (None: THROUGHPUT[device kind])."""
+    from ..match.recipe import Recipe, load_recipe
+    from . import _resolve, _tensor_shapes_from_checkpoint
+
+    if num_samples < 1 or seq_len < 1:
+        raise ConfigError(f"calibration N,T must be positive, got {num_samples},{seq_len}")
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+    kind = "cuda" if str(device).startswith("cuda") else str(device)
+    c = throughput or throughput_for(kind)
+    rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    src = _resolve(model_or_config)
+    headers = _tensor_shapes_from_checkpoint(src.checkpoint) if src.checkpoint is not None else None
+    methods = tuple(sorted({g.method for g in rec.groups if g.method != "rtn"})) + \
+        (("kv_scales",) if rec.kv_cache is not None else ())
+    out = CalibrationCost(model=src.label, recipe=rec.name, methods=methods, calibrated=bool(methods),
+                          num_samples=num_samples, seq_len=seq_len, world_size=world_size, device=kind,
+                          dtype="float32" if kind == "cpu" else "bfloat16", layers=0, calibrated_layers=0)
+    out.constants = {"kind": c.kind, "provenance": c.provenance, "source": c.source, "values": c.to_json()}
+    if not methods:
+        out.warnings.append(f"recipe {rec.name!r} has no calibrated group (GPTQ/AWQ) and no kv_cache section: "
+                            "convert does not calibrate, nothing to predict")
+        return out
+
+    ckpt = virtual_checkpoint(src.config, headers)
+    ex = build_executor(ckpt, kind)
+    import torch
+
+    item = torch.empty((), dtype=ex.dtype).element_size()
+    g = world_size
+    lengths = [seq_len] * num_samples
+    gq = _pass_batches(ex, lengths, g)  # the GPTQ/AWQ pass: fixed forward batches over the ranks
+    kvb = _kv_batches(ex, lengths, g)  # KV calibration: the executor's batches over the ranks
+    out.layers = ex.num_layers
+    available = int(gpu_memory_gib * GIB) if (gpu_memory_gib and kind == "cuda") else None
+
+    # source bytes per layer, from the (virtual) headers
+    per_layer_bytes: dict[int, list[int]] = {}
+    rx = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+    expert_rx = re.compile(r"\.experts\.")
+    for name in ckpt.location:
+        m = rx.search(name)
+        if m is None:
+            continue
+        li = int(m.group(1))
+        if li >= ex.num_layers:
+            continue
+        info = ckpt.info(name)
+        acc = per_layer_bytes.setdefault(li, [0, 0, 0])
+        acc[0] += info.nbytes
+        acc[1] += 1
+        if expert_rx.search(name):
+            acc[2] += info.nbytes
+    from ..calib.layer import _targets
+    from .tensors import quantized_layout, tensor_bytes
+
+    from ..arch import parse_config
+
+    layout = quantized_layout({n: (ckpt.info(n).shape, _code(ckpt.info(n).dtype)) for n in ckpt.location}, rec,
+                              spec=parse_config(ckpt.config))
+    packed_layer: dict[int, int] = {}  # bytes the calibrated groups write per layer (the pass's results)
+    calibrated_module: dict[str, bool] = {}
+    for name, (shape, code) in layout.items():
+        m = rx.search(name)
+        if m is None or int(m.group(1)) >= ex.num_layers:
+            continue
+        module = name.rsplit(".", 1)[0]
+        hit = calibrated_module.get(module)
+        if hit is None:
+            grp = rec.match(module)
+            hit = calibrated_module[module] = grp is not None and grp.method != "rtn"
+        if hit:
+            packed_layer[int(m.group(1))] = packed_layer.get(int(m.group(1)), 0) + tensor_bytes(shape, code)
+
+    secs = dict.fromkeys(COMPONENTS, 0.0)
+    comm: dict[str, float] = {}
+    calib_layers = 0
+    passes_gq = rec.needs_calibrated_pass
+    passes_kv = rec.kv_cache is not None
+    hidden = ex.hidden_size
+    emb_rows = num_samples * seq_len
+    fixed = c.setup_s * (int(passes_gq) + int(passes_kv)) + emb_rows * hidden * 4 / c.mem_bytes_per_s
+    secs["fixed"] += fixed
+    link = c.link_bytes_per_s
+    for idx in range(ex.num_layers):
+        layer = ex.decoder_layers[idx]
+        sb, nt, eb = per_layer_bytes.get(idx, [0, 0, 0])
+        s = _layer_shape(ex, idx, layer, sb, nt, eb)
+        row: dict[str, float] = dict.fromkeys(COMPONENTS, 0.0)
+        read = sb / c.read_bytes_per_s + s.elements * (item + 2 + item) / c.mem_bytes_per_s + nt * 6 * c.op_s
+        if passes_gq:
+            _, egroup, dense = _targets(ckpt, rec, idx, layer)
+            row["read_weights"] += read
+            row["fixed"] += c.layer_s
+            # statistics forward, then the quantized layer's forward (true-sequential): the busiest rank's batches
+            row["forward"] += 2 * _forward(c, s, gq.rank_batches, seq_len, item, hidden)
+            if egroup is not None or dense:
+                calib_layers += 1
+            owned = 0
+            if egroup is not None and egroup.method == "gptq":
+                group = _expert_group(s, kind)
+                groups = math.ceil(s.experts / group)
+                owned = min(s.experts, math.ceil(groups / g) * group)  # the busiest rank's experts
+                row["hessians"] += _hessians(c, s, gq.all_batches, owned, hidden)
+                ch, sw = _gptq_solves(c, [(owned, s.p, s.h, group), (owned, s.h, s.i, group)],
+                                      egroup.options.block_size)
+                row["gptq_solve"] += ch + sw + owned * c.module_s  # gate and up: one matrix, two modules
+            elif egroup is not None and egroup.method == "awq":
+                o = egroup.options
+                s_tok = min(int(o.sample_tokens), num_samples * seq_len)
+                sch = egroup.scheme
+                # the searches run on one rank (rank 0), over every expert
+                row["awq_search"] += _awq_search(c, s, s_tok, o.n_grid, o.clip, o.scale_down, s.experts,
+                                                 sch.group_size or s.h, sch.group_size or s.i)
+                row["awq_search"] += s_tok * hidden * 4 * 2 / c.mem_bytes_per_s  # the samples and block outputs
+            if dense:
+                dshapes = [(1, m.out_features, m.in_features, 1) for m, _ in dense.values()]
+                mine = dshapes[::g]  # the i-th dense target belongs to rank i % G
+                row["hessians"] += sum(2 * tok * k * k / _rate(c.gram_flops, c.gram_half_rows, tok)
+                                       for _, _, k, _ in dshapes for tok in gq.rank_batches)
+                ch, sw = _gptq_solves(c, mine, 128)
+                row["gptq_solve"] += ch + sw
+            packed = packed_layer.get(idx, 0)
+            # the spool: the layer's packed results (rank 0 writes them) and the next layer's inputs (every rank
+            # its own samples': the busiest rank's share)
+            row["write_spool"] += (packed + gq.rank_tokens * hidden * item) / c.write_bytes_per_s + 5 * c.fsync_s
+            if g > 1:
+                got = _communication(s, egroup, dense, gq, g, item, hidden, packed, owned,
+                                     min(int(egroup.options.sample_tokens), num_samples * seq_len)
+                                     if egroup is not None else 0)
+                for k2, v in got.items():
+                    comm[k2] = comm.get(k2, 0) + v
+                row["communication"] += sum(got.values()) / link
+        if passes_kv:
+            row["read_weights"] += read
+            row["fixed"] += c.layer_s
+            row["forward"] += _forward(c, s, kvb, seq_len, item, hidden)
+            kv_width = (int(getattr(ex.config, "kv_lora_rank", 0) or 0) + int(getattr(ex.config, "qk_rope_head_dim", 0)
+                        or 0)) or 2 * s.heads * s.qk_dim
+            tokens = sum(kvb)
+            row["kv_observe"] += 2 * tokens * hidden * kv_width / _rate(c.gemm_flops, c.gemm_half_rows, max(kvb)) \
+                + 4 * tokens * kv_width * 4 / c.mem_bytes_per_s
+        for k2, v in row.items():
+            secs[k2] += v
+        out.per_layer.append({"layer": idx, **{k2: round(v, 4) for k2, v in row.items() if v}})
+    out.calibrated_layers = calib_layers
+    out.seconds = {k: v for k, v in secs.items() if v}
+    out.total_seconds = sum(secs.values())
+    out.communication_bytes = {k: int(v) for k, v in comm.items()} if g > 1 else {}
+
+    # after the pass, convert streams the source: every shard read, the packed experts from the spool,
+    # the output written and hashed (not part of the calibration; the validation measures convert as a whole)
+    src_total = sum(ckpt.info(n).nbytes for n in ckpt.location)
+    out_total = sum(tensor_bytes(sh, d) for sh, d in layout.values())
+    n_shards = len(list(src.checkpoint.glob("*.safetensors"))) if src.checkpoint is not None else \
+        max(1, math.ceil(src_total / 5e9))  # hub releases: ~5 GB shards
+    out.convert_output_seconds = (3 * n_shards + 8) * c.fsync_s + sum(calibrated_module.values()) * c.module_s + \
+        (src_total + sum(packed_layer.values())) / c.read_bytes_per_s + \
+        out_total / c.write_bytes_per_s + out_total / (c.hash_bytes_per_s * g) + \
+        (src_total - sum(packed_layer.values())) * 2 / c.mem_bytes_per_s
+
+    # memory: the executor's own plan, as the pass makes it (every rank plans every sample's slot)
+    ex.batch_tokens = gq.batch_tokens if passes_gq else _kv_batch_tokens(ex)
+    plan, err = memory_plan(ex, rec, lengths, available)
+    out.device_memory = plan.to_json()
+    out.device_memory_bytes = plan.peak_bytes
+    if available is not None:
+        out.fits = err is None
+    if g > 1 and any(m.statistics.get("hessians") for m in plan.layers):
+        # what a rank would hold if it allocated the Hessians of the experts it owns only (the pass allocates
+        # every expert's today: the plan above)
+        ep = 0
+        for m in plan.layers:
+            s = _layer_shape(ex, m.layer, ex.decoder_layers[m.layer], 0, 0, 0)
+            hess = m.statistics.get("hessians", 0)
+            if s.experts and hess:
+                group = _expert_group(s, kind)
+                owned = min(s.experts, math.ceil(math.ceil(s.experts / group) / g) * group)
+                hess -= (s.experts - owned) * (s.h * s.h + s.i * s.i) * 4
+            ep = max(ep, m.total - m.statistics.get("hessians", 0) + hess)
+        out.device_memory_expert_parallel_bytes = ep
+    if err:
+        out.warnings.append(f"does not fit: {err}")
+    host = {"process": c.process_bytes}
+    packed_max = max(packed_layer.values(), default=0)
+    host["layer_results"] = packed_max  # rank 0 gathers the whole layer's packed results
+    # the activations in host memory: two copies, each up to the budget kept in RAM (a memory map above it);
+    # a rank writes only its own samples' rows of every-sample stores (untouched pages are not resident)
+    share = (gq.rank_tokens / max(1, sum(gq.all_batches))) if passes_gq else 1.0
+    host["activations"] = 0 if plan.activations == "device" else int(
+        2 * min(plan.activation_bytes, _activation_budget()) * share)
+    if kind == "cpu":  # the CPU is the device: the layer, its forward, statistics and solves are host memory
+        host["layer"] = plan.peak_bytes
+    else:
+        biggest = max((ckpt.info(n).nbytes for n in ckpt.location
+                       if (m := rx.search(n)) and int(m.group(1)) < ex.num_layers), default=0)
+        host["read_buffer"] = biggest
+    out.host_ram = host
+    out.host_ram_bytes = sum(host.values())
+
+    out.assumptions += _assumptions(c, g, kind, gq, kvb, passes_gq, passes_kv)
+    if c.provenance == "assumed":
+        out.warnings.append(f"the {kind} throughput figures are assumptions, not measurements ({c.source})")
+    return out
+
+
+def _is_experts(module) -> bool:
+    from ..calib import moe
+
+    return moe.is_routed_experts(module)
+
+
+def _activation_budget() -> int:
+    from ..calib.executor import DEFAULT_ACTIVATION_BUDGET
+
+    return DEFAULT_ACTIVATION_BUDGET
+
+
+def _code(dtype) -> str:
+    from ..read.safetensors import CODE_OF
+
+    return CODE_OF[dtype]
+
+
+def _assumptions(c: Throughput, g: int, kind: str, gq: _Batches, kvb: list[int], passes_gq: bool,
+                 passes_kv: bool) -> list[str]:
+    a = [f"throughput: {c.kind} figures {c.provenance} ({c.source})",
+         "per layer: GPTQ/AWQ forward twice (statistics, then the quantized layer: true-sequential); KV scales once",
+         "GEMM rate for m rows: gemm_flops x m / (m + gemm_half_rows); routed experts at m = routed rows per "
+         "expert and call (balanced routing)"]
+    if passes_gq:
+        a.append(f"GPTQ/AWQ pass: {len(gq.all_batches)} forward batches of <= {gq.batch_tokens} tokens"
+                 + (f", the busiest of {g} ranks forwards {len(gq.rank_batches)} ({gq.rank_tokens} tokens)"
+                    if g > 1 else ""))
+    if passes_kv:
+        a.append(f"KV-scale calibration: the executor's forward batches over the ranks (the busiest forwards "
+                 f"{len(kvb)}); per-layer maxima combined (a few floats)")
+    if g > 1:
+        a += [f"world size {g} (calib/parallel.py): batches data parallel; expert groups owned round-robin, each "
+              "owner accumulates its experts' Hessians from every batch's MoE inputs (broadcast) and solves them; "
+              "one rank sums the all-token Hessian; dequantized weights broadcast by their owners, packed results "
+              f"gathered on rank 0; AWQ's searches on rank 0 alone; link {c.link_bytes_per_s / 1e9:.0f} GB/s per "
+              "rank, no overlap with compute"]
+    a.append("device memory: the executor's plan (LayerExecutor.plan_memory + calib.layer.statistics_bytes) with "
+             "the pass's batches; every rank holds the whole layer and every expert's Hessians")
+    a.append("host RAM: process baseline + the layer's packed results + the activations when they are not on the "
+             "device (at most the 4 GiB kept in RAM per copy)"
+             + (" + the layer, its statistics and solves (the CPU is the device)" if kind == "cpu" else
+                " + one source tensor being read"))
+    return a

@@ -1,0 +1,209 @@
+"""The calibration cost model (`quantkit plan --recipe R --calibration N,T --gpus G --device cpu|cuda`,
+quantkit/plan/calibration.py): the option's parsing, the prediction's monotonicity in samples, tokens,
+layers and ranks, device memory against the executor's own plan on a real checkpoint, the documented JSON
+keys, and recipes that calibrate nothing or only KV scales.
+
+Tiny models only (quantkit.testing); the shipped reference configs are exercised by the CLI check of
+docs/cost.md's Kimi K2 command, not here (building their meta models takes seconds each).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from quantkit.cli import app
+from quantkit.errors import ConfigError
+from quantkit.plan import calibration_cost, plan
+from quantkit.plan.calibration import THROUGHPUT, parse_calibration
+from quantkit.testing import make_tiny_model, tiny_config
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "cost.md"
+HIDDEN, EXPERTS, WIDTH = 128, 8, 64
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """A 2-layer qwen3_moe checkpoint (hidden 128, 8 experts of width 64)."""
+    return make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("cost") / "m", layers=2, experts=EXPERTS,
+                           hidden=HIDDEN, moe_intermediate=WIDTH)
+
+
+def _config(tmp_path: Path, layers: int) -> Path:
+    """A config.json alone (no weights) of the tiny qwen3_moe with `layers` layers."""
+    d = tmp_path / f"cfg{layers}"
+    d.mkdir(exist_ok=True)
+    cfg = tiny_config("qwen3_moe", layers=layers, experts=EXPERTS, hidden=HIDDEN, moe_intermediate=WIDTH).to_dict()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d / "config.json"
+
+
+def _cost(model, n=8, t=64, g=1, recipe="int4-experts-gptq", device="cpu", **kw):
+    return calibration_cost(str(model), recipe, n, t, world_size=g, device=device, **kw)
+
+
+# ---- the option --------------------------------------------------------------------------------------------
+def test_cli_calibration_option(tmp_path):
+    cfg = _config(tmp_path, 2)
+    r = CliRunner().invoke(app, ["plan", str(cfg), "--recipe", "int4-experts-gptq", "--calibration", "128,2048",
+                                 "--gpus", "2", "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)["calibration"]
+    assert (doc["num_samples"], doc["seq_len"], doc["world_size"], doc["device"]) == (128, 2048, 2, "cpu")
+    assert doc["calibrated"] and doc["methods"] == ["gptq"] and doc["total_seconds"] > 0
+    # without --calibration the plan has no calibration section
+    r = CliRunner().invoke(app, ["plan", str(cfg), "--recipe", "int4-experts-gptq", "--json"])
+    assert r.exit_code == 0 and "calibration" not in json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("args", [["--calibration", "128"], ["--calibration", "0,2048"], ["--calibration", "a,b"],
+                                  ["--calibration", "1,2,3"], ["--calibration", "-4,16"],
+                                  ["--calibration", "8,8", "--device", "tpu"]])
+def test_cli_bad_calibration_is_usage_error(tmp_path, args):
+    cfg = _config(tmp_path, 2)
+    r = CliRunner().invoke(app, ["plan", str(cfg), "--recipe", "int4-experts-gptq", *args])
+    assert r.exit_code == 2, (r.exit_code, r.output)
+
+
+def test_cli_calibration_needs_recipe(tmp_path):
+    r = CliRunner().invoke(app, ["plan", str(_config(tmp_path, 2)), "--calibration", "8,64"])
+    assert r.exit_code == 2, r.output
+
+
+def test_parse_calibration():
+    assert parse_calibration("128,2048") == (128, 2048)
+    assert parse_calibration(" 16 , 256 ") == (16, 256)
+    for bad in ("128", "1,2,3", "x", "0,1", "3,-1", ""):
+        with pytest.raises(ConfigError):
+            parse_calibration(bad)
+
+
+# ---- the prediction -----------------------------------------------------------------------------------------
+def test_monotone_in_samples_tokens_and_layers(tmp_path):
+    cfg2, cfg4 = _config(tmp_path, 2), _config(tmp_path, 4)
+    base = _cost(cfg2, 8, 64)
+    more_n = _cost(cfg2, 16, 64)
+    more_t = _cost(cfg2, 8, 128)
+    more_l = _cost(cfg4, 8, 64)
+    for other in (more_n, more_t, more_l):
+        assert other.total_seconds > base.total_seconds
+        for k in ("forward", "hessians", "write_spool"):
+            assert other.seconds[k] > base.seconds[k], k
+    # the solves depend on the shapes only, not on the tokens; twice the layers, twice the solves
+    assert more_n.seconds["gptq_solve"] == pytest.approx(base.seconds["gptq_solve"])
+    assert more_l.seconds["gptq_solve"] == pytest.approx(2 * base.seconds["gptq_solve"])
+    assert (base.layers, more_l.layers, more_l.calibrated_layers) == (2, 4, 4)
+    # the attention grows with T^2: a longer sample costs more than more samples of the same total tokens
+    assert more_t.seconds["forward"] > more_n.seconds["forward"]
+
+
+def test_world_size_splits_the_parallel_parts(tmp_path):
+    cfg = _config(tmp_path, 2)
+    n, t = 64, 64  # 4096 tokens: 8 forward batches of 512 (the pass cuts at least 8)
+    runs = {g: _cost(cfg, n, t, g) for g in (1, 2, 4)}
+    for a, b in ((1, 2), (2, 4)):
+        for k in ("forward", "hessians", "gptq_solve"):
+            assert runs[b].seconds[k] < runs[a].seconds[k], (k, a, b)
+        assert runs[b].seconds["communication"] > 0
+    assert "communication" not in runs[1].seconds and not runs[1].communication_bytes
+    # the forwards split exactly: 8 equal batches, 4 per rank at G=2, 2 at G=4
+    assert runs[2].seconds["forward"] == pytest.approx(runs[1].seconds["forward"] / 2)
+    assert runs[4].seconds["forward"] == pytest.approx(runs[1].seconds["forward"] / 4)
+    # MoE inputs a rank receives: the other ranks' tokens, float32 hidden rows + top-2 indices and weights
+    other = n * t - n * t // 2
+    assert runs[2].communication_bytes["moe_inputs"] == 2 * other * (HIDDEN * 4 + 2 * 16)  # 2 layers
+    # every rank plans the same memory (it holds every sample's slot and every expert's Hessians)
+    assert runs[4].device_memory == runs[1].device_memory
+    assert runs[4].device_memory_expert_parallel_bytes < runs[4].device_memory_bytes
+
+
+def test_device_memory_is_the_executors_plan(tiny, tmp_path):
+    """The cost model plans a config.json alone (tensors enumerated, nothing read); the executor plans the
+    real checkpoint. Their plans agree, and the parts that can be written out independently are checked."""
+    from quantkit.calib.executor import LayerExecutor
+    from quantkit.calib.layer import statistics_bytes
+    from quantkit.calib.spool import pass_batch_tokens
+    from quantkit.match.recipe import load_recipe
+    from quantkit.read.checkpoint import Checkpoint
+
+    n, t = 6, 48
+    cost = _cost(tiny / "config.json", n, t)
+    rec = load_recipe("int4-experts-gptq")
+    ex = LayerExecutor(tiny, device="cpu")
+    lengths = [t] * n
+    ex.batch_tokens = pass_batch_tokens(ex.batch_tokens, lengths)  # as the pass sets it (calib/spool.py)
+    real = ex.plan_memory(lengths, statistics=lambda i, layer: statistics_bytes(
+        ex.ckpt, rec, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths))
+    assert cost.device_memory == real.to_json()
+    assert cost.device_memory_bytes == real.peak_bytes
+    ck = Checkpoint.open(tiny)
+    for layer in cost.device_memory["layers"]:
+        i = layer["layer"]
+        numel = sum(ck.info(k).numel for k in ck.location if k.startswith(f"model.layers.{i}."))
+        assert layer["weights"] == numel * 4  # float32 on the CPU
+        assert layer["statistics"]["hessians"] == (EXPERTS * (HIDDEN ** 2 + WIDTH ** 2) + HIDDEN ** 2) * 4
+    assert cost.device_memory["activation_bytes"] == n * t * HIDDEN * 4
+
+
+def test_cuda_plan_and_fit(tmp_path):
+    cfg = _config(tmp_path, 2)
+    c = _cost(cfg, 8, 64, g=1, device="cuda", gpu_memory_gib=80)
+    assert c.dtype == "bfloat16" and c.fits is True and c.device_memory["device"] == "cuda"
+    assert c.constants["provenance"] == "assumed" and any("assumption" in w for w in c.warnings)
+    tight = _cost(cfg, 8, 64, g=1, device="cuda", gpu_memory_gib=1e-4)
+    assert tight.fits is False and any(w.startswith("does not fit") for w in tight.warnings)
+    assert tight.device_memory["activations"] == "host"  # planned anyway, the activations off the device
+
+
+def test_no_calibrated_group_says_so(tmp_path):
+    cfg = _config(tmp_path, 2)
+    c = _cost(cfg, recipe="int4-experts-rtn")
+    assert not c.calibrated and c.total_seconds == 0 and c.methods == ()
+    assert any("no calibrated group" in w for w in c.warnings)
+    r = CliRunner().invoke(app, ["plan", str(cfg), "--recipe", "int4-experts-rtn", "--calibration", "8,64", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["calibration"]["calibrated"] is False
+    r = CliRunner().invoke(app, ["plan", str(cfg), "--recipe", "int4-experts-rtn", "--calibration", "8,64"])
+    assert r.exit_code == 0 and "no calibrated group" in r.stdout
+
+
+def test_kv_scales_forward_once(tmp_path):
+    cfg = _config(tmp_path, 2)
+    # 64 x 128 tokens: both passes forward 8 batches of 1024 tokens (the executor's size for this model)
+    kv, gq = _cost(cfg, 64, 128, recipe="fp8-kv"), _cost(cfg, 64, 128)
+    assert kv.methods == ("kv_scales",) and "gptq_solve" not in kv.seconds and kv.seconds["kv_observe"] > 0
+    assert kv.seconds["forward"] == pytest.approx(gq.seconds["forward"] / 2)  # GPTQ forwards each layer twice
+    assert set(kv.device_memory["layers"][0]["statistics"]) == {"kv_observer"}
+    # KV calibration is data parallel too (calib/kv_dist.py): 8 batches, 4 per rank
+    kv2 = _cost(cfg, 64, 128, g=2, recipe="fp8-kv")
+    assert kv2.seconds["forward"] == pytest.approx(kv.seconds["forward"] / 2)
+
+
+def test_json_keys_documented(tmp_path):
+    """Every key of the `calibration` object is listed in docs/cost.md's key table, and nothing more."""
+    doc = _cost(_config(tmp_path, 2), g=2).to_json()
+    text = DOCS.read_text()
+    section = text.split("<!-- calibration-json-keys -->")[1].split("<!-- /calibration-json-keys -->")[0]
+    listed = set(re.findall(r"^\| `([a-z_]+)`", section, re.M))
+    assert listed == set(doc), (sorted(set(doc) - listed), sorted(listed - set(doc)))
+    assert set(doc["seconds"]) <= set(re.findall(r"`([a-z_]+)`", section))
+
+
+def test_constants_say_where_they_come_from():
+    assert THROUGHPUT["cpu"].provenance == "measured" and THROUGHPUT["cuda"].provenance == "assumed"
+    for t in THROUGHPUT.values():
+        assert t.source and all(v > 0 for v in t.to_json().values() if isinstance(v, (int, float)))
+    text = DOCS.read_text()
+    assert "ASSUMED" in text and "measured" in text
+
+
+def test_plan_library_entry(tmp_path):
+    rep = plan(str(_config(tmp_path, 2)), "int4-experts-gptq", gpus=2, calibration=(8, 64), device="cpu")
+    assert rep.calibration is not None and rep.to_json()["calibration"]["world_size"] == 2
+    with pytest.raises(ConfigError):
+        plan(str(_config(tmp_path, 2)), None, calibration=(8, 64))
+    assert torch.get_default_dtype() == torch.float32  # planning changes no global torch state
