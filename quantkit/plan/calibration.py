@@ -92,16 +92,14 @@ class Throughput:
 # a quiet-machine run (wall seconds, both threads) replaces it.
 CPU_MEASURED = Throughput(
     kind="cpu", provenance="measured",
-    source="bench/calib_cost.py --quick --cpu-time, AMD EPYC VM, 2 CPUs, torch 2.13.0+cpu, 1 thread, 2026-12-01, "
-           "load average 9.1 (other jobs on both cores): CPU seconds of one thread",
-    gemm_flops=9.659e10, gemm_half_rows=7.499, gram_flops=9.621e10, gram_half_rows=10.0, gemm64_flops=4.874e10,
-    chol_flops=1.079e10, sweep_col_s=3.89e-05, sweep_elems_per_s=8.37e8, mem_bytes_per_s=2.511e10, op_s=1.054e-06,
-    read_bytes_per_s=1.851e10, write_bytes_per_s=2.664e9, fsync_s=3.984e-04, module_s=5.37e-04,
-    fake_quant_elems_per_s=1.783e8, hash_bytes_per_s=1.872e9, link_bytes_per_s=1.0e9, process_bytes=533336064,
-    setup_s=0.02363, layer_s=0.1219,
-    notes=("link_bytes_per_s: assumed (gloo over loopback on one host), not measured",
-           "measured in CPU seconds of one thread on a busy machine: replace with a quiet-machine run "
-           "(python bench/calib_cost.py prints the row)"),
+    source="bench/calib_cost.py, AMD EPYC VM, 2 CPUs, torch 2.13.0+cpu, 2 threads, 2026-12-01, wall seconds on a "
+           "quiet machine (load average 1.7 at the start)",
+    gemm_flops=1.885e11, gemm_half_rows=12.41, gram_flops=1.919e11, gram_half_rows=20.54, gemm64_flops=8.719e10,
+    chol_flops=1.499e10, sweep_col_s=3.442e-05, sweep_elems_per_s=1.073e9, mem_bytes_per_s=5.76e10, op_s=9.203e-07,
+    read_bytes_per_s=2.184e10, write_bytes_per_s=1.518e9, fsync_s=2.293e-04, module_s=7.997e-04,
+    fake_quant_elems_per_s=2.871e8, hash_bytes_per_s=1.927e9, link_bytes_per_s=1.0e9, process_bytes=1018843136,
+    setup_s=0.06483, layer_s=0.2434,
+    notes=("link_bytes_per_s: assumed (gloo over loopback on one host), not measured",),
 )
 
 # Assumed: one NVIDIA H100/H200 SXM GPU. Published dense peaks (NVIDIA H100/H200 SXM datasheets, without
