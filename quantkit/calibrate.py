@@ -152,6 +152,13 @@ def calibrate(model_dir: str | os.PathLike, *, dataset: str | os.PathLike | None
     final.close()
     ex.measured_peak_bytes()
 
+    return _result(model_dir, ex, kv, experts, strategy, data, t0, plan)
+
+
+def _result(model_dir, ex: LayerExecutor, kv: KVCacheObserver, experts: ExpertTokenCounter, strategy: str, data,
+            t0: float, plan) -> CalibrationResult:
+    """The scales (amax / 448 per layer) and everything measured, from the observers of a finished pass (one
+    process, or the statistics every rank contributed: calib/kv_dist.py)."""
     layers, scales = [], {}
     for i in range(ex.num_layers):
         ka, va = kv.amax(i, strategy)  # [1] or [H_kv, 1, 1]

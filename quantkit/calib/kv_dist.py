@@ -21,10 +21,8 @@ def calibrate_ranks(model_dir, world: World, *, dataset=None, num_samples: int, 
                     device: str | None = None, log: Callable[[str], None] | None = None):
     """`calibrate(model_dir, dataset=..., num_samples=..., seq_len=..., strategy=..., device=...)` over the
     ranks of `world` (every rank calls it with the same arguments and gets the same CalibrationResult)."""
-    from ..calibrate import (STRATEGIES, CalibrationResult, LayerKV, _floats, _observer_bytes, fp8_scale,
-                             peak_rss_bytes)
+    from ..calibrate import STRATEGIES, _observer_bytes, _result
     from ..errors import CalibrationError
-    from ..pack import kv as kvrules
     from .data import DEFAULT_SEED, load_calibration_data, load_tokenizer
     from .executor import LayerExecutor
     from .observers import ExpertTokenCounter, KVCacheObserver
@@ -71,20 +69,6 @@ def calibrate_ranks(model_dir, world: World, *, dataset=None, num_samples: int, 
                 c = torch.tensor(c, dtype=torch.int64)
                 experts.counts[i] = experts.counts[i] + c if i in experts.counts else c
             experts.top_k.update(part["top_k"])
-        layers, scales = [], {}
-        for i in range(ex.num_layers):
-            ka, va = kv.amax(i, strategy)
-            ks, vs = fp8_scale(ka), fp8_scale(va)
-            layers.append(LayerKV(i, _floats(ka, strategy), _floats(va, strategy), _floats(ks, strategy),
-                                  _floats(vs, strategy)))
-            scales[kvrules.kv_scale_name(i, "k")] = ks
-            scales[kvrules.kv_scale_name(i, "v")] = vs
-        return CalibrationResult(
-            model=str(model_dir), model_type=str(ex.ckpt.config.get("model_type")), attention=ex.spec.attention,
-            strategy=strategy, layers=layers,
-            expert_tokens={i: c.tolist() for i, c in sorted(experts.counts.items())}, scales=scales,
-            data=data.describe(), seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(),
-            top_k=dict(experts.top_k), indexer_k_amax=dict(sorted(kv.indexer_k_amax.items())), prefix=ex.prefix,
-            device=str(ex.device), memory=plan.to_json())
+        return _result(model_dir, ex, kv, experts, strategy, data, t0, plan)
 
     return world.step(merge, "combining the KV-cache statistics")
