@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import quantkit.convert.calibrated as qconvert
+from quantkit import options
 from quantkit.convert import MANIFEST_NAME, ConvertOptions, convert
 from quantkit.pack.kv import KV_SHARD_NAME
 from quantkit.errors import CalibrationNeeded, KVScalesError
@@ -167,13 +168,13 @@ def test_kv_recipe_calls_calibrate(src, tmp_path, monkeypatch):
         def __init__(self, s):
             self.scales = s
 
-    def fake_calibrate(model_dir, dataset=None, num_samples=128, seq_len=512, strategy="tensor"):
-        calls.append((model_dir, dataset, num_samples, seq_len, strategy))
+    def fake_calibrate(model_dir, dataset=None, num_samples=128, seq_len=512, strategy="tensor", device=None):
+        calls.append((model_dir, dataset, num_samples, seq_len, strategy, device))
         return Result(scales())
 
     monkeypatch.setattr(qconvert, "_find_calibrate", lambda: fake_calibrate)
     convert(src, tmp_path / "q", ConvertOptions(recipe=parse_recipe(KV_RECIPE)))
-    assert calls == [(str(src), None, 8, 16, "tensor")]
+    assert calls == [(str(src), None, 8, 16, "tensor", options.DEVICE)]  # the convert's calibration device
     m = json.loads((tmp_path / "q" / MANIFEST_NAME).read_text())
     assert m["kv_cache"]["origin"] == {"calibrate": {"dataset": None, "num_samples": 8, "seq_len": 16}}
 
