@@ -85,6 +85,25 @@ def _run(n: int, src: Path, out: Path, data: Path, samples: int, seq_len: int, t
             "peak_rss_bytes": res.get("peak_rss_bytes")}
 
 
+def _peer(python: Path, src: Path, work: Path, data: Path, seq_len: int, timeout: int) -> dict:
+    """llm-compressor's GPTQ of the same model on the same token file (bench/quality.py's peer script)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from quality import PEER
+
+    script = work / "peer.py"
+    script.write_text(PEER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    p = subprocess.run([str(python), str(script), str(src), str(work / "peer-out"), str(data), "32", str(seq_len)],
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"llm-compressor failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    inner = json.loads(p.stdout.strip().splitlines()[-1])["seconds"]
+    print(f"llm-compressor: {wall:.2f} s wall, {inner:.2f} s inside", file=sys.stderr)
+    return {"wall_s": round(wall, 2), "seconds": round(inner, 2), "threads": 1}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=32)
@@ -94,6 +113,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 layers, 8 samples x 64 tokens")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--peer-python", type=Path, default=None,
+                    help="python of a venv with llmcompressor (bench/setup_peers.sh): also its `oneshot` GPTQ (W4A16, "
+                         "group 32, bench/quality.py's script) on the same model and tokens, one thread, after the ranks")
     a = ap.parse_args(argv)
     if a.quick:
         a.layers, a.samples, a.seq_len = 2, 8, 64
@@ -140,6 +162,13 @@ def main(argv=None) -> int:
         same = "byte-identical" if r["byte_identical"] else f"{len(r['differing_files'])} files differ"
         lines.append(f"| {r['world_size']} | {r['wall_s']} | {r['convert_s']} | {r['speedup_wall']}x | "
                      f"{r['speedup_convert']}x | {rss} | {same} ({len(hashes[r['world_size']])} files) |")
+    if a.peer_python:
+        peer = _peer(a.peer_python, src, work, data, a.seq_len, a.timeout)
+        doc["peer"] = peer
+        (a.out / "calib_dist.json").write_text(json.dumps(doc, indent=1) + "\n")
+        lines += ["", f"llm-compressor `oneshot` GPTQ (W4A16 g32, experts only), one thread: {peer['wall_s']} s wall "
+                      f"({peer['seconds']} s load + oneshot + save); quantkit world size 1 / llm-compressor wall: "
+                      f"{base['wall_s'] / peer['wall_s']:.2f}x"]
     (a.out / "calib_dist.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(r["byte_identical"] for r in rows) else 1
