@@ -40,14 +40,16 @@ BENCH = dict(hidden=512, experts=32, moe_intermediate=256, vocab=4096, num_atten
 RECIPE = "int4-experts-gptq"
 
 
-def _source(layers: int) -> Path:
+def _source(layers: int, experts: int = BENCH["experts"]) -> Path:
+    """The bench MoE with `layers` decoder layers and `experts` routed experts, built once and cached."""
     from quantkit.testing import make_tiny_model
 
-    key = hashlib.sha256(json.dumps({"layers": layers, **BENCH}, sort_keys=True).encode()).hexdigest()[:12]
+    spec = {**BENCH, "experts": experts}
+    key = hashlib.sha256(json.dumps({"layers": layers, **spec}, sort_keys=True).encode()).hexdigest()[:12]
     d = CACHE / f"calib-dist-{key}" / "src"
     if not (d / "config.json").is_file():
         shutil.rmtree(d, ignore_errors=True)
-        make_tiny_model("qwen3_moe", d, layers=layers, max_shard_size="200MB", **BENCH)
+        make_tiny_model("qwen3_moe", d, layers=layers, max_shard_size="200MB", **spec)
     return d
 
 

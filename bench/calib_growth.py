@@ -16,7 +16,6 @@ Writes bench/results/calib_growth.json and .md (or under --out).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -25,19 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from calib_dist import BENCH, CACHE, RECIPE, _dataset, _run  # noqa: E402
-
-
-def _source(layers: int, experts: int) -> Path:
-    from quantkit.testing import make_tiny_model
-
-    spec = {**BENCH, "experts": experts}
-    key = hashlib.sha256(json.dumps({"layers": layers, **spec}, sort_keys=True).encode()).hexdigest()[:12]
-    d = CACHE / f"calib-growth-{key}" / "src"
-    if not (d / "config.json").is_file():
-        shutil.rmtree(d, ignore_errors=True)
-        make_tiny_model("qwen3_moe", d, layers=layers, max_shard_size="200MB", **spec)
-    return d
+from calib_dist import BENCH, CACHE, RECIPE, _dataset, _run, _source  # noqa: E402
 
 
 def main(argv=None) -> int:
