@@ -150,7 +150,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
         from ..calib.device import resolve_device
 
         calib_device = resolve_device(opts.device)  # a device that is not there fails before anything is written
-    w = world(getattr(opts, "device", None))  # torchrun: this rank's place (size 1 otherwise)
+    w = world(opts.device)  # torchrun: this rank's place (size 1 otherwise)
     data = calibration_data(src, recipe, opts.dataset, opts.num_samples, opts.seq_len) if calibrated else None
     if calibrated and calib_device.type != "cpu":  # a layer that cannot fit on the GPU: refused before any work
         from .calibrated import preflight
