@@ -41,31 +41,63 @@ class GPTQResult:
     dead_columns: torch.Tensor  # [E] number of inputs never seen (H_ii == 0)
 
 
-def _cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int):
-    """Upper Cholesky factor of (H + d*I)^-1 for a batch [E, K, K], retrying with more damping where the
-    factorization fails. Returns (U, damping used [E], fallback reasons)."""
+# Triangular inverses of at least twice this order are formed from two half-size inverses and one product
+# (fewer operations than one triangular solve against the identity, and most of them in a matrix product).
+TRI_INVERSE_SPLIT = 128
+
+
+def _tril_inverse(l: torch.Tensor) -> torch.Tensor:
+    """Inverse of a batch [E, K, K] of lower-triangular matrices with a positive diagonal:
+    [[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1, D^-1]] for large K, a triangular solve otherwise."""
+    k = l.shape[-1]
+    if k < 2 * TRI_INVERSE_SPLIT:
+        eye = torch.eye(k, dtype=l.dtype, device=l.device)
+        return torch.linalg.solve_triangular(l, eye.expand(l.shape[0], k, k), upper=False)
+    m = k // 2
+    out = torch.zeros_like(l)
+    ai, di = _tril_inverse(l[:, :m, :m]), _tril_inverse(l[:, m:, m:])
+    out[:, :m, :m] = ai
+    out[:, m:, m:] = di
+    torch.matmul(di, l[:, m:, :m] @ ai, out=out[:, m:, :m])
+    out[:, m:, :m].neg_()
+    return out
+
+
+def _cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int, out_dtype: torch.dtype | None = None):
+    """Upper Cholesky factor U of (H + d*I)^-1 (U^T U = (H + d*I)^-1) for a batch [E, K, K], retrying with
+    more damping where the factorization fails. Returns (U in `out_dtype` (default: H's), damping used [E],
+    fallback reasons).
+
+    With J the reversal permutation, J H J = L L^T gives H^-1 = (J L^-1 J)^T (J L^-1 J), and J L^-1 J is
+    upper triangular: one Cholesky factorization and one triangular inverse, instead of a factorization,
+    an explicit inverse and a second factorization of it (~2x faster on the CPU; on the bench Hessians the
+    float32 factors are the same)."""
     e, k, _ = h.shape
+    out_dtype = h.dtype if out_dtype is None else out_dtype
     diag_mean = torch.diagonal(h, dim1=-2, dim2=-1).mean(-1)  # [E]
     rel = torch.full((e,), float(damp), dtype=h.dtype, device=h.device)
-    u = torch.empty_like(h)
+    u = None
     todo = torch.arange(e, device=h.device)
     fallback: list[str | None] = [None] * e
     for attempt in range(max_retries + 1):
-        hd = h[todo] if todo.numel() < e else h.clone()
+        hd = (h[todo] if todo.numel() < e else h).flip(-2, -1)  # a copy: the caller's H stays as it was
         hd.diagonal(dim1=-2, dim2=-1).add_((rel[todo] * diag_mean[todo])[:, None])
         l, info = torch.linalg.cholesky_ex(hd)
         del hd  # each [E, K, K] float64 temporary is dropped as soon as it is used
         ok = info == 0
         if ok.any():
-            hinv = torch.cholesky_inverse(l if bool(ok.all()) else l[ok])
-            del l
-            uu, info2 = torch.linalg.cholesky_ex(hinv, upper=True)
-            del hinv
             ok_idx = ok.nonzero().flatten()
-            good = info2 == 0
-            u[todo[ok_idx[good]]] = uu[good]
-            del uu
-            ok[ok_idx[~good]] = False
+            li = _tril_inverse(l if bool(ok.all()) else l[ok_idx])
+            del l
+            good = torch.isfinite(li.sum((-2, -1)))  # an overflow anywhere makes the sum inf or nan
+            if bool(good.all()) and len(ok_idx) == e:  # the usual case: every matrix at the first attempt
+                u = li.to(out_dtype).flip(-2, -1)
+            else:
+                if u is None:
+                    u = torch.empty(h.shape, dtype=out_dtype, device=h.device)
+                u[todo[ok_idx[good]]] = li[good].to(out_dtype).flip(-2, -1)
+                ok[ok_idx[~good]] = False
+            del li
         else:
             del l
         todo = todo[~ok]
@@ -73,9 +105,11 @@ def _cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int):
             break
         if attempt < max_retries:
             rel[todo] *= 10
+    if todo.numel() and u is None:
+        u = torch.empty(h.shape, dtype=out_dtype, device=h.device)
     for i in todo.tolist():  # last resort: a diagonal Hessian (always positive definite)
         d = torch.diagonal(h[i]).clamp(min=torch.finfo(h.dtype).tiny) * (1 + rel[i])
-        u[i] = torch.diag(d.rsqrt())
+        u[i] = torch.diag(d.rsqrt()).to(out_dtype)
         fallback[i] = f"cholesky failed at damping {rel[i].item():.3g}; used diag(H)"
     return u, rel, fallback
 
@@ -88,7 +122,10 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
     `static_scale` [E, N, G] float32 + `quantize_column`: another grid with scales fixed up front (FP4);
     the result's q then holds that grid's codes and its qparams the given scales. `solve_dtype`: what the
     Hessian is factorized in (float64 on the CPU; float32 on a GPU, where float64 is slow). Every tensor
-    lives on w's device."""
+    lives on w's device.
+
+    The sweep works on the transposed weights [E, K, N], so that a column of w is a contiguous row: the
+    per-column quantization and the in-block error push read and write contiguous memory."""
     squeeze = w.ndim == 2
     if squeeze:
         w, h = w[None], h[None]
@@ -99,8 +136,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
     if group_size is not None and block_size % gs:
         block_size = max(gs, block_size - block_size % gs)  # keep group boundaries on block boundaries
     qmin, qmax = qrange(num_bits)
-    W = w.float().clone()
-    dev = W.device
+    dev = w.device
     H = h.to(device=dev, dtype=solve_dtype)  # float64 on the CPU: tiny models and fp32 Hessians of real ones benefit
     if H.data_ptr() == h.data_ptr():
         H = H.clone()  # modified below (dead columns); the caller's Hessian stays as it was
@@ -108,7 +144,8 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
     diag = torch.diagonal(H, dim1=-2, dim2=-1)
     dead = diag == 0  # [E, K]
     diag[dead] = 1.0
-    W.masked_fill_(dead[:, None, :], 0.0)
+    Wt = w.float().transpose(1, 2).contiguous()  # [E, K, N]: our own copy, updated in place
+    Wt.masked_fill_(dead[:, :, None], 0.0)
 
     static = None
     if static_scale is not None:
@@ -117,29 +154,29 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
     if actorder:
         perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)  # [E, K]
         if static is None:
-            static = choose_qparams(W, num_bits, group_size, symmetric, scale_dtype)  # natural-order groups
-        W = torch.gather(W, 2, perm[:, None, :].expand(e, n, k))
+            static = choose_qparams(Wt.transpose(1, 2), num_bits, group_size, symmetric, scale_dtype)  # natural order
+        Wt = torch.gather(Wt, 1, perm[:, :, None].expand(e, k, n))
         H = torch.gather(torch.gather(H, 1, perm[:, :, None].expand(e, k, k)), 2, perm[:, None, :].expand(e, k, k))
         group_of = torch.div(perm, gs, rounding_mode="floor")  # [E, K] natural group of each visited column
 
-    U, rel, fallback = _cholesky_inverse_upper(H, damp, max_retries)
+    U, rel, fallback = _cholesky_inverse_upper(H, damp, max_retries, torch.float32)
     del H, diag
-    U = U.float()
+    Ud = torch.diagonal(U, dim1=-2, dim2=-1)  # [E, K]
 
     groups = k // gs
     scale = torch.empty(e, n, groups, device=dev)
     zp = None if symmetric else torch.empty(e, n, groups, dtype=torch.int32, device=dev)
-    Q = torch.empty(e, n, k, device=dev)
+    Qt = torch.empty(e, k, n, device=dev)
     cur_s = cur_z = None
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
-        W1 = W[:, :, i1:i2].clone()
+        W1 = Wt[:, i1:i2]  # [E, B, N], a view: the sweep updates Wt in place
         Err1 = torch.empty_like(W1)
         Hinv1 = U[:, i1:i2, i1:i2]  # [E, B, B]
         for i in range(i2 - i1):
             col = i1 + i
             if static is None and col % gs == 0:  # group params from the already-updated weights
-                qp = choose_qparams(W1[:, :, i:i + gs], num_bits, None, symmetric, scale_dtype)
+                qp = choose_qparams(W1[:, i:i + gs].transpose(1, 2), num_bits, None, symmetric, scale_dtype)
                 cur_s, cur_z = qp.scale[..., 0], None if qp.zero_point is None else qp.zero_point[..., 0]
                 scale[:, :, col // gs] = cur_s
                 if zp is not None:
@@ -149,29 +186,30 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
                 cur_s = torch.gather(static.scale, 2, gidx[:, None, None].expand(e, n, 1))[..., 0]
                 cur_z = (None if static.zero_point is None else
                          torch.gather(static.zero_point, 2, gidx[:, None, None].expand(e, n, 1))[..., 0])
-            wcol = W1[:, :, i]  # [E, N]
+            wcol = W1[:, i]  # [E, N]
             if quantize_column is not None:
                 q, deq = quantize_column(wcol, cur_s)
-                Q[:, :, col] = q.float()
+                Qt[:, col] = q.float()
             else:
                 q = torch.round(wcol / cur_s)
                 if cur_z is not None:
                     q = q + cur_z
                 q = q.clamp_(qmin, qmax)
-                Q[:, :, col] = q
+                Qt[:, col] = q
                 deq = (q - cur_z) * cur_s if cur_z is not None else q * cur_s
-            err = (wcol - deq) / Hinv1[:, i, i][:, None]  # [E, N]
-            W1[:, :, i:] -= err[:, :, None] * Hinv1[:, None, i, i:]
-            Err1[:, :, i] = err
-        if i2 < k:
-            W[:, :, i2:] -= torch.bmm(Err1, U[:, i1:i2, i2:])  # lazy batch update of all later columns
+            err = (wcol - deq) / Ud[:, col, None]  # [E, N]
+            Err1[:, i] = err
+            if i + 1 < i2 - i1:  # push the error onto the block's later columns
+                W1[:, i + 1:].addcmul_(Hinv1[:, i, i + 1:, None], err[:, None, :], value=-1)
+        if i2 < k:  # lazy batch update of all later columns
+            Wt[:, i2:].baddbmm_(U[:, i1:i2, i2:].transpose(1, 2), Err1, alpha=-1)
 
     if actorder:
         inv = torch.argsort(perm, dim=-1)
-        Q = torch.gather(Q, 2, inv[:, None, :].expand(e, n, k))
+        Qt = torch.gather(Qt, 1, inv[:, :, None].expand(e, k, n))
     if static is not None:
         scale, zp = static.scale, static.zero_point
-    q8 = Q.to(torch.int8 if quantize_column is None else torch.uint8)
+    q8 = Qt.transpose(1, 2).to(torch.int8 if quantize_column is None else torch.uint8).contiguous()
     qp = QParams(scale, zp)
     if squeeze:
         q8, qp = q8[0], QParams(scale[0], None if zp is None else zp[0])

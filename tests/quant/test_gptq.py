@@ -105,3 +105,30 @@ def test_hessian_running_mean():
     h, c = hessian_update(h, c, x[20:])
     assert c == 50
     assert torch.allclose(h, 2 / 50 * x.T @ x, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [64, 256, 384])  # 256 and 384: the triangular inverse from two halves
+def test_inverse_factor_against_the_textbook_one(k):
+    """U with U^T U = (H + d I)^-1, upper triangular: against the factorization-inverse-factorization it
+    replaced, in float64, for well and badly conditioned Hessians; a matrix that cannot be factorized at
+    the first damping is retried alone."""
+    from quantkit.quant.gptq import _cholesky_inverse_upper
+
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(3, 4 * k, k, generator=gen, dtype=torch.float64)
+    x[1] *= torch.logspace(-3, 1, k, dtype=torch.float64)  # ill-conditioned columns
+    h = x.mT @ x / (4 * k)
+    q, _ = torch.linalg.qr(torch.randn(k, k, generator=gen, dtype=torch.float64))
+    lam = torch.ones(k, dtype=torch.float64)
+    lam[0] = -0.05  # indefinite: not positive definite at damping 0.01 x mean(diag), but at 0.1 x
+    h[2] = q @ torch.diag(lam) @ q.T
+    u, rel, fb = _cholesky_inverse_upper(h, 0.01, 4)
+    assert fb == [None, None, None]
+    assert rel[0] == rel[1] == 0.01 and rel[2] > 0.01
+    for i in range(3):
+        hd = h[i] + rel[i] * torch.diagonal(h[i]).mean() * torch.eye(k, dtype=torch.float64)
+        ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hd)), upper=True)
+        assert torch.equal(u[i], u[i].triu())
+        assert torch.allclose(u[i], ref, rtol=1e-9, atol=1e-9 * ref.abs().max().item())
+    u32, _, _ = _cholesky_inverse_upper(h, 0.01, 4, torch.float32)
+    assert u32.dtype == torch.float32 and torch.allclose(u32.double(), u, rtol=1e-6, atol=1e-6 * u.abs().max().item())
