@@ -8,7 +8,7 @@
 1. Constants (quantkit/plan/calibration.py, `Throughput`), measured on this machine in the compute dtype
    of `--device` (float32 on the CPU): GEMM FLOP/s at several row counts m of [m, K] x [K, N] (K = N = the
    bench model's hidden size) fitted as peak * m / (m + half); the Gram products x^T x of the Hessians likewise;
-   float64 GEMM; batched Cholesky + inverse + upper factor (quant.gptq._cholesky_inverse_upper) on the
+   float64 GEMM; batched Cholesky + triangular inverse (quant.gptq._cholesky_inverse_upper) on the
    bench model's Hessian shapes; GPTQ's column sweep (quant.gptq.gptq minus its factorization, on two shapes:
    the fixed seconds per column step and the in-block update rate); streaming element-wise bandwidth; the
    cost of one small tensor op; fsynced file writes, page-cache reads and sha256; the process's RSS after
@@ -129,13 +129,13 @@ def measure(device: str, hidden: int, inter: int, workdir: Path, log) -> dict:
     out["gemm64_flops"] = 2 * 512 ** 3 / t
     log(f"gemm64: {out['gemm64_flops'] / 1e9:.1f} GFLOP/s")
 
-    # batched Cholesky + inverse + upper factor of the inverse, nominal 4/3 K^3 per matrix
+    # batched Cholesky of the reversed Hessian + its triangular inverse, nominal 2/3 K^3 per matrix
     rates = []
     for c, k in ((8, hidden), (32, inter)):
         x = torch.randn(c, 4 * k, k, generator=g, dtype=torch.float64)
         h = (x.transpose(1, 2) @ x / (4 * k)).to(dev, sdt)
-        t = _best(lambda: (_cholesky_inverse_upper(h, 0.01, 4), _sync(dev)), repeat=3)
-        rates.append(c * 4 / 3 * k ** 3 / t)
+        t = _best(lambda: (_cholesky_inverse_upper(h, 0.01, 4, torch.float32), _sync(dev)), repeat=3)
+        rates.append(c * 2 / 3 * k ** 3 / t)
     out["chol_flops"] = statistics.fmean(rates)
     log(f"cholesky: {[round(r / 1e9, 2) for r in rates]} GFLOP/s")
 
@@ -145,7 +145,7 @@ def measure(device: str, hidden: int, inter: int, workdir: Path, log) -> dict:
         h = (x.transpose(1, 2) @ x / (4 * k)).to(dev, sdt)
         w = (torch.randn(c, n, k, generator=g) * 0.02).to(dev)
         tf = _best(lambda: (gptq(w, h, 4, 32, True, actorder=True, solve_dtype=sdt), _sync(dev)), repeat=2)
-        tc = _best(lambda: (_cholesky_inverse_upper(h, 0.01, 4), _sync(dev)), repeat=2)
+        tc = _best(lambda: (_cholesky_inverse_upper(h, 0.01, 4, torch.float32), _sync(dev)), repeat=2)
         lazy = 2 * c * n * sum(128 * max(0, k - i - 128) for i in range(0, k, 128))
         return max(1e-9, tf - tc - lazy / out["gram_flops"]), c, n, k
 

@@ -40,6 +40,7 @@ indices, carried across layers per sample (`TopKCarry`).
 
 from __future__ import annotations
 
+import gc
 import inspect
 import json
 import re
@@ -118,13 +119,40 @@ class LayerStep:
     inputs: ActivationStore
     executor: "LayerExecutor"
     outputs: ActivationStore | None = None  # set by forward(), or by the caller to replace the outputs
+    residual: ActivationStore | None = None  # set by observe(stop_at=...): the first half of a split forward
 
     def forward(self) -> ActivationStore:
-        """Run the layer (as it is now) over all inputs; the result becomes the next layer's inputs."""
+        """Run the layer (as it is now) over all inputs; the result becomes the next layer's inputs. After
+        `observe(stop_at=...)` only the MLP block's half is run (LayerExecutor.forward_from)."""
         if self.outputs is not None:
             self.outputs.close()
-        self.outputs = self.executor.forward_layer(self.layer, self.inputs)
+            self.outputs = None
+        if self.residual is not None:
+            resid, self.residual = self.residual, None
+            self.outputs = self.executor.forward_from(self.layer, self.inputs, resid)
+        else:
+            self.outputs = self.executor.forward_layer(self.layer, self.inputs)
         return self.outputs
+
+    def observe(self, stop_at: nn.Module | None = None) -> None:
+        """Run the layer over all inputs for its observers' sake. With `stop_at` (a module inside the layer's
+        MLP block), only up to that module's call when the layer can be split (LayerExecutor.forward_to):
+        the next `forward()` then runs only the block, from the residual stream kept here, so the caller
+        must change nothing the layer computes before the block (attention, norms, the block's router) in
+        between. Otherwise a whole forward (whose outputs are dropped by the next `forward()`)."""
+        self.close()
+        if stop_at is not None:
+            self.residual = self.executor.forward_to(self.layer, self.inputs, stop_at)
+            if self.residual is not None:
+                return
+        self.forward()
+
+    def close(self) -> None:
+        """Drop what this step computed (outputs, a split forward's first half)."""
+        for store in (self.outputs, self.residual):
+            if store is not None:
+                store.close()
+        self.outputs = self.residual = None
 
     def __iter__(self):
         return iter((self.index, self.layer, self.inputs))
@@ -172,6 +200,7 @@ class LayerExecutor:
         # every batch) and the suffix of the files it saves in `workdir` ("" in one process)
         self.share: set[int] | None = None
         self.file_tag = ""
+        self._split_ok: dict[type, bool] = {}  # layer class -> whether forward_from reproduces its forward
 
     @property
     def hidden_size(self) -> int:
@@ -360,6 +389,22 @@ class LayerExecutor:
             kw["allow_is_causal_skip"] = False  # DSA: the indexer masks its scores with a real causal mask
         return fn, kw
 
+    def _call_layer(self, layer: nn.Module, x: torch.Tensor, extra: dict | None = None):
+        """One forward call of `layer` on a batch x [B, T, D] already on the device, with the model's own
+        positions (every sample starts at 0), rotary embeddings and causal mask."""
+        b, t, _ = x.shape
+        pos = torch.arange(t, device=self.device).unsqueeze(0).expand(b, t)
+        pe = self.rotary_emb(x, pos)
+        mask = self._mask_fn(config=self.config, inputs_embeds=x, attention_mask=None, position_ids=pos,
+                             **self._mask_kwargs)
+        return layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe, use_cache=False,
+                     **(extra or {}))
+
+    def _check_finite(self, layer: nn.Module, y: torch.Tensor) -> None:
+        if not bool(torch.isfinite(y).all()):
+            raise CalibrationError(f"decoder layer {getattr(layer.self_attn, 'layer_idx', '?')} "
+                                   "produced non-finite hidden states")
+
     def forward_layer(self, layer: nn.Module, inputs: ActivationStore) -> ActivationStore:
         """Run `layer` over every sample of `inputs`; returns a new store with its outputs."""
         out = self._new_store(inputs.lengths)
@@ -368,21 +413,13 @@ class LayerExecutor:
             with torch.inference_mode():
                 for idx, x in inputs.batches(self.batch_tokens, only=self.share):
                     x = x.to(self.device)
-                    b, t, _ = x.shape
-                    pos = torch.arange(t, device=self.device).unsqueeze(0).expand(b, t)  # every sample starts at 0
-                    pe = self.rotary_emb(x, pos)
-                    mask = self._mask_fn(config=self.config, inputs_embeds=x, attention_mask=None,
-                                         position_ids=pos, **self._mask_kwargs)
-                    extra = topk.inputs(idx, t) if topk is not None else {}
-                    y = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe, use_cache=False,
-                              **extra)
+                    extra = topk.inputs(idx, x.shape[1]) if topk is not None else {}
+                    y = self._call_layer(layer, x, extra)
                     if isinstance(y, tuple):  # (hidden_states, DSA top-k indices); older transformers: (h, ...)
                         if topk is not None:
                             topk.record(idx, y[1])
                         y = y[0]
-                    if not bool(torch.isfinite(y).all()):
-                        raise CalibrationError(f"decoder layer {getattr(layer.self_attn, 'layer_idx', '?')} "
-                                               "produced non-finite hidden states")
+                    self._check_finite(layer, y)
                     out.write(idx, y)  # copy_ moves device -> host when needed
         except BaseException:
             out.close()
@@ -392,6 +429,92 @@ class LayerExecutor:
         if topk is not None:
             topk.finish()
         return out
+
+    # -- a forward in two halves (calibration statistics of the MLP block only) ---------------------
+    def _split_parts(self, layer: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+        """(post-attention norm, MLP block) of a layer whose forward `forward_to` / `forward_from` may split
+        there, or None. The layer's output must be residual + block(norm(residual)); `forward_from` checks
+        that against a whole forward the first time a layer class is split."""
+        norm, block = getattr(layer, "post_attention_layernorm", None), getattr(layer, "mlp", None)
+        if (self.topk is not None or not isinstance(norm, nn.Module) or not isinstance(block, nn.Module)
+                or self._split_ok.get(type(layer)) is False):
+            return None
+        return norm, block
+
+    def forward_to(self, layer: nn.Module, inputs: ActivationStore, stop_at: nn.Module) -> ActivationStore | None:
+        """The first half of a split forward: run `layer` over every sample until `stop_at` (a module inside
+        its MLP block, e.g. the routed experts) is called. Its forward pre-hooks registered before this
+        call (statistics observers) still fire; nothing after them runs. Returns a new store holding, per
+        sample, the residual stream that enters the block (the post-attention norm's input), for
+        `forward_from`; None, having run nothing, when the layer cannot be split."""
+        parts = self._split_parts(layer)
+        if parts is None:
+            return None
+        norm, _ = parts
+        seen: list[torch.Tensor] = []
+
+        def grab(module, args):
+            seen.append(args[0])
+
+        def stop(module, args):
+            moe.drop_routing(module)
+            raise _StopForward
+
+        out = self._new_store(inputs.lengths)
+        handles = [norm.register_forward_pre_hook(grab), stop_at.register_forward_pre_hook(stop)]
+        try:
+            with torch.inference_mode():
+                for idx, x in inputs.batches(self.batch_tokens, only=self.share):
+                    seen.clear()
+                    try:
+                        self._call_layer(layer, x.to(self.device))
+                    except _StopForward:
+                        pass
+                    if len(seen) != 1:
+                        raise CalibrationError(f"decoder layer {getattr(layer.self_attn, 'layer_idx', '?')}: its "
+                                               f"post-attention norm ran {len(seen)} times in one forward")
+                    self._check_finite(layer, seen[0])
+                    out.write(idx, seen[0].reshape(len(idx), x.shape[1], -1))
+        except BaseException:
+            out.close()
+            raise
+        finally:
+            for h in handles:
+                h.remove()
+        return out
+
+    def forward_from(self, layer: nn.Module, inputs: ActivationStore, resid: ActivationStore) -> ActivationStore:
+        """The second half: every sample's output h + block(norm(h)) from `resid` (forward_to's store, whose
+        rows are overwritten in place and which is returned). The first time a layer class is split, the
+        first batch is also run whole from `inputs` and both must agree bit for bit; if they do not (or the
+        split raises), that class is never split again and this layer's outputs come from whole forwards."""
+        norm, block = self._split_parts(layer) or (None, None)
+        verify = type(layer) not in self._split_ok
+        try:
+            with torch.inference_mode():
+                pairs = zip(resid.batches(self.batch_tokens, only=self.share),
+                            inputs.batches(self.batch_tokens, only=self.share))
+                for (idx, h), (_, x) in pairs:
+                    h = h.to(self.device)
+                    if verify:
+                        verify = False
+                        try:
+                            y = h + _first(block(norm(h)))
+                            ok = torch.equal(y, _first(self._call_layer(layer, x.to(self.device))))
+                        except Exception:  # a structure the split does not describe
+                            ok = False
+                        self._split_ok[type(layer)] = ok
+                        if not ok:
+                            resid.close()
+                            return self.forward_layer(layer, inputs)
+                    else:
+                        y = h + _first(block(norm(h)))
+                    self._check_finite(layer, y)
+                    resid.write(idx, y)
+        except BaseException:
+            resid.close()
+            raise
+        return resid
 
     # -- the loop -------------------------------------------------------------------------------
     def layers(self, samples: Sequence[torch.Tensor] | ActivationStore, observers: Sequence[Observer] = (),
@@ -407,6 +530,9 @@ class LayerExecutor:
         inputs = samples if isinstance(samples, ActivationStore) else self.embed(samples)
         self.final = None
         step = None
+        # what exists now (the imported libraries, the model skeleton: ~400k objects) is left out of the
+        # cyclic collections `free_layer` runs after every layer (0.25 s each otherwise); undone at the end
+        gc.freeze()
         try:
             if start and self.topk is not None:
                 self.topk.resume(start, inputs.lengths)
@@ -429,9 +555,11 @@ class LayerExecutor:
             if self.topk is not None:
                 self.topk.discard_saved()  # the pass is complete: nothing left to resume
         finally:  # an early exit (break, error) must not leave memory-mapped activation files behind
-            for store in (inputs, step.outputs if step is not None else None):
-                if store is not None:
-                    store.close()
+            gc.unfreeze()
+            if inputs is not None:
+                inputs.close()
+            if step is not None:
+                step.close()
             if self.topk is not None:
                 self.topk.close()
 
@@ -444,6 +572,15 @@ class LayerExecutor:
             if progress is not None:
                 progress(step.index, self.num_layers)
         return self.final
+
+
+class _StopForward(Exception):
+    """Raised by forward_to's pre-hook to end a decoder layer's forward at a module's call."""
+
+
+def _first(y):
+    """A module's hidden states: the tensor itself, or the first item of a tuple output."""
+    return y[0] if isinstance(y, tuple) else y
 
 
 def _forward_params(module: nn.Module):

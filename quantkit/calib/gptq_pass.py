@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import CalibrationError
 from ..match.recipe import WeightGroup
 from ..quant import fp4
 from ..quant.gptq import gptq
@@ -142,10 +143,15 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
     owner = expert_owners(E, group, par)
     owned = torch.tensor([o == rank for o in owner], dtype=torch.bool)
     low, min_tokens, fallback, mode = coverage(g.options, stats)
-    counts = stats.counts.clamp(min=1).float().to(dev)
+    held = (stats.slot >= 0).nonzero().flatten()  # the experts whose Hessians this rank holds, by slot
+    if not torch.equal(held, owned.nonzero().flatten()):
+        raise CalibrationError(f"the statistics hold the Hessians of experts {held.tolist()[:8]}..., "
+                               f"this rank solves {owned.nonzero().flatten().tolist()[:8]}...")
+    counts = stats.counts[held].clamp(min=1).float().to(dev)
     # the sums become 2/n-scaled Hessians in place: the statistics are not used after this
     h_gu = stats.h_gu.mul_((2.0 / counts)[:, None, None])
     h_down = stats.h_down.mul_((2.0 / counts)[:, None, None])
+    slot = stats.slot.tolist()
     reasons = [None] * E
     use_rtn = torch.zeros(E, dtype=torch.bool)
     if low.any():
@@ -155,8 +161,9 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
         else:
             mine = ids[owned[ids]]
             if mine.numel():
-                h_gu[mine.to(dev)] = stats.h_all * (2.0 / max(stats.total, 1))
-                h_down[mine.to(dev)] = _all_token_down_hessians(stats, mine.to(dev))
+                rows = stats.slot[mine].to(dev)
+                h_gu[rows] = stats.h_all * (2.0 / max(stats.total, 1))
+                h_down[rows] = _all_token_down_hessians(stats, mine.to(dev))
         for e in ids.tolist():
             reasons[e] = ("stats: all tokens" if mode == "all" else
                           f"{int(stats.counts[e])} routed tokens < min_tokens {min_tokens}: "
@@ -174,7 +181,7 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                 continue
             i1 = min(E, i0 + group)
             w = param.data[i0:i1].float()  # [c, N, K]
-            r, grid = _solve(w, h[i0:i1], s, **kw)
+            r, grid = _solve(w, h[slot[i0]:slot[i0] + i1 - i0], s, **kw)  # a group's slots are consecutive
             q, qp = r.q, r.qparams
             sel = use_rtn[i0:i1]
             if sel.any():

@@ -26,6 +26,9 @@ class ExpertStats:
     (`moe.routing_for`: sorted once per call). Hessians and samples live on the experts' device, in float32;
     the counts on the host.
 
+    `h_gu` / `h_down` hold the experts this rank accumulates (all of them in one process), expert e's at row
+    `slot[e]`: on 8 ranks each holds 1/8 of a layer's Hessians (Kimi K2: ~10 GiB instead of ~80 GiB).
+
     Each forward call (one batch of the executor's batch plan) adds, for each expert, the Gram of exactly
     the rows routed to it in that batch (one `mm` on those rows, in ascending token order): an expert's sum
     depends on nothing but its own rows and the batch order. With a distributed `par` (calib/parallel.py)
@@ -47,8 +50,13 @@ class ExpertStats:
         self.par = par if par is not None and par.distributed else None
         self.owned = owned
         self.counts = torch.zeros(e, dtype=torch.long)
-        self.h_gu = torch.zeros(e, h, h, device=dev) if need_hessians else None  # sums of x x^T (scaled at the end)
-        self.h_down = torch.zeros(e, self.I, self.I, device=dev) if need_hessians else None
+        # Hessians only for the experts this rank accumulates: expert e's are row slot[e] (-1: not held here)
+        ids = torch.arange(e) if owned is None else owned.cpu().nonzero().flatten()
+        self.slot = torch.full((e,), -1, dtype=torch.long)
+        self.slot[ids] = torch.arange(len(ids))
+        n = len(ids)
+        self.h_gu = torch.zeros(n, h, h, device=dev) if need_hessians else None  # sums of x x^T (scaled at the end)
+        self.h_down = torch.zeros(n, self.I, self.I, device=dev) if need_hessians else None
         self.h_all = torch.zeros(h, h, device=dev)
         self.total = 0
         self.sample_tokens = sample_tokens
@@ -104,16 +112,15 @@ class ExpertStats:
         rows, so its value does not depend on which other experts are computed alongside."""
         token, _ = routing.token_major()
         b = routing.bounds
-        gu_w = self.experts.gate_up_proj
-        owned = self.owned
+        slots = self.slot.tolist()
         for e in range(self.E):
-            s, t = b[e], b[e + 1]
-            if t == s or (owned is not None and not bool(owned[e])):
+            s, t, j = b[e], b[e + 1], slots[e]
+            if t == s or j < 0:
                 continue
             xe = x.index_select(0, token[s:t])  # [n, H]
-            self.h_gu[e] += xe.T @ xe
+            self.h_gu[j] += xe.T @ xe
             hd = self.down_inputs_one(e, xe)
-            self.h_down[e] += hd.T @ hd
+            self.h_down[j] += hd.T @ hd
 
     def down_inputs_one(self, e: int, xe: torch.Tensor) -> torch.Tensor:
         """act(gate_e x) * up_e x for the rows xe [n, H] of expert e -> [n, I]."""

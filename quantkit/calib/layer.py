@@ -103,8 +103,11 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
                             par=dist_par, owned=owned)
     lstats = {d: LinearStats(m, dist_par) for d, (m, _) in dense.items()}
     dense_owner = {d: (par.dense_owner(i) if par is not None else 0) for i, d in enumerate(dense)}
+    # GPTQ of the routed experts alone changes nothing the layer computes before them: the statistics pass
+    # stops at the experts' call, and the forward after the solves runs only the MLP block (executor.py)
+    stop_at = experts if egroup is not None and egroup.method == "gptq" and not dense else None
     try:
-        run(step.forward, f"collecting the statistics of decoder layer {idx}")  # one pass: all statistics
+        run(lambda: step.observe(stop_at), f"collecting the statistics of decoder layer {idx}")  # all statistics
     finally:
         for s in lstats.values():
             s.remove()
@@ -165,13 +168,14 @@ def _gather_result(par, res: LayerResult) -> LayerResult:
 
 # ---- device memory of a layer's statistics and solves (calib/device.py plans with it) ------------------
 def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Module, device: torch.device,
-                     compute_dtype: torch.dtype, call_tokens: int, lengths) -> dict[str, int]:
+                     compute_dtype: torch.dtype, call_tokens: int, lengths, ranks: int = 1) -> dict[str, int]:
     """Estimated peak bytes, by component, of what `quantize_layer` holds on the device for layer `idx`
     besides the layer's weights and the forward (`layer` may be the meta skeleton). Mirrors the code: the
-    expert Hessians (float32), the token samples, the Gram/solve working sets (GPTQ_CHUNK_BYTES-bounded
-    solves, PAIR_BUDGET-bounded gathers), AWQ's float32 copies of the experts and its search blocks."""
+    expert Hessians (float32; on `ranks` ranks, those of the experts the busiest rank owns), the token
+    samples, the Gram/solve working sets (GPTQ_CHUNK_BYTES-bounded solves, PAIR_BUDGET-bounded gathers),
+    AWQ's float32 copies of the experts and its search blocks."""
     from .awq_pass import AWQ_TOKEN_CHUNK
-    from .gptq_pass import chunk_experts, solve_dtype
+    from .gptq_pass import chunk_experts, expert_group_size, solve_dtype
     from .hessians import GRAM_CHUNK_BYTES, PAIR_BUDGET
     from ..quant.awq import CLIP_GRAM_BYTES
 
@@ -187,7 +191,10 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
         s_tok = min(int(egroup.options.sample_tokens), max(1, int(sum(int(t) for t in lengths))))
         upcast = tokens * h * 4 if compute_dtype != torch.float32 else 0  # the hook's float32 copy of a batch
         if egroup.method == "gptq":
-            out["hessians"] = (e * (h * h + i * i) + h * h) * 4
+            group = expert_group_size(e, h, i, device)
+            groups = -(-e // group)
+            held = min(e, -(-groups // max(1, int(ranks))) * group)  # rank 0 owns groups 0, R, 2R, ...
+            out["hessians"] = (held * (h * h + i * i) + h * h) * 4
             out["samples"] = s_tok * (h * 4 + k * 12)
             out["gram"] = upcast + PAIR_BUDGET * (3 + (2 * p + 2 * i) // h) + 2 * GRAM_CHUNK_BYTES
             solve = 0

@@ -174,6 +174,11 @@ def routing_for(experts: nn.Module, top_k_index: torch.Tensor, top_k_weights: to
     return r
 
 
+def drop_routing(experts: nn.Module) -> None:
+    """Forget the routing `routing_for` kept for the current call (a call that ends before the forward)."""
+    experts.__dict__.pop(_ROUTING, None)
+
+
 # ---- the forward ----------------------------------------------------------------------------------------
 def _silu_in_place(act_fn) -> bool:
     """Whether act_fn(x) is exactly F.silu(x), so that it may run in place (no hooks, no replaced forward)."""

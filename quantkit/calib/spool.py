@@ -105,7 +105,7 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
         ex.share = set(par.mine)
         ex.file_tag = f"-rank{par.rank}-of-{par.size}"
     plan = ex.plan_memory(lengths, statistics=lambda i, layer: statistics_bytes(
-        ckpt, recipe, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths))  # refuses before any work
+        ckpt, recipe, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths, par.size))  # refuses first
     if par.leader:
         log(plan.summary())
     spool.mkdir(parents=True, exist_ok=True)

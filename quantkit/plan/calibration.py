@@ -15,8 +15,8 @@ Time is a sum of counted work divided by rates:
 - GEMM-shaped work (FLOPs) at `gemm_flops` scaled down for short matrices: a GEMM of m rows runs at
   gemm_flops * m / (m + gemm_half_rows); the Hessians' Gram products (x^T x, reduced over tokens) at
   `gram_flops` likewise; AWQ's float64 Gram work at `gemm64_flops`;
-- GPTQ's factorizations (Cholesky, its inverse, the upper factor of the inverse: 4/3 K^3 per matrix,
-  batched) at `chol_flops`; its column sweep as `sweep_col_s` per column step (a dozen small ops: the fixed
+- GPTQ's factorizations (the Cholesky factor of the reversed Hessian and its triangular inverse: nominal
+  2/3 K^3 per matrix, batched) at `chol_flops`; its column sweep as `sweep_col_s` per column step (a dozen small ops: the fixed
   part) plus its in-block updates at `sweep_elems_per_s` (elements updated per second), the lazy block
   updates as GEMM work;
 - streaming work (norms, softmax, gathers, conversions, quantize/dequantize) at `mem_bytes_per_s`; every
@@ -56,7 +56,7 @@ class Throughput:
     gram_flops: float  # x^T x over tokens in float32 (Hessian accumulation), large
     gram_half_rows: float
     gemm64_flops: float  # float64 GEMM (AWQ's clip search Gram work on the CPU; float32 on a GPU)
-    chol_flops: float  # batched Cholesky + inverse + upper factor, nominal 4/3 K^3 per matrix, solve dtype
+    chol_flops: float  # batched Cholesky + triangular inverse, nominal 2/3 K^3 per matrix, solve dtype
     sweep_col_s: float  # fixed seconds per column step of GPTQ's sweep (per chunk of experts)
     sweep_elems_per_s: float  # in-block error-feedback updates, elements per second
     mem_bytes_per_s: float  # streaming element-wise work (read + write bytes)
@@ -180,8 +180,7 @@ class CalibrationCost:
     per_layer: list[dict[str, Any]] = field(default_factory=list)
     communication_bytes: dict[str, int] = field(default_factory=dict)  # per rank, summed over layers
     device_memory: dict[str, Any] | None = None  # the executor's plan for one rank (calib/device.py)
-    device_memory_bytes: int | None = None  # the plan's peak (every expert's statistics on the rank)
-    device_memory_expert_parallel_bytes: int | None = None  # world size > 1: only the owned experts' Hessians
+    device_memory_bytes: int | None = None  # the plan's peak (the busiest rank's expert Hessians)
     fits: bool | None = None  # the largest layer fits the device memory (None: not checked)
     host_ram_bytes: int | None = None
     host_ram: dict[str, int] = field(default_factory=dict)
@@ -201,7 +200,7 @@ class CalibrationCost:
             "convert_output_seconds": round(self.convert_output_seconds, 3),
             "communication_bytes": dict(self.communication_bytes),
             "device_memory_bytes": self.device_memory_bytes,
-            "device_memory_expert_parallel_bytes": self.device_memory_expert_parallel_bytes, "fits": self.fits,
+            "fits": self.fits,
             "device_memory": self.device_memory,
             "host_ram_bytes": self.host_ram_bytes, "host_ram": dict(self.host_ram),
             "per_layer": self.per_layer,
@@ -267,16 +266,17 @@ def build_executor(ckpt, device: str):
     return ex
 
 
-def memory_plan(ex, recipe, lengths: list[int], available: int | None):
-    """`ex.plan_memory` for the pass `recipe` runs (GPTQ/AWQ statistics, else the KV observer's), as the
-    calibrated convert and `calibrate` call it. A DeviceMemoryError is turned into (plan without a check,
-    the error's message)."""
+def memory_plan(ex, recipe, lengths: list[int], available: int | None, ranks: int = 1):
+    """`ex.plan_memory` for the pass `recipe` runs on `ranks` ranks (GPTQ/AWQ statistics, else the KV
+    observer's), as the calibrated convert and `calibrate` call it. A DeviceMemoryError is turned into
+    (plan without a check, the error's message)."""
     from ..calib.layer import statistics_bytes
     from ..errors import DeviceMemoryError
 
     if recipe.needs_calibrated_pass:
         def stats(i, layer):
-            return statistics_bytes(ex.ckpt, recipe, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths)
+            return statistics_bytes(ex.ckpt, recipe, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths,
+                                    ranks)
     else:
         from ..calibrate import _observer_bytes
 
@@ -298,6 +298,7 @@ def memory_plan(ex, recipe, lengths: list[int], available: int | None):
 @dataclass(frozen=True)
 class _LayerShape:
     dense_params: int  # Linear weights every token passes through (attention, dense MLP, shared experts, router)
+    attn_params: int  # of which in the attention module
     experts: int
     p: int  # gate+up rows (2I)
     h: int
@@ -320,10 +321,12 @@ def _layer_shape(ex, idx: int, layer, src_bytes: int, n_tensors: int, expert_byt
 
     cfg = ex.config
     experts = next((m for m in layer.modules() if moe.is_routed_experts(m)), None)
-    dense = 0
+    dense = attn = 0
     for name, m in layer.named_modules():
         if isinstance(m, nn.Linear):
             dense += m.in_features * m.out_features
+            if name.startswith("self_attn."):
+                attn += m.in_features * m.out_features
         elif name.endswith(("mlp.gate", "block_sparse_moe.gate")) and getattr(m, "weight", None) is not None:
             dense += m.weight.numel()  # routers that are not nn.Linear
     e = p = h = i = k = 0
@@ -341,7 +344,8 @@ def _layer_shape(ex, idx: int, layer, src_bytes: int, n_tensors: int, expert_byt
     if getattr(cfg, "index_topk", None) and any("indexer" in n for n, _ in layer.named_modules()):
         indexer = int(getattr(cfg, "index_n_heads", 1) or 1) * int(getattr(cfg, "index_head_dim", 128) or 128)
     elements = sum(t.numel() for t in layer.state_dict().values())
-    return _LayerShape(dense, e, p, h, i, k, heads, qk, v, indexer, src_bytes, elements, n_tensors, expert_bytes)
+    return _LayerShape(dense, attn, e, p, h, i, k, heads, qk, v, indexer, src_bytes, elements, n_tensors,
+                       expert_bytes)
 
 
 def _rate(peak: float, half: float, rows: float) -> float:
@@ -350,28 +354,44 @@ def _rate(peak: float, half: float, rows: float) -> float:
 
 
 # ---- the work of one layer ---------------------------------------------------------------------------------
-def _forward(c: Throughput, s: _LayerShape, batches: list[int], t: int, item: int, hidden: int) -> float:
-    """One forward of a layer over `batches` (the tokens of each forward call; samples of t tokens)."""
+def _forward(c: Throughput, s: _LayerShape, batches: list[int], t: int, item: int, hidden: int,
+             part: str = "whole") -> float:
+    """One forward of a layer over `batches` (the tokens of each forward call; samples of t tokens). `part`:
+    "whole"; "to_experts", the first half of a split forward (attention and the router, up to the routed
+    experts' call); "block", the second (the MLP block: router, routed and shared experts), as the GPTQ pass
+    of the routed experts runs them (calib/executor.py forward_to / forward_from)."""
     from ..calib.executor import LIVE_TEMPORARIES
 
+    attn_part, block_part = part != "block", part != "to_experts"
+    router = s.experts * s.h
+    if part == "whole":
+        params = s.dense_params
+    elif part == "to_experts":
+        params = s.attn_params + router
+    else:
+        params = s.dense_params - s.attn_params
+    live = {"whole": LIVE_TEMPORARIES, "to_experts": 10, "block": 6}[part]
     sec = 0.0
     for per_call in batches:
         n = max(1, per_call // t)  # samples in the call
-        sec += 2 * per_call * s.dense_params / _rate(c.gemm_flops, c.gemm_half_rows, per_call)
-        sec += 2 * n * s.heads * t * t * (s.qk_dim + s.v_dim) / _rate(c.gemm_flops, c.gemm_half_rows, t)
-        if s.indexer:
-            sec += 2 * n * t * t * s.indexer / _rate(c.gemm_flops, c.gemm_half_rows, t)
-        # element-wise: ~LIVE_TEMPORARIES [tokens, hidden] buffers written and read, the [B, heads, T, T]
-        # scores (scale, mask, softmax in float32: ~6 passes), the mask
-        stream = 2 * LIVE_TEMPORARIES * per_call * hidden * item + 6 * n * s.heads * t * t * max(item, 4) \
-            + n * t * t * item
-        ops = 150  # the layer's own ops per call (norms, projections, rotary, attention, residuals, routing)
-        if s.experts:
-            rows = per_call * s.top_k / s.experts  # routed rows per expert and call
-            sec += 2 * per_call * s.top_k * (s.p * s.h + s.h * s.i) / _rate(c.gemm_flops, c.gemm_half_rows, rows)
-            # gather, activation, routing weights, index_add of every routed row; router softmax/top-k; sorting
-            stream += per_call * s.top_k * (3 * s.h + 3 * s.p) * item + per_call * s.experts * 4 * 4
-            ops += 4 * s.experts  # the batched expert forward: two GEMMs, an index_add_ and bookkeeping per expert
+        sec += 2 * per_call * params / _rate(c.gemm_flops, c.gemm_half_rows, per_call)
+        stream = 2 * live * per_call * hidden * item
+        ops = 0
+        if attn_part:
+            sec += 2 * n * s.heads * t * t * (s.qk_dim + s.v_dim) / _rate(c.gemm_flops, c.gemm_half_rows, t)
+            if s.indexer:
+                sec += 2 * n * t * t * s.indexer / _rate(c.gemm_flops, c.gemm_half_rows, t)
+            # element-wise: the [B, heads, T, T] scores (scale, mask, softmax in float32: ~6 passes), the mask
+            stream += 6 * n * s.heads * t * t * max(item, 4) + n * t * t * item
+            ops += 100  # norms, projections, rotary, attention, residual, routing
+        if block_part:
+            ops += 50
+            if s.experts:
+                rows = per_call * s.top_k / s.experts  # routed rows per expert and call
+                sec += 2 * per_call * s.top_k * (s.p * s.h + s.h * s.i) / _rate(c.gemm_flops, c.gemm_half_rows, rows)
+                # gather, activation, routing weights, index_add of every routed row; router softmax/top-k; sorting
+                stream += per_call * s.top_k * (3 * s.h + 3 * s.p) * item + per_call * s.experts * 4 * 4
+                ops += 4 * s.experts  # the batched expert forward: two GEMMs, an index_add_ and bookkeeping per expert
         sec += stream / c.mem_bytes_per_s + ops * c.op_s
     return sec
 
@@ -404,7 +424,7 @@ def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: 
             continue
         per = max(1, min(count, per))
         chunks = math.ceil(count / per)
-        chol += count * (4 / 3) * k ** 3 / c.chol_flops
+        chol += count * (2 / 3) * k ** 3 / c.chol_flops
         b = min(block, k)
         sweep += chunks * k * c.sweep_col_s
         sweep += count * n_out * k * (b / 2 + 4) / c.sweep_elems_per_s
@@ -650,8 +670,17 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
             _, egroup, dense = _targets(ckpt, rec, idx, layer)
             row["read_weights"] += read
             row["fixed"] += c.layer_s
-            # statistics forward, then the quantized layer's forward (true-sequential): the busiest rank's batches
-            row["forward"] += 2 * _forward(c, s, gq.rank_batches, seq_len, item, hidden)
+            # statistics forward, then the quantized layer's forward (true-sequential): the busiest rank's batches.
+            # GPTQ of the routed experts alone splits them (the statistics stop at the experts, the second
+            # forward runs the MLP block only); a layer with nothing calibrated is forwarded once
+            split = (egroup is not None and egroup.method == "gptq" and not dense
+                     and not getattr(ex.config, "index_topk", None))
+            if split:
+                row["forward"] += _forward(c, s, gq.rank_batches, seq_len, item, hidden, "to_experts") + \
+                    _forward(c, s, gq.rank_batches, seq_len, item, hidden, "block")
+            else:
+                row["forward"] += (2 if egroup is not None or dense else 1) * \
+                    _forward(c, s, gq.rank_batches, seq_len, item, hidden)
             if egroup is not None or dense:
                 calib_layers += 1
             owned = 0
@@ -719,24 +748,12 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
 
     # memory: the executor's own plan, as the pass makes it (every rank plans every sample's slot)
     ex.batch_tokens = gq.batch_tokens if passes_gq else _kv_batch_tokens(ex)
-    plan, err = memory_plan(ex, rec, lengths, available)
+    # a CUDA pass on several ranks runs on rank 0 alone (convert/__init__.py): it holds every expert's Hessians
+    plan, err = memory_plan(ex, rec, lengths, available, g if kind == "cpu" else 1)
     out.device_memory = plan.to_json()
     out.device_memory_bytes = plan.peak_bytes
     if available is not None:
         out.fits = err is None
-    if g > 1 and any(m.statistics.get("hessians") for m in plan.layers):
-        # what a rank would hold if it allocated the Hessians of the experts it owns only (the pass allocates
-        # every expert's today: the plan above)
-        ep = 0
-        for m in plan.layers:
-            s = _layer_shape(ex, m.layer, ex.decoder_layers[m.layer], 0, 0, 0)
-            hess = m.statistics.get("hessians", 0)
-            if s.experts and hess:
-                group = _expert_group(s, kind)
-                owned = min(s.experts, math.ceil(math.ceil(s.experts / group) / g) * group)
-                hess -= (s.experts - owned) * (s.h * s.h + s.i * s.i) * 4
-            ep = max(ep, m.total - m.statistics.get("hessians", 0) + hess)
-        out.device_memory_expert_parallel_bytes = ep
     if err:
         out.warnings.append(f"does not fit: {err}")
     host = {"process": c.process_bytes}
@@ -783,7 +800,8 @@ def _code(dtype) -> str:
 def _assumptions(c: Throughput, g: int, kind: str, gq: _Batches, kvb: list[int], passes_gq: bool,
                  passes_kv: bool) -> list[str]:
     a = [f"throughput: {c.kind} figures {c.provenance} ({c.source})",
-         "per layer: GPTQ/AWQ forward twice (statistics, then the quantized layer: true-sequential); KV scales once",
+         "per layer: GPTQ/AWQ forward twice (statistics, then the quantized layer: true-sequential), GPTQ of the "
+         "routed experts alone in two halves (attention up to the experts, then the MLP block); KV scales once",
          "GEMM rate for m rows: gemm_flops x m / (m + gemm_half_rows); routed experts at m = routed rows per "
          "expert and call (balanced routing)"]
     if passes_gq:
@@ -800,7 +818,8 @@ def _assumptions(c: Throughput, g: int, kind: str, gq: _Batches, kvb: list[int],
               f"gathered on rank 0; AWQ's searches on rank 0 alone; link {c.link_bytes_per_s / 1e9:.0f} GB/s per "
               "rank, no overlap with compute"]
     a.append("device memory: the executor's plan (LayerExecutor.plan_memory + calib.layer.statistics_bytes) with "
-             "the pass's batches; every rank holds the whole layer and every expert's Hessians")
+             "the pass's batches; every rank holds the whole layer, and the Hessians of the experts it owns (the "
+             "busiest rank's are planned; on CUDA the pass runs on rank 0 alone, which holds every expert's)")
     a.append("host RAM: process baseline + the layer's packed results + the activations when they are not on the "
              "device (at most the 4 GiB kept in RAM per copy)"
              + (" + the layer, its statistics and solves (the CPU is the device)" if kind == "cpu" else

@@ -111,9 +111,7 @@ def render_calibration(c, console) -> None:
     t.add_row("calibration total", _secs(c.total_seconds), "100%", style="bold")
     t.add_row("then: writing the output", _secs(c.convert_output_seconds), "")
     console.print(t)
-    mem = f"device memory per rank: {_gb(c.device_memory_bytes)} (the executor's plan, every expert's statistics)"
-    if c.device_memory_expert_parallel_bytes is not None:
-        mem += f", {_gb(c.device_memory_expert_parallel_bytes)} if a rank held only its own experts' Hessians"
+    mem = f"device memory per rank: {_gb(c.device_memory_bytes)} (the executor's plan, the busiest rank's statistics)"
     if c.fits is not None:
         mem += "; fits" if c.fits else "; DOES NOT FIT"
     console.print(mem, highlight=False)

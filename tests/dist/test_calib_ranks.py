@@ -220,7 +220,10 @@ STATS = textwrap.dedent("""
             found[f"{i}.counts"] = stats.counts
             for j in range(e):
                 if own[j] == par.rank:
-                    found[f"{i}.gu.{j}"], found[f"{i}.down.{j}"] = stats.h_gu[j], stats.h_down[j]
+                    r = int(stats.slot[j])
+                    found[f"{i}.gu.{j}"], found[f"{i}.down.{j}"] = stats.h_gu[r], stats.h_down[r]
+            # only the owned experts' Hessians are held on this rank
+            assert stats.h_gu.shape[0] == sum(o == par.rank for o in own) == int((stats.slot >= 0).sum())
         step.forward()
     save_file({k: v.contiguous() for k, v in found.items()}, f"{out}/rank{par.rank}.safetensors")
 """)

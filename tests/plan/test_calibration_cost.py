@@ -117,9 +117,13 @@ def test_world_size_splits_the_parallel_parts(tmp_path):
     # MoE inputs a rank receives: the other ranks' tokens, float32 hidden rows + top-2 indices and weights
     other = n * t - n * t // 2
     assert runs[2].communication_bytes["moe_inputs"] == 2 * other * (HIDDEN * 4 + 2 * 16)  # 2 layers
-    # every rank plans the same memory (it holds every sample's slot and every expert's Hessians)
-    assert runs[4].device_memory == runs[1].device_memory
-    assert runs[4].device_memory_expert_parallel_bytes < runs[4].device_memory_bytes
+    # a rank plans the whole layer and every sample's slot, but only its own experts' Hessians: with
+    # groups of 1 expert (8 experts, at least 8 groups) rank 0 of 4 owns experts 0 and 4
+    for g, held in ((1, EXPERTS), (2, EXPERTS // 2), (4, EXPERTS // 4)):
+        for layer in runs[g].device_memory["layers"]:
+            assert layer["statistics"]["hessians"] == (held * (HIDDEN ** 2 + WIDTH ** 2) + HIDDEN ** 2) * 4
+            assert layer["weights"] == runs[1].device_memory["layers"][layer["layer"]]["weights"]
+    assert runs[4].device_memory_bytes < runs[2].device_memory_bytes < runs[1].device_memory_bytes
 
 
 def test_device_memory_is_the_executors_plan(tiny, tmp_path):
@@ -175,8 +179,11 @@ def test_kv_scales_forward_once(tmp_path):
     cfg = _config(tmp_path, 2)
     # 64 x 128 tokens: both passes forward 8 batches of 1024 tokens (the executor's size for this model)
     kv, gq = _cost(cfg, 64, 128, recipe="fp8-kv"), _cost(cfg, 64, 128)
+    awq = _cost(cfg, 64, 128, recipe="int4-experts-awq")
     assert kv.methods == ("kv_scales",) and "gptq_solve" not in kv.seconds and kv.seconds["kv_observe"] > 0
-    assert kv.seconds["forward"] == pytest.approx(gq.seconds["forward"] / 2)  # GPTQ forwards each layer twice
+    assert kv.seconds["forward"] == pytest.approx(awq.seconds["forward"] / 2)  # AWQ forwards each layer twice
+    # GPTQ of the routed experts alone: up to the experts, then the MLP block (less than two whole forwards)
+    assert kv.seconds["forward"] < gq.seconds["forward"] < awq.seconds["forward"]
     assert set(kv.device_memory["layers"][0]["statistics"]) == {"kv_observer"}
     # KV calibration is data parallel too (calib/kv_dist.py): 8 batches, 4 per rank
     kv2 = _cost(cfg, 64, 128, g=2, recipe="fp8-kv")
