@@ -133,7 +133,8 @@ _WORLD: World | None = None
 
 
 def world(device: str | None = None) -> World:
-    """This process's place in the job (joined on first use). `device`: "cuda..." selects NCCL."""
+    """This process's place in the job (joined on first use). `device`: "cuda..." (or "auto" where torch sees
+    a GPU) selects NCCL, and each rank's current CUDA device becomes its LOCAL_RANK."""
     global _WORLD
     if _WORLD is not None:
         return _WORLD
@@ -147,14 +148,16 @@ def world(device: str | None = None) -> World:
     import torch
     import torch.distributed as dist
 
-    backend = "nccl" if (device or "").startswith("cuda") and torch.cuda.is_available() else "gloo"
+    dev = device or ""
+    on_cuda = (dev.startswith("cuda") or dev == "auto") and torch.cuda.is_available()
+    backend = "nccl" if on_cuda else "gloo"
+    if on_cuda:  # rank r of a node computes on its GPU LOCAL_RANK ("cuda" and "auto" resolve to it)
+        torch.cuda.set_device(local)
     if not dist.is_initialized():
         try:
             timeout = timedelta(seconds=float(os.environ.get("QUANTKIT_DIST_TIMEOUT", DEFAULT_TIMEOUT_S)))
         except ValueError:
             raise DistributedError("QUANTKIT_DIST_TIMEOUT must be a number of seconds") from None
-        if backend == "nccl":
-            torch.cuda.set_device(local)
         try:
             dist.init_process_group(backend=backend, timeout=timeout)
         except Exception as e:  # rendezvous failures: the launcher's environment is wrong or a peer is missing

@@ -18,8 +18,10 @@ whatever the number of ranks.
   rank i % world. Each owner solves its own, then broadcasts the dequantized weights (every rank needs the
   quantized layer for the next forward) and sends the packed results to rank 0, which writes the spool.
 
-Tensors travel as raw bytes with torch.distributed's tensor collectives (broadcast, send/recv); only small
-metadata (tensor names, shapes, dtypes, per-module metadata) goes through the object collectives. With a
+Tensors travel as raw bytes with torch.distributed's tensor collectives (broadcast, send/recv) on the
+backend's device (`Parallel.device`: the rank's GPU under NCCL, the host under gloo; a tensor elsewhere is
+staged through it); only small metadata (tensor names, shapes, dtypes, per-module metadata) goes through the
+object collectives. With a
 world of one process every method is a no-op or a plain call, and the pass runs the same code.
 """
 
@@ -71,6 +73,9 @@ class Parallel:
         self.tokens = [sum(self.lengths[i] for i in c) for c in self.plan]
         self.owner = assign_batches(self.tokens, self.size)
         self.mine = [b for b, r in enumerate(self.owner) if r == self.rank]
+        # where tensors travel: NCCL moves CUDA tensors of the rank's current device, gloo host tensors
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.world.backend == "nccl"
+                       else torch.device("cpu"))
 
     @property
     def distributed(self) -> bool:
@@ -103,7 +108,7 @@ class Parallel:
             return t
         import torch.distributed as dist
 
-        buf = t if t.is_contiguous() else t.contiguous()
+        buf = t if t.is_contiguous() and t.device == self.device else t.to(self.device).contiguous()
         dist.broadcast(_bytes(buf), src=src)
         if buf is not t:
             t.copy_(buf)
@@ -113,23 +118,24 @@ class Parallel:
                            parts: dict[tuple[object, int], torch.Tensor]) -> dict[object, torch.Tensor]:
         """For each (key, owner rank, shape): on the owner, the float32 sum of every batch's partial
         parts[(key, b)] (held by the rank that forwarded batch b), added in batch order to zeros. Other
-        ranks get nothing for that key. Sends are posted without waiting and receives follow one global
-        order, so no rank waits on one that waits on it."""
+        ranks get nothing for that key (the sums are on `self.device`). Sends are posted without waiting and
+        receives follow one global order, so no rank waits on one that waits on it."""
         import torch.distributed as dist
 
+        dev = self.device
         out: dict[object, torch.Tensor] = {}
         pending = []
         for key, dst, shape in keys:
-            acc = torch.zeros(shape, dtype=torch.float32) if self.rank == dst else None
+            acc = torch.zeros(shape, dtype=torch.float32, device=dev) if self.rank == dst else None
             for b in range(len(self.plan)):
                 src = self.owner[b]
                 if self.rank == src and self.rank == dst:
-                    acc += parts[(key, b)]
+                    acc += parts[(key, b)].to(dev)
                 elif self.rank == src:
-                    t = parts[(key, b)].contiguous()
+                    t = parts[(key, b)].to(dev).contiguous()
                     pending.append((dist.isend(_bytes(t), dst), t))
                 elif self.rank == dst:
-                    buf = torch.empty(shape, dtype=torch.float32)
+                    buf = torch.empty(shape, dtype=torch.float32, device=dev)
                     dist.recv(_bytes(buf), src)
                     acc += buf
             if acc is not None:
@@ -150,7 +156,7 @@ class Parallel:
         everyone = self.world.all_gather((items, meta))
         if not self.leader:
             if tensors:
-                flat = torch.cat([_bytes(t.detach().cpu().contiguous()) for t in tensors.values()])
+                flat = torch.cat([_bytes(t.detach().to(self.device).contiguous()) for t in tensors.values()])
                 dist.send(flat, 0)
             return []
         out = [(tensors, meta)]
@@ -160,8 +166,9 @@ class Parallel:
             if items_r:
                 shapes = [(n, _dtype(d), tuple(s)) for n, d, s in items_r]
                 sizes = [int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for _, d, s in shapes]
-                flat = torch.empty(sum(sizes), dtype=torch.uint8)
+                flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
                 dist.recv(flat, r)
+                flat = flat.cpu()
                 pos = 0
                 for (n, d, s), k in zip(shapes, sizes):
                     got[n] = flat[pos:pos + k].clone().view(d).reshape(s)

@@ -155,12 +155,14 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     if calibrated and calib_device.type != "cpu":  # a layer that cannot fit on the GPU: refused before any work
         from .calibrated import preflight
 
-        w.step(lambda: preflight(src, recipe, data, str(calib_device)) if w.leader else None, "planning device memory")
+        w.step(lambda: preflight(src, recipe, data, str(calib_device), w.size if w.backend == "nccl" else 1)
+               if w.leader else None, "planning device memory")
     # KV scales: read and checked (or calibrated) once the plan is known to be valid, before any write
     calib_report: dict = {}  # the calibration's device and memory plan, for the result
-    # Several ranks calibrate together on the CPU (gloo; calib/parallel.py). On an accelerator rank 0
-    # calibrates alone while the others wait: the ranks' exchanges are not implemented there.
-    split_calib = w.size > 1 and calib_device is not None and calib_device.type == "cpu"
+    # Several ranks calibrate together (calib/parallel.py): on the CPU over gloo, on GPUs over NCCL (each rank
+    # on its LOCAL_RANK's GPU). A GPU job whose process group is gloo (a GPU asked for while torch.distributed
+    # joined without one) calibrates on rank 0 alone while the others wait.
+    split_calib = w.size > 1 and calib_device is not None and (calib_device.type == "cpu" or w.backend == "nccl")
     if want_kv and opts.kv_scales is None and split_calib:  # calibrated here: data parallel over the ranks
         kv = kv_scales(src, recipe, None, opts.dataset, opts.num_samples, opts.seq_len, device=opts.device,
                        report=calib_report if w.leader else None, world=w)

@@ -87,16 +87,16 @@ def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log,
     return w.step(spool, "reading the calibration spool")
 
 
-def preflight(src: Checkpoint, recipe: Recipe, data, device: str) -> None:
-    """Plan the calibrated pass's device memory (calib/device.py) before any work, so that a layer that
-    cannot fit on the device stops the conversion before KV calibration or anything else runs."""
+def preflight(src: Checkpoint, recipe: Recipe, data, device: str, ranks: int = 1) -> None:
+    """Plan the calibrated pass's device memory (calib/device.py) on `ranks` ranks before any work, so that a
+    layer that cannot fit on the device stops the conversion before KV calibration or anything else runs."""
     from ..calib.executor import LayerExecutor
     from ..calib.layer import statistics_bytes
 
     ex = LayerExecutor(src.root, device=device)
     lengths = [int(len(x)) for x in data.samples]
     ex.plan_memory(lengths, statistics=lambda i, layer: statistics_bytes(
-        ex.ckpt, recipe, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths))
+        ex.ckpt, recipe, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths, ranks))
 
 
 def kv_scales(src: Checkpoint, recipe: Recipe, path: str | None, dataset: str | None = None,

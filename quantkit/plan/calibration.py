@@ -748,8 +748,7 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
 
     # memory: the executor's own plan, as the pass makes it (every rank plans every sample's slot)
     ex.batch_tokens = gq.batch_tokens if passes_gq else _kv_batch_tokens(ex)
-    # a CUDA pass on several ranks runs on rank 0 alone (convert/__init__.py): it holds every expert's Hessians
-    plan, err = memory_plan(ex, rec, lengths, available, g if kind == "cpu" else 1)
+    plan, err = memory_plan(ex, rec, lengths, available, g)
     out.device_memory = plan.to_json()
     out.device_memory_bytes = plan.peak_bytes
     if available is not None:
@@ -819,7 +818,7 @@ def _assumptions(c: Throughput, g: int, kind: str, gq: _Batches, kvb: list[int],
               "rank, no overlap with compute"]
     a.append("device memory: the executor's plan (LayerExecutor.plan_memory + calib.layer.statistics_bytes) with "
              "the pass's batches; every rank holds the whole layer, and the Hessians of the experts it owns (the "
-             "busiest rank's are planned; on CUDA the pass runs on rank 0 alone, which holds every expert's)")
+             "busiest rank's are planned)")
     a.append("host RAM: process baseline + the layer's packed results + the activations when they are not on the "
              "device (at most the 4 GiB kept in RAM per copy)"
              + (" + the layer, its statistics and solves (the CPU is the device)" if kind == "cpu" else
