@@ -4,6 +4,8 @@ a byte comparison of every output file.
     .venv/bin/python bench/calib_dist.py                      # the issue's bench model, 32 x 256 tokens, ranks 1 2 3
     .venv/bin/python bench/calib_dist.py --samples 16         # 16 x 256
     .venv/bin/python bench/calib_dist.py --quick --out /tmp/x # 2 layers, 8 x 64: the script's own logic (~1 min)
+    .venv/bin/python bench/calib_dist.py --repeat 3 --peer-python bench/.cache/peer-venv/bin/python
+                                                              # 3 interleaved rounds with llm-compressor, medians
 
 The model: qwen3_moe built with quantkit.testing.make_tiny_model (random BF16 weights): 8 layers, 32 routed
 experts per layer, hidden 512, expert width 256, top-4 routing, 8 query / 4 KV heads of 64, vocab 4096.
@@ -87,6 +89,14 @@ def _run(n: int, src: Path, out: Path, data: Path, samples: int, seq_len: int, t
             "peak_rss_bytes": res.get("peak_rss_bytes")}
 
 
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    m = len(xs) // 2
+    return round(xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2, 3)
+
+
 def _peer(python: Path, src: Path, work: Path, data: Path, seq_len: int, timeout: int) -> dict:
     """llm-compressor's GPTQ of the same model on the same token file (bench/quality.py's peer script)."""
     sys.path.insert(0, str(ROOT / "bench"))
@@ -113,6 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--quick", action="store_true", help="2 layers, 8 samples x 64 tokens")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds: every configuration (and the peer) once per round; medians reported")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--peer-python", type=Path, default=None,
@@ -127,20 +139,36 @@ def main(argv=None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     data = _dataset(work / "tokens.jsonl", a.samples, a.seq_len, BENCH["vocab"])
-    rows, hashes = [], {}
+    runs: dict[int, list[dict]] = {n: [] for n in ranks}
+    peers: list[dict] = []
+    hashes: dict[int, dict[str, str]] = {}
+    diffs: dict[int, set[str]] = {n: set() for n in ranks}
+    for rep in range(a.repeat):  # interleaved, so that a slow spell of the machine hits every configuration
+        for n in ranks:
+            out = work / f"world{n}"
+            r = _run(n, src, out, data, a.samples, a.seq_len, a.timeout)
+            h = _hashes(out)
+            ref = hashes.setdefault(1, h) if n == 1 else hashes[1]
+            hashes.setdefault(n, h)
+            diffs[n] |= {f for f in set(ref) | set(h) if ref.get(f) != h.get(f)}
+            print(f"[{rep + 1}/{a.repeat}] world size {n}: {r['wall_s']} s wall, {r['convert_s']} s convert",
+                  file=sys.stderr)
+            runs[n].append(r)
+        if a.peer_python:
+            peers.append(_peer(a.peer_python, src, work, data, a.seq_len, a.timeout))
+    rows = []
     for n in ranks:
-        out = work / f"world{n}"
-        r = _run(n, src, out, data, a.samples, a.seq_len, a.timeout)
-        hashes[n] = _hashes(out)
-        print(f"world size {n}: {r['wall_s']} s wall, {r['convert_s']} s convert", file=sys.stderr)
-        rows.append(r)
+        rs = runs[n]
+        rows.append({"world_size": n, "wall_s": _median([r["wall_s"] for r in rs]),
+                     "convert_s": _median([r["convert_s"] for r in rs if r["convert_s"] is not None]),
+                     "peak_rss_bytes": max((r["peak_rss_bytes"] or 0) for r in rs) or None,
+                     "wall_runs": [r["wall_s"] for r in rs], "convert_runs": [r["convert_s"] for r in rs]})
     base = rows[0]
     for r in rows:
         r["speedup_wall"] = round(base["wall_s"] / r["wall_s"], 3)
         r["speedup_convert"] = (round(base["convert_s"] / r["convert_s"], 3)
                                 if base["convert_s"] and r["convert_s"] else None)
-        diff = sorted(f for f in set(hashes[1]) | set(hashes[r["world_size"]])
-                      if hashes[1].get(f) != hashes[r["world_size"]].get(f))
+        diff = sorted(diffs[r["world_size"]])
         r["byte_identical"] = not diff
         r["differing_files"] = diff
     import torch
@@ -150,7 +178,7 @@ def main(argv=None) -> int:
            "threads_per_rank": 1, "backend": "gloo",
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                        "torch": torch.__version__},
-           "runs": rows, "files": len(hashes[1])}
+           "repeat": a.repeat, "runs": rows, "files": len(hashes[1])}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "calib_dist.json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = [f"GPTQ convert ({RECIPE}) of the bench MoE: qwen3_moe, {a.layers} layers, {BENCH['experts']} experts, "
@@ -164,13 +192,18 @@ def main(argv=None) -> int:
         same = "byte-identical" if r["byte_identical"] else f"{len(r['differing_files'])} files differ"
         lines.append(f"| {r['world_size']} | {r['wall_s']} | {r['convert_s']} | {r['speedup_wall']}x | "
                      f"{r['speedup_convert']}x | {rss} | {same} ({len(hashes[r['world_size']])} files) |")
-    if a.peer_python:
-        peer = _peer(a.peer_python, src, work, data, a.seq_len, a.timeout)
+    if peers:
+        peer = {"wall_s": _median([p["wall_s"] for p in peers]), "seconds": _median([p["seconds"] for p in peers]),
+                "threads": 1, "wall_runs": [p["wall_s"] for p in peers]}
         doc["peer"] = peer
         (a.out / "calib_dist.json").write_text(json.dumps(doc, indent=1) + "\n")
         lines += ["", f"llm-compressor `oneshot` GPTQ (W4A16 g32, experts only), one thread: {peer['wall_s']} s wall "
                       f"({peer['seconds']} s load + oneshot + save); quantkit world size 1 / llm-compressor wall: "
                       f"{base['wall_s'] / peer['wall_s']:.2f}x"]
+    if a.repeat > 1:
+        lines += ["", f"Medians of {a.repeat} runs each, interleaved (every configuration once per round); "
+                      "every run: " + "; ".join(f"world size {r['world_size']} {r['wall_runs']}" for r in rows)
+                  + (f"; llm-compressor {peer['wall_runs']}" if peers else "") + " s wall."]
     (a.out / "calib_dist.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(r["byte_identical"] for r in rows) else 1

@@ -92,13 +92,13 @@ class Throughput:
 # a quiet-machine run (wall seconds, both threads) replaces it.
 CPU_MEASURED = Throughput(
     kind="cpu", provenance="measured",
-    source="bench/calib_cost.py, AMD EPYC VM, 2 CPUs, torch 2.13.0+cpu, 2 threads, 2026-12-01, wall seconds on a "
-           "quiet machine (load average 1.7 at the start)",
-    gemm_flops=1.885e11, gemm_half_rows=12.41, gram_flops=1.919e11, gram_half_rows=20.54, gemm64_flops=8.719e10,
-    chol_flops=1.499e10, sweep_col_s=3.442e-05, sweep_elems_per_s=1.073e9, mem_bytes_per_s=5.76e10, op_s=9.203e-07,
-    read_bytes_per_s=2.184e10, write_bytes_per_s=1.518e9, fsync_s=2.293e-04, module_s=7.997e-04,
-    fake_quant_elems_per_s=2.871e8, hash_bytes_per_s=1.927e9, link_bytes_per_s=1.0e9, process_bytes=1018843136,
-    setup_s=0.06483, layer_s=0.2434,
+    source="bench/calib_cost.py, AMD EPYC VM, 2 CPUs, torch 2.13.0+cpu, 2 threads, 2026-12-02, wall seconds "
+           "(load average 1.6 at the start)",
+    gemm_flops=1.692e+11, gemm_half_rows=23.71, gram_flops=1.73e+11, gram_half_rows=2.943, gemm64_flops=7.64e+10,
+    chol_flops=1.132e+10, sweep_col_s=5.05e-05, sweep_elems_per_s=4.141e+09, mem_bytes_per_s=4.322e+10, op_s=1.493e-06,
+    read_bytes_per_s=1.759e+10, write_bytes_per_s=1.145e+09, fsync_s=0.0003096, module_s=0.0009898,
+    fake_quant_elems_per_s=8.371e+08, hash_bytes_per_s=1.658e+09, link_bytes_per_s=1.0e9, process_bytes=975269888,
+    setup_s=0.0892, layer_s=6.969e-05,
     notes=("link_bytes_per_s: assumed (gloo over loopback on one host), not measured",),
 )
 
