@@ -15,7 +15,7 @@ from quantkit.calib.hessians import ExpertStats
 from quantkit.calib.spool import run_calibrated
 
 from calib.test_executor import _spool_tensors
-from calib.test_passes import recipe
+from calib.test_passes import TARGETS, recipe
 
 
 def _samples(n=6, t=40, vocab=512):
@@ -111,3 +111,42 @@ def test_gptq_pass_with_and_without_split(tmp_path, tiny_models, monkeypatch):
     assert sorted(got) == sorted(want) and got
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq-with-dense"])
+def test_passes_that_change_the_layer_before_the_experts_forward_it_whole(tmp_path, tiny_models, monkeypatch, method):
+    """AWQ (it scales the post-attention norm and the router) and GPTQ with dense targets (attention) change
+    what the layer computes before its experts: their statistics forward is never split."""
+    from quantkit.match.recipe import parse_recipe
+
+    path = tiny_models("qwen3_moe", experts=8, layers=2)
+    calls = []
+    monkeypatch.setattr(LayerExecutor, "forward_to", lambda self, *a, **kw: calls.append(1))
+    if method == "awq":
+        rec = recipe("awq")
+    else:
+        rec = parse_recipe(f"groups:\n  experts:\n    targets: {TARGETS}\n    method: gptq\n"
+                           "    scheme: {group_size: 32}\n  attention:\n    targets: ['re:.*self_attn[.]o_proj$']\n"
+                           "    method: gptq\n    scheme: {group_size: 32}\n")
+        assert any(g.method == "gptq" and "o_proj" in str(g.targets) for g in rec.groups)
+    index = run_calibrated(path, rec, _samples(n=8, t=32), tmp_path / "spool")
+    assert index["modules"] and not calls
+
+
+def test_no_split_where_layers_carry_dsa_indices(tiny_models):
+    """glm_moe_dsa: a layer's indexer results travel to later layers (TopKCarry), which a forward that skips
+    the attention would not produce; such layers are forwarded whole."""
+    path = tiny_models("glm_moe_dsa", experts=8, layers=3, index_topk_pattern="FSF")
+    ex = LayerExecutor(path, batch_tokens=80)
+    assert ex.topk is not None
+    seen = 0
+    for step in ex.layers(_samples(n=2, t=16)):
+        experts = _experts(step.layer)
+        if experts is None:
+            continue
+        assert ex.forward_to(step.layer, step.inputs, experts) is None
+        step.observe(stop_at=experts)
+        assert step.residual is None and step.outputs is not None  # a whole forward
+        seen += 1
+    assert seen >= 1
+    ex.final.close()
