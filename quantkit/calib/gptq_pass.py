@@ -115,6 +115,21 @@ def chunk_experts(k: int, device: torch.device) -> int:
 SOLVE_GROUPS = 8
 
 
+# The column sweep runs over several of a rank's solve groups at once (each factorized on its own, so that
+# every factorization sees the same operands whatever the world size): each column step is ~10 small ops
+# whatever the batch, so fewer, larger batches cost less. Bytes of float32 working set per sweep: the
+# inverse factors, the weights and their transposed working copy, the codes.
+GPTQ_SWEEP_BYTES = 32 << 20
+GPTQ_SWEEP_BYTES_DEVICE = 8 << 30
+
+
+def sweep_experts(k: int, n: int, group: int, device: torch.device) -> int:
+    """Experts swept at once (whole solve groups, at least one) for matrices [n, k] on `device`."""
+    per = 4 * (k * k + 3 * n * k)
+    budget = GPTQ_SWEEP_BYTES if device.type == "cpu" else GPTQ_SWEEP_BYTES_DEVICE
+    return max(1, budget // per // group) * group
+
+
 def expert_group_size(num_experts: int, hidden: int, inter: int, device: torch.device) -> int:
     """Experts per solve group (and per unit of expert ownership): at most `chunk_experts` for both of the
     experts' matrices, and small enough for SOLVE_GROUPS groups. Depends on the layer only."""
@@ -130,11 +145,12 @@ def expert_owners(num_experts: int, group: int, par) -> list[int]:
 
 def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: ExpertStats, group: int | None = None,
                  par=None):
-    """GPTQ for every expert of a layer, `group` experts at a time (None: expert_group_size): weights are
-    converted to float32, solved, dequantized and written back (true-sequential: the next layer sees
-    quantized outputs) one group at a time, so besides the layer's Hessians only one group's working set is
-    ever in memory. With a distributed `par`, only the groups this rank owns are solved (their Hessians are
-    the ones it accumulated); `share_expert_weights` then gives every rank the others' groups."""
+    """GPTQ for every expert of a layer, in solve groups of `group` experts (None: expert_group_size), several
+    groups swept at once (`sweep_experts`, each group factorized on its own): weights are converted to
+    float32, solved, dequantized and written back (true-sequential: the next layer sees quantized outputs)
+    one sweep batch at a time, so besides the layer's Hessians only one batch's working set is ever in
+    memory. With a distributed `par`, only the groups this rank owns are solved (their Hessians are the ones
+    it accumulated); `share_expert_weights` then gives every rank the others' groups."""
     E = stats.E
     dev = stats.device
     if group is None:
@@ -176,14 +192,16 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
         k = param.shape[-1]
         s = g.scheme.for_in_features(k)
         parts = (("gate", slice(0, half)), ("up", slice(half, stats.P))) if key == "gu" else (("down", slice(None)),)
-        for i0 in range(0, E, group):
-            if owner[i0] != rank:
-                continue
-            i1 = min(E, i0 + group)
-            w = param.data[i0:i1].float()  # [c, N, K]
-            r, grid = _solve(w, h[slot[i0]:slot[i0] + i1 - i0], s, **kw)  # a group's slots are consecutive
+        mine = [(i0, min(E, i0 + group)) for i0 in range(0, E, group) if owner[i0] == rank]
+        per = max(1, sweep_experts(k, param.shape[1], group, dev) // group)  # groups per sweep
+        for b0 in range(0, len(mine), per):
+            ids = [e for i0, i1 in mine[b0:b0 + per] for e in range(i0, i1)]
+            idx = torch.tensor(ids, device=param.device)
+            w = param.data.index_select(0, idx).float()  # [c, N, K]
+            # the owned experts' slots are consecutive, in expert order
+            r, grid = _solve(w, h[slot[ids[0]]:slot[ids[0]] + len(ids)], s, factor_chunk=group, **kw)
             q, qp = r.q, r.qparams
-            sel = use_rtn[i0:i1]
+            sel = use_rtn[idx.cpu()]
             if sel.any():
                 sel = sel.to(dev)
                 if grid is not None:
@@ -200,7 +218,7 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
             qh = q.cpu()  # emitted from the host (a no-op on the CPU)
             sh, zh = qp.scale.cpu(), None if qp.zero_point is None else qp.zero_point.cpu()
             damping, fb = r.damping.tolist(), r.fallback
-            for j, e in enumerate(range(i0, i1)):
+            for j, e in enumerate(ids):
                 meta = {"method": "gptq" if not use_rtn[e] else "rtn", "tokens": int(stats.counts[e]),
                         "fallback": reasons[e] or fb[j], "damping": round(float(damping[j]), 6)}
                 for kind, rows in parts:
@@ -211,7 +229,7 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                         continue
                     zp = None if zh is None else zh[j, rows]
                     emit(res, names.module(e, kind), qh[j, rows], QParams(sh[j, rows], zp), s, src_dtype, m)
-            param.data[i0:i1].copy_(deq.to(param.dtype))
+            param.data.index_copy_(0, idx, deq.to(param.dtype))
             del w, r, q, qp, deq
 
 

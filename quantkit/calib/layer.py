@@ -175,7 +175,7 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
     samples, the Gram/solve working sets (GPTQ_CHUNK_BYTES-bounded solves, PAIR_BUDGET-bounded gathers),
     AWQ's float32 copies of the experts and its search blocks."""
     from .awq_pass import AWQ_TOKEN_CHUNK
-    from .gptq_pass import chunk_experts, expert_group_size, solve_dtype
+    from .gptq_pass import expert_group_size, solve_dtype, sweep_experts
     from .hessians import GRAM_CHUNK_BYTES, PAIR_BUDGET
     from ..quant.awq import CLIP_GRAM_BYTES
 
@@ -199,8 +199,11 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
             out["gram"] = upcast + PAIR_BUDGET * (3 + (2 * p + 2 * i) // h) + 2 * GRAM_CHUNK_BYTES
             solve = 0
             for n_out, k_in in ((p, h), (h, i)):
-                c = min(e, chunk_experts(k_in, device))
-                solve = max(solve, c * (5 * k_in * k_in * sitem + 5 * n_out * k_in * 4))
+                # one group factorized at a time (~5 solve-dtype copies of its Hessians), several swept at once
+                # (float32 inverse factors, weights, their working copies, codes, dequantized values)
+                sw = min(held, sweep_experts(k_in, n_out, group, device))
+                solve = max(solve, min(e, group) * 5 * k_in * k_in * sitem
+                            + sw * (k_in * k_in * 4 + 5 * n_out * k_in * 4))
             out["solve"] = solve
         else:  # awq
             out["samples"] = s_tok * (2 * h * 4 + k * 12)

@@ -416,8 +416,8 @@ def _hessians(c: Throughput, s: _LayerShape, batches: list[int], owned: int, hid
 
 
 def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: int) -> tuple[float, float]:
-    """(Cholesky seconds, sweep seconds) of GPTQ on matrices [(count, n_out, k_in, chunk)]: `count` of them
-    solved `chunk` at a time."""
+    """(Cholesky seconds, sweep seconds) of GPTQ on matrices [(count, n_out, k_in, chunk)]: `count` of them,
+    `chunk` in one column sweep."""
     chol = sweep = 0.0
     for count, n_out, k, per in shapes:
         if not count:
@@ -530,6 +530,15 @@ def _kv_batches(ex, lengths: list[int], g: int) -> list[int]:
     """KV-scale calibration (quantkit.calibrate; calib/kv_dist.py over ranks): the executor's own batches,
     the busiest rank's share."""
     return _pass_batches(ex, lengths, g, capped=False).rank_batches
+
+
+def _sweep_experts(k: int, n: int, group: int, kind: str) -> int:
+    """Experts one column sweep covers (calib/gptq_pass.py sweep_experts)."""
+    import torch
+
+    from ..calib.gptq_pass import sweep_experts
+
+    return int(sweep_experts(k, n, group, torch.device("cuda" if kind == "cuda" else "cpu")))
 
 
 def _expert_group(s: _LayerShape, kind: str) -> int:
@@ -689,7 +698,8 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
                 groups = math.ceil(s.experts / group)
                 owned = min(s.experts, math.ceil(groups / g) * group)  # the busiest rank's experts
                 row["hessians"] += _hessians(c, s, gq.all_batches, owned, hidden)
-                ch, sw = _gptq_solves(c, [(owned, s.p, s.h, group), (owned, s.h, s.i, group)],
+                sweep = [_sweep_experts(kk, nn, group, kind) for nn, kk in ((s.p, s.h), (s.h, s.i))]
+                ch, sw = _gptq_solves(c, [(owned, s.p, s.h, sweep[0]), (owned, s.h, s.i, sweep[1])],
                                       egroup.options.block_size)
                 row["gptq_solve"] += ch + sw + owned * c.module_s  # gate and up: one matrix, two modules
             elif egroup is not None and egroup.method == "awq":

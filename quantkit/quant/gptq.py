@@ -117,12 +117,14 @@ def _cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int, out_
 def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetric: bool = True,
          *, damp: float = 0.01, block_size: int = 128, actorder: bool = False, max_retries: int = 4,
          scale_dtype: torch.dtype = torch.bfloat16, static_scale: torch.Tensor | None = None,
-         quantize_column: Callable | None = None, solve_dtype: torch.dtype = torch.float64) -> GPTQResult:
+         quantize_column: Callable | None = None, solve_dtype: torch.dtype = torch.float64,
+         factor_chunk: int | None = None) -> GPTQResult:
     """Quantize weights w [E, N, K] (or [N, K]) given Hessians h [E, K, K] (or [K, K]) = 2/n * sum x x^T.
     `static_scale` [E, N, G] float32 + `quantize_column`: another grid with scales fixed up front (FP4);
     the result's q then holds that grid's codes and its qparams the given scales. `solve_dtype`: what the
-    Hessian is factorized in (float64 on the CPU; float32 on a GPU, where float64 is slow). Every tensor
-    lives on w's device.
+    Hessian is factorized in (float64 on the CPU; float32 on a GPU, where float64 is slow). `factor_chunk`:
+    factorize that many matrices at a time (bounds the solve-dtype temporaries; the column sweep then runs
+    over all of them at once). Every tensor lives on w's device.
 
     The sweep works on the transposed weights [E, K, N], so that a column of w is a contiguous row: the
     per-column quantization and the in-block error push read and write contiguous memory."""
@@ -159,7 +161,18 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
         H = torch.gather(torch.gather(H, 1, perm[:, :, None].expand(e, k, k)), 2, perm[:, None, :].expand(e, k, k))
         group_of = torch.div(perm, gs, rounding_mode="floor")  # [E, K] natural group of each visited column
 
-    U, rel, fallback = _cholesky_inverse_upper(H, damp, max_retries, torch.float32)
+    fc = e if factor_chunk is None else max(1, int(factor_chunk))
+    if fc >= e:
+        U, rel, fallback = _cholesky_inverse_upper(H, damp, max_retries, torch.float32)
+    else:
+        U = torch.empty(e, k, k, device=dev)
+        rel = torch.empty(e, dtype=H.dtype, device=dev)
+        fallback = []
+        for c0 in range(0, e, fc):
+            u_c, rel[c0:c0 + fc], fb_c = _cholesky_inverse_upper(H[c0:c0 + fc], damp, max_retries, torch.float32)
+            U[c0:c0 + fc] = u_c
+            fallback += fb_c
+            del u_c
     del H, diag
     Ud = torch.diagonal(U, dim1=-2, dim2=-1)  # [E, K]
 
