@@ -22,6 +22,11 @@ Routed experts run grouped by expert (`calib/moe.py`, installed on every layer t
 bit-identical to transformers' eager loop, and the routing of each call is sorted once and shared with the
 observers' hooks, `moe.routing_for`).
 
+A pass that changes only a layer's MLP block (GPTQ of the routed experts) needs neither forward whole:
+`step.observe(stop_at=experts)` runs the layer only until the experts are called (their pre-hooks still
+fire) and keeps the residual stream entering the block; the next `step.forward()` then runs only the block
+from it (`forward_to` / `forward_from`; checked once per layer class against the layer's own forward).
+
 Device (`device=`: cpu, cuda, cuda:N or auto; calib/device.py): on a GPU the layer is materialized there in
 bfloat16 (quantized sources decoded there), and the activations stay there when they fit beside the largest
 layer, in host memory otherwise. Before any work, `plan_memory` estimates every layer's peak device memory;
