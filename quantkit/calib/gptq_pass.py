@@ -21,7 +21,7 @@ from ..quant import fp4
 from ..quant.gptq import gptq
 from ..quant.int4 import QParams, dequantize, rtn, sqnr_db
 from .emit import LayerResult, emit, emit_tensors, source_dtype
-from .hessians import PAIR_BUDGET, ExpertStats, LinearStats, coverage
+from .hessians import ExpertStats, LinearStats, coverage
 
 
 def solve_dtype(device: torch.device) -> torch.dtype:

@@ -128,12 +128,6 @@ class ExpertStats:
         g, u = gu.chunk(2, dim=-1)
         return self.experts.act_fn(g) * u
 
-    def down_inputs(self, experts_ids: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
-        """act(gate x) * up x for experts [e] and padded tokens xs [e, t, H] -> [e, t, I]."""
-        gu = torch.bmm(xs, self.experts.gate_up_proj[experts_ids].float().transpose(1, 2))  # [e, t, P]
-        g, u = gu.chunk(2, dim=-1)
-        return self.experts.act_fn(g) * u
-
     def _block_hook(self, module, args, output):
         y = output[0] if isinstance(output, tuple) else output
         if self.par is not None:
@@ -210,16 +204,10 @@ class ExpertStats:
         return torch.cat(self.w_samples)
 
 
-GRAM_CHUNK_BYTES = 1 << 25  # [e, D, D] Gram products formed at once when accumulating expert Hessians
-
-
-def _add_gram(h: torch.Tensor, ids: torch.Tensor, xs: torch.Tensor) -> None:
-    """h[ids[i]] += xs[i]^T xs[i], a few experts at a time, accumulated in place (no gathered copy of h)."""
-    d = xs.shape[-1]
-    per = max(1, GRAM_CHUNK_BYTES // (d * d * 4))
-    for a in range(0, len(ids), per):
-        xa = xs[a:a + per]
-        h.index_add_(0, ids[a:a + per], torch.bmm(xa.transpose(1, 2), xa))
+# Bytes the memory plan (calib/layer.py statistics_bytes) keeps for the statistics' Gram products. The
+# Grams are now one product per expert and batch (`ExpertStats._add_grams`), far smaller: the plan
+# overestimates this part.
+GRAM_CHUNK_BYTES = 1 << 25
 
 
 def routed_batches(x: torch.Tensor, idx: torch.Tensor, num_experts: int, width: int, budget: int = PAIR_BUDGET,

@@ -172,8 +172,9 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
     """Estimated peak bytes, by component, of what `quantize_layer` holds on the device for layer `idx`
     besides the layer's weights and the forward (`layer` may be the meta skeleton). Mirrors the code: the
     expert Hessians (float32; on `ranks` ranks, those of the experts the busiest rank owns), the token
-    samples, the Gram/solve working sets (GPTQ_CHUNK_BYTES-bounded solves, PAIR_BUDGET-bounded gathers),
-    AWQ's float32 copies of the experts and its search blocks."""
+    samples, the Gram/solve working sets (one solve group's factorization within GPTQ_CHUNK_BYTES, a sweep
+    batch of groups within GPTQ_SWEEP_BYTES, PAIR_BUDGET-bounded gathers), AWQ's float32 copies of the
+    experts and its search blocks."""
     from .awq_pass import AWQ_TOKEN_CHUNK
     from .gptq_pass import expert_group_size, solve_dtype, sweep_experts
     from .hessians import GRAM_CHUNK_BYTES, PAIR_BUDGET
