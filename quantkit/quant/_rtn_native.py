@@ -17,14 +17,40 @@ Import is lazy and optional: without numba (or with QUANTKIT_NATIVE=0) `rtn` use
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import numba
 import numpy as np
-from numba import njit
+
+
+def _cache_dir() -> str:
+    """Where the compiled kernels are cached: the user's NUMBA_CACHE_DIR when set, else a per-user cache
+    directory. Never beside this file: numba's files there are not the package's, so `pip uninstall` leaves
+    them and an empty `quantkit` directory in site-packages, which then shadows a later editable install."""
+    if numba.config.CACHE_DIR:
+        return numba.config.CACHE_DIR
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "quantkit" / "numba")
+
+
+def njit(**options):
+    """numba.njit(cache=True, **options), cached in `_cache_dir()`: numba picks a function's cache location
+    when it is decorated, so CACHE_DIR is set for that moment only (other numba code keeps its own)."""
+    def decorate(fn):
+        saved = numba.config.CACHE_DIR
+        numba.config.CACHE_DIR = _cache_dir()
+        try:
+            return numba.njit(cache=True, **options)(fn)
+        finally:
+            numba.config.CACHE_DIR = saved
+    return decorate
 
 # scale storage dtypes understood by the kernel (others take the torch path)
 SCALE_F32, SCALE_BF16 = 0, 1
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(nogil=True, inline="always")
 def _round_scale(s, mode, tmp, tmpu):
     """float32 -> the stored dtype -> float32 (round to nearest even), for finite non-negative s."""
     if mode == SCALE_BF16:
@@ -41,23 +67,23 @@ _ABS = np.uint32(0x7FFFFFFF)
 _FINITE_LIMIT = np.uint32(0x7F800000)  # |x| bit patterns at or above this are Inf/NaN
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(nogil=True, inline="always")
 def _rint(x):
     return (x + _MAGIC) - _MAGIC
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(nogil=True, inline="always")
 def _sortable(u):
     """float32 bits -> uint32 key whose unsigned order is the float order (NaN aside)."""
     return ~u if u & np.uint32(0x80000000) else u | np.uint32(0x80000000)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(nogil=True, inline="always")
 def _unsortable(k):
     return k & np.uint32(0x7FFFFFFF) if k & np.uint32(0x80000000) else ~k
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc"})
+@njit(nogil=True, fastmath={"reassoc"})
 def _sumsq(a):
     """sum of a^2 in float64; reassociation only (vectorized), no finite-math assumptions."""
     acc = 0.0
@@ -67,7 +93,7 @@ def _sumsq(a):
     return acc
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(nogil=True, inline="always")
 def _quant_row(x, xu, g, symmetric, scale_mode, pk, sc, zp, qbuf, ebuf, tmp, tmpu):
     """Quantize and pack one float32 row x [K] (xu: its uint32 view); returns (sum x^2, sum err^2, finite).
 
@@ -149,7 +175,7 @@ def _quant_row(x, xu, g, symmetric, scale_mode, pk, sc, zp, qbuf, ebuf, tmp, tmp
     return _sumsq(x), _sumsq(ebuf), finite
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _row(x, xu, g, symmetric, scale_mode, pk, sc, zp, qbuf, ebuf, tmp, tmpu):
     """_quant_row with the common group sizes as compile-time constants (fixed trip counts vectorize
     fully: ~2x faster), any other size generic."""
@@ -162,7 +188,7 @@ def _row(x, xu, g, symmetric, scale_mode, pk, sc, zp, qbuf, ebuf, tmp, tmpu):
     return _quant_row(x, xu, g, symmetric, scale_mode, pk, sc, zp, qbuf, ebuf, tmp, tmpu)
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def rtn_pack_bf16(w16, g, symmetric, scale_mode, pk, sc, zp, sig, noise, bad):
     """w16 [R, K] uint16 (bf16 bit patterns) -> pk [R, W] uint32, sc [R, G] float32, zp [R, G] int32."""
     r_total, k = w16.shape
@@ -181,7 +207,7 @@ def rtn_pack_bf16(w16, g, symmetric, scale_mode, pk, sc, zp, sig, noise, bad):
         bad[r] = not ok
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def rtn_pack_f32(w32, g, symmetric, scale_mode, pk, sc, zp, sig, noise, bad):
     """As rtn_pack_bf16, for float32 rows (e.g. FP8 sources dequantized on read)."""
     r_total, k = w32.shape
