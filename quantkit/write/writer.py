@@ -174,8 +174,10 @@ class ShardWriter:
                     self._cv.notify_all()
                 return
             with self._cv:
-                self._queue.pop(0)
-                self._queued -= len(data)
+                # abort() may have emptied the queue (and queued its end marker) while this was written
+                if self._queue and self._queue[0] is data:
+                    self._queue.pop(0)
+                    self._queued -= len(data)
                 self._cv.notify_all()
 
     def _join(self) -> None:

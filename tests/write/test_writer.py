@@ -80,6 +80,41 @@ def test_background_write_failure_reaches_caller(tmp_path, monkeypatch):
     assert not path.exists() and not W.tmp_name(path).exists()  # nothing half-written left behind
 
 
+def test_abort_while_a_tensor_is_being_written_returns(tmp_path, monkeypatch):
+    """abort() empties the queue and queues the writer's end marker while the writer thread is inside a
+    write: when that write returns, the thread must not take the end marker for the tensor it wrote (it
+    then waited forever on an empty queue, and abort() with it: a convert that failed mid-shard hung)."""
+    import threading
+
+    entered, go = threading.Event(), threading.Event()
+    real = W.ShardWriter._emit
+
+    def emit(self, data):
+        if threading.current_thread().name.startswith("quantkit-write"):  # the writer thread, not the caller
+            entered.set()
+            assert go.wait(30)
+        real(self, data)
+
+    monkeypatch.setattr(W.ShardWriter, "_emit", emit)
+    ts = {f"t{i}": torch.zeros(1000) for i in range(3)}
+    path = tmp_path / "o.safetensors"
+    w = W.ShardWriter(path, [(n, t.dtype, tuple(t.shape)) for n, t in ts.items()])
+    w.write("t0", ts["t0"])  # the writer thread blocks inside its first write
+    assert entered.wait(30)
+    aborter = threading.Thread(target=w.abort, daemon=True)
+    aborter.start()
+    for _ in range(3000):  # until abort() has emptied the queue and queued the end marker
+        with w._cv:
+            if w._queue == [None]:
+                break
+        aborter.join(0.01)
+    with w._cv:
+        assert w._queue == [None]
+    go.set()
+    aborter.join(30)
+    assert not aborter.is_alive()  # abort() returned
+    assert not path.exists() and not W.tmp_name(path).exists()
+
 def test_prehash_matches_and_notices_changes(tmp_path):
     p = tmp_path / "m.safetensors"
     p.write_bytes(b"a" * 100_000)
