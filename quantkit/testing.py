@@ -168,13 +168,17 @@ def wrap_kimi_k25(text_dir: str | os.PathLike, out_dir: str | os.PathLike, *, se
     return out
 
 
-def quiet_transformers() -> None:
-    """Silence transformers' info logs and progress bars (they go to stderr and drown our output)."""
+def quiet_transformers(compressed_tensors: bool = True) -> None:
+    """Silence transformers' info logs and progress bars (they go to stderr and drown our output), and
+    compressed-tensors' logger when `compressed_tensors` (importing that package costs ~2 s: callers that
+    never load a compressed-tensors checkpoint pass False)."""
     import transformers
 
     os.environ.setdefault("TQDM_DISABLE", "1")  # compressed-tensors' per-module progress bars
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    if not compressed_tensors:
+        return
     try:
         from compressed_tensors.logger import logger as ct_logger
 

@@ -102,7 +102,7 @@ def build_meta_model(config, experts_implementation: str | None = None) -> nn.Mo
 
     from ..testing import quiet_transformers
 
-    quiet_transformers()
+    quiet_transformers(compressed_tensors=False)  # the config has no quantization_config (model_config)
     kw = {"experts_implementation": experts_implementation} if experts_implementation else {}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, **kw)

@@ -41,26 +41,34 @@ class GPTQResult:
     dead_columns: torch.Tensor  # [E] number of inputs never seen (H_ii == 0)
 
 
-# Triangular inverses of at least twice this order are formed from two half-size inverses and one product
-# (fewer operations than one triangular solve against the identity, and most of them in a matrix product).
-TRI_INVERSE_SPLIT = 128
+# Blocks of at most this order are factorized and inverted by LAPACK; larger ones recursively, from two
+# half-size blocks and matrix products (LAPACK's batched Cholesky and triangular solve run at ~1/5 of the
+# float64 GEMM rate on a CPU core for K <= 512; the recursion puts nearly all of the work into GEMMs).
+CHOLESKY_BLOCK = 64
 
 
-def _tril_inverse(l: torch.Tensor) -> torch.Tensor:
-    """Inverse of a batch [E, K, K] of lower-triangular matrices with a positive diagonal:
-    [[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1, D^-1]] for large K, a triangular solve otherwise."""
-    k = l.shape[-1]
-    if k < 2 * TRI_INVERSE_SPLIT:
-        eye = torch.eye(k, dtype=l.dtype, device=l.device)
-        return torch.linalg.solve_triangular(l, eye.expand(l.shape[0], k, k), upper=False)
+def _inverse_cholesky(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L^-1, ok) for a batch [E, K, K] of symmetric matrices, L L^T = H lower triangular: L^-1 is lower
+    triangular, ok [E] bool says where the factorization succeeded (elsewhere L^-1 is meaningless).
+
+    With H = [[A, B^T], [B, C]], A = L1 L1^T: L = [[L1, 0], [B L1^-T, L2]] where L2 L2^T = C - (B L1^-T)(B L1^-T)^T,
+    and L^-1 = [[L1^-1, 0], [-L2^-1 (B L1^-T) L1^-1, L2^-1]]. A matrix that fails leaves the others' results as
+    they are."""
+    k = h.shape[-1]
+    if k <= CHOLESKY_BLOCK:
+        l, info = torch.linalg.cholesky_ex(h)
+        eye = torch.eye(k, dtype=h.dtype, device=h.device)
+        return torch.linalg.solve_triangular(l, eye.expand(h.shape[0], k, k), upper=False), info == 0
     m = k // 2
-    out = torch.zeros_like(l)
-    ai, di = _tril_inverse(l[:, :m, :m]), _tril_inverse(l[:, m:, m:])
-    out[:, :m, :m] = ai
-    out[:, m:, m:] = di
-    torch.matmul(di, l[:, m:, :m] @ ai, out=out[:, m:, :m])
+    a_inv, ok_a = _inverse_cholesky(h[:, :m, :m])
+    l21 = h[:, m:, :m] @ a_inv.mT  # B L1^-T
+    d_inv, ok_d = _inverse_cholesky(torch.baddbmm(h[:, m:, m:], l21, l21.mT, alpha=-1))
+    out = torch.zeros_like(h)
+    out[:, :m, :m] = a_inv
+    out[:, m:, m:] = d_inv
+    torch.matmul(d_inv, l21 @ a_inv, out=out[:, m:, :m])
     out[:, m:, :m].neg_()
-    return out
+    return out, ok_a & ok_d
 
 
 def _cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int, out_dtype: torch.dtype | None = None):
@@ -69,10 +77,8 @@ def _cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int, out_
     fallback reasons).
 
     With J the reversal permutation, J H J = L L^T gives H^-1 = (J L^-1 J)^T (J L^-1 J), and J L^-1 J is
-    upper triangular: one Cholesky factorization and one triangular inverse, instead of a factorization,
-    an explicit inverse and a second factorization of it (~2x faster on the CPU). The packed codes match the
-    former route's on random test Hessians; on the bench MoE of bench/calib_dist.py 0.16% of one expert's
-    up_proj words in layer 0 differ (float64 rounding, carried through the float32 factor)."""
+    upper triangular: one Cholesky factorization with its triangular inverse (_inverse_cholesky, recursive
+    in GEMMs), instead of a factorization, an explicit inverse and a second factorization of it."""
     e, k, _ = h.shape
     out_dtype = h.dtype if out_dtype is None else out_dtype
     diag_mean = torch.diagonal(h, dim1=-2, dim2=-1).mean(-1)  # [E]
@@ -83,13 +89,12 @@ def _cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int, out_
     for attempt in range(max_retries + 1):
         hd = (h[todo] if todo.numel() < e else h).flip(-2, -1)  # a copy: the caller's H stays as it was
         hd.diagonal(dim1=-2, dim2=-1).add_((rel[todo] * diag_mean[todo])[:, None])
-        l, info = torch.linalg.cholesky_ex(hd)
+        li, ok = _inverse_cholesky(hd)
         del hd  # each [E, K, K] float64 temporary is dropped as soon as it is used
-        ok = info == 0
         if ok.any():
             ok_idx = ok.nonzero().flatten()
-            li = _tril_inverse(l if bool(ok.all()) else l[ok_idx])
-            del l
+            if not bool(ok.all()):
+                li = li[ok_idx]
             good = torch.isfinite(li.sum((-2, -1)))  # an overflow anywhere makes the sum inf or nan
             if bool(good.all()) and len(ok_idx) == e:  # the usual case: every matrix at the first attempt
                 u = li.to(out_dtype).flip(-2, -1)
@@ -98,9 +103,7 @@ def _cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int, out_
                     u = torch.empty(h.shape, dtype=out_dtype, device=h.device)
                 u[todo[ok_idx[good]]] = li[good].to(out_dtype).flip(-2, -1)
                 ok[ok_idx[~good]] = False
-            del li
-        else:
-            del l
+        del li
         todo = todo[~ok]
         if todo.numel() == 0:
             break

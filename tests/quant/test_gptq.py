@@ -107,7 +107,30 @@ def test_hessian_running_mean():
     assert torch.allclose(h, 2 / 50 * x.T @ x, atol=1e-5)
 
 
-@pytest.mark.parametrize("k", [64, 256, 384])  # 256 and 384: the triangular inverse from two halves
+def test_inverse_cholesky_recursive():
+    """_inverse_cholesky: L^-1 of a batch of matrices against LAPACK's factor; a matrix whose leading or
+    trailing block is not positive definite is reported and leaves its neighbours' results bit-identical."""
+    from quantkit.quant.gptq import CHOLESKY_BLOCK, _inverse_cholesky
+
+    k = 3 * CHOLESKY_BLOCK + 7  # uneven halves, two levels of recursion
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 3 * k, k, generator=gen, dtype=torch.float64)
+    good = x.mT @ x / (3 * k)
+    h = good.clone()
+    h[1, 0, 0] = -1.0  # fails in the first block
+    h[2, -1, -1] = -1.0  # fails in the last block (the Schur complement)
+    li, ok = _inverse_cholesky(h)
+    assert ok.tolist() == [True, False, False, True]
+    li_good, ok_good = _inverse_cholesky(good)
+    assert bool(ok_good.all())
+    for i in (0, 3):
+        ref = torch.linalg.inv(torch.linalg.cholesky(h[i]))
+        assert torch.equal(li[i], li[i].tril())
+        assert torch.allclose(li[i], ref, rtol=1e-10, atol=1e-10 * ref.abs().max().item())
+        assert torch.equal(li[i], li_good[i])
+
+
+@pytest.mark.parametrize("k", [64, 256, 384, 512])  # > 64: factorized recursively (CHOLESKY_BLOCK)
 def test_inverse_factor_against_the_textbook_one(k):
     """U with U^T U = (H + d I)^-1, upper triangular: against the factorization-inverse-factorization it
     replaced, in float64, for well and badly conditioned Hessians; a matrix that cannot be factorized at
