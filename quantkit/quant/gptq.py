@@ -71,23 +71,51 @@ def _inverse_cholesky(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, ok_a & ok_d
 
 
-def _cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int, out_dtype: torch.dtype | None = None):
+def _reversed_symmetric(h: torch.Tensor, order: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """J P H P^T J in `dtype` for a batch h [E, K, K]: P the permutation `order` [E, K] (None: identity), J
+    the reversal. One copy per matrix through two reused [K, K] buffers (no batch-sized temporaries)."""
+    if order is None:
+        return h.flip(-2, -1).to(dtype)
+    e, k, _ = h.shape
+    rev = order.flip(-1)
+    out = torch.empty(e, k, k, dtype=dtype, device=h.device)
+    rows, both = h.new_empty(k, k), h.new_empty(k, k)
+    for i in range(e):
+        torch.index_select(h[i], 0, rev[i], out=rows)
+        out[i].copy_(torch.index_select(rows, 1, rev[i], out=both))
+    return out
+
+
+def _cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int, out_dtype: torch.dtype | None = None,
+                            *, order: torch.Tensor | None = None, dead: torch.Tensor | None = None,
+                            solve_dtype: torch.dtype | None = None):
     """Upper Cholesky factor U of (H + d*I)^-1 (U^T U = (H + d*I)^-1) for a batch [E, K, K], retrying with
     more damping where the factorization fails. Returns (U in `out_dtype` (default: H's), damping used [E],
-    fallback reasons).
+    fallback reasons). H is not modified. `order` [E, K]: factorize P H P^T instead (P that permutation; U is
+    then in that order); `dead` [E, K] bool: diagonal entries (natural order) taken as 1; `solve_dtype`:
+    what H is factorized in (default: its own dtype).
 
     With J the reversal permutation, J H J = L L^T gives H^-1 = (J L^-1 J)^T (J L^-1 J), and J L^-1 J is
     upper triangular: one Cholesky factorization with its triangular inverse (_inverse_cholesky, recursive
     in GEMMs), instead of a factorization, an explicit inverse and a second factorization of it."""
     e, k, _ = h.shape
-    out_dtype = h.dtype if out_dtype is None else out_dtype
-    diag_mean = torch.diagonal(h, dim1=-2, dim2=-1).mean(-1)  # [E]
-    rel = torch.full((e,), float(damp), dtype=h.dtype, device=h.device)
+    solve = h.dtype if solve_dtype is None else solve_dtype
+    out_dtype = solve if out_dtype is None else out_dtype
+    diag = torch.diagonal(h, dim1=-2, dim2=-1).to(solve)  # [E, K], natural order
+    if dead is not None:
+        diag = diag.masked_fill(dead, 1.0)
+    if order is not None:
+        diag = torch.gather(diag, 1, order)
+    diag_mean = diag.mean(-1)  # [E]
+    diag_rev = diag.flip(-1)
+    rel = torch.full((e,), float(damp), dtype=solve, device=h.device)
     u = None
     todo = torch.arange(e, device=h.device)
     fallback: list[str | None] = [None] * e
     for attempt in range(max_retries + 1):
-        hd = (h[todo] if todo.numel() < e else h).flip(-2, -1)  # a copy: the caller's H stays as it was
+        every = todo.numel() == e
+        hd = _reversed_symmetric(h if every else h[todo], order if every or order is None else order[todo], solve)
+        hd.diagonal(dim1=-2, dim2=-1).copy_(diag_rev if every else diag_rev[todo])
         hd.diagonal(dim1=-2, dim2=-1).add_((rel[todo] * diag_mean[todo])[:, None])
         li, ok = _inverse_cholesky(hd)
         del hd  # each [E, K, K] float64 temporary is dropped as soon as it is used
@@ -112,7 +140,7 @@ def _cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int, out_
     if todo.numel() and u is None:
         u = torch.empty(h.shape, dtype=out_dtype, device=h.device)
     for i in todo.tolist():  # last resort: a diagonal Hessian (always positive definite)
-        d = torch.diagonal(h[i]).clamp(min=torch.finfo(h.dtype).tiny) * (1 + rel[i])
+        d = diag[i].clamp(min=torch.finfo(solve).tiny) * (1 + rel[i])
         u[i] = torch.diag(d.rsqrt()).to(out_dtype)
         fallback[i] = f"cholesky failed at damping {rel[i].item():.3g}; used diag(H)"
     return u, rel, fallback
@@ -143,13 +171,9 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
         block_size = max(gs, block_size - block_size % gs)  # keep group boundaries on block boundaries
     qmin, qmax = qrange(num_bits)
     dev = w.device
-    H = h.to(device=dev, dtype=solve_dtype)  # float64 on the CPU: tiny models and fp32 Hessians of real ones benefit
-    if H.data_ptr() == h.data_ptr():
-        H = H.clone()  # modified below (dead columns); the caller's Hessian stays as it was
-
-    diag = torch.diagonal(H, dim1=-2, dim2=-1)
-    dead = diag == 0  # [E, K]
-    diag[dead] = 1.0
+    H = h.to(device=dev)  # factorized in solve_dtype (float64 on the CPU: tiny models and fp32 Hessians of
+    # real ones benefit), chunk by chunk, from permuted copies; H itself is not modified
+    dead = torch.diagonal(H, dim1=-2, dim2=-1) == 0  # [E, K]: inputs never seen (their diagonal taken as 1)
     Wt = w.float().transpose(1, 2).contiguous()  # [E, K, N]: our own copy, updated in place
     Wt.masked_fill_(dead[:, :, None], 0.0)
 
@@ -157,27 +181,31 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
     if static_scale is not None:
         static = QParams(static_scale.reshape(e, n, -1).float(), None)
         group_of = (torch.arange(k, device=dev) // gs).expand(e, k)  # natural order, unless act-order permutes below
+    perm = None
     if actorder:
-        perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)  # [E, K]
+        diag = torch.diagonal(H, dim1=-2, dim2=-1).masked_fill(dead, 1.0)
+        perm = torch.argsort(diag, dim=-1, descending=True, stable=True)  # [E, K]
         if static is None:
             static = choose_qparams(Wt.transpose(1, 2), num_bits, group_size, symmetric, scale_dtype)  # natural order
-        Wt = torch.gather(Wt, 1, perm[:, :, None].expand(e, k, n))
-        H = torch.gather(torch.gather(H, 1, perm[:, :, None].expand(e, k, k)), 2, perm[:, None, :].expand(e, k, k))
+        Wt = torch.stack([Wt[i].index_select(0, perm[i]) for i in range(e)]) if e else Wt
         group_of = torch.div(perm, gs, rounding_mode="floor")  # [E, K] natural group of each visited column
 
     fc = e if factor_chunk is None else max(1, int(factor_chunk))
+    kw = dict(solve_dtype=solve_dtype)
     if fc >= e:
-        U, rel, fallback = _cholesky_inverse_upper(H, damp, max_retries, torch.float32)
+        U, rel, fallback = _cholesky_inverse_upper(H, damp, max_retries, torch.float32, order=perm, dead=dead, **kw)
     else:
         U = torch.empty(e, k, k, device=dev)
-        rel = torch.empty(e, dtype=H.dtype, device=dev)
+        rel = torch.empty(e, dtype=solve_dtype, device=dev)
         fallback = []
         for c0 in range(0, e, fc):
-            u_c, rel[c0:c0 + fc], fb_c = _cholesky_inverse_upper(H[c0:c0 + fc], damp, max_retries, torch.float32)
-            U[c0:c0 + fc] = u_c
+            sl = slice(c0, c0 + fc)
+            u_c, rel[sl], fb_c = _cholesky_inverse_upper(H[sl], damp, max_retries, torch.float32,
+                                                          order=None if perm is None else perm[sl], dead=dead[sl], **kw)
+            U[sl] = u_c
             fallback += fb_c
             del u_c
-    del H, diag
+    del H
     Ud = torch.diagonal(U, dim1=-2, dim2=-1)  # [E, K]
 
     groups = k // gs
@@ -223,7 +251,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
 
     if actorder:
         inv = torch.argsort(perm, dim=-1)
-        Qt = torch.gather(Qt, 1, inv[:, :, None].expand(e, k, n))
+        Qt = torch.stack([Qt[i].index_select(0, inv[i]) for i in range(e)]) if e else Qt
     if static is not None:
         scale, zp = static.scale, static.zero_point
     q8 = Qt.transpose(1, 2).to(torch.int8 if quantize_column is None else torch.uint8).contiguous()
