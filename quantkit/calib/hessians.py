@@ -139,7 +139,7 @@ class ExpertStats:
         """act(gate_e x) * up_e x for the rows xe [n, H] of expert e -> [n, I]. `out` [n, P]: a buffer for the
         gate/up products (the result is then a view of its gate half when `silu`: act_fn is exactly SiLU and
         runs in place, moe._silu_in_place)."""
-        w = self.experts.gate_up_proj[e]
+        w = self.experts.gate_up_proj[e].detach()  # reduce() replays outside the forward's no_grad
         gu = xe @ w.float().T if out is None else torch.mm(xe, w.float().T, out=out)  # [n, P]
         g, u = gu.chunk(2, dim=-1)
         if silu and out is not None:

@@ -111,11 +111,14 @@ def test_gptq_dense_and_kv_byte_identical(src, dense_recipe, reference, tmp_path
     assert "model-kv-scales.safetensors" in got
 
 
-def test_awq_byte_identical_on_3_ranks(src, reference, tmp_path):
+@pytest.mark.parametrize("recipe,ranks", [("int4-experts-awq", 3), ("int4-experts-gptq", 2)])
+def test_experts_only_byte_identical(src, reference, tmp_path, recipe, ranks):
+    """Routed experts alone: AWQ, and GPTQ with its split forward (the statistics replayed on the owners
+    outside the forward)."""
     out = tmp_path / "q"
-    p = _convert(3, src, out, "int4-experts-awq")
+    p = _convert(ranks, src, out, recipe)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert _files(out) == reference("int4-experts-awq")
+    assert _files(out) == reference(recipe)
 
 
 RANKED = textwrap.dedent("""
