@@ -52,3 +52,45 @@ def test_fewer_page_faults_in_gptq_solves(tmp_path):
     assert got["1"][0] and not got["0"][0]
     # ~6700 page faults per solve of two [512, 512] matrices with glibc's defaults, ~170 tuned
     assert got["1"][1] < got["0"][1] / 4, got
+
+
+@pytest.mark.parametrize("text,expected", [("always [madvise] never\n", True), ("[always] madvise never\n", True),
+                                           ("always madvise [never]\n", False), (None, False)])
+def test_huge_pages_on_request(tmp_path, text, expected):
+    path = tmp_path / "enabled"
+    if text is not None:
+        path.write_text(text)
+    assert allocator.huge_pages_on_request(str(path)) is expected
+
+
+HUGE = textwrap.dedent("""
+    import os
+    from quantkit import allocator
+    allocator.tune()
+    import torch
+    x = torch.ones(32 << 18)  # 32 MiB, touched
+    with open("/proc/self/smaps_rollup") as f:
+        huge = sum(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+    print(os.environ.get(allocator.THP_ENV, "-"), huge)
+""")
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="transparent huge pages are Linux's")
+@pytest.mark.parametrize("env,value", [({}, "1"), ({"QUANTKIT_MALLOC": "system"}, "-"),
+                                       ({"THP_MEM_ALLOC_ENABLE": "0"}, "0")])
+def test_torch_asked_for_huge_pages(tmp_path, env, value):
+    """The command's tune() asks torch for huge pages before torch is imported, where the kernel has them
+    on request; the user's own setting, or QUANTKIT_MALLOC=system, is left alone."""
+    import os
+
+    script = tmp_path / "huge.py"
+    script.write_text(HUGE)
+    base = {k: v for k, v in os.environ.items() if k not in ("QUANTKIT_MALLOC", allocator.THP_ENV)}
+    r = run_bounded([sys.executable, str(script)], timeout=300, env={**base, **env})
+    assert r.returncode == 0, r.stderr[-2000:]
+    got, huge = r.stdout.split()
+    on_request = allocator.huge_pages_on_request()
+    assert got == (value if on_request or env else "-")
+    madvise_only = on_request and "[madvise]" in open(allocator.THP_MODE).read()
+    if madvise_only:  # only what is advised gets huge pages: the setting is what makes the difference
+        assert (int(huge) > 0) == (got == "1"), (got, huge)
