@@ -43,10 +43,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":  # the conversions below run in this process: tuned as the `quantkit` command,
+    from quantkit import allocator  # before torch loads (allocator.THP_ENV is read at its first allocation)
+
+    allocator.tune()
+
+import torch  # noqa: E402
 
 from quantkit.plan.calibration import THROUGHPUT, Throughput, calibration_cost  # noqa: E402
 
@@ -356,9 +360,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.layers, a.num_samples = 2, 8
-    from quantkit import allocator
-
-    allocator.tune()  # as the `quantkit` command runs (the conversions below are in this process)
     global CLOCK
     if a.cpu_time:
         a.threads, CLOCK = 1, time.process_time

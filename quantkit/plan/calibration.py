@@ -87,18 +87,17 @@ class Throughput:
         return cls(**kw)
 
 
-# Measured by `python bench/calib_cost.py` (it prints this row to paste here). This one: 2026-12-01 on a
-# 2-core AMD EPYC VM while other jobs kept both cores busy, so in CPU seconds of one thread (`--cpu-time`);
-# a quiet-machine run (wall seconds, both threads) replaces it.
+# Measured by `python bench/calib_cost.py` (it prints this row to paste here). This one: a 2-core AMD EPYC
+# VM with nothing else running, wall seconds, both threads (`--no-awq`; docs/cost.md has its check).
 CPU_MEASURED = Throughput(
     kind="cpu", provenance="measured",
     source="bench/calib_cost.py, AMD EPYC VM, 2 CPUs, torch 2.13.0+cpu, 2 threads, 2026-12-02, wall seconds "
-           "(load average 1.6 at the start)",
-    gemm_flops=1.692e+11, gemm_half_rows=23.71, gram_flops=1.73e+11, gram_half_rows=2.943, gemm64_flops=7.64e+10,
-    chol_flops=1.132e+10, sweep_col_s=5.05e-05, sweep_elems_per_s=4.141e+09, mem_bytes_per_s=4.322e+10, op_s=1.493e-06,
-    read_bytes_per_s=1.759e+10, write_bytes_per_s=1.145e+09, fsync_s=0.0003096, module_s=0.0009898,
-    fake_quant_elems_per_s=8.371e+08, hash_bytes_per_s=1.658e+09, link_bytes_per_s=1.0e9, process_bytes=975269888,
-    setup_s=0.0892, layer_s=6.969e-05,
+           "(load average 0.9 at the start; tree 15f2746 and later: recursive Cholesky, huge pages)",
+    gemm_flops=1.804e+11, gemm_half_rows=23.71, gram_flops=1.85e+11, gram_half_rows=5.233, gemm64_flops=8.451e+10,
+    chol_flops=2.23e+10, sweep_col_s=3.206e-05, sweep_elems_per_s=4.783e+09, mem_bytes_per_s=3.705e+10, op_s=9.532e-07,
+    read_bytes_per_s=2.0e+10, write_bytes_per_s=1.48e+09, fsync_s=0.0002358, module_s=0.0005057,
+    fake_quant_elems_per_s=8.009e+08, hash_bytes_per_s=1.887e+09, link_bytes_per_s=1.0e9, process_bytes=1238392832,
+    setup_s=0.05846, layer_s=6.776e-05,
     notes=("link_bytes_per_s: assumed (gloo over loopback on one host), not measured",),
 )
 
