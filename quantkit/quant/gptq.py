@@ -213,6 +213,10 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
     zp = None if symmetric else torch.empty(e, n, groups, dtype=torch.int32, device=dev)
     Qt = torch.empty(e, k, n, device=dev)
     cur_s = cur_z = None
+    if static is not None:  # [E, G, N]: a visited column's scales (and zero points) are one row per expert
+        ar = torch.arange(e, device=dev)
+        s_rows = static.scale.transpose(1, 2).contiguous()
+        z_rows = None if static.zero_point is None else static.zero_point.transpose(1, 2).contiguous()
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
         W1 = Wt[:, i1:i2]  # [E, B, N], a view: the sweep updates Wt in place
@@ -228,22 +232,19 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
                     zp[:, :, col // gs] = cur_z
             if static is not None:
                 gidx = group_of[:, col]  # [E]
-                cur_s = torch.gather(static.scale, 2, gidx[:, None, None].expand(e, n, 1))[..., 0]
-                cur_z = (None if static.zero_point is None else
-                         torch.gather(static.zero_point, 2, gidx[:, None, None].expand(e, n, 1))[..., 0])
+                cur_s = s_rows[ar, gidx]
+                cur_z = None if z_rows is None else z_rows[ar, gidx]
             wcol = W1[:, i]  # [E, N]
             if quantize_column is not None:
                 q, deq = quantize_column(wcol, cur_s)
                 Qt[:, col] = q.float()
             else:
-                q = torch.round(wcol / cur_s)
+                q = torch.div(wcol, cur_s, out=Qt[:, col]).round_()  # the codes, written in place
                 if cur_z is not None:
-                    q = q + cur_z
-                q = q.clamp_(qmin, qmax)
-                Qt[:, col] = q
+                    q.add_(cur_z)
+                q.clamp_(qmin, qmax)
                 deq = (q - cur_z) * cur_s if cur_z is not None else q * cur_s
-            err = (wcol - deq) / Ud[:, col, None]  # [E, N]
-            Err1[:, i] = err
+            err = torch.sub(wcol, deq, out=Err1[:, i]).div_(Ud[:, col, None])  # [E, N]
             if i + 1 < i2 - i1:  # push the error onto the block's later columns
                 W1[:, i + 1:].addcmul_(Hinv1[:, i, i + 1:, None], err[:, None, :], value=-1)
         if i2 < k:  # lazy batch update of all later columns
