@@ -71,6 +71,14 @@ def _inverse_cholesky(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, ok_a & ok_d
 
 
+def _permute_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """x[i][order[i]] for a batch x [E, K, N] and orders [E, K], written straight into the result."""
+    out = torch.empty_like(x)
+    for i in range(x.shape[0]):
+        torch.index_select(x[i], 0, order[i], out=out[i])
+    return out
+
+
 def _reversed_symmetric(h: torch.Tensor, order: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """J P H P^T J in `dtype` for a batch h [E, K, K]: P the permutation `order` [E, K] (None: identity), J
     the reversal. One copy per matrix through two reused [K, K] buffers (no batch-sized temporaries)."""
@@ -187,7 +195,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
         perm = torch.argsort(diag, dim=-1, descending=True, stable=True)  # [E, K]
         if static is None:
             static = choose_qparams(Wt.transpose(1, 2), num_bits, group_size, symmetric, scale_dtype)  # natural order
-        Wt = torch.stack([Wt[i].index_select(0, perm[i]) for i in range(e)]) if e else Wt
+        Wt = _permute_rows(Wt, perm)
         group_of = torch.div(perm, gs, rounding_mode="floor")  # [E, K] natural group of each visited column
 
     fc = e if factor_chunk is None else max(1, int(factor_chunk))
@@ -252,7 +260,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
 
     if actorder:
         inv = torch.argsort(perm, dim=-1)
-        Qt = torch.stack([Qt[i].index_select(0, inv[i]) for i in range(e)]) if e else Qt
+        Qt = _permute_rows(Qt, inv)
     if static is not None:
         scale, zp = static.scale, static.zero_point
     q8 = Qt.transpose(1, 2).to(torch.int8 if quantize_column is None else torch.uint8).contiguous()
