@@ -23,19 +23,23 @@ from .int4 import QParams, qrange
 
 
 def choose_qparams_clipped(w: torch.Tensor, num_bits: int, group_size: int | None, symmetric: bool,
-                           ratio: torch.Tensor | None = None, scale_dtype: torch.dtype = torch.bfloat16) -> QParams:
-    """Like int4.choose_qparams, with the group range shrunk by `ratio` [..., N, G] (1 = no clipping)."""
+                           ratio: torch.Tensor | float | None = None,
+                           scale_dtype: torch.dtype = torch.bfloat16) -> QParams:
+    """Like int4.choose_qparams, with the group range shrunk by `ratio` [..., N, G] (or one ratio for every
+    group; 1 = no clipping). The group's max and min are two reductions (torch.aminmax over 32 elements is
+    several times slower than both, and |w| would be one more pass)."""
     k = w.shape[-1]
     g = k if group_size is None else group_size
     wg = w.float().reshape(*w.shape[:-1], k // g, g)
+    lo, hi = wg.amin(-1), wg.amax(-1)
     qmin, qmax = qrange(num_bits)
     tiny = torch.finfo(torch.float32).tiny
     r = 1.0 if ratio is None else ratio
-    if symmetric:
-        scale = (wg.abs().amax(-1) * r / ((qmax - qmin) / 2)).to(scale_dtype).float()
+    if symmetric:  # max |w| = max(max w, -min w)
+        scale = (torch.maximum(hi, lo.neg_()).mul_(r) / ((qmax - qmin) / 2)).to(scale_dtype).float()
         return QParams(torch.where(scale > tiny, scale, torch.ones_like(scale)), None)
-    lo = (wg.amin(-1) * r).clamp(max=0.0)
-    hi = (wg.amax(-1) * r).clamp(min=0.0)
+    lo = (lo * r).clamp_(max=0.0)
+    hi = (hi * r).clamp_(min=0.0)
     scale = ((hi - lo) / (qmax - qmin)).to(scale_dtype).float()
     scale = torch.where(scale > tiny, scale, torch.ones_like(scale))
     zp = (qmin - torch.round(lo / scale)).clamp(qmin, qmax).to(torch.int32)
@@ -43,18 +47,20 @@ def choose_qparams_clipped(w: torch.Tensor, num_bits: int, group_size: int | Non
 
 
 def fake_quant(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetric: bool = True,
-               ratio: torch.Tensor | None = None, scale_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Quantize-dequantize w [..., N, K] (float32 result)."""
+               ratio: torch.Tensor | float | None = None, scale_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Quantize-dequantize w [..., N, K] (float32 result). The searches call it for every candidate on whole
+    weight tensors, so it makes one result tensor and works in place on it."""
     qp = choose_qparams_clipped(w, num_bits, group_size, symmetric, ratio, scale_dtype)
     qmin, qmax = qrange(num_bits)
     k = w.shape[-1]
     g = k if group_size is None else group_size
     wg = w.float().reshape(*w.shape[:-1], k // g, g)
     s = qp.scale.unsqueeze(-1)
+    out = torch.div(wg, s).round_()
     if qp.zero_point is None:
-        return (torch.round(wg / s).clamp(qmin, qmax) * s).reshape(w.shape)
+        return out.clamp_(qmin, qmax).mul_(s).reshape(w.shape)
     z = qp.zero_point.unsqueeze(-1).float()
-    return ((torch.round(wg / s) + z).clamp(qmin, qmax).sub(z) * s).reshape(w.shape)
+    return out.add_(z).clamp_(qmin, qmax).sub_(z).mul_(s).reshape(w.shape)
 
 
 def scale_candidates(x_mean: torch.Tensor, w_mean: torch.Tensor, n_grid: int = 20, power_of_two: bool = False):
@@ -132,27 +138,30 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, num_bits: int = 4, group_size:
     gram = torch.bmm(xs.transpose(1, 2), xs).double()  # [E, K, K]
     dev = w.device
     idx = torch.arange(groups, device=dev)
-    gram_g = gram.reshape(e, groups, g, groups, g)[:, idx, :, idx].transpose(0, 1)  # [E, G, g, g] diagonal blocks
+    # the diagonal blocks [E * G, g, g]: group j of expert i is batch entry i * G + j
+    gram_g = gram.reshape(e, groups, g, groups, g)[:, idx, :, idx].transpose(0, 1).reshape(e * groups, g, g)
     best = torch.ones(e, n, groups, device=dev)
-    best_err = torch.full((e, n, groups), float("inf"), dtype=torch.float64, device=dev)
     ratios = clip_ratios(num_bits, symmetric, n_grid, max_shrink)
     for i0 in range(0, n, row_chunk):
         wc = w[:, i0:i0 + row_chunk].float()
         nb = wc.shape[1]
-        be = best_err[:, i0:i0 + nb]
-        br = best[:, i0:i0 + nb]
+        # [E, G, n, g]: each group's rows are one batch entry of the quadratic forms, so that a candidate's
+        # group errors are one batched product with the group's Gram block
+        wp = wc.reshape(e, nb, groups, g).transpose(1, 2).contiguous()
+        be = torch.full((e, groups, nb), float("inf"), dtype=torch.float64, device=dev)
+        br = torch.ones(e, groups, nb, device=dev)
         for r in [1.0] + [r for r in ratios if r != 1.0]:  # r = 1 first: ties keep RTN
-            ratio = torch.full((e, nb, groups), r, device=dev)
-            dw = (wc - fake_quant(wc, num_bits, group_size, symmetric, ratio)).double().reshape(e, nb, groups, g)
-            err = torch.einsum("engk,egkl,engl->eng", dw, gram_g, dw)  # [E, n, G]
+            dw = wp.sub(fake_quant(wp, num_bits, g, symmetric, r)).double().reshape(e * groups, nb, g)
+            err = torch.bmm(dw, gram_g).mul_(dw).sum(-1).reshape(e, groups, nb)  # sum_kl dw_k G_kl dw_l
             better = err < be
-            be[better] = err[better]
-            br[better] = r
+            be = torch.where(better, err, be)
+            br.masked_fill_(better, r)
+        br = br.transpose(1, 2)  # [E, n, G]
         # Groups were chosen independently, but a row's output error also has cross-group terms: keep a
         # row's clip ratios only where they lower the row's whole output error on these inputs.
         keep = _row_error(wc, gram, br, num_bits, group_size, symmetric) < _row_error(
-            wc, gram, torch.ones_like(br), num_bits, group_size, symmetric)  # [E, n]
-        br[~keep] = 1.0
+            wc, gram, None, num_bits, group_size, symmetric)  # [E, n]
+        best[:, i0:i0 + nb] = br.masked_fill(~keep[..., None], 1.0)
     return best
 
 
