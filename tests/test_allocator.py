@@ -94,3 +94,30 @@ def test_torch_asked_for_huge_pages(tmp_path, env, value):
     madvise_only = on_request and "[madvise]" in open(allocator.THP_MODE).read()
     if madvise_only:  # only what is advised gets huge pages: the setting is what makes the difference
         assert (int(huge) > 0) == (got == "1"), (got, huge)
+
+
+def test_reuse_heap_raises_the_mmap_threshold_and_restores_it(monkeypatch):
+    from quantkit.calib import weights
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(weights, "_libc", lambda: Libc())
+    with weights.reuse_heap():
+        assert calls == [(weights.M_MMAP_THRESHOLD, weights.SEARCH_MMAP_THRESHOLD)]
+    assert calls[-1] == (weights.M_MMAP_THRESHOLD, weights.HEAP_MMAP_THRESHOLD)
+    calls.clear()
+    try:
+        with weights.reuse_heap():
+            raise KeyError("a failed search")
+    except KeyError:
+        pass
+    assert calls[-1] == (weights.M_MMAP_THRESHOLD, weights.HEAP_MMAP_THRESHOLD)  # restored on errors too
+    monkeypatch.setattr(weights, "_libc", lambda: None)  # not glibc: nothing to do
+    with weights.reuse_heap():
+        pass
+

@@ -124,14 +124,16 @@ def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: Weig
     w_mean = _group_w_mean(torch.cat(rows), s_gu.group_size)
     del rows
     last = [None]  # the scale whose quantized gate/up the experts hold now (the finalists repeat some)
+    scaled = torch.empty_like(gu)  # every candidate's scaled, then fake-quantized gate/up (one buffer)
 
     def block_loss(s, xs, ref):
         _, s_eff, stored = fold(s)
         for (m, _, _, _), w in zip(orig, stored):
             m.weight.data.copy_(w.to(m.weight.dtype))
         if last[0] is None or not torch.equal(last[0], s_eff):
-            experts.gate_up_proj.data.copy_(fake_quant(gu * s_eff, s_gu.num_bits, s_gu.group_size, s_gu.symmetric)
-                                            .to(dtype))
+            torch.mul(gu, s_eff, out=scaled)
+            experts.gate_up_proj.data.copy_(fake_quant(scaled, s_gu.num_bits, s_gu.group_size, s_gu.symmetric,
+                                                       out=scaled))
             last[0] = s_eff
         return (_mlp_out(mlp, xs / s_eff, dtype) - ref).square().mean()
 

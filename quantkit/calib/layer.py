@@ -26,6 +26,7 @@ from .emit import LayerResult
 from .gptq_pass import gptq_dense, gptq_experts
 from .hessians import ExpertStats, LinearStats
 from .names import disk_name, expert_names
+from .weights import reuse_heap
 
 
 # ---- the layer procedure ----------------------------------------------------------------------------
@@ -142,8 +143,9 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
 
                 def awq():
                     if rank == 0:  # the searches run on rank 0 (every rank holds the same samples)
-                        awq_experts(res, ckpt, idx, names, mlp, experts, router, shared, layer, egroup, stats,
-                                    fp_out=None if inside else stats.block_outputs())
+                        with reuse_heap():  # hundreds of same-sized temporaries per layer
+                            awq_experts(res, ckpt, idx, names, mlp, experts, router, shared, layer, egroup, stats,
+                                        fp_out=None if inside else stats.block_outputs())
 
                 run(awq, f"quantizing the experts of decoder layer {idx}")
                 if dist_par is not None:  # AWQ changed the norm, the router, the shared and routed experts

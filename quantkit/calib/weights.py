@@ -5,6 +5,7 @@ settings that keep a layer-by-layer pass's memory bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import re
@@ -37,19 +38,49 @@ def bound_heap() -> None:
     glibc otherwise raises its mmap threshold after each large free (up to 32 MiB), and the many
     1-32 MiB temporaries of a layer (weights, Gram products, factorizations) then fragment a heap
     that is never given back: measured on bench/gptq_rss.py, the peak RSS drops by ~200 MB."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
+
+
+# A search loop (AWQ's candidates) allocates and frees the same 1-32 MiB temporaries hundreds of times per
+# layer: served as fresh mappings, each one faults its pages in again (on the bench MoE of bench/calib_cost.py,
+# 2.5 million faults and ~19 s of system time in a 70 s AWQ conversion). glibc's largest mmap threshold.
+SEARCH_MMAP_THRESHOLD = 32 << 20
+
+
+@contextlib.contextmanager
+def reuse_heap():
+    """Within the block, serve allocations below 32 MiB from the heap, where freed blocks are reused
+    instead of mapped and faulted in again; on exit back to `bound_heap`'s threshold. The freed memory stays
+    in the heap until `release_memory` (called between layers) trims it."""
+    libc = _libc()
+    if libc is None:
+        yield
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, SEARCH_MMAP_THRESHOLD)
     try:
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
+        yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
+
+
+def _libc():
+    """glibc, for mallopt and malloc_trim; None elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt, libc.malloc_trim  # noqa: B018 (glibc's own functions)
+        return libc
     except (OSError, AttributeError):  # not glibc
-        pass
+        return None
 
 
 def release_memory() -> None:
     """Give freed memory back to the OS between layers (glibc keeps freed heap pages otherwise)."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def stored_modules(ckpt: Checkpoint) -> dict:

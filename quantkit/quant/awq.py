@@ -47,16 +47,18 @@ def choose_qparams_clipped(w: torch.Tensor, num_bits: int, group_size: int | Non
 
 
 def fake_quant(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetric: bool = True,
-               ratio: torch.Tensor | float | None = None, scale_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+               ratio: torch.Tensor | float | None = None, scale_dtype: torch.dtype = torch.bfloat16,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize-dequantize w [..., N, K] (float32 result). The searches call it for every candidate on whole
-    weight tensors, so it makes one result tensor and works in place on it."""
+    weight tensors, so it makes one result tensor (or writes `out`, float32 and contiguous, w's shape; it may
+    be w itself) and works in place on it."""
     qp = choose_qparams_clipped(w, num_bits, group_size, symmetric, ratio, scale_dtype)
     qmin, qmax = qrange(num_bits)
     k = w.shape[-1]
     g = k if group_size is None else group_size
     wg = w.float().reshape(*w.shape[:-1], k // g, g)
     s = qp.scale.unsqueeze(-1)
-    out = torch.div(wg, s).round_()
+    out = torch.div(wg, s, out=None if out is None else out.view(wg.shape)).round_()
     if qp.zero_point is None:
         return out.clamp_(qmin, qmax).mul_(s).reshape(w.shape)
     z = qp.zero_point.unsqueeze(-1).float()
@@ -114,23 +116,29 @@ def clip_ratios(num_bits: int, symmetric: bool, n_grid: int = 20, max_shrink: fl
 
 
 CLIP_GRAM_BYTES = 1 << 26  # float64 [E, K, K] Gram matrices `search_clip` holds at once (at least one expert's)
+# float64 [E, rows, K] errors per candidate (at least one row): below glibc's largest mmap threshold, so that
+# the per-candidate temporaries are reused from the heap instead of mapped and faulted in every time
+CLIP_CHUNK_BYTES = 1 << 24
 
 
 def search_clip(w: torch.Tensor, x: torch.Tensor, num_bits: int = 4, group_size: int | None = 32,
                 symmetric: bool = True, n_grid: int = 20, max_shrink: float = 0.5,
-                x_mask: torch.Tensor | None = None, row_chunk: int = 256) -> torch.Tensor:
+                x_mask: torch.Tensor | None = None, row_chunk: int | None = None) -> torch.Tensor:
     """Per (row, group) range ratio (`clip_ratios`) minimizing sum_t (x[t, g] . (w[n, g] - q_r(w)[n, g]))^2,
     kept for a row only if it also lowers that row's whole output error (groups interact through cross
     terms); otherwise the row keeps r = 1 (RTN).
 
     w [E, N, K]; x [E, T, K] inputs of each matrix (padded), x_mask [E, T] marks real tokens (or weights
-    them). Returns ratio [E, N, G] in [max_shrink, (qmax - qmin) / (2 qmax)]."""
+    them). Rows are searched `row_chunk` at a time (None: as many as CLIP_CHUNK_BYTES allows, at most 256).
+    Returns ratio [E, N, G] in [max_shrink, (qmax - qmin) / (2 qmax)]."""
     e, n, k = w.shape
     per = max(1, CLIP_GRAM_BYTES // (k * k * 8))
     if e > per:  # the float64 Gram matrices of a few experts at a time
         return torch.cat([search_clip(w[i:i + per], x[i:i + per], num_bits, group_size, symmetric, n_grid, max_shrink,
                                       None if x_mask is None else x_mask[i:i + per], row_chunk)
                           for i in range(0, e, per)])
+    if row_chunk is None:
+        row_chunk = max(1, min(256, CLIP_CHUNK_BYTES // (e * k * 8)))
     g = k if group_size is None else group_size
     groups = k // g
     xs = x.float() if x_mask is None else x.float() * x_mask[..., None].float()

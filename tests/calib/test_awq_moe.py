@@ -34,6 +34,38 @@ def test_routed_batches_carry_routing_weights():
     assert all(len(b) == 3 for b in routed_batches(x, idx, e, h))  # unchanged without weights
 
 
+def test_routed_batches_chunk_experts_of_similar_counts():
+    # skewed routing: expert 3 gets most tokens. Chunks go busiest first, so each pads to its own busiest
+    gen = torch.Generator().manual_seed(1)
+    t, e, h = 400, 8, 4
+    p = torch.tensor([1, 1, 1, 12, 1, 2, 4, 1], dtype=torch.float)
+    idx = torch.multinomial(p.expand(t, e), 1, generator=gen)  # top-1
+    counts = torch.bincount(idx.flatten(), minlength=e)
+    x = torch.randn(t, h, generator=gen)
+    budget = 3 * int(counts.max()) * h * 4  # three of the busiest expert's padded blocks
+    chunks = list(routed_batches(x, idx, e, h, budget=budget))
+    order = torch.cat([ids for ids, _, _ in chunks])
+    assert sorted(order.tolist()) == counts.nonzero().flatten().tolist()
+    assert counts[order].tolist() == sorted(counts[order].tolist(), reverse=True)
+    for ids, xs, mask in chunks:
+        assert xs.shape[1] == int(counts[ids].max()) and len(ids) * xs.shape[1] * h * 4 <= max(budget, xs[0].numel() * 4)
+    padded = sum(xs.shape[0] * xs.shape[1] for _, xs, _ in chunks)
+
+    def id_order_padding():  # the same greedy chunking over the experts in id order
+        total, chunk = 0, []
+        for c in counts[counts > 0].tolist():
+            if chunk and (len(chunk) + 1) * max(chunk + [c]) * h * 4 > budget:
+                total, chunk = total + len(chunk) * max(chunk), []
+            chunk.append(c)
+        return total + len(chunk) * max(chunk)
+
+    assert padded < 0.8 * id_order_padding()
+    for ids, xs, mask in chunks:  # at most a quarter of a chunk's rows are padding
+        assert mask.sum() >= 0.75 * mask.numel() - 1e-9
+    # one chunk would hold every expert within the budget, but padding them all to the busiest is not done
+    assert len(list(routed_batches(x, idx, e, h))) > 1
+
+
 def _spool(spool, index):
     out, meta = {}, {}
     for name in index["layers"]:

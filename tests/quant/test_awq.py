@@ -136,3 +136,25 @@ def test_search_clip_chunked_over_experts_equals_whole(monkeypatch):
     whole = awq.search_clip(w, x, 4, 32, True)
     monkeypatch.setattr(awq, "CLIP_GRAM_BYTES", 2 * 64 * 64 * 8)  # two experts per chunk
     assert torch.equal(awq.search_clip(w, x, 4, 32, True), whole)
+
+
+def test_search_clip_row_chunks_do_not_change_the_result():
+    # rows are independent: any chunking of them gives the same ratios, bit for bit
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(3, 70, 128, generator=gen) * torch.rand(128, generator=gen) ** 2
+    x = torch.randn(3, 90, 128, generator=gen)
+    whole = search_clip(w, x, 4, 32, True, row_chunk=70)
+    assert torch.equal(search_clip(w, x, 4, 32, True), whole)
+    assert torch.equal(search_clip(w, x, 4, 32, True, row_chunk=9), whole)
+    assert (whole != 1).any()  # the search clipped something: the comparison is not between all-ones
+
+
+def test_fake_quant_into_a_buffer_and_in_place():
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(2, 16, 64, generator=gen)
+    for sym in (True, False):
+        ref = fake_quant(w, 4, 32, sym)
+        buf = torch.empty_like(w)
+        assert fake_quant(w, 4, 32, sym, out=buf).data_ptr() == buf.data_ptr() and torch.equal(buf, ref)
+        v = w.clone()
+        assert torch.equal(fake_quant(v, 4, 32, sym, out=v), ref) and torch.equal(v, ref)
