@@ -3,19 +3,24 @@ or more source trees of quantkit in the same run (e.g. before and after a change
 
     .venv/bin/python bench/calib_passes.py                              # this tree, --groups 32 --repeat 3
     .venv/bin/python bench/calib_passes.py --trees /tmp/qk-before .     # two trees, rounds interleaved
+    .venv/bin/python bench/calib_passes.py --bench-moe --repeat 2       # the 32-expert bench MoE instead
 
 The model: the trained quality fixture (bench/fixture.py) when it is cached, else (`--random`, or when it is
 not) a random-weight qwen3_moe of the fixture's exact shape (hidden 128, 4 layers, 8 experts top-2 of width 128,
 4 / 2 heads of 32, vocab 256) built with quantkit.testing, cached in bench/.cache/. Calibration: 64 windows of
 128 tokens (the fixture's training windows with bench/quality.py's seed; random ids for the random model),
-written as pre-tokenized rows. Each conversion is quantkit's `convert()` with bench/quality.py's recipe for
-the method and group (routed experts only), timed as bench/quality.py times it: the whole call.
+written as pre-tokenized rows. `--bench-moe`: bench/calib_dist.py's bench MoE instead (random weights, 8 layers,
+32 experts of width 256, hidden 512, top-4), with 16 x 256 random token ids unless --num-samples / --seq-len
+say otherwise. Each conversion is quantkit's `convert()` with bench/quality.py's recipe for the method and
+group (routed experts only), timed as bench/quality.py times it: the whole call. The worker process applies
+the command's allocator settings (quantkit/allocator.py) before it imports torch, as `quantkit convert` does.
 
 A round runs, for each tree in turn, one fresh process (PYTHONPATH = the tree) that converts once with RTN
 (imports and first-touch costs, untimed), then GPTQ, then AWQ. `--repeat` rounds. The table gives every wall
 time, the fastest, the CPU time of the fastest and the ratio of the fastest AWQ to the fastest GPTQ (the
 issue's target: AWQ within 2x of GPTQ). `other` is the CPU (in cores) other processes used during a run: on a
-shared machine it inflates wall times. Results go to bench/results/calib_passes.json (`--json` elsewhere).
+shared machine it inflates wall times. Results go to bench/results/calib_passes.json (calib_passes_bench_moe.json
+with --bench-moe; `--json` elsewhere).
 """
 
 from __future__ import annotations
@@ -39,16 +44,24 @@ def _cpu_total() -> float:
     return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # busy seconds of every core (idle, iowait out)
 
 
-def model_and_rows(random: bool, num_samples: int, seq_len: int, work: Path) -> tuple[Path, Path, str]:
+def model_and_rows(random: bool, num_samples: int, seq_len: int, work: Path,
+                   bench_moe: bool = False) -> tuple[Path, Path, str]:
     import torch
 
     sys.path.insert(0, str(HERE))
+    rows = work / "calib.jsonl"
+    if bench_moe:
+        from calib_dist import BENCH, _dataset, _source
+
+        src = _source(8)
+        _dataset(rows, num_samples, seq_len, BENCH["vocab"])
+        return src, rows, (f"bench/calib_dist.py's bench MoE ({src.parent.name}: 8 layers, {BENCH['experts']} experts, "
+                           f"hidden {BENCH['hidden']}, random weights)")
     from fixture import CACHE, FixtureSpec
     from quality import windows
 
     spec = FixtureSpec()
     done = CACHE / f"fixture-{spec.key}" / "fixture.json"
-    rows = work / "calib.jsonl"
     if not random and done.is_file():
         train = torch.load(done.parent / "train.pt")
         ids = windows(train, seq_len, num_samples, seed=2)
@@ -70,6 +83,12 @@ def model_and_rows(random: bool, num_samples: int, seq_len: int, work: Path) -> 
 
 def worker(a) -> int:
     """One round for one tree: RTN (untimed), then GPTQ and AWQ per group; one JSON line on stdout."""
+    try:
+        from quantkit import allocator  # before torch, as the command does
+
+        allocator.tune()
+    except ImportError:  # a tree from before the allocator settings
+        pass
     import quantkit
     import torch
     from quantkit.convert import ConvertOptions, convert
@@ -101,20 +120,28 @@ def main(argv=None) -> int:
     ap.add_argument("--trees", nargs="+", default=[str(HERE.parent)], help="quantkit source trees to time")
     ap.add_argument("--groups", type=int, nargs="+", default=[32])
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--num-samples", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--num-samples", type=int, default=None, help="default 64 (16 with --bench-moe)")
+    ap.add_argument("--seq-len", type=int, default=None, help="default 128 (256 with --bench-moe)")
+    ap.add_argument("--bench-moe", action="store_true", help="bench/calib_dist.py's 32-expert MoE")
     ap.add_argument("--random", action="store_true", help="the random-weight model even if the fixture is cached")
-    ap.add_argument("--json", default=str(HERE / "results" / "calib_passes.json"))
+    ap.add_argument("--json", default=None,
+                    help="default bench/results/calib_passes.json (calib_passes_bench_moe.json with --bench-moe)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--rows", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.num_samples is None:
+        a.num_samples = 16 if a.bench_moe else 64
+    if a.seq_len is None:
+        a.seq_len = 256 if a.bench_moe else 128
+    if a.json is None:
+        a.json = str(HERE / "results" / ("calib_passes_bench_moe.json" if a.bench_moe else "calib_passes.json"))
     if a.worker:
         return worker(a)
 
     work = Path(tempfile.mkdtemp(prefix="qk-calib-passes-"))
-    src, rows, what = model_and_rows(a.random, a.num_samples, a.seq_len, work)
+    src, rows, what = model_and_rows(a.random, a.num_samples, a.seq_len, work, a.bench_moe)
     trees = [str(Path(t).resolve()) for t in a.trees]
     print(f"model: {what}\n{a.num_samples} x {a.seq_len} tokens; trees: {', '.join(trees)}", flush=True)
     runs: dict[str, list[dict]] = {t: [] for t in trees}
