@@ -14,7 +14,8 @@ checkpoint that exists only as its enumerated tensor headers (plan/tensors.py): 
 Time is a sum of counted work divided by rates:
 - GEMM-shaped work (FLOPs) at `gemm_flops` scaled down for short matrices: a GEMM of m rows runs at
   gemm_flops * m / (m + gemm_half_rows); the Hessians' Gram products (x^T x, reduced over tokens) at
-  `gram_flops` likewise; AWQ's float64 Gram work at `gemm64_flops`;
+  `gram_flops` likewise; AWQ's float64 Gram work at `gemm64_flops`, and its clip search's group errors
+  (batched [m, 32] x [32, 32] products, far below a large GEMM's rate) at `block_form_flops`;
 - GPTQ's factorizations (the Cholesky factor of the reversed Hessian and its triangular inverse: nominal
   2/3 K^3 per matrix, batched) at `chol_flops`; its column sweep as `sweep_col_s` per column step (a dozen small ops: the fixed
   part) plus its in-block updates at `sweep_elems_per_s` (elements updated per second), the lazy block
@@ -55,7 +56,8 @@ class Throughput:
     gemm_half_rows: float  # rows m at which a GEMM [m, k] x [k, n] reaches half of gemm_flops
     gram_flops: float  # x^T x over tokens in float32 (Hessian accumulation), large
     gram_half_rows: float
-    gemm64_flops: float  # float64 GEMM (AWQ's clip search Gram work on the CPU; float32 on a GPU)
+    gemm64_flops: float  # float64 GEMM (AWQ's clip search: the rows' whole errors), large
+    block_form_flops: float  # AWQ's clip search group errors: float64 [m, 32] x [32, 32] products, batched
     chol_flops: float  # batched Cholesky + triangular inverse, nominal 2/3 K^3 per matrix, solve dtype
     sweep_col_s: float  # fixed seconds per column step of GPTQ's sweep (per chunk of experts)
     sweep_elems_per_s: float  # in-block error-feedback updates, elements per second
@@ -88,16 +90,16 @@ class Throughput:
 
 
 # Measured by `python bench/calib_cost.py` (it prints this row to paste here). This one: a 2-core AMD EPYC
-# VM with nothing else running, wall seconds, both threads (`--no-awq`; docs/cost.md has its check).
+# VM with nothing else running, wall seconds, both threads (docs/cost.md has its check).
 CPU_MEASURED = Throughput(
     kind="cpu", provenance="measured",
     source="bench/calib_cost.py, AMD EPYC VM, 2 CPUs, torch 2.13.0+cpu, 2 threads, 2026-12-02, wall seconds "
-           "(load average 0.9 at the start; tree 15f2746 and later: recursive Cholesky, huge pages)",
-    gemm_flops=1.804e+11, gemm_half_rows=23.71, gram_flops=1.85e+11, gram_half_rows=5.233, gemm64_flops=8.451e+10,
-    chol_flops=2.23e+10, sweep_col_s=3.206e-05, sweep_elems_per_s=4.783e+09, mem_bytes_per_s=3.705e+10, op_s=9.532e-07,
-    read_bytes_per_s=2.0e+10, write_bytes_per_s=1.48e+09, fsync_s=0.0002358, module_s=0.0005057,
-    fake_quant_elems_per_s=8.009e+08, hash_bytes_per_s=1.887e+09, link_bytes_per_s=1.0e9, process_bytes=1238392832,
-    setup_s=0.05846, layer_s=6.776e-05,
+           "(load average 0.9 at the start; tree c0aeed5 and later: AWQ's searches on reused heap memory)",
+    gemm_flops=1.987e+11, gemm_half_rows=20.54, gram_flops=1.943e+11, gram_half_rows=1.911, gemm64_flops=8.929e+10,
+    block_form_flops=3.999e+10, chol_flops=2.469e+10, sweep_col_s=2.38e-05, sweep_elems_per_s=7.99e+09,
+    mem_bytes_per_s=4.1e+10, op_s=9.277e-07, read_bytes_per_s=2.296e+10, write_bytes_per_s=1.35e+09,
+    fsync_s=0.0002517, module_s=0.0005299, fake_quant_elems_per_s=1.187e+09, hash_bytes_per_s=1.941e+09,
+    link_bytes_per_s=1.0e9, process_bytes=732897280, setup_s=0.2826, layer_s=3.674e-05,
     notes=("link_bytes_per_s: assumed (gloo over loopback on one host), not measured",),
 )
 
@@ -111,7 +113,8 @@ CUDA_ASSUMED = Throughput(
     gemm_half_rows=256.0,  # a [m, 7168] x [7168, 4096] bf16 GEMM is launch/memory bound below a few hundred rows
     gram_flops=0.7 * 67e12,  # Hessians are float32 bmm (TF32 off, torch's default for matmul): fp32 peak x 0.7
     gram_half_rows=256.0,
-    gemm64_flops=0.7 * 67e12,  # on the GPU AWQ's Gram work is float32 too
+    gemm64_flops=0.7 * 67e12,  # AWQ's clip search is float64 on a GPU too: FP64 tensor-core peak 67 TFLOP/s x 0.7
+    block_form_flops=0.1 * 67e12,  # batched [m, 32] x [32, 32] float64 products: far from peak, x 0.1
     chol_flops=0.15 * 67e12,  # batched float32 potrf/potri: far from peak (cuSOLVER per matrix), x 0.15
     sweep_col_s=15 * 10e-6,  # ~15 kernel launches of ~10 us per column step, whatever the chunk
     sweep_elems_per_s=0.4 * 4.8e12 / 12,  # in-block update reads/writes ~12 bytes per element at 0.4 x HBM
@@ -437,46 +440,61 @@ def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: 
 
 def _awq_search(c: Throughput, s: _LayerShape, s_tok: int, n_grid: int, clip: bool, down: bool,
                 experts: int, g_gu: int, g_dn: int) -> float:
-    """AWQ's searches for one MoE layer (calib/awq_pass.py): the norm scale (n_grid + 1 candidates on 512
-    strided sampled tokens, 3 finalists on all of them: each a fake-quantized copy of every expert's
-    gate/up and a forward of the MoE block), the per-expert up -> down scale (a fake-quant of down and a
-    quadratic form, H x I x I, per candidate and expert), the clip search (per ratio a fake-quant and a
-    group-diagonal quadratic form in float64, and each matrix's row errors twice), the clip choice (four
-    combinations on <= 512 rows), then RTN, SQNR and packing."""
+    """AWQ's searches for one MoE layer, seconds (`_awq_search_parts` summed)."""
+    return sum(_awq_search_parts(c, s, s_tok, n_grid, clip, down, experts, g_gu, g_dn).values())
+
+
+def _awq_search_parts(c: Throughput, s: _LayerShape, s_tok: int, n_grid: int, clip: bool, down: bool,
+                      experts: int, g_gu: int, g_dn: int) -> dict[str, float]:
+    """AWQ's searches for one MoE layer (calib/awq_pass.py), seconds per part: `norm`, the norm scale
+    (n_grid + 1 candidates on 512 strided sampled tokens, 3 finalists on all of them: each a fake-quantized
+    copy of every expert's gate/up and a forward of the MoE block); `down`, the per-expert up -> down scale
+    (the down inputs, their weighted Gram, then per candidate a fake-quant of down and a quadratic form,
+    H x I x I, per expert); `clip`, the clip search (the inputs' Gram; per ratio a fake-quant and the group
+    errors, float64 [rows, g] x [g, g] products; each matrix's row errors twice, float64 [rows, K] x [K, K]);
+    `choice`, the four clip combinations on <= 512 rows; `rtn`, RTN with the found parameters, SQNR, packing."""
     e, h, p, i, k = s.experts, s.h, s.p, s.i, s.top_k
     cands = n_grid + 1
     fq = c.fake_quant_elems_per_s
-    sec = 0.0
+    mem = c.mem_bytes_per_s
+    parts = dict.fromkeys(("norm", "down", "clip", "choice", "rtn"), 0.0)
     # (1) norm scale: every expert's gate/up scaled, fake-quantized and copied in per candidate, block forwards
     sub = min(512, s_tok)
-    sec += (cands + 3) * e * p * h * (1 / fq + 12 / c.mem_bytes_per_s)
+    sec = (cands + 3) * e * p * h * (1 / fq + 12 / mem)
     block_tokens = cands * sub + 3 * s_tok
     block_rows = max(1.0, sub * k / e)
     sec += 2 * block_tokens * (k * (p * h + h * i) + s.dense_params) / _rate(c.gemm_flops, c.gemm_half_rows,
                                                                                block_rows)
-    sec += block_tokens * k * (3 * h + 3 * p) * 4 / c.mem_bytes_per_s + (cands + 3) * (4 * e + 150) * c.op_s
+    sec += block_tokens * k * (3 * h + 3 * p) * 4 / mem + (cands + 3) * (4 * e + 150) * c.op_s
+    parts["norm"] = sec
     # the routed rows of the sampled tokens per expert (experts searched on their own rows)
     rows = s_tok * k / max(1, e)
     # (2) up -> down: down inputs, their weighted Gram, then per candidate a fake-quant of down and H x I x I
-    sec += experts * 2 * rows * (h * p + i * i) / _rate(c.gemm_flops, c.gemm_half_rows, rows)
+    sec = experts * 2 * rows * (h * p + i * i) / _rate(c.gemm_flops, c.gemm_half_rows, rows)
     if down:
-        sec += experts * cands * (2 * h * i * i / _rate(c.gemm_flops, c.gemm_half_rows, h) + h * i / fq)
+        sec += experts * cands * (2 * h * i * i / _rate(c.gemm_flops, c.gemm_half_rows, h) + h * i / fq
+                                  + h * i * 4 * 8 / mem)
+    parts["down"] = sec
     if clip:
+        sec = 0.0
         nratio = 12  # clip_ratios(4 bits, n_grid 20, max_shrink 0.5) and r = 1
         for n_out, kk, g in ((p, h, g_gu), (h, i, g_dn)):
-            sec += experts * 2 * rows * kk * kk / _rate(c.gram_flops, c.gram_half_rows, rows)
-            # per ratio: a fake-quant of the rows and the group-diagonal quadratic form (float64)
-            sec += experts * nratio * (n_out * kk / fq + 2 * n_out * kk * g / c.gemm64_flops
-                                       + n_out * kk * 8 * 3 / c.mem_bytes_per_s)
-            # the rows' whole errors with and without clipping: two fake-quants and two quadratic forms (float64)
-            sec += experts * 2 * (n_out * kk / fq + 2 * n_out * kk * kk / c.gemm64_flops)
+            # the inputs' Gram (float32, then float64) and its diagonal blocks
+            sec += experts * (2 * rows * kk * kk / _rate(c.gram_flops, c.gram_half_rows, rows)
+                              + kk * kk * 24 / mem)
+            # per ratio: a fake-quant, the error converted to float64, the group errors, the running best
+            sec += experts * nratio * (n_out * kk / fq + n_out * kk * 20 / mem
+                                       + 2 * n_out * kk * g / c.block_form_flops + 8 * c.op_s)
+            # the rows' whole errors with and without clipping: a fake-quant and a float64 quadratic form each
+            sec += experts * 2 * (n_out * kk / fq + n_out * kk * 36 / mem + 2 * n_out * kk * kk / c.gemm64_flops)
+        parts["clip"] = sec
         crow = min(rows, 512)
-        sec += experts * crow * (2 * 2 * h * p + 4 * 2 * i * h) / _rate(c.gemm_flops, c.gemm_half_rows, crow)
-        sec += experts * (p * h + h * i) * 2 / fq
+        parts["choice"] = (experts * crow * (2 * 2 * h * p + 4 * 2 * i * h) / _rate(c.gemm_flops, c.gemm_half_rows, crow)
+                           + experts * (p * h + h * i) * 2 / fq)
     # RTN with the found parameters, SQNR, packing and emitting
-    sec += experts * (p * h + h * i) * (1 / fq + 24 / c.mem_bytes_per_s) + experts * 60 * c.op_s
-    sec += experts * 3 * c.module_s
-    return sec
+    parts["rtn"] = (experts * (p * h + h * i) * (1 / fq + 24 / mem) + experts * 60 * c.op_s
+                    + experts * 3 * c.module_s)
+    return parts
 
 
 
