@@ -154,19 +154,21 @@ def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: Weig
     return s_eff, float(a1)
 
 
-def _awq_expert_batches(stats: ExpertStats, x: torch.Tensor, low: torch.Tensor, fallback: str):
+def _awq_expert_batches(stats: ExpertStats, x: torch.Tensor, low: torch.Tensor, fallback: str,
+                        only: torch.Tensor | None = None):
     """(expert ids [e], tokens [e, t, H], token weights [e, t]) for the per-expert searches: the tokens
     routed to each expert, weighted by the router's weight for that expert (its share of the block output),
     0 on padding. Experts below the coverage threshold (`low`) get all sampled tokens with weight 1
-    (fallback all_tokens) or nothing (fallback rtn: no search)."""
+    (fallback all_tokens) or nothing (fallback rtn: no search). `only` (bool [E]): just those experts."""
     _, sidx = stats.samples()
     wts = stats.routing_weights()
-    for ids, xe, mask, ws in routed_batches(x, sidx, stats.E, stats.H, weights=wts):
+    for ids, xe, mask, ws in routed_batches(x, sidx, stats.E, stats.H, weights=wts, only=only):
         keep = ~low[ids.to(low.device)].to(ids.device)
         if keep.any():
             yield ids[keep], xe[keep], (ws * mask)[keep]
-    if fallback == "all_tokens" and low.any():
-        ids = low.nonzero().flatten().to(x.device)
+    fall = low if only is None else low & only.to(low.device)
+    if fallback == "all_tokens" and fall.any():
+        ids = fall.nonzero().flatten().to(x.device)
         per = max(1, PAIR_BUDGET // max(1, x.shape[0] * max(stats.P, stats.H) * 4))
         for i in range(0, len(ids), per):
             sel = ids[i:i + per]
@@ -191,8 +193,40 @@ def down_scale_loss(he: torch.Tensor, wt: torch.Tensor, dn: torch.Tensor, scheme
     return loss
 
 
-def awq_experts(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, layer, g: WeightGroup,
-                stats: ExpertStats, fp_out: torch.Tensor | None = None):
+def search_owners(tokens: list[int], size: int) -> list[int]:
+    """The rank that runs each expert's per-expert searches in a world of `size`: the busiest expert first,
+    each to the least loaded rank, an expert's load being its sampled tokens plus the mean (the searches'
+    work per candidate that does not depend on tokens). Ties: the lower expert, the lower rank."""
+    owner = [0] * len(tokens)
+    if size <= 1:
+        return owner
+    fixed = sum(tokens) / max(1, len(tokens))
+    load = [0.0] * size
+    for e in sorted(range(len(tokens)), key=lambda e: (-tokens[e], e)):
+        r = min(range(size), key=lambda r: (load[r], r))
+        owner[e] = r
+        load[r] += tokens[e] + fixed
+    return owner
+
+
+def _share_search_results(par, owner: list[int], tensors: list[torch.Tensor], labels: list[str]) -> None:
+    """Every rank's per-expert search results on every rank: rank r broadcasts the rows (experts) it owns of
+    each tensor (in place), and the labels through an object collective."""
+    for r in range(par.size):
+        rows = torch.tensor([e for e, o in enumerate(owner) if o == r], dtype=torch.long)
+        if not len(rows):
+            continue
+        for t in tensors:
+            buf = t[rows.to(t.device)].contiguous()
+            par.broadcast_(buf, r)
+            t[rows.to(t.device)] = buf
+    everyone = par.world.all_gather(labels)
+    for e, o in enumerate(owner):
+        labels[e] = everyone[o][e]
+
+
+def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, layer, g: WeightGroup,
+              stats: ExpertStats, fp_out: torch.Tensor | None = None, par=None):
     """AWQ for a MoE block: (1) one scale s [H] shared by every routed expert's gate/up (and the shared
     expert's), searched on the MoE block output and folded into the post-attention norm (router and shared
     expert compensated, see `_awq_norm_scale`); (2) per-expert up->down scales folded into up_proj, searched
@@ -203,7 +237,15 @@ def awq_experts(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared
     Coverage (as for GPTQ, options min_tokens / fallback / stats): an expert with fewer sampled routed
     tokens than min_tokens searches (2) and (3) on all sampled tokens (fallback all_tokens) or skips them
     (fallback rtn: down scale 1, no clipping); the manifest records it. `fp_out`: the block's unquantized
-    output on the sampled tokens when the statistics pass recorded it (else one more forward computes it)."""
+    output on the sampled tokens when the statistics pass recorded it (else one more forward computes it).
+
+    A generator, so that a distributed caller can keep the collectives out of its failure-propagating steps:
+    the first `next()` runs the searches and, in a distributed pass, yields the function that shares their
+    results between the ranks (a collective: every rank calls it); the next `next()` quantizes and emits
+    (rank 0). Distributed (`par`, calib/parallel.py; every rank holds the same samples and the same layer):
+    every rank runs (1), the per-expert searches (2) and (3) are split over the ranks (`search_owners`);
+    rank 0 quantizes and emits every expert (the caller then broadcasts the layer from it). Every expert's
+    search sees the same operands whatever the world size."""
     n_grid = g.options.n_grid
     do_clip = g.options.clip
     do_down = g.options.scale_down
@@ -216,8 +258,9 @@ def awq_experts(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared
     original = {"gu": experts.gate_up_proj.detach().float().clone(), "down": experts.down_proj.detach().float().clone()}
 
     # (1) norm -> gate/up
-    s1, a1 = _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g, x, n_grid, original["gu"],
-                             fp_out)
+    leader = par is None or not par.distributed or par.leader
+    s1, a1 = _awq_norm_scale(res if leader else LayerResult(), ckpt, idx, mlp, experts, router, shared, layer, g,
+                             x, n_grid, original["gu"], fp_out)
     gu = experts.gate_up_proj.detach().float().clone()  # = original * s1, [E, P, H]
     dn = original["down"].clone()  # [E, H, I]
     x_scaled = x / s1  # what the experts now see
@@ -243,7 +286,11 @@ def awq_experts(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared
     clip_gu = torch.ones(E, P, H // (s_gu.group_size or H), device=dev)
     clip_dn = torch.ones(E, H, I // (s_dn.group_size or I), device=dev)
     clipped = [""] * E
-    for ids, xe, wt in _awq_expert_batches(stats, x_scaled, low.to(dev), fallback):
+    owner = search_owners(sampled.tolist(), par.size if par is not None and par.distributed else 1)
+    mine = None
+    if par is not None and par.distributed:
+        mine = torch.tensor([o == par.rank for o in owner], dtype=torch.bool)
+    for ids, xe, wt in _awq_expert_batches(stats, x_scaled, low.to(dev), fallback, only=mine):
         gu_e, dn_e = gu[ids], dn[ids]  # [e, P, H], [e, H, I]
         g_, u_ = torch.bmm(xe, gu_e.transpose(1, 2)).chunk(2, dim=-1)
         he = experts.act_fn(g_) * u_  # [e, t, I]: down_proj inputs
@@ -303,6 +350,10 @@ def awq_experts(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared
             clipped[e] = {(False, False): "none", (True, False): "gate_up", (False, True): "down",
                           (True, True): "gate_up+down"}[(bool(choice[r, 0]), bool(choice[r, 1]))]
         del ref, hq, q_dn
+    if mine is not None:
+        yield lambda: _share_search_results(par, owner, [s2, a2, clip_gu, clip_dn], clipped)
+        if not leader:
+            return
     gu[:, half:, :] /= s2[:, :, None]  # up rows / s
     dn = dn * s2[:, None, :]  # down columns * s
     # to report SQNR against the original weights: effective weight = stored / (what was folded into it)

@@ -230,17 +230,18 @@ GRAM_CHUNK_BYTES = 1 << 25
 
 
 def routed_batches(x: torch.Tensor, idx: torch.Tensor, num_experts: int, width: int, budget: int = PAIR_BUDGET,
-                   weights: torch.Tensor | None = None):
+                   weights: torch.Tensor | None = None, only: torch.Tensor | None = None):
     """Yield (expert ids [e], padded tokens [e, t, D], mask [e, t]) over chunks of experts: the tokens routed
     to each expert (idx [T, k], the router's top-k indices), gathered and zero-padded to the chunk's longest
     list, so that per-expert products are one batched matmul. With `weights` [T, k] (the router's top-k
     weights), each item also carries the weight of each gathered token for that expert: (ids, tokens, mask,
-    weights [e, t], 0 on padding)."""
-    yield from routed_blocks(x, moe.route(idx, weights, num_experts), width, budget, weights=weights is not None)
+    weights [e, t], 0 on padding). `only` (bool [num_experts]): just those experts."""
+    yield from routed_blocks(x, moe.route(idx, weights, num_experts), width, budget, weights=weights is not None,
+                             only=only)
 
 
 def routed_blocks(x: torch.Tensor, routing: "moe.Routing", width: int, budget: int = PAIR_BUDGET,
-                  weights: bool = False):
+                  weights: bool = False, only: torch.Tensor | None = None):
     """`routed_batches` from a routing already sorted (`moe.route` / `moe.routing_for`). Each expert's tokens
     come in ascending token order, zero-padded; experts are chunked so that a padded block [e, t, width]
     of float32 stays within `budget` bytes (at least one expert). The experts go by token count, the
@@ -253,7 +254,8 @@ def routed_blocks(x: torch.Tensor, routing: "moe.Routing", width: int, budget: i
         slot_w = slot_w.float()
     counts = routing.counts.cpu()
     starts = routing.bounds
-    present = counts.nonzero().flatten()
+    present = (counts > 0) if only is None else (counts > 0) & only.cpu()
+    present = present.nonzero().flatten()
     present = present[torch.sort(counts[present], descending=True, stable=True).indices]
     dev = x.device
     i = 0

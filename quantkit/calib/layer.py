@@ -21,7 +21,7 @@ from torch import nn
 from ..errors import CalibrationError
 from ..match.recipe import Recipe, WeightGroup
 from ..read.checkpoint import Checkpoint
-from .awq_pass import awq_experts
+from .awq_pass import awq_steps
 from .emit import LayerResult
 from .gptq_pass import gptq_dense, gptq_experts
 from .hessians import ExpertStats, LinearStats
@@ -141,13 +141,19 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
                 inside = any(n.startswith(mlp_rel) for n, m in layer.named_modules()
                              if any(m is d for d, _ in dense.values()))
 
-                def awq():
-                    if rank == 0:  # the searches run on rank 0 (every rank holds the same samples)
-                        with reuse_heap():  # hundreds of same-sized temporaries per layer
-                            awq_experts(res, ckpt, idx, names, mlp, experts, router, shared, layer, egroup, stats,
-                                        fp_out=None if inside else stats.block_outputs())
+                # every rank holds the same samples; the per-expert searches are split over the ranks, and
+                # their results shared between the two steps (a collective, outside them)
+                steps = awq_steps(res, ckpt, idx, names, mlp, experts, router, shared, layer, egroup, stats,
+                                  fp_out=None if inside else stats.block_outputs(), par=dist_par)
 
-                run(awq, f"quantizing the experts of decoder layer {idx}")
+                def awq_step():
+                    with reuse_heap():  # hundreds of same-sized temporaries per layer
+                        return next(steps, None)
+
+                share = run(awq_step, f"searching AWQ's scales for the experts of decoder layer {idx}")
+                if share is not None:
+                    share()
+                run(awq_step, f"quantizing the experts of decoder layer {idx}")
                 if dist_par is not None:  # AWQ changed the norm, the router, the shared and routed experts
                     for _, p in sorted(layer.named_parameters()):
                         dist_par.broadcast_(p.data, 0)

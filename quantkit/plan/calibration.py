@@ -576,8 +576,8 @@ def _communication(s: _LayerShape, egroup, dense, gq: _Batches, g: int, item: in
     """Bytes one rank receives for one layer in a world of g ranks (calib/parallel.py): every batch's MoE
     inputs (float32 rows, routing indices and weights) broadcast by the rank that forwarded it (AWQ: the
     sampled rows and the block's outputs for them); dense targets' partial Hessians sent to their owners;
-    the dequantized weights broadcast by their owners (AWQ: every parameter of the layer, from rank 0); the
-    packed results gathered on rank 0."""
+    the dequantized weights broadcast by their owners (AWQ: every parameter of the layer, from rank 0, and
+    the per-expert search results from the ranks that ran them); the packed results gathered on rank 0."""
     out: dict[str, float] = {}
     others = sum(gq.all_batches) - gq.rank_tokens
     if egroup is not None and egroup.method == "gptq":
@@ -586,6 +586,8 @@ def _communication(s: _LayerShape, egroup, dense, gq: _Batches, g: int, item: in
     elif egroup is not None:
         out["moe_inputs"] = s_tok * (g - 1) / g * (2 * hidden * 4 + s.top_k * 16)
         out["dequantized_weights"] = s.elements * item
+        gs = egroup.scheme.group_size or s.h  # the other ranks' search results: down scales, clip ratios
+        out["search_results"] = s.experts * (g - 1) / g * (s.i + 1 + (s.p * s.h + s.h * s.i) / gs) * 4
     if dense:
         out["dense_partials"] = len(gq.all_batches) * sum(m.in_features ** 2 * 4 for m, _ in dense.values()) \
             * (g - 1) / g
@@ -723,9 +725,13 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
                 o = egroup.options
                 s_tok = min(int(o.sample_tokens), num_samples * seq_len)
                 sch = egroup.scheme
-                # the searches run on one rank (rank 0), over every expert
-                row["awq_search"] += _awq_search(c, s, s_tok, o.n_grid, o.clip, o.scale_down, s.experts,
-                                                 sch.group_size or s.h, sch.group_size or s.i)
+                # every rank runs the norm-scale search; the per-expert searches are split over the ranks
+                # (awq_pass.search_owners: about E / g each); rank 0 quantizes and emits every expert
+                parts = _awq_search_parts(c, s, s_tok, o.n_grid, o.clip, o.scale_down, s.experts,
+                                          sch.group_size or s.h, sch.group_size or s.i)
+                share = math.ceil(s.experts / g) / s.experts
+                row["awq_search"] += parts["norm"] + parts["rtn"] + share * (parts["down"] + parts["clip"]
+                                                                             + parts["choice"])
                 row["awq_search"] += s_tok * hidden * 4 * 2 / c.mem_bytes_per_s  # the samples and block outputs
             if dense:
                 dshapes = [(1, m.out_features, m.in_features, 1) for m, _ in dense.values()]
@@ -841,7 +847,7 @@ def _assumptions(c: Throughput, g: int, kind: str, gq: _Batches, kvb: list[int],
         a += [f"world size {g} (calib/parallel.py): batches data parallel; expert groups owned round-robin, each "
               "owner accumulates its experts' Hessians from every batch's MoE inputs (broadcast) and solves them; "
               "one rank sums the all-token Hessian; dequantized weights broadcast by their owners, packed results "
-              f"gathered on rank 0; AWQ's searches on rank 0 alone; link {c.link_bytes_per_s / 1e9:.0f} GB/s per "
+              f"gathered on rank 0; AWQ's norm-scale search on every rank, its per-expert searches split over the ranks; link {c.link_bytes_per_s / 1e9:.0f} GB/s per "
               "rank, no overlap with compute"]
     a.append("device memory: the executor's plan (LayerExecutor.plan_memory + calib.layer.statistics_bytes) with "
              "the pass's batches; every rank holds the whole layer, and the Hessians of the experts it owns (the "

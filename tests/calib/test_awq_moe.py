@@ -132,3 +132,32 @@ def test_awq_coverage_fallback_reported(tmp_path):
     index2 = run_calibrated(src, recipe("awq", min_tokens=40), data.samples, tmp_path / "spool2")
     assert {m for m, e in index2["modules"].items() if e["fallback"]} == set(low)
     assert all("searched on all tokens" in index2["modules"][m]["fallback"] for m in low)
+
+
+def test_search_owners_balance_tokens_and_experts():
+    from quantkit.calib.awq_pass import search_owners
+
+    tokens = [900, 10, 10, 10, 10, 10, 300, 300, 5, 0]
+    assert search_owners(tokens, 1) == [0] * len(tokens)
+    own = search_owners(tokens, 3)
+    assert own == search_owners(list(tokens), 3)  # a function of the counts alone: every rank computes the same
+    fixed = sum(tokens) / len(tokens)
+    load = [sum(t + fixed for t, o in zip(tokens, own) if o == r) for r in range(3)]
+    assert own[0] != own[6] and own[6] != own[7] and own[0] != own[7]  # the three busiest on three ranks
+    # the greedy (longest first) is within 4/3 of the best split, which is at least the mean and the busiest
+    assert max(load) <= 4 / 3 * max(sum(load) / 3, tokens[0] + fixed) + 1e-9
+    assert sorted(own.count(r) for r in range(3)) != [0, 0, len(tokens)]
+
+
+def test_routed_batches_only_some_experts():
+    gen = torch.Generator().manual_seed(2)
+    t, k, e, h = 60, 2, 6, 4
+    x = torch.randn(t, h, generator=gen)
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    only = torch.tensor([True, False, True, False, False, True])
+    every = {int(i): xs[r] for ids, xs, _ in routed_batches(x, idx, e, h) for r, i in enumerate(ids)}
+    some = {int(i): xs[r] for ids, xs, _ in routed_batches(x, idx, e, h, only=only) for r, i in enumerate(ids)}
+    assert sorted(some) == [0, 2, 5]
+    for i, xs in some.items():
+        c = int((idx == i).sum())
+        assert torch.equal(xs[:c], every[i][:c])
