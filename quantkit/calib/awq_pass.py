@@ -35,6 +35,18 @@ AWQ_TOKEN_CHUNK = 8192  # tokens per MoE forward inside the norm-scale search (b
 NORM_SEARCH_TOKENS = 512  # sampled tokens (strided) every norm-scale candidate is tried on first
 NORM_SEARCH_FINALISTS = 2  # best candidates on that subset, tried again with s = 1 on every sampled token
 CLIP_CHOICE_TOKENS = 512  # rows per expert (strided) the four clip combinations are compared on at most
+# float32 bytes of experts' weights a whole-layer step (a norm-scale candidate's fake quantization, the
+# final quantization) works on at once: every step is per expert, so the chunking changes no result, and a
+# layer's experts are held once, in the layer's dtype, not as float32 working copies (a Kimi K2 layer's
+# gate/up is 42 GiB in float32)
+EXPERT_CHUNK_BYTES = 1 << 30
+W_MEAN_BYTES = 1 << 30  # float32 bytes of rows `_rows_w_mean` averages in one piece (above: summed by chunks)
+
+
+def _expert_chunks(n_experts: int, expert_elems: int):
+    """Slices of at most EXPERT_CHUNK_BYTES of float32 experts (at least one expert each)."""
+    per = max(1, EXPERT_CHUNK_BYTES // max(1, expert_elems * 4))
+    return [slice(i, min(n_experts, i + per)) for i in range(0, n_experts, per)]
 
 
 def _stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -56,6 +68,23 @@ def _group_w_mean(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
     g = group_size or k
     a = w.abs().reshape(*w.shape[:-1], k // g, g)
     return (a / a.amax(-1, keepdim=True).clamp(min=1e-12)).reshape(w.shape).mean(-2)
+
+
+def _rows_w_mean(parts: list[torch.Tensor], group_size: int | None) -> torch.Tensor:
+    """`_group_w_mean` of the rows of `parts` ([..., K] each) stacked: in one piece up to W_MEAN_BYTES of
+    float32 (the result of one torch.cat), above that summed in float64 over chunks of rows (no copy of
+    every row at once)."""
+    k = parts[0].shape[-1]
+    rows = [p.reshape(-1, k) for p in parts]
+    n = sum(r.shape[0] for r in rows)
+    if n * k * 4 <= W_MEAN_BYTES:
+        return _group_w_mean(torch.cat([r.float() for r in rows]), group_size)
+    acc = torch.zeros(k, dtype=torch.float64, device=parts[0].device)
+    step = max(1, W_MEAN_BYTES // (k * 4))
+    for r in rows:
+        for i in range(0, r.shape[0], step):
+            acc += _group_w_mean(r[i:i + step].float(), group_size).double() * min(step, r.shape[0] - i)
+    return (acc / n).float()
 
 
 def _search_norm_scale(x_mean, w_mean, loss_on, x: torch.Tensor, fp_out: torch.Tensor, n_grid: int):
@@ -120,20 +149,21 @@ def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: Weig
     if fp_out is None:
         fp_out = _mlp_out(mlp, x, dtype)
     x_mean = x.abs().mean(0)
-    rows = [gu.reshape(-1, gu.shape[-1])] + [w for m, _, w, _ in orig if m is not router]
-    w_mean = _group_w_mean(torch.cat(rows), s_gu.group_size)
-    del rows
+    w_mean = _rows_w_mean([gu] + [w for m, _, w, _ in orig if m is not router], s_gu.group_size)
     last = [None]  # the scale whose quantized gate/up the experts hold now (the finalists repeat some)
-    scaled = torch.empty_like(gu)  # every candidate's scaled, then fake-quantized gate/up (one buffer)
+    chunks = _expert_chunks(gu.shape[0], gu[0].numel())
+    scaled = torch.empty((chunks[0].stop - chunks[0].start, *gu.shape[1:]), device=gu.device)  # one chunk
 
     def block_loss(s, xs, ref):
         _, s_eff, stored = fold(s)
         for (m, _, _, _), w in zip(orig, stored):
             m.weight.data.copy_(w.to(m.weight.dtype))
         if last[0] is None or not torch.equal(last[0], s_eff):
-            torch.mul(gu, s_eff, out=scaled)
-            experts.gate_up_proj.data.copy_(fake_quant(scaled, s_gu.num_bits, s_gu.group_size, s_gu.symmetric,
-                                                       out=scaled))
+            for c in chunks:  # every expert's gate/up scaled and fake-quantized, a chunk at a time
+                buf = scaled[:c.stop - c.start]
+                torch.mul(gu[c], s_eff, out=buf)
+                experts.gate_up_proj.data[c].copy_(fake_quant(buf, s_gu.num_bits, s_gu.group_size,
+                                                              s_gu.symmetric, out=buf))
             last[0] = s_eff
         return (_mlp_out(mlp, xs / s_eff, dtype) - ref).square().mean()
 
@@ -150,7 +180,8 @@ def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: Weig
         for (m, name, _, _), w in zip(orig, stored):
             m.weight.data.copy_(w.to(m.weight.dtype))
             res.overrides[name] = m.weight.detach().cpu().clone()
-        experts.gate_up_proj.data.copy_((gu * s_eff).to(dtype))
+        for c in _expert_chunks(gu.shape[0], gu[0].numel()):
+            experts.gate_up_proj.data[c].copy_(gu[c] * s_eff)
     return s_eff, float(a1)
 
 
@@ -162,14 +193,17 @@ def _awq_expert_batches(stats: ExpertStats, x: torch.Tensor, low: torch.Tensor, 
     (fallback all_tokens) or nothing (fallback rtn: no search). `only` (bool [E]): just those experts."""
     _, sidx = stats.samples()
     wts = stats.routing_weights()
-    for ids, xe, mask, ws in routed_batches(x, sidx, stats.E, stats.H, weights=wts, only=only):
+    # a block's experts are searched on float32 copies of their weights (~6 at once): at most a quarter of
+    # EXPERT_CHUNK_BYTES of gate/up per block
+    most = max(1, EXPERT_CHUNK_BYTES // (4 * stats.P * stats.H * 4))
+    for ids, xe, mask, ws in routed_batches(x, sidx, stats.E, stats.H, weights=wts, only=only, max_experts=most):
         keep = ~low[ids.to(low.device)].to(ids.device)
         if keep.any():
             yield ids[keep], xe[keep], (ws * mask)[keep]
     fall = low if only is None else low & only.to(low.device)
     if fallback == "all_tokens" and fall.any():
         ids = fall.nonzero().flatten().to(x.device)
-        per = max(1, PAIR_BUDGET // max(1, x.shape[0] * max(stats.P, stats.H) * 4))
+        per = min(most, max(1, PAIR_BUDGET // max(1, x.shape[0] * max(stats.P, stats.H) * 4)))
         for i in range(0, len(ids), per):
             sel = ids[i:i + per]
             yield sel, x.expand(len(sel), *x.shape), torch.ones(len(sel), x.shape[0], device=x.device)
@@ -255,14 +289,15 @@ def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, 
     s_dn = g.scheme.for_in_features(I)
     x, sidx = stats.samples()  # [T, H]: the MoE block's input (the post-attention norm output)
     dev = x.device
-    original = {"gu": experts.gate_up_proj.detach().float().clone(), "down": experts.down_proj.detach().float().clone()}
+    # the weights before AWQ, in the layer's dtype (float32 copies would be exact but twice a bfloat16 layer)
+    original = {"gu": experts.gate_up_proj.detach().clone(), "down": experts.down_proj.detach().clone()}
 
     # (1) norm -> gate/up
     leader = par is None or not par.distributed or par.leader
     s1, a1 = _awq_norm_scale(res if leader else LayerResult(), ckpt, idx, mlp, experts, router, shared, layer, g,
                              x, n_grid, original["gu"], fp_out)
-    gu = experts.gate_up_proj.detach().float().clone()  # = original * s1, [E, P, H]
-    dn = original["down"].clone()  # [E, H, I]
+    gu = experts.gate_up_proj.detach()  # = original * s1, [E, P, H]; float32 per searched batch of experts
+    dn = original["down"]  # [E, H, I]
     x_scaled = x / s1  # what the experts now see
 
     # coverage: counted on the sampled tokens the searches use
@@ -291,7 +326,7 @@ def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, 
     if par is not None and par.distributed:
         mine = torch.tensor([o == par.rank for o in owner], dtype=torch.bool)
     for ids, xe, wt in _awq_expert_batches(stats, x_scaled, low.to(dev), fallback, only=mine):
-        gu_e, dn_e = gu[ids], dn[ids]  # [e, P, H], [e, H, I]
+        gu_e, dn_e = gu[ids].float(), dn[ids].float()  # [e, P, H], [e, H, I]
         g_, u_ = torch.bmm(xe, gu_e.transpose(1, 2)).chunk(2, dim=-1)
         he = experts.act_fn(g_) * u_  # [e, t, I]: down_proj inputs
         del g_, u_
@@ -354,32 +389,36 @@ def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, 
         yield lambda: _share_search_results(par, owner, [s2, a2, clip_gu, clip_dn], clipped)
         if not leader:
             return
-    gu[:, half:, :] /= s2[:, :, None]  # up rows / s
-    dn = dn * s2[:, None, :]  # down columns * s
     # to report SQNR against the original weights: effective weight = stored / (what was folded into it)
     unfold = {"gu": torch.cat([torch.ones(E, half, 1, device=dev), s2[:, :, None]], 1) / s1,
               "down": 1.0 / s2[:, None, :]}
-
     src_dtype = source_dtype(ckpt, names.module(0, "gate") + ".weight")
     a2 = a2.tolist()
-    for key, w, s, clip, param in (("gu", gu, s_gu, clip_gu, experts.gate_up_proj),
-                                   ("down", dn, s_dn, clip_dn, experts.down_proj)):
-        qp = choose_qparams_clipped(w, s.num_bits, s.group_size, s.symmetric, clip, scale_dtype(src_dtype))
-        q = quantize(w, qp, s.num_bits)
-        deq = dequantize(q, qp.scale, qp.zero_point)
+    for key, s, clip, param in (("gu", s_gu, clip_gu, experts.gate_up_proj), ("down", s_dn, clip_dn, experts.down_proj)):
         parts = (("gate", slice(0, half)), ("up", slice(half, P))) if key == "gu" else (("down", slice(None)),)
-        sq = {kind: sqnr_db(original[key][:, rows], deq[:, rows] * unfold[key][:, rows if key == "gu" else slice(None)],
-                            dim=(-2, -1)).tolist() for kind, rows in parts}
-        qh, sh = q.cpu(), qp.scale.cpu()  # emitted from the host (no-ops on the CPU)
-        zh = None if qp.zero_point is None else qp.zero_point.cpu()
-        for e in range(E):
-            meta = {"method": "awq", "tokens": int(stats.counts[e]), "fallback": reasons[e],
-                    "awq_alpha": round(a1, 3), "awq_down_alpha": round(float(a2[e]), 3),
-                    "awq_clip": clipped[e] or "none"}
-            for kind, rows in parts:
-                zp = None if zh is None else zh[e, rows]
-                emit(res, names.module(e, kind), qh[e, rows], QParams(sh[e, rows], zp), s, src_dtype,
-                     {**meta, "sqnr_db": round(sq[kind][e], 4),
-                      "sqnr_domain": "original weights (AWQ scales unfolded)"})
-        param.data.copy_(deq.to(param.dtype))
-        del q, deq
+        for c in _expert_chunks(E, param[0].numel()):  # the experts a chunk at a time: every step is per expert
+            if key == "gu":
+                w = gu[c].to(torch.float32, copy=True)
+                w[:, half:, :] /= s2[c, :, None]  # up rows / s
+            else:
+                w = dn[c].float() * s2[c, None, :]  # down columns * s
+            qp = choose_qparams_clipped(w, s.num_bits, s.group_size, s.symmetric, clip[c], scale_dtype(src_dtype))
+            q = quantize(w, qp, s.num_bits)
+            del w
+            deq = dequantize(q, qp.scale, qp.zero_point)
+            sq = {kind: sqnr_db(original[key][c, rows],
+                                deq[:, rows] * unfold[key][c, rows if key == "gu" else slice(None)],
+                                dim=(-2, -1)).tolist() for kind, rows in parts}
+            qh, sh = q.cpu(), qp.scale.cpu()  # emitted from the host (no-ops on the CPU)
+            zh = None if qp.zero_point is None else qp.zero_point.cpu()
+            for j, e in enumerate(range(c.start, c.stop)):
+                meta = {"method": "awq", "tokens": int(stats.counts[e]), "fallback": reasons[e],
+                        "awq_alpha": round(a1, 3), "awq_down_alpha": round(float(a2[e]), 3),
+                        "awq_clip": clipped[e] or "none"}
+                for kind, rows in parts:
+                    zp = None if zh is None else zh[j, rows]
+                    emit(res, names.module(e, kind), qh[j, rows], QParams(sh[j, rows], zp), s, src_dtype,
+                         {**meta, "sqnr_db": round(sq[kind][j], 4),
+                          "sqnr_domain": "original weights (AWQ scales unfolded)"})
+            param.data[c].copy_(deq)
+            del q, deq

@@ -230,18 +230,20 @@ GRAM_CHUNK_BYTES = 1 << 25
 
 
 def routed_batches(x: torch.Tensor, idx: torch.Tensor, num_experts: int, width: int, budget: int = PAIR_BUDGET,
-                   weights: torch.Tensor | None = None, only: torch.Tensor | None = None):
+                   weights: torch.Tensor | None = None, only: torch.Tensor | None = None,
+                   max_experts: int | None = None):
     """Yield (expert ids [e], padded tokens [e, t, D], mask [e, t]) over chunks of experts: the tokens routed
     to each expert (idx [T, k], the router's top-k indices), gathered and zero-padded to the chunk's longest
     list, so that per-expert products are one batched matmul. With `weights` [T, k] (the router's top-k
     weights), each item also carries the weight of each gathered token for that expert: (ids, tokens, mask,
-    weights [e, t], 0 on padding). `only` (bool [num_experts]): just those experts."""
+    weights [e, t], 0 on padding). `only` (bool [num_experts]): just those experts; `max_experts`: at most
+    that many per chunk."""
     yield from routed_blocks(x, moe.route(idx, weights, num_experts), width, budget, weights=weights is not None,
-                             only=only)
+                             only=only, max_experts=max_experts)
 
 
 def routed_blocks(x: torch.Tensor, routing: "moe.Routing", width: int, budget: int = PAIR_BUDGET,
-                  weights: bool = False, only: torch.Tensor | None = None):
+                  weights: bool = False, only: torch.Tensor | None = None, max_experts: int | None = None):
     """`routed_batches` from a routing already sorted (`moe.route` / `moe.routing_for`). Each expert's tokens
     come in ascending token order, zero-padded; experts are chunked so that a padded block [e, t, width]
     of float32 stays within `budget` bytes (at least one expert). The experts go by token count, the
@@ -264,7 +266,8 @@ def routed_blocks(x: torch.Tensor, routing: "moe.Routing", width: int, budget: i
         j = i + 1
         longest = int(counts[present[i]])  # the busiest of the chunk: its first
         while j < present.numel():
-            if (j - i + 1) * longest * width * 4 > budget or int(counts[present[j]]) < PAD_RATIO * longest:
+            if ((j - i + 1) * longest * width * 4 > budget or int(counts[present[j]]) < PAD_RATIO * longest
+                    or (max_experts is not None and j - i >= max_experts)):
                 break
             j += 1
         ids = present[i:j]

@@ -72,7 +72,7 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
 
     `par` (calib/parallel.py; None: one process): the statistics forward runs this rank's batches, the
     statistics are reduced to their owners in batch order, each owner solves its dense modules and expert
-    groups (AWQ: rank 0 runs the searches), the dequantized weights are broadcast to every rank, and the
+    groups (AWQ: the per-expert searches split, rank 0 quantizes), the dequantized weights are broadcast to every rank, and the
     result (packed tensors, overrides, metadata) is gathered on rank 0 (other ranks return an empty one).
     Every local phase runs under World.step, so that a failure on one rank stops every rank."""
     from .gptq_pass import expert_group_size, expert_owners, share_expert_weights
@@ -181,9 +181,9 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
     besides the layer's weights and the forward (`layer` may be the meta skeleton). Mirrors the code: the
     expert Hessians (float32; on `ranks` ranks, those of the experts the busiest rank owns), the token
     samples, the Gram/solve working sets (one solve group's factorization within GPTQ_CHUNK_BYTES, a sweep
-    batch of groups within GPTQ_SWEEP_BYTES, PAIR_BUDGET-bounded gathers), AWQ's float32 copies of the
-    experts and its search blocks."""
-    from .awq_pass import AWQ_TOKEN_CHUNK
+    batch of groups within GPTQ_SWEEP_BYTES, PAIR_BUDGET-bounded gathers), AWQ's copy of the experts, its
+    float32 chunks of experts and its search blocks."""
+    from .awq_pass import AWQ_TOKEN_CHUNK, EXPERT_CHUNK_BYTES, W_MEAN_BYTES
     from .gptq_pass import expert_group_size, solve_dtype, sweep_experts
     from .hessians import GRAM_CHUNK_BYTES, PAIR_BUDGET
     from ..quant.awq import CLIP_GRAM_BYTES
@@ -216,12 +216,19 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
             out["solve"] = solve
         else:  # awq
             out["samples"] = s_tok * (2 * h * 4 + k * 12)
-            # float32 copies: the original gate/up and down, the scaled gate/up and down, fake-quantized
-            # gate/up during the norm search; at the end the codes and dequantized weights
-            out["awq_weights"] = e * ((4 * p * h + 2 * h * i) * 4 + p * h * 5)
-            chunk = min(s_tok, AWQ_TOKEN_CHUNK)
-            out["searches"] = max(8 * PAIR_BUDGET + 2 * CLIP_GRAM_BYTES,
-                                  chunk * (h * 4 * (LIVE_TEMPORARIES_AWQ) + k * 2 * p * 4)) + upcast
+            # the experts before AWQ, in the layer's dtype; then a chunk of experts at a time (awq_pass
+            # EXPERT_CHUNK_BYTES) in float32: a candidate's fake quantization, or at the end the weights, codes,
+            # dequantized values and the SQNR's float64 copies (~37 bytes per element); or the weight
+            # statistic's rows (W_MEAN_BYTES, ~3 float32 copies)
+            item = torch.empty((), dtype=compute_dtype).element_size()
+            chunk = min(e, max(1, EXPERT_CHUNK_BYTES // (p * h * 4))) * p * h
+            gs = egroup.scheme.group_size or h
+            out["awq_weights"] = (e * (p * h + h * i) * item + e * (p * h + h * i) // gs * 4  # + clip ratios
+                                  + max(37 * chunk, 3 * min(e * p * h * 4, W_MEAN_BYTES)))
+            tok = min(s_tok, AWQ_TOKEN_CHUNK)
+            block = min(e, max(1, EXPERT_CHUNK_BYTES // (4 * p * h * 4)))  # experts searched at once (~6 copies)
+            out["searches"] = max(8 * PAIR_BUDGET + 2 * CLIP_GRAM_BYTES + 6 * block * (p * h + h * i) * 4,
+                                  tok * (h * 4 * (LIVE_TEMPORARIES_AWQ) + k * 2 * p * 4)) + upcast
     if dense:
         out["dense_hessians"] = sum(m.in_features * m.in_features * 4 for m, _ in dense.values())
         out["dense_solve"] = max(5 * m.in_features * m.in_features * sitem + 5 * m.out_features * m.in_features * 4

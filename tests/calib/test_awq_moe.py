@@ -161,3 +161,32 @@ def test_routed_batches_only_some_experts():
     for i, xs in some.items():
         c = int((idx == i).sum())
         assert torch.equal(xs[:c], every[i][:c])
+
+
+def test_awq_in_chunks_of_experts_gives_the_same_bytes(tmp_path, monkeypatch):
+    # every whole-layer step of AWQ is per expert: one expert per chunk (and per searched block) must give
+    # exactly what one chunk of every expert gives
+    from quantkit.calib import awq_pass
+
+    src = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8)
+    data = load_calibration_data(None, vocab_size=512, num_samples=8, seq_len=64)
+    whole = run_calibrated(src, recipe("awq"), data.samples, tmp_path / "whole")
+    ref, ref_meta = _spool(tmp_path / "whole", whole)
+    gu_bytes = max(t.numel() for k, t in ref.items() if k.endswith("gate_proj.weight_packed")) * 8 * 2 * 4
+    monkeypatch.setattr(awq_pass, "EXPERT_CHUNK_BYTES", gu_bytes)  # one expert's float32 gate/up per chunk
+    assert len(awq_pass._expert_chunks(8, gu_bytes // 4)) == 8
+    chunked = run_calibrated(src, recipe("awq"), data.samples, tmp_path / "chunked")
+    got, got_meta = _spool(tmp_path / "chunked", chunked)
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    assert got_meta == ref_meta
+
+
+def test_rows_w_mean_in_chunks_matches_one_piece(monkeypatch):
+    from quantkit.calib import awq_pass
+
+    gen = torch.Generator().manual_seed(5)
+    parts = [torch.randn(6, 20, 64, generator=gen), torch.randn(9, 64, generator=gen)]
+    whole = awq_pass._rows_w_mean(parts, 32)
+    assert torch.equal(whole, awq_pass._group_w_mean(torch.cat([parts[0].reshape(-1, 64), parts[1]]), 32))
+    monkeypatch.setattr(awq_pass, "W_MEAN_BYTES", 7 * 64 * 4)  # 7 rows at a time: crosses the part boundary
+    assert torch.allclose(awq_pass._rows_w_mean(parts, 32), whole, rtol=1e-6, atol=0)
