@@ -91,23 +91,63 @@ def _search_norm_scale(x_mean, w_mean, loss_on, x: torch.Tensor, fp_out: torch.T
     """The norm-scale grid search (quant.awq.search_scales' candidates and tie rule: the earlier candidate,
     s = 1 first, wins a tie) run in two rounds: every candidate on NORM_SEARCH_TOKENS strided tokens, then
     the NORM_SEARCH_FINALISTS best and s = 1 on all of x. `loss_on(s, x, ref)` -> scalar. Returns (s, a)."""
+    return _drive(_norm_search_steps(x_mean, w_mean, loss_on, x, fp_out, n_grid))
+
+
+def _drive(steps):
+    """Run a generator of `awq_steps`' kind to its end, calling every exchange it yields; its return value."""
+    try:
+        while True:
+            next(steps)()
+    except StopIteration as stop:
+        return stop.value
+
+
+def _losses(par, loss_of, todo: list[int]):
+    """Generator: the losses of candidates `todo`, each computed by one rank (the j-th by rank j % world) and
+    exchanged (yields the all-gather for the caller to run); returns {candidate: loss} on every rank."""
+    mine = {i: loss_of(i) for j, i in enumerate(todo) if j % par.size == par.rank}
+    box: dict = {}
+    yield lambda: box.update(all=par.world.all_gather(mine))
+    return {i: v for part in box["all"] for i, v in part.items()}
+
+
+def _norm_search_steps(x_mean, w_mean, loss_on, x: torch.Tensor, fp_out: torch.Tensor, n_grid: int, par=None):
+    """`_search_norm_scale` as a generator. Distributed (`par`): each round's candidates are split over the
+    ranks and their losses exchanged (yielded, see `awq_steps`); every rank then makes the same choice from
+    the same numbers, so the result does not depend on the world size."""
     n = x.shape[0]
+    cands = [(-1.0, torch.ones_like(x_mean, dtype=torch.float32))] + list(scale_candidates(x_mean, w_mean, n_grid))
+    split = par is not None and par.distributed
     if n <= NORM_SEARCH_TOKENS:
-        best, a, _ = search_scales(x_mean, w_mean, lambda s: loss_on(s, x, fp_out), n_grid)
-        return best, float(a)
+        if not split:
+            best, a, _ = search_scales(x_mean, w_mean, lambda s: loss_on(s, x, fp_out), n_grid)
+            return best, float(a)
+        full = yield from _losses(par, lambda i: float(loss_on(cands[i][1], x, fp_out)), list(range(len(cands))))
+        win = 0
+        for i in range(1, len(cands)):  # search_scales' rule: strictly lower wins, so the earlier one keeps a tie
+            if full[i] < full[win]:
+                win = i
+        return cands[win][1], float(cands[win][0])
     sub = torch.linspace(0, n - 1, NORM_SEARCH_TOKENS, device=x.device).round().long()
     xs, refs = x[sub], fp_out[sub]
-    cands = [(-1.0, torch.ones_like(x_mean, dtype=torch.float32))] + list(scale_candidates(x_mean, w_mean, n_grid))
-    first = [float(loss_on(s, xs, refs)) for _, s in cands]
+    if split:
+        got = yield from _losses(par, lambda i: float(loss_on(cands[i][1], xs, refs)), list(range(len(cands))))
+        first = [got[i] for i in range(len(cands))]
+    else:
+        first = [float(loss_on(s, xs, refs)) for _, s in cands]
     ranked = sorted(range(len(cands)), key=lambda i: (first[i], i))
     finalists = sorted({0, *ranked[:NORM_SEARCH_FINALISTS]})
-    full = {i: float(loss_on(cands[i][1], x, fp_out)) for i in finalists}
+    if split:
+        full = yield from _losses(par, lambda i: float(loss_on(cands[i][1], x, fp_out)), finalists)
+    else:
+        full = {i: float(loss_on(cands[i][1], x, fp_out)) for i in finalists}
     win = min(finalists, key=lambda i: (full[i], i))
     return cands[win][1], float(cands[win][0])
 
 
 def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: WeightGroup, x: torch.Tensor,
-                    n_grid: int, gu: torch.Tensor, fp_out: torch.Tensor | None = None):
+                    n_grid: int, gu: torch.Tensor, fp_out: torch.Tensor | None = None, par=None):
     """(1) One per-channel scale s [H] for every routed expert's gate/up (and the shared expert's): the
     post-attention norm weight becomes norm / s, every reader of the norm output (experts, router, shared
     expert) is multiplied by s. The search loss is the MoE block output error against the unquantized block,
@@ -168,7 +208,7 @@ def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: Weig
         return (_mlp_out(mlp, xs / s_eff, dtype) - ref).square().mean()
 
     try:
-        s1, a1 = _search_norm_scale(x_mean, w_mean, block_loss, x, fp_out, n_grid)
+        s1, a1 = yield from _norm_search_steps(x_mean, w_mean, block_loss, x, fp_out, n_grid, par)
     finally:
         experts.gate_up_proj.data.copy_(gu.to(dtype))  # gu is the float32 copy of these very values
         for m, _, w, _ in orig:
@@ -274,12 +314,13 @@ def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, 
     output on the sampled tokens when the statistics pass recorded it (else one more forward computes it).
 
     A generator, so that a distributed caller can keep the collectives out of its failure-propagating steps:
-    the first `next()` runs the searches and, in a distributed pass, yields the function that shares their
-    results between the ranks (a collective: every rank calls it); the next `next()` quantizes and emits
+    each `next()` runs a step and, in a distributed pass, yields the function that exchanges its results
+    between the ranks (a collective: every rank calls it) until the last `next()`, which quantizes and emits
     (rank 0). Distributed (`par`, calib/parallel.py; every rank holds the same samples and the same layer):
-    every rank runs (1), the per-expert searches (2) and (3) are split over the ranks (`search_owners`);
-    rank 0 quantizes and emits every expert (the caller then broadcasts the layer from it). Every expert's
-    search sees the same operands whatever the world size."""
+    the candidates of each round of (1) are split over the ranks and their losses exchanged (two more
+    yields), the per-expert searches (2) and (3) are split too (`search_owners`); rank 0 quantizes and emits
+    every expert (the caller then broadcasts the layer from it). Every candidate and every expert's search
+    sees the same operands whatever the world size."""
     n_grid = g.options.n_grid
     do_clip = g.options.clip
     do_down = g.options.scale_down
@@ -294,8 +335,8 @@ def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, 
 
     # (1) norm -> gate/up
     leader = par is None or not par.distributed or par.leader
-    s1, a1 = _awq_norm_scale(res if leader else LayerResult(), ckpt, idx, mlp, experts, router, shared, layer, g,
-                             x, n_grid, original["gu"], fp_out)
+    s1, a1 = yield from _awq_norm_scale(res if leader else LayerResult(), ckpt, idx, mlp, experts, router, shared,
+                                        layer, g, x, n_grid, original["gu"], fp_out, par)
     gu = experts.gate_up_proj.detach()  # = original * s1, [E, P, H]; float32 per searched batch of experts
     dn = original["down"]  # [E, H, I]
     x_scaled = x / s1  # what the experts now see

@@ -141,8 +141,8 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
                 inside = any(n.startswith(mlp_rel) for n, m in layer.named_modules()
                              if any(m is d for d, _ in dense.values()))
 
-                # every rank holds the same samples; the per-expert searches are split over the ranks, and
-                # their results shared between the two steps (a collective, outside them)
+                # every rank holds the same samples; the norm-scale candidates and the per-expert searches are
+                # split over the ranks, and their results exchanged between the steps (collectives, outside them)
                 steps = awq_steps(res, ckpt, idx, names, mlp, experts, router, shared, layer, egroup, stats,
                                   fp_out=None if inside else stats.block_outputs(), par=dist_par)
 
@@ -151,9 +151,9 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
                         return next(steps, None)
 
                 share = run(awq_step, f"searching AWQ's scales for the experts of decoder layer {idx}")
-                if share is not None:
+                while share is not None:  # an exchange between the ranks, then the next step
                     share()
-                run(awq_step, f"quantizing the experts of decoder layer {idx}")
+                    share = run(awq_step, f"AWQ for the experts of decoder layer {idx}")
                 if dist_par is not None:  # AWQ changed the norm, the router, the shared and routed experts
                     for _, p in sorted(layer.named_parameters()):
                         dist_par.broadcast_(p.data, 0)

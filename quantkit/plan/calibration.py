@@ -725,13 +725,16 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
                 o = egroup.options
                 s_tok = min(int(o.sample_tokens), num_samples * seq_len)
                 sch = egroup.scheme
-                # every rank runs the norm-scale search; the per-expert searches are split over the ranks
-                # (awq_pass.search_owners: about E / g each); rank 0 quantizes and emits every expert
+                # the norm-scale candidates of each round and the per-expert searches (awq_pass.search_owners:
+                # about E / g each) are split over the ranks; rank 0 quantizes and emits every expert
                 parts = _awq_search_parts(c, s, s_tok, o.n_grid, o.clip, o.scale_down, s.experts,
                                           sch.group_size or s.h, sch.group_size or s.i)
                 share = math.ceil(s.experts / g) / s.experts
-                row["awq_search"] += parts["norm"] + parts["rtn"] + share * (parts["down"] + parts["clip"]
-                                                                             + parts["choice"])
+                cands, sub = o.n_grid + 1, min(512, s_tok)  # the busiest rank's share of the candidates' tokens
+                norm_share = ((math.ceil(cands / g) * sub + math.ceil(3 / g) * s_tok) / (cands * sub + 3 * s_tok)
+                              if s_tok > sub else math.ceil(cands / g) / cands)
+                row["awq_search"] += (norm_share * parts["norm"] + parts["rtn"]
+                                      + share * (parts["down"] + parts["clip"] + parts["choice"]))
                 row["awq_search"] += s_tok * hidden * 4 * 2 / c.mem_bytes_per_s  # the samples and block outputs
             if dense:
                 dshapes = [(1, m.out_features, m.in_features, 1) for m, _ in dense.values()]
@@ -847,7 +850,7 @@ def _assumptions(c: Throughput, g: int, kind: str, gq: _Batches, kvb: list[int],
         a += [f"world size {g} (calib/parallel.py): batches data parallel; expert groups owned round-robin, each "
               "owner accumulates its experts' Hessians from every batch's MoE inputs (broadcast) and solves them; "
               "one rank sums the all-token Hessian; dequantized weights broadcast by their owners, packed results "
-              f"gathered on rank 0; AWQ's norm-scale search on every rank, its per-expert searches split over the ranks; link {c.link_bytes_per_s / 1e9:.0f} GB/s per "
+              f"gathered on rank 0; AWQ's norm-scale candidates and per-expert searches split over the ranks; link {c.link_bytes_per_s / 1e9:.0f} GB/s per "
               "rank, no overlap with compute"]
     a.append("device memory: the executor's plan (LayerExecutor.plan_memory + calib.layer.statistics_bytes) with "
              "the pass's batches; every rank holds the whole layer, and the Hessians of the experts it owns (the "

@@ -51,8 +51,14 @@ def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
 
 
+# more sampled tokens than AWQ's NORM_SEARCH_TOKENS (512): the norm-scale search's two rounds, split over ranks
+AWQ_ROUNDS_CAL = ["--num-samples", "12", "--seq-len", "64"]
+
+
 def _cal(recipe) -> list[str]:
-    return DENSE_CAL if str(recipe).endswith("dense-gptq-kv.yaml") else CAL
+    if str(recipe).endswith("dense-gptq-kv.yaml"):
+        return DENSE_CAL
+    return AWQ_ROUNDS_CAL if str(recipe).endswith("awq-two-rounds.yaml") else CAL
 
 
 def _convert(n: int, src, out, recipe, *extra, script: Path | None = None):
@@ -78,6 +84,16 @@ def src(tmp_path_factory):
 def dense_recipe(tmp_path_factory):
     p = tmp_path_factory.mktemp("recipe") / "dense-gptq-kv.yaml"
     p.write_text(DENSE)
+    return p
+
+
+@pytest.fixture(scope="module")
+def awq_rounds_recipe(tmp_path_factory):
+    """The shipped int4-experts-awq recipe under a name that gets AWQ_ROUNDS_CAL."""
+    import quantkit
+
+    p = tmp_path_factory.mktemp("recipe") / "awq-two-rounds.yaml"
+    p.write_text((Path(quantkit.__file__).parent / "data" / "recipes" / "int4-experts-awq.yaml").read_text())
     return p
 
 
@@ -119,6 +135,15 @@ def test_experts_only_byte_identical(src, reference, tmp_path, recipe, ranks):
     p = _convert(ranks, src, out, recipe)
     assert p.returncode == 0, p.stderr[-3000:]
     assert _files(out) == reference(recipe)
+
+
+def test_awq_norm_search_rounds_split_byte_identical(src, reference, awq_rounds_recipe, tmp_path):
+    """AWQ on 768 sampled tokens: the norm-scale candidates of both rounds and the per-expert searches split
+    over 3 ranks write the single process's bytes."""
+    out = tmp_path / "q"
+    p = _convert(3, src, out, awq_rounds_recipe)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert _files(out) == reference(awq_rounds_recipe)
 
 
 RANKED = textwrap.dedent("""
