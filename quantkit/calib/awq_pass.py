@@ -43,9 +43,20 @@ EXPERT_CHUNK_BYTES = 1 << 30
 W_MEAN_BYTES = 1 << 30  # float32 bytes of rows `_rows_w_mean` averages in one piece (above: summed by chunks)
 
 
+def experts_per_chunk(expert_elems: int) -> int:
+    """Experts of `expert_elems` elements in EXPERT_CHUNK_BYTES of float32 (at least one)."""
+    return max(1, EXPERT_CHUNK_BYTES // max(1, expert_elems * 4))
+
+
+def search_block_experts(p: int, h: int) -> int:
+    """Experts searched at once (`_awq_expert_batches`): the searches hold ~6 float32 copies of a block's
+    weights, so at most a quarter of EXPERT_CHUNK_BYTES of gate/up [p, h] per block (at least one)."""
+    return experts_per_chunk(4 * p * h)
+
+
 def _expert_chunks(n_experts: int, expert_elems: int):
     """Slices of at most EXPERT_CHUNK_BYTES of float32 experts (at least one expert each)."""
-    per = max(1, EXPERT_CHUNK_BYTES // max(1, expert_elems * 4))
+    per = experts_per_chunk(expert_elems)
     return [slice(i, min(n_experts, i + per)) for i in range(0, n_experts, per)]
 
 
@@ -104,8 +115,11 @@ def _drive(steps):
 
 
 def _losses(par, loss_of, todo: list[int]):
-    """Generator: the losses of candidates `todo`, each computed by one rank (the j-th by rank j % world) and
-    exchanged (yields the all-gather for the caller to run); returns {candidate: loss} on every rank."""
+    """Generator: {candidate: loss} for the candidates `todo`. One process computes them all (no yield); a
+    distributed `par` has each computed by one rank (the j-th by rank j % world) and exchanged (yields the
+    all-gather for the caller to run), and returns them all on every rank."""
+    if par is None or not par.distributed:
+        return {i: loss_of(i) for i in todo}
     mine = {i: loss_of(i) for j, i in enumerate(todo) if j % par.size == par.rank}
     box: dict = {}
     yield lambda: box.update(all=par.world.all_gather(mine))
@@ -118,11 +132,7 @@ def _norm_search_steps(x_mean, w_mean, loss_on, x: torch.Tensor, fp_out: torch.T
     the same numbers, so the result does not depend on the world size."""
     n = x.shape[0]
     cands = [(-1.0, torch.ones_like(x_mean, dtype=torch.float32))] + list(scale_candidates(x_mean, w_mean, n_grid))
-    split = par is not None and par.distributed
-    if n <= NORM_SEARCH_TOKENS:
-        if not split:
-            best, a, _ = search_scales(x_mean, w_mean, lambda s: loss_on(s, x, fp_out), n_grid)
-            return best, float(a)
+    if n <= NORM_SEARCH_TOKENS:  # one round on every token
         full = yield from _losses(par, lambda i: float(loss_on(cands[i][1], x, fp_out)), list(range(len(cands))))
         win = 0
         for i in range(1, len(cands)):  # search_scales' rule: strictly lower wins, so the earlier one keeps a tie
@@ -131,17 +141,10 @@ def _norm_search_steps(x_mean, w_mean, loss_on, x: torch.Tensor, fp_out: torch.T
         return cands[win][1], float(cands[win][0])
     sub = torch.linspace(0, n - 1, NORM_SEARCH_TOKENS, device=x.device).round().long()
     xs, refs = x[sub], fp_out[sub]
-    if split:
-        got = yield from _losses(par, lambda i: float(loss_on(cands[i][1], xs, refs)), list(range(len(cands))))
-        first = [got[i] for i in range(len(cands))]
-    else:
-        first = [float(loss_on(s, xs, refs)) for _, s in cands]
+    first = yield from _losses(par, lambda i: float(loss_on(cands[i][1], xs, refs)), list(range(len(cands))))
     ranked = sorted(range(len(cands)), key=lambda i: (first[i], i))
     finalists = sorted({0, *ranked[:NORM_SEARCH_FINALISTS]})
-    if split:
-        full = yield from _losses(par, lambda i: float(loss_on(cands[i][1], x, fp_out)), finalists)
-    else:
-        full = {i: float(loss_on(cands[i][1], x, fp_out)) for i in finalists}
+    full = yield from _losses(par, lambda i: float(loss_on(cands[i][1], x, fp_out)), finalists)
     win = min(finalists, key=lambda i: (full[i], i))
     return cands[win][1], float(cands[win][0])
 
@@ -220,7 +223,7 @@ def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: Weig
         for (m, name, _, _), w in zip(orig, stored):
             m.weight.data.copy_(w.to(m.weight.dtype))
             res.overrides[name] = m.weight.detach().cpu().clone()
-        for c in _expert_chunks(gu.shape[0], gu[0].numel()):
+        for c in chunks:
             experts.gate_up_proj.data[c].copy_(gu[c] * s_eff)
     return s_eff, float(a1)
 
@@ -233,9 +236,7 @@ def _awq_expert_batches(stats: ExpertStats, x: torch.Tensor, low: torch.Tensor, 
     (fallback all_tokens) or nothing (fallback rtn: no search). `only` (bool [E]): just those experts."""
     _, sidx = stats.samples()
     wts = stats.routing_weights()
-    # a block's experts are searched on float32 copies of their weights (~6 at once): at most a quarter of
-    # EXPERT_CHUNK_BYTES of gate/up per block
-    most = max(1, EXPERT_CHUNK_BYTES // (4 * stats.P * stats.H * 4))
+    most = search_block_experts(stats.P, stats.H)
     for ids, xe, mask, ws in routed_batches(x, sidx, stats.E, stats.H, weights=wts, only=only, max_experts=most):
         keep = ~low[ids.to(low.device)].to(ids.device)
         if keep.any():

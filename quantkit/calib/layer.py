@@ -183,7 +183,7 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
     samples, the Gram/solve working sets (one solve group's factorization within GPTQ_CHUNK_BYTES, a sweep
     batch of groups within GPTQ_SWEEP_BYTES, PAIR_BUDGET-bounded gathers), AWQ's copy of the experts, its
     float32 chunks of experts and its search blocks."""
-    from .awq_pass import AWQ_TOKEN_CHUNK, EXPERT_CHUNK_BYTES, W_MEAN_BYTES
+    from .awq_pass import AWQ_TOKEN_CHUNK, W_MEAN_BYTES, experts_per_chunk, search_block_experts
     from .gptq_pass import expert_group_size, solve_dtype, sweep_experts
     from .hessians import GRAM_CHUNK_BYTES, PAIR_BUDGET
     from ..quant.awq import CLIP_GRAM_BYTES
@@ -221,12 +221,12 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
             # dequantized values and the SQNR's float64 copies (~37 bytes per element); or the weight
             # statistic's rows (W_MEAN_BYTES, ~3 float32 copies)
             item = torch.empty((), dtype=compute_dtype).element_size()
-            chunk = min(e, max(1, EXPERT_CHUNK_BYTES // (p * h * 4))) * p * h
+            chunk = min(e, experts_per_chunk(p * h)) * p * h
             gs = egroup.scheme.group_size or h
             out["awq_weights"] = (e * (p * h + h * i) * item + e * (p * h + h * i) // gs * 4  # + clip ratios
                                   + max(37 * chunk, 3 * min(e * p * h * 4, W_MEAN_BYTES)))
             tok = min(s_tok, AWQ_TOKEN_CHUNK)
-            block = min(e, max(1, EXPERT_CHUNK_BYTES // (4 * p * h * 4)))  # experts searched at once (~6 copies)
+            block = min(e, search_block_experts(p, h))  # experts searched at once (~6 float32 copies)
             out["searches"] = max(8 * PAIR_BUDGET + 2 * CLIP_GRAM_BYTES + 6 * block * (p * h + h * i) * 4,
                                   tok * (h * 4 * (LIVE_TEMPORARIES_AWQ) + k * 2 * p * 4)) + upcast
     if dense:
