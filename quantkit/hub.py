@@ -79,6 +79,34 @@ METADATA_FILES = (
 )
 
 
+def shown(s: str, limit: int = 120) -> str:
+    """`s` as an error message echoes it: repr'd, cut to `limit` characters (a hostile argument may be
+    megabytes long; the message stays one short line)."""
+    return repr(s) if len(s) <= limit else f"{s[:limit]!r}... ({len(s)} characters)"
+
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def check_cached_ref(cache: Path, repo_id: str, revision: str) -> None:
+    """A branch or tag in the hub cache (`refs/<revision>`) must hold a commit hash: the hub client joins
+    what it holds onto `snapshots/`, so `../../..` there would make it read a folder outside the cache."""
+    ref = cache / ("models--" + repo_id.replace("/", "--")) / "refs" / revision
+    if _COMMIT.fullmatch(revision) or not os.path.lexists(ref):
+        return
+    text = None
+    if ref.is_file() and not ref.is_symlink() and ref.stat().st_size <= 100:
+        try:
+            text = ref.read_text(encoding="ascii").strip()
+        except (OSError, UnicodeError):
+            text = None
+    if text is None or not _COMMIT.fullmatch(text):
+        raise HubError(f"the hub cache's refs/{revision} of {repo_id} does not hold a commit hash "
+                       f"({shown(text, 60) if text is not None else 'not a small text file'}): the cache is "
+                       "corrupt or was tampered with", hint=f"delete {ref} (or the whole models--"
+                       f"{repo_id.replace('/', '--')} folder) and download the model again")
+
+
 def parse_hub_id(s: str) -> str | None:
     """`s` if it is a well-formed hub model id `ORG/NAME`, else None."""
     m = HUB_ID.fullmatch(s)
@@ -136,17 +164,17 @@ def resolve_source(name_or_path: str | os.PathLike, revision: str | None = None,
     raw = os.fspath(name_or_path)
     if os.path.exists(raw):
         if revision is not None:
-            raise HubError(f"--revision applies to hub ids, but {raw!r} is a local path",
+            raise HubError(f"--revision applies to hub ids, but {shown(raw)} is a local path",
                            hint="drop --revision, or check out that revision into the directory yourself")
         return Path(raw)
     repo_id = parse_hub_id(raw)
     if repo_id is None:
-        raise CheckpointNotFound(f"{raw!r} is not a local directory, nor a hub model id (ORG/NAME)",
+        raise CheckpointNotFound(f"{shown(raw)} is not a local directory, nor a hub model id (ORG/NAME)",
                                  hint="pass a local checkpoint directory (config.json + *.safetensors) or a hub "
                                       "model id such as Qwen/Qwen3-30B-A3B")
     if revision is not None and (not _REVISION.fullmatch(revision) or ".." in revision or "//" in revision
                                  or revision.endswith("/")):
-        raise HubError(f"revision {revision!r} is not a branch, tag or commit hash",
+        raise HubError(f"revision {shown(revision)} is not a branch, tag or commit hash",
                        hint="pass a branch or tag name (main, v1.0, refs/pr/3) or a 40-hex-digit commit hash")
     try:
         import huggingface_hub  # noqa: F401
@@ -159,6 +187,7 @@ def resolve_source(name_or_path: str | os.PathLike, revision: str | None = None,
     if allow_download and offline:
         say("HF_HUB_OFFLINE is set: using the local hub cache only")
     where = f"{repo_id}" + (f"@{revision}" if revision else "")
+    check_cached_ref(cache, repo_id, revision or "main")  # before the hub client follows it
     job = _Job(repo_id, where, cache, offline)
 
     # step 1: metadata (pins the commit: step 2 asks for that exact commit)

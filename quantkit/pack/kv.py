@@ -171,8 +171,11 @@ def read_file(path: str | Path) -> dict[str, torch.Tensor]:
     from ..read.safetensors import SafetensorsFile
 
     p = Path(path)
+    if p.is_dir():
+        raise KVScalesError(f"KV-scales file {str(p)[:200]!r} is a directory, not a safetensors file",
+                            hint="pass the .safetensors file `quantkit calibrate --output` wrote, not its folder")
     if not p.is_file():
-        raise KVScalesError(f"KV-scales file {str(p)!r} does not exist")
+        raise KVScalesError(f"KV-scales file {str(p)[:200]!r} does not exist")
     with SafetensorsFile(p) as f:
         scales = {unprefixed(n): f.get(n) for n in f.header.tensors}
     for name, t in scales.items():

@@ -30,27 +30,29 @@ MAX_NAME_BYTES = 255  # longer names fail in the OS (ENAMETOOLONG) rather than h
 
 
 def read_json_file(path: Path, what: str, error=ConfigError, unique_keys: bool = False,
-                   limit: int = MAX_JSON_BYTES) -> dict:
+                   limit: int = MAX_JSON_BYTES, hint: str | None = None) -> dict:
     """Read a JSON object from `path`, raising `error` (one line) for anything else. `unique_keys`: a
-    repeated key in any object is an error too (for files whose readers must agree, like the index)."""
+    repeated key in any object is an error too (for files whose readers must agree, like the index).
+    `hint`: the hint of every error raised here (default: `error`'s own, which speaks of config.json)."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        raise error(f"{what} not found: {path}") from None
+        raise error(f"{what} not found: {path}", hint=hint) from None
     if size > limit:
-        raise error(f"{what} is {size} bytes, over the {limit}-byte limit")
+        raise error(f"{what} is {size} bytes, over the {limit}-byte limit", hint=hint)
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f, object_pairs_hook=_unique_keys if unique_keys else None)
         # lone surrogates ("\ud800") parse but cannot be written back as UTF-8 (config.json is rewritten)
         json.dumps(doc, ensure_ascii=False).encode("utf-8")
     except DuplicateKey as e:
-        raise error(f"{what}: {e.message}") from None
+        raise error(f"{what}: {e.message}", hint=hint) from None
     # ValueError covers JSONDecodeError and integers longer than Python converts (4300 digits)
     except (UnicodeError, ValueError, RecursionError) as e:
-        raise error(f"{what} is not valid JSON: {type(e).__name__}: {str(e)[:120]}".replace("\n", " ")) from None
+        raise error(f"{what} is not valid JSON: {type(e).__name__}: {str(e)[:120]}".replace("\n", " "),
+                    hint=hint) from None
     if not isinstance(doc, dict):
-        raise error(f"{what} must hold a JSON object, got {type(doc).__name__}")
+        raise error(f"{what} must hold a JSON object, got {type(doc).__name__}", hint=hint)
     return doc
 
 

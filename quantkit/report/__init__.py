@@ -126,7 +126,7 @@ def _read_verify(root: Path, verify_json) -> tuple[dict | None, str | None]:
         path = Path(verify_json)
         if not path.is_file():
             raise ConfigError(f"verify JSON {str(path)!r} does not exist", hint=hint)
-        doc, origin = read_json_file(path, path.name, ConfigError), str(path)
+        doc, origin = read_json_file(path, path.name, ConfigError, hint=hint), str(path)
     if not isinstance(doc, dict) or not ({"passed", "checks"} & set(doc)):
         raise ConfigError(f"verify JSON ({origin}) is not a `quantkit verify --json` object "
                           "(no 'passed' or 'checks')", hint=hint)

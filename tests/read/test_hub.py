@@ -193,3 +193,35 @@ def test_convert_a_resolved_hub_id(offline, tmp_path):
     assert manifest["status"] == "complete"
     gen = out / "generation_config.json"  # copied from a symlink in the snapshot: a regular file in OUT
     assert gen.is_file() and not gen.is_symlink() and gen.read_bytes() == offline["files"]["generation_config.json"]
+
+
+@pytest.mark.parametrize("ref", ["../../..", "../../../etc", "not-a-commit", "", "\x00" * 10])
+def test_a_hostile_ref_in_the_cache_is_refused_before_it_is_followed(hub, tmp_path, monkeypatch, ref):
+    """refs/main holding `../../..`: the hub client would join it onto snapshots/ and read a folder outside
+    the cache (here: one laid out as a checkpoint, to make the read visible); refused before that."""
+    import shutil
+
+    cache = tmp_path / "cache" / "hub"
+    shutil.copytree(hub["cache"] / "models--org--tiny", cache / "models--org--tiny", symlinks=True)
+    (cache / "models--org--tiny" / "refs" / "main").write_text(ref)
+    for name in ("config.json", "model.safetensors"):  # what `../../..` points at, if followed
+        if (hub["src"] / name).exists():
+            shutil.copy(hub["src"] / name, tmp_path / name)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubError, match="refs/main .* does not hold a commit hash") as e:
+        resolve_source("org/tiny")
+    assert "\n" not in e.value.message and "refs" in e.value.hint
+    # a good ref next to it still works; a commit hash is not looked up under refs/
+    (cache / "models--org--tiny" / "refs" / "main").write_text(MAIN)
+    assert resolve_source("org/tiny") == cache / "models--org--tiny" / "snapshots" / MAIN
+
+
+def test_a_long_argument_is_not_echoed_whole(offline):
+    for bad in ("x" * 10_000, "org/" + "y" * 10_000):
+        with pytest.raises(CheckpointNotFound) as e:
+            resolve_source(bad)
+        assert len(e.value.message) < 300 and "10" in e.value.message
+    with pytest.raises(HubError) as e:
+        resolve_source("org/tiny", "r" * 10_000)
+    assert len(e.value.message) < 300
