@@ -81,12 +81,13 @@ KIMI_K25_PREFIX = "language_model."
 
 
 def make_tiny_kimi_k25(out_dir: str | os.PathLike, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                       max_shard_size: str = "300KB", layers: int = 2, int4_experts: bool = False,
+                       max_shard_size: str = "300KB", layers: int = 2, int4_experts: bool | str = False,
                        **overrides) -> Path:
     """A tiny Kimi K2.5 checkpoint (model_type `kimi_k25`): a random deepseek_v3-shaped text model with
     `topk_method: noaux_tc` (as the real configs have; `overrides` go to its config), optionally with its
-    routed experts INT4 pack-quantized group 32 symmetric as the releases ship them (`int4_experts`:
-    converted with quantkit's own int4-experts-rtn recipe), wrapped by `wrap_kimi_k25`."""
+    routed experts INT4 pack-quantized group 32 symmetric as the releases ship them (`int4_experts`: True
+    converts them with quantkit's own int4-experts-rtn recipe, 16 levels q in [-8, 7]; "qat" then puts
+    them on Kimi's own 15-level grid, `kimi_int4_grid`), wrapped by `wrap_kimi_k25`."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="quantkit-k25-") as tmp:
@@ -98,7 +99,36 @@ def make_tiny_kimi_k25(out_dir: str | os.PathLike, *, seed: int = 0, dtype: torc
 
             convert(text, Path(tmp) / "int4", ConvertOptions(recipe="int4-experts-rtn", model_card=False))
             text = Path(tmp) / "int4"
+            if int4_experts == "qat":
+                kimi_int4_grid(text)
         return wrap_kimi_k25(text, out_dir, seed=seed)
+
+
+def kimi_int4_grid(ckpt_dir: str | os.PathLike) -> int:
+    """Rewrite, in place, every symmetric INT4 module of a quantkit INT4 checkpoint onto the grid Kimi's
+    QAT releases use: per group of 32, scale = amax / 7 (bf16), q = round(w / scale) in [-7, 7] (15
+    levels), w being the module's current decoded weight. Same tensors, dtypes and shapes, so the index
+    and config stay valid. Returns the number of modules rewritten."""
+    from .pack.int4 import dequantize_module, pack_int4
+    from .read.checkpoint import Checkpoint
+    from .read.safetensors import SafetensorsFile
+    from .write.writer import write_safetensors
+
+    n = 0
+    for shard in Checkpoint.open(ckpt_dir).shards:
+        with SafetensorsFile(shard.header) as f:
+            tensors = {name: f.get(name).clone() for name in shard.tensors}
+        for name in [t for t in tensors if t.endswith(".weight_packed") and tensors[t].dtype == torch.int32]:
+            m = name[: -len(".weight_packed")]
+            w = dequantize_module({s: tensors[f"{m}.{s}"] for s in ("weight_packed", "weight_scale", "weight_shape")})
+            g = w.unflatten(-1, (-1, 32))  # [N, G, 32]
+            scale = (g.abs().amax(-1) / 7).to(torch.bfloat16)
+            sf = scale.float().clamp(min=torch.finfo(torch.float32).tiny)
+            q = torch.round(g / sf.unsqueeze(-1)).clamp_(-7, 7).flatten(-2)
+            tensors[name], tensors[f"{m}.weight_scale"] = pack_int4(q.to(torch.int8)), scale.to(tensors[f"{m}.weight_scale"].dtype)
+            n += 1
+        write_safetensors(Path(ckpt_dir) / shard.name, tensors, metadata={"format": "pt"})
+    return n
 
 
 def wrap_kimi_k25(text_dir: str | os.PathLike, out_dir: str | os.PathLike, *, seed: int = 0,

@@ -49,6 +49,13 @@ def _targets(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Module):
         egroup = recipe.match(names.module(0, "gate"))
         if egroup is not None and egroup.method == "rtn":
             egroup = None  # RTN needs no calibration: convert does it while streaming
+        if egroup is not None and f"{names.module(0, 'gate')}.weight_packed" in ckpt.location:
+            from ..match.shards import decide
+            from .weights import stored_modules
+
+            sw = stored_modules(ckpt).get(names.module(0, "gate"))  # INT4 / FP4 in the source: convert
+            if sw is not None and decide(sw, egroup.scheme, True)[0] != "dequantize":  # passes it through
+                egroup = None
     dense: dict[str, tuple[nn.Linear, WeightGroup]] = {}
     for rel, mod in layer.named_modules():
         if isinstance(mod, nn.Linear):

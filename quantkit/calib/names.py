@@ -26,13 +26,14 @@ class ExpertNames:
 
 def expert_names(ckpt: Checkpoint, layer_idx: int) -> ExpertNames | None:
     """The routed experts of layer `layer_idx` as the registry names them (arch.py), if it has any on disk as
-    float (or block-FP8) weights. Experts the source already stores INT4 (`weight_packed`, Kimi K2.x releases)
-    give None: convert passes them through and never re-quantizes them, so there is nothing to calibrate."""
+    float (or block-FP8) or packed (INT4 / FP4, `weight_packed`: Kimi K2.x releases) weights. Whether packed
+    experts need calibrating depends on the recipe (INT4 -> INT4 is passed through): calib/layer.py decides."""
     names = arch_for(ckpt.config).experts
     if names is None:
         return None
     prefix = f"{text_config(ckpt.config)[1]}model.layers.{layer_idx}.{names.block}.experts"
-    if f"{prefix}.0.{names.gate}.weight" in ckpt.location or f"{prefix}.gate_up_proj" in ckpt.location:
+    if any(n in ckpt.location for n in (f"{prefix}.0.{names.gate}.weight", f"{prefix}.gate_up_proj",
+                                         f"{prefix}.0.{names.gate}.weight_packed")):
         return ExpertNames(prefix, names.gate, names.up, names.down)
     return None
 

@@ -4,7 +4,8 @@ process when `--workers` > 1; the result (hashes, manifest entries) goes back to
 
 Memory: one work batch (at most `batch_bytes` of source weights, all experts of a layer that fit) plus
 the pages of the source shard being read. FP8 weights are dequantized per tensor, in row strips
-(quant/fp8.py), straight into the batch; RTN batches whose weights are plain views of the mapped shard
+(quant/fp8.py), straight into the batch; INT4 and FP4 weights re-quantized to FP4 are decoded one module
+at a time into it; RTN batches whose weights are plain views of the mapped shard
 are quantized in place by the fused kernel (no copy).
 """
 
@@ -18,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import NonFiniteWeight, QuantkitError
+from ..errors import NonFiniteWeight, QuantkitError, SourceFormatError
 from ..match.shards import ShardPlan
 from ..match.units import CalibratedUnit, CopyUnit, DecodeUnit, FP4Unit, FP8Unit, PassUnit, QuantItem, RTNUnit
 from ..pack.config import scheme_config
@@ -277,8 +278,13 @@ def _read_2d(ctx: _Context, ref, out: torch.Tensor) -> None:
     if ref.layout is not None:
         scale = read_scale(ctx.r.get, ref.scale, ref.layout, ref.scale_fmt, ctx.notes)
         fp8.dequantize(ctx.r.get(ref.tensor), scale, ref.layout, out.dtype, out=out)
-    elif ref.stored is not None:  # an FP4 source: decoded as compressed-tensors decompresses it
-        out.copy_(ctx.r.decode(ref.stored, out.dtype))
+    elif ref.stored is not None:  # an FP4 / INT4 source: decoded as compressed-tensors decompresses it
+        w = ctx.r.decode(ref.stored, out.dtype)
+        if tuple(w.shape) != tuple(out.shape):  # INT4: weight_shape says less than the packed words hold
+            raise SourceFormatError(f"{ref.stored.module}: weight_shape {list(w.shape)} is not the packed shape "
+                                    f"{list(out.shape)}", hint="FP4 re-quantization needs in_features a multiple "
+                                    "of 8 and of the FP4 group size; keep this module INT4 (ignore it)")
+        out.copy_(w)
     else:
         ctx.r.read_into(ref.tensor, out, ref.expert, ref.rows)
 

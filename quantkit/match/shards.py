@@ -5,7 +5,7 @@ is written before the whole plan is valid.
 Per module, what the source stores and what the recipe asks decide the work (`decide`): copy it,
 quantize a float weight (INT4 RTN, FP8, or from the calibrated pass), dequantize an FP8 weight on read
 and re-quantize it, or pass a stored-quantized weight through unchanged (FP8 kept as FP8 with its
-scales renamed to compressed-tensors' `weight_scale`; INT4 never re-quantized). Every decision that is
+scales renamed to compressed-tensors' `weight_scale`; INT4 re-quantized only to FP4, decoded on read). Every decision that is
 not "quantize as asked" becomes a note (`plan_notes`).
 """
 
@@ -119,12 +119,14 @@ def effective_scheme(module: str, scheme: Scheme, shape: tuple[int, int],
 
 def decide(sw: StoredWeight | None, scheme: Scheme | None, targeted: bool) -> tuple[str, str | None]:
     """What happens to one weight: ("copy"|"quantize"|"dequantize"|"pass"|"decode", reason). `sw` is how the
-    source stores it (None: dense), `scheme` the effective recipe scheme for it (None: untouched;
-    never computed for INT4 sources, which are never re-quantized), `targeted` whether a recipe group
-    matches it."""
+    source stores it (None: dense), `scheme` the effective recipe scheme for it (None: untouched; for
+    INT4 sources computed only when the group's scheme is FP4: INT4 is re-quantized to FP4 only, never to
+    INT4 or FP8), `targeted` whether a recipe group matches it."""
     if sw is None:
         return ("copy", None) if scheme is None else ("quantize", None)
     if sw.encoding == "int4":
+        if scheme is not None and scheme.fp4:  # INT4 -> FP4: decoded on read, re-quantized (another grid)
+            return "dequantize", None
         return "pass", ("int4-source-targeted" if targeted else "int4-source")
     if sw.encoding in ("nvfp4", "mxfp4"):
         if scheme is None:
@@ -146,14 +148,17 @@ def decide(sw: StoredWeight | None, scheme: Scheme | None, targeted: bool) -> tu
 NOTE_TEXT = {
     "int4-source": "{n} module(s) already INT4 in the source ({labels}) passed through unchanged",
     "int4-source-targeted": ("{n} module(s) targeted by the recipe are already INT4 in the source ({labels}): "
-                             "passed through unchanged, not re-quantized (INT4 -> INT4 would compound "
-                             "rounding error; convert from the BF16 or FP8 release to re-quantize them)"),
+                             "passed through unchanged, not re-quantized (INT4 -> INT4 or FP8 would compound "
+                             "rounding error; only an FP4 scheme re-quantizes them; convert from the BF16 or FP8 "
+                             "release to re-quantize them otherwise)"),
     "fp8-kept": ("{n} FP8 module(s) not targeted by the recipe kept as the source stores them ({labels}; "
                  "bit-exact, a block-FP8 weight_scale_inv written as weight_scale)"),
     "fp8-same-scheme": "{n} FP8 module(s) already in the recipe's FP8 scheme ({labels}) passed through bit-exact",
     "fp8-dequantized": ("{n} FP8 module(s) dequantized to BF16 on read and re-quantized ({labels})"),
     "fp4-dequantized": ("{n} FP4 module(s) decoded on read and re-quantized ({labels}; each one's SQNR against "
                         "the FP4 values is in the manifest)"),
+    "int4-dequantized": ("{n} INT4 module(s) decoded on read and re-quantized to FP4 ({labels}; each one's SQNR "
+                         "against the decoded INT4 values is in the manifest)"),
     "fp4-kept": "{n} FP4 module(s) not targeted by the recipe kept as the source stores them ({labels})",
     "fp4-same-scheme": "{n} FP4 module(s) already in the recipe's FP4 scheme ({labels}) passed through bit-exact",
     "kv-dropped": "{n} KV-cache scale tensor(s) of the source replaced by the new scales",
@@ -227,8 +232,8 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
         """Where a module's float weight comes from, anywhere in the checkpoint (None: not a float weight)."""
         sw = stored.get(module)
         if sw is not None:
-            if sw.layout is None and sw.encoding not in ("nvfp4", "mxfp4"):
-                return None  # INT4 in the source: never re-quantized
+            if sw.encoding == "int4" and not (recipe.match(module) is not None and recipe.match(module).scheme.fp4):
+                return None  # INT4 in the source: re-quantized to FP4 only
             return SourceRef(sw.primary, scale=sw.scale, layout=sw.layout, scale_fmt=sw.scale_fmt,
                              encoding=sw.encoding, stored=sw if sw.layout is None else None)
         if f"{module}.weight" in loc:
@@ -259,8 +264,8 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
         sw = stored.get(module)
         if sw is not None and sw.primary == name:
             g = recipe.match(module)
-            scheme = None if g is None or sw.encoding == "int4" else effective_scheme(module, g.scheme, sw.shape,
-                                                                                    rows_of)
+            scheme = None if g is None or (sw.encoding == "int4" and not g.scheme.fp4) else \
+                effective_scheme(module, g.scheme, sw.shape, rows_of)
             action, reason = decide(sw, scheme, g is not None)
             layer_key = re.sub(r"\.experts\.\d+\.", ".experts.*.", module)
             if action == "pass":
@@ -344,7 +349,9 @@ def plan_notes(plans: list[ShardPlan], kv_dropped: int, stored: Mapping[str, Sto
                 for it in u.items:
                     if it.source.encoding is not None:
                         key = f"{it.source.encoding} -> {u.scheme.label}"
-                        reason = "fp4-dequantized" if it.source.encoding in ("nvfp4", "mxfp4") else "fp8-dequantized"
+                        enc = it.source.encoding
+                        reason = ("fp4-dequantized" if enc in ("nvfp4", "mxfp4") else "int4-dequantized"
+                                  if enc == "int4" else "fp8-dequantized")
                         counts.setdefault(reason, {}).setdefault(key, 0)
                         counts[reason][key] += 1
     if kv_dropped:

@@ -210,15 +210,19 @@ def _replacement(shape: tuple[int, int], dtype: str, scheme: Scheme, g_idx: bool
                                                                              g_idx=g_idx))
 
 
-def _fp4_source(name: str, shape: tuple[int, ...], dtype: str, tensors: Mapping) -> str | None:
-    """"nvfp4" / "mxfp4" when `name` is the packed weight of a module the source stores in FP4 (two E2M1
-    codes a byte, no weight_shape; NVFP4 has a global scale), else None."""
-    if not name.endswith(".weight_packed") or dtype != "U8" or len(shape) != 2:
+def _packed_source(name: str, shape: tuple[int, ...], dtype: str, tensors: Mapping) -> tuple[str, int] | None:
+    """(encoding, in_features) when `name` is the packed weight of a module the source stores packed:
+    "nvfp4" / "mxfp4" (two E2M1 codes a byte, no weight_shape; NVFP4 has a global scale) or "int4"
+    (int32 words of eight codes, with weight_shape; in_features as the header gives it, a multiple of 8),
+    else None."""
+    if not name.endswith(".weight_packed") or len(shape) != 2:
         return None
     module = name[: -len(".weight_packed")]
     if f"{module}.weight_shape" in tensors:
+        return ("int4", shape[1] * 8) if dtype == "I32" else None
+    if dtype != "U8":
         return None
-    return "nvfp4" if f"{module}.weight_global_scale" in tensors else "mxfp4"
+    return ("nvfp4" if f"{module}.weight_global_scale" in tensors else "mxfp4"), shape[1] * 2
 
 
 def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe: Recipe | None, *,
@@ -242,14 +246,17 @@ def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe:
         t = tensors.get(f"{module}.weight")
         return None if t is None else t[0][0]
 
-    requant: dict[str, tuple[Scheme, WeightGroup]] = {}  # FP4 in the source, another scheme in the recipe
+    # FP4 in the source and another scheme in the recipe, or INT4 in the source and FP4 in the recipe
+    # (match/shards.decide): decoded on read and re-quantized
+    requant: dict[str, tuple[Scheme, WeightGroup, int]] = {}
     for name, (shape, dtype) in tensors.items():
-        kind = _fp4_source(name, tuple(shape), dtype, tensors)
-        group = recipe.match(name[: -len(".weight_packed")]) if kind else None
-        if group is not None:
-            scheme = group.scheme.for_in_features(shape[1] * 2)
-            if scheme.fp4 != kind:
-                requant[name[: -len(".weight_packed")]] = (scheme, group)
+        packed = _packed_source(name, tuple(shape), dtype, tensors)
+        group = recipe.match(name[: -len(".weight_packed")]) if packed else None
+        if group is None or (packed[0] == "int4" and not group.scheme.fp4):
+            continue
+        scheme = group.scheme.for_in_features(packed[1])
+        if scheme.fp4 != packed[0]:
+            requant[name[: -len(".weight_packed")]] = (scheme, group, packed[1])
     for name, (shape, dtype) in tensors.items():
         if type(shape) is not tuple:
             shape = tuple(shape)
@@ -262,8 +269,8 @@ def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe:
             module, _, suffix = name.rpartition(".")
             if module in requant:  # an FP4 source module the recipe re-quantizes: decoded, then its scheme
                 if suffix == "weight_packed":
-                    scheme, group = requant[module]
-                    for sfx, sh, d in _replacement((shape[0], shape[1] * 2), "BF16", scheme,
+                    scheme, group, k = requant[module]
+                    for sfx, sh, d in _replacement((shape[0], k), "BF16", scheme,
                                                    group.name in g_idx_groups):
                         out[module + sfx] = (sh, d)
                 continue

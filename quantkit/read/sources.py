@@ -15,8 +15,8 @@ tensors must then agree with it (docs/format.md, "Sources"):
 in the checkpoint is dense. `read_weight` dequantizes one FP8 weight to BF16 while streaming (in row
 strips, quant/fp8.py): w = q.float() * scale (per block / row / tensor), rounded once to BF16 — exactly what the
 releases' own `fp8_cast_bf16` scripts produce, so converting an FP8 release equals converting its BF16
-dequantization. INT4 weights are never dequantized for re-quantization (INT4 -> INT4 compounds rounding
-error): convert passes them through.
+dequantization. INT4 and FP4 weights are decoded by read/tensors.py (`TensorReader.decode`) when convert
+re-quantizes them (INT4 only to FP4: INT4 -> INT4 compounds rounding error, match/shards.decide).
 """
 
 from __future__ import annotations

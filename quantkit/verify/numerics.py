@@ -218,6 +218,10 @@ def load_dequantized(ref_dir: Path, q_dir: Path, dev: torch.device, dtype: torch
 def assign_weight(params: dict, module: str, w: torch.Tensor) -> None:
     """Write weight `w` [N, K] of on-disk `module` into the model: a Linear's weight, or expert e's rows of
     the fused experts (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]; Mixtral's w1/w3/w2)."""
+    if module.startswith("language_model.model.") and not any(n.startswith("language_model.") for n in params):
+        # Kimi K2.5's wrapper on disk (language_model.model.layers.*); transformers' class names its text
+        # layers model.language_model.layers.*
+        module = "model.language_model." + module.removeprefix("language_model.model.")
     if f"{module}.weight" in params:
         params[f"{module}.weight"].data.copy_(w)
         return

@@ -1,0 +1,136 @@
+"""An INT4 release (Kimi K2.5 / K2.6: routed experts QAT-trained on a 15-level grid, compressed-tensors
+pack-quantized group 32 symmetric) re-quantized to NVFP4 / MXFP4.
+
+What must hold: the INT4 experts are decoded on read (as compressed-tensors decompresses them, rounded to
+BF16) and re-quantized, giving exactly the bytes a conversion of the release's BF16 dequantization gives
+(llm-compressor's dequantize-then-quantize path), with no BF16 copy on disk; the manifest records each
+module's SQNR against the decoded INT4 weight; compressed-tensors' decompressor judges the format (verify);
+vLLM's loader rules hold (gate/up share one global scale); plan predicts the tensors; INT4 -> INT4 stays a
+pass-through; GPTQ on the FP4 grid runs from the INT4 source."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from quantkit.convert import ConvertOptions, convert
+from quantkit.engine.vllm import check as engine_check
+from quantkit.read.checkpoint import INDEX_NAME, Checkpoint
+from quantkit.read.sources import detect_format, scan
+from quantkit.read.tensors import TensorReader
+from quantkit.verify import verify
+from quantkit.write.writer import write_safetensors
+
+CAL = dict(num_samples=2, seq_len=16)
+
+
+def _tensors(d):
+    ck = Checkpoint.open(d)
+    with TensorReader.of(ck) as r:
+        return {n: r.get(n).clone() for n in ck.location}
+
+
+def _dequantized_copy(src, dst):
+    """The BF16 dequantization of an INT4 release, as compressed-tensors' convert_checkpoint writes it:
+    every pack-quantized module as `<m>.weight` (q * scale, rounded once to BF16), no quantization_config."""
+    ck = Checkpoint.open(src)
+    stored = scan(ck, detect_format(ck.config))
+    companions = {t for sw in stored.values() for _, t in sw.tensors}
+    dst.mkdir()
+    weight_map = {}
+    with TensorReader.of(ck) as r:
+        for shard in ck.shards:
+            out = {n: r.get(n) for n in shard.tensors if n not in companions}
+            out |= {f"{m}.weight": r.decode(sw, torch.bfloat16) for m, sw in stored.items()
+                    if ck.location[sw.primary] == shard.name}
+            write_safetensors(dst / shard.name, out, metadata={"format": "pt"})
+            weight_map |= {n: shard.name for n in out}
+    cfg = {k: v for k, v in ck.config.items() if k != "quantization_config"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    (dst / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def k26(tmp_path_factory):
+    from quantkit.testing import make_tiny_model
+
+    d = tmp_path_factory.mktemp("k26")
+    int4 = make_tiny_model("kimi_k25", d / "int4", int4_experts="qat")
+    return int4, _dequantized_copy(int4, d / "bf16")
+
+
+def test_the_fixture_is_on_kimis_15_level_grid(k26):
+    from quantkit.pack.int4 import unpack_int4
+
+    sd = _tensors(k26[0])
+    packed = [t for n, t in sd.items() if n.endswith(".weight_packed")]
+    assert packed
+    q = torch.cat([unpack_int4(t, t.shape[1] * 8).flatten() for t in packed])
+    assert int(q.min()) == -7 and int(q.max()) == 7  # -8 never used: 15 levels
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4-experts", "mxfp4-experts"])
+def test_int4_release_to_fp4(k26, tmp_path, recipe):
+    int4, bf16 = k26
+    out = tmp_path / "q"
+    res = convert(int4, out, ConvertOptions(recipe=recipe))
+    assert res.tensors_quantized == 12
+    assert any("INT4 module(s) decoded on read and re-quantized to FP4" in n for n in res.notes)
+    man = json.loads((out / "quantkit_manifest.json").read_text())
+    packed = {n: e for n, e in man["tensors"].items() if n.endswith(".weight_packed")}
+    assert packed and all(e["method"] == "rtn" and e["source_encoding"] == "int4" and 10 < e["sqnr_db"] < 40
+                          for e in packed.values())
+    # the same bytes as converting the release's BF16 dequantization: the manifest's SQNR is against the
+    # decoded INT4 weight
+    ref = tmp_path / "ref"
+    convert(bf16, ref, ConvertOptions(recipe=recipe))
+    a, b = _tensors(out), _tensors(ref)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+    ref_man = json.loads((ref / "quantkit_manifest.json").read_text())
+    assert all(ref_man["tensors"][n]["sqnr_db"] == e["sqnr_db"] for n, e in packed.items())
+    # compressed-tensors' decompressor agrees with quantkit's decode bit for bit; vLLM's loader rules hold
+    rep = verify(out, reference=int4, **CAL, generation_tokens=0)
+    assert rep.passed, [c for c in rep.checks if c.ok is False]
+    assert not engine_check(out).problems
+    if recipe == "nvfp4-experts":
+        gs = {n: t for n, t in a.items() if n.endswith(".weight_global_scale")}
+        pairs = [(t, gs[n.replace("gate_proj", "up_proj")]) for n, t in gs.items() if ".gate_proj." in n]
+        assert pairs and all(torch.equal(g, u) for g, u in pairs)
+
+
+def test_int4_recipes_still_pass_int4_through(k26, tmp_path):
+    int4, _ = k26
+    res = convert(int4, tmp_path / "q", ConvertOptions(recipe="int4-experts-rtn"))
+    assert res.tensors_quantized == 0 and any("already INT4" in n for n in res.notes)
+    a, b = _tensors(int4), _tensors(tmp_path / "q")
+    assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+
+
+def test_plan_predicts_int4_to_fp4(k26, tmp_path):
+    from quantkit.arch import parse_config
+    from quantkit.match.recipe import load_recipe
+    from quantkit.plan import _tensor_shapes_from_checkpoint as headers
+    from quantkit.plan import quantized_layout
+
+    int4, _ = k26
+    convert(int4, tmp_path / "q", ConvertOptions(recipe="mxfp4-experts"))
+    spec = parse_config(Checkpoint.open(int4).config)
+    predicted = quantized_layout(headers(int4), load_recipe("mxfp4-experts"), spec=spec)
+    written = headers(tmp_path / "q")
+    assert predicted == written, sorted(set(predicted.items()) ^ set(written.items()))[:6]
+
+
+def test_gptq_nvfp4_from_the_int4_release(k26, tmp_path):
+    """The calibrated pass runs the layers on the decoded INT4 weights and solves GPTQ on the FP4 grid."""
+    int4, _ = k26
+    out = tmp_path / "q"
+    convert(int4, out, ConvertOptions(recipe="kimi-k2-nvfp4", **CAL))
+    man = json.loads((out / "quantkit_manifest.json").read_text())
+    packed = [e for n, e in man["tensors"].items() if n.endswith(".weight_packed")]
+    assert len(packed) == 12 and all(e["method"] == "gptq" and e["source_encoding"] == "int4" for e in packed)
+    rep = verify(out, reference=int4, **CAL, generation_tokens=0)
+    assert rep.passed, [c for c in rep.checks if c.ok is False]
