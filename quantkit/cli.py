@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from . import allocator, options
+from . import allocator, dist, options
 from .errors import QuantkitError
 from .options import Thresholds
 
@@ -430,7 +430,9 @@ def entry() -> None:
         main()
     except SystemExit as e:
         if e.code not in (None, 0):
+            dist.shutdown(ok=False)  # every rank leaves the process group, failed or not
             raise
+    dist.shutdown(ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -20,6 +20,7 @@ ever unpickled.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -166,6 +167,7 @@ def world(device: str | None = None) -> World:
                                    hint="launch with torchrun (it sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)") \
                 from None
     _WORLD = World(rank=rank, size=size, local_rank=local, backend=backend)
+    atexit.register(shutdown)  # scripts that join the world without the CLI leave it too
     return _WORLD
 
 
@@ -179,12 +181,34 @@ def _env_int(name: str, default: int) -> int:
         raise DistributedError(f"{name}={v[:20]!r} is not an integer", hint="launch with torchrun") from None
 
 
-def shutdown() -> None:
-    """Leave the process group (the CLI calls it on exit)."""
-    global _WORLD
-    if _WORLD is not None and _WORLD.size > 1:
-        import torch.distributed as dist
+# How long a leaving rank waits for the others at the closing barrier (gloo): a peer that died is torchrun's
+# to report, and must not keep the survivors from exiting. After a failure the wait is short: a rank that
+# failed outside a collective step leaves the others blocked, and torchrun stops them once this one exits.
+LEAVE_TIMEOUT_S = 60
+LEAVE_AFTER_FAILURE_S = 5
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    _WORLD = None
+
+def shutdown(ok: bool = True) -> None:
+    """Leave the process group: a barrier, then `destroy_process_group`, so that no rank exits while gloo's
+    threads still serve a peer. Without it a rank that reached the end while another was still closing its
+    connections could die at exit with "terminate called without an active exception" (SIGABRT) after a
+    finished job. The CLI calls it on every exit (`ok`: whether the command succeeded), and `world()`
+    registers it at interpreter exit for scripts. gloo's barrier is bounded (LEAVE_TIMEOUT_S, LEAVE_AFTER_FAILURE_S); NCCL's has no
+    timeout, so after a failure (a peer may be gone) NCCL ranks leave without it. Idempotent."""
+    global _WORLD
+    w, _WORLD = _WORLD, None
+    if w is None or w.size <= 1:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    try:
+        if w.backend == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=LEAVE_TIMEOUT_S if ok else LEAVE_AFTER_FAILURE_S))
+        elif ok:
+            dist.barrier()
+    except Exception:  # a peer already left or died: leave anyway (its own error is what the user sees)
+        pass
+    finally:
+        dist.destroy_process_group()

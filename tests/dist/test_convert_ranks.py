@@ -112,3 +112,29 @@ def test_a_killed_rank_resumes_to_the_same_bytes(src, single, tmp_path):
     again = _ranked(tmp_path, src, out, "kill")  # the same command; the marker says the kill has happened
     assert again.returncode == 0, again.stderr[-3000:]
     assert _files(out) == single
+
+
+LEAVE = textwrap.dedent("""
+    import atexit, sys
+    import torch.distributed as dist
+    from quantkit import dist as qdist
+    w = qdist.world()
+    assert dist.is_initialized() and w.size == 2
+    w.all_gather(w.rank)
+    qdist.shutdown(ok=sys.argv[1] == "ok")
+    print(f"rank {w.rank} left: initialized={dist.is_initialized()}", flush=True)
+    qdist.shutdown()  # idempotent: the atexit hook runs it again
+""")
+
+
+@pytest.mark.parametrize("how", ["ok", "failed"])
+def test_every_rank_leaves_the_process_group(tmp_path, how):
+    """shutdown(): the closing barrier then destroy_process_group, on success and after a failure, and
+    again at exit (world() registers it) without harm."""
+    script = tmp_path / "leave.py"
+    script.write_text(LEAVE)
+    p = _torchrun(2, how, script=script)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for r in (0, 1):
+        assert f"rank {r} left: initialized=False" in p.stdout
+    assert "terminate called" not in p.stderr
