@@ -40,7 +40,7 @@ from ..read.checkpoint import Checkpoint
 from .common import Check, Listing, listed
 from .format import Judge, tensor_pass
 from .integrity import check_integrity, check_manifest_tensors
-from .numerics import (check_reference, drift_check, kernel_check, layer_summary, model_metrics, sqnr_check,
+from .numerics import (check_reference, check_reference_content, drift_check, kernel_check, layer_summary, model_metrics, sqnr_check,
                        token_data)
 from .. import options
 from ..options import Thresholds
@@ -161,6 +161,11 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
         why = "the checkpoint does not open: numerics skipped"
         checks += [Check(n, None, why) for n in ("weight_sqnr", "kl_divergence", "top1_agreement",
                                                  "perplexity_ratio", "generation_agreement")]
+    elif (wrong := check_reference_content(sqnr, drift) if ref_check.ok is not False else None) is not None:
+        checks.append(wrong)  # named before any number is blamed on the quantization
+        why = "the reference is not the source this checkpoint was converted from: numerics skipped"
+        checks += [Check(n, None, why) for n in ("weight_sqnr", "sqnr_vs_manifest", "kl_divergence",
+                                                 "top1_agreement", "perplexity_ratio", "generation_agreement")]
     else:
         checks.append(ref_check)
         layers = layer_summary(sqnr, thresholds.min_sqnr_db)

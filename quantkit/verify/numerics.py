@@ -64,6 +64,33 @@ def check_reference(ref_ck: Checkpoint, manifest: dict | None) -> Check:
                  f"({len(have)} shards; contents not hashed)")
 
 
+WRONG_REFERENCE_DB = 6.0  # a module "disagrees" when its SQNR is this far below the one recorded at conversion
+
+
+def check_reference_content(sqnr: dict[str, float], drift: list[tuple[str, float, float]]) -> Check | None:
+    """Same shard names, sizes and config.json as the manifest's source, yet other weights (the same model
+    trained or initialised with another seed)? Against the true source every module's SQNR is the one
+    recorded at conversion (the same math on the same values); against another model most modules' SQNR
+    falls far below it (unrelated weights of the same scale: about -3 dB), and a module with no record lies
+    farther from the reference than zero does (SQNR < 0 dB), which no quantization gives. When more than half
+    of the measured modules disagree, the reference is named as not the source (a failing `reference` check),
+    and the numerics are not blamed on the quantization. None otherwise."""
+    if not sqnr:
+        return None
+    recorded = {m: rec for m, _, rec in drift}
+    off = sorted((m for m, db in sqnr.items()
+                  if (db < recorded[m] - WRONG_REFERENCE_DB if m in recorded else db < 0.0)),
+                 key=lambda m: sqnr[m])
+    if 2 * len(off) <= len(sqnr):
+        return None
+    m = off[0]
+    was = f", {recorded[m]:.1f} dB recorded at conversion" if m in recorded else ""
+    return Check("reference", False, f"the reference is not the source this checkpoint was converted from: its "
+                 f"weights differ ({len(off)} of {len(sqnr)} modules' SQNR against it disagree with the conversion, "
+                 f"e.g. {m}: {sqnr[m]:.1f} dB{was}), though its shard names, sizes and config.json match; another "
+                 "model of the same shape? Numerics skipped: pass the checkpoint the conversion started from")
+
+
 def _layer_key(module: str) -> int | None:
     m = _LAYER.search(module)
     return int(m[1]) if m else None

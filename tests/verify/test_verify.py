@@ -283,3 +283,20 @@ def test_outputs_transformers_cannot_load_are_measured_on_the_dequantized_refere
         s = f.get(m + ".weight_scale")
     want = fp8.dequantize(q, s, fp8.FP8Layout("block", (128, 128)))
     assert torch.equal(model.model.layers[0].self_attn.o_proj.weight.data, want)
+
+
+def test_a_reference_of_the_same_shape_but_other_weights_is_named(converted, tmp_path):
+    """Issue 26: the same model with another seed has the source's shard names, sizes and config.json. verify
+    names the reference as not the source (from the SQNR the manifest recorded per module), and blames no
+    number on the quantization."""
+    src, out = converted
+    other = make_tiny_model("qwen3_moe", tmp_path / "other", seed=1)
+    assert (other / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    r = verify(out, reference=other, **SMALL)
+    assert not r.passed and r.integrity["ok"] and r.format["ok"]
+    ref = _check(r, "reference")
+    assert ref.ok is False and "not the source" in ref.detail and "another model of the same shape" in ref.detail
+    for name in ("weight_sqnr", "sqnr_vs_manifest", "kl_divergence", "top1_agreement"):
+        c = _check(r, name)
+        assert c.ok is None and "not the source" in c.detail, (name, c)
+    assert [c.name for c in r.failed_checks()] == ["reference"]
