@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from . import __version__, options
-from .errors import CalibrationError
+from .errors import CalibrationError, KVScalesError
 from .calib.data import DEFAULT_SEED, load_calibration_data, load_tokenizer
 from .calib.executor import DEFAULT_ACTIVATION_BUDGET, LayerExecutor
 from .calib.observers import FP8_E4M3_MAX, ExpertTokenCounter, KVCacheObserver, fp8_scale
@@ -192,6 +192,11 @@ def write_scales(result: CalibrationResult, path: str | os.PathLike) -> int:
     """Write `result.scales` as safetensors to `path` (via a temporary file, then renamed); sets
     `result.output` and returns the bytes written. The metadata records the scheme and the data used."""
     path = Path(path)
+    for name, t in result.scales.items():  # pack/kv.py's rules, plausible range included: nothing else is written
+        problem = kvrules.tensor_problem(name, t)
+        if problem:
+            raise KVScalesError(f"calibration gave {problem}", hint="the model's activations are implausible on "
+                                "this data (check its weights); the scales were not written")
     meta = {"format": SCALES_FORMAT, "strategy": result.strategy, "kv_cache_scheme": json.dumps(result.kv_cache_scheme),
             "model_type": result.model_type, "attention": result.attention, "quantkit_version": __version__,
             "data": json.dumps(result.data, sort_keys=True)}

@@ -145,6 +145,20 @@ class SourceFormatError(QuantkitError):
             "weight_block_size) and compressed-tensors FP8/INT4 checkpoints; see docs/format.md")
 
 
+class SourceSchemeError(SourceFormatError):
+    """A config group of the source's quantization_config describes no scheme its format allows."""
+
+    hint = ("the source's config.json quantization_config is corrupt or was not written by compressed-tensors; "
+            "restore the release's own config.json, or convert from the BF16 release; see docs/format.md, 'Sources'")
+
+
+class SourceTensorError(SourceFormatError):
+    """A quantized source module's tensors break its scheme (shapes, dtypes, scale values)."""
+
+    hint = ("the source checkpoint is corrupt, or its quantized tensors were not written by a compressed-tensors "
+            "writer; re-download the shard that holds the named tensor, or convert from the BF16 release")
+
+
 # --- calibration ------------------------------------------------------------------------------------
 class UnsupportedArchitecture(QuantkitError):
     hint = ("calibration supports model_type llama, qwen3, qwen3_moe, mixtral, deepseek_v3 (Kimi K2: kimi_k2) "

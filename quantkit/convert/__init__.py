@@ -44,7 +44,8 @@ from ..pack.config import quantization_config
 from ..pack.manifest import FORMAT_VERSION, JOURNAL_DIR, MANIFEST_NAME, expert_report
 from ..quant.int4 import native_threads
 from ..read.checkpoint import INDEX_NAME, Checkpoint
-from ..read.sources import SourceFormat, detect_format, scan
+from ..read.sources import SourceFormat, detect_format, scan, validate as validate_sources
+from ..read.tensors import TensorReader
 from ..write.output import output_lock, prepare_output
 from ..write.writer import copy_file_atomic, wait_durable, write_json_atomic
 from .calibrated import calibrated_pass, calibration_data, kv_scales, write_kv_scales
@@ -131,6 +132,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     validate_config(src.config, {n: src.info(n).shape for n in src.location})  # hostile configs stop here
     fmt = detect_format(src.config)
     stored = scan(src, fmt)
+    validate_sources(src, stored)  # every quantized module against its scheme (scales read, packed data not)
     want_kv = opts.kv_scales is not None or recipe.kv_cache is not None
     source_kv = frozenset(n for n in src.location if kvrules.KV_SCALE.match(n))
     companions = frozenset(t for sw in stored.values() for _, t in sw.tensors[1:])
@@ -142,6 +144,9 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     plans = [plan_shard(s, names[s.name], recipe, hidden, opts.batch_bytes, opts.max_shard_bytes, stored=stored,
                         skip=skip, location=src.location, info=src.info, calibrated=calibrated) for s in src.shards]
     notes = plan_notes(plans, len(source_kv) if want_kv else 0, stored)
+    if source_kv and not want_kv:  # the source's own KV scales are kept: held to the same rules
+        with TensorReader.of(src) as r:
+            notes += kvrules.check_source(r.get, source_kv)
     # every module a calibrated group targets may be stored INT4 already (Kimi K2.5): then nothing to calibrate
     calibrated = calibrated and any(isinstance(u, CalibratedUnit) for p in plans for u in p.units)
     options.parse_device(opts.device)  # a misspelled device fails here, whatever the recipe
@@ -173,6 +178,8 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
                                 "reading the KV scales"))
     if kv is not None and "kv_lora_rank" in text_config(src.config)[0]:
         notes.append(MLA_KV_NOTE)
+    if kv is not None:
+        notes += kvrules.range_notes(kv.scales)
     for n in notes:
         if log:
             log(n)

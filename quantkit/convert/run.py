@@ -22,6 +22,7 @@ import torch
 from ..errors import NonFiniteWeight, QuantkitError, SourceFormatError
 from ..match.shards import ShardPlan
 from ..match.units import CalibratedUnit, CopyUnit, DecodeUnit, FP4Unit, FP8Unit, PassUnit, QuantItem, RTNUnit
+from ..pack.checks import fp8_nan_codes
 from ..pack.config import scheme_config
 from ..pack.layout import check_module, int4_module, module_tensors, scale_dtype
 from ..pack.manifest import module_entry, tensor_entry
@@ -148,6 +149,8 @@ def _passthrough(u: PassUnit, ctx: _Context) -> int:
     for name, src, dtype, shape in u.renames:
         t = ctx.r.get(src)
         read += t.numel() * t.element_size()
+        if t.dtype == torch.float8_e4m3fn and (nan := fp8_nan_codes(t)):
+            raise NonFiniteWeight(f"{src}: {nan} NaN code(s) in an FP8 weight passed through")
         ctx.write(name, t.to(dtype).reshape(shape), tensor_entry(shape, dtype, source_tensor=src, **meta))
     ctx.schemes[u.label] = json.loads(u.config)
     return read

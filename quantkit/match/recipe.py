@@ -140,11 +140,32 @@ class Scheme:
         """The scheme that compressed-tensors weight args describe, or None when quantkit has no such
         scheme (the args are then carried as they are)."""
         try:
-            return cls(int(w.get("num_bits", 4)), w.get("type", "int"), bool(w.get("symmetric", True)),
-                       w.get("strategy", "group"), w.get("group_size"),
-                       tuple(w["block_structure"]) if w.get("block_structure") else None)
-        except (RecipeError, TypeError, ValueError):
+            return cls.parse_weights_config(w)
+        except RecipeError:
             return None
+
+    @classmethod
+    def parse_weights_config(cls, w: dict) -> "Scheme":
+        """`from_weights_config`, raising RecipeError with the rule the args break (num_bits, type,
+        strategy, group_size, symmetric, block_structure): what convert says of a source's config group and
+        verify of a written one."""
+        if not isinstance(w, dict):
+            raise RecipeError(f"weights must be an object, got {type(w).__name__}")
+        nb, sym = w.get("num_bits", 4), w.get("symmetric", True)
+        if type(nb) is not int:
+            raise RecipeError(f"num_bits must be an integer, got {str(nb)[:40]!r}")
+        if sym is not None and type(sym) is not bool:
+            raise RecipeError(f"symmetric must be true or false, got {str(sym)[:40]!r}")
+        bs = w.get("block_structure")
+        if bs is not None and not (isinstance(bs, list) and len(bs) == 2 and all(type(b) is int for b in bs)):
+            raise RecipeError(f"block_structure must be two positive integers, got {str(bs)[:40]}")
+        if type(w.get("group_size")) not in (int, type(None)):
+            raise RecipeError(f"group_size must be an integer, got {str(w.get('group_size'))[:40]!r}")
+        try:
+            return cls(nb, w.get("type", "int"), sym is not False, w.get("strategy", "group"), w.get("group_size"),
+                       tuple(bs) if bs else None)
+        except (TypeError, ValueError) as e:
+            raise RecipeError(f"not a scheme: {str(e)[:80]}") from None
 
     def for_in_features(self, k: int, fused_rows_ok: bool = True) -> "Scheme":
         """The scheme actually applied to a weight with `k` input features: INT4 group-size `fallback`s,

@@ -77,6 +77,41 @@ def strategy_of(shape: tuple[int, ...]) -> str | None:
     return None
 
 
+# Plausible scales (docs/format.md, "KV-cache scales"). The engine caches round(K / scale) in e4m3, whose largest
+# finite value is 448 and smallest subnormal 2^-9: a scale says the cached values reach 448 * scale.
+# - refused above MAX_KV_SCALE: 448 * scale past 65504 (float16's range; no engine's K or V lives there); a
+#   scale of 1e38 rounds every K to 0;
+# - refused below MIN_KV_SCALE (float32's smallest normal number, what calibrate writes for a head that never
+#   activates): 1e-45 saturates every K at +-448;
+# - a note below LOW_KV_AMAX / 448 (cached values under float16's smallest normal number, 2^-14): right for a
+#   head that never activates, wrong for any other (every larger value saturates).
+FP8_E4M3_MAX = 448.0
+MAX_KV_SCALE = 65504.0 / FP8_E4M3_MAX
+MIN_KV_SCALE = torch.finfo(torch.float32).tiny
+LOW_KV_AMAX = 2.0 ** -14
+
+
+def range_problem(name: str, t: torch.Tensor) -> str | None:
+    """A scale outside the plausible range (see above), or None. `t`: positive and finite."""
+    hi, lo = float(t.max()), float(t.min())
+    if hi > MAX_KV_SCALE:
+        return (f"{name} holds {hi:.3g}: cached values up to {FP8_E4M3_MAX * hi:.3g}, past 65504, where no K or V "
+                f"lives (KV scales are at most {MAX_KV_SCALE:.4g}; a scale this large rounds every value to 0)")
+    if lo < MIN_KV_SCALE:
+        return (f"{name} holds {lo:.3g}, below float32's smallest normal number {MIN_KV_SCALE:.3g}: every cached "
+                "value would saturate at +-448")
+    return None
+
+
+def range_notes(scales: Mapping[str, torch.Tensor]) -> list[str]:
+    """One note when some scales are plausible but tiny (see above)."""
+    low = sorted(n for n, t in scales.items() if t.numel() and float(t.min()) * FP8_E4M3_MAX < LOW_KV_AMAX)
+    if not low:
+        return []
+    return [f"{len(low)} KV scale(s) are tiny (e.g. {low[0]}: cached values under {LOW_KV_AMAX:.3g}): right for a "
+            "head that never activates, else every larger K/V saturates in the FP8 cache; recalibrate if unsure"]
+
+
 def tensor_problem(name: str, t: torch.Tensor) -> str | None:
     """What is wrong with one scale tensor on its own (name, dtype, shape, values), or None."""
     if KV_SCALE.match(name) is None:
@@ -87,7 +122,7 @@ def tensor_problem(name: str, t: torch.Tensor) -> str | None:
         return f"{name} has shape {list(t.shape)}, neither [1] (tensor) nor [H, 1, 1] (attn_head)"
     if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
         return f"{name} holds a zero, negative or non-finite scale: KV scales must be positive finite numbers"
-    return None
+    return range_problem(name, t)
 
 
 def normalize_mla(scales: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -164,6 +199,19 @@ def checkpoint_problems(location: Mapping[str, str], info, config_scheme, *, num
                 out.append(f"{name}: {str(i.dtype).removeprefix('torch.')}{list(i.shape)}, expected float32 "
                            f"{' or '.join(str(list(w)) for w in sorted(want))}")
     return out
+
+
+def check_source(get, names: Iterable[str]) -> list[str]:
+    """The KV scales a source checkpoint holds (kept when no new ones are given): each tensor checked on its
+    own (`tensor_problem`, raising KVScalesError naming the source's tensor); returns `range_notes`.
+    `get(name)` reads one tensor."""
+    scales = {n: get(n) for n in sorted(names)}
+    for name, t in scales.items():
+        problem = tensor_problem(name, t)
+        if problem:
+            raise KVScalesError(f"the source's {problem}", hint="the source checkpoint's KV scales are broken: pass "
+                                "new ones with --kv-scales (from `quantkit calibrate`), or fix the checkpoint")
+    return range_notes(scales)
 
 
 def read_file(path: str | Path) -> dict[str, torch.Tensor]:

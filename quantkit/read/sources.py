@@ -26,10 +26,11 @@ from typing import Callable
 
 import torch
 
-from ..errors import SourceFormatError
+from ..errors import SourceFormatError, SourceSchemeError, SourceTensorError
 from ..quant.fp8 import FP8_DTYPE, FP8Layout, dequantize as fp8_dequantize, is_power_of_two
 from ..pack.layout import FP4_SUFFIXES, FP8_SUFFIXES, INT4_SUFFIXES
-from ..pack.config import fp8_input_activations, fp8_weights_config, targeting, weights_label
+from ..pack import checks
+from ..pack.config import PACKED_FORMATS, fp8_input_activations, fp8_weights_config, targeting, weights_label
 from .checkpoint import Checkpoint
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -99,14 +100,10 @@ def detect_format(config: dict) -> SourceFormat:
                 raise SourceFormatError(f"quantization_config.config_groups.{name} must be an object")
             fmt = g.get("format") or top
             w = g.get("weights") or {}
-            if fmt not in CT_FP8_FORMATS + CT_INT_FORMATS + CT_FP4_FORMATS:
-                raise SourceFormatError(f"compressed-tensors group {name} has format {fmt!r}; convert reads "
-                                        f"{', '.join(CT_FP8_FORMATS + CT_INT_FORMATS + CT_FP4_FORMATS)}")
-            want = "int" if fmt in CT_INT_FORMATS else "float"
-            bits = 8 if fmt in CT_FP8_FORMATS else 4
-            if w.get("type", "int") != want or (want == "float" and w.get("num_bits") != bits):
-                raise SourceFormatError(f"compressed-tensors group {name}: format {fmt} with weights "
-                                        f"{w.get('type')}{w.get('num_bits')} is not a scheme convert reads")
+            if not isinstance(fmt, str) or fmt not in CT_FP8_FORMATS + CT_INT_FORMATS + CT_FP4_FORMATS:
+                raise SourceFormatError(f"compressed-tensors group {name} has format {str(fmt)[:60]!r}; convert "
+                                        f"reads {', '.join(CT_FP8_FORMATS + CT_INT_FORMATS + CT_FP4_FORMATS)}")
+            check_group_args(name, fmt, w)
             targets = g.get("targets") or []
             if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
                 raise SourceFormatError(f"compressed-tensors group {name}: targets must be a list of strings")
@@ -115,6 +112,19 @@ def detect_format(config: dict) -> SourceFormat:
         return SourceFormat("compressed-tensors", groups=tuple(groups), kv_cache_scheme=qc.get("kv_cache_scheme"))
     raise SourceFormatError(f"source is quantized with quant_method {method!r}, which convert does not read",
                             hint="convert from the BF16 or block-FP8 release of the model")
+
+
+def group_kind(fmt: str) -> str:
+    """The encoding (pack/checks.py kinds) a compressed-tensors format stores: int4, fp8, nvfp4, mxfp4."""
+    return "fp8" if fmt in CT_FP8_FORMATS else PACKED_FORMATS[fmt]
+
+
+def check_group_args(name: str, fmt: str, w) -> None:
+    """A source config group's weight args are a scheme of its format that convert reads (pack/checks.py,
+    the rule verify holds outputs to): num_bits, type, strategy, group_size, symmetric, block_structure."""
+    problem = checks.scheme_problem(group_kind(fmt), w)
+    if problem:
+        raise SourceSchemeError(f"compressed-tensors group {str(name)[:60]} (format {fmt}): weights: {problem}")
 
 
 # ---- per-module view -----------------------------------------------------------------------------
@@ -197,19 +207,14 @@ def scan(ck: Checkpoint, fmt: SourceFormat) -> dict[str, StoredWeight]:
         if name.endswith(".weight_packed"):
             m = name[: -len(".weight_packed")]
             g = _ct_group(fmt, m, want_float=False)
+            _check_packed_headers(m, loc, g)
             if g["format"] in CT_FP4_FORMATS:  # two E2M1 codes a byte, never padded: no weight_shape
                 kind = g["format"].split("-", 1)[0]
-                if f"{m}.weight_scale" not in loc or (kind == "nvfp4" and f"{m}.weight_global_scale" not in loc):
-                    raise SourceFormatError(f"{m}: {kind} weight without its weight_scale"
-                                            + ("/weight_global_scale" if kind == "nvfp4" else ""))
                 rows, cols = loc[name].shape[0], loc[name].shape[1] * 2
                 tensors = tuple((s, f"{m}.{s}") for s in FP4_SUFFIXES if f"{m}.{s}" in loc)
                 out[m] = StoredWeight(m, kind, (rows, cols), tensors, dict(g["weights"]), g["input_activations"],
                                       g["format"])
                 continue
-            shape_t = f"{m}.weight_shape"
-            if shape_t not in loc or f"{m}.weight_scale" not in loc:
-                raise SourceFormatError(f"{m}: pack-quantized weight without weight_scale/weight_shape")
             rows = loc[name].shape[0]
             cols = loc[name].shape[1] * (32 // int(g["weights"].get("num_bits", 4)))
             tensors = tuple((s, f"{m}.{s}") for s in INT4_SUFFIXES if f"{m}.{s}" in loc)
@@ -244,6 +249,64 @@ def _check_scale(loc: dict, module: str, sname: str, want: tuple[int, ...]) -> N
     ok = tuple(si.shape) == want or (want == (1,) and tuple(si.shape) in ((), (1, 1)))
     if not ok or si.dtype not in SCALE_DTYPES:
         raise SourceFormatError(f"{sname} is {si.dtype} {list(si.shape)}; expected float32 {list(want)}")
+
+
+# ---- every quantized module against its scheme (pack/checks.py), before anything is written ----------
+def _check_packed_headers(m: str, loc: dict, g: dict) -> None:
+    """A packed source module (INT4, NVFP4, MXFP4) as its headers show it: the tensors its group implies,
+    their dtypes, weight_packed 2-D and non-empty (what `scan` computes the module's shape from)."""
+    kind = group_kind(g["format"])
+    suffixes = checks.INT4_SUFFIXES if kind == "int4" else checks.FP4_SUFFIXES
+    infos = {s: loc[f"{m}.{s}"] for s in suffixes if f"{m}.{s}" in loc}
+    found = checks.header_problems(m, infos, kind, g["weights"], _scheme(g["weights"]), f"group {g['name']}")
+    if found:
+        raise SourceTensorError(found[0])
+
+
+def _scheme(w: dict):
+    from ..match.recipe import Scheme
+
+    return Scheme.parse_weights_config(w)  # valid: detect_format checked every group's args
+
+
+def validate(ck: Checkpoint, stored: dict[str, StoredWeight]) -> None:
+    """Every module the source stores quantized (passed through or re-quantized alike) against its scheme,
+    by the rules verify holds outputs to (pack/checks.py): INT4 weight_shape positive and agreeing with the
+    packed data, every tensor the shape its scheme implies, group sizes dividing in_features; scales finite,
+    positive and plausible, NVFP4 global scales finite and positive, no E8M0 255. Reads only the small
+    tensors (scales, weight_shape, g_idx), one shard's mapping at a time. Raises SourceTensorError naming
+    the tensor and the rule."""
+    from .tensors import TensorReader
+
+    by_shard: dict[str, list[StoredWeight]] = {}
+    for sw in stored.values():
+        by_shard.setdefault(ck.location[sw.primary], []).append(sw)
+    with TensorReader.of(ck) as r:
+        for shard in sorted(by_shard):
+            for sw in sorted(by_shard[shard], key=lambda x: x.module):
+                found = _module_problems(r, sw)
+                if found:
+                    raise SourceTensorError(found[0])
+            r.release()
+
+
+def _module_problems(r, sw: StoredWeight) -> list[str]:
+    m, local = sw.module, dict(sw.tensors)
+    if sw.encoding in ("fp8", "fp8-block"):
+        suffix = "weight_scale_inv" if sw.encoding == "fp8-block" else "weight_scale"
+        return checks.value_problems(m, "fp8", {suffix: r.get(sw.scale)}, scale=suffix)
+    infos = {s: r.info(t) for s, t in local.items()}
+    scheme = _scheme(sw.weights)
+    group = "its config group"
+    if sw.encoding == "int4":
+        n, k = (int(v) for v in r.get(local["weight_shape"]).tolist())
+    else:
+        n, k = sw.shape
+    found = checks.shape_problems(m, infos, sw.encoding, sw.weights, scheme, group, sw.label, n, k)
+    if found:
+        return found
+    small = {s: r.get(t) for s, t in local.items() if s != "weight_packed"}
+    return checks.value_problems(m, sw.encoding, small, symmetric=scheme.symmetric)
 
 
 # ---- reading -------------------------------------------------------------------------------------

@@ -18,11 +18,12 @@ import torch
 
 from ..arch import text_config
 from ..match.recipe import Scheme, matches
+from ..pack import checks
 from ..pack import kv as kvrules
 from ..pack import fp4 as fp4pack
 from ..pack.config import PACKED_FORMATS, targeting, weights_label
 from ..pack.int4 import dequantize_module
-from ..pack.layout import FP4_SUFFIXES, INT4_SUFFIXES, module_tensors
+from ..pack.layout import FP4_SUFFIXES, INT4_SUFFIXES
 from ..quant.fp8 import FP8_DTYPE, FP8Layout, dequantize as fp8_dequantize
 from ..quant.int4 import sqnr_db
 from ..read.checkpoint import Checkpoint
@@ -31,11 +32,9 @@ from ..read.tensors import TensorReader
 from .common import SQNR_CAP_DB, Listing
 
 KERNEL_MODULES = 4  # modules the kernel check runs the INT4 GEMM on
-SCALE_DTYPES = (torch.bfloat16, torch.float16)
 # FP8 scales are float32 (docs/format.md); a module passed through from a compressed-tensors source keeps
 # its source's scale dtype, which compressed-tensors also writes as bfloat16 / float16
 FP8_SOURCE_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-FP8_STRATEGIES = ("tensor", "channel", "block")
 
 
 @dataclass(frozen=True)
@@ -119,45 +118,13 @@ def _config_groups(qc: dict | None, problems: Listing, judge: "Judge",
             # the precedence, and a quantized module it targets is reported
             groups.append(_Group(gname, targets, w, False, "other", str(fmt), acts))
             continue
-        if kind == "fp8":
-            if w.get("num_bits") != 8 or w.get("type") != "float":
-                problems.add(f"{where}.weights: num_bits {w.get('num_bits')!r} type {w.get('type')!r}; format {fmt} "
-                             "is checked as FP8 (num_bits 8, type float)")
-                ok = False
-            strategy = w.get("strategy")
-            if strategy == "block":
-                bs = w.get("block_structure")
-                if not (isinstance(bs, list) and len(bs) == 2 and all(type(b) is int and b > 0 for b in bs)):
-                    problems.add(f"{where}.weights.block_structure must be two positive integers, got {bs!r}")
-                    ok = False
-            elif strategy not in FP8_STRATEGIES:
-                problems.add(f"{where}.weights.strategy is {strategy!r}; FP8 weights use tensor, channel or block")
-                ok = False
-        elif kind == "int4":
-            if w.get("num_bits") != 4 or w.get("type") != "int":
-                problems.add(f"{where}.weights: num_bits {w.get('num_bits')!r} type {w.get('type')!r}; this version "
-                             "checks INT4 (num_bits 4, type int) pack-quantized weights")
-                ok = False
-            strategy = w.get("strategy")
-            if strategy == "group":
-                gs = w.get("group_size")
-                if type(gs) is not int or gs <= 0:
-                    problems.add(f"{where}.weights.group_size must be a positive integer, got {gs!r}")
-                    ok = False
-            elif strategy != "channel":
-                problems.add(f"{where}.weights.strategy is {strategy!r}; pack-quantized INT4 uses group or channel")
-                ok = False
-        else:
-            s = Scheme.from_weights_config(w)
-            if s is None or s.fp4 != kind:
-                problems.add(f"{where}.weights: {str(w)[:100]} is not {kind} (format {fmt})")
-                ok = False
+        problem = checks.scheme_problem(kind, w)
+        if problem:
+            problems.add(f"{where}.weights: {problem} (format {fmt})")
+            ok = False
         err = judge.args_error(w)
         if err:
             problems.add(f"{where}.weights: compressed-tensors rejects it: {err}")
-            ok = False
-        if ok and Scheme.from_weights_config(w) is None:
-            problems.add(f"{where}.weights: not a {fmt} scheme quantkit can check ({str(w)[:80]})")
             ok = False
         groups.append(_Group(gname, targets, w, ok, kind, str(fmt), acts))
     return groups, ignore
@@ -178,43 +145,6 @@ def _group_for(module: str, groups: list[_Group], has: str = "weight_packed") ->
 def _wrong_group(module: str, has: str, group: _Group, want: str) -> str:
     return (f"{module}: has {has}, but the config group that targets it, {group.name}, is {group.format} "
             f"({group.label}), not {want}")
-
-
-def _layout(group: _Group, n: int, k: int) -> dict[str, tuple]:
-    """suffix -> (dtype, shape) a module with weight [n, k] must carry under `group` (pack/layout.py)."""
-    g_idx = group.weights.get("actorder") == "group"
-    return {name.rsplit(".", 1)[1]: (dtype, shape)
-            for name, dtype, shape in module_tensors("m", (n, k), group.scheme, torch.bfloat16, g_idx=g_idx)}
-
-
-def _header_problems(module: str, infos: dict, group: _Group) -> list[str]:
-    """Problems visible in the headers alone (before weight_shape's value is known): which tensors are
-    present, and their dtypes (the scale may be bf16 or fp16)."""
-    out = []
-    want = _layout(group, 8, group.group_size or 8)
-    for suffix in (INT4_SUFFIXES if group.kind == "int4" else FP4_SUFFIXES):
-        i, w = infos.get(suffix), want.get(suffix)
-        if w is None:
-            if i is not None:
-                why = ("symmetric" if suffix == "weight_zero_point" else
-                       f"actorder {group.weights.get('actorder')!r}")
-                out.append(f"{module}.{suffix}: present, but {group.name} is {why}" if suffix == "weight_zero_point"
-                           else f"{module}.{suffix}: present, but {group.name} has {why}")
-            continue
-        if i is None:
-            why = {"weight_zero_point": f" ({group.name} is asymmetric)", "weight_g_idx": " (actorder 'group')"}
-            out.append(f"{module}.{suffix}: missing{why.get(suffix, '')}")
-            continue
-        dtypes = SCALE_DTYPES if suffix == "weight_scale" and group.kind == "int4" else (w[0],)
-        if i.dtype not in dtypes:
-            what = "bfloat16 or float16" if suffix == "weight_scale" else str(w[0]).removeprefix("torch.")
-            out.append(f"{module}.{suffix}: dtype {str(i.dtype).removeprefix('torch.')}, expected {what}")
-    ws = infos.get("weight_shape")
-    if group.kind != "int4" and ws is not None:
-        out.append(f"{module}.weight_shape: present, but {group.kind} modules carry none")
-    elif ws is not None and tuple(ws.shape) != (2,):
-        out.append(f"{module}.weight_shape: shape {list(ws.shape)}, expected [2]")
-    return out
 
 
 class Judge:
@@ -384,7 +314,7 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
         return
     if not group.ok:
         return  # the group's config problem is already reported once
-    found = _header_problems(m, infos, group)
+    found = checks.header_problems(m, infos, group.kind, group.weights, group.scheme, group.name)
     for p in found:
         problems.add(p)
     if found:
@@ -393,19 +323,10 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
         n, k = (int(v) for v in reader.get(f"{m}.weight_shape").tolist())
     else:  # FP4 stores no shape: two codes a byte, never padded
         n, k = infos["weight_packed"].shape[0], infos["weight_packed"].shape[1] * 2
-    if n <= 0 or k <= 0:
-        problems.add(f"{m}.weight_shape: holds {[n, k]}, expected positive [out, in]")
-        return
-    bad = False
-    for suffix, (_, want) in _layout(group, n, k).items():
-        have = tuple(infos[suffix].shape)
-        if have != want:
-            problems.add(f"{m}.{suffix}: shape {list(have)}, expected {list(want)} for weight [{n}, {k}] under "
-                         f"{group.name} ({group.label})")
-            bad = True
-    if group.group_size is not None and k % group.group_size:
-        problems.add(f"{m}: in_features {k} is not a multiple of group_size {group.group_size}")
-        bad = True
+    found = checks.shape_problems(m, infos, group.kind, group.weights, group.scheme, group.name, group.label, n, k)
+    for p in found:
+        problems.add(p)
+    bad = bool(found)
     entry = mtable.get(f"{m}.weight_packed") if isinstance(mtable.get(f"{m}.weight_packed"), dict) else {}
     if entry.get("scheme") and entry["scheme"] != group.label:
         problems.add(f"{m}: the manifest records scheme {entry['scheme']}, config.json gives {group.label} "
@@ -413,14 +334,10 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
     if bad:
         return
     local = {s: reader.get(f"{m}.{s}") for s in infos}
-    scale = local["weight_scale"].float()
-    if not torch.isfinite(scale).all() or (scale < 0).any():
-        nbad = int((~torch.isfinite(scale) | (scale < 0)).sum())
-        problems.add(f"{m}.weight_scale: {nbad} non-finite or negative value(s)")
-        return
-    g_idx = local.get("weight_g_idx")
-    if g_idx is not None and g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= scale.shape[1]):
-        problems.add(f"{m}.weight_g_idx: values outside [0, {scale.shape[1]})")
+    found = checks.value_problems(m, group.kind, local, symmetric=group.symmetric)
+    for p in found:
+        problems.add(p)
+    if found:
         return
     if group.kind == "int4":
         mine = dequantize_module(local, torch.float32)  # [N, K]
@@ -542,11 +459,12 @@ def _check_fp8_module(m: str, ck: Checkpoint, groups: list[_Group], ignore: list
     if bad:
         return
     q, stored_scale = reader.get(f"{m}.weight"), reader.get(sname)
-    scale = stored_scale.float().reshape(want)
-    if not torch.isfinite(scale).all() or (scale <= 0).any():
-        nbad = int((~torch.isfinite(scale) | (scale <= 0)).sum())
-        problems.add(f"{sname}: {nbad} non-finite or non-positive value(s)")
+    found = checks.value_problems(m, "fp8", {"weight_scale": stored_scale})
+    for p in found:
+        problems.add(p)
+    if found:
         return
+    scale = stored_scale.float().reshape(want)
     mine = fp8_dequantize(q, scale, layout, torch.float32)  # [N, K]: q.float() * scale, one rounding
     nan = int(torch.isnan(mine).sum())
     if nan:

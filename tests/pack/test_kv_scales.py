@@ -128,6 +128,10 @@ def _drop(sc, name):
     (lambda: scales(dtype=torch.float16), "must be float32"),
     (lambda: {**scales(), "model.layers.0.self_attn.k_scale": torch.tensor([-1.0])}, "positive finite"),
     (lambda: {**scales(), "model.layers.0.self_attn.k_scale": torch.ones(2, 1, 1)}, "mix shapes"),
+    # implausible (issue 26): 1e38 rounds every K to 0 in FP8, 1e-45 (subnormal) saturates every K
+    (lambda: {**scales(), "model.layers.0.self_attn.k_scale": torch.tensor([1e38])}, "k_scale holds 1e.38.*past 65504"),
+    (lambda: {**scales(), "model.layers.1.self_attn.v_scale": torch.tensor([147.0])}, "v_scale holds 147.*past 65504"),
+    (lambda: {**scales(), "model.layers.0.self_attn.k_scale": torch.tensor([1e-45])}, "smallest normal"),
 ])
 def test_bad_scales_refused_before_writing(src, tmp_path, make, match):
     kv_file = save(tmp_path, make())
@@ -223,3 +227,40 @@ def test_mla_single_head_scales_become_per_tensor(tmp_path):
     with SafetensorsFile(ck.shard(ck.location[name]).header) as f:
         t = f.get(name)
     assert tuple(t.shape) == (1,) and t.item() == res.scales[name].item()
+
+
+def test_tiny_scales_are_kept_with_a_note(src, tmp_path):
+    """Plausible but tiny (a head that never activates gets float32's smallest normal from calibrate): kept, and
+    a note says so; the largest plausible scale (cached values up to 65504) is kept silently."""
+    sc = {**scales(), "model.layers.0.self_attn.k_scale": torch.tensor([torch.finfo(torch.float32).tiny]),
+          "model.layers.1.self_attn.k_scale": torch.tensor([65504.0 / 448])}
+    res = convert(src, tmp_path / "q", ConvertOptions(kv_scales=save(tmp_path, sc)))
+    notes = [n for n in res.notes if "tiny" in n]
+    assert len(notes) == 1 and "1 KV scale(s)" in notes[0] and "layers.0.self_attn.k_scale" in notes[0]
+
+
+@pytest.mark.parametrize("value,match", [(1e38, "past 65504"), (float("nan"), "positive finite"),
+                                         (1e-45, "smallest normal")])
+def test_source_kv_scales_are_held_to_the_same_rules(src, tmp_path, value, match):
+    """A source's own KV scales (kept when no new ones are given) are checked like a --kv-scales file."""
+    convert(src, tmp_path / "a", ConvertOptions(kv_scales=save(tmp_path, scales())))
+    p = tmp_path / "a" / KV_SHARD_NAME
+    with SafetensorsFile(p) as f:
+        t = {n: f.get(n) for n in f.header.tensors}
+    t["model.layers.1.self_attn.k_scale"] = torch.tensor([value])
+    write_safetensors(p, t)
+    with pytest.raises(KVScalesError, match=f"the source's model.layers.1.self_attn.k_scale.*{match}"):
+        convert(tmp_path / "a", tmp_path / "b", ConvertOptions())
+    assert not (tmp_path / "b").exists()
+    convert(tmp_path / "a", tmp_path / "c", ConvertOptions(kv_scales=save(tmp_path, scales(), "new.safetensors")))
+
+
+def test_calibrate_never_writes_implausible_scales(tmp_path):
+    from types import SimpleNamespace
+
+    from quantkit.calibrate import write_scales
+
+    bad = SimpleNamespace(scales={**scales(), "model.layers.0.self_attn.v_scale": torch.tensor([1e30])})
+    with pytest.raises(KVScalesError, match="calibration gave model.layers.0.self_attn.v_scale holds 1e.30"):
+        write_scales(bad, tmp_path / "kv.safetensors")
+    assert not list(tmp_path.iterdir())
