@@ -27,7 +27,7 @@ q/prob scales excepted: compressed-tensors checkpoints never carry them; k/v sca
 config declares no kv_cache_scheme), and when a kv_cache_scheme is declared every attention layer holds
 the checkpoint's k_scale and v_scale.
 
-Three kernel-selection gates of vLLM's CPU platform refuse to build these models here (the WNA16 MoE backend
+Kernel-selection gates of vLLM's CPU platform refuse to build these models here (the WNA16 MoE backend
 oracle, the MLA attention backend with an fp8 KV cache, the block-FP8 linear kernel without AMX); they are
 bypassed in this script only (see `_bypass_cpu_kernel_gates`). None changes a parameter's name, shape or dtype.
 """
@@ -136,6 +136,37 @@ def _bypass_cpu_kernel_gates(report: dict) -> None:
         return backend, nvfp4_oracle.backend_to_kernel_cls(backend)[0]
 
     ct_nvfp4.select_nvfp4_moe_backend = nvfp4_like_a_hopper
+
+    # 5. W4AFP8 MoE backend oracle (fused_moe/oracle/w4a8.py `select_w4a8_moe_backend`, called by
+    #    CompressedTensorsW4A8Fp8MoEMethod.__init__): each kernel class's `is_supported_config` first asks the
+    #    device (SM90 + CUTLASS grouped GEMM for CUTLASS, a GPU for Humming). The replacement runs vLLM's own
+    #    `is_supported_config` for the CUTLASS class (bf16 in/out, gated activation, quant keys, parallel config,
+    #    routing, shape) with only the device probe answered "Hopper". create_weights allocates the same
+    #    parameters for both backends (`w13_weight_packed [E, 2I, H/8]` int32, `w13_weight_scale [E, 2I, H/128]`
+    #    in the model dtype, `w13_weight_shape [E, 2]`, ...) and asserts the 256 rule itself.
+    from vllm.model_executor.layers.fused_moe.oracle import w4a8 as w4a8_oracle
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_w4a8_fp8 as ct_w4a8,
+    )
+
+    def w4a8_like_a_hopper(config, weight_key=w4a8_oracle.kInt4Static, activation_key=w4a8_oracle.kFp8DynamicTokenSym):
+        import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+
+        backend = w4a8_oracle.W4A8MoeBackend.CUTLASS
+        cls = w4a8_oracle.backend_to_kernel_cls(backend)[0]
+        probe = cls._supports_current_device
+        cls._supports_current_device = staticmethod(lambda: True)
+        try:
+            ok, why = cls.is_supported_config(cls, config, weight_key, activation_key,
+                                              mk.FusedMoEActivationFormat.Standard)
+        finally:
+            cls._supports_current_device = probe
+        if not ok:
+            raise NotImplementedError(f"the CUTLASS W4A8 MoE kernel refuses this layer on Hopper too: {why}")
+        chosen[f"w4a8-{backend.value}"] = chosen.get(f"w4a8-{backend.value}", 0) + 1
+        return backend, cls
+
+    ct_w4a8.select_w4a8_moe_backend = w4a8_like_a_hopper
 
     platform_cls = type(current_platform)
     original = platform_cls.get_attn_backend_cls.__func__

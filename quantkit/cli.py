@@ -91,6 +91,7 @@ def convert(
     kv_scales: Annotated[Optional[Path], typer.Option(help="FP8 KV-cache scales from `quantkit calibrate`.")] = None,
     device: DeviceOpt = options.DEVICE,
     revision: RevisionOpt = None,
+    tp: Annotated[Optional[int], typer.Option(min=1, help="Tensor-parallel size the output will be served at: W4AFP8 recipes are refused up front when vLLM cannot load them at it (default: checked at 1).")] = None,
     json_out: JsonOpt = False,
 ):
     """Quantize SRC into OUT per RECIPE, streaming shard by shard."""
@@ -107,7 +108,7 @@ def convert(
     opts = ConvertOptions(recipe=recipe, workers=workers, resume=resume and not overwrite, overwrite=overwrite,
                           max_shard_bytes=max_shard_bytes, dataset=dataset, num_samples=num_samples,
                           seq_len=seq_len, kv_scales=str(kv_scales) if kv_scales else None,
-                          source_id=None if Path(src).exists() else src, device=device)
+                          source_id=None if Path(src).exists() else src, device=device, tp=tp)
     leader = os.environ.get("RANK", "0") in ("0", "")  # under torchrun only rank 0 shows progress and results
     with _progress("converting", enabled=leader) as prog:
         task = prog.add_task("converting", total=None)

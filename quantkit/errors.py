@@ -108,6 +108,12 @@ class GroupSizeError(QuantkitError):
             "size) in the recipe's scheme")
 
 
+class W4AFP8ShapeError(GroupSizeError):
+    """A W4AFP8 recipe on a model whose expert widths vLLM's W4AFP8 MoE kernel cannot take (rule W2)."""
+
+    hint = "serve it with one of the --tp values named, or use a W4A16 recipe (int4-experts-rtn, glm)"
+
+
 class NonFiniteWeight(QuantkitError):
     hint = "the source weight holds NaN/Inf values; fix or re-export the checkpoint, or add the module to the recipe's ignore list"
 

@@ -84,6 +84,9 @@ class ConvertOptions:
     model_card: bool = True  # write README.md (quantkit/card.py; a README of the source is extended)
     # where calibration (GPTQ/AWQ, KV scales) computes: cpu, cuda, cuda:N or auto (calib/device.py)
     device: str = options.DEVICE
+    # the tensor-parallel size the output will be served at: W4AFP8 recipes are refused up front when vLLM's
+    # W4AFP8 MoE kernel cannot take the expert widths at it (engine/w4afp8.py); None: tp 1, with a note
+    tp: int | None = None
 
 
 @dataclass
@@ -140,10 +143,11 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
 
     out = Path(out_dir)
     hidden = src.config.get("hidden_size") if isinstance(src.config.get("hidden_size"), int) else None
+    w4afp8_note = _w4afp8_rules(src, recipe, hidden, opts.tp)  # before any plan or write: a wrong shape costs seconds
     names = output_shard_names(src)
     plans = [plan_shard(s, names[s.name], recipe, hidden, opts.batch_bytes, opts.max_shard_bytes, stored=stored,
                         skip=skip, location=src.location, info=src.info, calibrated=calibrated) for s in src.shards]
-    notes = plan_notes(plans, len(source_kv) if want_kv else 0, stored)
+    notes = plan_notes(plans, len(source_kv) if want_kv else 0, stored) + ([w4afp8_note] if w4afp8_note else [])
     if source_kv and not want_kv:  # the source's own KV scales are kept: held to the same rules
         with TensorReader.of(src) as r:
             notes += kvrules.check_source(r.get, source_kv)
@@ -281,6 +285,27 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
 def _follow(w) -> "ConvertResult":
     """A rank other than 0 after its shards: rank 0's result once it has written the index and manifest."""
     return w.broadcast(w.step(lambda: None, "writing the index and manifest"))
+
+
+def _w4afp8_rules(src: Checkpoint, recipe: Recipe, hidden: int | None, tp: int | None) -> str | None:
+    """vLLM's W4AFP8 MoE shape rules (engine/w4afp8.py) on the modules the recipe's W4AFP8 groups target,
+    from the headers alone; raises W4AFP8ShapeError, or returns a note naming the --tp values that work."""
+    if not any(g.scheme.activations for g in recipe.groups):
+        return None
+    from ..engine.w4afp8 import check_modules
+    from ..match.shards import _fused_items
+
+    modules = []
+    for name in src.location:
+        info = src.info(name)
+        items = _fused_items(name, info, hidden) if len(info.shape) == 3 else None
+        pairs = [(m, tuple(shape)) for m, _, shape in items] if items else (
+            [(name[: -len(".weight")], tuple(info.shape))] if name.endswith(".weight") and len(info.shape) == 2 else [])
+        for module, shape in pairs:
+            g = recipe.match(module)
+            if g is not None and g.scheme.activations:
+                modules.append((module, shape))
+    return check_modules(modules, tp)
 
 
 def _cpu_count() -> int:

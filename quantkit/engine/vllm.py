@@ -21,7 +21,8 @@ import torch
 from ..arch import text_config
 from ..match.recipe import FUSED_LINEARS
 from ..pack import kv as kvrules
-from ..pack.config import PACKED_FORMATS, targeting
+from ..pack.config import PACKED_FORMATS, is_w4afp8, targeting
+from . import w4afp8 as w4rules
 from ..read.checkpoint import Checkpoint
 from ..read.tensors import TensorReader
 
@@ -73,6 +74,18 @@ RULES = {r.id: r for r in (
          "model_executor/layers/fused_moe/oracle/int_wna16.py"),
     Rule("M6", "an expert's gate and up load into one w13 tensor: they need the same number of scale groups",
          "model_executor/layers/fused_moe/routed_experts.py (_load_w13)"),
+    Rule("W1", "W4AFP8 experts (INT4 weights + dynamic per-token FP8 activations): group strategy, group_size 128, "
+               "symmetric",
+         "model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+         "compressed_tensors_moe_w4a8_fp8.py (CompressedTensorsW4A8Fp8MoEMethod.__init__)"),
+    Rule("W2", "W4AFP8 experts: hidden_size and moe_intermediate_size / tp must be multiples of 256 (CUTLASS reorder); "
+               "with expert parallelism the intermediate size is not split",
+         "model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+         "compressed_tensors_moe_w4a8_fp8.py (create_weights)"),
+    Rule("W3", "W4AFP8 experts run only on SM90 (Hopper) with bfloat16 activations, without EPLB; elsewhere "
+               "vLLM finds no W4A8 MoE backend",
+         "model_executor/layers/fused_moe/oracle/w4a8.py (select_w4a8_moe_backend); "
+         "model_executor/layers/fused_moe/experts/cutlass_moe.py (CutlassExpertsW4A8Fp8)"),
     Rule("F1", "NVFP4 experts: gate and up are fused into w13 with one global scale per expert; when they "
                "differ vLLM warns and uses the gate's (the up half is then mis-scaled)",
          "model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
@@ -113,6 +126,8 @@ class _Group:
     def __init__(self, name: str, g: dict, top: str | None):
         self.name, self.targets, self.weights = name, tuple(g.get("targets") or ()), g.get("weights") or {}
         self.format = g.get("format") or top
+        acts = g.get("input_activations")
+        self.w4afp8 = is_w4afp8(self.weights, acts if isinstance(acts, dict) else None)
 
 
 def check(root, tp: int = 1, plugin: bool = False) -> EngineReport:
@@ -196,7 +211,9 @@ def _experts(ck, cfg, groups, rep: EngineReport, tp: int, reader) -> None:
         kind = PACKED_FORMATS.get(first.format) if first else None
         down_name = next((mods[k] for k in sorted(mods) if k[1] in ("down_proj", "w2")), None)
         inter = ck.info(down_name + ".weight_packed").shape[1] * (8 if kind == "int4" else 2) if down_name else None
-        if kind == "int4" and w.get("strategy") == "group":
+        if kind == "int4" and first.w4afp8:
+            _w4afp8(layer, w, hidden, inter, tp, rep)
+        elif kind == "int4" and w.get("strategy") == "group":
             g = w.get("group_size")
             for what, size in (("hidden_size", hidden), ("moe_intermediate_size / tp", None if inter is None
                                                           else inter // max(tp, 1))):
@@ -221,6 +238,21 @@ def _experts(ck, cfg, groups, rep: EngineReport, tp: int, reader) -> None:
                 a, b = (x + ".weight_global_scale" for x in (module, up))
                 if a in ck.location and b in ck.location and not torch.equal(reader.get(a), reader.get(b)):
                     rep.add("F1", up, "its weight_global_scale differs from the gate's: vLLM uses the gate's for both")
+
+
+def _w4afp8(layer: str, w: dict, hidden, inter, tp: int, rep: EngineReport) -> None:
+    """Rules W1-W3 on one MoE layer whose experts are W4AFP8."""
+    if w.get("group_size") != w4rules.MULTIPLE // 2 or w.get("symmetric", True) is False:
+        rep.add("W1", layer, f"group_size {w.get('group_size')}, symmetric {w.get('symmetric', True)}: the W4A8 MoE "
+                "method asserts group_size 128 and symmetric weights")
+    if isinstance(hidden, int) and isinstance(inter, int):
+        why = w4rules.rule_problem(hidden, inter, max(tp, 1))
+        if why:
+            rep.add("W2", layer, f"{why} at tp {tp}: vLLM asserts it when the layer is built; works with: "
+                    f"{w4rules.describe(hidden, inter)}")
+    if not any(x["rule"] == "W3" for x in rep.warnings):  # once per checkpoint
+        rep.add("W3", layer, "W4AFP8 experts need a Hopper GPU (SM90) and --dtype bfloat16; without EPLB",
+                warning=True)
 
 
 def _fp8_blocks(ck, rep: EngineReport, tp: int) -> None:

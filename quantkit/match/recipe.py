@@ -33,7 +33,7 @@ import yaml
 
 from .. import options
 from ..errors import RecipeError
-from ..pack.config import scheme_label, weights_config
+from ..pack.config import W4AFP8_GROUP_SIZE, scheme_label, weights_config
 from ..pack.kv import STRATEGIES as KV_STRATEGIES
 from ..pack.kv import kv_cache_scheme
 
@@ -69,6 +69,7 @@ class Scheme:
         type float, num_bits 8, tensor | channel | block   FP8 float-quantized (W8A8, dynamic activations)
         type float, num_bits 4, tensor_group, group_size 16   NVFP4 (nvfp4-pack-quantized, W4A16)
         type float, num_bits 4, group, group_size 32          MXFP4 (mxfp4-pack-quantized, W4A16)
+        type int,   num_bits 4, group 128, activations fp8    W4AFP8 (pack-quantized + dynamic FP8 activations)
     """
 
     num_bits: int = 4
@@ -79,6 +80,9 @@ class Scheme:
     block_structure: tuple[int, int] | None = None
     # Used when in_features % group_size != 0: "channel", or another group size (int), or None (error).
     fallback: str | int | None = None
+    # INT4 only: "fp8" = dynamic per-token FP8 e4m3 input activations (W4AFP8, compressed-tensors' preset of that
+    # name); None = weights only (W4A16). W4AFP8 is INT4 group 128 symmetric, no fallback (vLLM's only form).
+    activations: str | None = None
 
     def __post_init__(self):
         if self.type not in ("int", "float"):
@@ -124,6 +128,15 @@ class Scheme:
             else:
                 raise RecipeError(f"FP8 schemes support strategy tensor, channel or block, got {self.strategy!r}")
             object.__setattr__(self, "group_size", None)
+        if self.activations is not None:
+            if self.activations != "fp8":
+                raise RecipeError(f"scheme.activations must be 'fp8' (dynamic per-token FP8, W4AFP8) or absent, "
+                                  f"got {self.activations!r}")
+            if not (self.type == "int" and self.strategy == "group" and self.symmetric
+                    and self.group_size == W4AFP8_GROUP_SIZE and self.fallback is None):
+                raise RecipeError(f"activations: fp8 (W4AFP8) needs INT4 strategy group, group_size "
+                                  f"{W4AFP8_GROUP_SIZE}, symmetric, no fallback: the only form vLLM loads "
+                                  f"(CompressedTensorsW4A8Fp8MoEMethod)")
         fb = self.fallback
         if fb is not None and fb != "channel" and not (isinstance(fb, int) and fb > 0 and fb % 8 == 0):
             raise RecipeError(f"scheme.fallback must be 'channel' or a group size, got {fb!r}")

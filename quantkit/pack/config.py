@@ -61,9 +61,31 @@ def fp8_input_activations(layout: FP8Layout) -> dict[str, Any]:
             "block_structure": None, "observer": None, "observer_kwargs": {}}
 
 
-def weights_label(w: dict) -> str:
-    """The manifest's scheme label of compressed-tensors weight args, e.g. int4-g32-sym, int4-channel-asym,
-    fp8-block128x128, fp8-channel."""
+# W4AFP8 (compressed-tensors' W4AFP8 preset): INT4 group-128 symmetric weights with dynamic per-token FP8
+# activations. vLLM 0.33.0 runs it for MoE on Hopper (CompressedTensorsW4A8Fp8MoEMethod; docs/engine.md W1-W4).
+W4AFP8_ACTIVATIONS = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "group_size": None,
+                      "dynamic": True, "actorder": None, "block_structure": None, "observer": None,
+                      "observer_kwargs": {}}
+W4AFP8_GROUP_SIZE = 128
+
+
+def is_w4afp8(w: dict | None, acts: dict | None) -> bool:
+    """Weight and input-activation args that vLLM 0.33.0 reads as W4AFP8 (compressed_tensors.py
+    `_is_fp8_w4a8`): 4-bit int group weights, static, symmetric; 8-bit float per-token dynamic symmetric
+    activations."""
+    if not isinstance(w, dict) or not isinstance(acts, dict):
+        return False
+    return (w.get("num_bits") == 4 and w.get("type") == "int" and w.get("strategy") == "group"
+            and not w.get("dynamic") and w.get("symmetric", True) is not False
+            and acts.get("num_bits") == 8 and acts.get("type") == "float" and acts.get("strategy") == "token"
+            and bool(acts.get("dynamic")) and acts.get("symmetric", True) is not False)
+
+
+def weights_label(w: dict, acts: dict | None = None) -> str:
+    """The manifest's scheme label of compressed-tensors weight args (and input activations), e.g.
+    int4-g32-sym, int4-channel-asym, fp8-block128x128, fp8-channel; W4AFP8: int4-g128-sym-afp8."""
+    if is_w4afp8(w, acts):
+        return f"{weights_label(w)}-afp8"
     if w.get("type") == "float" and w.get("num_bits") == 4:
         kind = "nvfp4" if w.get("strategy") == "tensor_group" else "mxfp4"
         return f"{kind}-g{w.get('group_size')}"
@@ -75,7 +97,7 @@ def weights_label(w: dict) -> str:
 
 
 def scheme_label(scheme) -> str:
-    return weights_label(weights_config(scheme))
+    return weights_label(weights_config(scheme), scheme_config(scheme)["input_activations"])
 
 
 def scheme_config(scheme) -> dict:
@@ -86,7 +108,8 @@ def scheme_config(scheme) -> dict:
         layout = FP8Layout(scheme.strategy, scheme.block_structure)
         return {"format": "float-quantized", "weights": fp8_weights_config(layout),
                 "input_activations": fp8_input_activations(layout)}
-    return {"format": "pack-quantized", "weights": weights_config(scheme), "input_activations": None}
+    acts = dict(W4AFP8_ACTIVATIONS) if getattr(scheme, "activations", None) == "fp8" else None
+    return {"format": "pack-quantized", "weights": weights_config(scheme), "input_activations": acts}
 
 
 def _is_routed_expert(module: str) -> bool:

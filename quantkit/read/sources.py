@@ -152,7 +152,7 @@ class StoredWeight:
 
     @property
     def label(self) -> str:
-        return weights_label(self.weights)
+        return weights_label(self.weights, self.input_activations)
 
 
 def _layout_from_args(w: dict, module: str) -> FP8Layout:

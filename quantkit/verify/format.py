@@ -59,7 +59,7 @@ class _Group:
 
     @property
     def label(self) -> str:
-        return weights_label(self.weights)
+        return weights_label(self.weights, self.input_activations)
 
     @property
     def scheme(self) -> Scheme | None:
