@@ -268,6 +268,60 @@ def assign_weight(params: dict, module: str, w: torch.Tensor) -> None:
         p[e, rows].copy_(w)
 
 
+def w4afp8_layers(q_dir: Path) -> bool:
+    """Whether some config group of `q_dir` is W4AFP8 (INT4 weights, dynamic per-token FP8 activations)."""
+    from ..pack.config import is_w4afp8
+
+    qc = Checkpoint.open(q_dir).quantization_config or {}
+    return any(isinstance(g, dict) and is_w4afp8(g.get("weights"), g.get("input_activations"))
+               for g in (qc.get("config_groups") or {}).values())
+
+
+_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def install_w4afp8(model, q_dir: Path) -> int:
+    """Make every routed-expert block of a transformers MoE `model` (experts fused as gate_up_proj [E, 2I, H] /
+    down_proj [E, H, I], forward(hidden, top_k_index, top_k_weights)) compute as vLLM's W4A8 MoE kernel does
+    (runtime/w4afp8.py `w4afp8_moe_ref`) from the packed experts of `q_dir`. Returns the blocks replaced."""
+    from ..runtime.int4 import PackedInt4
+    from ..runtime.w4afp8 import W4AFP8Weight, w4afp8_moe_ref
+    from ..read.tensors import TensorReader
+
+    ck = Checkpoint.open(q_dir)
+    done = 0
+    with TensorReader.of(ck) as r:
+        for name, mod in model.named_modules():
+            if not (name.endswith(".experts") and isinstance(getattr(mod, "gate_up_proj", None), torch.nn.Parameter)):
+                continue
+            n_exp = mod.gate_up_proj.shape[0]
+            for base in (name, name.replace(".mlp.experts", ".block_sparse_moe.experts")):
+                for g, u, d in _EXPERT_NAMES:
+                    if f"{base}.0.{g}.weight_packed" in ck.location:
+                        break
+                else:
+                    continue
+                break
+            else:
+                continue
+
+            def stack(parts):
+                pk = [PackedInt4.from_tensors(r.get(f"{base}.{e}.{p}.weight_packed"), r.get(f"{base}.{e}.{p}.weight_scale"),
+                                              r.get(f"{base}.{e}.{p}.weight_shape"), group_size=128) for e in range(n_exp)
+                      for p in parts]
+                per = len(parts)
+                packed = torch.stack([torch.cat([x.packed for x in pk[e * per:(e + 1) * per]]) for e in range(n_exp)])
+                scale = torch.stack([torch.cat([x.scale for x in pk[e * per:(e + 1) * per]]) for e in range(n_exp)])
+                n = sum(x.shape[0] for x in pk[:per])
+                return W4AFP8Weight.from_int4(PackedInt4(packed, scale, None, (n, pk[0].shape[1]), 128))
+
+            gu, dn = stack((g, u)), stack((d,))
+            mod.forward = (lambda hs, idx, wts, _gu=gu, _dn=dn:
+                           w4afp8_moe_ref(hs, idx, wts, _gu, _dn, out_dtype=hs.dtype))
+            done += 1
+    return done
+
+
 def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: torch.device, gen_tokens: int,
                    t: Thresholds, say) -> tuple[dict, dict | None, list[Check]]:
     """Both models in bf16 (transformers keeps the decompressed experts in the scale dtype) on `samples`."""
@@ -281,8 +335,16 @@ def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: 
         raise QuantkitError(f"transformers cannot load the reference {str(ref_dir)!r}: {type(e).__name__}: "
                             f"{str(e)[:160]}", hint="pass a checkpoint transformers can load") from None
     say("numerics: loading the quantized model (compressed-tensors decompresses it)")
+    q16 = None  # W4AFP8 checkpoints: the same weights run W4A16, measured beside
     try:
-        if transformers_cannot_load(q_dir):
+        if w4afp8_layers(q_dir):
+            say("numerics: W4AFP8 experts: the reference model with quantkit's dequantized weights, experts run as "
+                "vLLM's W4A8 MoE kernel computes (FP8 group scales, FP8 per-token activations); W4A16 beside it")
+            qnt = load_dequantized(ref_dir, q_dir, dev)
+            if not install_w4afp8(qnt, q_dir):
+                raise QuantkitError("no routed-expert block of the model takes the W4AFP8 experts")
+            q16 = load_dequantized(ref_dir, q_dir, dev)
+        elif transformers_cannot_load(q_dir):
             say("numerics: transformers cannot load this checkpoint as written (NVFP4 routed experts, or a "
                 "config with KV scales only): the reference model with quantkit's dequantized weights")
             qnt = load_dequantized(ref_dir, q_dir, dev)
@@ -294,7 +356,7 @@ def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: 
         return {}, None, [Check(n, False, why) for n in names]
 
     vocab = None
-    kl_sum = top1_sum = nll_ref = nll_q = 0.0
+    kl_sum = top1_sum = nll_ref = nll_q = kl16_sum = top1_16_sum = 0.0
     positions = targets = 0
     say(f"numerics: logits on {len(samples)} samples")
     with torch.no_grad():
@@ -305,6 +367,10 @@ def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: 
             vocab = la.shape[-1]
             kl_sum += float((la.exp() * (la - lb)).sum(-1).double().sum())  # KL(ref || quant) per position
             top1_sum += float((la.argmax(-1) == lb.argmax(-1)).double().sum())
+            if q16 is not None:
+                l16 = F.log_softmax(q16(ids).logits.float(), -1)
+                kl16_sum += float((la.exp() * (la - l16)).sum(-1).double().sum())
+                top1_16_sum += float((la.argmax(-1) == l16.argmax(-1)).double().sum())
             positions += la.shape[0] * la.shape[1]
             nxt = ids[:, 1:, None]
             nll_ref -= float(la[:, :-1].gather(-1, nxt).double().sum())
@@ -320,9 +386,15 @@ def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: 
             generation = _generation(ref, qnt, samples, gen_tokens, dev)
     metrics = {"kl_divergence": finite(kl), "top1_agreement": finite(top1),
                "perplexity_reference": finite(ppl_r), "perplexity_quantized": finite(ppl_q)}
+    kl_what = top1_what = ""
+    if q16 is not None:
+        metrics.update(kl_divergence_w4a16=finite(kl16_sum / positions), top1_agreement_w4a16=finite(top1_16_sum / positions))
+        kl_what = f", W4AFP8 as served (W4A16, same weights: {kl16_sum / positions:.4g})"
+        top1_what = f", W4AFP8 as served (W4A16, same weights: {top1_16_sum / positions:.4f})"
     checks = [
-        _limit("kl_divergence", kl, t.max_kl, upper=True, what=f"mean next-token KL over {positions} positions"),
-        _limit("top1_agreement", top1, t.min_top1, upper=False, what=f"top-1 agreement over {positions} positions"),
+        _limit("kl_divergence", kl, t.max_kl, upper=True, what=f"mean next-token KL over {positions} positions{kl_what}"),
+        _limit("top1_agreement", top1, t.min_top1, upper=False,
+               what=f"top-1 agreement over {positions} positions{top1_what}"),
         _limit("perplexity_ratio", ppl_q / ppl_r if math.isfinite(ppl_r) and ppl_r > 0 else float("nan"),
                t.max_ppl_ratio, upper=True, what=f"perplexity {ppl_q:.4g} vs reference {ppl_r:.4g} (vocab {vocab})"),
     ]

@@ -66,8 +66,13 @@ def test_config_is_compressed_tensors_w4afp8_preset_and_decompresses(wide, tmp_p
     manifest = json.loads((out / "quantkit_manifest.json").read_text())
     labels = {e["scheme"] for e in manifest["tensors"].values() if "scheme" in e}
     assert labels == {"int4-g128-sym-afp8"}
-    v = verify(out, engine="vllm")  # integrity + format (compressed-tensors' decompressor) + engine rules
+    # integrity + format (compressed-tensors' decompressor) + engine rules + numerics: the experts run as
+    # vLLM's W4A8 kernel computes (runtime/w4afp8.py), the same weights as W4A16 beside them
+    v = verify(out, engine="vllm", reference=wide("qwen3_moe"), num_samples=2, seq_len=32, generation_tokens=0)
     assert v.passed, [(c.name, c.detail) for c in v.checks if not c.ok]
+    kl, kl16 = v.metrics["kl_divergence"], v.metrics["kl_divergence_w4a16"]
+    assert 0 < kl16 < 0.01 and 0 < kl < 0.01 and kl != kl16
+    assert "W4A16, same weights" in next(c.detail for c in v.checks if c.name == "kl_divergence")
     rep = check(out, tp=1)
     assert rep.ok and {w["rule"] for w in rep.warnings} == {"W3"}
     rep2 = check(out, tp=2)
