@@ -130,11 +130,12 @@ def cases(draw):
             tensors[name] = t
         elif e == "byte" and names:
             name = draw(st.sampled_from(names))
-            t = tensors[name].clone()
+            t = tensors[name]
             if t.numel():
-                t.view(torch.uint8).reshape(-1)[draw(st.integers(0, t.numel() * t.element_size() - 1))] = \
+                flat = t.reshape(-1).clone()  # 1-D, stride 1: viewable as bytes
+                flat.view(torch.uint8)[draw(st.integers(0, t.numel() * t.element_size() - 1))] = \
                     draw(st.sampled_from([0, 0x7F, 0x80, 0xFF, 0xF8, 254]))
-            tensors[name] = t
+                tensors[name] = flat.reshape(t.shape)
         elif e == "weight_shape" and "weight_shape" in tensors:
             tensors["weight_shape"] = torch.tensor(draw(st.sampled_from(
                 [[n, k + 8], [n + 1, k], [-n, k], [0, 0], [n, -k], [n, k, 1], [2 ** 40, k], [n, k - 1]])),
