@@ -427,7 +427,30 @@ def _quality_lines(report: dict | None, out: Path) -> list[str]:
         rows.append(f"| greedy generation agreement | {gen['agreement']:.2%} |")
     src = f"`{data['source']}`" if data.get("source") else "token data"
     return rows + ["", f"Measured by `quantkit verify` against the source on {src}, {data.get('num_samples', '?')} "
-                       f"samples x {data.get('seq_len', '?')} tokens."]
+                       f"samples x {data.get('seq_len', '?')} tokens."] + _engine_run_lines(report.get("engine_run"))
+
+
+def _engine_run_lines(run: Any) -> list[str]:
+    """`verify --engine vllm --run`: what the engine measured, or the one line saying it cannot run it here."""
+    if not isinstance(run, dict) or not run.get("status"):
+        return []
+    where = f"{run.get('engine', 'vLLM')} ({run.get('platform') or 'unknown platform'})"
+    if run["status"] != "ok":
+        return ["", f"Run in {where}: {run.get('line') or run.get('reason')}"]
+    rows = ["", f"Run in {where} (`quantkit verify --engine vllm --run`):", "", "| metric | value |", "|---|---|",
+            f"| perplexity in the engine | {_num(run.get('perplexity_engine'), '.4g')} |"]
+    if run.get("perplexity_ratio") is not None:
+        rows.append(f"| perplexity ratio, engine / reference | {_num(run.get('perplexity_ratio'), '.4f')} |")
+        rows.append(f"| top-1 agreement with the reference | {_num(run.get('top1_agreement'), '.2%')} |")
+    gen = run.get("generation")
+    if isinstance(gen, dict) and isinstance(gen.get("agreement"), (int, float)):
+        rows.append(f"| greedy agreement (teacher-forced) | {gen['agreement']:.2%} |")
+    kv = run.get("kv_scales")
+    if isinstance(kv, dict) and kv.get("equal") is not None:
+        dtypes = sorted({str(r.get("kv_cache_dtype")) for r in kv.get("layers") or []})
+        rows.append(f"| KV scales held by the engine = the file's | {'yes' if kv['equal'] else 'NO'} "
+                    f"({kv.get('compared')}/{kv.get('file_layers')} layers, cache {', '.join(dtypes)}) |")
+    return rows
 
 
 def _write_text_atomic(path: Path, text: str) -> None:

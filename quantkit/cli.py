@@ -1,7 +1,8 @@
 """The `quantkit` command line: thin. Each command builds options, calls one library function, prints.
 
 Results go to stdout (`--json`: exactly one JSON object); progress, logs and hints go to stderr.
-Exit codes: 0 success, 1 domain failure (one line + hint), 2 usage error. QUANTKIT_DEBUG=1 shows tracebacks.
+Exit codes: 0 success, 1 domain failure (one line + hint), 2 usage error, 3 `verify --run`: the engine cannot run the
+checkpoint on this machine (one line: what and why). QUANTKIT_DEBUG=1 shows tracebacks.
 """
 
 from __future__ import annotations
@@ -180,6 +181,21 @@ def calibrate(
     else:
         err.print(f"[green]wrote[/] {output}: {len(res.layers)} layers, strategy {res.strategy}, "
                   f"{res.data['num_samples']} samples x {res.data['seq_len']} tokens in {res.seconds:.1f} s")
+    _kv_use_notes(model_dir)
+
+
+def _kv_use_notes(model_dir) -> None:
+    """Say which calibrated KV scales vLLM does not use for this model (MLA v_scale; DSA's fp8_ds_mla cache)."""
+    import json
+
+    from .engine.vllm_config import kv_scale_use_notes
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    for n in kv_scale_use_notes(config if isinstance(config, dict) else {}):
+        err.print(f"note: {n}", soft_wrap=True, markup=False)
 
 
 def _threshold_options(command):
@@ -222,20 +238,35 @@ def verify(
     engine: Annotated[Optional[str], typer.Option(help="vllm: also check the rules vLLM applies when it loads "
                                                        "the checkpoint (no vLLM needed).")] = None,
     tp: Annotated[int, typer.Option(min=1, help="Tensor parallelism the engine rules are checked at.")] = 1,
+    run_engine: Annotated[bool, typer.Option("--run", help="With --engine vllm: also run QMODEL in vLLM and measure it "
+                                                           "there (perplexity, top-1, greedy agreement against the "
+                                                           "reference; the KV scales vLLM holds). Exit 3 when this "
+                                                           "vLLM build cannot run it on this machine.")] = False,
+    engine_python: Annotated[Optional[Path], typer.Option(help="The python (or venv directory) vLLM is installed in, "
+                                                               "for --run (default: this one).")] = None,
+    engine_timeout: Annotated[int, typer.Option(min=1, help="Seconds --run may take in vLLM.")] = 3600,
+    engine_kv_cache_dtype: Annotated[str, typer.Option(help="vLLM's --kv-cache-dtype for --run (auto: as `vllm "
+                                                            "serve`, FP8 when the checkpoint declares KV scales).")] = "auto",
     save: Annotated[bool, typer.Option("--save/--no-save", help="Keep the report in QMODEL (verify.json) and refresh "
                                                                 "its model card.")] = True,
     revision: RevisionOpt = None,
     json_out: JsonOpt = False,
     thresholds: Thresholds = Thresholds(),
 ):
-    """Check a converted checkpoint: shard hashes, format, and numerics against the reference. Exit 1 on failure."""
+    """Check a converted checkpoint: shard hashes, format, and numerics against the reference. Exit 1 on failure;
+    with --engine vllm --run, exit 3 when every check passed but this vLLM build cannot run it on this machine."""
     from .verify import verify as run
 
     if device not in ("cpu", "cuda") or kernels not in ("torch", "triton"):
         raise typer.BadParameter("--device is cpu or cuda; --kernels is torch or triton")
+    if run_engine and engine != "vllm":
+        raise typer.BadParameter("--run needs --engine vllm", param_hint="--run")
     ref = _source(reference, revision) if reference is not None else None
+    engine_run = ({"python": engine_python, "timeout": engine_timeout, "kv_cache_dtype": engine_kv_cache_dtype}
+                  if run_engine else None)
     rep = run(qmodel, reference=ref, dataset=dataset, num_samples=num_samples, seq_len=seq_len, device=device,
-              kernels=kernels, thresholds=thresholds, progress=lambda step: err.print(f"  {step}"), engine=engine, tp=tp)
+              kernels=kernels, thresholds=thresholds, progress=lambda step: err.print(f"  {step}"), engine=engine, tp=tp,
+              engine_run=engine_run)
     doc = rep.to_json()
     if save and rep.integrity.get("ok"):
         _save_verify(qmodel, doc, reference)
@@ -252,6 +283,11 @@ def verify(
         err.print(f"[red]error:[/] verification failed: {', '.join(c.name for c in failed) or 'see report'}")
         err.print("hint: see the checks above (or --json); re-run convert for integrity failures", markup=False)
         raise typer.Exit(1)
+    if (rep.engine_run or {}).get("status") == "cannot_run":
+        from .engine.vllm_run import EXIT_CANNOT_RUN
+
+        err.print(rep.engine_run["line"], soft_wrap=True, markup=False)
+        raise typer.Exit(EXIT_CANNOT_RUN)
 
 
 def _save_verify(qmodel: Path, doc: dict, reference: str | None) -> None:

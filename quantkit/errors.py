@@ -268,3 +268,11 @@ class RankFailed(DistributedError):
     """Another rank failed; this one stops with it."""
 
     hint = "the error that rank printed says what to fix; every rank stopped with it"
+
+
+# --- serving engines (quantkit/engine/) -----------------------------------------------------------
+class EngineError(QuantkitError):
+    """The serving engine could not be started or did not answer (not: the engine refused the checkpoint,
+    which `verify --run` reports as a finding)."""
+
+    hint = "check the engine's environment: --engine-python PATH must be the python vLLM is installed in"

@@ -184,3 +184,21 @@ def test_schemes_are_described_in_words(label, words):
 
     text = describe_scheme(label)
     assert all(w in text for w in words), text
+
+
+def test_engine_run_in_the_card(out):
+    q = out("q")
+    report = {"passed": True, "metrics": {}, "data": {"num_samples": 4, "seq_len": 64},
+              "engine_run": {"status": "ok", "engine": "vllm 0.32.0", "platform": "CpuPlatform",
+                             "perplexity_engine": 517.19, "perplexity_ratio": 1.00013, "top1_agreement": 0.98,
+                             "generation": {"agreement": 0.96875},
+                             "kv_scales": {"equal": True, "compared": 2, "file_layers": 2,
+                                           "layers": [{"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "fp8"}]}}}
+    _, body = front_matter(write_model_card(q, source_id="org/tiny", verify_report=report))
+    assert "Run in vllm 0.32.0 (CpuPlatform)" in body and "| perplexity ratio, engine / reference | 1.0001 |" in body
+    assert "| KV scales held by the engine = the file's | yes (2/2 layers, cache fp8) |" in body
+    line = "this vLLM build cannot run an FP8 KV cache on this machine: FP8 KV cache on CPU requires AVX-512 or AMX."
+    _, body = front_matter(write_model_card(q, source_id="org/tiny", verify_report={
+        **report, "engine_run": {"status": "cannot_run", "engine": "vllm 0.32.0", "platform": "CpuPlatform",
+                                 "line": line}}))
+    assert f"Run in vllm 0.32.0 (CpuPlatform): {line}" in body

@@ -181,7 +181,10 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
                                 if want_kv and w.leader else None,
                                 "reading the KV scales"))
     if kv is not None and "kv_lora_rank" in text_config(src.config)[0]:
+        from ..engine.vllm_config import kv_scale_use_notes
+
         notes.append(MLA_KV_NOTE)
+        notes.extend(kv_scale_use_notes(src.config))
     if kv is not None:
         notes += kvrules.range_notes(kv.scales)
     for n in notes:
@@ -361,7 +364,13 @@ def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, pla
     total_size = sum(o["size"] for o in out_shards)
     write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total_size},
                                          "weight_map": dict(sorted(weight_map.items()))})
-    config = dict(src.config)
+    from ..engine.vllm_config import apply_additions, config_additions
+
+    added = config_additions(src.config, src.location)  # keys vLLM needs that the source omits
+    config = apply_additions(dict(src.config), added)
+    if added:
+        notes = [*notes, "config.json: added " + ", ".join(f"{k}={v!r}" for k, v in added.items())
+                 + " (vLLM needs it to load the router bias: docs/engine.md, rule R1)"]
     qc = quantization_config(results, kv_scheme, text_config(src.config)[1])
     if qc is None:
         config.pop("quantization_config", None)  # nothing quantized: the source's (FP8) config must not stay
@@ -398,6 +407,8 @@ def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, pla
         "quantization_config": qc,
         "tensors": tensors,
     }
+    if added:  # config.json keys vLLM needs that the source omitted (quantkit/engine/vllm_config.py)
+        manifest["config_added"] = added
     write_json_atomic(out / MANIFEST_NAME, manifest)  # still in_progress: journal removed next
     shutil.rmtree(out / JOURNAL_DIR, ignore_errors=True)
     manifest["status"] = "complete"

@@ -25,6 +25,7 @@ from ..pack.config import PACKED_FORMATS, is_w4afp8, targeting
 from . import w4afp8 as w4rules
 from ..read.checkpoint import Checkpoint
 from ..read.tensors import TensorReader
+from .vllm_config import router_bias_problem
 
 VLLM_VERSION = "0.33.0"
 MARLIN_GROUP_SIZES = (-1, 32, 64, 128)  # marlin_utils.MARLIN_SUPPORTED_GROUP_SIZES
@@ -90,6 +91,10 @@ RULES = {r.id: r for r in (
                "differ vLLM warns and uses the gate's (the up half is then mis-scaled)",
          "model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
          "compressed_tensors_moe_w4a4_nvfp4.py"),
+    Rule("R1", "a DeepSeek-style router bias (`mlp.gate.e_score_correction_bias`: deepseek_v3, kimi_k2/k25, "
+               "glm_moe_dsa) needs `topk_method: noaux_tc` in config.json, or vLLM builds no parameter for it and "
+               "the load fails (KeyError)",
+         "model_executor/models/deepseek_v2.py (DeepseekV2MoE.__init__)"),
     Rule("B1", "block-FP8 Linears at tp > 1: a row-parallel K / tp and a column-parallel N / tp must be multiples "
                "of the block",
          "model_executor/layers/quantization/utils/fp8_utils.py (validate_fp8_block_shape)"),
@@ -140,6 +145,9 @@ def check(root, tp: int = 1, plugin: bool = False) -> EngineReport:
     groups = [_Group(n, g, qc.get("format")) for n, g in (qc.get("config_groups") or {}).items()
               if isinstance(g, dict)]
     _kv(ck, cfg, prefix, qc, rep, tp, plugin)
+    bias = router_bias_problem(ck.config, ck.location)
+    if bias is not None:
+        rep.add("R1", *bias)
     with TensorReader.of(ck) as reader:
         _experts(ck, cfg, groups, rep, tp, reader)
     _fp8_blocks(ck, rep, tp)

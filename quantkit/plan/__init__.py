@@ -286,6 +286,10 @@ def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *, gpu
         f"({-(-kv.kv_heads // tp)} per GPU at tp={tp}, replicated beyond {kv.kv_heads})",
         f"max_concurrency = resident tokens // context_len ({context_len:,} tokens per request)",
     ]
+    if kv.kind == "mla":
+        from ..engine.vllm_config import DSA_KV_NOTE, MLA_V_SCALE_NOTE
+
+        assumptions.append(MLA_V_SCALE_NOTE + (f"; {DSA_KV_NOTE}" if kv.indexer_layers else ""))
     if kv.indexer_layers:
         assumptions.append(f"DSA indexer: one {kv.indexer_dim}-value key per token in {kv.indexer_layers} layers "
                            "(BF16 2 B, FP8 1 B per value; fp8_ds_mla adds one fp32 scale per 128 values)")

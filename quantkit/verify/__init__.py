@@ -64,12 +64,14 @@ class VerifyReport:
     data: dict  # token data and run settings
     seconds: float = 0.0
     engine: dict | None = None  # `engine="vllm"`: the rules vLLM applies (quantkit/engine/vllm.py)
+    engine_run: dict | None = None  # `engine_run`: QMODEL run in vLLM and measured (quantkit/engine/vllm_run.py)
 
     def to_json(self) -> dict:
         return {"passed": self.passed, "integrity": self.integrity, "format": self.format,
                 "metrics": self.metrics, "layers": self.layers, "generation": self.generation,
                 "checks": [asdict(c) for c in self.checks], "thresholds": asdict(self.thresholds),
-                "data": self.data, "seconds": self.seconds, "engine": self.engine}
+                "data": self.data, "seconds": self.seconds, "engine": self.engine,
+                "engine_run": self.engine_run}
 
     def failed_checks(self) -> list[Check]:
         return [c for c in self.checks if c.ok is False]
@@ -80,7 +82,7 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
            seq_len: int = options.VERIFY_SEQ_LEN, device: str = "cpu", kernels: str = "torch",
            thresholds: Thresholds = Thresholds(), progress: Callable[[str], None] | None = None,
            generation_tokens: int = options.VERIFY_GENERATION_TOKENS, engine: str | None = None, tp: int = 1,
-           seed: int = 0) -> VerifyReport:
+           seed: int = 0, engine_run: dict | None = None) -> VerifyReport:
     """Verify the converted checkpoint in `qmodel_dir` (see the module docstring).
 
     reference: the source checkpoint it was converted from; without it the numerics are skipped and
@@ -89,7 +91,10 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
     reference's tokenizer, or seeded random ids when it has none). generation_tokens: greedy steps per prompt (0:
     skip). device: where the models run. kernels: "torch", or "triton" to also check the runtime's
     INT4 GEMM kernel against its torch reference on a few modules. engine: "vllm" to also check the rules
-    vLLM applies when it loads the checkpoint (quantkit/engine/vllm.py), at tensor parallelism `tp`."""
+    vLLM applies when it loads the checkpoint (quantkit/engine/vllm.py), at tensor parallelism `tp`.
+    engine_run: with engine "vllm", also run QMODEL in vLLM and measure it there (quantkit/engine/vllm_run.py);
+    a dict of its options: python (the engine environment's interpreter; default this one), timeout (s),
+    kv_cache_dtype ("auto", as `vllm serve`), engine_args (extra vllm.LLM keyword arguments)."""
     t0 = time.perf_counter()
     say = progress or (lambda _s: None)
     thresholds = thresholds if thresholds is not None else Thresholds()
@@ -185,7 +190,9 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
         checks.append(kernel_check(kernel_modules, dev) if kernel_modules else
                       Check("kernels", None, "no quantized module could be read: kernel check skipped"))
 
-    engine_doc = None
+    engine_doc = run_doc = None
+    if engine_run is not None and engine != "vllm":
+        raise QuantkitError("running the checkpoint in an engine needs engine='vllm'", hint="pass --engine vllm --run")
     if engine is not None:
         if engine != "vllm":
             raise QuantkitError(f"unknown engine {engine!r}", hint="the engine rules quantkit knows: vllm")
@@ -198,9 +205,24 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
         detail = (f"{len(er.problems)} problem(s), {len(er.warnings)} warning(s)"
                   + (f"; first: {first['rule']} {first['where']}: {first['detail']}" if first else ""))
         checks.append(Check(f"engine_{engine}", er.ok, detail if first else f"{er.engine} loads it as written"))
+    if engine_run is not None:
+        from ..engine import vllm_run
+
+        if ck is None:
+            raise QuantkitError("the checkpoint does not open: it cannot be run in vLLM")
+        if ref_ck is None:  # no numerics stage: the token data from QMODEL's own tokenizer / vocabulary
+            samples, info = token_data(ck, dataset, num_samples, seq_len, seed)
+            data.update(info)
+        run_doc, run_checks = vllm_run.run(root, ref_ck.root if ref_ck is not None else None, samples, dev,
+                                           generation_tokens, thresholds, python=engine_run.get("python"),
+                                           kv_cache_dtype=engine_run.get("kv_cache_dtype", "auto"),
+                                           engine_args=engine_run.get("engine_args"),
+                                           timeout=engine_run.get("timeout") or vllm_run.DEFAULT_TIMEOUT_S,
+                                           transformers_ppl=metrics.get("perplexity_quantized"), say=say)
+        checks += run_checks
     passed = integrity["ok"] and fmt["ok"] and all(c.ok is not False for c in checks)
     return VerifyReport(passed, integrity, fmt, metrics, layers, generation, checks, thresholds, data,
-                        round(time.perf_counter() - t0, 3), engine_doc)
+                        round(time.perf_counter() - t0, 3), engine_doc, run_doc)
 
 
 def _device(device: str) -> torch.device:

