@@ -221,6 +221,9 @@ def _fp4(u: FP4Unit, ctx: _Context) -> int:
     amax over both halves; a half whose partner is not in this batch (a shard boundary fell between them)
     reads the partner just for its amax."""
     s = u.scheme
+    # default: fitted NVFP4 scales for INT4 sources (docs/recipes.md: MXFP4's powers of two gain nothing)
+    search = s.scale_search or ("mse" if s.fp4 == "nvfp4" and all(it.source.encoding == "int4" for it in u.items)
+                                else "amax")
     w = _read_batch(u, ctx)  # [B, N, K]
     read = int(w.numel() * w.element_size())
     if s.fp4 == "nvfp4":
@@ -238,15 +241,18 @@ def _fp4(u: FP4Unit, ctx: _Context) -> int:
                 _read_2d(ctx, it.partner.source, other)
                 read += int(other.numel() * other.element_size())
             gs.append(fp4.choose_global_scale(w[b], other))
-        res = fp4.rtn_nvfp4(w, torch.stack(gs))  # global scales [B, 1]
+        res = fp4.rtn_nvfp4(w, torch.stack(gs), search)  # global scales [B, 1]
     else:
-        res = fp4.rtn_mxfp4(w)
+        res = fp4.rtn_mxfp4(w, search)
     if not bool(res.finite.all()):
         bad = int((~res.finite).nonzero()[0])
         raise NonFiniteWeight(f"{u.items[bad].module}: weight holds NaN or Inf values")
     sqnr = res.sqnr_db().tolist()
+    sqnr_amax = res.sqnr_amax_db().tolist() if res.noise_amax is not None else None
     for b, it in enumerate(u.items):
         meta = _item_meta(u, it, "rtn", sqnr[b])
+        if sqnr_amax is not None:  # fitted scales: what amax scales would have given, for comparison
+            meta |= {"scale_search": search, "sqnr_amax_db": round(sqnr_amax[b], 4)}
         values = {"weight_packed": res.packed[b], "weight_scale": res.scale[b]}
         if res.global_scale is not None:
             values["weight_global_scale"] = res.global_scale[b].reshape(1)

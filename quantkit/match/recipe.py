@@ -83,6 +83,10 @@ class Scheme:
     # INT4 only: "fp8" = dynamic per-token FP8 e4m3 input activations (W4AFP8, compressed-tensors' preset of that
     # name); None = weights only (W4A16). W4AFP8 is INT4 group 128 symmetric, no fallback (vLLM's only form).
     activations: str | None = None
+    # FP4 only, how RTN picks each group's scale (quant/fp4.py): "amax" (compressed-tensors' minmax, bit
+    # for bit), "mse" (fitted: the candidate scale with the least squared error), None: "mse" for NVFP4
+    # modules the source stores INT4 (their grid is not E2M1's), "amax" otherwise
+    scale_search: str | None = None
 
     def __post_init__(self):
         if self.type not in ("int", "float"):
@@ -137,6 +141,9 @@ class Scheme:
                 raise RecipeError(f"activations: fp8 (W4AFP8) needs INT4 strategy group, group_size "
                                   f"{W4AFP8_GROUP_SIZE}, symmetric, no fallback: the only form vLLM loads "
                                   f"(CompressedTensorsW4A8Fp8MoEMethod)")
+        if self.scale_search is not None and (not self.fp4 or self.scale_search not in ("amax", "mse")):
+            raise RecipeError("scale_search is an FP4 option: amax or mse" if self.fp4 else
+                              f"scale_search applies to FP4 schemes only, not {self.type}{self.num_bits}")
         fb = self.fallback
         if fb is not None and fb != "channel" and not (isinstance(fb, int) and fb > 0 and fb % 8 == 0):
             raise RecipeError(f"scheme.fallback must be 'channel' or a group size, got {fb!r}")

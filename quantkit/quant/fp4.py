@@ -31,6 +31,14 @@ the same BF16/FP32 weight, and decompress ours to the same bits. What it does, a
 - dequantization (the compressors' `decompress`): float32 product, rounded once to the output dtype
   (compressed-tensors returns BF16).
 
+Fitted scales (`scale_search="mse"`, quantkit's own; compressed-tensors has no such FP4 observer): per
+group, the scale is the candidate that minimizes the squared error of the group's float32 dequantization
+against the weight, candidates being the amax scale first and its neighbours on the scale grid (NVFP4:
+`NV_SEARCH` fp8 e4m3 codes around it, the global scale fixed from amax as above, so a gate/up pair still
+shares it; MXFP4: `MX_SEARCH` exponents around it). The amax scale is tried first and kept on ties, so no
+group's error exceeds its amax error. Only the scales differ: codes and packing are the same functions,
+and compressed-tensors decompresses the result like any other.
+
 FP16 sources are widened to float32 before any statistic: in FP16, 2688 / amax overflows for
 amax < 0.041, which compressed-tensors turns into global_scale = 1.0 (nearly every layer); for FP16
 only, our scales therefore differ from what compressed-tensors computes from FP16 statistics. NaN/Inf
@@ -60,6 +68,15 @@ _E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, 
 
 # Rows per chunk in the RTN functions: ~2 MiB of float32 temporaries per step (as int4.rtn)
 CHUNK_ELEMENTS = 1 << 19
+SCALE_SEARCHES = ("amax", "mse")
+# Fitted scales: the candidates tried around the amax scale, as offsets on the scale grid, amax (0) first.
+# NVFP4: fp8 e4m3 codes (8 a binade: -8 halves the scale, clipping the group's largest values);
+# MXFP4: E8M0 exponents (powers of two).
+# Measured on random INT4 grids and Gaussian weights (bench/fp4_fit.py) with -2..+8: NVFP4 picks -2..+6
+# (+6: the group's largest value lands on E2M1 4 instead of 6; +7 chosen once in 65536 groups, -3 never
+# when tried); MXFP4 picks -1..0.
+NV_SEARCH = (0, -1, -2, 1, 2, 3, 4, 5, 6)
+MX_SEARCH = (0, -1, 1)
 
 
 # --- E2M1 codes and packing -------------------------------------------------------------------------
@@ -246,6 +263,50 @@ def quantize_column(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tens
     return codes, decode_e2m1(codes) * scale
 
 
+# --- fitted scales ----------------------------------------------------------------------------------
+def round_e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:
+    """a [...] float32 >= 0 -> the E2M1 magnitude encode_e2m1 rounds it to, in arithmetic: steps of 0.5
+    below 2, 1 below 4, 2 above, each rounded half to even (which is ties to the even index), saturating
+    at 6. Equal to round_to_e2m1(a) for every a >= 0 (tests/quant/test_fp4_fit.py), ~4x fewer passes."""
+    step = (a >= 2).to(torch.float32).add_(1).mul_((a >= 4).to(torch.float32).add_(1)).mul_(0.5)  # .5, 1, 2
+    return torch.round(a / step).mul_(step).clamp_(max=FP4_MAX)
+
+
+def _candidate_errors(wg: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
+    """wg [R, G, g] float32, candidate effective scales [R, G, C] -> squared error [R, G, C] of each
+    candidate's float32 dequantization (the same arithmetic as quantize_fp4 / dequantize_fp4: the sign
+    plays no part in the error, so magnitudes are rounded)."""
+    a = wg.abs().unsqueeze(-2)  # [R, G, 1, g]
+    e = eff.unsqueeze(-1)  # [R, G, C, 1]
+    return round_e2m1_magnitude(a / e).mul_(e).sub_(a).square_().sum(-1)
+
+
+def search_scales_nvfp4(w: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor):
+    """Rows w [R, K], their amax fp8 scales [R, G] and float32 global scales [R] (one per row's matrix)
+    -> (fitted fp8 scales [R, G], squared error [R] with them, squared error [R] with the amax scales)."""
+    wg = w.float().unflatten(-1, (-1, NVFP4_GROUP_SIZE))  # [R, G, 16]
+    code = scale.view(torch.uint8).to(torch.int16)  # positive e4m3: codes are ordered like their values
+    offs = torch.tensor(NV_SEARCH, dtype=torch.int16)
+    cand = (code.unsqueeze(-1) + offs).clamp_(1, 0x7E)  # [R, G, C]: never 0 (no scale) nor 0x7F (NaN)
+    fp8 = cand.to(torch.uint8).view(torch.float8_e4m3fn)
+    err = _candidate_errors(wg, fp8.float() / global_scale.reshape(-1, 1, 1))
+    best = err.argmin(-1, keepdim=True)  # the first minimum: the amax scale on ties
+    chosen = cand.gather(-1, best).squeeze(-1).to(torch.uint8).view(torch.float8_e4m3fn)
+    return chosen, err.gather(-1, best).squeeze(-1).sum(-1).double(), err[..., 0].sum(-1).double()
+
+
+def search_scales_mxfp4(w: torch.Tensor, scale: torch.Tensor):
+    """Rows w [R, K] and their amax E8M0 scales [R, G] -> (fitted E8M0 scales [R, G], squared error [R]
+    with them, squared error [R] with the amax scales)."""
+    wg = w.float().unflatten(-1, (-1, MXFP4_GROUP_SIZE))  # [R, G, 32]
+    e = scale.to(torch.int16).unsqueeze(-1) + torch.tensor(MX_SEARCH, dtype=torch.int16)
+    e = torch.where(scale.unsqueeze(-1) == 0, torch.zeros_like(e), e.clamp_(0, 254)).to(torch.uint8)  # [R, G, C]
+    err = _candidate_errors(wg, effective_scale_mxfp4(e))
+    best = err.argmin(-1, keepdim=True)
+    return e.gather(-1, best).squeeze(-1), err.gather(-1, best).squeeze(-1).sum(-1).double(), \
+        err[..., 0].sum(-1).double()
+
+
 # --- RTN over a batch ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FP4Result:
@@ -255,14 +316,22 @@ class FP4Result:
     finite: torch.Tensor  # [...] bool: the matrix held no NaN/Inf (their encoding is undefined)
     signal: torch.Tensor  # [...] float64: sum of w^2 per matrix
     noise: torch.Tensor  # [...] float64: sum of (w - float32 dequantization)^2 per matrix
+    noise_amax: torch.Tensor | None = None  # [...] float64: the noise amax scales give (fitted scales only)
 
     def sqnr_db(self) -> torch.Tensor:
         return 10 * torch.log10(self.signal / self.noise)
 
+    def sqnr_amax_db(self) -> torch.Tensor | None:
+        return None if self.noise_amax is None else 10 * torch.log10(self.signal / self.noise_amax)
 
-def _rtn(w: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> FP4Result:
+
+def _rtn(w: torch.Tensor, fmt: str, global_scale: torch.Tensor | None, scale_search: str = "amax") -> FP4Result:
     """Rows are independent once the global scale is fixed, so the batch is flattened to rows [R, K] and
-    processed in cache-sized chunks (float32 temporaries stay small whatever the batch)."""
+    processed in cache-sized chunks (float32 temporaries stay small whatever the batch; a fitted-scale
+    search holds one error per candidate, so its chunks are that much smaller)."""
+    if scale_search not in SCALE_SEARCHES:
+        raise ValueError(f"scale_search must be one of {SCALE_SEARCHES}, got {scale_search!r}")
+    fit = scale_search == "mse"
     *lead, n, k = w.shape
     nv = fmt == "NVFP4"
     groups = _check_group(k, NVFP4_GROUP_SIZE if nv else MXFP4_GROUP_SIZE, fmt)
@@ -277,15 +346,20 @@ def _rtn(w: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> FP4Res
     finite = torch.empty(r, dtype=torch.bool)
     sig = torch.empty(r, dtype=torch.float64)
     noise = torch.empty(r, dtype=torch.float64)
-    step = max(1, CHUNK_ELEMENTS // max(k, 1))
+    noise_amax = torch.empty(r, dtype=torch.float64) if fit else None
+    step = max(1, CHUNK_ELEMENTS // max(k, 1) // (len(NV_SEARCH if nv else MX_SEARCH) if fit else 1))
     for i in range(0, r, step):
         wc = rows[i:i + step]  # [r, K]
         if nv:
             s = _nvfp4_scale(_group_amax(wc, NVFP4_GROUP_SIZE), gs_rows[i:i + step])
+            if fit:
+                s, _, noise_amax[i:i + step] = search_scales_nvfp4(wc, s, gs_rows[i:i + step])
             eff = effective_scale_nvfp4(s, gs_rows[i:i + step])
             codes = quantize_fp4(wc, eff)
         else:
             s = _mx_exponent(_group_amax(wc, MXFP4_GROUP_SIZE))
+            if fit:
+                s, _, noise_amax[i:i + step] = search_scales_mxfp4(wc, s)
             eff = effective_scale_mxfp4(s)
             codes = quantize_mxfp4(wc, s)
         wf = wc.float()
@@ -297,15 +371,17 @@ def _rtn(w: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> FP4Res
         noise[i:i + step] = err.square_().sum(-1)
     lead_n = (*lead, n)
     return FP4Result(packed.reshape(*lead_n, k // 2), scale.reshape(*lead_n, groups), gs,
-                     finite.reshape(lead_n).all(-1), sig.reshape(lead_n).sum(-1), noise.reshape(lead_n).sum(-1))
+                     finite.reshape(lead_n).all(-1), sig.reshape(lead_n).sum(-1), noise.reshape(lead_n).sum(-1),
+                     None if noise_amax is None else noise_amax.reshape(lead_n).sum(-1))
 
 
-def rtn_nvfp4(w: torch.Tensor, global_scale: torch.Tensor | None = None) -> FP4Result:
+def rtn_nvfp4(w: torch.Tensor, global_scale: torch.Tensor | None = None, scale_search: str = "amax") -> FP4Result:
     """Round-to-nearest NVFP4 of a batch [..., N, K] (K % 16 == 0), packed. `global_scale` [..., 1]
-    float32 shares one global scale across several weights (`choose_global_scale(gate, up)`)."""
-    return _rtn(w, "NVFP4", global_scale)
+    float32 shares one global scale across several weights (`choose_global_scale(gate, up)`).
+    `scale_search` "mse": fitted group scales (module docstring)."""
+    return _rtn(w, "NVFP4", global_scale, scale_search)
 
 
-def rtn_mxfp4(w: torch.Tensor) -> FP4Result:
-    """Round-to-nearest MXFP4 of a batch [..., N, K] (K % 32 == 0), packed."""
-    return _rtn(w, "MXFP4", None)
+def rtn_mxfp4(w: torch.Tensor, scale_search: str = "amax") -> FP4Result:
+    """Round-to-nearest MXFP4 of a batch [..., N, K] (K % 32 == 0), packed. `scale_search` as rtn_nvfp4."""
+    return _rtn(w, "MXFP4", None, scale_search)
