@@ -34,7 +34,7 @@ import yaml
 
 from . import __version__
 from .errors import QuantkitError
-from .pack.manifest import MANIFEST_NAME as MANIFEST, read_manifest
+from .pack.manifest import MANIFEST_NAME as MANIFEST
 
 README = "README.md"
 VERIFY_JSON = "verify.json"
@@ -83,6 +83,8 @@ def write_model_card(out_dir: str | os.PathLike, src_dir: str | os.PathLike | No
     `./MODEL`, so that the card does not depend on where OUT happens to be: outputs stay byte-identical).
     `manifest`: the manifest as `convert` is about to write it last (default: read from OUT).
     """
+    from .read.checkpoint import read_manifest
+
     out = Path(out_dir)
     manifest = manifest if manifest is not None else read_manifest(out, ModelCardError)
     if manifest.get("status") != "complete":

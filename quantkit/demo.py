@@ -39,7 +39,7 @@ def run_demo(out: str | Path, arch: str = "qwen3_moe", overwrite: bool = False,
     from .convert import ConvertOptions, convert
     from .inspect import inspect_checkpoint
     from .plan import plan
-    from .testing import ARCHS, make_tiny_model
+    from .tiny import ARCHS, make_tiny_model
     from .verify import verify
 
     out = Path(out)

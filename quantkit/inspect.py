@@ -15,11 +15,11 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from .read.checkpoint import Checkpoint
+from .read.checkpoint import Checkpoint, read_manifest
 from .read.sources import detect_format, scan
 from .errors import QuantkitError, SourceFormatError
 from .pack.kv import KV_SCALE
-from .pack.manifest import MANIFEST_NAME, read_manifest
+from .pack.manifest import MANIFEST_NAME
 
 
 

@@ -100,7 +100,7 @@ def build_meta_model(config, experts_implementation: str | None = None) -> nn.Mo
     (MoE models only) picks transformers' routed-experts kernel, e.g. "eager" or "grouped_mm"."""
     from transformers import AutoModelForCausalLM
 
-    from ..testing import quiet_transformers
+    from ..hf import quiet_transformers
 
     quiet_transformers(compressed_tensors=False)  # the config has no quantization_config (model_config)
     kw = {"experts_implementation": experts_implementation} if experts_implementation else {}

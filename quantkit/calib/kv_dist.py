@@ -21,10 +21,11 @@ def calibrate_ranks(model_dir, world: World, *, dataset=None, num_samples: int, 
                     device: str | None = None, log: Callable[[str], None] | None = None):
     """`calibrate(model_dir, dataset=..., num_samples=..., seq_len=..., strategy=..., device=...)` over the
     ranks of `world` (every rank calls it with the same arguments and gets the same CalibrationResult)."""
-    from ..calibrate import STRATEGIES, _observer_bytes, _result
     from ..errors import CalibrationError
+    from ..pack.kv import STRATEGIES
     from .data import DEFAULT_SEED, load_calibration_data, load_tokenizer
     from .executor import LayerExecutor
+    from .kv_scales import kv_result, observer_bytes
     from .observers import ExpertTokenCounter, KVCacheObserver
     from .parallel import Parallel
 
@@ -37,7 +38,7 @@ def calibrate_ranks(model_dir, world: World, *, dataset=None, num_samples: int, 
         data = load_calibration_data(dataset, tokenizer=load_tokenizer(model_dir), vocab_size=ex.config.vocab_size,
                                      num_samples=num_samples, seq_len=seq_len, seed=DEFAULT_SEED)
         lengths = [len(s) for s in data.samples]
-        plan = ex.plan_memory(lengths, statistics=lambda i, layer: _observer_bytes(ex, ex.call_tokens(lengths)))
+        plan = ex.plan_memory(lengths, statistics=lambda i, layer: observer_bytes(ex, ex.call_tokens(lengths)))
         if log is not None and world.leader:
             log(plan.summary())
         par = Parallel(world, lengths, ex.batch_tokens)
@@ -69,6 +70,6 @@ def calibrate_ranks(model_dir, world: World, *, dataset=None, num_samples: int, 
                 c = torch.tensor(c, dtype=torch.int64)
                 experts.counts[i] = experts.counts[i] + c if i in experts.counts else c
             experts.top_k.update(part["top_k"])
-        return _result(model_dir, ex, kv, experts, strategy, data, t0, plan)
+        return kv_result(model_dir, ex, kv, experts, strategy, data, t0, plan)
 
     return world.step(merge, "combining the KV-cache statistics")

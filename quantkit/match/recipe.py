@@ -33,7 +33,7 @@ import yaml
 
 from .. import options
 from ..errors import RecipeError
-from ..pack.config import W4AFP8_GROUP_SIZE, scheme_label, weights_config
+from ..pack.config import W4AFP8_GROUP_SIZE, matches, scheme_label, weights_config
 from ..pack.kv import STRATEGIES as KV_STRATEGIES
 from ..pack.kv import kv_cache_scheme
 
@@ -376,19 +376,6 @@ class Recipe:
     def needs_calibration(self) -> bool:
         """Calibration data is needed at all: a calibrated pass, or KV-cache scales."""
         return self.kv_cache is not None or self.needs_calibrated_pass
-
-
-_RE_CACHE: dict[str, re.Pattern] = {}
-
-
-def matches(pattern: str, name: str) -> bool:
-    """compressed-tensors target rule: exact name, or `re:<regex>` with re.match."""
-    if pattern.startswith("re:"):
-        rx = _RE_CACHE.get(pattern)
-        if rx is None:
-            rx = _RE_CACHE[pattern] = re.compile(pattern[3:])
-        return rx.match(name) is not None
-    return pattern == name
 
 
 # ---- loading ---------------------------------------------------------------------------------------

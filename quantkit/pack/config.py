@@ -237,12 +237,23 @@ def _unwrapped(entry: str, prefix: str) -> str:
     return "re:" + any_ + re.escape(tail) + "$"
 
 
+_RE_CACHE: dict[str, re.Pattern] = {}
+
+
+def matches(pattern: str, name: str) -> bool:
+    """compressed-tensors target rule: exact name, or `re:<regex>` with re.match."""
+    if pattern.startswith("re:"):
+        rx = _RE_CACHE.get(pattern)
+        if rx is None:
+            rx = _RE_CACHE[pattern] = re.compile(pattern[3:])
+        return rx.match(name) is not None
+    return pattern == name
+
+
 def targeting(module: str, groups, targets=lambda g: g.targets) -> list:
     """The config groups that target `module` at compressed-tensors' first matching precedence level: an
     exact module name, then a `re:` pattern (re.match), then a class name such as "Linear" (quantized
     modules are Linear layers). `targets(group)` gives a group's targets. More than one entry: ambiguous."""
-    from ..match.recipe import matches
-
     levels = (lambda t: t == module,
               lambda t: t.startswith("re:") and matches(t, module),
               lambda t: not t.startswith("re:") and "." not in t and t[:1].isupper())

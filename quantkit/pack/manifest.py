@@ -16,7 +16,6 @@ fallback, ...]} (`module_entry`), a passed-through one {scheme, method: passthro
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 MANIFEST_NAME = "quantkit_manifest.json"
 JOURNAL_DIR = ".quantkit-journal"  # only while converting: per-shard records, the calibration spool
@@ -62,11 +61,3 @@ def expert_report(tensors: dict[str, dict]) -> dict:
             tokens.setdefault(m[1], {})[int(m[2])] = e["tokens"]
     return {"expert_tokens": {p: [c[i] for i in sorted(c)] for p, c in sorted(tokens.items())},
             "fallbacks": dict(sorted(fallbacks.items()))}
-
-
-def read_manifest(root: str | Path, error) -> dict:
-    """The manifest of the checkpoint in `root` as a dict; `error` (a QuantkitError class) for anything
-    that is not a readable JSON object."""
-    from ..read.checkpoint import read_json_file
-
-    return read_json_file(Path(root) / MANIFEST_NAME, MANIFEST_NAME, error, limit=MAX_MANIFEST_BYTES)

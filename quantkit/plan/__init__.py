@@ -18,21 +18,19 @@ converter, and it does not model engine internals beyond what is stated in `Plan
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from ..arch import SUPPORTED_MODEL_TYPES, ModelSpec, parse_config, validate
 from ..errors import ConfigError
 from ..match.recipe import Recipe, load_recipe
-from ..read.checkpoint import read_json_file
 from .calibration import THROUGHPUT, CalibrationCost, Throughput, calibration_cost
 from .kv import KV_DTYPES, KVLayout, kv_layout
 from .render import render
+from .source import REFERENCE_CONFIGS, reference_config, resolve as _resolve
+from .source import tensor_shapes_from_checkpoint as _tensor_shapes_from_checkpoint
 from .tensors import (DEFAULT_SHARD_BYTES, ROLES, TensorShapes, _by_role, enumerate_tensors, header_bytes,
                       parameter_count, predict_bytes, quantized_layout, source_tensors, tensor_bytes, tensor_role)
 
@@ -45,66 +43,9 @@ GIB = 1 << 30
 _KV_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "auto": "bfloat16", "fp8": "float8_e4m3",
                "fp8_e4m3": "float8_e4m3", "float8_e4m3": "float8_e4m3", "float8_e4m3fn": "float8_e4m3",
                "fp8_ds_mla": "fp8_ds_mla"}
-REFERENCE_CONFIGS = ("kimi-k2", "glm-4.5", "glm-5")
 # Default activation reserve when none is given: 10% of each GPU (like vLLM's default
 # gpu_memory_utilization=0.9). Real engines also spend it on CUDA graphs and allocator slack.
 DEFAULT_RESERVE_FRACTION = 0.10
-
-
-# ---- loading inputs ------------------------------------------------------------------------------------
-def _tensor_shapes_from_checkpoint(directory: str | Path) -> TensorShapes:
-    """{name: (shape, dtype code)} from the validated safetensors headers of a checkpoint directory
-    (read.checkpoint: metadata only, no data read)."""
-    from ..read.checkpoint import Checkpoint
-    from ..read.safetensors import CODE_OF
-
-    ck = Checkpoint.open(directory)
-    return {n: (tuple(ck.info(n).shape), CODE_OF[ck.info(n).dtype]) for n in ck.location}
-
-
-@dataclass(frozen=True)
-class _Source:
-    label: str
-    config: Mapping[str, Any]
-    checkpoint: Path | None  # directory with *.safetensors, or None (config only)
-
-
-def _read_json(path: Path) -> Mapping[str, Any]:
-    return read_json_file(path, str(path), ConfigError)
-
-
-def reference_config(name: str) -> dict[str, Any]:
-    """A shipped reference config.json (`kimi-k2`, `glm-4.5`, `glm-5`), `_source` provenance included."""
-    res = resources.files("quantkit") / "data" / "configs" / f"{name}.json"
-    if name not in REFERENCE_CONFIGS or not res.is_file():
-        raise ConfigError(f"no reference config named {name!r}", hint=f"shipped: {', '.join(REFERENCE_CONFIGS)}")
-    return json.loads(res.read_text(encoding="utf-8"))
-
-
-def _resolve(model_or_config: str | Path) -> _Source:
-    p = Path(model_or_config)
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ConfigError(f"{p} has no config.json", hint="pass a checkpoint directory or a config.json file")
-        has_shards = any(p.glob("*.safetensors"))
-        return _Source(str(p), _read_json(p / "config.json"), p if has_shards else None)
-    if p.is_file():
-        return _Source(str(p), _read_json(p), None)
-    name = str(model_or_config)
-    if name in REFERENCE_CONFIGS:
-        return _Source(name, reference_config(name), None)
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", name):  # a hub id already in the local cache (never downloads)
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(name, "config.json")
-        except Exception:
-            cached = None
-        if isinstance(cached, str):
-            d = Path(cached).parent
-            return _Source(name, _read_json(Path(cached)), d if any(d.glob("*.safetensors")) else None)
-    raise ConfigError(f"{name!r} is not a config.json, a checkpoint directory or a reference config name",
-                      hint=f"reference configs: {', '.join(REFERENCE_CONFIGS)}")
 
 
 # ---- the report ----------------------------------------------------------------------------------------

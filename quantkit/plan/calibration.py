@@ -280,10 +280,10 @@ def memory_plan(ex, recipe, lengths: list[int], available: int | None, ranks: in
             return statistics_bytes(ex.ckpt, recipe, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths,
                                     ranks)
     else:
-        from ..calibrate import _observer_bytes
+        from ..calib.kv_scales import observer_bytes
 
         def stats(i, layer):
-            return _observer_bytes(ex, ex.call_tokens(lengths))
+            return observer_bytes(ex, ex.call_tokens(lengths))
     ex.available_bytes = available
     with _no_cuda_calls():
         try:
@@ -606,7 +606,7 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     of `device` ("cpu" or "cuda"). `gpu_memory_gib`: the device memory each rank may use (cuda; None: not
     checked). `throughput`: the rates (None: THROUGHPUT[device kind])."""
     from ..match.recipe import Recipe, load_recipe
-    from . import _resolve, _tensor_shapes_from_checkpoint
+    from .source import resolve, tensor_shapes_from_checkpoint
 
     if num_samples < 1 or seq_len < 1:
         raise ConfigError(f"calibration N,T must be positive, got {num_samples},{seq_len}")
@@ -615,8 +615,8 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     kind = "cuda" if str(device).startswith("cuda") else str(device)
     c = throughput or throughput_for(kind)
     rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
-    src = _resolve(model_or_config)
-    headers = _tensor_shapes_from_checkpoint(src.checkpoint) if src.checkpoint is not None else None
+    src = resolve(model_or_config)
+    headers = tensor_shapes_from_checkpoint(src.checkpoint) if src.checkpoint is not None else None
     methods = tuple(sorted({g.method for g in rec.groups if g.method != "rtn"})) + \
         (("kv_scales",) if rec.kv_cache is not None else ())
     out = CalibrationCost(model=src.label, recipe=rec.name, methods=methods, calibrated=bool(methods),

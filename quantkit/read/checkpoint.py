@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..errors import (CheckpointNotFound, ConfigError, ConfigMissing, DuplicateKey, DuplicateTensor, IndexError_,
                       MissingShard, UnsafeCheckpoint, UnsafeShardName)
-from ..pack.manifest import MANIFEST_NAME
+from ..pack.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from .safetensors import Header, TensorInfo, _short, _unique_keys, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -212,3 +212,9 @@ def _check_index_matches(index: dict, location: dict[str, str]) -> None:
     missing = [t for t in location if t not in wm]
     if missing:
         raise IndexError_(f"shards hold {len(missing)} tensor(s) the index does not list, e.g. {_short(missing[0])}")
+
+
+def read_manifest(root: str | Path, error) -> dict:
+    """The manifest of the checkpoint in `root` as a dict; `error` (a QuantkitError class) for anything
+    that is not a readable JSON object."""
+    return read_json_file(Path(root) / MANIFEST_NAME, MANIFEST_NAME, error, limit=MAX_MANIFEST_BYTES)

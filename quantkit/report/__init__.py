@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointNotFound, ConfigError
-from ..read.checkpoint import Checkpoint, read_json_file
-from ..pack.manifest import MANIFEST_NAME, read_manifest
+from ..read.checkpoint import Checkpoint, read_json_file, read_manifest
+from ..pack.manifest import MANIFEST_NAME
 from .model import DEFAULT_OUTPUT_NAME, VERIFY_NAME, _number, collect_modules
 from .page import _Page, _mpl
 from .sections import _section_bytes, _section_kv, _section_sqnr, _section_tables, _section_tokens, _section_verify

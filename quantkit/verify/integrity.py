@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 from ..errors import QuantkitError
-from ..pack.manifest import JOURNAL_DIR, MANIFEST_NAME, read_manifest
-from ..read.checkpoint import INDEX_NAME, Checkpoint, read_json_file
+from ..pack.manifest import JOURNAL_DIR, MANIFEST_NAME
+from ..read.checkpoint import INDEX_NAME, Checkpoint, read_json_file, read_manifest
 from ..write.writer import sha256_file
 from .common import Listing
 

@@ -209,7 +209,7 @@ def _vocab_size(config: dict) -> int:
 
 
 def _load(path: Path, dev: torch.device, dtype: torch.dtype = torch.bfloat16):
-    from ..testing import load_model
+    from ..hf import load_model
 
     return load_model(path, dtype).eval().to(dev)
 

@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 
 from ..errors import OutputBusy, OutputExists, QuantkitError, ResumeMismatch
-from ..pack.manifest import JOURNAL_DIR, MANIFEST_NAME, read_manifest
-from ..read.checkpoint import read_json_file
+from ..pack.manifest import JOURNAL_DIR, MANIFEST_NAME
+from ..read.checkpoint import read_json_file, read_manifest
 from .writer import sha256_file
 
 
