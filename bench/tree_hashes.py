@@ -9,8 +9,10 @@ and compare:
 
 The source checkpoints are generated once into `bench/.cache/tree-sources/` (or $QUANTKIT_TREE_CACHE) and
 reused, so that their file metadata (which the manifest's resume identity records) is the same for both
-runs; to hash an older tree, run this script from a worktree of it with the same $QUANTKIT_TREE_CACHE. Every conversion
-goes through the command line (the public contract), with small calibration settings.
+runs; to hash an older tree, run this script from a worktree of it with the same $QUANTKIT_TREE_CACHE. The outputs
+are written under $QUANTKIT_TREE_CACHE/../tree-work, emptied first: runs that share a cache at the same time must each
+set $QUANTKIT_TREE_WORK to a directory of their own. Every conversion goes through the command line (the public
+contract), with small calibration settings.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def _hash_tree(d: Path) -> dict[str, str]:
 
 def run(output: Path, only: list[str] | None) -> None:
     src = _sources()
-    work = CACHE.parent / "tree-work"
+    work = Path(os.environ.get("QUANTKIT_TREE_WORK", CACHE.parent / "tree-work"))  # one per concurrent run
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     result = {}

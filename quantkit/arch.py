@@ -46,16 +46,23 @@ class Arch:
     experts: ExpertNames | None  # None: a dense model
     calibrate: bool = True
     runner: bool = False
+    # RoPE and routing as the family's transformers modeling file runs them (the reference runner reads these)
+    partial_rotary: float = 1.0  # the default rope's partial_rotary_factor when config.json gives none
+    rope_interleave: bool = False  # config.json rope_interleave (default true) selects the interleaved RoPE
+    routing: str = "softmax"  # softmax top-k | "noaux_tc": sigmoid + correction bias, group-limited top-k
+    routing_weights_in_act_dtype: bool = False  # the routing weights are rounded to the activation dtype
 
 
 ARCHITECTURES: dict[str, Arch] = {
     "llama": Arch("llama", "gqa", None),
     "qwen3": Arch("qwen3", "gqa", None),  # k_norm on each head before RoPE
-    "qwen3_moe": Arch("qwen3_moe", "gqa", QWEN_EXPERTS, runner=True),
+    "qwen3_moe": Arch("qwen3_moe", "gqa", QWEN_EXPERTS, runner=True, routing_weights_in_act_dtype=True),
     "mixtral": Arch("mixtral", "gqa", MIXTRAL_EXPERTS, runner=True),
-    "deepseek_v3": Arch("deepseek_v3", "mla", QWEN_EXPERTS, runner=True),
-    "glm4_moe": Arch("glm4_moe", "gqa", QWEN_EXPERTS, runner=True),  # partial RoPE, optional qk norm
-    "glm_moe_dsa": Arch("glm_moe_dsa", "mla", QWEN_EXPERTS),  # MLA + DSA indexer (GLM-5)
+    "deepseek_v3": Arch("deepseek_v3", "mla", QWEN_EXPERTS, runner=True, rope_interleave=True, routing="noaux_tc"),
+    # partial RoPE, optional qk norm
+    "glm4_moe": Arch("glm4_moe", "gqa", QWEN_EXPERTS, runner=True, partial_rotary=0.5, routing="noaux_tc"),
+    # MLA + DSA indexer (GLM-5); its RoPE is always the interleaved one (no config key; the runner does not run it)
+    "glm_moe_dsa": Arch("glm_moe_dsa", "mla", QWEN_EXPERTS, routing="noaux_tc"),
 }
 # Kimi K2's config.json says model_type "kimi_k2" (with remote code); the architecture is DeepSeek-V3's.
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -73,6 +80,34 @@ class Wrapper:
 # Kimi K2.5 / K2.6: language_model.model.layers.*, language_model.lm_head, vision_tower.*, mm_projector.*
 WRAPPERS = {"kimi_k25": Wrapper("text_config", "language_model.", "deepseek_v3")}
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES) + tuple(ALIASES) + tuple(WRAPPERS)
+# The decoder-layer index in a tensor or module name ("model.layers.12.mlp..." -> 12): search, group 1.
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a tensor or module name belongs to, or None."""
+    m = LAYER_INDEX.search(name)
+    return int(m[1]) if m else None
+
+
+def model_types(command: str) -> tuple[str, ...]:
+    """The config.json model_type values `command` ("calibrate" | "runner") accepts: the registry's families
+    with that trait, their aliases and, for calibration (the runner does not unwrap), the wrappers around them."""
+    ok = [k for k, a in ARCHITECTURES.items() if getattr(a, command)]
+    ok += [k for k, v in ALIASES.items() if v in ok]
+    if command == "calibrate":
+        ok += [k for k, w in WRAPPERS.items() if ALIASES.get(w.default_inner, w.default_inner) in ok]
+    return tuple(ok)
+
+
+def support_hint(command: str) -> str:
+    """The hint of an UnsupportedArchitecture ("calibrate") or UnsupportedModel ("runner") about the model
+    type: what the registry supports (errors.py cannot import this module, so raisers pass it)."""
+    if command == "calibrate":
+        return (f"calibration supports model_type {', '.join(model_types('calibrate'))}; RTN conversion "
+                "(`quantkit convert --recipe int4-experts-rtn`) needs no calibration")
+    return (f"the runner supports model_type {', '.join(model_types('runner'))}; run other models with "
+            "transformers or an inference engine")
 
 # Sane bounds on what a config may claim (the largest real values are orders of magnitude below).
 MAX_LAYERS = 1024
@@ -114,9 +149,10 @@ def arch_for(config: Mapping[str, Any], command: str | None = None) -> Arch:
     except ConfigError as e:
         if command is None:
             raise
-        raise UnsupportedArchitecture(f"{command}: {e.message}") from None
+        raise UnsupportedArchitecture(f"{command}: {e.message}", hint=support_hint(command)) from None
     if command == "calibrate" and not a.calibrate:
-        raise UnsupportedArchitecture(f"calibration does not support model_type {config.get('model_type')!r} yet")
+        raise UnsupportedArchitecture(f"calibration does not support model_type {config.get('model_type')!r} yet",
+                                      hint=support_hint(command))
     return a
 
 
@@ -323,7 +359,9 @@ def parse_config(config: Mapping[str, Any]) -> ModelSpec:
 
 
 # ---- the config against the tensors ------------------------------------------------------------------
-_LAYER = re.compile(r"layers\.(\d+)\.")
+def _expert_rx(p: str) -> re.Pattern:
+    """Per-expert tensors of a checkpoint whose text model sits under prefix `p`: groups layer, expert."""
+    return re.compile(re.escape(p) + r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
 
 
 def check_tensors(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -341,13 +379,12 @@ def check_tensors(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]]) -> Non
     layers: set[int] = set()
     experts: dict[int, set[int]] = {}
     fused: dict[int, int] = {}
-    ex = re.compile(re.escape(p) + r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
+    ex = _expert_rx(p)
     fx = re.compile(re.escape(p) + r"model\.layers\.(\d+)\.mlp\.experts\.(?:gate_up_proj|down_proj)$")
     for name, shape in shapes.items():
         if not name.startswith(f"{p}model.layers."):
             continue
-        m = _LAYER.search(name)
-        layers.add(int(m[1]))
+        layers.add(layer_index(name))
         e = ex.match(name)
         if e:
             experts.setdefault(int(e[1]), set()).add(int(e[2]))
@@ -441,11 +478,11 @@ def _evidence(field_: str, shapes: Mapping[str, tuple[int, ...]], p: str) -> tup
     if field_ in ("hidden_size", "vocab_size") and emb in shapes and len(shapes[emb]) == 2:
         return emb, f"shape {list(shapes[emb])}"
     if field_ == "num_hidden_layers":
-        layers = {int(m[1]) for n in shapes if n.startswith(f"{p}model.layers.") and (m := _LAYER.search(n))}
+        layers = {i for n in shapes if n.startswith(f"{p}model.layers.") and (i := layer_index(n)) is not None}
         if layers:
             return f"{p}model.layers.{max(layers)}.*", f"the shards' last layer is {max(layers)}"
     if field_ in ("num_experts", "num_local_experts", "n_routed_experts"):
-        ex = re.compile(re.escape(p) + r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
+        ex = _expert_rx(p)
         ids = [(int(m[1]), int(m[2])) for n in shapes if (m := ex.match(n))]
         if ids:
             layer = ids[0][0]

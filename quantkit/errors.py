@@ -167,8 +167,9 @@ class SourceTensorError(SourceFormatError):
 
 # --- calibration ------------------------------------------------------------------------------------
 class UnsupportedArchitecture(QuantkitError):
-    hint = ("calibration supports model_type llama, qwen3, qwen3_moe, mixtral, deepseek_v3 (Kimi K2: kimi_k2) "
-            "and glm4_moe; RTN conversion (`quantkit convert --recipe int4-experts-rtn`) needs no calibration")
+    # raised for a model type with arch.support_hint("calibrate"): the supported list, from arch.py's registry
+    hint = ("calibration builds each decoder layer with transformers from the checkpoint's own tensors; RTN "
+            "conversion (`quantkit convert --recipe int4-experts-rtn`) needs no calibration")
 
 
 class UnsupportedWeights(QuantkitError):
@@ -227,8 +228,9 @@ class RunnerError(QuantkitError):
 
 
 class UnsupportedModel(RunnerError):
-    hint = ("the runner supports model_type qwen3_moe, mixtral, glm4_moe and deepseek_v3 / kimi_k2, with "
-            "default, linear or yarn RoPE; run other models with transformers or an inference engine")
+    # raised for a model type with arch.support_hint("runner"): the supported list, from arch.py's registry
+    hint = ("the runner implements default, linear or yarn RoPE, SiLU experts and no sliding window "
+            "(docs/runtime.md, 'Model runner'); run other models with transformers or an inference engine")
 
 
 class UnsupportedCheckpoint(RunnerError):

@@ -112,3 +112,33 @@ def test_fused_experts_split_in_the_transformers_layout():
     with pytest.raises(ConfigError, match="layout"):
         arch.fused_experts("model.layers.0.mlp.experts.gate_up_proj", (2, 4, 8), hidden=4)
     assert arch.fused_experts("model.layers.0.mlp.gate.weight", (4, 4)) is None
+
+
+def test_support_lists_come_from_the_registry():
+    """The hints of UnsupportedArchitecture / UnsupportedModel list what arch.py's registry says (a family
+    added there appears in both without touching errors.py), and the raisers pass them."""
+    from quantkit.errors import UnsupportedArchitecture, UnsupportedModel
+    from quantkit.runtime.spec import parse_config as runner_config
+
+    calib, runner = arch.model_types("calibrate"), arch.model_types("runner")
+    assert set(calib) == set(arch.SUPPORTED_MODEL_TYPES)  # every family calibrates today (glm5, k2.5 included)
+    assert set(runner) == {"qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "kimi_k2"}
+    for name in calib:
+        assert name in arch.support_hint("calibrate")
+    for name in runner:
+        assert name in arch.support_hint("runner")
+    with pytest.raises(UnsupportedArchitecture) as e:
+        arch.arch_for({"model_type": "gpt2"}, "calibrate")
+    assert e.value.hint == arch.support_hint("calibrate") and "glm_moe_dsa" in e.value.hint
+    with pytest.raises(UnsupportedModel) as e:
+        runner_config({"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
+                       "vocab_size": 8, "intermediate_size": 8})
+    assert e.value.hint == arch.support_hint("runner") and "llama" not in e.value.hint
+
+
+def test_layer_index_is_the_one_rule():
+    assert arch.layer_index("model.layers.12.mlp.experts.3.down_proj.weight") == 12
+    assert arch.layer_index("model.layers.0") is None  # the layer module itself: no dot after the index
+    assert arch.layer_index("language_model.model.layers.7.self_attn.q_proj") == 7
+    assert arch.layer_index("layers.2.x") == 2 and arch.layer_index("xlayers.2.x") is None
+    assert arch.layer_index("model.embed_tokens.weight") is None

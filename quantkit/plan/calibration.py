@@ -642,14 +642,12 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
 
     # source bytes per layer, from the (virtual) headers
     per_layer_bytes: dict[int, list[int]] = {}
-    rx = re.compile(r"(?:^|\.)layers\.(\d+)\.")
     expert_rx = re.compile(r"\.experts\.")
+    from ..arch import layer_index
+
     for name in ckpt.location:
-        m = rx.search(name)
-        if m is None:
-            continue
-        li = int(m.group(1))
-        if li >= ex.num_layers:
+        li = layer_index(name)
+        if li is None or li >= ex.num_layers:
             continue
         info = ckpt.info(name)
         acc = per_layer_bytes.setdefault(li, [0, 0, 0])
@@ -667,8 +665,8 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     packed_layer: dict[int, int] = {}  # bytes the calibrated groups write per layer (the pass's results)
     calibrated_module: dict[str, bool] = {}
     for name, (shape, code) in layout.items():
-        m = rx.search(name)
-        if m is None or int(m.group(1)) >= ex.num_layers:
+        li = layer_index(name)
+        if li is None or li >= ex.num_layers:
             continue
         module = name.rsplit(".", 1)[0]
         hit = calibrated_module.get(module)
@@ -676,7 +674,7 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
             grp = rec.match(module)
             hit = calibrated_module[module] = grp is not None and grp.method != "rtn"
         if hit:
-            packed_layer[int(m.group(1))] = packed_layer.get(int(m.group(1)), 0) + tensor_bytes(shape, code)
+            packed_layer[li] = packed_layer.get(li, 0) + tensor_bytes(shape, code)
 
     secs = dict.fromkeys(COMPONENTS, 0.0)
     comm: dict[str, float] = {}
@@ -803,7 +801,7 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
         host["layer"] = plan.peak_bytes
     else:
         biggest = max((ckpt.info(n).nbytes for n in ckpt.location
-                       if (m := rx.search(n)) and int(m.group(1)) < ex.num_layers), default=0)
+                       if (i := layer_index(n)) is not None and i < ex.num_layers), default=0)
         host["read_buffer"] = biggest
     out.host_ram = host
     out.host_ram_bytes = sum(host.values())

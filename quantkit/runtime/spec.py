@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import arch
+from .. import arch as _arch
 from ..errors import ConfigError, UnsupportedModel
 
 ROPE_TYPES = ("default", "linear", "yarn")
@@ -132,9 +132,10 @@ def _rope_spec(cfg: dict, arch: str, head_dim: int, rope_dim_base: int) -> RopeS
     theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     # transformers applies partial_rotary_factor in GLM's default rope and in the scaled ropes
     partial = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    traits = _arch.ARCHITECTURES[arch]
     if partial is None:
-        partial = 0.5 if arch == "glm4_moe" else 1.0
-    if arch != "glm4_moe" and kind == "default" and partial != 1.0:
+        partial = traits.partial_rotary
+    if traits.partial_rotary == 1.0 and kind == "default" and partial != 1.0:
         raise UnsupportedModel(f"{arch} with partial_rotary_factor {partial} is not what transformers runs")
     dim = int(rope_dim_base * float(partial))
     if dim % 2 or not 0 < dim <= head_dim:
@@ -163,7 +164,7 @@ def _rope_spec(cfg: dict, arch: str, head_dim: int, rope_dim_base: int) -> RopeS
         extra.update(attention_factor=float(af), beta_fast=float(rp.get("beta_fast") or 32),
                      beta_slow=float(rp.get("beta_slow") or 1), original_max_position_embeddings=omax,
                      truncate=bool(rp.get("truncate", True)))
-    interleave = arch == "deepseek_v3" and bool(cfg.get("rope_interleave", True))
+    interleave = traits.rope_interleave and bool(cfg.get("rope_interleave", True))
     return RopeSpec(kind, theta, dim, interleave, **extra)
 
 
@@ -183,17 +184,18 @@ def parse_config(cfg: dict) -> ModelSpec:
     if not isinstance(cfg, dict):
         raise ConfigError("config.json must hold a JSON object")
     try:
-        a = arch.parse_config(cfg)
+        a = _arch.parse_config(cfg)
     except ConfigError as e:
         if "is not supported" not in e.message:
             raise
         wrapped = isinstance(cfg.get("text_config"), dict)
         raise UnsupportedModel(f"model_type {str(cfg.get('model_type'))[:40]!r} "
                                + ("wraps a text model (text_config); multimodal wrappers are not supported"
-                                  if wrapped else "is not supported")) from None
-    if not arch.ARCHITECTURES[a.arch].runner or a.prefix:
+                                  if wrapped else "is not supported"), hint=_arch.support_hint("runner")) from None
+    traits = _arch.ARCHITECTURES[a.arch]
+    if not traits.runner or a.prefix:
         raise UnsupportedModel(f"model_type {str(cfg.get('model_type'))[:40]!r} is not supported"
-                               + (" (a multimodal wrapper)" if a.prefix else ""))
+                               + (" (a multimodal wrapper)" if a.prefix else ""), hint=_arch.support_hint("runner"))
     c = a.text
     if _get(c, "hidden_act", str, "silu") != "silu":
         raise UnsupportedModel(f"hidden_act {c['hidden_act']!r}: the fused MoE kernel is SiLU-gated")
@@ -208,8 +210,7 @@ def parse_config(cfg: dict) -> ModelSpec:
         raise UnsupportedModel("sliding-window attention is not implemented")
     if a.arch == "mixtral" and c.get("sliding_window") is not None:
         raise UnsupportedModel("sliding-window attention is not implemented (Mixtral with sliding_window set)")
-    if a.arch in ("glm4_moe", "deepseek_v3") and (a.scoring != "sigmoid"
-                                                  or c.get("topk_method", "noaux_tc") != "noaux_tc"):
+    if traits.routing == "noaux_tc" and (a.scoring != "sigmoid" or c.get("topk_method", "noaux_tc") != "noaux_tc"):
         raise UnsupportedModel(f"routing scoring_func={c.get('scoring_func')!r} topk_method="
                                f"{c.get('topk_method')!r}; the runner implements sigmoid + noaux_tc")
     n_exp, n_group, topk_group = a.num_experts, a.n_group, a.topk_group
@@ -224,7 +225,7 @@ def parse_config(cfg: dict) -> ModelSpec:
     names = a.experts
     moe = MoESpec(n_exp, top_k, a.moe_intermediate_size, a.scoring, a.norm_topk_prob, n_group, topk_group,
                   a.routed_scaling_factor, shared_intermediate=a.shared_intermediate, prefix=names.block,
-                  names=(names.gate, names.up, names.down), weights_in_act_dtype=a.arch == "qwen3_moe")
+                  names=(names.gate, names.up, names.down), weights_in_act_dtype=traits.routing_weights_in_act_dtype)
     mla = None
     if a.attention == "mla":
         mla = MLASpec(None if a.q_lora_rank is None else _pos_int(c, "q_lora_rank"), _pos_int(c, "kv_lora_rank"),

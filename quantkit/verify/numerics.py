@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
+from ..arch import layer_index
 from ..errors import QuantkitError
 from ..read.checkpoint import Checkpoint
 from .common import Check, finite
 from ..options import Thresholds
 
 KERNEL_RTOL = 2e-2  # |triton - torch| <= rtol * max|torch|: bf16 outputs, fp32 accumulation either way
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # Built-in text for token data when the reference has a tokenizer but no dataset is given (varied prose,
 # code and numbers so that the distributions are not all trivially repetitive).
 _BUILTIN_TEXT = (
@@ -91,15 +91,10 @@ def check_reference_content(sqnr: dict[str, float], drift: list[tuple[str, float
                  "model of the same shape? Numerics skipped: pass the checkpoint the conversion started from")
 
 
-def _layer_key(module: str) -> int | None:
-    m = _LAYER.search(module)
-    return int(m[1]) if m else None
-
-
 def layer_summary(sqnr: dict[str, float], min_db: float) -> list[dict]:
     by_layer: dict[int | None, list[tuple[float, str]]] = {}
     for m, db in sqnr.items():
-        by_layer.setdefault(_layer_key(m), []).append((db, m))
+        by_layer.setdefault(layer_index(m), []).append((db, m))
     out = []
     for layer in sorted(by_layer, key=lambda x: (x is None, x or 0)):
         vals = by_layer[layer]
