@@ -233,11 +233,11 @@ def verify(
     dataset: Annotated[Optional[str], typer.Option(help="Token data for the model-level metrics.")] = None,
     num_samples: Annotated[int, typer.Option(min=1, help="Samples for the model-level metrics.")] = options.VERIFY_NUM_SAMPLES,
     seq_len: Annotated[int, typer.Option(min=2, help="Tokens per sample.")] = options.VERIFY_SEQ_LEN,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    kernels: Annotated[str, typer.Option(help="torch, or triton to also check the runtime's INT4 GEMM.")] = "torch",
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = options.VERIFY_DEVICE,
+    kernels: Annotated[str, typer.Option(help="torch, or triton to also check the runtime's INT4 GEMM.")] = options.VERIFY_KERNELS,
     engine: Annotated[Optional[str], typer.Option(help="vllm: also check the rules vLLM applies when it loads "
                                                        "the checkpoint (no vLLM needed).")] = None,
-    tp: Annotated[int, typer.Option(min=1, help="Tensor parallelism the engine rules are checked at.")] = 1,
+    tp: Annotated[int, typer.Option(min=1, help="Tensor parallelism the engine rules are checked at.")] = options.VERIFY_TP,
     run_engine: Annotated[bool, typer.Option("--run", help="With --engine vllm: also run QMODEL in vLLM and measure it "
                                                            "there (perplexity, top-1, greedy agreement against the "
                                                            "reference; the KV scales vLLM holds). Exit 3 when this "
@@ -345,10 +345,10 @@ def plan(
     model_or_config: Annotated[str, typer.Argument(help="config.json, a checkpoint directory, a hub id, or a shipped "
                                                         "reference config: kimi-k2, glm-4.5, glm-5.")],
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Predict the checkpoint `convert` would write.")] = None,
-    gpu_memory_gib: Annotated[float, typer.Option(min=1, help="Memory per GPU, GiB.")] = 80,
-    gpus: Annotated[int, typer.Option(min=1, help="GPUs.")] = 8,
+    gpu_memory_gib: Annotated[float, typer.Option(min=1, help="Memory per GPU, GiB.")] = options.PLAN_GPU_MEMORY_GIB,
+    gpus: Annotated[int, typer.Option(min=1, help="GPUs.")] = options.PLAN_GPUS,
     tp: Annotated[Optional[int], typer.Option(min=1, help="Tensor-parallel size (default: all GPUs).")] = None,
-    context_len: Annotated[int, typer.Option(min=1, help="Tokens per request for the concurrency figure.")] = 131072,
+    context_len: Annotated[int, typer.Option(min=1, help="Tokens per request for the concurrency figure.")] = options.PLAN_CONTEXT_LEN,
     activation_reserve_gib: Annotated[Optional[float], typer.Option(help="Memory kept free per GPU for activations, GiB.")] = None,
     calibration: Annotated[Optional[str], typer.Option(
         "--calibration", metavar="N,T", callback=lambda v: _calibration(v),
@@ -357,7 +357,7 @@ def plan(
     device: Annotated[str, typer.Option(
         "--device", callback=lambda v: _cost_device(v),
         help="What the calibration cost is predicted for: cuda (--gpus GPUs of --gpu-memory-gib) or cpu (--gpus "
-             "processes).")] = "cuda",
+             "processes).")] = options.PLAN_COST_DEVICE,
     revision: RevisionOpt = None,
     json_out: JsonOpt = False,
 ):
@@ -392,7 +392,7 @@ def recipes():
 @app.command()
 def demo(
     out: Annotated[Path, typer.Argument(help="Directory for the demo (tiny source model + converted output).")],
-    arch: Annotated[str, typer.Option(help="Tiny model architecture to generate.")] = "qwen3_moe",
+    arch: Annotated[str, typer.Option(help="Tiny model architecture to generate.")] = options.DEMO_ARCH,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT if it exists.")] = False,
     json_out: JsonOpt = False,
 ):

@@ -16,7 +16,8 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-from .errors import OutputExists, QuantkitError, VerificationFailed
+from . import options
+from .errors import DemoError, OutputExists, VerificationFailed
 
 
 DEMO_MARKER = ".quantkit-demo"
@@ -30,7 +31,7 @@ def _earlier_demo(out: Path) -> bool:
     return DEMO_MARKER in names and names <= DEMO_ENTRIES and not out.is_symlink()
 
 
-def run_demo(out: str | Path, arch: str = "qwen3_moe", overwrite: bool = False,
+def run_demo(out: str | Path, arch: str = options.DEMO_ARCH, overwrite: bool = False,
              log: Callable[[str], None] = print) -> dict:
     from .calibrate import calibrate, write_scales
     from .card import VERIFY_JSON, write_model_card
@@ -44,7 +45,7 @@ def run_demo(out: str | Path, arch: str = "qwen3_moe", overwrite: bool = False,
 
     out = Path(out)
     if arch not in ARCHS:
-        raise QuantkitError(f"unknown demo architecture {arch!r}", hint=f"choose one of: {', '.join(ARCHS)}")
+        raise DemoError(f"unknown demo architecture {arch!r}", hint=f"choose one of: {', '.join(ARCHS)}")
     if out.exists() and any(out.iterdir()):
         if not (overwrite or _earlier_demo(out)):
             raise OutputExists(f"demo directory {str(out)!r} is not empty")

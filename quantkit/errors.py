@@ -122,6 +122,12 @@ class QuantizationError(QuantkitError):
     hint = "run with QUANTKIT_DEBUG=1 for the traceback and report it"
 
 
+class CalibratedResultError(QuantizationError):
+    """A module's tensors in the calibration spool are missing or do not have the shapes the plan expects."""
+
+    hint = "the calibration spool in the output's journal is not this plan's; re-run with --overwrite"
+
+
 # --- writing ---------------------------------------------------------------------------------------
 class OutputExists(QuantkitError):
     hint = "choose an empty directory, pass --overwrite to replace it, or --resume to continue a conversion"
@@ -141,6 +147,31 @@ class DiskFull(QuantkitError):
 
 class VerificationFailed(QuantkitError):
     hint = "see the report above; re-run convert or inspect the named tensors"
+
+
+class VerifyOptionError(QuantkitError):
+    """An option of `verify` (or of the library call) outside what it accepts."""
+
+    hint = "see `quantkit verify --help` and docs/verify.md"
+
+
+class ThresholdError(VerifyOptionError):
+    hint = ("thresholds are numbers: min_top1 and min_generation_agreement in [0, 1], max_kl, max_ppl_ratio "
+            "and max_sqnr_drift_db >= 0; see docs/verify.md")
+
+
+class KernelsUnavailable(VerifyOptionError):
+    hint = "use --kernels torch"
+
+
+class ReferenceModelError(QuantkitError):
+    """The reference checkpoint `verify` compares against cannot be used for the numerics."""
+
+    hint = "pass the checkpoint the conversion started from, one transformers can load"
+
+
+class DemoError(QuantkitError):
+    hint = "see `quantkit demo --help`"
 
 
 # --- reading checkpoints (continued) ----------------------------------------------------------------

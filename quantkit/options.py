@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-from .errors import DeviceError, QuantkitError
+from .errors import DeviceError, ThresholdError
 
 # convert
 RECIPE = "int4-experts-rtn"
@@ -17,6 +17,8 @@ WORKERS = 1
 MAX_SHARD_BYTES = 5 * 10**9  # the hub convention, "5GB"
 MAX_SHARD_SIZE = "5GB"  # MAX_SHARD_BYTES as the CLI spells it
 BATCH_BYTES = 256 << 20  # source weight bytes quantized in one batch at most
+# recipes: the INT4 group size of a scheme that names none (strategy group)
+INT4_GROUP_SIZE = 32
 # calibration data (GPTQ/AWQ and KV scales): a recipe's `calibration` section overrides these
 NUM_SAMPLES = 128
 SEQ_LEN = 512
@@ -29,6 +31,16 @@ DEVICE_CHOICES = "cpu|cuda|cuda:N|auto"
 VERIFY_NUM_SAMPLES = 8
 VERIFY_SEQ_LEN = 128
 VERIFY_GENERATION_TOKENS = 32
+VERIFY_DEVICE = "cpu"  # where verify's numerics run: cpu | cuda
+VERIFY_KERNELS = "torch"  # torch, or triton to also check the runtime's INT4 GEMM
+VERIFY_TP = 1  # the tensor parallelism verify's engine rules are checked at
+# plan: the serving setup it sizes for, and where the calibration cost is predicted
+PLAN_GPU_MEMORY_GIB = 80
+PLAN_GPUS = 8
+PLAN_CONTEXT_LEN = 131072
+PLAN_COST_DEVICE = "cuda"
+# demo
+DEMO_ARCH = "qwen3_moe"
 
 
 def parse_device(spec: object) -> str:
@@ -64,20 +76,20 @@ class Thresholds:
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-                raise QuantkitError(f"threshold {f.name} must be a number, got {v!r}")
+                raise ThresholdError(f"threshold {f.name} must be a number, got {v!r}")
         for name in ("min_top1", "min_generation_agreement"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise QuantkitError(f"threshold {name} must lie in [0, 1], got {getattr(self, name)}")
+                raise ThresholdError(f"threshold {name} must lie in [0, 1], got {getattr(self, name)}")
         for name in ("max_kl", "max_ppl_ratio", "max_sqnr_drift_db"):
             if getattr(self, name) < 0:
-                raise QuantkitError(f"threshold {name} must be >= 0, got {getattr(self, name)}")
+                raise ThresholdError(f"threshold {name} must be >= 0, got {getattr(self, name)}")
 
     def with_overrides(self, **overrides: float | None) -> "Thresholds":
         """A copy with the given fields replaced; None means "keep" (an unset CLI flag)."""
         known = {f.name for f in fields(self)}
         unknown = sorted(set(overrides) - known)
         if unknown:
-            raise QuantkitError(f"unknown threshold(s) {unknown}; known: {sorted(known)}")
+            raise ThresholdError(f"unknown threshold(s) {unknown}; known: {sorted(known)}")
         return replace(self, **{k: float(v) for k, v in overrides.items() if v is not None})
 
     @classmethod

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import NonFiniteWeight, QuantkitError, SourceFormatError
+from ..errors import CalibratedResultError, NonFiniteWeight, SourceFormatError
 from ..match.shards import ShardPlan
 from ..match.units import CalibratedUnit, CopyUnit, DecodeUnit, FP4Unit, FP8Unit, PassUnit, QuantItem, RTNUnit
 from ..pack.checks import fp8_nan_codes
@@ -170,12 +170,12 @@ def _calibrated(u: CalibratedUnit, ctx: _Context) -> int:
         specs = module_tensors(it.module, it.shape, u.scheme, u.src_dtype)
         for name, dtype, shape in specs:
             if not ctx.sp.has(name):
-                raise QuantkitError(f"{it.module}: the calibrated pass produced no {name.rsplit('.', 1)[1]}",
-                                    hint="re-run with --overwrite; if it persists, report it")
+                raise CalibratedResultError(f"{it.module}: the calibrated pass produced no {name.rsplit('.', 1)[1]}",
+                                            hint="re-run with --overwrite; if it persists, report it")
         tensors = {name: ctx.sp.get(name) for name, _, _ in specs}
         problem = check_module(specs, tensors)
         if problem:
-            raise QuantkitError(f"calibrated result {problem}")
+            raise CalibratedResultError(f"calibrated result {problem}")
         for name, dtype, shape in specs:
             ctx.write(name, tensors[name], tensor_entry(shape, dtype, **meta))
         read += it.shape[0] * it.shape[1] * 2

@@ -76,7 +76,7 @@ class Scheme:
     type: str = "int"
     symmetric: bool = True
     strategy: str = "group"
-    group_size: int | None = None  # INT4 group: 32 when not given; FP4: fixed by the format
+    group_size: int | None = None  # INT4 group: options.INT4_GROUP_SIZE when not given; FP4: fixed by the format
     block_structure: tuple[int, int] | None = None
     # Used when in_features % group_size != 0: "channel", or another group size (int), or None (error).
     fallback: str | int | None = None
@@ -98,7 +98,7 @@ class Scheme:
                 raise RecipeError(f"integer schemes are INT4 (num_bits 4, pack-quantized), got {self.num_bits}")
             if self.strategy == "group":
                 if self.group_size is None:
-                    object.__setattr__(self, "group_size", 32)
+                    object.__setattr__(self, "group_size", options.INT4_GROUP_SIZE)
                 if not isinstance(self.group_size, int) or self.group_size <= 0 or self.group_size % 8:
                     raise RecipeError(f"group_size must be a positive multiple of 8, got {self.group_size!r}")
             elif self.strategy == "channel":

@@ -21,7 +21,7 @@ import torch
 
 from .. import options
 from ..arch import fused_experts
-from ..errors import GroupSizeError, QuantkitError, UnsupportedDtype
+from ..errors import CalibrationNeeded, GroupSizeError, RecipeError, UnsupportedDtype
 from ..pack.config import canonical_json, scheme_config
 from ..quant.fp8 import FP8Layout
 from ..read.checkpoint import Shard
@@ -197,7 +197,9 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
 
     def add_quant(module, ref, shape, dtype, layer_key, g, scheme=None):
         if g.method != "rtn" and not calibrated:
-            raise QuantkitError(f"{module}: method {g.method} needs calibration data")
+            raise CalibrationNeeded(f"{module}: method {g.method} needs calibration data",
+                                    hint="GPTQ/AWQ groups are quantized by the calibrated pass, which `quantkit convert` "
+                                         "runs before it streams the shards")
         scheme = scheme or effective_scheme(module, g.scheme, shape, rows_of)
         if g.method != "rtn":
             kind = CalibratedUnit
@@ -290,7 +292,7 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
             groups = [recipe.match(mod) for mod, _, _ in fused]
             matched = [g is not None for g in groups]
             if any(matched) and not all(matched):
-                raise QuantkitError(f"{name}: the recipe quantizes only some of the experts it holds",
+                raise RecipeError(f"{name}: the recipe quantizes only some of the experts it holds",
                                     hint="target all experts of a fused tensor, or none")
             if any(matched):
                 for (mod, ref, shape), g in zip(fused, groups):

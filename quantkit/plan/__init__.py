@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import options
 from ..arch import SUPPORTED_MODEL_TYPES, ModelSpec, parse_config, validate
 from ..errors import ConfigError
 from ..match.recipe import Recipe, load_recipe
@@ -122,10 +123,11 @@ def _kv_dtype(kv_dtype: str | None, recipe: Recipe | None, kind: str) -> str:
     return d
 
 
-def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *, gpu_memory_gib: float = 80, gpus: int = 8,
-         context_len: int = 131072, tp: int | None = None, activation_reserve_gib: float | None = None,
+def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *,
+         gpu_memory_gib: float = options.PLAN_GPU_MEMORY_GIB, gpus: int = options.PLAN_GPUS,
+         context_len: int = options.PLAN_CONTEXT_LEN, tp: int | None = None, activation_reserve_gib: float | None = None,
          kv_dtype: str | None = None, calibration: tuple[int, int] | None = None,
-         device: str = "cuda") -> PlanReport:
+         device: str = options.PLAN_COST_DEVICE) -> PlanReport:
     """Plan memory for `model_or_config` (config.json, checkpoint directory, or reference config name),
     optionally after `recipe`, served on `gpus` GPUs of `gpu_memory_gib` GiB with tensor parallelism
     `tp` (default: all GPUs; gpus/tp data-parallel replicas otherwise) at `context_len` tokens per request.

@@ -35,7 +35,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import CheckpointNotFound, QuantkitError
+from ..errors import (CheckpointNotFound, DeviceError, KernelsUnavailable, QuantkitError, ReferenceModelError,
+                      VerificationFailed, VerifyOptionError)
 from ..read.checkpoint import Checkpoint
 from .common import Check, Listing, listed
 from .format import Judge, tensor_pass
@@ -79,9 +80,10 @@ class VerifyReport:
 
 # ---- entry point ---------------------------------------------------------------------------------------
 def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = options.VERIFY_NUM_SAMPLES,
-           seq_len: int = options.VERIFY_SEQ_LEN, device: str = "cpu", kernels: str = "torch",
+           seq_len: int = options.VERIFY_SEQ_LEN, device: str = options.VERIFY_DEVICE, kernels: str = options.VERIFY_KERNELS,
            thresholds: Thresholds = Thresholds(), progress: Callable[[str], None] | None = None,
-           generation_tokens: int = options.VERIFY_GENERATION_TOKENS, engine: str | None = None, tp: int = 1,
+           generation_tokens: int = options.VERIFY_GENERATION_TOKENS, engine: str | None = None,
+           tp: int = options.VERIFY_TP,
            seed: int = 0, engine_run: dict | None = None) -> VerifyReport:
     """Verify the converted checkpoint in `qmodel_dir` (see the module docstring).
 
@@ -102,21 +104,21 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
     if not root.is_dir():
         raise CheckpointNotFound(f"checkpoint directory {str(root)!r} does not exist")
     if kernels not in ("torch", "triton"):
-        raise QuantkitError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
+        raise VerifyOptionError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
     if not isinstance(num_samples, int) or num_samples <= 0 or not isinstance(seq_len, int) or seq_len < 2:
-        raise QuantkitError(f"num_samples must be >= 1 and seq_len >= 2 (got {num_samples}, {seq_len})",
-                            hint="pass --num-samples N and --seq-len L with L >= 2")
+        raise VerifyOptionError(f"num_samples must be >= 1 and seq_len >= 2 (got {num_samples}, {seq_len})",
+                                hint="pass --num-samples N and --seq-len L with L >= 2")
     if generation_tokens < 0:
-        raise QuantkitError(f"generation_tokens must be >= 0, got {generation_tokens}")
+        raise VerifyOptionError(f"generation_tokens must be >= 0, got {generation_tokens}")
     dev = _device(device)
     ref_ck = None
     if reference is not None:
         ref_ck = Checkpoint.open(reference)  # raises for an unusable reference (missing, corrupt headers)
         method = (ref_ck.quantization_config or {}).get("quant_method")
         if method not in (None, "fp8", "compressed-tensors"):
-            raise QuantkitError(f"reference {str(reference)!r} is quantized with {method!r}, which quantkit "
-                                "does not read", hint="pass the checkpoint the conversion started from (BF16/FP16/"
-                                "FP32, block FP8, or compressed-tensors such as Kimi K2.5's INT4 release)")
+            raise ReferenceModelError(f"reference {str(reference)!r} is quantized with {method!r}, which quantkit "
+                                      "does not read", hint="pass the checkpoint the conversion started from (BF16/"
+                                      "FP16/FP32, block FP8, or compressed-tensors such as Kimi K2.5's INT4 release)")
     if kernels == "triton":
         _require_triton(dev)
 
@@ -192,10 +194,10 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
 
     engine_doc = run_doc = None
     if engine_run is not None and engine != "vllm":
-        raise QuantkitError("running the checkpoint in an engine needs engine='vllm'", hint="pass --engine vllm --run")
+        raise VerifyOptionError("running the checkpoint in an engine needs engine='vllm'", hint="pass --engine vllm --run")
     if engine is not None:
         if engine != "vllm":
-            raise QuantkitError(f"unknown engine {engine!r}", hint="the engine rules quantkit knows: vllm")
+            raise VerifyOptionError(f"unknown engine {engine!r}", hint="the engine rules quantkit knows: vllm")
         from ..engine.vllm import check as engine_check
 
         say(f"engine: the rules vLLM applies, at tp {tp}")
@@ -209,7 +211,7 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
         from ..engine import vllm_run
 
         if ck is None:
-            raise QuantkitError("the checkpoint does not open: it cannot be run in vLLM")
+            raise VerificationFailed("the checkpoint does not open: it cannot be run in vLLM")
         if ref_ck is None:  # no numerics stage: the token data from QMODEL's own tokenizer / vocabulary
             samples, info = token_data(ck, dataset, num_samples, seq_len, seed)
             data.update(info)
@@ -229,11 +231,11 @@ def _device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise QuantkitError(f"unknown device {device!r}", hint="use cpu or cuda (cuda:N)") from None
+        raise DeviceError(f"unknown device {device!r}", hint="use cpu or cuda (cuda:N)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise QuantkitError("device cuda requested but no CUDA device is available", hint="use --device cpu")
+        raise DeviceError("device cuda requested but no CUDA device is available", hint="use --device cpu")
     if dev.type not in ("cpu", "cuda"):
-        raise QuantkitError(f"unsupported device {device!r}", hint="use cpu or cuda (cuda:N)")
+        raise DeviceError(f"unsupported device {device!r}", hint="use cpu or cuda (cuda:N)")
     return dev
 
 
@@ -241,11 +243,11 @@ def _require_triton(dev: torch.device) -> None:
     from ..runtime import interpreting, triton_available
 
     if not triton_available():
-        raise QuantkitError("kernels=triton needs the triton package, which is not installed",
-                            hint="pip install triton, or use --kernels torch")
+        raise KernelsUnavailable("kernels=triton needs the triton package, which is not installed",
+                                 hint="pip install triton, or use --kernels torch")
     if dev.type != "cuda" and not interpreting():
-        raise QuantkitError("kernels=triton runs on a CUDA device (or on CPU with TRITON_INTERPRET=1)",
-                            hint="use --device cuda, set TRITON_INTERPRET=1, or use --kernels torch")
+        raise KernelsUnavailable("kernels=triton runs on a CUDA device (or on CPU with TRITON_INTERPRET=1)",
+                                 hint="use --device cuda, set TRITON_INTERPRET=1, or use --kernels torch")
 
 
 def _open(root: Path) -> tuple[Checkpoint | None, str | None]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..arch import layer_index
-from ..errors import QuantkitError
+from ..errors import ConfigError, DatasetError, QuantkitError, ReferenceModelError
 from ..read.checkpoint import Checkpoint
 from .common import Check, finite
 from ..options import Thresholds
@@ -151,8 +151,8 @@ def token_data(ref_ck: Checkpoint, dataset, num_samples: int, seq_len: int, seed
         calib = None
     if dataset is not None:
         if calib is None:
-            raise QuantkitError("a dataset needs quantkit.calib.data, which this installation lacks",
-                                hint="omit --dataset to use the built-in token data")
+            raise DatasetError("a dataset needs quantkit.calib.data, which this installation lacks",
+                               hint="omit --dataset to use the built-in token data")
         return _calib_samples(calib, dataset, calib.load_tokenizer(ref_ck.root), vocab, num_samples, seq_len, seed)
     tok, notes = None, []
     if calib is not None:
@@ -187,7 +187,7 @@ def _calib_samples(calib, dataset, tok, vocab: int, num_samples: int, seq_len: i
                                          seq_len=seq_len, seed=seed)
     samples = [s.long().reshape(-1) for s in cd.samples if s.numel() >= 2]
     if not samples:
-        raise QuantkitError(f"dataset {str(dataset)!r} gives no sample of 2 or more tokens")
+        raise DatasetError(f"dataset {str(dataset)!r} gives no sample of 2 or more tokens")
     info = cd.describe() if hasattr(cd, "describe") else {"source": str(dataset)}
     notes = list(info.get("notes") or [])
     info["notes"] = notes + [str(w.message) for w in caught if str(w.message) not in notes]
@@ -199,7 +199,7 @@ def _vocab_size(config: dict) -> int:
     if not isinstance(v, int):
         v = (config.get("text_config") or {}).get("vocab_size")
     if not isinstance(v, int) or v <= 0:
-        raise QuantkitError("the reference's config.json has no vocab_size", hint="pass a dataset with input_ids")
+        raise ConfigError("the reference's config.json has no vocab_size", hint="pass a dataset with input_ids")
     return v
 
 
@@ -249,11 +249,11 @@ def assign_weight(params: dict, module: str, w: torch.Tensor) -> None:
         return
     m = re.match(r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)$", module)
     if m is None:
-        raise QuantkitError(f"{module}: no parameter of the reference model takes it")
+        raise ReferenceModelError(f"{module}: no parameter of the reference model takes it")
     base, e, proj = m[1], int(m[2]), m[3]
     fused = f"{base}.mlp.experts.{'down_proj' if proj in ('down_proj', 'w2') else 'gate_up_proj'}"
     if fused not in params:
-        raise QuantkitError(f"{module}: the reference model has no {fused}")
+        raise ReferenceModelError(f"{module}: the reference model has no {fused}")
     p = params[fused].data
     if proj in ("down_proj", "w2"):
         p[e].copy_(w)
@@ -327,8 +327,8 @@ def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: 
     try:
         ref = _load(ref_dir, dev)
     except Exception as e:  # transformers' errors are many and unnamed
-        raise QuantkitError(f"transformers cannot load the reference {str(ref_dir)!r}: {type(e).__name__}: "
-                            f"{str(e)[:160]}", hint="pass a checkpoint transformers can load") from None
+        raise ReferenceModelError(f"transformers cannot load the reference {str(ref_dir)!r}: {type(e).__name__}: "
+                                  f"{str(e)[:160]}", hint="pass a checkpoint transformers can load") from None
     say("numerics: loading the quantized model (compressed-tensors decompresses it)")
     q16 = None  # W4AFP8 checkpoints: the same weights run W4A16, measured beside
     try:
@@ -337,7 +337,7 @@ def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: 
                 "vLLM's W4A8 MoE kernel computes (FP8 group scales, FP8 per-token activations); W4A16 beside it")
             qnt = load_dequantized(ref_dir, q_dir, dev)
             if not install_w4afp8(qnt, q_dir):
-                raise QuantkitError("no routed-expert block of the model takes the W4AFP8 experts")
+                raise ReferenceModelError("no routed-expert block of the model takes the W4AFP8 experts")
             q16 = load_dequantized(ref_dir, q_dir, dev)
         elif transformers_cannot_load(q_dir):
             say("numerics: transformers cannot load this checkpoint as written (NVFP4 routed experts, or a "
