@@ -27,11 +27,12 @@ from typing import Callable
 import torch
 
 from ..errors import SourceFormatError, SourceSchemeError, SourceTensorError
-from ..quant.fp8 import FP8_DTYPE, FP8Layout, dequantize as fp8_dequantize, is_power_of_two
+from ..quant.fp8 import FP8_DTYPE, FP8Layout, dequantize as fp8_dequantize
 from ..pack.layout import FP4_SUFFIXES, FP8_SUFFIXES, INT4_SUFFIXES
 from ..pack import checks
 from ..pack.config import PACKED_FORMATS, fp8_input_activations, fp8_weights_config, targeting, weights_label
 from .checkpoint import Checkpoint
+from .tensors import read_scale  # noqa: F401 (the reader decodes FP8 scales; re-exported)
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SCALE_DTYPES = FLOAT_DTYPES + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
@@ -319,20 +320,6 @@ class Notes:
     def add(self, msg: str) -> None:
         if msg not in self.items:
             self.items.append(msg)
-
-
-def read_scale(get: Callable[[str], torch.Tensor], name: str, layout: FP8Layout, scale_fmt: str | None = None,
-               notes: Notes | None = None) -> torch.Tensor:
-    """The float32 scale tensor `name` of an FP8 weight (e8m0/bf16 widened exactly), shaped as `layout`
-    says. With `scale_fmt: ue8m0` the scales must be powers of two; a scale that is not is recorded in
-    `notes` (the weight still dequantizes correctly: the math is a multiplication either way)."""
-    s = get(name).float()
-    if layout.strategy == "tensor":
-        s = s.reshape(1)
-    if scale_fmt == "ue8m0" and notes is not None and not is_power_of_two(s):
-        notes.add(f"{name}: config says scale_fmt ue8m0, but not every scale is a power of two "
-                  "(dequantized by multiplication all the same)")
-    return s
 
 
 def read_weight(get: Callable[[str], torch.Tensor], sw: StoredWeight, dtype: torch.dtype = torch.bfloat16,

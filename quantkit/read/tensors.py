@@ -15,7 +15,7 @@ file. Not here: deciding what a tensor means (read/sources.py) or where it goes 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ import torch
 from ..errors import TruncatedShard
 from ..pack.fp4 import dequantize_module as fp4_module
 from ..pack.int4 import dequantize_module
-from ..quant.fp8 import dequantize as fp8_dequantize
+from ..quant.fp8 import FP8Layout, dequantize as fp8_dequantize, is_power_of_two
 from .safetensors import Header, SafetensorsFile, read_header
 
 
@@ -135,8 +135,6 @@ class TensorReader:
         FP8 as q.float() * scale (per tensor / row / block, edge blocks partial), INT4 as (q - zp) * scale,
         NVFP4 / MXFP4 as e2m1 * the group's scale; returned in `dtype`. With `device`, the stored tensors are
         moved there first and decoded there (the same arithmetic, on e.g. a GPU)."""
-        from .sources import read_scale
-
         get = self.get if device is None else (lambda name: self.get(name).to(device))
         if sw.encoding == "int4":
             return dequantize_module({suffix: get(t) for suffix, t in sw.tensors}, dtype)
@@ -162,3 +160,18 @@ class TensorReader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def read_scale(get: Callable[[str], torch.Tensor], name: str, layout: FP8Layout, scale_fmt: str | None = None,
+               notes=None) -> torch.Tensor:
+    """The float32 scale tensor `name` of an FP8 weight (e8m0/bf16 widened exactly), shaped as `layout`
+    says. With `scale_fmt: ue8m0` the scales must be powers of two; a scale that is not is recorded in
+    `notes` (a read.sources.Notes; the weight still dequantizes correctly: the math is a multiplication either
+    way)."""
+    s = get(name).float()
+    if layout.strategy == "tensor":
+        s = s.reshape(1)
+    if scale_fmt == "ue8m0" and notes is not None and not is_power_of_two(s):
+        notes.add(f"{name}: config says scale_fmt ue8m0, but not every scale is a power of two "
+                  "(dequantized by multiplication all the same)")
+    return s
