@@ -114,11 +114,6 @@ def shape_problems(module: str, infos: Mapping, kind: str, weights: dict, scheme
     return out
 
 
-def _bad_count(name: str, bad: torch.Tensor, what: str) -> str | None:
-    n = int(bad.sum())
-    return f"{name}: {n} {what} value(s)" if n else None
-
-
 def _too_large(name: str, scale_max: float, code_max: float) -> str | None:
     top = scale_max * code_max
     if math.isfinite(top) and top <= MAX_WEIGHT:
@@ -127,42 +122,48 @@ def _too_large(name: str, scale_max: float, code_max: float) -> str | None:
             "checkpoint holds such weights)")
 
 
+def _range(t: torch.Tensor) -> tuple[float, float]:
+    """(min, max) of `t` in one pass (NaN propagates to both), float8 widened first."""
+    if t.dtype.itemsize == 1 and t.dtype.is_floating_point:
+        t = t.float()
+    lo, hi = torch.aminmax(t.reshape(-1))
+    return float(lo), float(hi)
+
+
 def value_problems(module: str, kind: str, tensors: Mapping[str, torch.Tensor], scale: str = "weight_scale",
                    symmetric: bool = True) -> list[str]:
     """What a module's scales hold (tensors: suffix -> tensor, only the small ones are read): finite and
     positive, E8M0 never 255, NVFP4 global scale finite and positive, the largest decodable weight within
     MAX_WEIGHT; INT4 g_idx within the groups. `scale`: the scale's suffix (block-FP8 releases:
-    weight_scale_inv)."""
+    weight_scale_inv). One min/max pass per scale; the counts for a message only when something is wrong."""
     name = f"{module}.{scale}"
     s = tensors[scale]
+    if not s.numel():
+        return []
+    lo, hi = _range(s)  # NaN fails every comparison below, +-inf the range
     if kind == "mxfp4":
-        e = s.view(torch.uint8) if s.dtype != torch.uint8 else s
-        p = _bad_count(name, e == E8M0_NAN, "E8M0 NaN (255)")
-        if p:
-            return [p]
-        return [p for p in [_too_large(name, 2.0 ** (int(e.max()) - 127), FP4_MAX)] if p] if e.numel() else []
-    f = s.float()
+        if hi == E8M0_NAN:
+            return [f"{name}: {int((s.view(torch.uint8) == E8M0_NAN).sum())} E8M0 NaN (255) value(s)"]
+        return [p for p in [_too_large(name, 2.0 ** (hi - 127), FP4_MAX)] if p]
     if kind == "nvfp4":
-        p = _bad_count(name, ~torch.isfinite(f) | (f < 0), "NaN or negative")
-        if p:
-            return [p]
-        g = tensors["weight_global_scale"].float()
-        gname = f"{module}.weight_global_scale"
-        if g.numel() != 1 or not math.isfinite(float(g.reshape(-1)[0])) or float(g.reshape(-1)[0]) <= 0:
-            return [f"{gname}: holds {[round(float(x), 6) for x in g.reshape(-1)[:4]]}, expected one finite positive "
-                    "number (a negative one would negate every weight, zero or NaN none decodes)"]
-        top = float(f.max()) / float(g.reshape(-1)[0]) if f.numel() else 0.0
-        return [p for p in [_too_large(name + " / weight_global_scale", top, FP4_MAX)] if p]
-    p = _bad_count(name, ~torch.isfinite(f) | (f <= 0), "non-finite or non-positive")
-    if p:
-        return [p]
-    out = []
-    if f.numel():
-        code_max = FP8_MAX if kind == "fp8" else (8.0 if symmetric else 15.0)
-        out += [p for p in [_too_large(name, float(f.max()), code_max)] if p]
+        if not (lo >= 0 and math.isfinite(hi)):
+            f = s.float()
+            return [f"{name}: {int((~torch.isfinite(f) | (f < 0)).sum())} NaN or negative value(s)"]
+        g = tensors["weight_global_scale"].float().reshape(-1)
+        gv = float(g[0]) if g.numel() == 1 else float("nan")
+        if not (math.isfinite(gv) and gv > 0):
+            return [f"{module}.weight_global_scale: holds {[round(float(x), 6) for x in g[:4]]}, expected one finite "
+                    "positive number (a negative one would negate every weight, zero or NaN none decodes)"]
+        return [p for p in [_too_large(name + " / weight_global_scale", hi / gv, FP4_MAX)] if p]
+    if not (lo > 0 and math.isfinite(hi)):
+        f = s.float()
+        return [f"{name}: {int((~torch.isfinite(f) | (f <= 0)).sum())} non-finite or non-positive value(s)"]
+    out = [p for p in [_too_large(name, hi, FP8_MAX if kind == "fp8" else (8.0 if symmetric else 15.0))] if p]
     g_idx = tensors.get("weight_g_idx") if kind == "int4" else None
-    if g_idx is not None and g_idx.numel() and s.dim() == 2 and (int(g_idx.min()) < 0 or int(g_idx.max()) >= s.shape[1]):
-        out.append(f"{module}.weight_g_idx: values outside [0, {s.shape[1]})")
+    if g_idx is not None and g_idx.numel() and s.dim() == 2:
+        glo, ghi = _range(g_idx)
+        if glo < 0 or ghi >= s.shape[1]:
+            out.append(f"{module}.weight_g_idx: values outside [0, {s.shape[1]})")
     return out
 
 

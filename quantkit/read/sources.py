@@ -115,6 +115,14 @@ def detect_format(config: dict) -> SourceFormat:
                             hint="convert from the BF16 or block-FP8 release of the model")
 
 
+def one_line(msg: str, limit: int = 300) -> str:
+    """An error message built from hostile names (tensor, module, group): control characters escaped, cut to
+    `limit` characters, so that it stays one short line."""
+    if not msg.isprintable():
+        msg = msg.encode("unicode_escape").decode("ascii")
+    return msg if len(msg) <= limit else msg[:limit] + "..."
+
+
 def group_kind(fmt: str) -> str:
     """The encoding (pack/checks.py kinds) a compressed-tensors format stores: int4, fp8, nvfp4, mxfp4."""
     return "fp8" if fmt in CT_FP8_FORMATS else PACKED_FORMATS[fmt]
@@ -125,7 +133,7 @@ def check_group_args(name: str, fmt: str, w) -> None:
     the rule verify holds outputs to): num_bits, type, strategy, group_size, symmetric, block_structure."""
     problem = checks.scheme_problem(group_kind(fmt), w)
     if problem:
-        raise SourceSchemeError(f"compressed-tensors group {str(name)[:60]} (format {fmt}): weights: {problem}")
+        raise SourceSchemeError(one_line(f"compressed-tensors group {str(name)[:60]} (format {fmt}): weights: {problem}"))
 
 
 # ---- per-module view -----------------------------------------------------------------------------
@@ -259,15 +267,23 @@ def _check_packed_headers(m: str, loc: dict, g: dict) -> None:
     kind = group_kind(g["format"])
     suffixes = checks.INT4_SUFFIXES if kind == "int4" else checks.FP4_SUFFIXES
     infos = {s: loc[f"{m}.{s}"] for s in suffixes if f"{m}.{s}" in loc}
-    found = checks.header_problems(m, infos, kind, g["weights"], _scheme(g["weights"]), f"group {g['name']}")
+    found = checks.header_problems(m, infos, kind, g["weights"], _scheme(g["weights"]), f"group {g['name'][:60]}")
     if found:
-        raise SourceTensorError(found[0])
+        raise SourceTensorError(one_line(found[0]))
+
+
+_SCHEMES: dict[str, object] = {}  # the args a Scheme is built from -> the Scheme
 
 
 def _scheme(w: dict):
+    """The match.recipe.Scheme of a group's weight args (valid: detect_format checked every group's args),
+    parsed once per distinct args."""
     from ..match.recipe import Scheme
 
-    return Scheme.parse_weights_config(w)  # valid: detect_format checked every group's args
+    key = repr([w.get(f) for f in ("num_bits", "type", "symmetric", "strategy", "group_size", "block_structure")])
+    if key not in _SCHEMES:
+        _SCHEMES[key] = Scheme.parse_weights_config(w)
+    return _SCHEMES[key]
 
 
 def validate(ck: Checkpoint, stored: dict[str, StoredWeight]) -> None:
@@ -287,7 +303,7 @@ def validate(ck: Checkpoint, stored: dict[str, StoredWeight]) -> None:
             for sw in sorted(by_shard[shard], key=lambda x: x.module):
                 found = _module_problems(r, sw)
                 if found:
-                    raise SourceTensorError(found[0])
+                    raise SourceTensorError(one_line(found[0]))
             r.release()
 
 

@@ -143,11 +143,11 @@ def cases(draw):
     return fmt, w, tensors
 
 
-def _write(d: Path, fmt: str, w, tensors: dict) -> None:
+def _write(d: Path, fmt: str, w, tensors: dict, module: str = M) -> None:
     qc = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
           "config_groups": {"group_0": {"targets": ["Linear"], "weights": w}}}
     (d / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "quantization_config": qc}))
-    names = {f"{M}.{s}": t.contiguous() for s, t in tensors.items()}
+    names = {f"{module}.{s}": t.contiguous() for s, t in tensors.items()}
     names["model.embed_tokens.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
     write_safetensors(d / "model.safetensors", names, metadata={"format": "pt"})
 
@@ -210,3 +210,16 @@ def test_sound_modules_are_accepted():
                 validate(ck, stored)
                 assert list(stored) == [M]
                 _accepted_module_is_sound(ck, stored)
+
+
+@pytest.mark.parametrize("module", ["model.layers.0.mlp.experts.0.x\nerror: forged", "m" * 20_000, "\x1b[31mred"])
+def test_hostile_module_names_stay_one_short_line(module):
+    """Module names come from tensor names, which are any string: the errors that quote them stay one line."""
+    w, t = sound_module("int4", "sym", 16, 64, torch.Generator().manual_seed(0))
+    t["weight_scale"][0, 0] = float("nan")
+    with tempfile.TemporaryDirectory() as d:
+        _write(Path(d), FORMATS["int4"], w, t, module)
+        ck = Checkpoint.open(d)
+        with pytest.raises(QuantkitError) as e:
+            validate(ck, scan(ck, detect_format(ck.config)))
+    assert "\n" not in e.value.message and "\x1b" not in e.value.message and len(e.value.message) < 400
