@@ -187,6 +187,9 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
     kw = dict(damp=g.options.damp, actorder=g.options.actorder,
               block_size=g.options.block_size)
     half = stats.P // 2
+    # held-out rows of every owned expert, the down inputs from the unquantized gate/up (computed before
+    # the gate/up solves write their results back)
+    heldout = {e: stats.heldout_inputs(e) for e in range(E) if owned[e]} if stats.holdout else None
     src_dtype = source_dtype(ckpt, names.module(0, "gate") + ".weight")
     for key, param, h in (("gu", experts.gate_up_proj, h_gu), ("down", experts.down_proj, h_down)):
         k = param.shape[-1]
@@ -212,6 +215,10 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                     qp.scale[sel] = rr.qparams.scale.to(dev)
                     if qp.zero_point is not None:
                         qp.zero_point[sel] = rr.qparams.zero_point.to(dev)
+            checks = None
+            if heldout is not None:
+                checks = _heldout_check(w, q, qp, grid, s, parts, ids, use_rtn,
+                                        [heldout[e][0 if key == "gu" else 1] for e in ids])
             deq = dequantize(q, qp.scale, qp.zero_point) if grid is None else grid.dequantize(q)  # [c, N, K]
             sq = {kind: sqnr_db(w[:, rows], deq[:, rows], dim=(-2, -1)).tolist() for kind, rows in parts} \
                 if dev.type != "cpu" else None  # one transfer per chunk on a GPU, not one per expert
@@ -224,6 +231,8 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                 for kind, rows in parts:
                     db = sq[kind][j] if sq is not None else float(sqnr_db(w[j, rows], deq[j, rows]))
                     m = {**meta, "sqnr_db": round(db, 4)}
+                    if checks is not None and not use_rtn[e]:
+                        m.update(checks[j][kind])
                     if grid is not None:
                         emit_tensors(res, names.module(e, kind), grid.tensors(j, rows, q[j, rows]), s, m)
                         continue
@@ -231,6 +240,50 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                     emit(res, names.module(e, kind), qh[j, rows], QParams(sh[j, rows], zp), s, src_dtype, m)
             param.data.index_copy_(0, idx, deq.to(param.dtype))
             del w, r, q, qp, deq
+
+
+def _heldout_check(w: torch.Tensor, q: torch.Tensor, qp: QParams, grid, s, parts, ids: list[int],
+                   use_rtn: torch.Tensor, xs: list[torch.Tensor]) -> list[dict]:
+    """Never worse than RTN on tokens the solve did not see: for each expert j of the batch (weights w [c, N, K],
+    GPTQ's codes q and qparams, changed in place) and each part (gate, up / down), the output error
+    ||X (W - Q)^T||^2 on its held-out inputs X = xs[j] [m, K] of GPTQ's result and of RTN's; where RTN's is
+    smaller, that part's rows take RTN's codes (and INT4 scales). Returns per expert {part: manifest fields}:
+    `method` and `heldout` {tokens, gptq, rtn}, the errors relative to ||X W^T||^2."""
+    dev = w.device
+    if grid is None:
+        rr = rtn(w, s.num_bits, s.group_size, s.symmetric)
+        q_r, s_r = rr.q.to(dev), rr.qparams.scale.to(dev)
+        z_r = None if rr.qparams.zero_point is None else rr.qparams.zero_point.to(dev)
+        deq_r = dequantize(q_r, s_r, z_r)
+        deq_g = dequantize(q, qp.scale, qp.zero_point)
+    else:
+        q_r = grid.rtn(w, slice(None)).to(dev)
+        deq_r, deq_g = grid.dequantize(q_r), grid.dequantize(q)
+    out = []
+    for j in range(len(ids)):
+        x = xs[j].to(device=dev, dtype=torch.float32)
+        res = {}
+        if x.shape[0] == 0 or bool(use_rtn[ids[j]]):
+            out.append({kind: {"heldout": {"tokens": int(x.shape[0])}} for kind, _ in parts})
+            continue
+        # one product for the reference and both errors: [m, 3N]
+        y = x @ torch.cat([w[j], w[j] - deq_g[j], w[j] - deq_r[j]]).T
+        n = w.shape[1]
+        for kind, rows in parts:
+            ref, eg, er = (float(y[:, i * n:(i + 1) * n][:, rows].double().square().sum()) for i in range(3))
+            keep_rtn = er < eg
+            if keep_rtn:
+                q[j, rows] = q_r[j, rows]
+                if grid is None:
+                    qp.scale[j, rows] = s_r[j, rows]
+                    if qp.zero_point is not None:
+                        qp.zero_point[j, rows] = z_r[j, rows]
+            den = ref if ref > 0 else 1.0
+            res[kind] = {"method": "rtn" if keep_rtn else "gptq",
+                         "heldout": {"tokens": int(x.shape[0]), "gptq": float(f"{eg / den:.6g}"),
+                                     "rtn": float(f"{er / den:.6g}")}}
+        out.append(res)
+    return out
 
 
 def share_expert_weights(experts, group: int, par) -> None:

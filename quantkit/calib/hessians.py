@@ -38,11 +38,13 @@ class ExpertStats:
     it owns (`owned`), so that the sums are the ones a single process computes."""
 
     def __init__(self, experts: nn.Module, need_hessians: bool, sample_tokens: int, block: nn.Module | None = None,
-                 par=None, owned: torch.Tensor | None = None):
+                 par=None, owned: torch.Tensor | None = None, holdout: int = 0):
         """`block`: the MoE block around `experts`; when given, its outputs for the sampled tokens are kept
         too (`block_outputs`: the unquantized block's response AWQ's norm-scale search measures against).
         `par`: the pass's Parallel (None: one process); `owned` [E] bool: the experts whose Hessians this
-        rank accumulates (None: all)."""
+        rank accumulates (None: all). `holdout` k >= 2: every k-th token routed to an expert (counted over
+        the whole pass, in batch order and ascending token order within a batch) is left out of its Hessians
+        and kept as a held-out row (`heldout_inputs`) for GPTQ's check against RTN; 0: none."""
         self.experts = experts
         e, p, h = experts.gate_up_proj.shape
         self.E, self.P, self.H, self.I = e, p, h, experts.down_proj.shape[-1]
@@ -59,6 +61,8 @@ class ExpertStats:
         self.h_gu = torch.zeros(n, h, h, device=dev) if need_hessians else None  # sums of x x^T (scaled at the end)
         self.h_down = torch.zeros(n, self.I, self.I, device=dev) if need_hessians else None
         self.h_all = torch.zeros(h, h, device=dev)
+        self.holdout = int(holdout) if need_hessians else 0
+        self.ho_x: list[list[torch.Tensor]] = [[] for _ in range(n)]  # held-out gate/up inputs, by slot
         self.total = 0
         self.sample_tokens = sample_tokens
         self.x_samples: list[torch.Tensor] = []  # [t, H] all tokens (subsampled) for AWQ / fallbacks
@@ -103,11 +107,12 @@ class ExpertStats:
             self.w_samples.append(wts[:take].clone())
             self._n_samples += take
             self._take = take
+        prior = self.counts.tolist()
         self.counts += routing.counts.cpu()
         if self.need_h:
-            self._add_grams(x, routing)
+            self._add_grams(x, routing, prior)
 
-    def _add_grams(self, x: torch.Tensor, routing: "moe.Routing") -> None:
+    def _add_grams(self, x: torch.Tensor, routing: "moe.Routing", prior: list[int]) -> None:
         """h_gu[e] += X_e^T X_e and h_down[e] += D_e^T D_e for every (owned) expert e, X_e the rows routed to
         it (ascending token order), D_e = act(X_e gate_e^T) * (X_e up_e^T): one product per expert on its exact
         rows, so its value does not depend on which other experts are computed alongside.
@@ -115,7 +120,8 @@ class ExpertStats:
         The gathered rows, the gate/up products and both Gram products go to buffers allocated once per call
         and reused for every expert (the same products as fresh tensors): the executor serves allocations of
         1 MiB or more with fresh mappings (weights.bound_heap), and faulting pages in again for each expert's
-        temporaries cost ~1/10 of a GPTQ pass."""
+        temporaries cost ~1/10 of a GPTQ pass. With `holdout` k, the rows whose running index for their
+        expert (`prior`: its token count before this batch) is k-1 mod k are kept aside instead."""
         token, _ = routing.token_major()
         b = routing.bounds
         slots = self.slot.tolist()
@@ -128,12 +134,28 @@ class ExpertStats:
         g_gu = x.new_empty(self.H, self.H)
         g_down = x.new_empty(self.I, self.I)
         silu = moe._silu_in_place(self.experts.act_fn)
+        k = self.holdout
         for e, s, t, j in todo:
-            xe = ws_x[:t - s]
-            torch.index_select(x, 0, token[s:t], out=xe)  # [n, H]
+            rows_e = token[s:t]
+            if k:
+                held = (torch.arange(prior[e], prior[e] + t - s, device=token.device) % k) == k - 1
+                if bool(held.any()):
+                    self.ho_x[j].append(x.index_select(0, rows_e[held]))
+                    rows_e = rows_e[~held]
+                if rows_e.numel() == 0:
+                    continue
+            xe = ws_x[:rows_e.numel()]
+            torch.index_select(x, 0, rows_e, out=xe)  # [n, H]
             self.h_gu[j] += torch.mm(xe.T, xe, out=g_gu)
-            hd = self.down_inputs_one(e, xe, out=ws_gu[:t - s], silu=silu)
+            hd = self.down_inputs_one(e, xe, out=ws_gu[:rows_e.numel()], silu=silu)
             self.h_down[j] += torch.mm(hd.T, hd, out=g_down)
+
+    def heldout_inputs(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's held-out rows (owned experts only): (gate/up inputs [m, H], down inputs [m, I] from the
+        experts' weights as they are now, i.e. before they are quantized), in the order they were seen."""
+        rows = self.ho_x[int(self.slot[e])]
+        x = torch.cat(rows) if rows else torch.zeros(0, self.H, device=self.device)
+        return x, self.down_inputs_one(e, x)
 
     def down_inputs_one(self, e: int, xe: torch.Tensor, out: torch.Tensor | None = None,
                         silu: bool = False) -> torch.Tensor:

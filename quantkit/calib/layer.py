@@ -108,7 +108,8 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
                 owned = torch.tensor([o == rank for o in expert_owners(e_, group, dist_par)], dtype=torch.bool)
         stats = ExpertStats(experts, need_hessians=egroup.method == "gptq",
                             sample_tokens=egroup.options.sample_tokens, block=mlp if egroup.method == "awq" else None,
-                            par=dist_par, owned=owned)
+                            par=dist_par, owned=owned,
+                            holdout=egroup.options.holdout if egroup.method == "gptq" else 0)
     lstats = {d: LinearStats(m, dist_par) for d, (m, _) in dense.items()}
     dense_owner = {d: (par.dense_owner(i) if par is not None else 0) for i, d in enumerate(dense)}
     # GPTQ of the routed experts alone changes nothing the layer computes before them: the statistics pass
@@ -212,6 +213,10 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
             held = min(e, -(-groups // max(1, int(ranks))) * group)  # rank 0 owns groups 0, R, 2R, ...
             out["hessians"] = (held * (h * h + i * i) + h * h) * 4
             out["samples"] = s_tok * (h * 4 + k * 12)
+            ho = int(egroup.options.holdout)
+            if ho:  # held-out rows (gate/up inputs, then their down inputs), ~1/ho of the routed tokens
+                routed = sum(int(t) for t in lengths) * k * held // e
+                out["heldout"] = -(-routed // ho) * (h + i) * 4
             out["gram"] = upcast + PAIR_BUDGET * (3 + (2 * p + 2 * i) // h) + 2 * GRAM_CHUNK_BYTES
             solve = 0
             for n_out, k_in in ((p, h), (h, i)):

@@ -264,11 +264,19 @@ class _Calibrated:
 class GPTQOptions(_Calibrated):
     """GPTQ (quant/gptq.py): damping as a fraction of the mean Hessian diagonal; static act-order
     (columns by descending Hessian diagonal, group parameters fixed up front: no g_idx is written);
-    lazy-update block size."""
+    lazy-update block size; `holdout` k: every k-th token routed to an expert is held out of its Hessian, and
+    each expert module keeps GPTQ's result only where its output error on those tokens is no larger than
+    RTN's (0: off, every token in the Hessian and no check)."""
 
     damp: float = 0.01
     actorder: bool = False
     block_size: int = 128
+    holdout: int = 8
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.holdout < 0 or self.holdout == 1:
+            raise RecipeError(f"options.holdout must be 0 (off) or at least 2, got {self.holdout!r}")
 
 
 @dataclass(frozen=True)

@@ -187,6 +187,13 @@ def _section_tokens(page: _Page, manifest: dict, modules: list[ModuleInfo]) -> N
     sq_ok = [m.sqnr_db for m in modules if m.sqnr_db is not None and m.prefix and m.name not in fallbacks]
     sqnr_note = (f" Median SQNR of fallback modules {np.median(sq_fb):.2f}&nbsp;dB vs {np.median(sq_ok):.2f}&nbsp;dB "
                  "for the others." if sq_fb and sq_ok else "")
+    # GPTQ's held-out check (calib/gptq_pass.py): a calibrated module that is not a fallback but ends RTN
+    calibrated = [m for m in modules if m.prefix and m.tokens is not None and m.name not in fallbacks]
+    kept_rtn = sum(m.method == "rtn" for m in calibrated)
+    if any(m.method == "gptq" for m in calibrated) or kept_rtn:
+        sqnr_note += (f" {kept_rtn} of {len(calibrated)} calibrated expert modules kept RTN's result: its output "
+                      f"error on held-out calibration tokens was smaller than GPTQ's (the manifest's "
+                      f"<code>method</code> and <code>heldout</code> per module).")
     cap = (f"Each cell is one routed expert; its colour is the number of calibration tokens ({_e(cal.get('num_tokens', '?'))} "
            f"in all, each routed to top-k experts) the router sent to it, on a log scale. A GPTQ/AWQ expert needs "
            f"tokens to estimate its Hessian / activation scales: <b>red</b> cells are experts that saw too few and "

@@ -108,3 +108,100 @@ def test_experts_without_tokens_are_quantized_and_reported(tmp_path):
     index3 = run_calibrated(src, recipe("awq"), samples, tmp_path / "spool3")
     assert len(index3["modules"]) == 2 * 16 * 3
     assert all(torch.isfinite(t).all() for t in spool_weights(tmp_path / "spool3", index3).values())
+
+
+def _routed_inputs(model, samples, layer):
+    """Every (gate/up input, expert) pair of decoder layer `layer`'s routed experts over `samples`, in the
+    order the calibrated pass counts them (sample by sample, ascending position), from a plain forward."""
+    seen = []
+    experts = model.model.layers[layer].mlp.experts
+
+    def hook(mod, args):
+        x, idx = args[0].detach().float().reshape(-1, args[0].shape[-1]), args[1].reshape(args[0].shape[0], -1)
+        seen.append((x, idx))
+
+    h = experts.register_forward_pre_hook(hook)
+    with torch.no_grad():
+        for s in samples:
+            model(s[None])
+    h.remove()
+    return experts, seen
+
+
+def test_heldout_check_against_an_independent_computation(tmp_path):
+    """Every 4th token routed to an expert is held out; the manifest's held-out errors of GPTQ and RTN equal
+    the ones computed here from a plain forward's expert inputs and the written weights; a module keeps RTN's
+    codes exactly where RTN's held-out error is smaller."""
+    src = make_tiny_model("deepseek_v3", tmp_path / "src", experts=8)  # layer 1 is the only MoE layer
+    data = load_calibration_data(None, vocab_size=512, num_samples=6, seq_len=32)
+    index = run_calibrated(src, recipe("gptq", holdout=4), data.samples, tmp_path / "spool")
+    w = spool_weights(tmp_path / "spool", index)
+    experts, seen = _routed_inputs(load_model(src).eval(), data.samples, 1)
+    held = {e: [] for e in range(8)}
+    count = [0] * 8
+    for x, idx in seen:
+        for t in range(x.shape[0]):
+            for e in sorted(set(idx[t].tolist())):
+                if count[e] % 4 == 3:
+                    held[e].append(x[t])
+                count[e] += 1
+    half = experts.gate_up_proj.shape[1] // 2
+    kinds = 0
+    for e in range(8):
+        x = torch.stack(held[e]) if held[e] else torch.zeros(0, experts.gate_up_proj.shape[-1])
+        gu = experts.gate_up_proj[e].detach().float()
+        d = experts.act_fn(x @ gu[:half].T) * (x @ gu[half:].T)
+        for kind, inp, wt in (("gate", x, gu[:half]), ("up", x, gu[half:]),
+                              ("down", d, experts.down_proj[e].detach().float())):
+            name = f"model.layers.1.mlp.experts.{e}.{kind}_proj"
+            meta = index["modules"][name]
+            assert meta["heldout"]["tokens"] == len(held[e])
+            assert meta["tokens"] == count[e]
+            if not held[e]:
+                continue
+            r = rtn(wt, 4, 32, True)
+            w_rtn = dequantize(r.q, r.qparams.scale)
+            ref = (inp @ wt.T).double().square().sum()
+            got = w[name + ".weight"]
+            err = float((inp @ (wt - got).T).double().square().sum() / ref)
+            err_rtn = float((inp @ (wt - w_rtn).T).double().square().sum() / ref)
+            assert meta["heldout"]["rtn"] == pytest.approx(err_rtn, rel=1e-3)
+            if meta["method"] == "rtn":
+                assert torch.equal(got, w_rtn)
+                assert meta["heldout"]["rtn"] < meta["heldout"]["gptq"]
+            else:
+                assert meta["heldout"]["gptq"] == pytest.approx(err, rel=1e-3)
+                assert meta["heldout"]["gptq"] <= meta["heldout"]["rtn"]
+            kinds += 1
+    assert kinds >= 12
+
+
+def test_heldout_check_keeps_the_better_per_module():
+    """The check itself: where GPTQ's codes are worse on the held-out rows, that module gets RTN's codes and
+    scales exactly; where they tie, GPTQ's result stays."""
+    from types import SimpleNamespace
+
+    from quantkit.calib.gptq_pass import _heldout_check
+    from quantkit.quant.int4 import QParams
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(2, 8, 64, generator=g) * 0.05  # 2 experts, gate rows 0-3, up rows 4-7
+    r = rtn(w, 4, 32, True)
+    q, qp = r.q.clone(), QParams(r.qparams.scale.clone(), None)
+    q[0, :4] = (q[0, :4] + 3).clamp(-8, 7)  # expert 0's gate: far from RTN
+    s = SimpleNamespace(num_bits=4, group_size=32, symmetric=True)
+    parts = (("gate", slice(0, 4)), ("up", slice(4, 8)))
+    xs = [torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g)]
+    out = _heldout_check(w, q, qp, None, s, parts, [0, 1], torch.zeros(2, dtype=torch.bool), xs)
+    assert out[0]["gate"]["method"] == "rtn" and out[0]["up"]["method"] == "gptq"
+    assert out[1]["gate"]["method"] == "gptq" and out[0]["gate"]["heldout"]["tokens"] == 5
+    assert torch.equal(q, r.q) and torch.equal(qp.scale, r.qparams.scale)
+
+
+def test_holdout_option():
+    from quantkit.errors import RecipeError
+
+    assert recipe("gptq").groups[0].options.holdout == 8
+    assert recipe("gptq", holdout=0).groups[0].options.holdout == 0
+    with pytest.raises(RecipeError, match="holdout"):
+        recipe("gptq", holdout=1)
