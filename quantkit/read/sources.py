@@ -311,7 +311,10 @@ def _module_problems(r, sw: StoredWeight) -> list[str]:
     m, local = sw.module, dict(sw.tensors)
     if sw.encoding in ("fp8", "fp8-block"):
         suffix = "weight_scale_inv" if sw.encoding == "fp8-block" else "weight_scale"
-        return checks.value_problems(m, "fp8", {suffix: r.get(sw.scale)}, scale=suffix)
+        found = checks.value_problems(m, "fp8", {suffix: r.get(sw.scale)}, scale=suffix)
+        if not found and "input_scale" in local:  # a static activation scale, passed through with the module
+            found = checks.value_problems(m, "fp8", {"input_scale": r.get(local["input_scale"])}, scale="input_scale")
+        return found
     infos = {s: r.info(t) for s, t in local.items()}
     scheme = _scheme(sw.weights)
     group = "its config group"

@@ -155,6 +155,8 @@ CT_CASES = [
      E.SourceTensorError, f"{M}.weight_global_scale: present"),
     ("fp8_scale_nan", "fp8", None, put("weight_scale", float("nan")), E.SourceTensorError, f"{M}.weight_scale: 1 non-finite"),
     ("fp8_scale_1e30", "fp8", None, put("weight_scale", 1e30), E.SourceTensorError, f"{M}.weight_scale: a scale"),
+    ("fp8_input_scale_nan", "fp8", None, lambda t: t.__setitem__(f"{M}.input_scale", torch.tensor([float("nan")])),
+     E.SourceTensorError, f"{M}.input_scale: 1 non-finite"),
     ("fp8_strategy_unknown", "fp8", {"strategy": "tensor_group"}, None, E.SourceSchemeError, "strategy"),
     ("fp8_num_bits_4", "fp8", {"num_bits": 4}, None, E.SourceSchemeError, "FP4 schemes use"),
 ]
