@@ -68,7 +68,8 @@ def gptq_dense(res: LayerResult, ckpt, disk: str, mod: nn.Linear, g: WeightGroup
     w = mod.weight.detach().float()
     s = g.scheme.for_in_features(w.shape[1])
     r, grid = _solve(w[None], st.hessian()[None], s, damp=g.options.damp, actorder=g.options.actorder,
-                     block_size=g.options.block_size)
+                     block_size=g.options.block_size,
+                     **({"observer": g.options.observer} if g.options.observer != "minmax" else {}))
     meta = {"method": "gptq", "tokens": st.count, "damping": round(float(r.damping[0]), 6), "fallback": r.fallback[0]}
     if grid is None:
         deq = dequantize(r.q[0], r.qparams.scale[0], None if r.qparams.zero_point is None else r.qparams.zero_point[0])
@@ -186,6 +187,8 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                           + ("RTN" if use_rtn[e] else "Hessian from all tokens"))
     kw = dict(damp=g.options.damp, actorder=g.options.actorder,
               block_size=g.options.block_size)
+    if g.options.observer != "minmax":
+        kw["observer"] = g.options.observer
     half = stats.P // 2
     # held-out rows of every owned expert, the down inputs from the unquantized gate/up (computed before
     # the gate/up solves write their results back)

@@ -272,9 +272,12 @@ class GPTQOptions(_Calibrated):
     actorder: bool = False
     block_size: int = 128
     holdout: int = 8
+    observer: str = "minmax"  # or "mse": each INT4 group's clipping searched against the Hessian-weighted error
 
     def __post_init__(self):
         super().__post_init__()
+        if self.observer not in ("minmax", "mse"):
+            raise RecipeError(f"options.observer must be minmax or mse, got {self.observer!r}")
         if self.holdout < 0 or self.holdout == 1:
             raise RecipeError(f"options.holdout must be 0 (off) or at least 2, got {self.holdout!r}")
 

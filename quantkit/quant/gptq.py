@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from .int4 import QParams, choose_qparams, qrange
+from .int4 import QParams, choose_qparams, choose_qparams_mse, qrange
 
 
 @dataclass(frozen=True)
@@ -158,13 +158,15 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
          *, damp: float = 0.01, block_size: int = 128, actorder: bool = False, max_retries: int = 4,
          scale_dtype: torch.dtype = torch.bfloat16, static_scale: torch.Tensor | None = None,
          quantize_column: Callable | None = None, solve_dtype: torch.dtype = torch.float64,
-         factor_chunk: int | None = None) -> GPTQResult:
+         factor_chunk: int | None = None, observer: str = "minmax") -> GPTQResult:
     """Quantize weights w [E, N, K] (or [N, K]) given Hessians h [E, K, K] (or [K, K]) = 2/n * sum x x^T.
     `static_scale` [E, N, G] float32 + `quantize_column`: another grid with scales fixed up front (FP4);
     the result's q then holds that grid's codes and its qparams the given scales. `solve_dtype`: what the
     Hessian is factorized in (float64 on the CPU; float32 on a GPU, where float64 is slow). `factor_chunk`:
     factorize that many matrices at a time (bounds the solve-dtype temporaries; the column sweep then runs
-    over all of them at once). Every tensor lives on w's device.
+    over all of them at once). `observer` "mse" (INT4, symmetric): each group's scale is the clipping of its
+    min/max scale with the least error weighted by the Hessian's diagonal (quant/int4.py choose_qparams_mse).
+    Every tensor lives on w's device.
 
     The sweep works on the transposed weights [E, K, N], so that a column of w is a contiguous row: the
     per-column quantization and the in-block error push read and write contiguous memory."""
@@ -184,6 +186,14 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
     dead = torch.diagonal(H, dim1=-2, dim2=-1) == 0  # [E, K]: inputs never seen (their diagonal taken as 1)
     Wt = w.float().transpose(1, 2).contiguous()  # [E, K, N]: our own copy, updated in place
     Wt.masked_fill_(dead[:, :, None], 0.0)
+    mse = observer == "mse" and static_scale is None
+    hdiag = torch.diagonal(H, dim1=-2, dim2=-1).float().masked_fill(dead, 0.0) if mse else None  # [E, K]
+
+    def pick(wrows, cols):  # group parameters of w rows [E, N, g or K] whose columns are `cols`
+        if mse:
+            return choose_qparams_mse(wrows, num_bits, group_size if cols is None else None, symmetric, scale_dtype,
+                                      weight=hdiag if cols is None else hdiag[:, cols])
+        return choose_qparams(wrows, num_bits, group_size if cols is None else None, symmetric, scale_dtype)
 
     static = None
     if static_scale is not None:
@@ -194,7 +204,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
         diag = torch.diagonal(H, dim1=-2, dim2=-1).masked_fill(dead, 1.0)
         perm = torch.argsort(diag, dim=-1, descending=True, stable=True)  # [E, K]
         if static is None:
-            static = choose_qparams(Wt.transpose(1, 2), num_bits, group_size, symmetric, scale_dtype)  # natural order
+            static = pick(Wt.transpose(1, 2), None)  # natural order
         Wt = _permute_rows(Wt, perm)
         group_of = torch.div(perm, gs, rounding_mode="floor")  # [E, K] natural group of each visited column
 
@@ -233,7 +243,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
         for i in range(i2 - i1):
             col = i1 + i
             if static is None and col % gs == 0:  # group params from the already-updated weights
-                qp = choose_qparams(W1[:, i:i + gs].transpose(1, 2), num_bits, None, symmetric, scale_dtype)
+                qp = pick(W1[:, i:i + gs].transpose(1, 2), slice(col, col + gs))
                 cur_s, cur_z = qp.scale[..., 0], None if qp.zero_point is None else qp.zero_point[..., 0]
                 scale[:, :, col // gs] = cur_s
                 if zp is not None:

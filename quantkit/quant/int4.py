@@ -76,6 +76,38 @@ def choose_qparams(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 
     return QParams(scale, zp)
 
 
+MSE_RATIOS = tuple(round(1.0 - 0.025 * i, 3) for i in range(17))  # clipping ratios tried: 1.0 down to 0.6
+
+
+def choose_qparams_mse(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetric: bool = True,
+                       scale_dtype: torch.dtype = torch.bfloat16, weight: torch.Tensor | None = None,
+                       ratios: tuple[float, ...] = MSE_RATIOS) -> QParams:
+    """Symmetric qparams per (row, group) that minimize the group's quantization error: the min/max scale
+    times the best of `ratios` (clipping), each candidate rounded to `scale_dtype` as stored. `weight`
+    [..., K] (broadcast over rows, e.g. the Hessian's diagonal per input column): the error is
+    sum_k weight_k (w_k - q_k)^2, else unweighted. Ratio 1.0 is always tried first and kept on ties, so the
+    error is never above min/max's. Asymmetric schemes keep min/max."""
+    base = choose_qparams(w, num_bits, group_size, symmetric, scale_dtype)
+    if not symmetric:
+        return base
+    wg = _grouped(w.float(), group_size)  # [..., N, G, g]
+    wt = None if weight is None else _grouped(weight.float().unsqueeze(-2), group_size)  # [..., 1, G, g]
+    qmin, qmax = qrange(num_bits)
+    tiny = torch.finfo(torch.float32).tiny
+    best_s, best_e = None, None
+    for r in ratios:
+        sc = (base.scale * r).to(scale_dtype).float()
+        sc = torch.where(sc > tiny, sc, torch.ones_like(sc))
+        d = (wg / sc.unsqueeze(-1)).round_().clamp_(qmin, qmax).mul_(sc.unsqueeze(-1)).sub_(wg).square_()
+        err = (d if wt is None else d.mul_(wt)).sum(-1)  # [..., N, G]
+        if best_s is None:
+            best_s, best_e = sc, err
+        else:
+            better = err < best_e
+            best_s, best_e = torch.where(better, sc, best_s), torch.where(better, err, best_e)
+    return QParams(best_s, None)
+
+
 def quantize(w: torch.Tensor, qp: QParams, num_bits: int = 4) -> torch.Tensor:
     """w [..., N, K] -> q [..., N, K] int8 in [qmin, qmax]: clamp(round(w / scale) + zero_point)."""
     qmin, qmax = qrange(num_bits)

@@ -205,3 +205,12 @@ def test_holdout_option():
     assert recipe("gptq", holdout=0).groups[0].options.holdout == 0
     with pytest.raises(RecipeError, match="holdout"):
         recipe("gptq", holdout=1)
+
+
+def test_observer_option():
+    from quantkit.errors import RecipeError
+
+    assert recipe("gptq").groups[0].options.observer == "minmax"
+    assert recipe("gptq", observer="mse").groups[0].options.observer == "mse"
+    with pytest.raises(RecipeError, match="observer"):
+        recipe("gptq", observer="max")

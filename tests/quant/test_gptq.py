@@ -155,3 +155,27 @@ def test_inverse_factor_against_the_textbook_one(k):
         assert torch.allclose(u[i], ref, rtol=1e-9, atol=1e-9 * ref.abs().max().item())
     u32, _, _ = _cholesky_inverse_upper(h, 0.01, 4, torch.float32)
     assert u32.dtype == torch.float32 and torch.allclose(u32.double(), u, rtol=1e-6, atol=1e-6 * u.abs().max().item())
+
+
+def test_mse_observer_never_worse_than_minmax_and_used_by_gptq():
+    """choose_qparams_mse: per group, its (weighted) error is at most min/max's, and lower on heavy-tailed
+    weights; GPTQ with observer mse and act-order stores exactly those static scales."""
+    from quantkit.quant.int4 import _grouped, choose_qparams, choose_qparams_mse, dequantize, quantize
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.distributions.StudentT(3.0).sample((3, 16, 64)) * 0.02
+    wt = torch.rand(3, 64, generator=g) + 0.1
+
+    def err(qp):
+        d = (dequantize(quantize(w, qp), qp.scale) - w).square() * wt[:, None, :]
+        return _grouped(d, 32).sum(-1)
+
+    e_mm, e_mse = err(choose_qparams(w, 4, 32)), err(choose_qparams_mse(w, 4, 32, weight=wt))
+    assert (e_mse <= e_mm).all()
+    assert e_mse.sum() < 0.9 * e_mm.sum()
+    x = torch.randn(256, 64, generator=g)
+    h = (x.T @ x / 256).expand(3, 64, 64).clone()
+    r = gptq(w, h, 4, 32, True, actorder=True, observer="mse")
+    assert torch.equal(r.qparams.scale, choose_qparams_mse(w, 4, 32, weight=torch.diagonal(h, dim1=-2, dim2=-1)).scale)
+    r0 = gptq(w, h, 4, 32, True, actorder=True)
+    assert torch.equal(r0.qparams.scale, choose_qparams(w, 4, 32).scale)
