@@ -30,6 +30,47 @@ def pytest_runtest_protocol(item, nextitem):
         faulthandler.cancel_dump_traceback_later()
 
 
+# The slow tests: end to end (they build tiny models, convert, calibrate, drive the CLI or the runner). They stay
+# in the default run; `pytest -m "not slow"` leaves them out (README.md, "Tests"). Marked here from one list, by
+# file, plus any test that asks for `tiny_models` (it builds checkpoints) and a few named tests, so that the rule
+# lives in one place: a new file that converts or calibrates belongs in SLOW_FILES. Chosen from per-file
+# `--durations` runs and from what each file does (docs/code.md, after "Tests mirror the package").
+SLOW_FILES = {
+    "test_arch.py", "test_card.py", "test_cli.py", "test_report.py",
+    "calib/test_awq_moe.py", "calib/test_calibrate.py", "calib/test_device.py", "calib/test_executor.py",
+    "calib/test_glm5_kimi25.py", "calib/test_passes.py", "calib/test_split.py",
+    "convert/test_calibrated.py", "convert/test_convert.py", "convert/test_fp4.py", "convert/test_fp8.py",
+    "convert/test_int4_fp4.py", "convert/test_wrapper.py",
+    "dist/test_calib_ranks.py", "dist/test_convert_ranks.py",
+    "engine/test_vllm_run.py", "engine/test_w4afp8.py",
+    "pack/test_kv_scales.py",
+    "plan/test_plan.py", "plan/test_plan_convert.py",
+    "read/test_hostile.py", "read/test_hostile_sources.py",
+    "runtime/test_kv_integrity.py", "runtime/test_runner.py", "runtime/test_runner_fp4.py",
+    "verify/test_fp8_judge.py", "verify/test_verify.py",
+    "write/test_resume.py",
+}
+SLOW_TESTS = {
+    "test_allocator.py::test_fewer_page_faults_in_gptq_solves",
+    "test_allocator.py::test_torch_asked_for_huge_pages",
+    "quant/test_rtn_native.py::test_convert_output_identical_without_kernel",
+    "quant/test_gptq.py::test_inverse_factor_against_the_textbook_one",
+    "runtime/test_no_triton.py::test_imports_and_runs_without_triton",
+    "read/test_ct_source_fuzz.py::test_source_checks_accept_only_sound_modules",
+    "read/test_safetensors_fuzz.py::test_header_hypothesis",
+    "calib/test_moe.py::test_other_activations",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path, _, name = item.nodeid.partition("::")
+        path = path.removeprefix("tests/")
+        if (path in SLOW_FILES or f"{path}::{name.split('[')[0]}" in SLOW_TESTS
+                or "tiny_models" in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Tiny random MoE checkpoints, one per architecture, saved sharded (built once per session)."""
