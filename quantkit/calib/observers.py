@@ -28,10 +28,11 @@ import torch
 from torch import nn
 
 from ..errors import CalibrationError
+from ..quant.fp8 import FP8_MAX
 from .executor import modeling_module
 from .moe import routing_for
 
-FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn; scale = amax / 448 (vLLM, compressed-tensors)
+FP8_E4M3_MAX = FP8_MAX  # largest finite float8_e4m3fn; scale = amax / 448 (vLLM, compressed-tensors)
 MIN_SCALE = torch.finfo(torch.float32).tiny  # never write a zero scale (0/0 at serving time)
 
 

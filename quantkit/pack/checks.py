@@ -19,12 +19,12 @@ from collections.abc import Mapping
 
 import torch
 
+from ..quant.fp8 import FP8_MAX  # the largest float8_e4m3fn magnitude
 from .layout import FP4_SUFFIXES, INT4_SUFFIXES, module_tensors
 
 MAX_WEIGHT = 65504.0  # float16's largest finite number: the largest decoded weight a scale may give
 KINDS = ("int4", "fp8", "nvfp4", "mxfp4")
 FP4_MAX = 6.0  # the largest E2M1 magnitude
-FP8_MAX = 448.0  # the largest float8_e4m3fn magnitude
 INT4_SCALE_DTYPES = (torch.bfloat16, torch.float16)
 E8M0_NAN = 255
 

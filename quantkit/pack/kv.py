@@ -26,6 +26,7 @@ import torch
 
 from ..arch import WRAPPERS
 from ..errors import KVScalesError
+from ..quant.fp8 import FP8_MAX
 
 KV_SHARD_NAME = "model-kv-scales.safetensors"
 _PREFIX = "(?:" + "|".join(sorted(re.escape(w.prefix) for w in WRAPPERS.values())) + ")?"  # a wrapper's, or none
@@ -85,7 +86,7 @@ def strategy_of(shape: tuple[int, ...]) -> str | None:
 #   activates): 1e-45 saturates every K at +-448;
 # - a note below LOW_KV_AMAX / 448 (cached values under float16's smallest normal number, 2^-14): right for a
 #   head that never activates, wrong for any other (every larger value saturates).
-FP8_E4M3_MAX = 448.0
+FP8_E4M3_MAX = FP8_MAX
 MAX_KV_SCALE = 65504.0 / FP8_E4M3_MAX
 MIN_KV_SCALE = torch.finfo(torch.float32).tiny
 LOW_KV_AMAX = 2.0 ** -14

@@ -53,11 +53,11 @@ import torch
 
 from ..errors import GroupSizeError
 from ..pack.fp4 import E2M1_VALUES, E8M0_BIAS, pack_fp4, unpack_fp4  # noqa: F401  (the RTN functions pack)
+from .fp8 import FP8_MAX  # float8_e4m3fn max: NVFP4 group scales are e4m3
 
 # Legend: N = out_features, K = in_features, G = groups = K / group_size, g = group_size, R = rows
 
 FP4_MAX = 6.0  # largest E2M1 magnitude
-FP8_MAX = 448.0  # float8_e4m3fn max: NVFP4 group scales are e4m3
 NVFP4_GROUP_SIZE = 16
 MXFP4_GROUP_SIZE = 32
 _MX_EMAX = 2  # floor(log2(FP4_MAX)): what MXFP4 takes off the group's exponent

@@ -26,7 +26,8 @@ import torch
 # Legend: N = out_features, K = in_features, b0 x b1 = block, R = rows of one strip
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max; the fnuz variant (some AMD parts) is 240
+# torch.finfo(torch.float8_e4m3fn).max, the one definition (pack/, calib/, runtime/ import it); fnuz (AMD) is 240
+FP8_MAX = 448.0
 STRIP_ELEMENTS = 1 << 21  # float32 elements per strip (8 MiB)
 
 

@@ -33,6 +33,7 @@ import math
 
 import torch
 
+from ..quant.fp8 import FP8_MAX
 from ._triton import dot_f32, next_pow2, resolve_backend, tl, triton
 
 __all__ = [
@@ -49,7 +50,6 @@ __all__ = [
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 CACHE_DTYPES = (torch.bfloat16, torch.float16, FP8_DTYPE)
 
 

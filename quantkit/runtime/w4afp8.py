@@ -30,13 +30,13 @@ from dataclasses import dataclass
 import torch
 
 from ..pack.int4 import unpack_int4
+from ..quant.fp8 import FP8_MAX
 from ._triton import resolve_backend, tl, triton
 from .int4 import PackedInt4
 
 __all__ = ["W4AFP8Weight", "convert_scales", "quant_tokens", "fp8_round", "w4afp8_gemm", "w4afp8_gemm_ref",
            "w4afp8_moe_ref"]
 
-FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's _FP8_MIN_SCALING_FACTOR
 GROUP = 128
 
