@@ -93,6 +93,7 @@ def convert(
     device: DeviceOpt = options.DEVICE,
     revision: RevisionOpt = None,
     tp: Annotated[Optional[int], typer.Option(min=1, help="Tensor-parallel size the output will be served at: W4AFP8 recipes are refused up front when vLLM cannot load them at it (default: checked at 1).")] = None,
+    allow_unmatched: Annotated[bool, typer.Option("--allow-unmatched", help="Write the output even when the recipe's weight groups match no module of SRC (an error otherwise).")] = False,
     json_out: JsonOpt = False,
 ):
     """Quantize SRC into OUT per RECIPE, streaming shard by shard."""
@@ -109,7 +110,8 @@ def convert(
     opts = ConvertOptions(recipe=recipe, workers=workers, resume=resume and not overwrite, overwrite=overwrite,
                           max_shard_bytes=max_shard_bytes, dataset=dataset, num_samples=num_samples,
                           seq_len=seq_len, kv_scales=str(kv_scales) if kv_scales else None,
-                          source_id=None if Path(src).exists() else src, device=device, tp=tp)
+                          source_id=None if Path(src).exists() else src, device=device, tp=tp,
+                          allow_unmatched=allow_unmatched)
     leader = os.environ.get("RANK", "0") in ("0", "")  # under torchrun only rank 0 shows progress and results
     with _progress("converting", enabled=leader) as prog:
         task = prog.add_task("converting", total=None)

@@ -34,7 +34,7 @@ from ..arch import text_config
 from ..arch import validate as validate_config
 from ..card import write_model_card
 from ..dist import world
-from ..errors import OutputExists
+from ..errors import OutputExists, RecipeError
 from ..match.recipe import Recipe, load_recipe
 from ..match.shards import (DEFAULT_BATCH_BYTES, DEFAULT_MAX_SHARD_BYTES, ShardPlan, output_shard_names, plan_notes,
                             plan_shard)
@@ -87,6 +87,9 @@ class ConvertOptions:
     # the tensor-parallel size the output will be served at: W4AFP8 recipes are refused up front when vLLM's
     # W4AFP8 MoE kernel cannot take the expert widths at it (engine/w4afp8.py); None: tp 1, with a note
     tp: int | None = None
+    # a recipe with weight groups whose targets match no module of the source is an error unless True
+    # (docs/recipes.md: a typo in a pattern would otherwise write an unquantized copy marked complete)
+    allow_unmatched: bool = False
 
 
 @dataclass
@@ -143,6 +146,11 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
 
     out = Path(out_dir)
     hidden = src.config.get("hidden_size") if isinstance(src.config.get("hidden_size"), int) else None
+    if recipe.groups and not opts.allow_unmatched and not _matches_any(src, recipe, hidden):
+        raise RecipeError(f"recipe {recipe.name[:60]!r} has weight groups, but their targets match no module of "
+                          f"the source ({sum(1 for _ in src.location)} tensors): nothing would be quantized",
+                          hint="check the targets/ignore patterns against the module names (`quantkit inspect`), "
+                               "or pass --allow-unmatched to write the copy anyway")
     w4afp8_note = _w4afp8_rules(src, recipe, hidden, opts.tp)  # before any plan or write: a wrong shape costs seconds
     names = output_shard_names(src)
     plans = [plan_shard(s, names[s.name], recipe, hidden, opts.batch_bytes, opts.max_shard_bytes, stored=stored,
@@ -288,6 +296,26 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
 def _follow(w) -> "ConvertResult":
     """A rank other than 0 after its shards: rank 0's result once it has written the index and manifest."""
     return w.broadcast(w.step(lambda: None, "writing the index and manifest"))
+
+
+def _source_modules(src: Checkpoint, hidden: int | None):
+    """(module, shape) of every Linear of the source as recipes see it: `X.weight` 2-D, a packed `X.weight_packed`
+    (shape as stored), each expert of a fused 3-D expert tensor."""
+    from ..match.shards import _fused_items
+
+    for name in src.location:
+        info = src.info(name)
+        items = _fused_items(name, info, hidden) if len(info.shape) == 3 else None
+        if items:
+            yield from ((m, tuple(shape)) for m, _, shape in items)
+        elif name.endswith(".weight") and len(info.shape) == 2:
+            yield name[: -len(".weight")], tuple(info.shape)
+        elif name.endswith(".weight_packed"):
+            yield name[: -len(".weight_packed")], tuple(info.shape)
+
+
+def _matches_any(src: Checkpoint, recipe: Recipe, hidden: int | None) -> bool:
+    return any(recipe.match(m) is not None for m, _ in _source_modules(src, hidden))
 
 
 def _w4afp8_rules(src: Checkpoint, recipe: Recipe, hidden: int | None, tp: int | None) -> str | None:

@@ -17,12 +17,20 @@ an exact module name, or `re:` + a regex applied with `re.match` (anchored at th
 Fused on-disk experts (`experts.gate_up_proj`) are matched under their per-expert names
 (`experts.E.gate_proj`, `experts.E.up_proj`), because that is how they are written.
 `ignore` wins over every group; among groups the first match wins.
+
+Recipes may come from strangers, so loading is bounded (docs/recipes.md, "Limits"): at most
+MAX_RECIPE_BYTES of UTF-8, YAML nested at most MAX_YAML_DEPTH deep, and every `re:` pattern passes
+`check_regex` (no quantifier or alternation inside an unbounded repeat, at most MAX_UNBOUNDED unbounded
+repeats) so that matching one name costs at most a cubic number of steps in its length; names longer
+than MAX_MATCH_NAME characters are not matched against patterns (a RecipeError).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import re._constants as _sre
+import re._parser as _sre_parse
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -33,7 +41,7 @@ import yaml
 
 from .. import options
 from ..errors import RecipeError
-from ..pack.config import W4AFP8_GROUP_SIZE, matches, scheme_label, weights_config
+from ..pack.config import W4AFP8_GROUP_SIZE, scheme_label, weights_config
 from ..pack.kv import STRATEGIES as KV_STRATEGIES
 from ..pack.kv import kv_cache_scheme
 
@@ -389,6 +397,90 @@ class Recipe:
         return self.kv_cache is not None or self.needs_calibrated_pass
 
 
+_RE_CACHE: dict[str, re.Pattern] = {}
+MAX_RECIPE_BYTES = 256 << 10  # recipes are a few KB; larger files are refused before YAML parses them
+MAX_YAML_DEPTH = 64  # nesting of YAML collections (a recipe needs 5)
+MAX_PATTERN_CHARS = 1000
+MAX_UNBOUNDED = 3  # unbounded repeats (*, +, {n,}) per pattern: matching costs at most ~n^3 steps
+MAX_MATCH_NAME = 512  # module names matched against `re:` patterns (real ones are < 200 characters)
+MAX_CHOICES = 4096  # product of the options of ?, {m,n} and | in a pattern
+_REPEAT_OPS = (_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT)
+
+
+def check_regex(rx: str) -> None:
+    """Refuse a target/ignore regex whose matching time can explode (catastrophic backtracking), by
+    inspecting its parsed form: a repeated part (`*`, `+`, `{m,n}` with n > 1) may hold no quantifier and
+    no alternation (`(.*)*`, `(a|a)*`, `(\\w+\\.)*`, `(a?){30}`: exponential); at most MAX_UNBOUNDED
+    unbounded repeats (`.*.*.*.*Z$` is quartic in the name's length); the choices of `?`, `{m,n}` and `|`
+    multiply to at most MAX_CHOICES. Also refuses invalid patterns. Raises ValueError with the rule broken."""
+    if len(rx) > MAX_PATTERN_CHARS:
+        raise ValueError(f"longer than {MAX_PATTERN_CHARS} characters")
+    try:
+        tree = _sre_parse.parse(rx)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise ValueError(f"not a regex: {str(e)[:80]}") from None
+    unbounded, choices = 0, 1
+
+    def walk(items, repeated: bool):
+        nonlocal unbounded, choices
+        for op, av in items:
+            if op in _REPEAT_OPS:
+                lo, hi, sub = av
+                if repeated:
+                    raise ValueError("a quantifier inside a repeated group (catastrophic backtracking)")
+                if hi == _sre.MAXREPEAT:
+                    unbounded += 1
+                elif hi > lo:
+                    choices *= hi - lo + 1
+                walk(sub, hi > 1)
+            elif op is _sre.BRANCH:
+                if repeated:
+                    raise ValueError("an alternation inside a repeated group (catastrophic backtracking)")
+                choices *= len(av[1])
+                for sub in av[1]:
+                    walk(sub, repeated)
+            elif op is _sre.SUBPATTERN:
+                walk(av[-1], repeated)
+            elif op is _sre.ATOMIC_GROUP:
+                walk(av, repeated)
+            elif op in (_sre.ASSERT, _sre.ASSERT_NOT):
+                walk(av[1], repeated)
+            elif op is _sre.GROUPREF_EXISTS:
+                choices *= 2
+                walk(av[1], repeated)
+                if av[2] is not None:
+                    walk(av[2], repeated)
+            if choices > MAX_CHOICES:
+                raise ValueError(f"its ?, {{m,n}} and | make over {MAX_CHOICES} combinations")
+
+    walk(tree, False)
+    if unbounded > MAX_UNBOUNDED:
+        raise ValueError(f"{unbounded} unbounded repeats (*, +, {{n,}}), at most {MAX_UNBOUNDED} allowed")
+
+
+def matches(pattern: str, name: str) -> bool:
+    """compressed-tensors target rule: exact name, or `re:<regex>` with re.match. Patterns are checked
+    (check_regex) before their first use; a name over MAX_MATCH_NAME characters is a RecipeError."""
+    if pattern.startswith("re:"):
+        rx = _RE_CACHE.get(pattern)
+        if rx is None:
+            try:
+                check_regex(pattern[3:])
+            except ValueError as e:
+                raise RecipeError(f"refused regex {_short(pattern)}: {e}") from None
+            rx = _RE_CACHE[pattern] = re.compile(pattern[3:])
+        if len(name) > MAX_MATCH_NAME:
+            raise RecipeError(f"module name of {len(name)} characters ({_short(name)}) is longer than "
+                              f"{MAX_MATCH_NAME}: recipe patterns are not matched against such names",
+                              hint="the checkpoint's tensor names are implausible; check its source")
+        return rx.match(name) is not None
+    return pattern == name
+
+
+def _short(s: str, n: int = 60) -> str:
+    return repr(s if len(s) <= n else s[:n] + "...")
+
+
 # ---- loading ---------------------------------------------------------------------------------------
 def shipped_recipes() -> list[str]:
     root = resources.files("quantkit") / "data" / "recipes"
@@ -400,8 +492,16 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or p.exists():
         if not p.is_file():
-            raise RecipeError(f"recipe file {str(p)!r} does not exist")
-        text = p.read_text(encoding="utf-8")
+            raise RecipeError(f"recipe file {_short(str(p))} does not exist")
+        with open(p, "rb") as f:
+            data = f.read(MAX_RECIPE_BYTES + 1)  # never more: a 100 MB file is refused, not read
+        if len(data) > MAX_RECIPE_BYTES:
+            raise RecipeError(f"recipe file {_short(str(p))} is over the {MAX_RECIPE_BYTES}-byte limit",
+                              hint="recipes are a few KB of YAML; see docs/recipes.md")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RecipeError(f"recipe file {_short(str(p))} is not UTF-8 text (byte {e.start})") from None
     else:
         res = resources.files("quantkit") / "data" / "recipes" / f"{name_or_path}.yaml"
         if not res.is_file():
@@ -427,15 +527,38 @@ def _str_list(where: str, v) -> tuple[str, ...]:
     for x in v:
         if x.startswith("re:"):
             try:
+                check_regex(x[3:])
                 re.compile(x[3:])
-            except re.error as e:
-                raise RecipeError(f"{where}: bad regex {x!r}: {e}") from None
+            except (ValueError, re.error) as e:  # re.error is a ValueError
+                raise RecipeError(f"{where}: bad regex {_short(x)}: {str(e)[:120]}",
+                                  hint="docs/recipes.md, Limits: no quantifier or | inside a repeated group; at most "
+                                       f"{MAX_UNBOUNDED} unbounded repeats per pattern") from None
     return tuple(v)
 
 
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml's safe loader, refusing collections nested deeper than MAX_YAML_DEPTH as they are composed
+    (a 100,000-deep `[[[...` would otherwise recurse until RecursionError, ~10 s)."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise RecipeError(f"recipe YAML is nested more than {MAX_YAML_DEPTH} levels deep")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
 def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
+    if len(text) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"recipe is {len(text)} characters, over the {MAX_RECIPE_BYTES} limit")
     try:
-        d = yaml.safe_load(text)
+        d = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader)
+    except RecursionError:
+        raise RecipeError("recipe YAML is nested too deeply") from None
     except yaml.YAMLError as e:
         raise RecipeError(f"recipe is not valid YAML: {str(e).splitlines()[0]}") from None
     _check_keys("recipe", d, {"name", "description", "groups", "ignore", "kv_cache", "calibration", "version"})

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from ..arch import text_config
-from ..match.recipe import Scheme, matches
+from ..match.recipe import Scheme
+from ..pack.config import matches
 from ..pack import checks
 from ..pack import kv as kvrules
 from ..pack import fp4 as fp4pack

@@ -89,3 +89,80 @@ def test_ignore_wins_and_first_group_wins():
                      "  b: {targets: ['re:.*up_proj$']}\nignore: ['re:.*shared']\n")
     assert r.match("m.up_proj").name == "a"
     assert r.match("m.shared_expert.up_proj") is None
+
+
+# ---- hostile recipes: every case a named RecipeError, in bounded time (docs/recipes.md, Limits) -------------
+import time  # noqa: E402
+
+from quantkit.match.recipe import MAX_MATCH_NAME, MAX_RECIPE_BYTES, check_regex  # noqa: E402
+
+
+def _refused_fast(fn, msg, seconds=2.0):
+    t = time.perf_counter()
+    with pytest.raises(RecipeError, match=msg):
+        fn()
+    assert time.perf_counter() - t < seconds
+
+
+def test_huge_recipe_file_is_refused_before_parsing(tmp_path):
+    p = tmp_path / "big.yaml"
+    with open(p, "wb") as f:  # 100 MB, sparse: only the first MAX_RECIPE_BYTES + 1 bytes may be read
+        f.truncate(100 << 20)
+    _refused_fast(lambda: load_recipe(p), "limit")
+    _refused_fast(lambda: parse_recipe("ignore: [" + "x, " * MAX_RECIPE_BYTES + "]"), "limit")
+
+
+def test_non_utf8_and_deep_yaml_are_named_errors(tmp_path):
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes(b"name: caf\xe9\ngroups: {e: {targets: [x]}}\n")
+    _refused_fast(lambda: load_recipe(p), "not UTF-8")
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 100_000)
+    _refused_fast(lambda: load_recipe(deep), "nested more than")
+    _refused_fast(lambda: parse_recipe("groups: {e: {targets: [x], options: " + "{a: " * 1000 + "1" + "}" * 1001 + "}}"),
+                  "nested more than")
+
+
+@pytest.mark.parametrize("rx", [r"(.*)*(.*)*(.*)*(.*)*(.*)*Z$", r"(a|a)*Z", r"(?:\w+\.)*experts", r"(a?){30}a{30}",
+                                r".*.*.*.*Z$", r"(a|aa){30}", r"a{0,1000}a{0,1000}b", r"(?=(.*)*)x", "x" * 1001])
+def test_explosive_regexes_are_refused_at_load(rx):
+    """Each of these takes seconds to hours on a name of 20-400 characters (measured by hand: (.*)*(.*)*Z$ on
+    16 chars 0.66 s, .*.*.*.*Z$ on 400 chars 11.8 s); the rule refuses them by their parsed form."""
+    for where in ("ignore", "groups: {e: {targets"):
+        text = (f"ignore: ['re:{rx}']\ngroups: {{e: {{targets: [x]}}}}" if where == "ignore"
+                else f"groups: {{e: {{targets: ['re:{rx}']}}}}")
+        _refused_fast(lambda: parse_recipe(text), "bad regex")
+    with pytest.raises(RecipeError, match="refused regex"):  # also when matched without a parsed recipe
+        matches("re:" + rx, "a")
+
+
+def test_allowed_regexes_stay_fast_on_the_longest_names():
+    """The worst pattern the rule admits (three unbounded repeats) on the longest name it matches."""
+    check_regex(r".*layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj$")
+    check_regex(r".*.*.*Z$")
+    t = time.perf_counter()
+    assert not matches("re:.*.*.*Z$", "a" * MAX_MATCH_NAME)
+    assert time.perf_counter() - t < 5  # ~0.2 s on one core here
+    with pytest.raises(RecipeError, match="longer than"):
+        matches("re:.*x", "a" * (MAX_MATCH_NAME + 1))
+    assert not matches("lm_head", "a" * 10**6)  # exact names are compared, never matched
+
+
+def test_shipped_recipes_follow_the_regex_rule():
+    for n in shipped_recipes():
+        r = load_recipe(n)
+        for p in r.ignore + tuple(t for g in r.groups for t in g.targets):
+            if p.startswith("re:"):
+                check_regex(p[3:])
+
+
+def test_recipe_that_matches_nothing_is_an_error_unless_allowed(tiny_models, tmp_path):
+    from quantkit.convert import ConvertOptions, convert
+
+    src = tiny_models("qwen3_moe")
+    r = parse_recipe("groups: {e: {targets: ['re:.*mlp\\.expertz\\.\\d+\\.(gate|up|down)_proj$']}}", "typo")
+    with pytest.raises(RecipeError, match="match no module"):
+        convert(src, tmp_path / "o", ConvertOptions(recipe=r))
+    assert not (tmp_path / "o").exists()  # refused before anything is written
+    res = convert(src, tmp_path / "o2", ConvertOptions(recipe=r, allow_unmatched=True))
+    assert res.tensors_quantized == 0
