@@ -59,8 +59,14 @@ def build_report(qmodel_dir: str | os.PathLike, reference: str | os.PathLike | N
     (default `<qmodel_dir>/quantkit_report.html`). verify_json: the object `quantkit verify --json`
     printed, or the path of a file holding it; default `<qmodel_dir>/verify.json` when present.
     """
+    # fail early, before reading anything, when the plotting library is missing; and never read `$...$` in a
+    # scheme or module name (the manifest is input) as mathtext: no parse errors, no silent math rendering
+    with _mpl().rc_context({"text.parse_math": False}):
+        return _build_report(qmodel_dir, reference, output, verify_json)
+
+
+def _build_report(qmodel_dir, reference, output, verify_json) -> ReportResult:
     t0 = time.perf_counter()
-    _mpl()  # fail early, before reading anything, when the plotting library is missing
     root = Path(qmodel_dir)
     ck = Checkpoint.open(root)  # CheckpointNotFound / ConfigMissing / header errors for unusable input
     manifest = _read_manifest(root)
