@@ -3,6 +3,13 @@ import os
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 
+import torch  # noqa: E402
+
+# Triton kernels run in the interpreter without CUDA: TRITON_INTERPRET must be set before anything imports triton
+# (tests/runtime/conftest.py does it too, but a test module collected before tests/runtime may import it first).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest  # noqa: E402
 
 from quantkit.testing import ARCHS, make_tiny_model  # noqa: E402
