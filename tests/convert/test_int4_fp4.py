@@ -157,6 +157,9 @@ def test_gptq_nvfp4_from_the_int4_release(k26, tmp_path):
     convert(int4, out, ConvertOptions(recipe="kimi-k2-nvfp4", **CAL))
     man = json.loads((out / "quantkit_manifest.json").read_text())
     packed = [e for n, e in man["tensors"].items() if n.endswith(".weight_packed")]
-    assert len(packed) == 12 and all(e["method"] == "gptq" and e["source_encoding"] == "int4" for e in packed)
+    # GPTQ solved every expert; the held-out check (on by default) may keep RTN's codes where they do better
+    assert len(packed) == 12 and all(e["source_encoding"] == "int4" and "heldout" in e for e in packed)
+    assert all(e["method"] == ("gptq" if e["heldout"]["gptq"] <= e["heldout"]["rtn"] else "rtn") for e in packed)
+    assert any(e["method"] == "gptq" for e in packed)
     rep = verify(out, reference=int4, **CAL, generation_tokens=0)
     assert rep.passed, [c for c in rep.checks if c.ok is False]
