@@ -21,6 +21,7 @@ ever unpickled.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import os
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
+from . import timeline
 from .errors import DistributedError, RankFailed, RanksDisagree
 
 T = TypeVar("T")
@@ -72,21 +74,25 @@ class World:
         import torch.distributed as dist
 
         box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src)
+        with timeline.phase("exchange"):
+            dist.broadcast_object_list(box, src=src)
         return box[0]
 
-    def step(self, fn: Callable[[], T], what: str) -> T:
+    def step(self, fn: Callable[[], T], what: str, phase: str | None = None) -> T:
         """Run `fn` on this rank; if it raised here or on any other rank, raise on every rank (see the module
-        docstring). `what` names the step in the error the other ranks raise."""
-        if self.size == 1:
-            return fn()
-        err: BaseException | None = None
-        try:
-            val = fn()
-        except Exception as e:  # every kind: a bug on one rank must not leave the others waiting
-            err, val = e, None
+        docstring). `what` names the step in the error the other ranks raise. `phase` (quantkit/timeline.py)
+        is what the time inside `fn` counts as; the check after it counts as "wait"."""
+        with timeline.phase(phase) if phase else contextlib.nullcontext():
+            if self.size == 1:
+                return fn()
+            err: BaseException | None = None
+            try:
+                val = fn()
+            except Exception as e:  # every kind: a bug on one rank must not leave the others waiting
+                err, val = e, None
         report = None if err is None else (type(err).__name__, getattr(err, "message", None) or str(err))
-        reports = self.all_gather(report)
+        with timeline.phase("wait"):
+            reports = self.all_gather(report)
         failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
         if failed:
             if err is not None:

@@ -57,6 +57,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 import torch
 from torch import nn
 
+from .. import timeline
 from ..arch import arch_for, text_config, validate
 from ..errors import CalibrationError, UnsupportedArchitecture, UnsupportedWeights
 from ..read.checkpoint import Checkpoint
@@ -532,7 +533,8 @@ class LayerExecutor:
             raise ValueError("starting past layer 0 needs that layer's inputs as an ActivationStore")
         if self.memory is None:  # every layer checked against the device before any work
             self.plan_memory(samples.lengths if isinstance(samples, ActivationStore) else [len(s) for s in samples])
-        inputs = samples if isinstance(samples, ActivationStore) else self.embed(samples)
+        with timeline.phase("forward"):
+            inputs = samples if isinstance(samples, ActivationStore) else self.embed(samples)
         self.final = None
         step = None
         # what exists now (the imported libraries, the model skeleton: ~400k objects) is left out of the
@@ -542,13 +544,16 @@ class LayerExecutor:
             if start and self.topk is not None:
                 self.topk.resume(start, inputs.lengths)
             for idx in range(start, self.num_layers):
-                layer = self.load_layer(idx)
+                timeline.set_layer(idx)
+                with timeline.phase("load"):
+                    layer = self.load_layer(idx)
                 handles = [h for o in observers for h in o.attach(idx, layer)]
                 step = LayerStep(idx, layer, inputs, self)
                 try:
                     yield step
                     if step.outputs is None:
-                        step.forward()
+                        with timeline.phase("forward"):
+                            step.forward()
                 finally:
                     for h in handles:
                         h.remove()
@@ -560,6 +565,7 @@ class LayerExecutor:
             if self.topk is not None:
                 self.topk.discard_saved()  # the pass is complete: nothing left to resume
         finally:  # an early exit (break, error) must not leave memory-mapped activation files behind
+            timeline.set_layer(None)
             gc.unfreeze()
             if inputs is not None:
                 inputs.close()

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .. import timeline
 from ..errors import CalibrationError
 from ..match.recipe import Recipe, WeightGroup
 from ..read.checkpoint import Checkpoint
@@ -92,7 +93,12 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
     if egroup is None and not dense:
         return res
     dist_par = par if par is not None and par.distributed else None
-    run = par.step if par is not None else (lambda fn, what: fn())
+    def run(fn, what, phase):
+        if par is not None:
+            return par.step(fn, what, phase)
+        with timeline.phase(phase):
+            return fn()
+
     rank = par.rank if par is not None else 0
 
     mlp = experts = router = shared = None
@@ -116,16 +122,18 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
     # stops at the experts' call, and the forward after the solves runs only the MLP block (executor.py)
     stop_at = experts if egroup is not None and egroup.method == "gptq" and not dense else None
     try:
-        run(lambda: step.observe(stop_at), f"collecting the statistics of decoder layer {idx}")  # all statistics
+        run(lambda: step.observe(stop_at), f"collecting the statistics of decoder layer {idx}",
+            "statistics")  # all statistics
     finally:
         for s in lstats.values():
             s.remove()
         if stats is not None:
             stats.remove()
     if dist_par is not None:
-        if stats is not None:
-            stats.reduce()
-        reduce_linear_stats(dist_par, lstats, dense_owner)
+        with timeline.phase("statistics"):  # the owners' Grams of the exchanged rows; the exchange nested
+            if stats is not None:
+                stats.reduce()
+            reduce_linear_stats(dist_par, lstats, dense_owner)
 
     with torch.no_grad():
         def dense_solves():
@@ -133,14 +141,14 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
                 if dense_owner[disk] == rank:
                     gptq_dense(res, ckpt, disk, mod, g, lstats[disk])
 
-        run(dense_solves, f"quantizing the dense modules of decoder layer {idx}")
+        run(dense_solves, f"quantizing the dense modules of decoder layer {idx}", "solve")
         if dist_par is not None:
             for disk, (mod, _) in dense.items():
                 dist_par.broadcast_(mod.weight.data, dense_owner[disk])
         if egroup is not None:
             if egroup.method == "gptq":
                 run(lambda: gptq_experts(res, ckpt, names, experts, egroup, stats, group, dist_par),
-                    f"quantizing the experts of decoder layer {idx}")
+                    f"quantizing the experts of decoder layer {idx}", "solve")
                 share_expert_weights(experts, group, dist_par)
             else:
                 # the block's recorded outputs are its unquantized response unless a dense group above just
@@ -158,10 +166,10 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
                     with reuse_heap():  # hundreds of same-sized temporaries per layer
                         return next(steps, None)
 
-                share = run(awq_step, f"searching AWQ's scales for the experts of decoder layer {idx}")
+                share = run(awq_step, f"searching AWQ's scales for the experts of decoder layer {idx}", "solve")
                 while share is not None:  # an exchange between the ranks, then the next step
                     share()
-                    share = run(awq_step, f"AWQ for the experts of decoder layer {idx}")
+                    share = run(awq_step, f"AWQ for the experts of decoder layer {idx}", "solve")
                 if dist_par is not None:  # AWQ changed the norm, the router, the shared and routed experts
                     for _, p in sorted(layer.named_parameters()):
                         dist_par.broadcast_(p.data, 0)

@@ -31,6 +31,7 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
+from .. import timeline
 from ..dist import World
 from .activations import batch_plan
 
@@ -90,9 +91,10 @@ class Parallel:
         r = self.rank if rank is None else rank
         return sorted(i for b, c in enumerate(self.plan) if self.owner[b] == r for i in c)
 
-    def step(self, fn: Callable[[], T], what: str) -> T:
-        """World.step: run `fn` here; a failure on any rank is raised on every rank."""
-        return self.world.step(fn, what)
+    def step(self, fn: Callable[[], T], what: str, phase: str | None = None) -> T:
+        """World.step: run `fn` here (its time counted as `phase`, quantkit/timeline.py); a failure on any
+        rank is raised on every rank."""
+        return self.world.step(fn, what, phase)
 
     # ---- ownership ---------------------------------------------------------------------------------------
     def group_owner(self, group: int) -> int:
@@ -109,7 +111,8 @@ class Parallel:
         import torch.distributed as dist
 
         buf = t if t.is_contiguous() and t.device == self.device else t.to(self.device).contiguous()
-        dist.broadcast(_bytes(buf), src=src)
+        with timeline.phase("exchange"):
+            dist.broadcast(_bytes(buf), src=src)
         if buf is not t:
             t.copy_(buf)
         return t
@@ -120,6 +123,10 @@ class Parallel:
         parts[(key, b)] (held by the rank that forwarded batch b), added in batch order to zeros. Other
         ranks get nothing for that key (the sums are on `self.device`). Sends are posted without waiting and
         receives follow one global order, so no rank waits on one that waits on it."""
+        with timeline.phase("exchange"):
+            return self._sum_in_batch_order(keys, parts)
+
+    def _sum_in_batch_order(self, keys, parts):
         import torch.distributed as dist
 
         dev = self.device
@@ -150,6 +157,10 @@ class Parallel:
         buffer per rank through send/recv."""
         if not self.distributed:
             return [(tensors, meta)]
+        with timeline.phase("exchange"):
+            return self._gather_to_leader(tensors, meta)
+
+    def _gather_to_leader(self, tensors, meta):
         import torch.distributed as dist
 
         items = [(n, str(t.dtype), list(t.shape)) for n, t in tensors.items()]

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from .. import timeline
 from ..match.recipe import Recipe
 from ..write.writer import fsync_path, write_json_atomic, write_safetensors
 from .layer import quantize_layer, statistics_bytes
@@ -95,6 +96,14 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
 
     w = world if world is not None else World()
     spool = Path(spool)
+    with timeline.phase("setup"):
+        return _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, available_bytes)
+
+
+def _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, available_bytes):
+    from .executor import LayerExecutor
+    from .parallel import Parallel
+
     ex = LayerExecutor(src_dir, dtype=dtype, device=device, workdir=spool, available_bytes=available_bytes)
     ckpt = ex.ckpt
     dtype = ex.dtype
@@ -129,7 +138,7 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
     for step in ex.layers(inputs, start=start):
         r = quantize_layer(ckpt, recipe, step, log, **({"par": par} if par.distributed else {}))
         # true-sequential: the next layer calibrates on this layer's quantized output
-        par.step(step.forward, f"forwarding decoder layer {step.index}")
+        par.step(step.forward, f"forwarding decoder layer {step.index}", "forward")
 
         def write_layer():
             if not par.leader or not (r.tensors or r.overrides):
@@ -146,12 +155,12 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
             index["modules"].update(r.modules)
             index["overrides"].extend(sorted(r.overrides))
 
-        par.step(write_layer, f"writing decoder layer {step.index} to the calibration spool")
+        par.step(write_layer, f"writing decoder layer {step.index} to the calibration spool", "write")
         if step.index + 1 < ex.num_layers:
             nxt = step.index + 1
             par.step(lambda: step.outputs.save_samples(spool / activations_name(nxt, par.rank, par.size),
                                                        par.samples()),
-                     f"saving the inputs of decoder layer {nxt}")
+                     f"saving the inputs of decoder layer {nxt}", "write")
 
             def record():  # every rank's activations are durable: the record may name them
                 if not par.leader:
@@ -165,7 +174,7 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
                     if old.name not in keep:
                         old.unlink(missing_ok=True)
 
-            par.step(record, f"recording the progress of the calibration after decoder layer {step.index}")
+            par.step(record, f"recording the progress of the calibration after decoder layer {step.index}", "write")
         if progress:
             progress(step.index + 1, ex.num_layers)
 
@@ -174,7 +183,7 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
             for p in [spool / PROGRESS_NAME, *spool.glob("activations-*"), *spool.glob(".activations-*")]:
                 p.unlink(missing_ok=True)
 
-    par.step(cleanup, "finishing the calibration spool")
+    par.step(cleanup, "finishing the calibration spool", "write")
     ex.measured_peak_bytes()
     if not par.leader:
         return None

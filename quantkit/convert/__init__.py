@@ -33,6 +33,7 @@ from .. import __version__, options
 from ..arch import text_config
 from ..arch import validate as validate_config
 from ..card import write_model_card
+from .. import timeline
 from ..dist import world
 from ..errors import OutputExists, RecipeError
 from ..match.recipe import Recipe, load_recipe
@@ -108,6 +109,8 @@ class ConvertResult:
     # the activations lived, the measured peak on a GPU); None when nothing was calibrated in this run
     device: str | None = None
     device_memory: dict | None = None
+    # where the time went, per rank and phase (quantkit/timeline.py): {"ranks": [per-rank timelines]}
+    timeline: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -168,7 +171,9 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
 
         calib_device = resolve_device(opts.device)  # a device that is not there fails before anything is written
     w = world(opts.device)  # torchrun: this rank's place (size 1 otherwise)
-    data = calibration_data(src, recipe, opts.dataset, opts.num_samples, opts.seq_len) if calibrated else None
+    tl = timeline.start(w.rank)
+    with timeline.phase("setup"):
+        data = calibration_data(src, recipe, opts.dataset, opts.num_samples, opts.seq_len) if calibrated else None
     if calibrated and calib_device.type != "cpu":  # a layer that cannot fit on the GPU: refused before any work
         from .calibrated import preflight
 
@@ -181,13 +186,14 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     # joined without one) calibrates on rank 0 alone while the others wait.
     split_calib = w.size > 1 and calib_device is not None and (calib_device.type == "cpu" or w.backend == "nccl")
     if want_kv and opts.kv_scales is None and split_calib:  # calibrated here: data parallel over the ranks
-        kv = kv_scales(src, recipe, None, opts.dataset, opts.num_samples, opts.seq_len, device=opts.device,
-                       report=calib_report if w.leader else None, world=w)
+        with timeline.phase("kv"):
+            kv = kv_scales(src, recipe, None, opts.dataset, opts.num_samples, opts.seq_len, device=opts.device,
+                           report=calib_report if w.leader else None, world=w)
     else:
         kv = w.broadcast(w.step(lambda: kv_scales(src, recipe, opts.kv_scales, opts.dataset, opts.num_samples,
                                                   opts.seq_len, device=opts.device, report=calib_report)
                                 if want_kv and w.leader else None,
-                                "reading the KV scales"))
+                                "reading the KV scales", "kv"))
     if kv is not None and "kv_lora_rank" in text_config(src.config)[0]:
         from ..engine.vllm_config import kv_scale_use_notes
 
@@ -219,7 +225,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
             write_json_atomic(out / MANIFEST_NAME, {"status": "in_progress", "identity": identity}, durable=False)
             return found
 
-        done = w.broadcast(w.step(lambda: prepare() if w.leader else None, "preparing the output"))
+        done = w.broadcast(w.step(lambda: prepare() if w.leader else None, "preparing the output", "write"))
         journal = out / JOURNAL_DIR
         spool = Spool()
         if calibrated and len(done) < len(plans):
@@ -230,7 +236,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
             else:
                 spool = w.broadcast(w.step(lambda: calibrated_pass(src, recipe, data, journal / "calib", log,
                                                                    device=opts.device, report=calib_report)
-                                           if w.leader else None, "calibrating"))
+                                           if w.leader else None, "calibrating", "solve"))
 
         total = src.total_bytes
         finished_bytes = sum(src.shard(s).size for s in done)
@@ -260,9 +266,10 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
             wait_durable()  # this rank's shards are on disk before rank 0 writes the index and manifest
 
         try:
-            w.step(shards, "converting its shards")
+            w.step(shards, "converting its shards", "stream")
         finally:
             torch.set_num_threads(prev_threads)
+        timelines = w.all_gather(tl.to_json())
         if w.size > 1:
             for part in w.all_gather(mine):
                 results.update(part)
@@ -289,8 +296,13 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
             return res
 
         if w.size == 1:
-            return finish()
-        return w.broadcast(w.step(finish, "writing the index and manifest"))
+            res = w.step(finish, "writing the index and manifest", "write")
+        else:
+            res = w.broadcast(w.step(finish, "writing the index and manifest", "write"))
+        timelines[w.rank] = tl.to_json()  # this rank's, with the manifest written
+        res.timeline = {"ranks": timelines}
+        timeline.stop()
+        return res
 
 
 def _follow(w) -> "ConvertResult":

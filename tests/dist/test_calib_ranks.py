@@ -10,6 +10,7 @@ and every dense module's Hessian equal bit for bit on its owner for 1 and 3 rank
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import textwrap
@@ -132,9 +133,17 @@ def test_experts_only_byte_identical(src, reference, tmp_path, recipe, ranks):
     """Routed experts alone: AWQ, and GPTQ with its split forward (the statistics replayed on the owners
     outside the forward)."""
     out = tmp_path / "q"
-    p = _convert(ranks, src, out, recipe)
+    p = _convert(ranks, src, out, recipe, "--json")
     assert p.returncode == 0, p.stderr[-3000:]
     assert _files(out) == reference(recipe)
+    # the per-rank timeline (quantkit/timeline.py): every rank forwarded, gathered statistics and solved its
+    # share, exchanged tensors and waited at the steps' checks
+    timelines = json.loads(p.stdout[p.stdout.find("{"):])["timeline"]["ranks"]
+    assert [t["rank"] for t in timelines] == list(range(ranks))
+    for t in timelines:
+        for name in ("load", "forward", "statistics", "solve", "exchange", "wait"):
+            assert t["phases"].get(name, 0) > 0, (t["rank"], name, t["phases"])
+        assert len(t["layers"]) == 3
 
 
 def test_awq_norm_search_rounds_split_byte_identical(src, reference, awq_rounds_recipe, tmp_path):
