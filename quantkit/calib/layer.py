@@ -23,9 +23,10 @@ from ..errors import CalibrationError
 from ..match.recipe import Recipe, WeightGroup
 from ..read.checkpoint import Checkpoint
 from .awq_pass import awq_steps
-from .emit import LayerResult
+from .emit import LayerResult, emit_expert_input_scales, emit_input_scale
 from .gptq_pass import gptq_dense, gptq_experts
 from .hessians import ExpertStats, LinearStats
+from .observers import ExpertInputAmax, LinearInputAmax
 from .names import disk_name, expert_names
 from .weights import reuse_heap
 
@@ -48,8 +49,8 @@ def _targets(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Module):
     egroup = None
     if moe is not None and names is not None:
         egroup = recipe.match(names.module(0, "gate"))
-        if egroup is not None and egroup.method == "rtn":
-            egroup = None  # RTN needs no calibration: convert does it while streaming
+        if egroup is not None and egroup.method == "rtn" and not egroup.scheme.w4a4:
+            egroup = None  # RTN needs no calibration: convert does it while streaming (W4A4: input scales do)
         if egroup is not None and f"{names.module(0, 'gate')}.weight_packed" in ckpt.location:
             from ..match.shards import decide
             from .weights import stored_modules
@@ -65,7 +66,7 @@ def _targets(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Module):
             except CalibrationError:
                 continue
             g = recipe.match(disk)
-            if g is not None and g.method != "rtn":
+            if g is not None and (g.method != "rtn" or g.scheme.w4a4):
                 if g.method == "awq":
                     raise CalibrationError(f"{disk}: AWQ is implemented for routed experts only",
                                            hint="use method gptq or rtn for non-expert modules")
@@ -104,7 +105,12 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
     mlp = experts = router = shared = None
     stats = None
     group = None
-    if egroup is not None:
+    # NVFP4 W4A4 targets: their input amax, observed in the same forward as the other statistics
+    act_amax = ExpertInputAmax(moe[1]) if egroup is not None and egroup.scheme.w4a4 else None
+    dense_amax = {d: LinearInputAmax(m) for d, (m, g) in dense.items() if g.scheme.w4a4}
+    if egroup is not None and egroup.method == "rtn":  # W4A4 RTN experts: their input scales only
+        mlp, experts, router, shared = moe
+    elif egroup is not None:
         mlp, experts, router, shared = moe
         e_, _, h_ = experts.gate_up_proj.shape
         owned = None
@@ -116,36 +122,41 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
                             sample_tokens=egroup.options.sample_tokens, block=mlp if egroup.method == "awq" else None,
                             par=dist_par, owned=owned,
                             holdout=egroup.options.holdout if egroup.method == "gptq" else 0)
-    lstats = {d: LinearStats(m, dist_par) for d, (m, _) in dense.items()}
+    lstats = {d: LinearStats(m, dist_par) for d, (m, g) in dense.items() if g.method != "rtn"}
     dense_owner = {d: (par.dense_owner(i) if par is not None else 0) for i, d in enumerate(dense)}
     # GPTQ of the routed experts alone changes nothing the layer computes before them: the statistics pass
     # stops at the experts' call, and the forward after the solves runs only the MLP block (executor.py)
-    stop_at = experts if egroup is not None and egroup.method == "gptq" and not dense else None
+    stop_at = experts if egroup is not None and egroup.method in ("gptq", "rtn") and not dense else None
+    observers = [*lstats.values(), *dense_amax.values(), *([stats] if stats is not None else []),
+                 *([act_amax] if act_amax is not None else [])]
     try:
         run(lambda: step.observe(stop_at), f"collecting the statistics of decoder layer {idx}",
             "statistics")  # all statistics
     finally:
-        for s in lstats.values():
+        for s in observers:
             s.remove()
-        if stats is not None:
-            stats.remove()
     if dist_par is not None:
         with timeline.phase("statistics"):  # the owners' Grams of the exchanged rows; the exchange nested
             if stats is not None:
                 stats.reduce()
             reduce_linear_stats(dist_par, lstats, dense_owner)
+    for s in [*dense_amax.values(), *([act_amax] if act_amax is not None else [])]:
+        s.reduce(dist_par)
 
     with torch.no_grad():
         def dense_solves():
             for disk, (mod, g) in dense.items():
-                if dense_owner[disk] == rank:
+                if dense_owner[disk] == rank and g.method != "rtn":
                     gptq_dense(res, ckpt, disk, mod, g, lstats[disk])
 
         run(dense_solves, f"quantizing the dense modules of decoder layer {idx}", "solve")
         if dist_par is not None:
-            for disk, (mod, _) in dense.items():
-                dist_par.broadcast_(mod.weight.data, dense_owner[disk])
-        if egroup is not None:
+            for disk, (mod, g) in dense.items():
+                if g.method != "rtn":
+                    dist_par.broadcast_(mod.weight.data, dense_owner[disk])
+        if egroup is not None and egroup.method == "rtn":
+            pass  # W4A4 RTN experts: convert quantizes the weights while streaming; their input scales below
+        elif egroup is not None:
             if egroup.method == "gptq":
                 run(lambda: gptq_experts(res, ckpt, names, experts, egroup, stats, group, dist_par),
                     f"quantizing the experts of decoder layer {idx}", "solve")
@@ -175,6 +186,11 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
                         dist_par.broadcast_(p.data, 0)
     if dist_par is not None:
         res = _gather_result(dist_par, res)
+    if rank == 0:  # the input scales are the same on every rank (reduced above): rank 0 records them
+        if act_amax is not None:
+            emit_expert_input_scales(res, names, act_amax, idx)
+        for disk, obs in dense_amax.items():
+            emit_input_scale(res, disk, obs.amax, obs.tokens)
     return res
 
 
@@ -208,7 +224,11 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
     out: dict[str, int] = {}
     sitem = torch.empty((), dtype=solve_dtype(device)).element_size()
     tokens = int(call_tokens)  # the most tokens one forward call gets (LayerExecutor.call_tokens)
-    if egroup is not None:
+    if egroup is not None and egroup.method == "rtn":  # W4A4 input amax only: one expert's gate/up products
+        _, experts, _, _ = _find_moe(layer)
+        e, p, h = (int(d) for d in experts.gate_up_proj.shape)
+        out["input_amax"] = tokens * (h + p) * 4 + e * 8
+    elif egroup is not None:
         _, experts, router, _ = _find_moe(layer)
         e, p, h = (int(d) for d in experts.gate_up_proj.shape)
         i = int(experts.down_proj.shape[-1])
@@ -249,6 +269,7 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
             block = min(e, search_block_experts(p, h))  # experts searched at once (~6 float32 copies)
             out["searches"] = max(8 * PAIR_BUDGET + 2 * CLIP_GRAM_BYTES + 6 * block * (p * h + h * i) * 4,
                                   tok * (h * 4 * (LIVE_TEMPORARIES_AWQ) + k * 2 * p * 4)) + upcast
+    dense = {d: (m, g) for d, (m, g) in dense.items() if g.method != "rtn"}  # W4A4 RTN: an amax each, no Hessian
     if dense:
         out["dense_hessians"] = sum(m.in_features * m.in_features * 4 for m, _ in dense.values())
         out["dense_solve"] = max(5 * m.in_features * m.in_features * sitem + 5 * m.out_features * m.in_features * 4

@@ -184,3 +184,78 @@ class ExpertTokenCounter:
             self.counts[layer_idx] += counts.cpu()
 
         return [experts.register_forward_pre_hook(hook)]
+
+
+class ExpertInputAmax:
+    """NVFP4 W4A4 input scales: per routed expert of one MoE layer, the largest |input| of its gate/up (the
+    tokens the router sends it) and of its down projection (act(x gate^T) * (x up^T) of those tokens, from the
+    experts' weights as they are when the layer is observed), and how many tokens it received. Hooks
+    `experts.forward(hidden [T, H], top_k_index [T, k], top_k_weights)` with the call's own routing
+    (`moe.routing_for`). amax is a maximum, so data-parallel ranks combine exactly in any order (`reduce`)."""
+
+    def __init__(self, experts: nn.Module):
+        self.experts = experts
+        e = int(experts.gate_up_proj.shape[0])
+        self.E = e
+        self.gate_up = torch.zeros(e, dtype=torch.float32)  # [E] amax of the gate/up input
+        self.down = torch.zeros(e, dtype=torch.float32)  # [E] amax of the down input
+        self.tokens = torch.zeros(e, dtype=torch.int64)  # [E] routed (token, slot) pairs
+        self.handle = experts.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        x, idx = args[0], args[1] if len(args) > 1 else None
+        if not isinstance(idx, torch.Tensor) or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+            raise CalibrationError("the routed experts were not called with top-k expert indices")
+        x = x.detach().reshape(-1, module.gate_up_proj.shape[-1])
+        wts = args[2] if len(args) > 2 and isinstance(args[2], torch.Tensor) else None
+        idx2 = idx.reshape(x.shape[0], -1)
+        routing = (routing_for(module, idx, wts) if idx.dim() == 2 and (wts is None or wts.shape == idx.shape)
+                   else routing_for(module, idx2, None))
+        gu_w = module.gate_up_proj.detach()
+        ga = torch.zeros(self.E, dtype=torch.float32, device=x.device)  # this call's maxima, on the device
+        da = torch.zeros(self.E, dtype=torch.float32, device=x.device)
+        with torch.no_grad():
+            for e, tok, _ in routing.per_expert():
+                xe = x.index_select(0, tok).float()  # [n, H]
+                g, u = (xe @ gu_w[e].float().T).chunk(2, dim=-1)  # [n, I] each
+                ga[e] = xe.abs().amax()
+                da[e] = (module.act_fn(g) * u).abs().amax()
+        self.gate_up = torch.maximum(self.gate_up, ga.cpu())  # NaN propagates: checked when the scales are made
+        self.down = torch.maximum(self.down, da.cpu())
+        self.tokens += routing.counts.cpu()
+
+    def reduce(self, par) -> None:
+        """Data parallel (calib/parallel.py): every rank ends with the maxima and token sums over all ranks."""
+        if par is None or not getattr(par, "distributed", False):
+            return
+        parts = par.world.all_gather((self.gate_up, self.down, self.tokens))
+        self.gate_up = torch.stack([p[0] for p in parts]).amax(0)
+        self.down = torch.stack([p[1] for p in parts]).amax(0)
+        self.tokens = torch.stack([p[2] for p in parts]).sum(0)
+
+    def remove(self):
+        self.handle.remove()
+
+
+class LinearInputAmax:
+    """NVFP4 W4A4 input scale of a dense Linear: the largest |input| over every calibration token."""
+
+    def __init__(self, module: nn.Module):
+        self.amax = torch.zeros((), dtype=torch.float32)
+        self.tokens = 0
+        self.handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        x = args[0].detach()
+        self.amax = torch.maximum(self.amax, x.abs().amax().float().cpu())
+        self.tokens += x.numel() // x.shape[-1]
+
+    def reduce(self, par) -> None:
+        if par is None or not getattr(par, "distributed", False):
+            return
+        parts = par.world.all_gather((self.amax, self.tokens))
+        self.amax = torch.stack([p[0] for p in parts]).amax()
+        self.tokens = sum(p[1] for p in parts)
+
+    def remove(self):
+        self.handle.remove()

@@ -39,7 +39,7 @@ from ..errors import OutputExists, RecipeError
 from ..match.recipe import Recipe, load_recipe
 from ..match.shards import (DEFAULT_BATCH_BYTES, DEFAULT_MAX_SHARD_BYTES, ShardPlan, output_shard_names, plan_notes,
                             plan_shard)
-from ..match.units import CalibratedUnit
+from ..match.units import CalibratedUnit, FP4Unit
 from ..pack import kv as kvrules
 from ..pack.config import quantization_config
 from ..pack.manifest import FORMAT_VERSION, JOURNAL_DIR, MANIFEST_NAME, expert_report
@@ -163,7 +163,9 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
         with TensorReader.of(src) as r:
             notes += kvrules.check_source(r.get, source_kv)
     # every module a calibrated group targets may be stored INT4 already (Kimi K2.5): then nothing to calibrate
-    calibrated = calibrated and any(isinstance(u, CalibratedUnit) for p in plans for u in p.units)
+    # NVFP4 W4A4 modules need their input scales calibrated, whatever their method
+    calibrated = calibrated and any(isinstance(u, CalibratedUnit) or (isinstance(u, FP4Unit) and u.scheme.w4a4)
+                                    for p in plans for u in p.units)
     options.parse_device(opts.device)  # a misspelled device fails here, whatever the recipe
     calib_device = None
     if calibrated or (want_kv and opts.kv_scales is None):
@@ -333,7 +335,7 @@ def _matches_any(src: Checkpoint, recipe: Recipe, hidden: int | None) -> bool:
 def _w4afp8_rules(src: Checkpoint, recipe: Recipe, hidden: int | None, tp: int | None) -> str | None:
     """vLLM's W4AFP8 MoE shape rules (engine/w4afp8.py) on the modules the recipe's W4AFP8 groups target,
     from the headers alone; raises W4AFP8ShapeError, or returns a note naming the --tp values that work."""
-    if not any(g.scheme.activations for g in recipe.groups):
+    if not any(g.scheme.activations == "fp8" for g in recipe.groups):
         return None
     from ..engine.w4afp8 import check_modules
     from ..match.shards import _fused_items
@@ -346,7 +348,7 @@ def _w4afp8_rules(src: Checkpoint, recipe: Recipe, hidden: int | None, tp: int |
             [(name[: -len(".weight")], tuple(info.shape))] if name.endswith(".weight") and len(info.shape) == 2 else [])
         for module, shape in pairs:
             g = recipe.match(module)
-            if g is not None and g.scheme.activations:
+            if g is not None and g.scheme.activations == "fp8":
                 modules.append((module, shape))
     return check_modules(modules, tp)
 

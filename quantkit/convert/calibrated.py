@@ -55,7 +55,9 @@ def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log,
     index = w.broadcast(w.step(lambda: look() if w.leader else None, "reading the calibration spool"))
     if index is None:
         if log and w.leader:
-            log(f"calibrating {', '.join(sorted({g.method for g in recipe.groups if g.method != 'rtn'}))} on "
+            what = sorted({g.method for g in recipe.groups if g.method != "rtn"})
+            what += ["NVFP4 input scales"] if any(g.scheme.w4a4 for g in recipe.groups) else []
+            log(f"calibrating {', '.join(what)} on "
                 f"{data.num_samples} samples x {data.seq_len} tokens, layer by layer"
                 + (f", over {w.size} ranks" if w.size > 1 else ""))
         if w.size == 1:

@@ -24,7 +24,7 @@ from ..match.shards import ShardPlan
 from ..match.units import CalibratedUnit, CopyUnit, DecodeUnit, FP4Unit, FP8Unit, PassUnit, QuantItem, RTNUnit
 from ..pack.checks import fp8_nan_codes
 from ..pack.config import scheme_config
-from ..pack.layout import check_module, int4_module, module_tensors, scale_dtype
+from ..pack.layout import INPUT_SCALE, check_module, int4_module, module_tensors, scale_dtype
 from ..pack.manifest import module_entry, tensor_entry
 from ..quant import fp4, fp8
 from ..quant.int4 import QParams, RTNResult, native_available, rtn, sqnr_db
@@ -256,10 +256,26 @@ def _fp4(u: FP4Unit, ctx: _Context) -> int:
         values = {"weight_packed": res.packed[b], "weight_scale": res.scale[b]}
         if res.global_scale is not None:
             values["weight_global_scale"] = res.global_scale[b].reshape(1)
+        if s.w4a4:  # NVFP4 W4A4: the input scale the calibrated pass measured (calib/emit.py)
+            values[INPUT_SCALE], extra = _input_scale(ctx, it.module)
+            meta |= extra
         for name, dtype, shape in module_tensors(it.module, it.shape, s, u.src_dtype):
             ctx.write(name, values[name.rsplit(".", 1)[1]], tensor_entry(shape, dtype, **meta))
     ctx.schemes[s.label] = scheme_config(s)
     return read
+
+
+def _input_scale(ctx: _Context, module: str) -> tuple[torch.Tensor, dict]:
+    """An NVFP4 W4A4 module's calibrated `input_global_scale` [1] from the spool and its manifest record."""
+    name = f"{module}.{INPUT_SCALE}"
+    if not ctx.sp.has(name):
+        raise CalibratedResultError(f"{module}: the calibrated pass produced no {INPUT_SCALE}",
+                                    hint="re-run with --overwrite; if it persists, report it")
+    t = ctx.sp.get(name).float().reshape(1)
+    if not (bool(torch.isfinite(t).all()) and float(t) > 0):
+        raise CalibratedResultError(f"{name}: holds {float(t)!r}, not a finite positive scale")
+    meta = ctx.sp.spool.modules.get(module, {})
+    return t, {"input_scale": meta["input_scale"]} if "input_scale" in meta else {}
 
 
 def _decode(u: DecodeUnit, ctx: _Context) -> int:

@@ -13,6 +13,7 @@ the documented gates).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ import torch
 from ..arch import text_config
 from ..match.recipe import FUSED_LINEARS
 from ..pack import kv as kvrules
-from ..pack.config import PACKED_FORMATS, is_w4afp8, targeting
+from ..pack.config import PACKED_FORMATS, is_nvfp4_args, is_nvfp4_w4a4, is_w4afp8, targeting
 from . import w4afp8 as w4rules
 from ..read.checkpoint import Checkpoint
 from ..read.tensors import TensorReader
@@ -91,6 +92,30 @@ RULES = {r.id: r for r in (
                "differ vLLM warns and uses the gate's (the up half is then mis-scaled)",
          "model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
          "compressed_tensors_moe_w4a4_nvfp4.py"),
+    Rule("A1", "NVFP4 weights take NVFP4 input activations (num_bits 4, type float, strategy tensor_group, "
+               "group_size 16) or none (W4A16); any other input_activations make vLLM raise when the layer is built",
+         "model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/compressed_tensors_moe.py "
+         "(get_moe_method); compressed_tensors.py (_is_nvfp4_format)"),
+    Rule("A2", "NVFP4 W4A4 experts: every expert's gate, up and down carry `input_global_scale`, one float32 "
+               "element, finite and positive. vLLM loads them into w13_input_global_scale [E, 2] / "
+               "w2_input_global_scale [E] (a missing one leaves torch.empty memory: the fused parameter counts as "
+               "loaded once any expert's reached it; more than one element raises) and divides by them; its "
+               "FlashInfer backends take one maximum of 1 / scale over all experts of a layer, so a single NaN, "
+               "Inf or 0 spoils every expert of the layer",
+         "model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+         "compressed_tensors_moe_w4a4_nvfp4.py (create_weights, process_weights_after_loading); "
+         "model_executor/layers/fused_moe/routed_experts.py (_load_per_tensor_weight_scale); "
+         "model_executor/layers/quantization/utils/flashinfer_fp4_moe.py"),
+    Rule("A3", "NVFP4 W4A4 experts: gate and up see one input, so their input_global_scale should be equal; vLLM "
+               "keeps the pair and quantizes w13's input with the smaller scale (max of 1 / scale), without a "
+               "warning",
+         "model_executor/layers/quantization/utils/flashinfer_fp4_moe.py (prepare_nvfp4_moe_layer_for_fi_or_cutlass)"),
+    Rule("A4", "NVFP4 W4A4 experts run FP4 activations only on Blackwell (FlashInfer TRT-LLM / CUTLASS / CuTe-DSL, "
+               "vLLM's CUTLASS): the FlashInfer backends, tried first, quantize every expert's input with one scale "
+               "per layer (the smallest input_global_scale), vLLM's CUTLASS with each expert's own; on other GPUs "
+               "vLLM picks Marlin, which runs the weights with BF16 activations and reads no input scale",
+         "model_executor/layers/fused_moe/oracle/nvfp4.py (select_nvfp4_moe_backend, "
+         "is_global_sf_supported_for_nvfp4_backend); model_executor/layers/fused_moe/experts/marlin_moe.py"),
     Rule("R1", "a DeepSeek-style router bias (`mlp.gate.e_score_correction_bias`: deepseek_v3, kimi_k2/k25, "
                "glm_moe_dsa) needs `topk_method: noaux_tc` in config.json, or vLLM builds no parameter for it and "
                "the load fails (KeyError)",
@@ -132,7 +157,9 @@ class _Group:
         self.name, self.targets, self.weights = name, tuple(g.get("targets") or ()), g.get("weights") or {}
         self.format = g.get("format") or top
         acts = g.get("input_activations")
-        self.w4afp8 = is_w4afp8(self.weights, acts if isinstance(acts, dict) else None)
+        self.acts = acts if isinstance(acts, dict) else None
+        self.w4afp8 = is_w4afp8(self.weights, self.acts)
+        self.w4a4 = is_nvfp4_w4a4(self.weights, self.acts)
 
 
 def check(root, tp: int = 1, plugin: bool = False) -> EngineReport:
@@ -231,6 +258,11 @@ def _experts(ck, cfg, groups, rep: EngineReport, tp: int, reader) -> None:
             if g not in MARLIN_GROUP_SIZES or (isinstance(hidden, int) and hidden % 128):
                 rep.add("M5", layer, f"group_size {g}, hidden_size {hidden}: not a Marlin MoE shape; vLLM falls back "
                         "to its Triton WNA16 kernels (slower)", warning=True)
+        if kind == "nvfp4" and first.acts is not None and not is_nvfp4_args(first.acts):
+            rep.add("A1", layer, f"NVFP4 experts with input_activations {_short_args(first.acts)}: vLLM takes NVFP4 "
+                    "activations (tensor_group, group_size 16) or none")
+        elif kind == "nvfp4" and first.w4a4:
+            _w4a4(ck, layer, mods, rep, reader)
         if kind == "int4" and w.get("strategy") == "channel" and isinstance(hidden, int) and hidden % 128:
             rep.add("M5", layer, "channel-wise INT4 experts need Marlin (hidden_size % 128 == 0)")
         for (e, proj), module in sorted(mods.items()):
@@ -260,6 +292,41 @@ def _w4afp8(layer: str, w: dict, hidden, inter, tp: int, rep: EngineReport) -> N
                     f"{w4rules.describe(hidden, inter)}")
     if not any(x["rule"] == "W3" for x in rep.warnings):  # once per checkpoint
         rep.add("W3", layer, "W4AFP8 experts need a Hopper GPU (SM90) and --dtype bfloat16; without EPLB",
+                warning=True)
+
+
+def _short_args(a: dict) -> str:
+    keys = ("num_bits", "type", "strategy", "group_size", "dynamic")
+    return "{" + ", ".join(f"{k}: {a.get(k)!r}" for k in keys) + "}"
+
+
+def _w4a4(ck, layer: str, mods: dict, rep: EngineReport, reader) -> None:
+    """Rules A2-A4 on one MoE layer whose experts are NVFP4 W4A4 (`mods`: (expert, proj) -> module)."""
+    values: dict[tuple[int, str], float] = {}
+    for key, module in sorted(mods.items()):
+        name = f"{module}.input_global_scale"
+        if name not in ck.location:
+            rep.add("A2", module, "no input_global_scale: vLLM leaves the expert's input scale as uninitialized memory")
+            continue
+        info = ck.info(name)
+        if info.numel != 1 or info.dtype != torch.float32:
+            rep.add("A2", name, f"{str(info.dtype).removeprefix('torch.')} {list(info.shape)}: vLLM loads one "
+                    "float32 value (more elements raise)")
+            continue
+        v = float(reader.get(name).reshape(-1)[0])
+        if not (math.isfinite(v) and v > 0):
+            rep.add("A2", name, f"holds {v!r}: vLLM divides by it, and its FlashInfer backends share the maximum of "
+                    "1 / scale over the layer's experts, so every expert of the layer would be mis-scaled")
+            continue
+        values[key] = v
+    for (e, proj), v in sorted(values.items()):
+        up = {"gate_proj": "up_proj", "w1": "w3"}.get(proj)
+        if up is not None and (e, up) in values and values[(e, up)] != v:
+            rep.add("A3", mods[(e, up)], f"input_global_scale {values[(e, up)]:.6g} differs from the gate's {v:.6g}: "
+                    "vLLM quantizes both with the smaller", warning=True)
+    if not any(x["rule"] == "A4" for x in rep.warnings):  # once per checkpoint
+        rep.add("A4", layer, "NVFP4 W4A4 experts use FP4 activations on Blackwell only (FlashInfer: one input "
+                "scale per layer, the smallest input_global_scale); elsewhere Marlin runs them weights-only",
                 warning=True)
 
 

@@ -41,7 +41,7 @@ import yaml
 
 from .. import options
 from ..errors import RecipeError
-from ..pack.config import W4AFP8_GROUP_SIZE, scheme_label, weights_config
+from ..pack.config import W4AFP8_GROUP_SIZE, is_nvfp4_w4a4, scheme_label, weights_config
 from ..pack.kv import STRATEGIES as KV_STRATEGIES
 from ..pack.kv import kv_cache_scheme
 
@@ -78,6 +78,7 @@ class Scheme:
         type float, num_bits 4, tensor_group, group_size 16   NVFP4 (nvfp4-pack-quantized, W4A16)
         type float, num_bits 4, group, group_size 32          MXFP4 (mxfp4-pack-quantized, W4A16)
         type int,   num_bits 4, group 128, activations fp8    W4AFP8 (pack-quantized + dynamic FP8 activations)
+        type float, num_bits 4, tensor_group, activations nvfp4   NVFP4 W4A4 (+ a calibrated input_global_scale)
     """
 
     num_bits: int = 4
@@ -88,8 +89,10 @@ class Scheme:
     block_structure: tuple[int, int] | None = None
     # Used when in_features % group_size != 0: "channel", or another group size (int), or None (error).
     fallback: str | int | None = None
-    # INT4 only: "fp8" = dynamic per-token FP8 e4m3 input activations (W4AFP8, compressed-tensors' preset of that
-    # name); None = weights only (W4A16). W4AFP8 is INT4 group 128 symmetric, no fallback (vLLM's only form).
+    # INT4: "fp8" = dynamic per-token FP8 e4m3 input activations (W4AFP8, compressed-tensors' preset of that
+    # name); W4AFP8 is INT4 group 128 symmetric, no fallback (vLLM's only form). NVFP4: "nvfp4" = NVFP4 input
+    # activations (W4A4, compressed-tensors' NVFP4 preset): per-16 block scales computed at run time under a
+    # static per-module `input_global_scale` that convert calibrates. None = weights only (W4A16).
     activations: str | None = None
     # FP4 only, how RTN picks each group's scale (quant/fp4.py): "amax" (compressed-tensors' minmax, bit
     # for bit), "mse" (fitted: the candidate scale with the least squared error), None: "mse" for NVFP4
@@ -140,10 +143,14 @@ class Scheme:
             else:
                 raise RecipeError(f"FP8 schemes support strategy tensor, channel or block, got {self.strategy!r}")
             object.__setattr__(self, "group_size", None)
-        if self.activations is not None:
+        if self.activations == "nvfp4":
+            if self.fp4 != "nvfp4":
+                raise RecipeError("activations: nvfp4 (W4A4) needs an NVFP4 weight scheme (type float, num_bits 4, "
+                                  "strategy tensor_group): vLLM runs FP4 activations only with NVFP4 weights")
+        elif self.activations is not None:
             if self.activations != "fp8":
-                raise RecipeError(f"scheme.activations must be 'fp8' (dynamic per-token FP8, W4AFP8) or absent, "
-                                  f"got {self.activations!r}")
+                raise RecipeError(f"scheme.activations must be 'fp8' (dynamic per-token FP8, W4AFP8), 'nvfp4' "
+                                  f"(NVFP4 W4A4) or absent, got {self.activations!r}")
             if not (self.type == "int" and self.strategy == "group" and self.symmetric
                     and self.group_size == W4AFP8_GROUP_SIZE and self.fallback is None):
                 raise RecipeError(f"activations: fp8 (W4AFP8) needs INT4 strategy group, group_size "
@@ -163,20 +170,26 @@ class Scheme:
             return None
         return "nvfp4" if self.strategy == "tensor_group" else "mxfp4"
 
+    @property
+    def w4a4(self) -> bool:
+        """NVFP4 weights and NVFP4 input activations (each module carries a calibrated input_global_scale)."""
+        return self.activations == "nvfp4"
+
     @classmethod
-    def from_weights_config(cls, w: dict) -> "Scheme | None":
-        """The scheme that compressed-tensors weight args describe, or None when quantkit has no such
-        scheme (the args are then carried as they are)."""
+    def from_weights_config(cls, w: dict, acts: dict | None = None) -> "Scheme | None":
+        """The scheme that compressed-tensors weight args (and input activations: NVFP4 W4A4 is recognised)
+        describe, or None when quantkit has no such scheme (the args are then carried as they are)."""
         try:
-            return cls.parse_weights_config(w)
+            return cls.parse_weights_config(w, acts)
         except RecipeError:
             return None
 
     @classmethod
-    def parse_weights_config(cls, w: dict) -> "Scheme":
+    def parse_weights_config(cls, w: dict, acts: dict | None = None) -> "Scheme":
         """`from_weights_config`, raising RecipeError with the rule the args break (num_bits, type,
         strategy, group_size, symmetric, block_structure): what convert says of a source's config group and
-        verify of a written one."""
+        verify of a written one. `acts`: the group's input_activations; NVFP4 W4A4 ones give activations
+        "nvfp4" (other activation args leave the weights' scheme as it is)."""
         if not isinstance(w, dict):
             raise RecipeError(f"weights must be an object, got {type(w).__name__}")
         nb, sym = w.get("num_bits", 4), w.get("symmetric", True)
@@ -191,7 +204,7 @@ class Scheme:
             raise RecipeError(f"group_size must be an integer, got {str(w.get('group_size'))[:40]!r}")
         try:
             return cls(nb, w.get("type", "int"), sym is not False, w.get("strategy", "group"), w.get("group_size"),
-                       tuple(bs) if bs else None)
+                       tuple(bs) if bs else None, activations="nvfp4" if is_nvfp4_w4a4(w, acts) else None)
         except (TypeError, ValueError) as e:
             raise RecipeError(f"not a scheme: {str(e)[:80]}") from None
 
@@ -388,8 +401,9 @@ class Recipe:
 
     @property
     def needs_calibrated_pass(self) -> bool:
-        """Some group quantizes with calibration data (GPTQ/AWQ), layer by layer before streaming."""
-        return any(g.method != "rtn" for g in self.groups)
+        """Some group quantizes with calibration data (GPTQ/AWQ), or needs calibrated input scales (NVFP4
+        W4A4, whatever its method), layer by layer before streaming."""
+        return any(g.method != "rtn" or g.scheme.w4a4 for g in self.groups)
 
     @property
     def needs_calibration(self) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 
 from ..quant.fp8 import FP8_MAX  # the largest float8_e4m3fn magnitude
-from .layout import FP4_SUFFIXES, INT4_SUFFIXES, module_tensors
+from .layout import FP4_SUFFIXES, INPUT_SCALE, INT4_SUFFIXES, module_tensors
 
 MAX_WEIGHT = 65504.0  # float16's largest finite number: the largest decoded weight a scale may give
 KINDS = ("int4", "fp8", "nvfp4", "mxfp4")
@@ -68,17 +68,19 @@ def header_problems(module: str, infos: Mapping, kind: str, weights: dict, schem
     non-empty; weight_shape (INT4 only) is [2]. `infos`: suffix -> an object with .dtype and .shape."""
     out = []
     want = expected(kind, weights, scheme, 8, scheme.group_size or 8)
-    for suffix in (INT4_SUFFIXES if kind == "int4" else FP4_SUFFIXES):
+    for suffix in (INT4_SUFFIXES if kind == "int4" else (*FP4_SUFFIXES, INPUT_SCALE)):
         i, w = infos.get(suffix), want.get(suffix)
         if w is None:
             if i is not None:
                 why = {"weight_zero_point": "is symmetric",
-                       "weight_g_idx": f"has actorder {str(weights.get('actorder'))[:40]!r}"}
+                       "weight_g_idx": f"has actorder {str(weights.get('actorder'))[:40]!r}",
+                       INPUT_SCALE: "has no NVFP4 W4A4 input_activations"}
                 out.append(f"{module}.{suffix}: present, but {group} {why.get(suffix, f'({kind}) has none')}")
             continue
         if i is None:
             why = {"weight_zero_point": f" ({group} is asymmetric: symmetric false needs zero points)",
-                   "weight_g_idx": " (actorder 'group')"}
+                   "weight_g_idx": " (actorder 'group')",
+                   INPUT_SCALE: f" ({group} quantizes input activations to NVFP4: their static global scale)"}
             out.append(f"{module}.{suffix}: missing{why.get(suffix, '')}")
             continue
         dtypes = INT4_SCALE_DTYPES if suffix == "weight_scale" and kind == "int4" else (w[0],)
@@ -154,7 +156,14 @@ def value_problems(module: str, kind: str, tensors: Mapping[str, torch.Tensor], 
         if not (math.isfinite(gv) and gv > 0):
             return [f"{module}.weight_global_scale: holds {[round(float(x), 6) for x in g[:4]]}, expected one finite "
                     "positive number (a negative one would negate every weight, zero or NaN none decodes)"]
-        return [p for p in [_too_large(name + " / weight_global_scale", hi / gv, FP4_MAX)] if p]
+        out = [p for p in [_too_large(name + " / weight_global_scale", hi / gv, FP4_MAX)] if p]
+        a = tensors.get(INPUT_SCALE)
+        if a is not None:
+            av = a.float().reshape(-1)
+            if not (av.numel() == 1 and math.isfinite(float(av[0])) and float(av[0]) > 0):
+                out.append(f"{module}.{INPUT_SCALE}: holds {[round(float(x), 6) for x in av[:4]]}, expected one finite "
+                           "positive number (engines divide by it; one NaN, Inf or 0 spoils a whole MoE layer)")
+        return out
     if not (lo > 0 and math.isfinite(hi)):
         f = s.float()
         return [f"{name}: {int((~torch.isfinite(f) | (f <= 0)).sum())} non-finite or non-positive value(s)"]

@@ -81,11 +81,36 @@ def is_w4afp8(w: dict | None, acts: dict | None) -> bool:
             and bool(acts.get("dynamic")) and acts.get("symmetric", True) is not False)
 
 
+# NVFP4 W4A4 (compressed-tensors' NVFP4 preset): NVFP4 weights and NVFP4 input activations, quantized when the
+# engine runs them: per 16 values an FP8 e4m3 scale computed on the fly ("local" dynamic), under one static FP32
+# global scale per module stored as `input_global_scale` (= 448 * 6 / the calibrated input amax). vLLM 0.33.0
+# runs it for MoE through CompressedTensorsW4A4Nvfp4MoEMethod (docs/engine.md, rules A1-A4).
+NVFP4_ACTIVATIONS = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16,
+                     "dynamic": "local", "actorder": None, "block_structure": None, "observer": "static_minmax",
+                     "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn"}
+
+
+def is_nvfp4_args(a: dict | None) -> bool:
+    """Args vLLM 0.33.0 reads as NVFP4 (compressed_tensors.py `_is_nvfp4_format`): 4-bit float, strategy
+    tensor_group, group_size 16, symmetric."""
+    return (isinstance(a, dict) and a.get("num_bits") == 4 and a.get("type") == "float"
+            and a.get("strategy") == "tensor_group" and a.get("group_size") == 16 and a.get("symmetric", True) is not False)
+
+
+def is_nvfp4_w4a4(w: dict | None, acts: dict | None) -> bool:
+    """NVFP4 weights with NVFP4 input activations whose block scales are dynamic and whose global scale is
+    static (`dynamic: local`): the W4A4 form that stores an `input_global_scale` per module."""
+    return is_nvfp4_args(w) and is_nvfp4_args(acts) and str(acts.get("dynamic")).lower() == "local"
+
+
 def weights_label(w: dict, acts: dict | None = None) -> str:
     """The manifest's scheme label of compressed-tensors weight args (and input activations), e.g.
-    int4-g32-sym, int4-channel-asym, fp8-block128x128, fp8-channel; W4AFP8: int4-g128-sym-afp8."""
+    int4-g32-sym, int4-channel-asym, fp8-block128x128, fp8-channel; W4AFP8: int4-g128-sym-afp8; NVFP4 W4A4:
+    nvfp4-g16-a4."""
     if is_w4afp8(w, acts):
         return f"{weights_label(w)}-afp8"
+    if is_nvfp4_w4a4(w, acts):
+        return f"{weights_label(w)}-a4"
     if w.get("type") == "float" and w.get("num_bits") == 4:
         kind = "nvfp4" if w.get("strategy") == "tensor_group" else "mxfp4"
         return f"{kind}-g{w.get('group_size')}"
@@ -103,7 +128,8 @@ def scheme_label(scheme) -> str:
 def scheme_config(scheme) -> dict:
     """format + compressed-tensors args of a scheme convert applies (FP8: dynamic FP8 activations)."""
     if getattr(scheme, "fp4", None):
-        return {"format": scheme.format, "weights": weights_config(scheme), "input_activations": None}
+        acts = dict(NVFP4_ACTIVATIONS) if getattr(scheme, "activations", None) == "nvfp4" else None
+        return {"format": scheme.format, "weights": weights_config(scheme), "input_activations": acts}
     if scheme.type == "float":
         layout = FP8Layout(scheme.strategy, scheme.block_structure)
         return {"format": "float-quantized", "weights": fp8_weights_config(layout),

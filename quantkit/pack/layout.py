@@ -11,6 +11,8 @@
     NVFP4 nvfp4-pack-quantized    weight_packed uint8 [N, K/2] (two E2M1 codes a byte, even column low),
                                   weight_scale float8_e4m3fn [N, K/16], weight_global_scale float32 [1]
     MXFP4 mxfp4-pack-quantized    weight_packed uint8 [N, K/2], weight_scale uint8 E8M0 [N, K/32]
+    NVFP4 W4A4                    the NVFP4 tensors + input_global_scale float32 [1] (448 * 6 / the
+                                  calibrated input amax; gate and up of an expert hold the same value)
 
 The INT4 scale dtype is the source weight's when that is bf16 or fp16, else bf16 (fp32 sources, and FP8
 sources, which are dequantized to bf16 on read): `scale_dtype`.
@@ -29,6 +31,8 @@ TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape)
 INT4_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 FP8_SUFFIXES = ("weight", "weight_scale")
 FP4_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
+# NVFP4 W4A4 only: the static global scale of the module's FP4 input activations
+INPUT_SCALE = "input_global_scale"
 # A block-FP8 release's `weight_scale_inv` (a multiplier despite its name) is exactly compressed-tensors'
 # block `weight_scale`: a module passed through is written with it renamed and widened to float32.
 FP8_RELEASE_SCALE = "weight_scale_inv"
@@ -59,6 +63,8 @@ def module_tensors(module: str, shape: tuple[int, int], scheme, src_dtype: torch
                 (n, k // scheme.group_size))]
         if scheme.fp4 == "nvfp4":
             out.append((f"{module}.weight_global_scale", torch.float32, (1,)))
+        if getattr(scheme, "activations", None) == "nvfp4":
+            out.append((f"{module}.{INPUT_SCALE}", torch.float32, (1,)))
         return out
     if scheme.type == "float":
         return [(f"{module}.weight", FP8_DTYPE, (n, k)),

@@ -6,11 +6,12 @@ finished and `--resume` can tell its own output), last with "status": "complete"
     status, format_version, tool {name, version}, identity (what a resume must match), recipe {name,
     sha256, text}, source {config_sha256, format, shards}, shards [{name, size, sha256, source_shard}],
     summary {tensors_total, modules_quantized, modules_passed_through, bytes_read, bytes_written},
-    notes, calibration (+ expert_tokens, fallbacks), kv_cache, quantization_config, tensors
+    notes, calibration (+ expert_tokens, fallbacks, input_scale_fallbacks), kv_cache, quantization_config, tensors
 
 `tensors` maps every output tensor to {shape, dtype, shard, source_shard, ...}; a quantized module's
 tensors add {scheme, method, group, source_tensor, sqnr_db, [source_slice], [source_encoding], [tokens,
-fallback, ...]} (`module_entry`), a passed-through one {scheme, method: passthrough, reason}.
+fallback, ...], [input_scale {amax, tokens, source, reason}]} (`module_entry`; input_scale: NVFP4 W4A4, calib/emit.py),
+a passed-through one {scheme, method: passthrough, reason}.
 """
 
 from __future__ import annotations
@@ -50,7 +51,11 @@ def expert_report(tensors: dict[str, dict]) -> dict:
     """Calibration tokens seen per expert (by layer, in expert order) and every fallback with its reason."""
     tokens: dict[str, dict[int, int]] = {}
     fallbacks: dict[str, str] = {}
+    input_fallbacks: dict[str, dict] = {}  # NVFP4 W4A4: modules whose input scale is not their own calibration's
     for name, e in tensors.items():
+        scale = e.get("input_scale") if name.endswith(".weight_packed") else None
+        if isinstance(scale, dict) and scale.get("source") != "calibrated":
+            input_fallbacks[name[: -len(".weight_packed")]] = {k: scale.get(k) for k in ("source", "tokens", "reason")}
         if not name.endswith(".weight_packed") or "tokens" not in e:
             continue
         module = name[: -len(".weight_packed")]
@@ -59,5 +64,8 @@ def expert_report(tensors: dict[str, dict]) -> dict:
         m = _EXPERT_MODULE.match(module)
         if m:
             tokens.setdefault(m[1], {})[int(m[2])] = e["tokens"]
-    return {"expert_tokens": {p: [c[i] for i in sorted(c)] for p, c in sorted(tokens.items())},
-            "fallbacks": dict(sorted(fallbacks.items()))}
+    out = {"expert_tokens": {p: [c[i] for i in sorted(c)] for p, c in sorted(tokens.items())},
+           "fallbacks": dict(sorted(fallbacks.items()))}
+    if input_fallbacks:
+        out["input_scale_fallbacks"] = dict(sorted(input_fallbacks.items()))
+    return out

@@ -694,12 +694,14 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
         read = sb / c.read_bytes_per_s + s.elements * (item + 2 + item) / c.mem_bytes_per_s + nt * 6 * c.op_s
         if passes_gq:
             _, egroup, dense = _targets(ckpt, rec, idx, layer)
+            # NVFP4 W4A4 RTN targets are only observed (their input amax): no Hessian, no solve
+            dense = {d: v for d, v in dense.items() if v[1].method != "rtn"}
             row["read_weights"] += read
             row["fixed"] += c.layer_s
             # statistics forward, then the quantized layer's forward (true-sequential): the busiest rank's batches.
             # GPTQ of the routed experts alone splits them (the statistics stop at the experts, the second
             # forward runs the MLP block only); a layer with nothing calibrated is forwarded once
-            split = (egroup is not None and egroup.method == "gptq" and not dense
+            split = (egroup is not None and egroup.method in ("gptq", "rtn") and not dense
                      and not getattr(ex.config, "index_topk", None))
             if split:
                 row["forward"] += _forward(c, s, gq.rank_batches, seq_len, item, hidden, "to_experts") + \

@@ -24,7 +24,7 @@ from ..pack import kv as kvrules
 from ..pack import fp4 as fp4pack
 from ..pack.config import PACKED_FORMATS, targeting, weights_label
 from ..pack.int4 import dequantize_module
-from ..pack.layout import FP4_SUFFIXES, INT4_SUFFIXES
+from ..pack.layout import FP4_SUFFIXES, INPUT_SCALE, INT4_SUFFIXES
 from ..quant.fp8 import FP8_DTYPE, FP8Layout, dequantize as fp8_dequantize
 from ..quant.int4 import sqnr_db
 from ..read.checkpoint import Checkpoint
@@ -64,7 +64,7 @@ class _Group:
 
     @property
     def scheme(self) -> Scheme | None:
-        return Scheme.from_weights_config(self.weights)
+        return Scheme.from_weights_config(self.weights, self.input_activations)
 
     @property
     def packed(self) -> bool:
@@ -186,7 +186,9 @@ class Judge:
             compressor = BaseCompressor.get_value_from_registry(group.format)
         scheme = self._schemes.get(group.name)
         if scheme is None:
-            scheme = self._schemes[group.name] = scheme_cls(targets=["Linear"], weights=args(**group.weights))
+            acts = args(**group.input_activations) if group.input_activations else None
+            scheme = self._schemes[group.name] = scheme_cls(targets=["Linear"], weights=args(**group.weights),
+                                                            input_activations=acts)
         return compressor.decompress(dict(local), scheme)["weight"]
 
 
@@ -199,7 +201,7 @@ def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None
     by_module: dict[str, dict] = {}
     for name in ck.location:
         module, _, suffix = name.rpartition(".")
-        if suffix in INT4_SUFFIXES or suffix in FP4_SUFFIXES:
+        if suffix in INT4_SUFFIXES or suffix in FP4_SUFFIXES or suffix == INPUT_SCALE:
             by_module.setdefault(module, {})[suffix] = ck.info(name)
     quantized = sorted(m for m, s in by_module.items() if "weight_packed" in s)
     qset = set(quantized)
