@@ -317,6 +317,89 @@ def install_w4afp8(model, q_dir: Path) -> int:
     return done
 
 
+def w4a4_layers(q_dir: Path) -> bool:
+    """Whether some config group of `q_dir` is NVFP4 W4A4 (NVFP4 weights and activations, a static
+    input_global_scale per module)."""
+    from ..pack.config import is_nvfp4_w4a4
+
+    qc = Checkpoint.open(q_dir).quantization_config or {}
+    return any(isinstance(g, dict) and is_nvfp4_w4a4(g.get("weights"), g.get("input_activations"))
+               for g in (qc.get("config_groups") or {}).values())
+
+
+_EXPERTS_KEY = re.compile(r"(?:^|\.)(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts$")
+
+
+def install_w4a4(model, q_dir: Path, scales: str = "layer") -> int:
+    """Make the NVFP4 W4A4 parts of a transformers `model` (the reference with quantkit's dequantized weights)
+    compute as engines run them: every routed-expert block whose experts carry `input_global_scale` through
+    runtime/w4a4.py `w4a4_moe_ref` (activations quantized per expert, `scales` "layer" as vLLM's FlashInfer
+    backends or "expert" as its CUTLASS one), and every dense W4A4 Linear with its input fake-quantized under
+    its scale. Returns the blocks and Linears changed."""
+    from ..quant.fp4_act import fake_quantize_act_nvfp4
+    from ..read.tensors import TensorReader
+    from ..runtime.fp4 import FP4Experts, PackedFP4, fuse_gate_up_fp4
+    from ..runtime.w4a4 import w4a4_moe_ref
+
+    ck = Checkpoint.open(q_dir)
+    bases = {}  # "layers.L" -> the on-disk experts prefix whose expert 0 is W4A4
+    for n in ck.location:
+        for g, _, _ in _EXPERT_NAMES:
+            if n.endswith(f".0.{g}.input_global_scale"):
+                base = n[: -len(f".0.{g}.input_global_scale")]
+                m = _EXPERTS_KEY.search(base)
+                if m:
+                    bases[m[1]] = (base, _EXPERT_NAMES[0] if g == "gate_proj" else _EXPERT_NAMES[1])
+    dense = {}  # layers.L.<rest> -> the input_global_scale of a dense W4A4 Linear
+    for n in ck.location:
+        if n.endswith(".input_global_scale") and ".experts." not in n:
+            tail = _layer_tail(n[: -len(".input_global_scale")])
+            if tail is not None:
+                dense[tail] = n
+    done = 0
+    with TensorReader.of(ck) as r:
+        def packed(mod: str) -> PackedFP4:
+            return PackedFP4.from_tensors(r.get(f"{mod}.weight_packed"), r.get(f"{mod}.weight_scale"),
+                                          r.get(f"{mod}.weight_global_scale"), kind="nvfp4")
+
+        def stack(parts: list[PackedFP4]) -> PackedFP4:
+            gs = torch.stack([p.global_scale.reshape(1) for p in parts])  # [E, 1]
+            return PackedFP4(torch.stack([p.packed for p in parts]), torch.stack([p.scale for p in parts]), gs,
+                             parts[0].shape, "nvfp4")
+
+        for name, mod in model.named_modules():
+            m = _EXPERTS_KEY.search(name) if name.endswith(".experts") else None
+            if m is not None and m[1] in bases and isinstance(getattr(mod, "gate_up_proj", None), torch.nn.Parameter):
+                base, (g, u, d) = bases[m[1]]
+                n_exp = mod.gate_up_proj.shape[0]
+                gate = stack([packed(f"{base}.{e}.{g}") for e in range(n_exp)])
+                up = stack([packed(f"{base}.{e}.{u}") for e in range(n_exp)])
+                experts = FP4Experts(fuse_gate_up_fp4(gate, up), stack([packed(f"{base}.{e}.{d}") for e in range(n_exp)]))
+                gs13 = torch.stack([torch.cat([r.get(f"{base}.{e}.{p}.input_global_scale").reshape(1) for p in (g, u)])
+                                    for e in range(n_exp)])  # [E, 2]
+                gs2 = torch.cat([r.get(f"{base}.{e}.{d}.input_global_scale").reshape(1) for e in range(n_exp)])
+                dev = mod.gate_up_proj.device
+                mod.forward = (lambda hs, idx, wts, _x=experts.to(dev), _a=gs13.to(dev), _b=gs2.to(dev):
+                               w4a4_moe_ref(hs, idx, wts, _x, _a, _b, scales=scales, out_dtype=hs.dtype))
+                done += 1
+            elif isinstance(mod, torch.nn.Linear):
+                tail = _layer_tail(name)
+                hit = dense.get(tail) if tail is not None else None
+                if hit is not None:
+                    gs = r.get(hit).float().reshape(1).to(mod.weight.device)
+                    mod.register_forward_pre_hook(
+                        lambda _m, args, _g=gs: (fake_quantize_act_nvfp4(args[0], _g),) + tuple(args[1:]))
+                    done += 1
+    return done
+
+
+def _layer_tail(name: str) -> str | None:
+    """`layers.L.<rest>` of a module name: what an on-disk name and transformers' name of one Linear share (a
+    wrapper's prefix aside); None outside the decoder layers."""
+    m = re.search(r"(?:^|\.)(layers\.\d+\..*)$", name)
+    return m[1] if m else None
+
+
 def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: torch.device, gen_tokens: int,
                    t: Thresholds, say) -> tuple[dict, dict | None, list[Check]]:
     """Both models in bf16 (transformers keeps the decompressed experts in the scale dtype) on `samples`."""
@@ -330,9 +413,19 @@ def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: 
         raise ReferenceModelError(f"transformers cannot load the reference {str(ref_dir)!r}: {type(e).__name__}: "
                                   f"{str(e)[:160]}", hint="pass a checkpoint transformers can load") from None
     say("numerics: loading the quantized model (compressed-tensors decompresses it)")
-    q16 = None  # W4AFP8 checkpoints: the same weights run W4A16, measured beside
+    q16 = None  # W4AFP8 and NVFP4 W4A4 checkpoints: the same weights run W4A16, measured beside
+    served = "W4AFP8"
     try:
-        if w4afp8_layers(q_dir):
+        if w4a4_layers(q_dir):
+            served = "NVFP4 W4A4"
+            say("numerics: NVFP4 W4A4: the reference model with quantkit's dequantized weights, inputs of the W4A4 "
+                "modules quantized to NVFP4 as engines do (FP8 scale per 16 values under the input_global_scale; "
+                "experts: one scale per layer, as vLLM's FlashInfer backends); W4A16 beside it")
+            qnt = load_dequantized(ref_dir, q_dir, dev)
+            if not install_w4a4(qnt, q_dir):
+                raise ReferenceModelError("no module of the model takes the NVFP4 W4A4 input scales")
+            q16 = load_dequantized(ref_dir, q_dir, dev)
+        elif w4afp8_layers(q_dir):
             say("numerics: W4AFP8 experts: the reference model with quantkit's dequantized weights, experts run as "
                 "vLLM's W4A8 MoE kernel computes (FP8 group scales, FP8 per-token activations); W4A16 beside it")
             qnt = load_dequantized(ref_dir, q_dir, dev)
@@ -384,8 +477,8 @@ def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: 
     kl_what = top1_what = ""
     if q16 is not None:
         metrics.update(kl_divergence_w4a16=finite(kl16_sum / positions), top1_agreement_w4a16=finite(top1_16_sum / positions))
-        kl_what = f", W4AFP8 as served (W4A16, same weights: {kl16_sum / positions:.4g})"
-        top1_what = f", W4AFP8 as served (W4A16, same weights: {top1_16_sum / positions:.4f})"
+        kl_what = f", {served} as served (W4A16, same weights: {kl16_sum / positions:.4g})"
+        top1_what = f", {served} as served (W4A16, same weights: {top1_16_sum / positions:.4f})"
     checks = [
         _limit("kl_divergence", kl, t.max_kl, upper=True, what=f"mean next-token KL over {positions} positions{kl_what}"),
         _limit("top1_agreement", top1, t.min_top1, upper=False,

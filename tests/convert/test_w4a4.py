@@ -192,3 +192,13 @@ def test_kimi_gptq_w4a4_from_the_int4_release(tmp_path):
     rep = engine_check(out)
     assert rep.ok, rep.problems
 
+
+def test_verify_measures_w4a4_beside_w4a16(sparse):
+    from quantkit.verify import verify
+
+    src, out = sparse
+    v = verify(out, reference=src, num_samples=2, seq_len=32, generation_tokens=0).to_json()
+    m = v["metrics"]
+    assert v["format"]["ok"] and math.isfinite(m["kl_divergence"]) and math.isfinite(m["kl_divergence_w4a16"])
+    assert m["kl_divergence"] != m["kl_divergence_w4a16"]  # the activations' rounding is in the W4A4 figure
+    assert any("NVFP4 W4A4 as served" in c["detail"] for c in v["checks"] if c["name"] == "kl_divergence")
