@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import math
 import re
+import types
 import warnings
 from pathlib import Path
 
@@ -379,8 +380,11 @@ def install_w4a4(model, q_dir: Path, scales: str = "layer") -> int:
                                     for e in range(n_exp)])  # [E, 2]
                 gs2 = torch.cat([r.get(f"{base}.{e}.{d}.input_global_scale").reshape(1) for e in range(n_exp)])
                 dev = mod.gate_up_proj.device
-                mod.forward = (lambda hs, idx, wts, _x=experts.to(dev), _a=gs13.to(dev), _b=gs2.to(dev):
-                               w4a4_moe_ref(hs, idx, wts, _x, _a, _b, scales=scales, out_dtype=hs.dtype))
+                # a bound method, as module.forward is: compressed-tensors' decompress hook (a compressed reference,
+                # e.g. Kimi K2.5's INT4 release) re-wraps forwards through `forward.__func__` on the first call
+                mod.forward = types.MethodType(
+                    lambda _self, hs, idx, wts, _x=experts.to(dev), _a=gs13.to(dev), _b=gs2.to(dev):
+                    w4a4_moe_ref(hs, idx, wts, _x, _a, _b, scales=scales, out_dtype=hs.dtype), mod)
                 done += 1
             elif isinstance(mod, torch.nn.Linear):
                 tail = _layer_tail(name)

@@ -191,6 +191,12 @@ def test_kimi_gptq_w4a4_from_the_int4_release(tmp_path):
         assert math.isfinite(s) and s > 0 and s == pytest.approx(FP8_FP4 / e["input_scale"]["amax"], rel=1e-6)
     rep = engine_check(out)
     assert rep.ok, rep.problems
+    from quantkit.verify import verify
+
+    # the INT4 release is the reference: compressed-tensors decompresses it on its first forward
+    v = verify(out, reference=src, num_samples=2, seq_len=16, generation_tokens=0).to_json()
+    assert v["format"]["ok"] and math.isfinite(v["metrics"]["kl_divergence"])
+    assert math.isfinite(v["metrics"]["kl_divergence_w4a16"])
 
 
 def test_verify_measures_w4a4_beside_w4a16(sparse):
