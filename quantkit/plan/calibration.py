@@ -210,8 +210,8 @@ class CalibrationCost:
         }
 
 
-COMPONENTS = ("forward", "hessians", "gptq_solve", "awq_search", "kv_observe", "read_weights", "write_spool",
-              "communication", "fixed")
+COMPONENTS = ("forward", "hessians", "gptq_solve", "awq_search", "input_amax", "kv_observe", "read_weights",
+              "write_spool", "communication", "fixed")
 
 
 # ---- a checkpoint that exists only as headers --------------------------------------------------------------
@@ -583,6 +583,8 @@ def _communication(s: _LayerShape, egroup, dense, gq: _Batches, g: int, item: in
     if egroup is not None and egroup.method == "gptq":
         out["moe_inputs"] = others * (hidden * 4 + s.top_k * 16)
         out["dequantized_weights"] = (s.experts - owned) * (s.p * s.h + s.h * s.i) * item
+    elif egroup is not None and egroup.method == "rtn":  # NVFP4 W4A4 input amax: gathered maxima only
+        out["input_amax"] = s.experts * 3 * 8 * (g - 1) / g
     elif egroup is not None:
         out["moe_inputs"] = s_tok * (g - 1) / g * (2 * hidden * 4 + s.top_k * 16)
         out["dequantized_weights"] = s.elements * item
@@ -618,6 +620,7 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     src = resolve(model_or_config)
     headers = tensor_shapes_from_checkpoint(src.checkpoint) if src.checkpoint is not None else None
     methods = tuple(sorted({g.method for g in rec.groups if g.method != "rtn"})) + \
+        (("nvfp4_input_scales",) if any(g.scheme.w4a4 for g in rec.groups) else ()) + \
         (("kv_scales",) if rec.kv_cache is not None else ())
     out = CalibrationCost(model=src.label, recipe=rec.name, methods=methods, calibrated=bool(methods),
                           num_samples=num_samples, seq_len=seq_len, world_size=world_size, device=kind,
@@ -711,6 +714,13 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
                     _forward(c, s, gq.rank_batches, seq_len, item, hidden)
             if egroup is not None or dense:
                 calib_layers += 1
+            if egroup is not None and egroup.scheme.w4a4 and s.experts:
+                # NVFP4 W4A4: each expert's input amax, and its down input's (one gate/up product per routed
+                # token, the busiest rank's batches; calib/observers.py ExpertInputAmax)
+                for per_call in gq.rank_batches:
+                    rows = per_call * s.top_k / s.experts
+                    row["input_amax"] += 2 * per_call * s.top_k * s.h * s.p / _rate(c.gemm_flops, c.gemm_half_rows,
+                                                                                       rows)
             owned = 0
             if egroup is not None and egroup.method == "gptq":
                 group = _expert_group(s, kind)
@@ -750,7 +760,7 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
             if g > 1:
                 got = _communication(s, egroup, dense, gq, g, item, hidden, packed, owned,
                                      min(int(egroup.options.sample_tokens), num_samples * seq_len)
-                                     if egroup is not None else 0)
+                                     if egroup is not None and egroup.method != "rtn" else 0)
                 for k2, v in got.items():
                     comm[k2] = comm.get(k2, 0) + v
                 row["communication"] += sum(got.values()) / link

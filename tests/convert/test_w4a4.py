@@ -208,3 +208,46 @@ def test_verify_measures_w4a4_beside_w4a16(sparse):
     assert v["format"]["ok"] and math.isfinite(m["kl_divergence"]) and math.isfinite(m["kl_divergence_w4a16"])
     assert m["kl_divergence"] != m["kl_divergence_w4a16"]  # the activations' rounding is in the W4A4 figure
     assert any("NVFP4 W4A4 as served" in c["detail"] for c in v["checks"] if c["name"] == "kl_divergence")
+
+
+DENSE_RECIPE = r"""
+name: w4a4-experts-and-o-proj
+groups:
+  experts:
+    targets: ['re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$']
+    scheme: {num_bits: 4, type: float, strategy: tensor_group, activations: nvfp4}
+  attn_out:
+    targets: ['re:.*\.self_attn\.o_proj$']
+    scheme: {num_bits: 4, type: float, strategy: tensor_group, activations: nvfp4}
+ignore: ['re:.*\.mlp\.gate$', 'lm_head']
+"""
+
+
+def test_dense_w4a4_linear_gets_its_input_amax_over_every_token(sparse, tmp_path):
+    from quantkit.verify import verify
+    from quantkit.verify.numerics import install_w4a4, load_dequantized
+
+    src, _ = sparse
+    out = tmp_path / "dense"
+    convert(src, out, ConvertOptions(recipe=parse_recipe(DENSE_RECIPE), num_samples=2, seq_len=8))
+    m = json.loads((out / "quantkit_manifest.json").read_text())
+    sd = _tensors(out)
+    for layer in (0, 1):
+        mod = f"model.layers.{layer}.self_attn.o_proj"
+        rec = m["tensors"][f"{mod}.weight_packed"]["input_scale"]
+        assert rec["source"] == "calibrated" and rec["tokens"] == 2 * 8
+        assert float(sd[f"{mod}.input_global_scale"]) == pytest.approx(FP8_FP4 / rec["amax"], rel=1e-6)
+    v = verify(out, reference=src, num_samples=2, seq_len=16, generation_tokens=0).to_json()
+    assert v["format"]["ok"], v["format"]["problems"]
+    assert math.isfinite(v["metrics"]["kl_divergence"])
+    model = load_dequantized(src, out, torch.device("cpu"))
+    assert install_w4a4(model, out) == 2 + 2  # two MoE blocks, two o_proj Linears
+
+
+def test_plan_predicts_the_input_scale_pass(sparse):
+    from quantkit.plan import calibration_cost
+
+    for ranks in (1, 2):
+        c = calibration_cost(sparse[0], "nvfp4a4-experts", 4, 32, world_size=ranks)
+        assert c.calibrated and c.methods == ("nvfp4_input_scales",) and c.calibrated_layers == 2
+        assert c.seconds["input_amax"] > 0 and "hessians" not in c.seconds
