@@ -31,7 +31,8 @@ from ..read.checkpoint import Checkpoint, read_json_file, read_manifest
 from ..pack.manifest import MANIFEST_NAME
 from .model import DEFAULT_OUTPUT_NAME, VERIFY_NAME, _number, collect_modules
 from .page import _Page, _mpl
-from .sections import _section_bytes, _section_kv, _section_sqnr, _section_tables, _section_tokens, _section_verify
+from .sections import (_section_bytes, _section_input_scales, _section_kv, _section_sqnr, _section_tables,
+                       _section_tokens, _section_verify)
 
 
 # ---- result ------------------------------------------------------------------------------------------
@@ -86,6 +87,7 @@ def _build_report(qmodel_dir, reference, output, verify_json) -> ReportResult:
     _section_bytes(page, ck, tensors)
     _section_verify(page, verify_doc, verify_origin)
     _section_tables(page, modules, manifest)
+    _section_input_scales(page, manifest)
     doc = page.render(title=f"quantkit report: {root.resolve().name}")
 
     out = Path(output) if output is not None else root / DEFAULT_OUTPUT_NAME

@@ -462,3 +462,21 @@ def _section_tables(page: _Page, modules: list[ModuleInfo], manifest: dict) -> N
 def _natural(name: str) -> list:
     """Sort key putting experts.2 before experts.10."""
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _section_input_scales(page: _Page, manifest: dict) -> None:
+    """NVFP4 W4A4: the modules whose input_global_scale is not their own calibration's (an expert no calibration
+    token reached takes its layer's largest input amax; manifest calibration.input_scale_fallbacks)."""
+    cal = manifest.get("calibration") if isinstance(manifest.get("calibration"), dict) else {}
+    fb = cal.get("input_scale_fallbacks") or {}
+    if not isinstance(fb, dict) or not fb:
+        return
+    rows = [f"<tr><td class=\"mono\">{_e(m)}</td><td>{_e(str((r or {}).get('source', '')))}</td>"
+            f"<td class=\"num\">{_e(_fmt_value((r or {}).get('tokens')))}</td><td>{_e(str((r or {}).get('reason', '')))}</td></tr>"
+            for m, r in list(sorted(fb.items(), key=lambda kv: _natural(kv[0])))[:MAX_FALLBACK_ROWS]]
+    more = len(fb) - MAX_FALLBACK_ROWS
+    page.add(f"<h3>NVFP4 input scales not from the module's own calibration: {len(fb)} modules</h3>"
+             "<table><tr><th>module</th><th>scale from</th><th class=\"num\">tokens</th><th>why</th></tr>"
+             + "".join(rows) + "</table>"
+             + (f"<p class=\"skip\">... and {more} more (all listed in the manifest's "
+                "calibration.input_scale_fallbacks).</p>" if more > 0 else ""))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,3 +252,16 @@ def test_plan_predicts_the_input_scale_pass(sparse):
         c = calibration_cost(sparse[0], "nvfp4a4-experts", 4, 32, world_size=ranks)
         assert c.calibrated and c.methods == ("nvfp4_input_scales",) and c.calibrated_layers == 2
         assert c.seconds["input_amax"] > 0 and "hessians" not in c.seconds
+
+
+def test_report_lists_the_layer_max_input_scales(sparse, tmp_path):
+    from quantkit.report import build_report
+
+    _, out = sparse
+    m = json.loads((out / "quantkit_manifest.json").read_text())
+    fb = m["calibration"]["input_scale_fallbacks"]
+    res = build_report(out, output=tmp_path / "r.html")
+    html = (tmp_path / "r.html").read_text()
+    assert f"NVFP4 input scales not from the module's own calibration: {len(fb)} modules" in html
+    assert sorted(fb)[0] in html and "no calibration token was routed" in html
+    assert res is not None
