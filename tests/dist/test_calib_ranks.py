@@ -146,6 +146,18 @@ def test_experts_only_byte_identical(src, reference, tmp_path, recipe, ranks):
         assert len(t["layers"]) == 3
 
 
+@pytest.mark.parametrize("recipe,ranks", [("nvfp4a4-experts", 2), ("kimi-k2-nvfp4a4", 3)])
+def test_w4a4_input_scales_byte_identical(src, reference, tmp_path, recipe, ranks):
+    """NVFP4 W4A4: each rank observes its batches' expert input amax, the maxima and token counts are gathered
+    (RTN: the pass only observes; GPTQ: beside the Hessians): the single process's bytes, scales included."""
+    out = tmp_path / "q"
+    p = _convert(ranks, src, out, recipe)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = _files(out)
+    assert got == reference(recipe)
+    assert any(b"input_global_scale" in v for k, v in got.items() if k.endswith(".safetensors"))
+
+
 def test_awq_norm_search_rounds_split_byte_identical(src, reference, awq_rounds_recipe, tmp_path):
     """AWQ on 768 sampled tokens: the norm-scale candidates of both rounds and the per-expert searches split
     over 3 ranks write the single process's bytes."""
