@@ -271,12 +271,13 @@ def describe_scheme(label: str) -> str:
     if m:
         gran = f"{m[2]}x{m[3]} blocks" if m[2] else f"per {m[1]}"
         return f"FP8 (e4m3) weights, {gran}; dynamic FP8 activations (W8A8){suffix}"
-    m = re.fullmatch(r"(nvfp4|mxfp4)-g(\d+)", core)
+    m = re.fullmatch(r"(nvfp4|mxfp4)-g(\d+)(-a4)?", core)
     if m:
         scales = ("an FP8 (e4m3) scale per group and an FP32 global scale per matrix" if m[1] == "nvfp4"
                   else "an E8M0 (power-of-two) scale per group")
-        return (f"{m[1].upper()} weights (FP4 E2M1), group {m[2]}, {scales}; activations unquantized "
-                f"(W4A16){suffix}")
+        acts = ("NVFP4 activations, an FP8 scale per 16 values computed at run time under a calibrated static "
+                "input_global_scale per module (W4A4)" if m[3] else "activations unquantized (W4A16)")
+        return f"{m[1].upper()} weights (FP4 E2M1), group {m[2]}, {scales}; {acts}{suffix}"
     return label
 
 
@@ -388,6 +389,11 @@ def _calibration_lines(facts: _Facts) -> list[str]:
                    "per module in the manifest's `calibration.fallbacks`.")
     else:
         out.append("Starved experts: none (every expert saw enough calibration tokens).")
+    inputs = cal.get("input_scale_fallbacks") or {}
+    if inputs:  # NVFP4 W4A4 (calib/emit.py): experts no token reached take their layer's largest input amax
+        n = len({re.sub(r"(\.experts\.\d+)\.[^.]+$", r"\1", mod) for mod in inputs})
+        out.append(f"NVFP4 input scales: {n} expert(s) saw no calibration token and use their layer's largest "
+                   "input amax (finite, positive); per module in the manifest's `calibration.input_scale_fallbacks`.")
     return [" ".join(out)]
 
 

@@ -265,3 +265,12 @@ def test_report_lists_the_layer_max_input_scales(sparse, tmp_path):
     assert f"NVFP4 input scales not from the module's own calibration: {len(fb)} modules" in html
     assert sorted(fb)[0] in html and "no calibration token was routed" in html
     assert res is not None
+
+
+def test_model_card_says_w4a4_and_the_fallbacks(sparse):
+    _, out = sparse
+    m = json.loads((out / "quantkit_manifest.json").read_text())
+    experts = {mod.rsplit(".", 1)[0] for mod in m["calibration"]["input_scale_fallbacks"]}
+    card = (out / "README.md").read_text()
+    assert "NVFP4 activations" in card and "(W4A4)" in card
+    assert f"NVFP4 input scales: {len(experts)} expert(s) saw no calibration token" in card
