@@ -59,6 +59,13 @@ CANNOT_RUN = (
     (r"FP8 KV cache requires head_size divisible by 32", "an FP8 KV cache", None),
     # zentorch's matmul (seen when the ZenCpuPlatform is forced on a CPU without AVX-512 BF16)
     (r"needs the cpu support avx512bf16", "BF16 matmuls through zentorch", None),
+    # fused_moe/oracle/w4a8.py: CUTLASS (SM90) or Humming kernels only (seen: the CUTLASS line names "Fp8"
+    # and "kernel", so this comes before the block-FP8 pattern)
+    (r"No W4A8 MoE backend supports", "W4AFP8 routed experts (INT4 weights, FP8 activations)",
+     "no W4A8 MoE kernel for a CPU (CUTLASS needs SM90, Humming a GPU)"),
+    # a GPU-only custom op the CPU build does not register (seen: MXFP4 experts go to Marlin's repack)
+    (r"'_C' object has no attribute '(\w+)'", None,
+     "vLLM chose a GPU kernel whose op ({0}) this CPU build does not have"),
     # fused_moe/oracle/nvfp4.py, mxfp4.py: GPU kernels only
     (r"(?i)nvfp4", "NVFP4 routed experts", None),
     (r"(?i)mxfp4", "MXFP4 routed experts", None),
@@ -108,8 +115,10 @@ def checkpoint_schemes(ck: Checkpoint) -> list[str]:
 def cannot_run_line(reason: str, schemes: list[str], cpu: dict | None = None) -> tuple[str, str]:
     """(scheme, the one line) for vLLM's refusal `reason`."""
     for pattern, scheme, why in CANNOT_RUN:
-        if re.search(pattern, reason):
-            text = why or reason.split(": ", 1)[-1]
+        m = re.search(pattern, reason)
+        if m:
+            text = why.format(*m.groups()) if why else reason.split(": ", 1)[-1]
+            scheme = scheme or " + ".join(schemes)
             break
     else:
         scheme, text = " + ".join(schemes), reason

