@@ -247,8 +247,9 @@ def verify(
     engine_python: Annotated[Optional[Path], typer.Option(help="The python (or venv directory) vLLM is installed in, "
                                                                "for --run (default: this one).")] = None,
     engine_timeout: Annotated[int, typer.Option(min=1, help="Seconds --run may take in vLLM.")] = 3600,
-    engine_kv_cache_dtype: Annotated[str, typer.Option(help="vLLM's --kv-cache-dtype for --run (auto: as `vllm "
-                                                            "serve`, FP8 when the checkpoint declares KV scales).")] = "auto",
+    engine_kv_cache_dtype: Annotated[str, typer.Option(help="vLLM's --kv-cache-dtype for --run (served: as the model "
+                                                            "card serves it, fp8 when the checkpoint has KV scales; "
+                                                            "or auto, bfloat16, fp8).")] = "served",
     save: Annotated[bool, typer.Option("--save/--no-save", help="Keep the report in QMODEL (verify.json) and refresh "
                                                                 "its model card.")] = True,
     revision: RevisionOpt = None,

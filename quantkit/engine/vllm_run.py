@@ -4,7 +4,7 @@ measure it with the engine.
 vLLM pins its own torch, so it usually lives in another environment: quantkit starts that environment's
 Python (`--engine-python`, default: this one) on quantkit/engine/vllm_worker.py, which imports vLLM and
 nothing of quantkit but the vLLM plugin, and exchanges JSON files with it. The engine loads QMODEL as
-`vllm serve QMODEL` would (kv_cache_dtype `auto`: a declared kv_cache_scheme makes the cache FP8;
+`vllm serve QMODEL` would, with the model card's `--kv-cache-dtype fp8` when the checkpoint has KV scales;
 quantkit's plugin registered when MLA layers need it for their KV scales) and gives, through
 prompt_logprobs, the log-probability of every token of the held-out samples and its top-1 token; then
 greedy tokens. quantkit computes the same on the reference (transformers on the source, as verify's
@@ -57,6 +57,10 @@ CANNOT_RUN = (
     # v1/attention/backends/cpu_attn.py _get_attn_isa (seen)
     (r"FP8 KV cache on CPU requires", "an FP8 KV cache", None),
     (r"FP8 KV cache requires head_size divisible by 32", "an FP8 KV cache", None),
+    # the CPU MLA path given an FP8 cache (seen: DeepSeek-V3 latent 576, --kv-cache-dtype fp8)
+    (r"expected scalar type BFloat16 but found Float8", "an FP8 KV cache",
+     "vLLM's CPU MLA kernel takes a BF16 latent cache only (RuntimeError: expected scalar type BFloat16 but found "
+     "Float8_e4m3fn)"),
     # zentorch's matmul (seen when the ZenCpuPlatform is forced on a CPU without AVX-512 BF16)
     (r"needs the cpu support avx512bf16", "BF16 matmuls through zentorch", None),
     # fused_moe/oracle/w4a8.py: CUTLASS (SM90) or Humming kernels only (seen: the CUTLASS line names "Fp8"
@@ -240,7 +244,7 @@ def run_worker(python: str, request: dict, timeout: int, say) -> dict:
 
 
 def run(qmodel: Path, ref_dir: Path | None, samples: list[torch.Tensor], dev: torch.device, gen_tokens: int,
-        thresholds, *, python=None, kv_cache_dtype: str = "auto", engine_args: dict | None = None,
+        thresholds, *, python=None, kv_cache_dtype: str = "served", engine_args: dict | None = None,
         timeout: int = DEFAULT_TIMEOUT_S, transformers_ppl: float | None = None, say=lambda _s: None
         ) -> tuple[dict, list[Check]]:
     """Run QMODEL in vLLM and compare with the reference. Returns (the engine_run document, its checks)."""
@@ -249,6 +253,10 @@ def run(qmodel: Path, ref_dir: Path | None, samples: list[torch.Tensor], dev: to
     cfg, _ = text_config(ck.config)
     qc = ck.quantization_config or {}
     declared = bool(qc.get("kv_cache_scheme"))
+    if kv_cache_dtype == "served":  # as the model card's serve command: `--kv-cache-dtype fp8` with KV scales.
+        # `auto` alone makes Attention layers FP8 from the declared scheme but leaves MLA layers (DeepSeek, Kimi,
+        # GLM-5) in the model dtype (docs/engine.md), which is not what the card tells users to serve
+        kv_cache_dtype = "fp8" if declared else "auto"
     file_scales = file_kv_scales(ck)
     plugin = "kv_lora_rank" in cfg and bool(file_scales)
     ref = None
@@ -332,7 +340,7 @@ def _kv_check(kv: dict) -> Check:
     if kv["layers"] and not any(d.startswith("fp8") for d in dtypes):
         return Check("engine_kv_scales", None, f"the KV cache is {', '.join(dtypes)}, not FP8: vLLM does not use KV "
                      f"scales (they {'equal' if kv['equal'] else 'differ from'} the file's in the layers; "
-                     "--engine-kv-cache-dtype auto serves the checkpoint's FP8 cache)")
+                     "--engine-kv-cache-dtype served or fp8 serves the checkpoint's FP8 cache)")
     if kv["equal"]:
         return Check("engine_kv_scales", True, f"the KV scales vLLM holds after loading equal the file's in "
                      f"{kv['compared']}/{kv['file_layers']} layers (cache {', '.join(dtypes)})")

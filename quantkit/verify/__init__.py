@@ -96,7 +96,8 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
     vLLM applies when it loads the checkpoint (quantkit/engine/vllm.py), at tensor parallelism `tp`.
     engine_run: with engine "vllm", also run QMODEL in vLLM and measure it there (quantkit/engine/vllm_run.py);
     a dict of its options: python (the engine environment's interpreter; default this one), timeout (s),
-    kv_cache_dtype ("auto", as `vllm serve`), engine_args (extra vllm.LLM keyword arguments)."""
+    kv_cache_dtype ("served": fp8 when the checkpoint has KV scales, as its model card serves it; or vLLM's
+    values, e.g. "auto", "bfloat16"), engine_args (extra vllm.LLM keyword arguments)."""
     t0 = time.perf_counter()
     say = progress or (lambda _s: None)
     thresholds = thresholds if thresholds is not None else Thresholds()
@@ -217,7 +218,7 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
             data.update(info)
         run_doc, run_checks = vllm_run.run(root, ref_ck.root if ref_ck is not None else None, samples, dev,
                                            generation_tokens, thresholds, python=engine_run.get("python"),
-                                           kv_cache_dtype=engine_run.get("kv_cache_dtype", "auto"),
+                                           kv_cache_dtype=engine_run.get("kv_cache_dtype") or "served",
                                            engine_args=engine_run.get("engine_args"),
                                            timeout=engine_run.get("timeout") or vllm_run.DEFAULT_TIMEOUT_S,
                                            transformers_ppl=metrics.get("perplexity_quantized"), say=say)

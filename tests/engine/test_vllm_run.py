@@ -99,6 +99,9 @@ def test_run_measures_perplexity_top1_generation_and_kv(qwen_int4_kv, fake_pytho
     assert kv["equal"] is True and kv["compared"] == kv["file_layers"] == 2
     assert all(r["k"] == r["file_k"] and r["kv_cache_dtype"] == "fp8" for r in kv["layers"])
     assert _check(rep, "engine_kv_scales").ok is True and rep.passed
+    # by default the engine is started as the model card serves it: --kv-cache-dtype fp8 with KV scales (MLA
+    # layers stay in the model dtype under `auto`)
+    assert run["engine_args"]["kv_cache_dtype"] == "fp8"
     assert rep.to_json()["engine_run"]["status"] == "ok"
 
 
@@ -120,6 +123,7 @@ def test_bf16_cache_uses_no_scales(qwen_int4_kv, fake_python):
     rep = _run(src, out, fake_python, kv_cache_dtype="bfloat16")
     c = _check(rep, "engine_kv_scales")
     assert c.ok is None and "not FP8: vLLM does not use KV scales" in c.detail and rep.passed
+    assert rep.engine_run["engine_args"]["kv_cache_dtype"] == "bfloat16"
 
 
 def test_cli_refusal_is_one_line_and_exit_3(qwen_int4_kv, fake_python):
