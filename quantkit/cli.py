@@ -311,13 +311,15 @@ def report(
                                                                           "QMODEL/quantkit_report.html).")] = None,
     verify_json: Annotated[Optional[Path], typer.Option(help="`quantkit verify --json` output to show (default: "
                                                              "QMODEL/verify.json when present).")] = None,
+    timeline: Annotated[Optional[Path], typer.Option(help="`quantkit convert --json` output: adds where the time "
+                                                          "went, per rank and phase.")] = None,
     json_out: JsonOpt = False,
 ):
     """One self-contained HTML page of pictures: where the error went (SQNR per layer and expert), expert
     token coverage and fallbacks, KV scales, bytes by scheme, verify's metrics."""
     from .report import build_report
 
-    res = build_report(qmodel, reference=reference, output=output, verify_json=verify_json)
+    res = build_report(qmodel, reference=reference, output=output, verify_json=verify_json, timeline=timeline)
     if json_out:
         _print_json(res.to_json())
     else:

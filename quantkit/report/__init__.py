@@ -31,6 +31,7 @@ from ..read.checkpoint import Checkpoint, read_json_file, read_manifest
 from ..pack.manifest import MANIFEST_NAME
 from .model import DEFAULT_OUTPUT_NAME, VERIFY_NAME, _number, collect_modules
 from .page import _Page, _mpl
+from .timeline import read_timeline, section_timeline
 from .sections import (_section_bytes, _section_input_scales, _section_kv, _section_sqnr, _section_tables,
                        _section_tokens, _section_verify)
 
@@ -53,20 +54,23 @@ class ReportResult:
 # ---- entry point --------------------------------------------------------------------------------------
 def build_report(qmodel_dir: str | os.PathLike, reference: str | os.PathLike | None = None,
                  output: str | os.PathLike | None = None,
-                 verify_json: dict | str | os.PathLike | None = None) -> ReportResult:
+                 verify_json: dict | str | os.PathLike | None = None,
+                 timeline: dict | str | os.PathLike | None = None) -> ReportResult:
     """Write the HTML report of the converted checkpoint in `qmodel_dir` and return what was written.
 
     reference: the source checkpoint, only shown (nothing is computed from it). output: the HTML path
     (default `<qmodel_dir>/quantkit_report.html`). verify_json: the object `quantkit verify --json`
     printed, or the path of a file holding it; default `<qmodel_dir>/verify.json` when present.
+    timeline: what `quantkit convert --json` printed (or a file holding it, or its `timeline` object): adds
+    the per-rank, per-phase section (report/timeline.py).
     """
     # fail early, before reading anything, when the plotting library is missing; and never read `$...$` in a
     # scheme or module name (the manifest is input) as mathtext: no parse errors, no silent math rendering
     with _mpl().rc_context({"text.parse_math": False}):
-        return _build_report(qmodel_dir, reference, output, verify_json)
+        return _build_report(qmodel_dir, reference, output, verify_json, timeline)
 
 
-def _build_report(qmodel_dir, reference, output, verify_json) -> ReportResult:
+def _build_report(qmodel_dir, reference, output, verify_json, timeline=None) -> ReportResult:
     t0 = time.perf_counter()
     root = Path(qmodel_dir)
     ck = Checkpoint.open(root)  # CheckpointNotFound / ConfigMissing / header errors for unusable input
@@ -75,6 +79,7 @@ def _build_report(qmodel_dir, reference, output, verify_json) -> ReportResult:
         raise CheckpointNotFound(f"reference checkpoint directory {str(reference)!r} does not exist",
                                  hint="pass the source directory the output was converted from, or omit --reference")
     verify_doc, verify_origin = _read_verify(root, verify_json)
+    ranks = read_timeline(timeline) if timeline is not None else None  # checked before anything is drawn
 
     tensors = manifest.get("tensors") or {}
     modules = collect_modules(tensors)
@@ -86,6 +91,8 @@ def _build_report(qmodel_dir, reference, output, verify_json) -> ReportResult:
     _section_kv(page, ck, tensors)
     _section_bytes(page, ck, tensors)
     _section_verify(page, verify_doc, verify_origin)
+    if ranks is not None:
+        section_timeline(page, ranks)
     _section_tables(page, modules, manifest)
     _section_input_scales(page, manifest)
     doc = page.render(title=f"quantkit report: {root.resolve().name}")
