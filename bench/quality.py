@@ -48,12 +48,16 @@ FP4_SCHEMES = {"nvfp4": "{num_bits: 4, type: float, symmetric: true, strategy: t
 
 
 def recipe_yaml(method: str, group: int | str) -> str:
+    """`method` rtn, gptq or awq; "rtn-mse" is RTN with `scale_search: mse` (each group's clipping searched)."""
+    base, _, search = method.partition("-")
     opts = {"gptq": "    options: {damp: 0.01, actorder: true, block_size: 128}\n", "awq": "    options: {n_grid: 20}\n",
-            "rtn": ""}[method]
+            "rtn": ""}[base]
     scheme = FP4_SCHEMES.get(str(group)) or (f"{{num_bits: 4, type: int, symmetric: true, strategy: group, "
                                              f"group_size: {group}}}")
+    if search:
+        scheme = scheme[:-1] + f", scale_search: {search}}}"
     return (f"name: bench-{method}-g{group}\ngroups:\n  experts:\n    targets: {json.dumps(TARGETS)}\n"
-            f"    method: {method}\n    scheme: {scheme}\n{opts}ignore: ['re:.*\\.mlp\\.gate$', 'lm_head']\n")
+            f"    method: {base}\n    scheme: {scheme}\n{opts}ignore: ['re:.*\\.mlp\\.gate$', 'lm_head']\n")
 
 
 def windows(tokens: torch.Tensor, seq_len: int, n: int, seed: int) -> torch.Tensor:
@@ -173,7 +177,10 @@ PEER_NVFP4 = textwrap.dedent("""
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--groups", type=int, nargs="+", default=[32, 128])
-    ap.add_argument("--methods", nargs="+", default=["rtn", "gptq", "awq"])
+    ap.add_argument("--methods", nargs="+", default=["rtn", "gptq", "awq"],
+                    help="rtn, gptq, awq, or rtn-mse (RTN with scale_search: mse)")
+    ap.add_argument("--fixture-steps", type=int, default=None,
+                    help="train the fixture for this many steps instead of FixtureSpec's (a cheaper, less trained model)")
     ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--calib-seed", type=int, default=2, help="seed of the calibration windows")
@@ -185,7 +192,7 @@ def main():
                          "llm-compressor's NVFP4 too")
     a = ap.parse_args()
 
-    fx = get_fixture(FixtureSpec())
+    fx = get_fixture(FixtureSpec() if a.fixture_steps is None else FixtureSpec(steps=a.fixture_steps))
     src = Path(fx["model_dir"])
     train, held = torch.load(fx["train_tokens"]), torch.load(fx["heldout_tokens"])
     eval_ids = heldout_windows(held, a.seq_len, a.eval_windows, seed=1)

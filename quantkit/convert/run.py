@@ -201,7 +201,7 @@ def _fp8(u: FP8Unit, ctx: _Context) -> int:
 
 def _rtn(u: RTNUnit, ctx: _Context) -> int:
     s = u.scheme
-    w = (_mapped_views(u, ctx) if s.num_bits == 4 else None) or _read_batch(u, ctx)
+    w = (_mapped_views(u, ctx) if s.num_bits == 4 and s.scale_search != "mse" else None) or _read_batch(u, ctx)
     for b, (it, res) in enumerate(_rtn_items(u, w, pack=s.num_bits == 4)):
         # NaN/Inf anywhere in a matrix makes its sum of squares non-finite (a NaN group would otherwise
         # quantize silently with scale 1): free to check here; the exact test runs only on the failure path
@@ -209,6 +209,8 @@ def _rtn(u: RTNUnit, ctx: _Context) -> int:
             if not bool(torch.isfinite(w[b]).all()):
                 raise NonFiniteWeight(f"{it.module}: weight holds NaN or Inf values")
         meta = _item_meta(u, it, "rtn", float(res.sqnr_db()))
+        if s.scale_search == "mse":
+            meta["scale_search"] = "mse"
         tensors = int4_module(it.module, res.q, res.qparams.scale, res.qparams.zero_point, it.shape, s, u.src_dtype)
         for (name, t), (_, dtype, shape) in zip(tensors, module_tensors(it.module, it.shape, s, u.src_dtype)):
             ctx.write(name, t, tensor_entry(shape, dtype, **meta))
@@ -330,15 +332,16 @@ def _rtn_items(u: RTNUnit, w, pack: bool):
     batch, or a list of B zero-copy [N, K] views of the mapped source (see `_mapped_views`)."""
     s = u.scheme
     sd = scale_dtype(u.src_dtype)
+    search = s.scale_search or "amax"  # symmetric INT4 may search its group scales (docs/recipes.md)
     if isinstance(w, torch.Tensor):
-        res = rtn(w, s.num_bits, s.group_size, s.symmetric, sd, pack=pack)
+        res = rtn(w, s.num_bits, s.group_size, s.symmetric, sd, pack=pack, scale_search=search)
         zp = res.qparams.zero_point
         for b, it in enumerate(u.items):
             yield it, RTNResult(res.q[b], QParams(res.qparams.scale[b], None if zp is None else zp[b]),
                                 res.signal[b], res.noise[b])
     else:
         for it, x in zip(u.items, w):
-            yield it, rtn(x, s.num_bits, s.group_size, s.symmetric, sd, pack=pack)
+            yield it, rtn(x, s.num_bits, s.group_size, s.symmetric, sd, pack=pack, scale_search=search)
 
 
 def _mapped_views(u: RTNUnit, ctx: _Context) -> list[torch.Tensor] | None:

@@ -156,9 +156,13 @@ class Scheme:
                 raise RecipeError(f"activations: fp8 (W4AFP8) needs INT4 strategy group, group_size "
                                   f"{W4AFP8_GROUP_SIZE}, symmetric, no fallback: the only form vLLM loads "
                                   f"(CompressedTensorsW4A8Fp8MoEMethod)")
-        if self.scale_search is not None and (not self.fp4 or self.scale_search not in ("amax", "mse")):
-            raise RecipeError("scale_search is an FP4 option: amax or mse" if self.fp4 else
-                              f"scale_search applies to FP4 schemes only, not {self.type}{self.num_bits}")
+        if self.scale_search is not None:
+            int4 = self.type == "int" and self.num_bits == 4 and self.symmetric
+            if self.scale_search not in ("amax", "mse") or not (self.fp4 or int4):
+                raise RecipeError("scale_search is amax or mse, for FP4 schemes and symmetric INT4 (RTN), not "
+                                  f"{self.type}{self.num_bits}{'' if self.symmetric else ' asymmetric'}"
+                                  if self.scale_search in ("amax", "mse") else
+                                  f"scale_search must be amax or mse, got {self.scale_search!r}")
         fb = self.fallback
         if fb is not None and fb != "channel" and not (isinstance(fb, int) and fb > 0 and fb % 8 == 0):
             raise RecipeError(f"scheme.fallback must be 'channel' or a group size, got {fb!r}")

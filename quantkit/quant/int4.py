@@ -137,7 +137,8 @@ class RTNResult:
 
 
 def rtn(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetric: bool = True,
-        scale_dtype: torch.dtype = torch.bfloat16, pack: bool = False, native: bool = True) -> RTNResult:
+        scale_dtype: torch.dtype = torch.bfloat16, pack: bool = False, native: bool = True,
+        scale_search: str = "amax") -> RTNResult:
     """Round-to-nearest quantization of a batch of weights [..., N, K] (e.g. all experts [E, N, K]).
 
     Rows are independent (groups run along K), so the batch is flattened to rows and processed in
@@ -146,15 +147,22 @@ def rtn(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetr
 
     With pack=True the fused kernel of quantkit.quant._rtn_native runs when it can (numba installed,
     bf16/float32 rows on CPU, bf16/float32 scales, all values finite); native=False forces this torch
-    path, which is the definition the kernel is tested against."""
+    path, which is the definition the kernel is tested against.
+
+    `scale_search` "mse" (symmetric only): every group's clipping searched for the least squared error
+    (`choose_qparams_mse`, never above min/max's error); the torch path runs (the kernel is min/max)."""
     *lead, n, k = w.shape
     rows = w.reshape(-1, k)
     n_groups = 1 if group_size is None else k // group_size
     _grouped(rows[:1], group_size)  # validates divisibility before any work
     if pack and num_bits != 4:
         raise ValueError("pack=True needs num_bits=4")
-    res = _rtn_native(rows, group_size or k, symmetric, scale_dtype) if pack and native else None
-    out, scale, zp, sig, noise = res or _rtn_rows(rows, num_bits, group_size, symmetric, scale_dtype, pack)
+    if scale_search not in ("amax", "mse") or (scale_search == "mse" and not symmetric):
+        raise ValueError(f"scale_search must be amax, or mse with a symmetric scheme, got {scale_search!r}")
+    res = (_rtn_native(rows, group_size or k, symmetric, scale_dtype)
+           if pack and native and scale_search == "amax" else None)
+    out, scale, zp, sig, noise = res or _rtn_rows(rows, num_bits, group_size, symmetric, scale_dtype, pack,
+                                                  scale_search)
     lead_n = (*lead, n)
     qp = QParams(scale.reshape(*lead_n, n_groups), None if zp is None else zp.reshape(*lead_n, n_groups))
     return RTNResult(out.reshape(*lead_n, out.shape[-1]), qp,
@@ -162,9 +170,10 @@ def rtn(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetr
 
 
 def _rtn_rows(rows: torch.Tensor, num_bits: int, group_size: int | None, symmetric: bool, scale_dtype: torch.dtype,
-              pack: bool):
+              pack: bool, scale_search: str = "amax"):
     """The torch definition over rows [R, K] -> (q or packed [R, *], scale [R, G], zp [R, G] | None,
-    sum w^2 [R], sum err^2 [R]), in cache-sized chunks."""
+    sum w^2 [R], sum err^2 [R]), in cache-sized chunks. `scale_search` "mse": each group's scale is the
+    min/max scale times the clipping ratio with the least squared error (`choose_qparams_mse`)."""
     k = rows.shape[-1]
     n_groups = 1 if group_size is None else k // group_size
     qmin, qmax = qrange(num_bits)
@@ -176,7 +185,8 @@ def _rtn_rows(rows: torch.Tensor, num_bits: int, group_size: int | None, symmetr
     step = max(1, CHUNK_ELEMENTS // max(k, 1))
     for i in range(0, rows.shape[0], step):
         wf = _grouped(rows[i:i + step].float(), group_size)  # [r, G, g]
-        qp = choose_qparams(wf.flatten(-2), num_bits, group_size, symmetric, scale_dtype)
+        qp = (choose_qparams_mse(wf.flatten(-2), num_bits, group_size, symmetric, scale_dtype)
+              if scale_search == "mse" else choose_qparams(wf.flatten(-2), num_bits, group_size, symmetric, scale_dtype))
         s = qp.scale.unsqueeze(-1)
         qf = (wf / s).round_()
         if qp.zero_point is not None:

@@ -182,12 +182,28 @@ def _recipe(scheme: str, targets=r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj
 @pytest.mark.parametrize("scheme", [
     "{group_size: 64}", "{group_size: 128, symmetric: false}", "{strategy: channel}",
     "{strategy: channel, symmetric: false}", "{group_size: 32, symmetric: false}",
+    "{group_size: 32, scale_search: mse}",
 ])
 def test_schemes_match_judge(tiny_models, tmp_path, scheme):
     src = tiny_models("qwen3_moe", moe_intermediate=128)
     convert(src, tmp_path / "q", ConvertOptions(recipe=_recipe(scheme)))
     _, modules, _ = check_against_judge(tmp_path / "q")
     assert len(modules) == 24
+
+
+def test_rtn_mse_scales_never_worse_than_minmax(tiny_models, tmp_path):
+    """scale_search: mse on symmetric INT4: each group's clipping searched; every module's SQNR at least
+    min/max's (ratio 1.0 is a candidate and kept on ties), some strictly better, and the manifest says so."""
+    src = tiny_models("qwen3_moe", moe_intermediate=128)
+    convert(src, tmp_path / "amax", ConvertOptions(recipe=_recipe("{group_size: 32}")))
+    convert(src, tmp_path / "mse", ConvertOptions(recipe=_recipe("{group_size: 32, scale_search: mse}")))
+    amax = json.loads((tmp_path / "amax" / "quantkit_manifest.json").read_text())["tensors"]
+    mse = json.loads((tmp_path / "mse" / "quantkit_manifest.json").read_text())["tensors"]
+    packed = [n for n, e in mse.items() if n.endswith(".weight_packed")]
+    assert len(packed) == 24
+    gains = [mse[n]["sqnr_db"] - amax[n]["sqnr_db"] for n in packed]
+    assert min(gains) >= -1e-3 and max(gains) > 0.1, gains
+    assert all(mse[n]["scale_search"] == "mse" and "scale_search" not in amax[n] for n in packed)
 
 
 def _save_fused(src: Path, dst: Path):

@@ -84,3 +84,25 @@ def test_rtn_zero_group_and_scale_rounding():
 def test_rtn_rejects_indivisible_group():
     with pytest.raises(ValueError, match="not a multiple"):
         rtn(torch.randn(4, 48), 4, 32)
+
+
+def test_rtn_mse_is_the_searched_definition_and_never_worse():
+    """rtn(scale_search="mse") equals quantize(w, choose_qparams_mse(w)) exactly, with error <= min/max's per
+    matrix; asymmetric schemes refuse it."""
+    import pytest as _pytest
+
+    from quantkit.quant.int4 import choose_qparams_mse, quantize, rtn
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(3, 40, 128, generator=g) * torch.rand(3, 40, 1, generator=g)).to(torch.bfloat16)
+    w[0, 0, :32] = 0  # an all-zero group
+    w[1, 2, 5] = 40.0  # an outlier that clipping would ruin
+    res = rtn(w, 4, 32, True, torch.bfloat16, scale_search="mse")
+    qp = choose_qparams_mse(w, 4, 32, True, torch.bfloat16)
+    assert torch.equal(res.q, quantize(w, qp)) and torch.equal(res.qparams.scale, qp.scale)
+    base = rtn(w, 4, 32, True, torch.bfloat16)
+    assert bool((res.noise <= base.noise * (1 + 1e-6)).all()) and bool((res.noise < base.noise).any())
+    packed = rtn(w, 4, 32, True, torch.bfloat16, pack=True, scale_search="mse")
+    assert torch.equal(packed.qparams.scale, qp.scale) and torch.equal(packed.noise, res.noise)
+    with _pytest.raises(ValueError, match="symmetric"):
+        rtn(w, 4, 32, False, torch.bfloat16, scale_search="mse")
