@@ -3,11 +3,17 @@ recipes, then `quantkit verify --reference` (W4A4 measured as vLLM's FlashInfer 
 W4A16 beside it), the convert's wall time (W4A4 adds a calibration pass) and how many expert modules got the
 layer-max input scale because no calibration token reached them. About 2 minutes on 2 loaded cores.
 
-    PYTHONPATH=. .venv/bin/python bench/w4a4.py
+    PYTHONPATH=. .venv/bin/python bench/w4a4.py [--trained STEPS]
 
 Cases: qwen3_moe (hidden 256, 8 experts, top-2) from BF16, RTN; the tiny Kimi K2.5 wrapper with 15-level INT4
 QAT experts (the reference is the INT4 model), RTN and GPTQ. Random weights: the figures say how the pieces
 behave, not what a trained model loses.
+
+`--trained STEPS`: instead, the quality fixture (bench/fixture.py, a byte-level qwen3_moe trained on the stdlib's
+sources; STEPS training steps, cached) made an INT4 release the way Kimi's look (int4-experts-rtn, then its
+experts put on the 15-level grid: quantkit.tiny.kimi_int4_grid; a post-hoc stand-in for QAT), then NVFP4 W4A16
+and W4A4, RTN and GPTQ, from that INT4 release: calibration on training text, KL against the INT4 model on
+held-out text.
 """
 
 from __future__ import annotations
@@ -39,7 +45,79 @@ def run(src: Path, out: Path, recipe: str) -> dict:
             "top1_w4a16_same_weights": mt.get("top1_agreement_w4a16"), "passed_format": v["format"]["ok"]}
 
 
+GPTQ = """
+name: nvfp4{a}-experts-gptq
+groups:
+  experts:
+    targets: ['re:.*\\.mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$']
+    method: gptq
+    scheme: {{num_bits: 4, type: float, symmetric: true, strategy: tensor_group{acts}}}
+    options: {{damp: 0.01, actorder: true, block_size: 128, fallback: all_tokens}}
+ignore: ['re:.*\\.mlp\\.gate$', 'lm_head']
+"""
+
+
+def trained(steps: int) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from fixture import FixtureSpec, get_fixture, stdlib_corpus
+
+    from quantkit.match.recipe import parse_recipe
+    from quantkit.tiny import kimi_int4_grid
+
+    spec = FixtureSpec(steps=steps)
+    fx = get_fixture(spec, log=lambda m: None)
+    train, held = stdlib_corpus(spec.corpus_bytes)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+
+        def jsonl(name, data, n, length):  # n texts of `length` bytes (byte-level model: tokens are bytes)
+            step = max(length, (len(data) - length) // n)
+            rows = [data[i * step: i * step + length].decode("latin-1") for i in range(n)]
+            (tmp / name).write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+            return str(tmp / name)
+
+        cal, ev = jsonl("cal.jsonl", train, 64, 256), jsonl("eval.jsonl", held, 16, 256)
+        int4 = tmp / "int4"
+        convert(fx["model_dir"], int4, ConvertOptions(recipe="int4-experts-rtn", model_card=False))
+        kimi_int4_grid(int4)
+        recipes = {"nvfp4-experts": "nvfp4-experts", "nvfp4a4-experts": "nvfp4a4-experts",
+                   "nvfp4-experts-gptq": parse_recipe(GPTQ.format(a="", acts="")),
+                   "nvfp4a4-experts-gptq": parse_recipe(GPTQ.format(a="a4", acts=", activations: nvfp4"))}
+        for name, recipe in recipes.items():
+            out = tmp / name
+            t0 = time.perf_counter()
+            convert(int4, out, ConvertOptions(recipe=recipe, model_card=False, dataset=cal, num_samples=64,
+                                              seq_len=256))
+            secs = time.perf_counter() - t0
+            v = verify(out, reference=int4, dataset=ev, num_samples=16, seq_len=256, generation_tokens=0).to_json()
+            mt = v["metrics"]
+            row = {"model": f"trained fixture ({steps} steps, final loss {fx['final_loss']:.3f}), INT4 15-level "
+                            "experts", "recipe": name, "convert_s": round(secs, 1), "kl": mt["kl_divergence"],
+                   "top1": mt["top1_agreement"], "ppl_int4": mt["perplexity_reference"],
+                   "ppl": mt["perplexity_quantized"], "kl_w4a16_same_weights": mt.get("kl_divergence_w4a16")}
+            if "a4" in name:  # the same checkpoint as vLLM's CUTLASS backend runs it: each expert its own scale
+                import functools
+
+                import quantkit.verify.numerics as num
+
+                real = num.install_w4a4
+                num.install_w4a4 = functools.partial(real, scales="expert")
+                try:
+                    v2 = verify(out, reference=int4, dataset=ev, num_samples=16, seq_len=256,
+                                generation_tokens=0).to_json()
+                finally:
+                    num.install_w4a4 = real
+                row["kl_per_expert_scales"] = v2["metrics"]["kl_divergence"]
+            print(json.dumps(row), flush=True)
+
+
 def main():
+    import sys
+
+    if len(sys.argv) > 2 and sys.argv[1] == "--trained":
+        return trained(int(sys.argv[2]))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cases = [("qwen3_moe bf16", make_tiny_model("qwen3_moe", tmp / "q", hidden=256, experts=8),
