@@ -105,7 +105,7 @@ def _read_weight(r: TensorReader, stored: dict, base: str, device: torch.device 
 
 
 _COMPANIONS = (".weight_scale_inv", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx",
-               ".weight_packed")
+               ".weight_packed", ".weight_global_scale", ".input_global_scale")  # the last two: NVFP4 (W4A4)
 
 
 def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype = torch.float32,

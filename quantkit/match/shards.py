@@ -22,7 +22,7 @@ import torch
 from .. import options
 from ..arch import fused_experts
 from ..errors import CalibrationNeeded, GroupSizeError, RecipeError, UnsupportedDtype
-from ..pack.config import canonical_json, scheme_config
+from ..pack.config import canonical_json, is_nvfp4_w4a4, scheme_config
 from ..quant.fp8 import FP8Layout
 from ..read.checkpoint import Shard
 from ..read.safetensors import TensorInfo
@@ -97,7 +97,7 @@ def pass_unit(sw: StoredWeight, reason: str, group: WeightGroup | None, info: Ca
     cfg = {"format": sw.format, "weights": sw.weights, "input_activations": sw.input_activations}
     label = sw.label
     if sw.encoding != "fp8-block":
-        ours = Scheme.from_weights_config(sw.weights)
+        ours = Scheme.from_weights_config(sw.weights, sw.input_activations)
         if ours is None or canonical_json(scheme_config(ours)) != canonical_json(cfg):
             label += "+source"  # the source's own args (e.g. another observer): a config group of its own
     return PassUnit(QuantItem(sw.module, SourceRef(sw.primary), sw.shape), group, tuple(renames), label,
@@ -131,7 +131,10 @@ def decide(sw: StoredWeight | None, scheme: Scheme | None, targeted: bool) -> tu
     if sw.encoding in ("nvfp4", "mxfp4"):
         if scheme is None:
             return "pass", "fp4-kept"
-        return ("pass", "fp4-same-scheme") if scheme.fp4 == sw.encoding else ("dequantize", None)
+        # NVFP4 W4A4 asked of a weights-only NVFP4 module: it needs calibrated input scales, so it is decoded and
+        # re-quantized like any other (a W4A4 source module under a W4A16 recipe passes through as it is)
+        same = scheme.fp4 == sw.encoding and not (scheme.w4a4 and not is_nvfp4_w4a4(sw.weights, sw.input_activations))
+        return ("pass", "fp4-same-scheme") if same else ("dequantize", None)
     keep = scheme is None or (scheme.type == "float" and scheme.num_bits == 8
                               and FP8Layout(scheme.strategy, scheme.block_structure) == sw.layout)
     if keep and sw.layout.block is not None and sw.shape[1] % sw.layout.block[1]:

@@ -331,7 +331,8 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
         problems.add(p)
     bad = bool(found)
     entry = mtable.get(f"{m}.weight_packed") if isinstance(mtable.get(f"{m}.weight_packed"), dict) else {}
-    if entry.get("scheme") and entry["scheme"] != group.label:
+    # a module passed through with its source's own args is labelled `<label>+source` (match/shards.py pass_unit)
+    if entry.get("scheme") and str(entry["scheme"]).removesuffix("+source") != group.label:
         problems.add(f"{m}: the manifest records scheme {entry['scheme']}, config.json gives {group.label} "
                      f"({group.name})")
     if bad:
@@ -456,7 +457,8 @@ def _check_fp8_module(m: str, ck: Checkpoint, groups: list[_Group], ignore: list
         problems.add(f"{m}: in_features {k} is not a multiple of {gs}, the group size of {group.name}'s dynamic "
                      "input activations (compressed-tensors and vLLM cannot run it)")
         bad = True
-    if entry.get("scheme") and entry["scheme"] != group.label:
+    # a module passed through with its source's own args is labelled `<label>+source` (match/shards.py pass_unit)
+    if entry.get("scheme") and str(entry["scheme"]).removesuffix("+source") != group.label:
         problems.add(f"{m}: the manifest records scheme {entry['scheme']}, config.json gives {group.label} "
                      f"({group.name})")
     if bad:

@@ -295,3 +295,29 @@ def test_w4a4_from_a_block_fp8_release(tmp_path):
         assert math.isfinite(s) and s > 0
     # (the tiny model's FP8 shared experts, passed through, break B2: 64 rows; not the W4A4 experts' doing)
     assert not [p for p in engine_check(out).problems if p["rule"][0] in "AFM"]
+
+
+def test_nvfp4_sources_weights_only_and_w4a4(sparse, tmp_path):
+    """A weights-only NVFP4 source under a W4A4 recipe is re-quantized and calibrated (never passed through
+    without input scales); a W4A4 source under a W4A16 recipe passes through with its scales, and verify agrees."""
+    from quantkit.verify import verify
+
+    src, w4a4 = sparse
+    w4a16 = tmp_path / "w4a16"
+    convert(src, w4a16, ConvertOptions(recipe="nvfp4-experts"))
+    up = tmp_path / "up"
+    res = convert(w4a16, up, ConvertOptions(recipe="nvfp4a4-experts", num_samples=1, seq_len=6))
+    assert any("decoded on read and re-quantized" in n for n in res.notes)
+    sd = _tensors(up)
+    mods = [n[: -len(".weight_packed")] for n in sd if n.endswith(".weight_packed")]
+    assert all(math.isfinite(float(sd[f"{m}.input_global_scale"])) for m in mods) and len(mods) == 96
+    down = tmp_path / "down"
+    res = convert(w4a4, down, ConvertOptions(recipe="nvfp4-experts"))
+    assert any("passed through bit-exact" in n for n in res.notes)
+    before, after = _tensors(w4a4), _tensors(down)
+    kept = [n for n in after if n.endswith("input_global_scale")]
+    assert len(kept) == 96 and all(torch.equal(after[n], before[n]) for n in kept)
+    for out in (up, down):
+        v = verify(out).to_json()
+        assert v["format"]["ok"], v["format"]["problems"][:3]
+        assert engine_check(out).ok
