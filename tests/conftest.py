@@ -43,7 +43,8 @@ def pytest_runtest_protocol(item, nextitem):
 # lives in one place: a new file that converts or calibrates belongs in SLOW_FILES. Chosen from per-file
 # `--durations` runs and from what each file does (docs/code.md, after "Tests mirror the package").
 SLOW_FILES = {
-    "test_arch.py", "test_card.py", "test_cli.py", "test_report.py",
+    "test_arch.py", "test_card.py", "test_cli.py", "test_report.py", "test_report_hostile.py",
+    "test_report_timeline.py", "test_timeline.py",
     "calib/test_awq_moe.py", "calib/test_calibrate.py", "calib/test_device.py", "calib/test_executor.py",
     "calib/test_glm5_kimi25.py", "calib/test_passes.py", "calib/test_split.py",
     "convert/test_calibrated.py", "convert/test_convert.py", "convert/test_fp4.py", "convert/test_fp8.py",

@@ -17,12 +17,16 @@ DEFAULT_OUTPUT_NAME = "quantkit_report.html"
 
 # Module names are the only place the manifest keeps (layer, expert, projection); convert's
 # calibration report reads them with the same pattern.
-_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
-_LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)(?:\.|$)")
-_KV = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.self_attn\.(?P<kind>[kv])_scale$")
+# Indices of at most 9 digits: a 5,000-digit "layer" in a hostile name is not an index (int() would refuse it).
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d{1,9})\.(?P<proj>[^.]+)$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d{1,9})(?:\.|$)")
+_KV = re.compile(r"(?:^|\.)layers\.(?P<layer>\d{1,9})\.self_attn\.(?P<kind>[kv])_scale$")
 
 WORST_MODULES = 10
 MAX_EXPERTS = 1 << 14  # per layer; the largest releases have 384
+MAX_GRID_CELLS = 1 << 20  # layers x experts drawn as one heatmap (Kimi K2: 60 x 384 = 23,040); above, skipped
+MAX_PROJECTIONS = 16  # distinct projection names per expert that the report names (real models: 3)
+MAX_VERIFY_LAYERS = 100_000  # verify.json's per-layer rows drawn
 MAX_FALLBACK_ROWS = 1000  # one row per expert; the rest are counted (all of them are in the manifest)
 ANNOTATE_CELLS = 256  # heatmaps up to this many cells print their values in the cells
 SQNR_CAP_DB = 300.0  # an exact module has infinite SQNR; verify caps at the same value
@@ -111,6 +115,10 @@ def collect_modules(tensors: dict[str, dict]) -> list[ModuleInfo]:
     return out
 
 
+class GridTooLarge(ValueError):
+    """A layers x experts grid too large to draw densely: the section says so and draws nothing."""
+
+
 @dataclass(frozen=True)
 class ExpertGrid:
     """Rows = expert containers (`model.layers.L.mlp.experts`) in layer order, columns = expert index."""
@@ -125,6 +133,9 @@ class ExpertGrid:
             raise ConfigError(f"{MANIFEST_NAME} names routed expert {n_experts - 1}, beyond the {MAX_EXPERTS} "
                               "experts per layer the report draws", hint="the manifest is damaged or not quantkit's")
         rows = sorted(set(prefixes), key=lambda p: (_layer_of(p) if _layer_of(p) is not None else -1, p))
+        if len(rows) * n_experts > MAX_GRID_CELLS:
+            raise GridTooLarge(f"{len(rows):,} expert rows x {n_experts:,} experts is over the {MAX_GRID_CELLS:,} "
+                               "cells one heatmap draws")
         labels = [str(_layer_of(p)) if _layer_of(p) is not None else p for p in rows]
         if len(set(labels)) < len(labels):
             labels = list(rows)

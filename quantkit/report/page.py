@@ -16,8 +16,22 @@ from .model import ANNOTATE_CELLS, ExpertGrid, FIG_WIDTH_IN, _CSP, _CSS
 
 
 # ---- the page -----------------------------------------------------------------------------------------
-def _e(x) -> str:
-    return html.escape(str(x), quote=True)
+MAX_TEXT = 300  # characters of one interpolated value (a module name, a reason) shown; the manifest has all
+
+
+def _e(x, limit: int = MAX_TEXT) -> str:
+    """HTML-escaped text, cut to `limit` characters (names in a manifest are input: a 1 MB module name must not
+    make a 1 MB table cell, or a thousand of them a gigabyte page)."""
+    s = str(x)
+    if len(s) > limit:
+        s = f"{s[:limit]}... ({len(s):,} characters)"
+    return html.escape(s, quote=True)
+
+
+def _short(x, limit: int = 60) -> str:
+    """Plain text for figure titles and tick labels, cut to `limit` characters."""
+    s = str(x)
+    return s if len(s) <= limit else s[:limit - 3] + "..."
 
 
 def _fmt_bytes(n: int | float | None) -> str:
@@ -116,7 +130,7 @@ class _Page:
             self.add("<h3>Notes recorded by convert</h3><ul class=\"notes\">"
                      + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>")
         if recipe.get("text"):
-            self.add(f"<details><summary>recipe text</summary><pre>{_e(recipe['text'])}</pre></details>")
+            self.add(f"<details><summary>recipe text</summary><pre>{_e(recipe['text'], 1 << 20)}</pre></details>")
 
     def render(self, title: str) -> str:
         nav = "".join(f'<a href="#{sid}">{_e(t)}</a>' for sid, t in self.nav)
@@ -171,7 +185,7 @@ def _svg(fig, fig_id: str) -> str:
 
 def _heat_rows(n_rows: int) -> float:
     """Figure height (inches) for a heatmap of n_rows rows: readable cells for a few layers, 61 still fit."""
-    return 1.5 + n_rows * min(0.4, max(0.11, 5.0 / max(n_rows, 1)))
+    return min(1.5 + n_rows * min(0.4, max(0.11, 5.0 / max(n_rows, 1))), 40.0)
 
 
 def _label_axes(ax, grid: ExpertGrid) -> None:
@@ -185,7 +199,7 @@ def _label_axes(ax, grid: ExpertGrid) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(nbins=24, integer=True))
     step = max(1, math.ceil(rows / 32))
     ax.set_yticks(range(0, rows, step))
-    ax.set_yticklabels(grid.labels[::step], fontsize=8 if rows > 16 else 9)
+    ax.set_yticklabels([_short(x) for x in grid.labels[::step]], fontsize=8 if rows > 16 else 9)
     ax.set_xlabel("routed expert")
     ax.set_ylabel("layer")
 

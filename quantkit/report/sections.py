@@ -11,8 +11,9 @@ import numpy as np
 
 from ..read.checkpoint import Checkpoint
 from ..read.safetensors import SafetensorsFile
+from .model import MAX_PROJECTIONS, MAX_VERIFY_LAYERS, GridTooLarge
 from .model import ANNOTATE_CELLS, BELOW_THRESHOLD, ExpertGrid, FALLBACK, MAX_FALLBACK_ROWS, MISSING, ModuleInfo, SQNR_CAP_DB, VERIFY_NAME, WORST_MODULES, ZERO_TOKENS, _EXPERT, _KV, _layer_of, _number
-from .page import _Page, _annotate, _e, _fmt_bytes, _fmt_db, _fmt_value, _heat_rows, _integer_x, _label_axes, _luminance, _new_figure
+from .page import _Page, _annotate, _e, _short, _fmt_bytes, _fmt_db, _fmt_value, _heat_rows, _integer_x, _label_axes, _luminance, _new_figure
 
 
 # ---- section: SQNR ------------------------------------------------------------------------------------
@@ -37,7 +38,12 @@ def _sqnr_heatmap(page: _Page, experts: list[ModuleInfo], threshold: float) -> N
     from matplotlib.colors import Normalize
     from matplotlib.patches import Patch
 
-    grid = ExpertGrid.of((m.prefix for m in experts), max(m.expert for m in experts) + 1)
+    try:
+        grid = ExpertGrid.of((m.prefix for m in experts), max(m.expert for m in experts) + 1)
+    except GridTooLarge as e:
+        page.skip("sqnr-heatmap", f"No layer x expert heatmap: {e}. The per-layer figure and the tables below "
+                                  "still cover every module.")
+        return
     row = grid.index()
     projs = sorted({m.proj for m in experts})
     worst = np.full((len(grid.rows), grid.n_experts), np.nan)  # [layers, experts] dB
@@ -62,7 +68,7 @@ def _sqnr_heatmap(page: _Page, experts: list[ModuleInfo], threshold: float) -> N
     ax = axs[0, 0]
     im = ax.imshow(np.ma.masked_invalid(shown), cmap=cmap, norm=norm, aspect="auto", interpolation="none")
     _label_axes(ax, grid)
-    ax.set_title(f"SQNR of each expert's worst projection (min over {', '.join(projs)}), dB", fontsize=11)
+    ax.set_title(f"SQNR of each expert's worst projection (min over {_proj_list(projs, _short)}), dB", fontsize=11)
     cb = fig.colorbar(im, ax=ax, extend="min" if below else "neither", fraction=0.04, pad=0.01)
     cb.set_label("dB (darker = more error)")
     handles = [Patch(color=MISSING, label="no such module")] if np.isnan(worst).any() else []
@@ -77,16 +83,21 @@ def _sqnr_heatmap(page: _Page, experts: list[ModuleInfo], threshold: float) -> N
     # caption: where it is worst, which projection is usually the worst one
     i, j = np.unravel_index(np.nanargmin(shown), shown.shape)
     counts = Counter(int(p) for p in worst_proj.ravel() if p >= 0)
-    share = ", ".join(f"{projs[p]} {c / sum(counts.values()):.0%}" for p, c in counts.most_common())
-    med = {p: float(np.median([m.sqnr_db for m in experts if m.proj == p])) for p in projs}
+    share = ", ".join(f"{projs[p]} {c / sum(counts.values()):.0%}" for p, c in counts.most_common(MAX_PROJECTIONS))
+    per_proj: dict[str, list[float]] = defaultdict(list)  # one pass: 10^6 projection names stay linear
+    for m in experts:
+        per_proj[m.proj].append(m.sqnr_db)
+    med = {p: float(np.median(per_proj[p])) for p in projs[:MAX_PROJECTIONS]}
     cap = (f"Each cell is one routed expert (column) of one MoE layer (row); its colour is the lowest SQNR "
-           f"among the expert's projections ({_e(', '.join(projs))}), as convert recorded it "
+           f"among the expert's projections ({_e(_proj_list(projs))}), as convert recorded it "
            f"(10&nbsp;log10(&Sigma;w&sup2; / &Sigma;(w &minus; dequant)&sup2;)). Higher is better: dark cells "
            f"carry the most quantization error; red cells are below verify's {threshold:g}&nbsp;dB threshold "
            f"({below} of {int(np.isfinite(worst).sum())}). Worst: layer {_e(grid.labels[i])}, expert {j} at "
            f"{shown[i, j]:.2f}&nbsp;dB; range {lo:.2f}&ndash;{hi:.2f}&nbsp;dB. The worst projection is "
            f"{_e(share)} of the time; median per projection: "
-           + ", ".join(f"{_e(p)} {v:.2f}&nbsp;dB" for p, v in med.items()) + ".")
+           + ", ".join(f"{_e(p)} {v:.2f}&nbsp;dB" for p, v in med.items())
+           + (f" (the first {MAX_PROJECTIONS} of {len(projs):,} projection names)" if len(projs) > MAX_PROJECTIONS else "")
+           + ".")
     page.figure("fig-sqnr-heatmap", fig, cap)
 
 
@@ -142,7 +153,11 @@ def _section_tokens(page: _Page, manifest: dict, modules: list[ModuleInfo]) -> N
         page.skip("tokens", f"Calibrated, but no routed expert was calibrated (no calibration.expert_tokens); "
                             f"{len(fallbacks)} fallback(s) are listed in the table below.")
         return
-    grid = ExpertGrid.of(counts, max(len(c) for c in counts.values()))
+    try:
+        grid = ExpertGrid.of(counts, max(len(c) for c in counts.values()))
+    except GridTooLarge as e:
+        page.skip("tokens", f"No token-coverage heatmap: {e}. The fallbacks table below lists every fallback.")
+        return
     row = grid.index()
     tokens = np.full((len(grid.rows), grid.n_experts), -1.0)  # [layers, experts]; -1 = no such expert
     for p, c in counts.items():
@@ -383,7 +398,10 @@ def _section_verify(page: _Page, doc: dict | None, origin: str | None) -> None:
             + "</table>")
     else:
         page.add('<p class="skip">No model-level metrics: verify ran without --reference.</p>')
-    layers = [x for x in doc.get("layers") or [] if isinstance(x, dict) and isinstance(x.get("layer"), int)
+    raw = doc.get("layers") if isinstance(doc.get("layers"), list) else []
+    # a layer index is a small non-negative integer (a 1000-digit one cannot be drawn, nor is it a layer)
+    layers = [x for x in raw[:MAX_VERIFY_LAYERS] if isinstance(x, dict) and isinstance(x.get("layer"), int)
+              and not isinstance(x.get("layer"), bool) and 0 <= x["layer"] < 10 ** 9
               and _number(x.get("min_sqnr_db")) is not None]
     if not layers:
         page.skip("verify-layers", "verify measured no per-layer SQNR (it needs --reference).")
@@ -457,6 +475,12 @@ def _section_tables(page: _Page, modules: list[ModuleInfo], manifest: dict) -> N
              + "".join(rows) + "</table>"
              + (f"<p class=\"skip\">... and {more} more rows (all listed in the manifest's calibration.fallbacks).</p>"
                 if more > 0 else ""))
+
+
+def _proj_list(projs: list[str], fmt=str) -> str:
+    """Projection names for a title or caption: at most MAX_PROJECTIONS, each cut short."""
+    shown = ", ".join(fmt(p) if fmt is not str else p[:80] for p in projs[:MAX_PROJECTIONS])
+    return shown + (f", ... ({len(projs):,} names)" if len(projs) > MAX_PROJECTIONS else "")
 
 
 def _natural(name: str) -> list:
