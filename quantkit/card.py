@@ -387,7 +387,7 @@ def _calibration_lines(facts: _Facts) -> list[str]:
         why = "; ".join(f"{r}: {len(e)}" for r, e in sorted(experts.items(), key=lambda kv: -len(kv[1])))
         out.append(f"Starved experts (too few calibration tokens, fallback used): {len(starved)} ({why}); "
                    "per module in the manifest's `calibration.fallbacks`.")
-    else:
+    elif not cal.get("input_scale_fallbacks"):
         out.append("Starved experts: none (every expert saw enough calibration tokens).")
     inputs = cal.get("input_scale_fallbacks") or {}
     if inputs:  # NVFP4 W4A4 (calib/emit.py): experts no token reached take their layer's largest input amax

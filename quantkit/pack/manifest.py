@@ -56,14 +56,16 @@ def expert_report(tensors: dict[str, dict]) -> dict:
         scale = e.get("input_scale") if name.endswith(".weight_packed") else None
         if isinstance(scale, dict) and scale.get("source") != "calibrated":
             input_fallbacks[name[: -len(".weight_packed")]] = {k: scale.get(k) for k in ("source", "tokens", "reason")}
-        if not name.endswith(".weight_packed") or "tokens" not in e:
+        # routed tokens: the calibrated method's count, else (NVFP4 W4A4 RTN modules) the input scale's
+        count = e.get("tokens", scale.get("tokens") if isinstance(scale, dict) else None)
+        if not name.endswith(".weight_packed") or count is None:
             continue
         module = name[: -len(".weight_packed")]
         if e.get("fallback"):
             fallbacks[module] = e["fallback"]
         m = _EXPERT_MODULE.match(module)
         if m:
-            tokens.setdefault(m[1], {})[int(m[2])] = e["tokens"]
+            tokens.setdefault(m[1], {})[int(m[2])] = count
     out = {"expert_tokens": {p: [c[i] for i in sorted(c)] for p, c in sorted(tokens.items())},
            "fallbacks": dict(sorted(fallbacks.items()))}
     if input_fallbacks:

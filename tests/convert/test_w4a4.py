@@ -321,3 +321,15 @@ def test_nvfp4_sources_weights_only_and_w4a4(sparse, tmp_path):
         v = verify(out).to_json()
         assert v["format"]["ok"], v["format"]["problems"][:3]
         assert engine_check(out).ok
+
+
+def test_expert_tokens_of_rtn_w4a4_are_in_the_manifest(sparse):
+    _, out = sparse
+    m = json.loads((out / "quantkit_manifest.json").read_text())
+    counts = m["calibration"]["expert_tokens"]
+    assert sorted(counts) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    for layer, per in counts.items():
+        assert len(per) == 16 and sum(per) == 6 * 2  # 6 tokens, top-2
+        assert [e for e, c in enumerate(per) if c == 0] == sorted(
+            int(mod.split(".experts.")[1].split(".")[0]) for mod in m["calibration"]["input_scale_fallbacks"]
+            if mod.startswith(layer + ".") and mod.endswith("gate_proj"))
