@@ -227,7 +227,7 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
     if egroup is not None and egroup.method == "rtn":  # W4A4 input amax only: one expert's gate/up products
         _, experts, _, _ = _find_moe(layer)
         e, p, h = (int(d) for d in experts.gate_up_proj.shape)
-        out["input_amax"] = tokens * (h + p) * 4 + e * 8
+        out["input_amax"] = tokens * (h + p) * 4 + p * h * 4 + e * 8  # rows, products, one expert's fp32 weight
     elif egroup is not None:
         _, experts, router, _ = _find_moe(layer)
         e, p, h = (int(d) for d in experts.gate_up_proj.shape)
