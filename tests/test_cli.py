@@ -92,10 +92,15 @@ def test_demo_refuses_a_directory_that_is_not_its_own(tmp_path):
     ("huge", "limit"), ("latin1", "not UTF-8"), ("deep", "nested more than"),
     ("regex", "bad regex"), ("unmatched", "match no module")])
 def test_hostile_recipes_end_in_one_line_within_10s(tiny_models, tmp_path, case, msg):
-    """issue 26.3: each ends in exit 1, `error:` + `hint:` lines, with nothing written. The work itself takes
-    < 2 s (tests/match/test_recipe.py times it in process); the bound here allows for starting Python and torch
-    on a loaded machine (~15 s measured on the shared 2-core box)."""
+    """issue 26.3: each ends in exit 1, `error:` + `hint:` lines, with nothing written, within 10 s beyond what
+    starting quantkit on this source costs (measured here, a plain `quantkit inspect` of it: Python, torch and
+    the headers; ~15 s on a loaded 2-core machine). The work itself takes < 2 s (tests/match/test_recipe.py
+    times it in process)."""
     import time
+
+    t = time.perf_counter()
+    assert run("inspect", tiny_models("qwen3_moe")).returncode == 0
+    start_up = time.perf_counter() - t
 
     r = tmp_path / "r.yaml"
     if case == "huge":
@@ -107,7 +112,7 @@ def test_hostile_recipes_end_in_one_line_within_10s(tiny_models, tmp_path, case,
                        "unmatched": b"groups: {e: {targets: ['re:.*expertz\\\\.']}}\n"}[case])
     t = time.perf_counter()
     p = run("convert", tiny_models("qwen3_moe"), tmp_path / "o", "--recipe", r)
-    assert time.perf_counter() - t < 60
+    assert time.perf_counter() - t < start_up + 10
     lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "━" not in ln and "converting" not in ln]
     assert p.returncode == 1 and lines[0].startswith("error: ") and msg in lines[0], p.stderr
     assert len(lines) == 2 and lines[1].startswith("hint: ") and "internal error" not in p.stderr

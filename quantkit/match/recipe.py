@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import re._constants as _sre
-import re._parser as _sre_parse
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -44,6 +42,8 @@ from ..errors import RecipeError
 from ..pack.config import W4AFP8_GROUP_SIZE, is_nvfp4_w4a4, scheme_label, weights_config
 from ..pack.kv import STRATEGIES as KV_STRATEGIES
 from ..pack.kv import kv_cache_scheme
+from ..pack.targets import (MAX_CHOICES, MAX_MATCH_NAME, MAX_PATTERN_CHARS, MAX_UNBOUNDED,  # noqa: F401
+                            check_regex, matches)
 
 METHODS = ("rtn", "gptq", "awq")
 STRATEGIES = ("group", "channel", "tensor", "block", "tensor_group")
@@ -415,84 +415,8 @@ class Recipe:
         return self.kv_cache is not None or self.needs_calibrated_pass
 
 
-_RE_CACHE: dict[str, re.Pattern] = {}
 MAX_RECIPE_BYTES = 256 << 10  # recipes are a few KB; larger files are refused before YAML parses them
 MAX_YAML_DEPTH = 64  # nesting of YAML collections (a recipe needs 5)
-MAX_PATTERN_CHARS = 1000
-MAX_UNBOUNDED = 3  # unbounded repeats (*, +, {n,}) per pattern: matching costs at most ~n^3 steps
-MAX_MATCH_NAME = 512  # module names matched against `re:` patterns (real ones are < 200 characters)
-MAX_CHOICES = 4096  # product of the options of ?, {m,n} and | in a pattern
-_REPEAT_OPS = (_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT)
-
-
-def check_regex(rx: str) -> None:
-    """Refuse a target/ignore regex whose matching time can explode (catastrophic backtracking), by
-    inspecting its parsed form: a repeated part (`*`, `+`, `{m,n}` with n > 1) may hold no quantifier and
-    no alternation (`(.*)*`, `(a|a)*`, `(\\w+\\.)*`, `(a?){30}`: exponential); at most MAX_UNBOUNDED
-    unbounded repeats (`.*.*.*.*Z$` is quartic in the name's length); the choices of `?`, `{m,n}` and `|`
-    multiply to at most MAX_CHOICES. Also refuses invalid patterns. Raises ValueError with the rule broken."""
-    if len(rx) > MAX_PATTERN_CHARS:
-        raise ValueError(f"longer than {MAX_PATTERN_CHARS} characters")
-    try:
-        tree = _sre_parse.parse(rx)
-    except (re.error, RecursionError, OverflowError) as e:
-        raise ValueError(f"not a regex: {str(e)[:80]}") from None
-    unbounded, choices = 0, 1
-
-    def walk(items, repeated: bool):
-        nonlocal unbounded, choices
-        for op, av in items:
-            if op in _REPEAT_OPS:
-                lo, hi, sub = av
-                if repeated:
-                    raise ValueError("a quantifier inside a repeated group (catastrophic backtracking)")
-                if hi == _sre.MAXREPEAT:
-                    unbounded += 1
-                elif hi > lo:
-                    choices *= hi - lo + 1
-                walk(sub, hi > 1)
-            elif op is _sre.BRANCH:
-                if repeated:
-                    raise ValueError("an alternation inside a repeated group (catastrophic backtracking)")
-                choices *= len(av[1])
-                for sub in av[1]:
-                    walk(sub, repeated)
-            elif op is _sre.SUBPATTERN:
-                walk(av[-1], repeated)
-            elif op is _sre.ATOMIC_GROUP:
-                walk(av, repeated)
-            elif op in (_sre.ASSERT, _sre.ASSERT_NOT):
-                walk(av[1], repeated)
-            elif op is _sre.GROUPREF_EXISTS:
-                choices *= 2
-                walk(av[1], repeated)
-                if av[2] is not None:
-                    walk(av[2], repeated)
-            if choices > MAX_CHOICES:
-                raise ValueError(f"its ?, {{m,n}} and | make over {MAX_CHOICES} combinations")
-
-    walk(tree, False)
-    if unbounded > MAX_UNBOUNDED:
-        raise ValueError(f"{unbounded} unbounded repeats (*, +, {{n,}}), at most {MAX_UNBOUNDED} allowed")
-
-
-def matches(pattern: str, name: str) -> bool:
-    """compressed-tensors target rule: exact name, or `re:<regex>` with re.match. Patterns are checked
-    (check_regex) before their first use; a name over MAX_MATCH_NAME characters is a RecipeError."""
-    if pattern.startswith("re:"):
-        rx = _RE_CACHE.get(pattern)
-        if rx is None:
-            try:
-                check_regex(pattern[3:])
-            except ValueError as e:
-                raise RecipeError(f"refused regex {_short(pattern)}: {e}") from None
-            rx = _RE_CACHE[pattern] = re.compile(pattern[3:])
-        if len(name) > MAX_MATCH_NAME:
-            raise RecipeError(f"module name of {len(name)} characters ({_short(name)}) is longer than "
-                              f"{MAX_MATCH_NAME}: recipe patterns are not matched against such names",
-                              hint="the checkpoint's tensor names are implausible; check its source")
-        return rx.match(name) is not None
-    return pattern == name
 
 
 def _short(s: str, n: int = 60) -> str:

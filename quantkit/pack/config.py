@@ -9,7 +9,12 @@ import json
 import re
 from typing import Any, NamedTuple
 
+from ..errors import ConfigError
 from ..quant.fp8 import FP8Layout
+from .targets import matches
+
+# a checkpoint's own quantization_config is input: its `re:` targets pass the same checks as a recipe's
+TARGET_HINT = "the checkpoint's quantization_config has a target quantkit will not evaluate; check its source"
 
 
 def canonical_json(d) -> str:
@@ -263,17 +268,6 @@ def _unwrapped(entry: str, prefix: str) -> str:
     return "re:" + any_ + re.escape(tail) + "$"
 
 
-_RE_CACHE: dict[str, re.Pattern] = {}
-
-
-def matches(pattern: str, name: str) -> bool:
-    """compressed-tensors target rule: exact name, or `re:<regex>` with re.match."""
-    if pattern.startswith("re:"):
-        rx = _RE_CACHE.get(pattern)
-        if rx is None:
-            rx = _RE_CACHE[pattern] = re.compile(pattern[3:])
-        return rx.match(name) is not None
-    return pattern == name
 
 
 def targeting(module: str, groups, targets=lambda g: g.targets) -> list:
@@ -281,7 +275,7 @@ def targeting(module: str, groups, targets=lambda g: g.targets) -> list:
     exact module name, then a `re:` pattern (re.match), then a class name such as "Linear" (quantized
     modules are Linear layers). `targets(group)` gives a group's targets. More than one entry: ambiguous."""
     levels = (lambda t: t == module,
-              lambda t: t.startswith("re:") and matches(t, module),
+              lambda t: t.startswith("re:") and matches(t, module, ConfigError, TARGET_HINT),
               lambda t: not t.startswith("re:") and "." not in t and t[:1].isupper())
     for level in levels:
         hit = [g for g in groups if any(level(t) for t in targets(g))]

@@ -9,6 +9,7 @@ against the reference."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -17,8 +18,10 @@ from typing import Any
 import torch
 
 from ..arch import text_config
+from ..errors import ConfigError
 from ..match.recipe import Scheme
-from ..pack.config import matches
+from ..pack.config import TARGET_HINT
+from ..pack.targets import matches as _target_matches
 from ..pack import checks
 from ..pack import kv as kvrules
 from ..pack import fp4 as fp4pack
@@ -36,6 +39,11 @@ KERNEL_MODULES = 4  # modules the kernel check runs the INT4 GEMM on
 # FP8 scales are float32 (docs/format.md); a module passed through from a compressed-tensors source keeps
 # its source's scale dtype, which compressed-tensors also writes as bfloat16 / float16
 FP8_SOURCE_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """The checkpoint's own targets and ignore list are input: checked as a recipe's are (pack/targets.py)."""
+    return _target_matches(pattern, name, ConfigError, TARGET_HINT)
 
 
 @dataclass(frozen=True)
@@ -184,11 +192,14 @@ class Judge:
             from compressed_tensors.compressors import BaseCompressor
 
             compressor = BaseCompressor.get_value_from_registry(group.format)
-        scheme = self._schemes.get(group.name)
+        # keyed by what the scheme is, not the group's name: group_0 of two checkpoints judged by one Judge
+        # (a prefill/decode pair) may be different schemes
+        key = json.dumps([group.format, group.weights, group.input_activations], sort_keys=True, default=str)
+        scheme = self._schemes.get(key)
         if scheme is None:
             acts = args(**group.input_activations) if group.input_activations else None
-            scheme = self._schemes[group.name] = scheme_cls(targets=["Linear"], weights=args(**group.weights),
-                                                            input_activations=acts)
+            scheme = self._schemes[key] = scheme_cls(targets=["Linear"], weights=args(**group.weights),
+                                                     input_activations=acts)
         return compressor.decompress(dict(local), scheme)["weight"]
 
 
@@ -289,12 +300,12 @@ def _check_dense_modules(ck: Checkpoint, groups: list[_Group], ignore: list[str]
             continue
         if len(info.shape) != 2 or not info.dtype.is_floating_point or info.dtype.itemsize == 1:
             continue
-        if any(matches(p, m) for p in ignore):
+        if any(_matches(p, m) for p in ignore):
             continue
         g, _ = _group_for(m, groups)
         if g is not None and g.kind == "other":
             continue
-        by_name = g is not None and (m in g.targets or any(t.startswith("re:") and matches(t, m) for t in g.targets))
+        by_name = g is not None and (m in g.targets or any(t.startswith("re:") and _matches(t, m) for t in g.targets))
         # a ["Linear"] class target cannot see module classes here: embeddings are not Linear, skip them
         if by_name or (g is not None and not _EMBEDDING.match(m)):
             want = "weight_packed" if g.packed else "a float8 weight and a weight_scale"
@@ -305,7 +316,7 @@ def _check_dense_modules(ck: Checkpoint, groups: list[_Group], ignore: list[str]
 def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: dict, reader: TensorReader,
                   ref_reader: "_Reference | None", judge: Judge, problems: Listing, sqnr: dict, drift: list,
                   kernel_modules: list | None) -> None:
-    if any(matches(p, m) for p in ignore):
+    if any(_matches(p, m) for p in ignore):
         problems.add(f"{m}: quantized (has weight_packed) but listed in quantization_config.ignore")
     group, why = _group_for(m, groups)
     if group is None:
@@ -410,7 +421,7 @@ def _check_fp8_module(m: str, ck: Checkpoint, groups: list[_Group], ignore: list
     compressed-tensors' decompression equals quantkit's q.float() * scale bit for bit; the SQNR."""
     winfo = ck.info(f"{m}.weight")
     has = f"an FP8 weight ({str(winfo.dtype).removeprefix('torch.')})"
-    if any(matches(p, m) for p in ignore):
+    if any(_matches(p, m) for p in ignore):
         problems.add(f"{m}: stored FP8 (a float8 weight) but listed in quantization_config.ignore (loaders would "
                      "read the float8 codes as an unquantized weight)")
     group, why = _group_for(m, groups, has)

@@ -242,3 +242,35 @@ def test_kv_scales_directory_is_called_a_directory(cli, src18, tmp_path):
     r = cli.convert(src18, tmp_path / "out", "--kv-scales", d)
     line = assert_clean_failure(r, tmp_path / "out")
     assert "is a directory" in line and "does not exist" not in line, line
+
+
+def test_a_catastrophic_regex_target_in_a_source_config_is_refused(ct_sources, tmp_path):
+    """A source's own quantization_config targets are input: an `re:` pattern that backtracks exponentially
+    (here against every module name) is refused by the rule recipes follow (pack/targets.py), at once, not
+    evaluated."""
+    from quantkit.errors import ConfigError
+
+    src = tmp_path / "src"
+    shutil.copytree(ct_sources["int4"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    for g in cfg["quantization_config"]["config_groups"].values():
+        g["targets"] = ["re:(.*)*(.*)*(.*)*(.*)*Z$"] + list(g["targets"])
+    (src / "config.json").write_text(json.dumps(cfg))
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match="refused regex") as ei:
+        convert(src, tmp_path / "q", ConvertOptions(recipe=_recipe(ct_sources, "int4")))
+    assert time.perf_counter() - t0 < 10 and "quantization_config" in ei.value.hint
+    assert manifest_status(tmp_path / "q") is None
+
+
+def test_calibrate_checks_a_compressed_tensors_source_too(ct_sources, tmp_path):
+    """`quantkit calibrate` decodes a compressed-tensors source's experts for its forward: a NaN scale is
+    refused by the same check convert runs, naming the tensor, before any calibration."""
+    from quantkit.calibrate import calibrate
+
+    src = tmp_path / "src"
+    shutil.copytree(ct_sources["int4"], src)
+    edit_tensors(src, put("weight_scale", value=float("nan")))
+    with pytest.raises(E.SourceTensorError, match=f"{M}.weight_scale"):
+        calibrate(str(src), num_samples=2, seq_len=16)
+    assert not list(tmp_path.glob("*.safetensors"))
