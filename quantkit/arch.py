@@ -81,7 +81,7 @@ class Wrapper:
 WRAPPERS = {"kimi_k25": Wrapper("text_config", "language_model.", "deepseek_v3")}
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES) + tuple(ALIASES) + tuple(WRAPPERS)
 # The decoder-layer index in a tensor or module name ("model.layers.12.mlp..." -> 12): search, group 1.
-LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d{1,9})\.")
 
 
 def layer_index(name: str) -> int | None:
@@ -361,7 +361,7 @@ def parse_config(config: Mapping[str, Any]) -> ModelSpec:
 # ---- the config against the tensors ------------------------------------------------------------------
 def _expert_rx(p: str) -> re.Pattern:
     """Per-expert tensors of a checkpoint whose text model sits under prefix `p`: groups layer, expert."""
-    return re.compile(re.escape(p) + r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
+    return re.compile(re.escape(p) + r"model\.layers\.(\d{1,9})\.(?:mlp|block_sparse_moe)\.experts\.(\d{1,9})\.")
 
 
 def check_tensors(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -380,11 +380,16 @@ def check_tensors(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]]) -> Non
     experts: dict[int, set[int]] = {}
     fused: dict[int, int] = {}
     ex = _expert_rx(p)
-    fx = re.compile(re.escape(p) + r"model\.layers\.(\d+)\.mlp\.experts\.(?:gate_up_proj|down_proj)$")
+    fx = re.compile(re.escape(p) + r"model\.layers\.(\d{1,9})\.mlp\.experts\.(?:gate_up_proj|down_proj)$")
     for name, shape in shapes.items():
         if not name.startswith(f"{p}model.layers."):
             continue
-        layers.add(layer_index(name))
+        idx = layer_index(name)
+        if idx is None:  # e.g. a 5,000-digit "index": not a decoder layer of any model
+            shown = name if len(name) <= 80 else name[:77] + "..."
+            raise ConfigMismatch(f"tensor {shown!r} is under model.layers. without a decoder-layer index "
+                                 f"(at most 9 digits)")
+        layers.add(idx)
         e = ex.match(name)
         if e:
             experts.setdefault(int(e[1]), set()).add(int(e[2]))

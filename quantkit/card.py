@@ -262,16 +262,16 @@ def describe_scheme(label: str) -> str:
     """`int4-g32-sym` -> `INT4 weights, group 32, symmetric; activations unquantized (W4A16)`."""
     core, _, origin = label.partition("+")
     suffix = " (as stored in the source)" if origin == "source" else ""
-    m = re.fullmatch(r"int(\d+)-(?:g(\d+)|(channel))-(sym|asym)", core)
+    m = re.fullmatch(r"int(\d{1,9})-(?:g(\d{1,9})|(channel))-(sym|asym)", core)
     if m:
         gran = f"group {m[2]}" if m[2] else "per channel"
         sym = "symmetric" if m[4] == "sym" else "asymmetric"
         return f"INT{m[1]} weights, {gran}, {sym}; activations unquantized (W{m[1]}A16){suffix}"
-    m = re.fullmatch(r"fp8-(block(\d+)x(\d+)|channel|tensor)", core)
+    m = re.fullmatch(r"fp8-(block(\d{1,9})x(\d{1,9})|channel|tensor)", core)
     if m:
         gran = f"{m[2]}x{m[3]} blocks" if m[2] else f"per {m[1]}"
         return f"FP8 (e4m3) weights, {gran}; dynamic FP8 activations (W8A8){suffix}"
-    m = re.fullmatch(r"(nvfp4|mxfp4)-g(\d+)(-a4)?", core)
+    m = re.fullmatch(r"(nvfp4|mxfp4)-g(\d{1,9})(-a4)?", core)
     if m:
         scales = ("an FP8 (e4m3) scale per group and an FP32 global scale per matrix" if m[1] == "nvfp4"
                   else "an E8M0 (power-of-two) scale per group")

@@ -129,7 +129,7 @@ def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype =
         raise UnsupportedWeights(f"the checkpoint holds no tensors for layer {layer_idx} ({prefix}*)")
     renames = ((f".{names.block}.", ".mlp."),) if names is not None and names.block != "mlp" else ()
     parts = _expert_parts(names) if names is not None else {}
-    expert_rx = re.compile(r"^mlp\.experts\.(\d+)\.(" + "|".join(parts or ["-"]) + r")$")
+    expert_rx = re.compile(r"^mlp\.experts\.(\d{1,9})\.(" + "|".join(parts or ["-"]) + r")$")
 
     # logical modules: relative in-memory module name -> on-disk base name
     modules: dict[str, str] = {}

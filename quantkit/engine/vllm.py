@@ -129,7 +129,7 @@ RULES = {r.id: r for r in (
 )}
 
 # the parts vLLM fuses into one Linear (the last part may be ragged)
-_EXPERT = re.compile(r"^(?P<layer>.*)\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_EXPERT = re.compile(r"^(?P<layer>.*)\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d{1,9})\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
 
 
 @dataclass

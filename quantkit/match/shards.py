@@ -243,7 +243,7 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
                              encoding=sw.encoding, stored=sw if sw.layout is None else None)
         if f"{module}.weight" in loc:
             return SourceRef(f"{module}.weight")
-        m = re.match(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj)$", module)
+        m = re.match(r"^(.*\.experts)\.(\d{1,9})\.(gate_proj|up_proj)$", module)
         if m and f"{m[1]}.gate_up_proj" in loc:
             rows = info(f"{m[1]}.gate_up_proj").shape[1]
             return SourceRef(f"{m[1]}.gate_up_proj", int(m[2]), (0, rows // 2) if m[3] == "gate_proj" else (rows // 2, rows))

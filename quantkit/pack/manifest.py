@@ -23,7 +23,7 @@ JOURNAL_DIR = ".quantkit-journal"  # only while converting: per-shard records, t
 # ~530 bytes per tensor: a Kimi K2 manifest (~200k tensors) is ~110 MB, beyond the limit on config files
 MAX_MANIFEST_BYTES = 1 << 30
 FORMAT_VERSION = 1
-_EXPERT_MODULE = re.compile(r"^(.*\.experts)\.(\d+)\.[^.]+$")
+_EXPERT_MODULE = re.compile(r"^(.*\.experts)\.(\d{1,9})\.[^.]+$")
 
 
 def dtype_name(dtype) -> str:

@@ -141,7 +141,7 @@ def _layer_index(name: str) -> int | None:
         return None
     j = name.find(".", i + 7)
     idx = name[i + 7:j]
-    return int(idx) if idx.isdigit() else None
+    return int(idx) if idx.isdigit() and len(idx) <= 9 else None
 
 
 def tensor_role(name: str, num_layers: int | None = None) -> str:
@@ -311,7 +311,7 @@ def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe:
 def _kv_scale_tensors(tensors: Mapping, kv: KVCacheSpec, spec: ModelSpec | None) -> TensorShapes:
     attn: dict[str, int] = {}
     for name in tensors:
-        m = re.match(r"^(.*layers\.(\d+)\.self_attn)\.", name)
+        m = re.match(r"^(.*layers\.(\d{1,9})\.self_attn)\.", name)
         if m and (spec is None or int(m.group(2)) < spec.num_layers):
             attn[m.group(1)] = int(m.group(2))
     mla = any(".kv_a_proj_with_mqa." in n for n in tensors) if spec is None else spec.attention == "mla"

@@ -485,7 +485,8 @@ def _proj_list(projs: list[str], fmt=str) -> str:
 
 def _natural(name: str) -> list:
     """Sort key putting experts.2 before experts.10."""
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+    # (kind, number, text) so numbers and text never compare; a digit run too long for int() stays text
+    return [(0, int(t), "") if t.isdigit() and len(t) <= 18 else (1, 0, t) for t in re.split(r"(\d+)", name)]
 
 
 def _section_input_scales(page: _Page, manifest: dict) -> None:

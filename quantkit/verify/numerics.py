@@ -248,7 +248,7 @@ def assign_weight(params: dict, module: str, w: torch.Tensor) -> None:
     if f"{module}.weight" in params:
         params[f"{module}.weight"].data.copy_(w)
         return
-    m = re.match(r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)$", module)
+    m = re.match(r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d{1,9})\.(\w+)$", module)
     if m is None:
         raise ReferenceModelError(f"{module}: no parameter of the reference model takes it")
     base, e, proj = m[1], int(m[2]), m[3]
