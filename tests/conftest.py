@@ -62,6 +62,7 @@ SLOW_TESTS = {
     "test_allocator.py::test_fewer_page_faults_in_gptq_solves",
     "test_allocator.py::test_torch_asked_for_huge_pages",
     "quant/test_rtn_native.py::test_convert_output_identical_without_kernel",
+    "quant/test_fp4_native.py::test_convert_output_identical_without_kernel",
     "quant/test_gptq.py::test_inverse_factor_against_the_textbook_one",
     "runtime/test_no_triton.py::test_imports_and_runs_without_triton",
     "read/test_ct_source_fuzz.py::test_source_checks_accept_only_sound_modules",

@@ -2,7 +2,8 @@
 
 This file is the math only: E2M1 rounding and codes, nibble packing, the scales of both formats, RTN over
 a batch of weights, and a column quantizer for GPTQ. It does not read or write checkpoints, build config
-groups, quantize activations (W4A4 `input_global_scale`) or run a kernel. Verbs as in quant/int4.py:
+groups or quantize activations (W4A4 `input_global_scale`); amax RTN has a fused kernel beside it
+(quant/_fp4_native.py, bit-identical). Verbs as in quant/int4.py:
 `choose_qparams_*` -> `quantize_*` -> `dequantize_*` (the packing is pack/fp4.py). Every function is
 pure and batched over leading dims: a weight is [..., N, K] (all experts of a layer as [E, N, K]).
 
@@ -54,6 +55,7 @@ import torch
 from ..errors import GroupSizeError
 from ..pack.fp4 import E2M1_VALUES, E8M0_BIAS, pack_fp4, unpack_fp4  # noqa: F401  (the RTN functions pack)
 from .fp8 import FP8_MAX  # float8_e4m3fn max: NVFP4 group scales are e4m3
+from .int4 import native_available, run_rows
 
 # Legend: N = out_features, K = in_features, G = groups = K / group_size, g = group_size, R = rows
 
@@ -325,10 +327,62 @@ class FP4Result:
         return None if self.noise_amax is None else 10 * torch.log10(self.signal / self.noise_amax)
 
 
-def _rtn(w: torch.Tensor, fmt: str, global_scale: torch.Tensor | None, scale_search: str = "amax") -> FP4Result:
+_NATIVE = None  # quant/_fp4_native.py once imported, False when unavailable
+
+
+def _native_module():
+    global _NATIVE
+    if _NATIVE is None:
+        _NATIVE = False
+        if native_available():  # numba importable and QUANTKIT_NATIVE not 0, as for INT4
+            try:
+                from quantkit.quant import _fp4_native
+
+                _NATIVE = _fp4_native
+            except Exception:  # noqa: BLE001 - numba cannot compile/cache here: the torch path
+                pass
+    return _NATIVE
+
+
+def _rtn_native(rows: torch.Tensor, nv: bool, gs_rows: torch.Tensor | None):
+    """The fused kernel (quant/_fp4_native.py) over rows [R, K] with amax scales -> (packed [R, K/2],
+    scale [R, G], sum w^2 [R], sum err^2 [R]), or None when it does not apply (not bf16/float32 on CPU,
+    a global scale that is not finite and positive, NaN/Inf weights): the torch path then runs."""
+    mod = _native_module()
+    if not mod or rows.device.type != "cpu" or rows.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    r, k = rows.shape
+    if nv:
+        gs_rows = gs_rows.float().contiguous()
+        if not bool((torch.isfinite(gs_rows) & (gs_rows > 0)).all()):
+            return None
+    else:
+        gs_rows = torch.ones(r, dtype=torch.float32)  # unused by MXFP4
+    rows = rows.contiguous()
+    packed = torch.empty(r, k // 2, dtype=torch.uint8)
+    scale = torch.empty(r, k // (NVFP4_GROUP_SIZE if nv else MXFP4_GROUP_SIZE), dtype=torch.uint8)
+    sig = torch.empty(r, dtype=torch.float64)
+    noise = torch.empty(r, dtype=torch.float64)
+    bad = torch.empty(r, dtype=torch.bool)
+    fn, src = ((mod.fp4_pack_bf16, rows.view(torch.int16).numpy().view("uint16")) if rows.dtype == torch.bfloat16
+               else (mod.fp4_pack_f32, rows.numpy()))
+    arrays = (packed.numpy(), scale.numpy(), sig.numpy(), noise.numpy(), bad.numpy())
+    if not run_rows(fn, src, (nv, gs_rows.numpy()), arrays, per_row=(1,)):
+        global _NATIVE
+        _NATIVE = False
+        return None
+    if bool(bad.any()):
+        return None  # NaN/Inf: the torch path defines what happens
+    return packed, scale.view(torch.float8_e4m3fn) if nv else scale, sig, noise
+
+
+def _rtn(w: torch.Tensor, fmt: str, global_scale: torch.Tensor | None, scale_search: str = "amax",
+         native: bool = True) -> FP4Result:
     """Rows are independent once the global scale is fixed, so the batch is flattened to rows [R, K] and
     processed in cache-sized chunks (float32 temporaries stay small whatever the batch; a fitted-scale
-    search holds one error per candidate, so its chunks are that much smaller)."""
+    search holds one error per candidate, so its chunks are that much smaller). With amax scales the
+    fused kernel (quant/_fp4_native.py) runs when it can; native=False forces this torch path, the
+    definition it is tested against."""
     if scale_search not in SCALE_SEARCHES:
         raise ValueError(f"scale_search must be one of {SCALE_SEARCHES}, got {scale_search!r}")
     fit = scale_search == "mse"
@@ -341,6 +395,13 @@ def _rtn(w: torch.Tensor, fmt: str, global_scale: torch.Tensor | None, scale_sea
     if nv:
         gs = choose_global_scale(w) if global_scale is None else _as_global(global_scale, lead)
         gs_rows = gs.expand(*lead, n).reshape(r)  # [R]: row r's matrix's global scale
+    lead_n = (*lead, n)
+    res = _rtn_native(rows, nv, gs_rows) if native and not fit else None
+    if res is not None:
+        packed, scale, sig, noise = res
+        return FP4Result(packed.reshape(*lead_n, k // 2), scale.reshape(*lead_n, groups), gs,
+                         torch.ones(lead, dtype=torch.bool), sig.reshape(lead_n).sum(-1),
+                         noise.reshape(lead_n).sum(-1))
     packed = torch.empty(r, k // 2, dtype=torch.uint8)
     scale = torch.empty(r, groups, dtype=torch.float8_e4m3fn if nv else torch.uint8)
     finite = torch.empty(r, dtype=torch.bool)
@@ -369,19 +430,21 @@ def _rtn(w: torch.Tensor, fmt: str, global_scale: torch.Tensor | None, scale_sea
         finite[i:i + step] = torch.isfinite(wf).all(-1)
         sig[i:i + step] = wf.square().sum(-1)  # per row in float32, summed per matrix in float64
         noise[i:i + step] = err.square_().sum(-1)
-    lead_n = (*lead, n)
     return FP4Result(packed.reshape(*lead_n, k // 2), scale.reshape(*lead_n, groups), gs,
                      finite.reshape(lead_n).all(-1), sig.reshape(lead_n).sum(-1), noise.reshape(lead_n).sum(-1),
                      None if noise_amax is None else noise_amax.reshape(lead_n).sum(-1))
 
 
-def rtn_nvfp4(w: torch.Tensor, global_scale: torch.Tensor | None = None, scale_search: str = "amax") -> FP4Result:
+def rtn_nvfp4(w: torch.Tensor, global_scale: torch.Tensor | None = None, scale_search: str = "amax",
+              native: bool = True) -> FP4Result:
     """Round-to-nearest NVFP4 of a batch [..., N, K] (K % 16 == 0), packed. `global_scale` [..., 1]
     float32 shares one global scale across several weights (`choose_global_scale(gate, up)`).
-    `scale_search` "mse": fitted group scales (module docstring)."""
-    return _rtn(w, "NVFP4", global_scale, scale_search)
+    `scale_search` "mse": fitted group scales (module docstring; torch path only). `native` False: never
+    the fused kernel (bit-identical either way)."""
+    return _rtn(w, "NVFP4", global_scale, scale_search, native)
 
 
-def rtn_mxfp4(w: torch.Tensor, scale_search: str = "amax") -> FP4Result:
-    """Round-to-nearest MXFP4 of a batch [..., N, K] (K % 32 == 0), packed. `scale_search` as rtn_nvfp4."""
-    return _rtn(w, "MXFP4", None, scale_search)
+def rtn_mxfp4(w: torch.Tensor, scale_search: str = "amax", native: bool = True) -> FP4Result:
+    """Round-to-nearest MXFP4 of a batch [..., N, K] (K % 32 == 0), packed. `scale_search` and `native`
+    as rtn_nvfp4."""
+    return _rtn(w, "MXFP4", None, scale_search, native)

@@ -253,6 +253,38 @@ def native_available() -> bool:
     return bool(_native_module())
 
 
+def run_rows(fn, src, consts: tuple, arrays: tuple, per_row: tuple[int, ...] = ()) -> bool:
+    """Run a row kernel `fn(src, *consts, *arrays)` over rows src [R, ...] and outputs `arrays` [R, ...],
+    the rows split over the native thread count (rows are independent; the kernels release the GIL).
+    `per_row`: the positions in `consts` that hold one value per row (split with the rows). False when
+    the kernel failed (numba cannot compile here): the caller and the rest of the run use the torch path."""
+    r = src.shape[0]
+    split = set(per_row)
+    n_threads = max(1, min(_THREADS or torch.get_num_threads(), r // 64))
+
+    def part(a, b):
+        return (src[a:b], *(c[a:b] if i in split else c for i, c in enumerate(consts)), *(x[a:b] for x in arrays))
+
+    try:
+        if n_threads == 1:
+            fn(src, *consts, *arrays)
+        else:
+            bounds = [r * i // n_threads for i in range(n_threads + 1)]
+            parts = list(zip(bounds, bounds[1:]))
+            jobs = [_pool().submit(fn, *part(a, b)) for a, b in parts[1:]]
+            fn(*part(*parts[0]))  # the calling thread takes a share too
+            for j in jobs:
+                j.result()
+    except Exception as e:  # noqa: BLE001 - the kernel failed to compile here: use the torch path from now on
+        global _NATIVE
+        _NATIVE = False
+        import warnings
+
+        warnings.warn(f"fused RTN kernel unavailable ({type(e).__name__}: {str(e)[:200]}); using torch ops")
+        return False
+    return True
+
+
 def _rtn_native(rows: torch.Tensor, g: int, symmetric: bool, scale_dtype: torch.dtype):
     """Fused kernel for rows [R, K] -> (packed int32 [R, W], scale [R, G], zp [R, G] | None, sig, noise),
     or None when the kernel does not apply (the caller then runs the torch path)."""
@@ -274,25 +306,7 @@ def _rtn_native(rows: torch.Tensor, g: int, symmetric: bool, scale_dtype: torch.
     fn, src = ((mod.rtn_pack_bf16, rows.view(torch.int16).numpy().view("uint16")) if rows.dtype == torch.bfloat16
                else (mod.rtn_pack_f32, rows.numpy()))
     arrays = (out.numpy().view("uint32"), scale.numpy(), zp.numpy(), sig.numpy(), noise.numpy(), bad.numpy())
-    # rows are independent: split them over torch's intra-op thread count (the kernel releases the GIL)
-    n_threads = max(1, min(_THREADS or torch.get_num_threads(), r // 64))
-    try:
-        if n_threads == 1:
-            fn(src, g, symmetric, mode, *arrays)
-        else:
-            bounds = [r * i // n_threads for i in range(n_threads + 1)]
-            parts = list(zip(bounds, bounds[1:]))
-            jobs = [_pool().submit(fn, src[a:b], g, symmetric, mode, *(x[a:b] for x in arrays)) for a, b in parts[1:]]
-            a, b = parts[0]
-            fn(src[a:b], g, symmetric, mode, *(x[a:b] for x in arrays))  # the calling thread takes a share too
-            for j in jobs:
-                j.result()
-    except Exception as e:  # noqa: BLE001 - the kernel failed to compile here: use the torch path from now on
-        global _NATIVE
-        _NATIVE = False
-        import warnings
-
-        warnings.warn(f"fused RTN kernel unavailable ({type(e).__name__}: {str(e)[:200]}); using torch ops")
+    if not run_rows(fn, src, (g, symmetric, mode), arrays):
         return None
     if bool(bad.any()):
         return None  # NaN/Inf: the torch path defines what happens

@@ -1,0 +1,200 @@
+"""Fused FP4 RTN (NVFP4 and MXFP4, amax scales): group scales, E2M1 codes, nibble packing and error
+energy in one pass over each row (numba, compiled once and cached on disk, as quant/_rtn_native.py).
+
+`quantkit.quant.fp4.rtn_nvfp4` / `rtn_mxfp4` are the definition; this is their fast path for amax
+scales on bf16 or float32 rows on CPU. Same arithmetic, in the same order and precision, as the torch
+path in quant/fp4.py (see its module docstring for where each step comes from):
+
+    NVFP4 (group 16), given the row's float32 global scale gs:
+        amax_g = max |w| over the group                     (exact: an integer max over the bit patterns)
+        local  = amax_g / 6, rounded to the weight's dtype  (float32 division, then RNE to bf16 for bf16)
+        scale  = e4m3(min(gs * local, 448)), 0 -> 0.125     (float32 product, RNE to float8_e4m3fn)
+        code   = e2m1(w / (scale / gs))                     (two float32 divisions)
+    MXFP4 (group 32):
+        scale  = E8M0 from amax_g's bits (+ 2^21, exponent field - 2, clamped), no float arithmetic
+        code   = e2m1(w / 2^(scale - 127)), the quotient rounded to the weight's dtype (bf16: RNE)
+
+E2M1 rounding is the threshold count of `fp4.encode_e2m1` (ties to the even index, sign of x < 0).
+So packed bytes and scales are bit-identical to the torch path (tests/quant/test_fp4_native.py); the
+error sums are accumulated in float64 (the torch path sums rows in float32), so SQNR may differ in its
+last digits. The global scale is computed by the caller (torch), as it spans rows.
+
+Fitted scales (`scale_search: mse`) are not here: their choice is an argmin over float32 group sums
+whose order is torch's vectorized reduction, which a kernel could only copy per CPU capability; mse
+runs the torch path.
+
+Import is lazy and optional: without numba (or with QUANTKIT_NATIVE=0) the torch path runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ._rtn_native import njit
+
+# E2M1 magnitude of each 4-bit code (code 8 is -0.0), and the float32 value of each positive e4m3 code
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                 dtype=np.float32)
+_E4M3 = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy().copy()
+
+_ABS = np.uint32(0x7FFFFFFF)
+_FINITE_LIMIT = np.uint32(0x7F800000)  # |x| bit patterns at or above this are Inf/NaN
+_MIN_NORMAL_E4M3 = np.uint32(0x3C800000)  # 2^-6 as float32 bits: below it e4m3 is subnormal
+_DENORM = np.float32(16384.0)  # 2^14: adding it rounds a float32 < 2^-6 to a multiple of 2^-9 (RNE)
+_DENORM_BITS = np.uint32(141 << 23)
+_ZERO_SCALE_CODE = np.uint8(0x20)  # e4m3 0.125, compressed-tensors' replacement for a zero scale
+
+
+@njit(nogil=True, inline="always")
+def _bf16(x, tmp, tmpu):
+    """float32 -> nearest-even bf16 -> float32 (finite x), as torch rounds a bf16 result."""
+    tmp[0] = x
+    u = tmpu[0]
+    tmpu[0] = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) & np.uint32(0xFFFF0000)
+    return tmp[0]
+
+
+@njit(nogil=True, inline="always")
+def _e4m3_code(s, tmp, tmpu):
+    """finite float32 s in [0, 448] -> float8_e4m3fn code, round to nearest even (torch's conversion)."""
+    tmp[0] = s
+    u = tmpu[0]
+    if u < _MIN_NORMAL_E4M3:
+        tmp[0] = s + _DENORM
+        return np.uint8(tmpu[0] - _DENORM_BITS)
+    odd = (u >> np.uint32(20)) & np.uint32(1)
+    u = u - np.uint32(120 << 23) + np.uint32(0x7FFFF) + odd  # rebias 127 -> 7, round the 20 dropped bits
+    return np.uint8(u >> np.uint32(20))
+
+
+@njit(nogil=True, inline="always")
+def _e2m1(v):
+    """float32 (already divided by its scale) -> E2M1 code: thresholds as fp4.encode_e2m1."""
+    a = abs(v)
+    idx = ((a > np.float32(0.25)) + (a >= np.float32(0.75)) + (a > np.float32(1.25)) + (a >= np.float32(1.75))
+           + (a > np.float32(2.5)) + (a >= np.float32(3.5)) + (a > np.float32(5.0)))
+    return np.uint8(idx + (8 if v < np.float32(0.0) else 0))
+
+
+@njit(nogil=True, fastmath={"reassoc"})
+def _sumsq(a):
+    """sum of a^2 in float64; reassociation only (vectorized), no finite-math assumptions."""
+    acc = 0.0
+    for j in range(a.shape[0]):
+        v = np.float64(a[j])
+        acc += v * v
+    return acc
+
+
+@njit(nogil=True, inline="always")
+def _group_absmax(xu, o, g):
+    m = np.uint32(0)
+    for j in range(o, o + g):
+        a = xu[j] & _ABS
+        m = a if a > m else m
+    return m
+
+
+@njit(nogil=True, error_model="numpy")
+def _nv_row(x, xu, bf16, gs, pk, sc, cbuf, ebuf, tmp, tmpu):
+    """One float32 row x [K] (xu: its bits) -> packed codes pk [K/2], e4m3 codes sc [K/16];
+    returns (sum x^2, sum err^2, finite)."""
+    finite = True
+    for gi in range(x.shape[0] // 16):
+        o = gi * 16
+        m = _group_absmax(xu, o, 16)
+        if m >= _FINITE_LIMIT:
+            finite = False
+            m = np.uint32(0)
+        tmpu[0] = m
+        local = tmp[0] / np.float32(6.0)
+        if bf16:
+            local = _bf16(local, tmp, tmpu)
+        s = gs * local
+        s = np.float32(448.0) if s > np.float32(448.0) else s
+        code = _e4m3_code(s, tmp, tmpu)
+        if code == 0:
+            code = _ZERO_SCALE_CODE
+        sc[gi] = code
+        eff = _E4M3[code] / gs
+        for j in range(o, o + 16):
+            c = _e2m1(x[j] / eff)
+            cbuf[j] = c
+            ebuf[j] = _E2M1[c] * eff - x[j]
+    for w in range(pk.shape[0]):
+        pk[w] = cbuf[2 * w] | (cbuf[2 * w + 1] << np.uint8(4))
+    return _sumsq(x), _sumsq(ebuf), finite
+
+
+@njit(nogil=True, error_model="numpy")
+def _mx_row(x, xu, bf16, pk, sc, cbuf, ebuf, tmp, tmpu):
+    """As _nv_row for MXFP4: E8M0 scales sc [K/32]."""
+    finite = True
+    for gi in range(x.shape[0] // 32):
+        o = gi * 32
+        m = _group_absmax(xu, o, 32)
+        if m >= _FINITE_LIMIT:
+            finite = False
+            m = np.uint32(0)
+        field = ((m + np.uint32(1 << 21)) >> np.uint32(23)) & np.uint32(0xFF)
+        if field == 0xFF:
+            e = np.uint32(255)
+        else:
+            e = field - np.uint32(2) if field > 2 else np.uint32(0)
+        sc[gi] = np.uint8(e)
+        tmpu[0] = np.uint32(1 << 22) if e == 0 else e << np.uint32(23)  # 2^(e - 127), exact
+        eff = tmp[0]
+        for j in range(o, o + 32):
+            q = x[j] / eff
+            if bf16:
+                q = _bf16(q, tmp, tmpu)
+            c = _e2m1(q)
+            cbuf[j] = c
+            ebuf[j] = _E2M1[c] * eff - x[j]
+    for w in range(pk.shape[0]):
+        pk[w] = cbuf[2 * w] | (cbuf[2 * w + 1] << np.uint8(4))
+    return _sumsq(x), _sumsq(ebuf), finite
+
+
+@njit(nogil=True)
+def fp4_pack_bf16(w16, nv, gs, pk, sc, sig, noise, bad):
+    """w16 [R, K] uint16 (bf16 bit patterns), gs [R] float32 (NVFP4; unused for MXFP4) ->
+    pk [R, K/2] uint8, sc [R, G] uint8 (e4m3 or E8M0 codes), sig/noise [R] float64, bad [R] bool."""
+    r_total, k = w16.shape
+    x = np.empty(k, np.float32)
+    xu = x.view(np.uint32)
+    cbuf = np.empty(k, np.uint8)
+    ebuf = np.empty(k, np.float32)
+    tmp = np.empty(1, np.float32)
+    tmpu = tmp.view(np.uint32)
+    for r in range(r_total):
+        for j in range(k):
+            xu[j] = np.uint32(w16[r, j]) << np.uint32(16)
+        if nv:
+            s2, n2, ok = _nv_row(x, xu, True, gs[r], pk[r], sc[r], cbuf, ebuf, tmp, tmpu)
+        else:
+            s2, n2, ok = _mx_row(x, xu, True, pk[r], sc[r], cbuf, ebuf, tmp, tmpu)
+        sig[r] = s2
+        noise[r] = n2
+        bad[r] = not ok
+
+
+@njit(nogil=True)
+def fp4_pack_f32(w32, nv, gs, pk, sc, sig, noise, bad):
+    """As fp4_pack_bf16, for float32 rows."""
+    r_total, k = w32.shape
+    cbuf = np.empty(k, np.uint8)
+    ebuf = np.empty(k, np.float32)
+    tmp = np.empty(1, np.float32)
+    tmpu = tmp.view(np.uint32)
+    for r in range(r_total):
+        x = w32[r]
+        xu = x.view(np.uint32)
+        if nv:
+            s2, n2, ok = _nv_row(x, xu, False, gs[r], pk[r], sc[r], cbuf, ebuf, tmp, tmpu)
+        else:
+            s2, n2, ok = _mx_row(x, xu, False, pk[r], sc[r], cbuf, ebuf, tmp, tmpu)
+        sig[r] = s2
+        noise[r] = n2
+        bad[r] = not ok
