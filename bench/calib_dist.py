@@ -15,7 +15,9 @@ tokenizer is involved). Recipe int4-experts-gptq.
 World size 1 is a plain `python -m quantkit convert` with OMP_NUM_THREADS=1 (one thread); world size n > 1 is
 `torchrun --standalone --nproc-per-node n -m quantkit convert ...` with OMP_NUM_THREADS=1 in every rank (gloo
 on the CPU). Each run writes a fresh output directory (--overwrite). Reported per world size: the command's
-wall time (process start and imports included) and the conversion's own `seconds` (rank 0's ConvertResult),
+wall time (process start and imports included), the conversion's own `seconds` (rank 0's ConvertResult) and
+the pass's own time from the timeline (`pass`: the slowest rank's load, forward, statistics, solve, exchange,
+wait and write phases; quantkit/timeline.py), each rank's phases in wall and CPU seconds,
 the speed-up of both against world size 1, and whether every output file is byte-identical to world size 1's.
 Run it on a quiet machine with at least as many cores as the largest world size: the ranks share the cores.
 
@@ -85,8 +87,22 @@ def _run(n: int, src: Path, out: Path, data: Path, samples: int, seq_len: int, t
         raise SystemExit(f"world size {n} failed ({p.returncode}):\n{p.stderr[-4000:]}")
     start = p.stdout.find("{")
     res = json.loads(p.stdout[start:]) if start >= 0 else {}
+    ranks = (res.get("timeline") or {}).get("ranks") or []
     return {"world_size": n, "wall_s": round(wall, 2), "convert_s": res.get("seconds"),
-            "peak_rss_bytes": res.get("peak_rss_bytes")}
+            "peak_rss_bytes": res.get("peak_rss_bytes"), "pass_s": _pass_seconds(ranks),
+            "pass_cpu_s": _pass_seconds(ranks, "phases_cpu"), "timeline": ranks}
+
+
+# The calibrated pass's own phases (quantkit/timeline.py): what ranks can divide. Left out: `setup` (the model
+# skeleton, the plan: every rank pays it), `stream` (the RTN shard conversion after the pass) and `kv`.
+PASS_PHASES = ("load", "forward", "statistics", "solve", "exchange", "wait", "write")
+
+
+def _pass_seconds(ranks: list[dict], key: str = "phases") -> float | None:
+    """The pass's own time: the slowest rank's sum of PASS_PHASES (wall, or main-thread CPU with phases_cpu)."""
+    if not ranks:
+        return None
+    return round(max(sum((r.get(key) or {}).get(p, 0.0) for p in PASS_PHASES) for r in ranks), 3)
 
 
 def _median(xs: list[float]) -> float | None:
@@ -162,12 +178,16 @@ def main(argv=None) -> int:
         rows.append({"world_size": n, "wall_s": _median([r["wall_s"] for r in rs]),
                      "convert_s": _median([r["convert_s"] for r in rs if r["convert_s"] is not None]),
                      "peak_rss_bytes": max((r["peak_rss_bytes"] or 0) for r in rs) or None,
+                     "pass_s": _median([r["pass_s"] for r in rs if r.get("pass_s") is not None]),
+                     "pass_cpu_s": _median([r["pass_cpu_s"] for r in rs if r.get("pass_cpu_s") is not None]),
+                     "timeline": rs[-1].get("timeline"),
                      "wall_runs": [r["wall_s"] for r in rs], "convert_runs": [r["convert_s"] for r in rs]})
     base = rows[0]
     for r in rows:
         r["speedup_wall"] = round(base["wall_s"] / r["wall_s"], 3)
         r["speedup_convert"] = (round(base["convert_s"] / r["convert_s"], 3)
                                 if base["convert_s"] and r["convert_s"] else None)
+        r["speedup_pass"] = round(base["pass_s"] / r["pass_s"], 3) if base.get("pass_s") and r.get("pass_s") else None
         diff = sorted(diffs[r["world_size"]])
         r["byte_identical"] = not diff
         r["differing_files"] = diff
@@ -184,14 +204,22 @@ def main(argv=None) -> int:
     lines = [f"GPTQ convert ({RECIPE}) of the bench MoE: qwen3_moe, {a.layers} layers, {BENCH['experts']} experts, "
              f"hidden {BENCH['hidden']}; {a.samples} x {a.seq_len} calibration tokens; one thread per rank, gloo; "
              f"{os.cpu_count()} CPUs.", "",
-             "| world size | wall (s) | convert (s) | speed-up (wall) | speed-up (convert) | peak RSS rank 0 (MiB) "
-             "| output vs world size 1 |",
-             "|---|---|---|---|---|---|---|"]
+             "| world size | wall (s) | convert (s) | pass (s) | speed-up (wall) | speed-up (convert) | speed-up (pass) "
+             "| peak RSS rank 0 (MiB) | output vs world size 1 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rss = f"{r['peak_rss_bytes'] / 2 ** 20:.0f}" if r["peak_rss_bytes"] else "-"
         same = "byte-identical" if r["byte_identical"] else f"{len(r['differing_files'])} files differ"
-        lines.append(f"| {r['world_size']} | {r['wall_s']} | {r['convert_s']} | {r['speedup_wall']}x | "
-                     f"{r['speedup_convert']}x | {rss} | {same} ({len(hashes[r['world_size']])} files) |")
+        lines.append(f"| {r['world_size']} | {r['wall_s']} | {r['convert_s']} | {r['pass_s']} | {r['speedup_wall']}x | "
+                     f"{r['speedup_convert']}x | {r['speedup_pass']}x | {rss} | {same} "
+                     f"({len(hashes[r['world_size']])} files) |")
+    lines += ["", "pass: the slowest rank's time in the calibrated pass's own phases (timeline: "
+              + ", ".join(PASS_PHASES) + "); per rank and phase, wall / CPU seconds (last round):", ""]
+    for r in rows:
+        for t in r.get("timeline") or []:
+            lines.append(f"- world size {r['world_size']}, rank {t['rank']}: "
+                         + ", ".join(f"{k} {v:.2f}/{t.get('phases_cpu', {}).get(k, 0):.2f}"
+                                     for k, v in t["phases"].items()))
     if peers:
         peer = {"wall_s": _median([p["wall_s"] for p in peers]), "seconds": _median([p["seconds"] for p in peers]),
                 "threads": 1, "wall_runs": [p["wall_s"] for p in peers]}
