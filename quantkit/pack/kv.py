@@ -30,9 +30,9 @@ from ..quant.fp8 import FP8_MAX
 
 KV_SHARD_NAME = "model-kv-scales.safetensors"
 _PREFIX = "(?:" + "|".join(sorted(re.escape(w.prefix) for w in WRAPPERS.values())) + ")?"  # a wrapper's, or none
-KV_SCALE = re.compile(rf"^{_PREFIX}model\.layers\.(\d{1,9})\.self_attn\.([kv])_scale$")
+KV_SCALE = re.compile(rf"^{_PREFIX}model\.layers\.(\d{{1,9}})\.self_attn\.([kv])_scale$")
 STRATEGIES = ("tensor", "attn_head")
-ATTN_TENSOR = re.compile(rf"^{_PREFIX}model\.layers\.(\d{1,9})\.self_attn\.")  # a tensor of layer L's attention
+ATTN_TENSOR = re.compile(rf"^{_PREFIX}model\.layers\.(\d{{1,9}})\.self_attn\.")  # a tensor of layer L's attention
 
 
 def kv_scale_name(layer: int, kind: str, prefix: str = "") -> str:

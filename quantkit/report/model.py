@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 
+from ..arch import layer_index
 from ..errors import ConfigError
 from ..pack.manifest import MANIFEST_NAME
 
@@ -19,7 +20,6 @@ DEFAULT_OUTPUT_NAME = "quantkit_report.html"
 # calibration report reads them with the same pattern.
 # Indices of at most 9 digits: a 5,000-digit "layer" in a hostile name is not an index (int() would refuse it).
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d{1,9})\.(?P<proj>[^.]+)$")
-_LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d{1,9})(?:\.|$)")
 _KV = re.compile(r"(?:^|\.)layers\.(?P<layer>\d{1,9})\.self_attn\.(?P<kind>[kv])_scale$")
 
 WORST_MODULES = 10
@@ -88,8 +88,7 @@ def _number(x) -> float | None:
 
 
 def _layer_of(name: str) -> int | None:
-    m = _LAYER.search(name)
-    return int(m["layer"]) if m else None
+    return layer_index(name + ".")  # arch.py's rule; a module name may end at its layer
 
 
 def collect_modules(tensors: dict[str, dict]) -> list[ModuleInfo]:
