@@ -33,9 +33,7 @@ import torch
 
 from ._rtn_native import njit
 
-# E2M1 magnitude of each 4-bit code (code 8 is -0.0), and the float32 value of each positive e4m3 code
-_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                 dtype=np.float32)
+# the float32 value of each positive e4m3 code
 _E4M3 = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy().copy()
 
 _ABS = np.uint32(0x7FFFFFFF)
@@ -70,11 +68,22 @@ def _e4m3_code(s, tmp, tmpu):
 
 @njit(nogil=True, inline="always")
 def _e2m1(v):
-    """float32 (already divided by its scale) -> E2M1 code: thresholds as fp4.encode_e2m1."""
+    """float32 (already divided by its scale) -> (E2M1 code, its float32 value): the threshold count of
+    fp4.encode_e2m1, the value built from the same comparisons (steps .5 x4, 1 x2, 2), no table lookup
+    (a gather would keep the loop from vectorizing). Code 8 ("-0") has the value -0.0, as decoded."""
     a = abs(v)
-    idx = ((a > np.float32(0.25)) + (a >= np.float32(0.75)) + (a > np.float32(1.25)) + (a >= np.float32(1.75))
-           + (a > np.float32(2.5)) + (a >= np.float32(3.5)) + (a > np.float32(5.0)))
-    return np.uint8(idx + (8 if v < np.float32(0.0) else 0))
+    b1 = a > np.float32(0.25)
+    b2 = a >= np.float32(0.75)
+    b3 = a > np.float32(1.25)
+    b4 = a >= np.float32(1.75)
+    b5 = a > np.float32(2.5)
+    b6 = a >= np.float32(3.5)
+    b7 = a > np.float32(5.0)
+    idx = np.uint8(b1) + np.uint8(b2) + np.uint8(b3) + np.uint8(b4) + np.uint8(b5) + np.uint8(b6) + np.uint8(b7)
+    mag = (np.float32(0.5) * (np.float32(b1) + np.float32(b2) + np.float32(b3) + np.float32(b4))
+           + (np.float32(b5) + np.float32(b6)) + np.float32(2.0) * np.float32(b7))
+    neg = v < np.float32(0.0)
+    return idx | (np.uint8(8) if neg else np.uint8(0)), -mag if neg else mag
 
 
 @njit(nogil=True, fastmath={"reassoc"})
@@ -119,9 +128,9 @@ def _nv_row(x, xu, bf16, gs, pk, sc, cbuf, ebuf, tmp, tmpu):
         sc[gi] = code
         eff = _E4M3[code] / gs
         for j in range(o, o + 16):
-            c = _e2m1(x[j] / eff)
+            c, val = _e2m1(x[j] / eff)
             cbuf[j] = c
-            ebuf[j] = _E2M1[c] * eff - x[j]
+            ebuf[j] = val * eff - x[j]
     for w in range(pk.shape[0]):
         pk[w] = cbuf[2 * w] | (cbuf[2 * w + 1] << np.uint8(4))
     return _sumsq(x), _sumsq(ebuf), finite
@@ -131,6 +140,7 @@ def _nv_row(x, xu, bf16, gs, pk, sc, cbuf, ebuf, tmp, tmpu):
 def _mx_row(x, xu, bf16, pk, sc, cbuf, ebuf, tmp, tmpu):
     """As _nv_row for MXFP4: E8M0 scales sc [K/32]."""
     finite = True
+    eu = ebuf.view(np.uint32)
     for gi in range(x.shape[0] // 32):
         o = gi * 32
         m = _group_absmax(xu, o, 32)
@@ -145,13 +155,17 @@ def _mx_row(x, xu, bf16, pk, sc, cbuf, ebuf, tmp, tmpu):
         sc[gi] = np.uint8(e)
         tmpu[0] = np.uint32(1 << 22) if e == 0 else e << np.uint32(23)  # 2^(e - 127), exact
         eff = tmp[0]
+        # the quotients in ebuf first: rounded to bf16 on their bits in a separate loop (vectorizes)
         for j in range(o, o + 32):
-            q = x[j] / eff
-            if bf16:
-                q = _bf16(q, tmp, tmpu)
-            c = _e2m1(q)
+            ebuf[j] = x[j] / eff
+        if bf16:
+            for j in range(o, o + 32):
+                u = eu[j]
+                eu[j] = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) & np.uint32(0xFFFF0000)
+        for j in range(o, o + 32):
+            c, val = _e2m1(ebuf[j])
             cbuf[j] = c
-            ebuf[j] = _E2M1[c] * eff - x[j]
+            ebuf[j] = val * eff - x[j]
     for w in range(pk.shape[0]):
         pk[w] = cbuf[2 * w] | (cbuf[2 * w + 1] << np.uint8(4))
     return _sumsq(x), _sumsq(ebuf), finite
