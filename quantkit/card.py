@@ -433,6 +433,13 @@ def _quality_lines(report: dict | None, out: Path) -> list[str]:
     gen = report.get("generation")
     if isinstance(gen, dict) and isinstance(gen.get("agreement"), (int, float)):
         rows.append(f"| greedy generation agreement | {gen['agreement']:.2%} |")
+    pm = (report.get("pair") or {}).get("metrics") if isinstance(report.get("pair"), dict) else None
+    if isinstance(pm, dict):  # verify --pair: the prefill/decode pair beside each model alone
+        for k, what in (("pair", "pair: FP8 prefill -> KV cache -> this model decodes"),
+                        ("decode", "this model alone"), ("prefill", "prefill model alone")):
+            v = pm.get(k) if isinstance(pm.get(k), dict) else {}
+            rows.append(f"| {what}: KL / top-1 | {_num(v.get('kl_divergence'), '.3g')} / "
+                        f"{_num(v.get('top1_agreement'), '.2%')} |")
     src = f"`{data['source']}`" if data.get("source") else "token data"
     return rows + ["", f"Measured by `quantkit verify` against the source on {src}, {data.get('num_samples', '?')} "
                        f"samples x {data.get('seq_len', '?')} tokens."] + _engine_run_lines(report.get("engine_run"))

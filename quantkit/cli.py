@@ -94,9 +94,13 @@ def convert(
     revision: RevisionOpt = None,
     tp: Annotated[Optional[int], typer.Option(min=1, help="Tensor-parallel size the output will be served at: W4AFP8 recipes are refused up front when vLLM cannot load them at it (default: checked at 1).")] = None,
     allow_unmatched: Annotated[bool, typer.Option("--allow-unmatched", help="Write the output even when the recipe's weight groups match no module of SRC (an error otherwise).")] = False,
+    pair: Annotated[Optional[str], typer.Option("--pair", help="Also write the prefill checkpoint of a prefill/decode pair with this recipe (fp8-prefill): OUT is the decode half; both get the same KV-cache scales and record each other (docs/recipes.md).")] = None,
+    pair_out: Annotated[Optional[Path], typer.Option("--pair-out", help="Where --pair writes the prefill checkpoint (default: OUT-prefill).")] = None,
     json_out: JsonOpt = False,
 ):
     """Quantize SRC into OUT per RECIPE, streaming shard by shard."""
+    if pair_out is not None and pair is None:
+        raise typer.BadParameter("--pair-out needs --pair", param_hint="--pair-out")
     max_shard_bytes = _parse_size(max_shard_size)  # a usage error (exit 2) before anything else
     device = _device(device)
     src_dir = _source(src, revision)
@@ -115,9 +119,24 @@ def convert(
     leader = os.environ.get("RANK", "0") in ("0", "")  # under torchrun only rank 0 shows progress and results
     with _progress("converting", enabled=leader) as prog:
         task = prog.add_task("converting", total=None)
-        res = run(src_dir, out, opts, progress=lambda done, total: prog.update(task, completed=done, total=total),
+        kw = dict(progress=lambda done, total: prog.update(task, completed=done, total=total),
                   log=lambda line: prog.console.print(f"note: {escape(line)}", soft_wrap=True) if leader else None)
+        if pair is not None:
+            from .convert.pair import convert_pair
+
+            pres = convert_pair(src_dir, out, opts, pair, pair_out, **kw)
+        else:
+            res = run(src_dir, out, opts, **kw)
     if not leader:
+        return
+    if pair is not None:
+        if json_out:
+            _print_json(pres.to_json())
+        else:
+            for role, r in (("decode", pres.decode), ("prefill", pres.prefill)):
+                err.print(f"[green]wrote[/] {escape(r['output'])} ({role}): {r['tensors_quantized']} modules quantized, "
+                          f"{r['bytes_written'] / 1e6:.1f} MB in {r['seconds']:.1f} s", soft_wrap=True)
+            err.print(f"both hold the same KV-cache scales (sha256 {pres.kv_shard_sha256[:16]}...)")
         return
     if json_out:
         _print_json(res.to_json())
@@ -252,6 +271,11 @@ def verify(
                                                             "or auto, bfloat16, fp8).")] = "served",
     save: Annotated[bool, typer.Option("--save/--no-save", help="Keep the report in QMODEL (verify.json) and refresh "
                                                                 "its model card.")] = True,
+    pair: Annotated[Optional[Path], typer.Option("--pair", help="The prefill checkpoint of a prefill/decode pair "
+                                                              "(convert --pair) whose decode half is QMODEL: refused "
+                                                              "unless both share the source and the KV scales bit for "
+                                                              "bit; with --reference, measured as served (FP8 prefill "
+                                                              "into the KV cache, decode reading it).")] = None,
     revision: RevisionOpt = None,
     json_out: JsonOpt = False,
     thresholds: Thresholds = Thresholds(),
@@ -269,7 +293,7 @@ def verify(
                   if run_engine else None)
     rep = run(qmodel, reference=ref, dataset=dataset, num_samples=num_samples, seq_len=seq_len, device=device,
               kernels=kernels, thresholds=thresholds, progress=lambda step: err.print(f"  {step}"), engine=engine, tp=tp,
-              engine_run=engine_run)
+              engine_run=engine_run, pair=pair)
     doc = rep.to_json()
     if save and rep.integrity.get("ok"):
         _save_verify(qmodel, doc, reference)

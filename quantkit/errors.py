@@ -233,6 +233,15 @@ class KVScalesError(QuantkitError):
             "on this model")
 
 
+class PairMismatch(QuantkitError):
+    """The two checkpoints of a prefill/decode pair do not belong together: other sources, KV scales that
+    differ (a KV cache written under one scale and read under another is silent corruption), KV layouts that
+    differ, or manifests that do not record each other."""
+
+    hint = ("write both checkpoints in one run: `quantkit convert SRC OUT --recipe R --pair fp8-prefill` (one "
+            "set of KV scales in both), or convert each with the same --kv-scales file")
+
+
 class CalibrationNeeded(QuantkitError):
     """The recipe asks for FP8 KV-cache scales, and neither a scales file nor a calibrator is at hand."""
 

@@ -75,6 +75,9 @@ class ConvertOptions:
     # FP8 KV-cache scales to ship: a safetensors file of float32 `model.layers.L.self_attn.{k,v}_scale`
     # (as `quantkit calibrate` writes). None: calibrate if the recipe has a kv_cache section.
     kv_scales: str | None = None
+    # KV scales already read or calibrated (pack.kv.KVScales): shipped as they are. convert/pair.py computes
+    # them once and hands the same object to both checkpoints of a prefill/decode pair.
+    kv: kvrules.KVScales | None = None
     # Calibration data for GPTQ/AWQ groups (and in-convert KV calibration); None: the recipe's
     # `calibration` section, then quantkit's defaults (match.recipe.CalibrationSpec).
     dataset: str | None = None
@@ -142,7 +145,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     fmt = detect_format(src.config)
     stored = scan(src, fmt)
     validate_sources(src, stored)  # every quantized module against its scheme (scales read, packed data not)
-    want_kv = opts.kv_scales is not None or recipe.kv_cache is not None
+    want_kv = opts.kv is not None or opts.kv_scales is not None or recipe.kv_cache is not None
     source_kv = frozenset(n for n in src.location if kvrules.KV_SCALE.match(n))
     companions = frozenset(t for sw in stored.values() for _, t in sw.tensors[1:])
     skip = companions | (source_kv if want_kv else frozenset())
@@ -168,7 +171,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
                                     for p in plans for u in p.units)
     options.parse_device(opts.device)  # a misspelled device fails here, whatever the recipe
     calib_device = None
-    if calibrated or (want_kv and opts.kv_scales is None):
+    if calibrated or (want_kv and opts.kv_scales is None and opts.kv is None):
         from ..calib.device import resolve_device
 
         calib_device = resolve_device(opts.device)  # a device that is not there fails before anything is written
@@ -187,7 +190,9 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     # on its LOCAL_RANK's GPU). A GPU job whose process group is gloo (a GPU asked for while torch.distributed
     # joined without one) calibrates on rank 0 alone while the others wait.
     split_calib = w.size > 1 and calib_device is not None and (calib_device.type == "cpu" or w.backend == "nccl")
-    if want_kv and opts.kv_scales is None and split_calib:  # calibrated here: data parallel over the ranks
+    if opts.kv is not None:  # computed by the caller (a prefill/decode pair): the same scales, as they are
+        kv = opts.kv
+    elif want_kv and opts.kv_scales is None and split_calib:  # calibrated here: data parallel over the ranks
         with timeline.phase("kv"):
             kv = kv_scales(src, recipe, None, opts.dataset, opts.num_samples, opts.seq_len, device=opts.device,
                            report=calib_report if w.leader else None, world=w)

@@ -1,6 +1,11 @@
 """Loading a quantkit checkpoint for the runner: config groups (pack/config.py's precedence), every layer's
 weights through the one tensor reader (read/tensors.py) with routed experts kept packed as one INT4 stack
-per layer, and the FP8 KV-cache scales (pack/kv.py's rules)."""
+per layer, and the FP8 KV-cache scales (pack/kv.py's rules).
+
+Groups the runner executes: INT4 pack-quantized weight-only (W4A16), NVFP4/MXFP4 experts, W4AFP8 (INT4
+group 128 with dynamic per-token FP8 activations, runtime/w4afp8.py) and FP8 `float-quantized` weights
+with dynamic FP8 activations (runtime/fp8.py). Unquantized routed experts (a BF16 source) run as plain
+weights."""
 
 from __future__ import annotations
 
@@ -18,27 +23,36 @@ from ..pack.config import targeting
 from ..read.safetensors import SafetensorsFile
 from ..read.tensors import TensorReader
 from .fp4 import FP4Experts, PackedFP4, fuse_gate_up_fp4
+from .fp8 import DenseExperts, FP8Weight, W4AFP8Experts, fp8_linear
 from .fused_moe import Int4Experts
 from .int4 import PackedInt4, int4_gemm
 from .paged_attention import FP8_DTYPE
 from .spec import ModelSpec, MoESpec
+from .w4afp8 import W4AFP8Weight, w4afp8_gemm
 
 
 @dataclass(frozen=True)
 class Linear:
-    """y = x @ W^T (+ b). weight: dense [N, K] in the compute dtype, or PackedInt4 (N, K)."""
+    """y = x @ W^T (+ b). weight: dense [N, K] in the compute dtype, PackedInt4 (N, K), an FP8 weight (W8A8,
+    dynamic FP8 input) or a W4AFP8 weight (INT4 weight, dynamic per-token FP8 input)."""
 
-    weight: torch.Tensor | PackedInt4
+    weight: torch.Tensor | PackedInt4 | FP8Weight | W4AFP8Weight
     bias: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, backend: str) -> torch.Tensor:
-        if isinstance(self.weight, PackedInt4):
-            y = int4_gemm(x, self.weight, backend=backend)
+        if isinstance(self.weight, (PackedInt4, FP8Weight, W4AFP8Weight)):
+            w = self.weight
+            y = (int4_gemm(x, w, backend=backend) if isinstance(w, PackedInt4) else fp8_linear(x, w)
+                 if isinstance(w, FP8Weight) else w4afp8_gemm(x, w, backend=backend))
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         w = self.weight
+        if isinstance(w, FP8Weight):
+            return w.w.to(dtype)
+        if isinstance(w, W4AFP8Weight):
+            return (w.effective() * w.chan[..., None]).to(dtype)
         return (w.dequantize(torch.float32) if isinstance(w, PackedInt4) else w).to(dtype)
 
 
@@ -53,7 +67,7 @@ class DenseMLP:
 class MoEBlock:
     router: torch.Tensor  # [E, D]
     bias: torch.Tensor | None  # fp32 [E] e_score_correction_bias (sigmoid routing)
-    experts: Int4Experts | FP4Experts
+    experts: Int4Experts | FP4Experts | DenseExperts | W4AFP8Experts
     shared: DenseMLP | None
 
 
@@ -89,8 +103,18 @@ class Layer:
     mlp: DenseMLP | MoEBlock
 
 
+@dataclass(frozen=True)
+class _Group:
+    targets: list
+    group_size: int | None  # INT4 group size (None: per channel, or not INT4)
+    kind: str  # int4 (W4A16) | w4afp8 | fp4 | fp8 (W8A8, dynamic FP8 input)
+    fp8_layout: object = None  # quant.fp8.FP8Layout of an fp8 group
+    act_group: int | None = None  # fp8: the dynamic input's group size (None: per token)
+
+
 class _QuantScheme:
-    """The config's compressed-tensors groups, validated: every group must be pack-quantized INT4."""
+    """The config's compressed-tensors groups, validated: pack-quantized INT4 weight-only or W4AFP8, FP4
+    experts, or float-quantized FP8 weights with dynamic FP8 input activations."""
 
     def __init__(self, qcfg: dict | None):
         self.groups = []
@@ -102,26 +126,56 @@ class _QuantScheme:
         if qcfg.get("quantization_status", "compressed") != "compressed":
             raise UnsupportedCheckpoint(f"quantization_status {qcfg.get('quantization_status')!r}, "
                                         "expected 'compressed'")
+        from ..pack.config import is_w4afp8
+        from ..quant.fp8 import FP8Layout
+
         top_fmt = qcfg.get("format")
         for name, g in (qcfg.get("config_groups") or {}).items():
+            if not isinstance(g, dict):
+                raise UnsupportedCheckpoint(f"quantization group {str(name)[:40]!r} is not an object")
             w = g.get("weights") or {}
+            acts = g.get("input_activations")
             fmt = g.get("format", top_fmt)
             int4 = fmt == "pack-quantized" and w.get("num_bits") == 4 and w.get("type") == "int"
             fp4 = fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized")  # routed experts (fused_moe_fp4)
-            if not (int4 or fp4) or g.get("input_activations"):
-                acts = " with quantized activations" if g.get("input_activations") else ""
+            fp8 = (fmt == "float-quantized" and w.get("num_bits") == 8 and w.get("type") == "float"
+                   and w.get("strategy") in ("tensor", "channel", "block"))
+            fp8_acts = (isinstance(acts, dict) and acts.get("num_bits") == 8 and acts.get("type") == "float"
+                        and bool(acts.get("dynamic")) and acts.get("strategy") in ("token", "group"))
+            w4afp8 = int4 and is_w4afp8(w, acts) and w.get("group_size") == 128
+            if acts and not (w4afp8 or (fp8 and fp8_acts)) or not (int4 or fp4 or fp8):
+                what = " with quantized activations" if acts else ""
                 raise UnsupportedCheckpoint(f"quantization group {str(name)[:40]!r} is {fmt} {w.get('type')}"
-                                            f"{w.get('num_bits')}{acts}; the runner executes pack-quantized INT4 "
-                                            "weight-only (W4A16)")
+                                            f"{w.get('num_bits')}{what}; the runner executes pack-quantized INT4 "
+                                            "(W4A16, or W4AFP8 at group 128), FP4 experts, and FP8 weights with "
+                                            "dynamic FP8 activations")
             if w.get("actorder") == "group":
                 raise UnsupportedCheckpoint("act-order 'group' (weight_g_idx) is not supported by the INT4 kernels")
+            targets = list(g.get("targets") or [])
+            if fp8:
+                bs = w.get("block_structure")
+                try:
+                    layout = FP8Layout(w["strategy"], tuple(bs) if bs else None)
+                except (ValueError, TypeError) as e:
+                    raise UnsupportedCheckpoint(f"quantization group {str(name)[:40]!r}: {e}") from None
+                ag = acts.get("group_size") if acts and acts.get("strategy") == "group" else None
+                self.groups.append(_Group(targets, None, "fp8", layout, ag if isinstance(ag, int) and ag > 0 else None))
+                continue
             gs = w.get("group_size") if w.get("strategy") == "group" else None
-            self.groups.append((list(g.get("targets") or []), gs))
+            self.groups.append(_Group(targets, gs, "w4afp8" if w4afp8 else "fp4" if fp4 else "int4"))
+
+    def group(self, module: str) -> _Group | None:
+        hit = targeting(module, self.groups, lambda g: g.targets)
+        return hit[0] if hit else None
 
     def group_size(self, module: str) -> int | None:
         """The group size the config gives `module` (None: infer from the scale's shape)."""
-        hit = targeting(module, self.groups, lambda g: g[0])
-        return hit[0][1] if hit else None
+        g = self.group(module)
+        return g.group_size if g else None
+
+    def kind(self, module: str) -> str | None:
+        g = self.group(module)
+        return g.kind if g else None
 
 
 class _Reader(TensorReader):
@@ -158,9 +212,36 @@ class _Loader:
             self.r.get(f"{module}.weight_shape"), self.r.get(zp).to(self.device) if self.r.has(zp) else None,
             self.scheme.group_size(module))
 
+    def fp8(self, module: str) -> FP8Weight:
+        """An FP8 `float-quantized` weight: codes times scales, exact in fp32, and its input's dynamic groups."""
+        from ..quant.fp8 import dequantize as fp8_dequantize
+        from ..read.tensors import read_scale
+
+        g = self.scheme.group(module)
+        if g is None or g.kind != "fp8":
+            raise UnsupportedCheckpoint(f"{module}.weight is float8, but no float-quantized config group targets it")
+        q = self.r.get(f"{module}.weight")
+        s = read_scale(self.r.get, f"{module}.weight_scale", g.fp8_layout)
+        if tuple(s.shape) != tuple(g.fp8_layout.scale_shape(*q.shape)) and s.numel() != 1:
+            raise UnsupportedCheckpoint(f"{module}.weight_scale is {list(s.shape)}, the {g.fp8_layout.strategy} "
+                                        f"layout of a {list(q.shape)} weight implies "
+                                        f"{list(g.fp8_layout.scale_shape(*q.shape))}")
+        w = fp8_dequantize(q, s, g.fp8_layout, torch.float32).to(self.device)
+        ag = g.act_group if g.act_group and q.shape[1] % g.act_group == 0 else None
+        return FP8Weight(w, ag)
+
+    def _is_fp8(self, module: str) -> bool:
+        n = f"{module}.weight"
+        return self.r.has(n) and self.r.info(n).dtype == FP8_DTYPE
+
     def linear(self, module: str, shape: tuple[int, int] | None = None) -> Linear:
         if self.r.has(f"{module}.weight_packed"):
             w = self.packed(module)
+            got = w.shape
+            if self.scheme.kind(module) == "w4afp8":
+                w = W4AFP8Weight.from_int4(w)
+        elif self._is_fp8(module):
+            w = self.fp8(module)
             got = w.shape
         elif self.r.has(f"{module}.weight"):
             w = self.tensor(f"{module}.weight")
@@ -178,12 +259,15 @@ class _Loader:
         return DenseMLP(self.linear(f"{prefix}.{g}", (inter, d)), self.linear(f"{prefix}.{u}", (inter, d)),
                         self.linear(f"{prefix}.{dn}", (d, inter)))
 
-    def experts(self, prefix: str, spec: MoESpec, d: int) -> Int4Experts | FP4Experts:
+    def experts(self, prefix: str, spec: MoESpec, d: int) -> Int4Experts | FP4Experts | DenseExperts | W4AFP8Experts:
         """Stack the per-expert packed tensors of one layer into [E, ...] PackedInt4s (or, for NVFP4 /
-        MXFP4 experts, PackedFP4 w13 = gate + up and w2)."""
+        MXFP4 experts, PackedFP4 w13 = gate + up and w2; W4AFP8: the W4A8 kernel's gate_up / down; FP8 or
+        unquantized experts: DenseExperts)."""
         first = f"{prefix}.0.{spec.names[0]}"
         if self.r.has(f"{first}.weight_packed") and self.r.info(f"{first}.weight_packed").dtype == torch.uint8:
             return self._fp4_experts(prefix, spec, d)
+        if not self.r.has(f"{first}.weight_packed") and self.r.has(f"{first}.weight"):
+            return self._dense_experts(prefix, spec, d)
         stacks = []
         for name, shape in zip(spec.names, [(spec.intermediate_size, d)] * 2 + [(d, spec.intermediate_size)]):
             mods = [f"{prefix}.{e}.{name}" for e in range(spec.num_experts)]
@@ -200,7 +284,37 @@ class _Loader:
             stacks.append(PackedInt4(torch.stack([p.packed for p in parts]), torch.stack([p.scale for p in parts]),
                                      zp, tuple(shape), parts[0].group_size))
         gate, up, down = stacks
+        if self.scheme.kind(f"{prefix}.0.{spec.names[0]}") == "w4afp8":
+            # vLLM stacks gate and up into w13 [E, 2I, D] and converts each to FP8 group + fp32 channel scales
+            gu = PackedInt4(torch.cat([gate.packed, up.packed], 1), torch.cat([gate.scale, up.scale], 1), None,
+                            (2 * gate.shape[0], gate.shape[1]), gate.group_size)
+            try:
+                return W4AFP8Experts(W4AFP8Weight.from_int4(gu), W4AFP8Weight.from_int4(down))
+            except ValueError as e:
+                raise UnsupportedCheckpoint(f"{prefix}: {e}") from None
         return Int4Experts(down, gate=gate, up=up)
+
+    def _dense_experts(self, prefix: str, spec: MoESpec, d: int) -> DenseExperts:
+        """FP8 experts (codes x scales, fp32, dynamic FP8 inputs) or unquantized ones (the compute dtype)."""
+        fp8 = self._is_fp8(f"{prefix}.0.{spec.names[0]}")
+        stacks, act_group = [], None
+        for name, shape in zip(spec.names, [(spec.intermediate_size, d)] * 2 + [(d, spec.intermediate_size)]):
+            ws = []
+            for e in range(spec.num_experts):
+                m = f"{prefix}.{e}.{name}"
+                if self._is_fp8(m) != fp8:
+                    raise UnsupportedCheckpoint(f"{m}: experts of one layer mix FP8 and other formats")
+                if fp8:
+                    fw = self.fp8(m)
+                    act_group = fw.act_group
+                    w = fw.w
+                else:
+                    w = self.tensor(f"{m}.weight")
+                if tuple(w.shape) != tuple(shape):
+                    raise UnsupportedCheckpoint(f"{m} has shape {list(w.shape)}, the config implies {list(shape)}")
+                ws.append(w)
+            stacks.append(torch.stack(ws))
+        return DenseExperts(*stacks, fp8=fp8, act_group=act_group)
 
     def _fp4_experts(self, prefix: str, spec: MoESpec, d: int) -> FP4Experts:
         stacks = []

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .fp4 import FP4Experts, fused_moe_fp4
+from .fp8 import DenseExperts, W4AFP8Experts, dense_moe
 from .fused_moe import fused_moe_int4
 from .loader import DenseMLP, MoEBlock
 from .spec import MoESpec, RopeSpec
@@ -79,6 +80,8 @@ def moe_forward(moe: MoESpec, block: MoEBlock, x: torch.Tensor, backend: str) ->
     ids, w = route(moe, block, x)
     if isinstance(block.experts, FP4Experts):
         y = fused_moe_fp4(x, ids, w, block.experts, backend=backend)
+    elif isinstance(block.experts, (DenseExperts, W4AFP8Experts)):  # FP8, unquantized or W4AFP8 (torch)
+        y = dense_moe(x, ids, w, block.experts)
     else:
         y = fused_moe_int4(x, ids, w, block.experts, backend=backend)
     if block.shared is not None:

@@ -66,13 +66,14 @@ class VerifyReport:
     seconds: float = 0.0
     engine: dict | None = None  # `engine="vllm"`: the rules vLLM applies (quantkit/engine/vllm.py)
     engine_run: dict | None = None  # `engine_run`: QMODEL run in vLLM and measured (quantkit/engine/vllm_run.py)
+    pair: dict | None = None  # `pair`: QMODEL as the decode half of a prefill/decode pair (verify/pair.py)
 
     def to_json(self) -> dict:
         return {"passed": self.passed, "integrity": self.integrity, "format": self.format,
                 "metrics": self.metrics, "layers": self.layers, "generation": self.generation,
                 "checks": [asdict(c) for c in self.checks], "thresholds": asdict(self.thresholds),
                 "data": self.data, "seconds": self.seconds, "engine": self.engine,
-                "engine_run": self.engine_run}
+                "engine_run": self.engine_run, "pair": self.pair}
 
     def failed_checks(self) -> list[Check]:
         return [c for c in self.checks if c.ok is False]
@@ -84,7 +85,7 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
            thresholds: Thresholds = Thresholds(), progress: Callable[[str], None] | None = None,
            generation_tokens: int = options.VERIFY_GENERATION_TOKENS, engine: str | None = None,
            tp: int = options.VERIFY_TP,
-           seed: int = 0, engine_run: dict | None = None) -> VerifyReport:
+           seed: int = 0, engine_run: dict | None = None, pair=None) -> VerifyReport:
     """Verify the converted checkpoint in `qmodel_dir` (see the module docstring).
 
     reference: the source checkpoint it was converted from; without it the numerics are skipped and
@@ -97,7 +98,10 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
     engine_run: with engine "vllm", also run QMODEL in vLLM and measure it there (quantkit/engine/vllm_run.py);
     a dict of its options: python (the engine environment's interpreter; default this one), timeout (s),
     kv_cache_dtype ("served": fp8 when the checkpoint has KV scales, as its model card serves it; or vLLM's
-    values, e.g. "auto", "bfloat16"), engine_args (extra vllm.LLM keyword arguments)."""
+    values, e.g. "auto", "bfloat16"), engine_args (extra vllm.LLM keyword arguments).
+    pair: the prefill checkpoint of a prefill/decode pair whose decode half is `qmodel_dir` (convert --pair):
+    checked to belong together (PairMismatch otherwise, before anything else) and, with a reference, measured as
+    served: FP8 prefill into the KV cache, decode reading it (verify/pair.py)."""
     t0 = time.perf_counter()
     say = progress or (lambda _s: None)
     thresholds = thresholds if thresholds is not None else Thresholds()
@@ -122,6 +126,12 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
                                       "FP16/FP32, block FP8, or compressed-tensors such as Kimi K2.5's INT4 release)")
     if kernels == "triton":
         _require_triton(dev)
+    pair_doc = None
+    if pair is not None:
+        from .pair import check_pair
+
+        say("pair: manifests, source and KV scales of the two checkpoints")
+        pair_doc = check_pair(root, Path(pair))  # PairMismatch: the pair is refused, nothing measured
 
     checks: list[Check] = []
     # 1. integrity
@@ -223,9 +233,28 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
                                            timeout=engine_run.get("timeout") or vllm_run.DEFAULT_TIMEOUT_S,
                                            transformers_ppl=metrics.get("perplexity_quantized"), say=say)
         checks += run_checks
+    if pair_doc is not None:
+        checks.append(Check("pair", True, f"same source, same KV layout, {pair_doc['kv_tensors']} KV-scale tensors "
+                            "identical bit for bit, manifests record each other"))
+        wrong_ref = any(c.name == "reference" and c.ok is False for c in checks)
+        if ref_ck is not None and ck is not None and integrity["ok"] and not wrong_ref:
+            from .pair import pair_metrics
+
+            if not data.get("source"):
+                samples, info = token_data(ref_ck, dataset, num_samples, seq_len, seed)
+                data.update(info)
+            pair_doc["metrics"] = pm = pair_metrics(ref_ck.root, root, Path(pair), samples, dev, generation_tokens, say)
+            checks.append(_pair_limit(pm["pair"], thresholds))
     passed = integrity["ok"] and fmt["ok"] and all(c.ok is not False for c in checks)
     return VerifyReport(passed, integrity, fmt, metrics, layers, generation, checks, thresholds, data,
-                        round(time.perf_counter() - t0, 3), engine_doc, run_doc)
+                        round(time.perf_counter() - t0, 3), engine_doc, run_doc, pair_doc)
+
+
+def _pair_limit(m: dict, t: Thresholds) -> Check:
+    """The pair (FP8 prefill, then decode reading its KV cache) held to the same KL / top-1 limits."""
+    ok = m["kl_divergence"] <= t.max_kl and m["top1_agreement"] >= t.min_top1
+    return Check("pair_quality", ok, f"prefill model -> KV cache -> decode model against the source: KL "
+                 f"{m['kl_divergence']:.4g} (max {t.max_kl:g}), top-1 {m['top1_agreement']:.2%} (min {t.min_top1:.0%})")
 
 
 def _device(device: str) -> torch.device:

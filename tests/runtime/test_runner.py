@@ -319,6 +319,14 @@ def test_unsupported_models_raise_with_hint(build):
     assert parse_config({**ds, "model_type": "kimi_k2"}).mla == spec.mla
 
 
-def test_unquantized_experts_are_refused(build):
-    with pytest.raises(UnsupportedCheckpoint, match="not INT4 pack-quantized"):
-        load_runner(build("qwen3_moe").src)  # the BF16 source
+def test_unquantized_experts_run_as_plain_weights(build):
+    """The BF16 source runs too (verify --pair's reference): experts unpacked, close to its INT4 conversion."""
+    from quantkit.runtime.fp8 import DenseExperts
+
+    b = build("qwen3_moe")
+    src = load_runner(b.src)
+    ex = src.layers[0].mlp.experts
+    assert isinstance(ex, DenseExperts) and not ex.fp8 and ex.gate.dtype == torch.bfloat16
+    ids = torch.arange(12) * 7 % 500
+    lr, lq = src.prefill(0, ids).log_softmax(-1), load_runner(b.out).prefill(0, ids).log_softmax(-1)
+    assert 0 < float((lr.exp() * (lr - lq)).sum(-1).mean()) < 0.01
