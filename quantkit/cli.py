@@ -387,11 +387,16 @@ def plan(
         "--device", callback=lambda v: _cost_device(v),
         help="What the calibration cost is predicted for: cuda (--gpus GPUs of --gpu-memory-gib) or cpu (--gpus "
              "processes).")] = options.PLAN_COST_DEVICE,
+    pair: Annotated[Optional[str], typer.Option("--pair", help="Also plan the prefill pool of a prefill/decode pair "
+                                                             "served with this recipe (fp8-prefill) beside --recipe's "
+                                                             "decode pool, one FP8 KV cache for both.")] = None,
     revision: RevisionOpt = None,
     json_out: JsonOpt = False,
 ):
     """Explain the memory: parameters by role, checkpoint bytes per recipe, KV bytes per token, resident
     tokens and concurrency; with --calibration, what the calibrated pass costs."""
+    if pair is not None and recipe is None:
+        raise typer.BadParameter("--pair needs --recipe (the decode pool's recipe)", param_hint="--pair")
     from .plan import REFERENCE_CONFIGS, plan as run, render
 
     if calibration is not None and recipe is None:
@@ -402,10 +407,23 @@ def plan(
         target = str(_source(model_or_config, revision))
     rep = run(target, recipe, gpu_memory_gib=gpu_memory_gib, gpus=gpus, context_len=context_len,
               activation_reserve_gib=activation_reserve_gib, tp=tp, calibration=calibration, device=device)
+    pair_doc = None
+    if pair is not None:
+        from .plan.pair import plan_pair
+
+        pair_doc = plan_pair(target, recipe, pair, gpu_memory_gib=gpu_memory_gib, gpus=gpus, context_len=context_len,
+                             activation_reserve_gib=activation_reserve_gib, tp=tp)
     if json_out:
-        _print_json(rep.to_json())
+        _print_json({**rep.to_json(), **({"pair": pair_doc} if pair_doc else {})})
     else:
         render(rep, Console())
+        if pair_doc:
+            err.print(f"prefill/decode pair, one FP8 KV cache ({pair_doc['kv_bytes_per_token']:,} B/token):")
+            for role in ("prefill", "decode"):
+                d = pair_doc[role]
+                err.print(f"  {role}: {escape(d['recipe'])}: checkpoint {d['checkpoint_bytes'] / 1e9:.1f} GB, weights "
+                          f"{d['weight_bytes_per_gpu'] / 2**30:.1f} GiB/GPU, {d['kv_tokens']:,} KV tokens, expert "
+                          f"GEMMs in {d['expert_math']} (peak x{d['expert_peak_vs_bf16']:g} vs BF16)", soft_wrap=True)
 
 
 @app.command()
