@@ -1,0 +1,257 @@
+"""INT4 release -> NVFP4: quantkit's streamed re-quantization against llm-compressor's
+dequantize-then-quantize path, on one multi-GB synthetic INT4 release, in one run.
+
+    .venv/bin/python bench/int4_to_fp4.py [--size-gb 6] [--shards 4] [--skip-peer] [--peer-quant model_free|oneshot]
+
+The input is a Kimi K2.5/K2.6-style INT4 release: compressed-tensors `pack-quantized`, symmetric, group 32,
+routed experts only. It is made once (cached under bench/.cache/) by `quantkit convert --recipe
+int4-experts-rtn` from bench/convert_rtn.py's synthetic BF16 qwen3_moe (>= --size-gb GB in --shards
+shards); neither step is timed. Then, one after the other on the same release:
+
+1. `quantkit convert INT4 OUT --recipe nvfp4-experts --json`: INT4 experts decoded on read and re-quantized
+   to NVFP4 (W4A16), shard by shard, never a BF16 copy. Wall, CPU and peak RSS (ru_maxrss of the child
+   and the polled RSS of its process tree), against the bound largest INT4 shard + 512 MiB.
+2. llm-compressor's path, as its Kimi K2.6 NVFP4 example does it, in the peer venv of bench/setup_peers.sh:
+   a. decompress: compressed-tensors' `convert_checkpoint` with its `CompressedTensorsDequantizer` writes
+      the release as a BF16 checkpoint on disk (shard by shard; the copy keeps the source's shard layout);
+   b. quantize: NVFP4A16 (weights-only NVFP4, group 16) on that BF16 copy, same expert targets:
+      `model_free_ptq` (llm-compressor's streamed path, the default) or `oneshot` on the model loaded by
+      transformers (--peer-quant oneshot; needs the whole BF16 model in RAM).
+   Each step is timed on its own (wall, CPU, peak RSS), and the sum is the peer's time.
+
+Wall times are of whole commands (interpreter start and imports included). The CPU seconds other
+processes used during each run are recorded: on a shared machine they inflate wall times.
+Results go to bench/results/int4_to_fp4.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import convert_rtn as cr  # noqa: E402  (reuses its synthetic checkpoint and measurement)
+
+CACHE, REPO, MIB = cr.CACHE, cr.REPO, cr.MIB
+RESULTS = HERE / "results" / "int4_to_fp4.json"
+
+# decompress the INT4 release to BF16 on disk with compressed-tensors' own entrypoint (what llm-compressor's
+# Kimi K2.6 NVFP4 example runs first): convert_checkpoint + CompressedTensorsDequantizer, shard by shard.
+DECOMPRESS_SCRIPT = r"""
+import json, os, sys, time
+t0 = time.perf_counter()
+os.environ.setdefault("TQDM_DISABLE", "1")
+import torch
+from compressed_tensors.entrypoints.convert import convert_checkpoint
+from compressed_tensors.entrypoints.convert.converters import CompressedTensorsDequantizer
+import importlib.metadata as md
+src, out = sys.argv[1], sys.argv[2]
+t1 = time.perf_counter()
+convert_checkpoint(model_stub=src, save_directory=out, converter=CompressedTensorsDequantizer(src, dtype=torch.bfloat16),
+                   max_workers=1, device="cpu")
+t2 = time.perf_counter()
+print(json.dumps({"import_s": round(t1 - t0, 3), "decompress_s": round(t2 - t1, 3),
+                  "compressed_tensors": md.version("compressed-tensors"), "torch": md.version("torch")}))
+"""
+
+QUANT_SCRIPT = r"""
+import json, os, sys, time
+t0 = time.perf_counter()
+os.environ.setdefault("TQDM_DISABLE", "1")
+import importlib.metadata as md
+src, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+targets, ignore = json.loads(sys.argv[4]), json.loads(sys.argv[5])
+from compressed_tensors.quantization import preset_name_to_scheme
+scheme = preset_name_to_scheme("NVFP4A16", targets)
+if mode in ("model_free", "model_free_fused"):
+    from llmcompressor import model_free_ptq
+    converter = None
+    if mode == "model_free_fused":  # the INT4 source dequantized on read (no BF16 copy)
+        import torch
+        from compressed_tensors.entrypoints.convert.converters import CompressedTensorsDequantizer
+        converter = CompressedTensorsDequantizer(src, dtype=torch.bfloat16)
+    t1 = time.perf_counter()
+    model_free_ptq(model_stub=src, save_directory=out, scheme=scheme, ignore=ignore, max_workers=1, device="cpu",
+                   converter=converter)
+else:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    t1 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    recipe = QuantizationModifier(config_groups={"experts": scheme}, ignore=ignore)
+    oneshot(model=model, recipe=recipe)
+    model.save_pretrained(out, save_compressed=True)
+t2 = time.perf_counter()
+print(json.dumps({"import_s": round(t1 - t0, 3), "quant_s": round(t2 - t1, 3), "mode": mode,
+                  "llmcompressor": md.version("llmcompressor"), "compressed_tensors": md.version("compressed-tensors"),
+                  "torch": md.version("torch"), "weights": scheme.weights.model_dump(mode="json")}))
+"""
+
+
+def du(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.glob("*.safetensors"))
+
+
+def make_release(args, qk_bin: str) -> Path:
+    """The INT4 release (cached): the synthetic BF16 checkpoint converted with int4-experts-rtn."""
+    made = subprocess.run([sys.executable, str(HERE / "convert_rtn.py"), "--make-only", "--size-gb", str(args.size_gb),
+                           "--shards", str(args.shards)], check=True, stdout=subprocess.PIPE, text=True)
+    bf16 = Path(made.stdout.strip().splitlines()[-1])
+    rel = CACHE / f"int4-release-{bf16.name}"
+    stamp = rel / ".complete.json"
+    if stamp.is_file():
+        return rel
+    shutil.rmtree(rel, ignore_errors=True)
+    t0 = time.perf_counter()
+    subprocess.run([qk_bin, "convert", str(bf16), str(rel), "--recipe", "int4-experts-rtn", "--json"], check=True,
+                   stdout=subprocess.DEVNULL)
+    stamp.write_text(json.dumps({"from": str(bf16), "recipe": "int4-experts-rtn",
+                                 "seconds": round(time.perf_counter() - t0, 1)}) + "\n")
+    return rel
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gb", type=float, default=6.0, help="BF16 source size the INT4 release is made from (default "
+                                                                "6: a 2.2 GB INT4 release)")
+    ap.add_argument("--shards", type=int, default=4, help="shards of the BF16 source and so of the release (default 4)")
+    ap.add_argument("--recipe", default="nvfp4-experts", help="quantkit recipe (default nvfp4-experts)")
+    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--peer-quant", choices=["model_free", "oneshot"], default="model_free")
+    ap.add_argument("--peer-fused", action="store_true",
+                    help="also run model_free_ptq on the INT4 release itself with compressed-tensors' dequantizer as "
+                         "its converter (llm-compressor's own streamed INT4 -> NVFP4, no BF16 copy)")
+    ap.add_argument("--peer-venv", type=Path, default=CACHE / "peer-venv")
+    ap.add_argument("--keep-outputs", action="store_true")
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+
+    qk_bin = next((str(p) for p in (Path(sys.executable).parent / "quantkit", REPO / ".venv/bin/quantkit")
+                   if p.exists()), "quantkit")
+    peer_py = args.peer_venv / "bin" / "python"
+    if not args.skip_peer and not peer_py.exists():
+        print(f"no peer venv at {args.peer_venv}: run bench/setup_peers.sh first, or pass --skip-peer", file=sys.stderr)
+        return 2
+    mach = cr.machine()
+    rel = make_release(args, qk_bin)
+    files = cr.shard_files(rel)
+    sizes = [f.stat().st_size for f in files]
+    total, largest = sum(sizes), max(sizes)
+    bound = largest + cr.BOUND_SLACK
+    print(f"INT4 release: {rel} ({len(files)} shards, {total / 1e9:.3f} GB, largest {largest / MIB:.0f} MiB, "
+          f"bound {bound / MIB:.0f} MiB)", file=sys.stderr)
+
+    logs = CACHE / "logs"
+    qk_out, bf16_out, llmc_out = CACHE / "i2f-quantkit", CACHE / "i2f-llmc-bf16", CACHE / "i2f-llmc-nvfp4"
+    load0 = os.getloadavg()
+    runs, dec_ok = {}, True
+    cr.settle(qk_out)
+    cr.warm_cache(files)
+    cmd = [qk_bin, "convert", str(rel), str(qk_out), "--recipe", args.recipe, "--json"]
+    print("running: " + " ".join(cmd), file=sys.stderr)
+    r = cr.run_measured(cmd, logs / "i2f-quantkit.stderr", stdout_path=logs / "i2f-quantkit.stdout")
+    if r["rc"]:
+        print(f"quantkit failed (rc {r['rc']}); see {r['log']}", file=sys.stderr)
+        return 1
+    r["reported"] = json.loads(r.pop("stdout"))
+    r["out_bytes"] = du(qk_out)
+    runs["quantkit"] = r
+    print(f"  {r['wall_s']:.2f} s, maxrss {r['ru_maxrss_bytes'] / MIB:.0f} MiB", file=sys.stderr)
+    if not args.skip_peer:
+        cr.settle(bf16_out, llmc_out)
+        cr.warm_cache(files)
+        print(f"running: {peer_py} -c <decompress> {rel} {bf16_out}", file=sys.stderr)
+        r = cr.run_measured([str(peer_py), "-c", DECOMPRESS_SCRIPT, str(rel), str(bf16_out)],
+                            logs / "i2f-decompress.stderr", stdout_path=logs / "i2f-decompress.stdout")
+        if r["rc"]:
+            print(f"decompress failed (rc {r['rc']}); see {r['log']}", file=sys.stderr)
+            r.pop("stdout", None)
+            runs["llmc_decompress_FAILED"] = r
+            dec_ok = False
+    if not args.skip_peer and dec_ok:
+        r["cmd"] = r["cmd"][:2] + ["<DECOMPRESS_SCRIPT>"] + r["cmd"][3:]
+        r["reported"] = json.loads(r.pop("stdout").strip().splitlines()[-1])
+        os.sync()  # the copy's writeback is the decompress step's cost, not the next step's
+        r["out_bytes"] = du(bf16_out)
+        runs["llmc_decompress"] = r
+        print(f"  {r['wall_s']:.2f} s, maxrss {r['ru_maxrss_bytes'] / MIB:.0f} MiB", file=sys.stderr)
+        print(f"running: {peer_py} -c <NVFP4A16 {args.peer_quant}> {bf16_out} {llmc_out}", file=sys.stderr)
+        r = cr.run_measured([str(peer_py), "-c", QUANT_SCRIPT, str(bf16_out), str(llmc_out), args.peer_quant,
+                             json.dumps(cr.EXPERT_TARGETS), json.dumps(cr.IGNORE)],
+                            logs / "i2f-quant.stderr", stdout_path=logs / "i2f-quant.stdout")
+        if r["rc"]:
+            print(f"llm-compressor quantize failed (rc {r['rc']}); see {r['log']}", file=sys.stderr)
+            r.pop("stdout", None)
+            runs["llmc_quantize_FAILED"] = r
+        else:
+            r["cmd"] = r["cmd"][:2] + ["<QUANT_SCRIPT>"] + r["cmd"][3:]
+            r["reported"] = json.loads(r.pop("stdout").strip().splitlines()[-1])
+            r["out_bytes"] = du(llmc_out)
+            runs["llmc_quantize"] = r
+        print(f"  {r['wall_s']:.2f} s, maxrss {r['ru_maxrss_bytes'] / MIB:.0f} MiB", file=sys.stderr)
+        shutil.rmtree(bf16_out, ignore_errors=True)
+    if args.peer_fused and not args.skip_peer:
+        cr.settle(llmc_out)
+        cr.warm_cache(files)
+        print(f"running: {peer_py} -c <NVFP4A16 model_free_ptq + dequantizer> {rel} {llmc_out}", file=sys.stderr)
+        r = cr.run_measured([str(peer_py), "-c", QUANT_SCRIPT, str(rel), str(llmc_out), "model_free_fused",
+                             json.dumps(cr.EXPERT_TARGETS), json.dumps(cr.IGNORE)],
+                            logs / "i2f-fused.stderr", stdout_path=logs / "i2f-fused.stdout")
+        if r["rc"]:
+            print(f"llm-compressor fused run failed (rc {r['rc']}); see {r['log']}", file=sys.stderr)
+        else:
+            r["cmd"] = r["cmd"][:2] + ["<QUANT_SCRIPT>"] + r["cmd"][3:]
+            r["reported"] = json.loads(r.pop("stdout").strip().splitlines()[-1])
+            r["out_bytes"] = du(llmc_out)
+            runs["llmc_model_free_dequant_on_read"] = r
+            print(f"  {r['wall_s']:.2f} s, maxrss {r['ru_maxrss_bytes'] / MIB:.0f} MiB", file=sys.stderr)
+    load1 = os.getloadavg()
+
+    qk = runs["quantkit"]
+    qk_peak = max(qk["peak_rss_bytes"], qk["ru_maxrss_bytes"])
+    print()
+    print(f"INT4 release: {len(files)} shards, {total / 1e9:.3f} GB, largest shard {largest / MIB:.0f} MiB -> "
+          f"RSS bound {bound / MIB:.0f} MiB")
+    print(f"machine: {mach['cpu_count']} CPUs, {mach['cpu_model']}, {mach['mem_total_bytes'] / 2**30:.1f} GiB RAM; "
+          f"load avg {load0[0]:.1f} -> {load1[0]:.1f}; quantkit {mach['quantkit_git']}")
+    print(f"{'':<30}{'wall s':>8}{'treeRSS':>9}{'maxrss':>9}{'cpu s':>8}{'other':>8}{'out GB':>8}")
+    for k, r in runs.items():
+        if k.endswith("_FAILED"):
+            print(f"{k:<30} rc {r['rc']} (see {r['log']})")
+            continue
+        print(f"{k:<30}{r['wall_s']:>8.2f}{r['peak_rss_bytes'] / MIB:>9.0f}{r['ru_maxrss_bytes'] / MIB:>9.0f}"
+              f"{r['cpu_s']:>8.2f}{r['other_cpu_s']:>8.1f}{r['out_bytes'] / 1e9:>8.3f}")
+    ratios = {"rss_ratio_vs_bound": qk_peak / bound}
+    if "llmc_model_free_dequant_on_read" in runs:
+        ratios["speedup_vs_llmcompressor_dequant_on_read"] = runs["llmc_model_free_dequant_on_read"]["wall_s"] / qk["wall_s"]
+    if "llmc_quantize" in runs and "llmc_decompress" in runs:
+        peer_wall = runs["llmc_decompress"]["wall_s"] + runs["llmc_quantize"]["wall_s"]
+        print(f"{'llm-compressor total':<30}{peer_wall:>8.2f}")
+        ratios["speedup_vs_llmcompressor"] = peer_wall / qk["wall_s"]
+        ratios["speedup_vs_llmcompressor_quantize_only"] = runs["llmc_quantize"]["wall_s"] / qk["wall_s"]
+    for k, v in ratios.items():
+        print(f"{k} = {v:.3f}")
+    doc = {"machine": mach, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+           "release": {"path": str(rel), "shards": len(files), "total_bytes": total, "largest_shard_bytes": largest,
+                       "shard_bytes": sizes}, "rss_bound_bytes": bound, "runs": runs, "ratios": ratios,
+           "loadavg_before_after": [load0, load1], "unix_time": int(time.time())}
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print(f"results: {args.results}")
+    if not args.keep_outputs:
+        for d in (qk_out, bf16_out, llmc_out):
+            shutil.rmtree(d, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
