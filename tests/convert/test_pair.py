@@ -160,3 +160,49 @@ def test_pair_whose_manifests_do_not_record_each_other_is_refused(pair, tmp_path
 def test_pair_out_needs_pair(tmp_path, capsys):
     code, _, err = _cli(["convert", str(tmp_path), str(tmp_path / "o"), "--pair-out", str(tmp_path / "p")], capsys)
     assert code == 2
+
+
+def test_cli_pair_with_a_kv_file(pair, tmp_path, capsys):
+    """--kv-scales FILE: no calibration; both halves carry that file's tensors; --json has both results."""
+    src, dec, _, _ = pair
+    out = tmp_path / "d"
+    code, stdout, err = _cli(["convert", str(src), str(out), "-r", "int4-experts-rtn", "--pair", "fp8-prefill",
+                              "--pair-out", str(tmp_path / "p"), "--kv-scales", str(dec / kvrules.KV_SHARD_NAME),
+                              "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(stdout)
+    assert doc["output"] == str(out) and doc["pair"]["prefill"]["output"] == str(tmp_path / "p")
+    assert doc["pair"]["kv_origin"]["file"] == str(dec / kvrules.KV_SHARD_NAME)
+    kv = (dec / kvrules.KV_SHARD_NAME).read_bytes()
+    assert (out / kvrules.KV_SHARD_NAME).read_bytes() == kv == (tmp_path / "p" / kvrules.KV_SHARD_NAME).read_bytes()
+    assert check_pair(out, tmp_path / "p")["kv_tensors"] == 4
+    assert _manifest(out)["pair"]["partner"] == "../p"
+
+
+def test_runner_runs_w4afp8_experts_as_the_engine(tiny_models, tmp_path):
+    """A W4AFP8 decode checkpoint runs in the runner through the W4A8 MoE math (runtime/w4afp8.py): close to,
+    and not equal to, the same INT4 weights run W4A16."""
+    from quantkit.convert import convert
+    from quantkit.runtime.fp8 import W4AFP8Experts
+    from quantkit.runtime.runner import load_runner
+
+    src = tiny_models("qwen3_moe", hidden=256, moe_intermediate=256)
+    out = tmp_path / "w4afp8"
+    convert(src, out, ConvertOptions(recipe="int4-experts-w4afp8"))
+    r = load_runner(out)
+    assert isinstance(r.layers[0].mlp.experts, W4AFP8Experts)
+    ids = torch.arange(16) * 11 % 500
+    got = r.prefill(0, ids)
+    # the same packed weights as W4A16: the config group without its input activations
+    w4a16 = tmp_path / "w4a16"
+    shutil.copytree(out, w4a16)
+    cfg = json.loads((w4a16 / "config.json").read_text())
+    for g in cfg["quantization_config"]["config_groups"].values():
+        g["input_activations"] = None
+    (w4a16 / "config.json").write_text(json.dumps(cfg))
+    r16 = load_runner(w4a16)
+    assert not isinstance(r16.layers[0].mlp.experts, W4AFP8Experts)
+    ref = r16.prefill(0, ids)
+    assert not torch.equal(got, ref)
+    lr, lq = ref.log_softmax(-1), got.log_softmax(-1)
+    assert float((lr.exp() * (lr - lq)).sum(-1).mean()) < 0.01
