@@ -195,7 +195,8 @@ def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: Weig
     w_mean = _rows_w_mean([gu] + [w for m, _, w, _ in orig if m is not router], s_gu.group_size)
     last = [None]  # the scale whose quantized gate/up the experts hold now (the finalists repeat some)
     chunks = _expert_chunks(gu.shape[0], gu[0].numel())
-    scaled = torch.empty((chunks[0].stop - chunks[0].start, *gu.shape[1:]), device=gu.device)  # one chunk
+    direct = dtype == torch.float32 and experts.gate_up_proj.is_contiguous()
+    scaled = None if direct else torch.empty((chunks[0].stop - chunks[0].start, *gu.shape[1:]), device=gu.device)
 
     def block_loss(s, xs, ref):
         _, s_eff, stored = fold(s)
@@ -203,10 +204,12 @@ def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: Weig
             m.weight.data.copy_(w.to(m.weight.dtype))
         if last[0] is None or not torch.equal(last[0], s_eff):
             for c in chunks:  # every expert's gate/up scaled and fake-quantized, a chunk at a time
-                buf = scaled[:c.stop - c.start]
+                # a float32 layer's chunk is worked on where it lies (no copy back; same values)
+                buf = experts.gate_up_proj.data[c] if direct else scaled[:c.stop - c.start]
                 torch.mul(gu[c], s_eff, out=buf)
-                experts.gate_up_proj.data[c].copy_(fake_quant(buf, s_gu.num_bits, s_gu.group_size,
-                                                              s_gu.symmetric, out=buf))
+                q = fake_quant(buf, s_gu.num_bits, s_gu.group_size, s_gu.symmetric, out=buf)
+                if not direct:
+                    experts.gate_up_proj.data[c].copy_(q)
             last[0] = s_eff
         return (_mlp_out(mlp, xs / s_eff, dtype) - ref).square().mean()
 

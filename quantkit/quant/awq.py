@@ -158,8 +158,11 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, num_bits: int = 4, group_size:
         wp = wc.reshape(e, nb, groups, g).transpose(1, 2).contiguous()
         be = torch.full((e, groups, nb), float("inf"), dtype=torch.float64, device=dev)
         br = torch.ones(e, groups, nb, device=dev)
+        rtn_dw = None
         for r in [1.0] + [r for r in ratios if r != 1.0]:  # r = 1 first: ties keep RTN
             dw = wp.sub(fake_quant(wp, num_bits, g, symmetric, r)).double().reshape(e * groups, nb, g)
+            if rtn_dw is None:  # RTN's error, elementwise what _row_error would compute, kept for the row test
+                rtn_dw = dw.reshape(e, groups, nb, g).transpose(1, 2).reshape(e, nb, k)
             err = torch.bmm(dw, gram_g).mul_(dw).sum(-1).reshape(e, groups, nb)  # sum_kl dw_k G_kl dw_l
             better = err < be
             be = torch.where(better, err, be)
@@ -167,13 +170,17 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, num_bits: int = 4, group_size:
         br = br.transpose(1, 2)  # [E, n, G]
         # Groups were chosen independently, but a row's output error also has cross-group terms: keep a
         # row's clip ratios only where they lower the row's whole output error on these inputs.
-        keep = _row_error(wc, gram, br, num_bits, group_size, symmetric) < _row_error(
-            wc, gram, None, num_bits, group_size, symmetric)  # [E, n]
+        keep = _row_error(wc, gram, br, num_bits, group_size, symmetric) < _quad(rtn_dw, gram)  # [E, n]
+        del rtn_dw
         best[:, i0:i0 + nb] = br.masked_fill(~keep[..., None], 1.0)
     return best
 
 
 def _row_error(w, gram, ratio, num_bits, group_size, symmetric) -> torch.Tensor:
     """sum_t (x[t] . (w[n] - q(w)[n]))^2 per row, from gram = X^T X [E, K, K]: w [E, n, K] -> [E, n] (float64)."""
-    dw = (w - fake_quant(w, num_bits, group_size, symmetric, ratio)).double()
+    return _quad((w - fake_quant(w, num_bits, group_size, symmetric, ratio)).double(), gram)
+
+
+def _quad(dw: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """dw[e, n] . gram[e] . dw[e, n] per row: dw [E, n, K] (float64), gram [E, K, K] -> [E, n]."""
     return torch.einsum("enk,ekl,enl->en", dw, gram, dw)
