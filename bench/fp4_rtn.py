@@ -6,7 +6,7 @@
    qwen3_moe ([32, 768, 2048] bf16, random N(0, 0.02), 100 MB), quantized by INT4 RTN (group 32,
    packed), NVFP4 RTN (global scale per expert included) and MXFP4 RTN, each with the fused numba
    kernel and with the torch path (`native=False`), on one thread (torch and kernel). Also NVFP4 with
-   fitted scales (`scale_search: mse`, torch only: the default for INT4 sources). The fastest of
+   fitted scales (`scale_search: mse`, the default for INT4 sources), kernel and torch. The fastest of
    --repeat runs, as MB/s of bf16 input. The kernel's output is checked equal to the torch path's.
 2. `quantkit convert` of the synthetic checkpoint (>= --size-gb, bench/.cache/) as subprocesses with
    int4-experts-rtn, nvfp4-experts and mxfp4-experts, the FP4 ones with QUANTKIT_NATIVE=1 and 0, beside
@@ -53,7 +53,8 @@ def per_tensor(repeat: int) -> list[dict]:
         "nvfp4 torch": lambda: fp4.rtn_nvfp4(w, native=False),
         "mxfp4 kernel": lambda: fp4.rtn_mxfp4(w),
         "mxfp4 torch": lambda: fp4.rtn_mxfp4(w, native=False),
-        "nvfp4 mse torch": lambda: fp4.rtn_nvfp4(w, scale_search="mse"),
+        "nvfp4 mse kernel": lambda: fp4.rtn_nvfp4(w, scale_search="mse"),
+        "nvfp4 mse torch": lambda: fp4.rtn_nvfp4(w, scale_search="mse", native=False),
     }
     out = {name: {"case": name, "runs_s": []} for name in cases}
     results = {}
@@ -67,7 +68,7 @@ def per_tensor(repeat: int) -> list[dict]:
                 t0 = time.perf_counter()
                 fn()
                 out[name]["runs_s"].append(round(time.perf_counter() - t0, 4))
-    for fmt in ("int4 g32", "nvfp4", "mxfp4"):
+    for fmt in ("int4 g32", "nvfp4", "mxfp4", "nvfp4 mse"):
         a, b = results[f"{fmt} kernel"], results[f"{fmt} torch"]
         same = torch.equal(a.q, b.q) if fmt.startswith("int4") else (
             torch.equal(a.packed, b.packed) and torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8)))

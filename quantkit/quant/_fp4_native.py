@@ -19,9 +19,13 @@ So packed bytes and scales are bit-identical to the torch path (tests/quant/test
 error sums are accumulated in float64 (the torch path sums rows in float32), so SQNR may differ in its
 last digits. The global scale is computed by the caller (torch), as it spans rows.
 
-Fitted scales (`scale_search: mse`) are not here: their choice is an argmin over float32 group sums
-whose order is torch's vectorized reduction, which a kernel could only copy per CPU capability; mse
-runs the torch path.
+Fitted scales (`scale_search: mse`): per group, each candidate scale of fp4.NV_SEARCH / MX_SEARCH is
+tried as fp4._candidate_errors does, term by term in float32, and summed in float64. torch picks the first
+minimum of float32 sums in its own (CPU-dependent) reduction order, which the kernel does not copy; it
+keeps its pick only where that pick provably equals torch's (`_pick`: every other candidate's error is
+more than a relative 1e-5 above the minimum, against a float32 summation error below 1e-6), and marks
+the row otherwise; marked rows are recomputed by the torch path (fp4._rtn_native). So fitted scales are
+bit-identical too.
 
 Import is lazy and optional: without numba (or with QUANTKIT_NATIVE=0) the torch path runs.
 """
@@ -105,11 +109,47 @@ def _group_absmax(xu, o, g):
     return m
 
 
+@njit(nogil=True, inline="always")
+def _cand_error(x, o, g, e):
+    """float64 sum over the group x[o:o+g] of the float32 squared error of scale e, term by term as
+    fp4._candidate_errors computes it (|w| / e rounded to E2M1, times e, minus |w|, squared)."""
+    d = 0.0
+    for j in range(o, o + g):
+        a = abs(x[j])
+        _, val = _e2m1(a / e)
+        t = val * e - a
+        d += np.float64(t * t)
+    return d
+
+
+@njit(nogil=True, inline="always")
+def _pick(dv, cv):
+    """First minimum of the candidates' float64 errors dv -> (index, sure). torch picks the first minimum
+    of float32 sums of the same float32 terms, each within 15 * 2^-24 (relative; the terms are >= 0) of the
+    exact sum: the pick is the same when every other candidate's error exceeds the minimum by a relative
+    1e-5, or is the same scale (cv), or both are exactly 0 (identical sums: the first wins in both). Else
+    (or NaN) not sure: the caller recomputes the row with torch."""
+    b = 0
+    for c in range(1, dv.shape[0]):
+        if dv[c] < dv[b]:
+            b = c
+    sure = dv[b] == dv[b]
+    for c in range(dv.shape[0]):
+        if c == b or cv[c] == cv[b] or (dv[b] == 0.0 and dv[c] == 0.0):
+            continue
+        if not (dv[c] > dv[b] * (1.0 + 1e-5)):
+            sure = False
+    return b, sure
+
+
 @njit(nogil=True, error_model="numpy")
-def _nv_row(x, xu, bf16, gs, pk, sc, cbuf, ebuf, tmp, tmpu):
-    """One float32 row x [K] (xu: its bits) -> packed codes pk [K/2], e4m3 codes sc [K/16];
-    returns (sum x^2, sum err^2, finite)."""
+def _nv_row(x, xu, bf16, gs, offs, pk, sc, cbuf, ebuf, tmp, tmpu, dv, cv):
+    """One float32 row x [K] (xu: its bits) -> packed codes pk [K/2], e4m3 codes sc [K/16]; `offs`
+    (fitted scales, empty for amax): the e4m3 code offsets tried, fp4.NV_SEARCH. Returns (sum x^2,
+    sum err^2, sum err^2 with the amax scales, finite, sure)."""
     finite = True
+    sure = True
+    d0 = 0.0
     for gi in range(x.shape[0] // 16):
         o = gi * 16
         m = _group_absmax(xu, o, 16)
@@ -125,6 +165,16 @@ def _nv_row(x, xu, bf16, gs, pk, sc, cbuf, ebuf, tmp, tmpu):
         code = _e4m3_code(s, tmp, tmpu)
         if code == 0:
             code = _ZERO_SCALE_CODE
+        if offs.shape[0]:
+            for c in range(offs.shape[0]):
+                cc = np.int64(code) + offs[c]
+                cc = 1 if cc < 1 else (0x7E if cc > 0x7E else cc)  # never 0 (no scale) nor 0x7F (NaN)
+                cv[c] = cc
+                dv[c] = _cand_error(x, o, 16, _E4M3[cc] / gs)
+            d0 += dv[0]
+            b, ok = _pick(dv, cv)
+            sure = sure and ok
+            code = np.uint8(cv[b])
         sc[gi] = code
         eff = _E4M3[code] / gs
         for j in range(o, o + 16):
@@ -133,13 +183,21 @@ def _nv_row(x, xu, bf16, gs, pk, sc, cbuf, ebuf, tmp, tmpu):
             ebuf[j] = val * eff - x[j]
     for w in range(pk.shape[0]):
         pk[w] = cbuf[2 * w] | (cbuf[2 * w + 1] << np.uint8(4))
-    return _sumsq(x), _sumsq(ebuf), finite
+    return _sumsq(x), _sumsq(ebuf), d0, finite, sure
+
+
+@njit(nogil=True, inline="always")
+def _e8m0_value(e, tmp, tmpu):
+    tmpu[0] = np.uint32(1 << 22) if e == 0 else np.uint32(e) << np.uint32(23)  # 2^(e - 127), exact
+    return tmp[0]
 
 
 @njit(nogil=True, error_model="numpy")
-def _mx_row(x, xu, bf16, pk, sc, cbuf, ebuf, tmp, tmpu):
-    """As _nv_row for MXFP4: E8M0 scales sc [K/32]."""
+def _mx_row(x, xu, bf16, offs, pk, sc, cbuf, ebuf, tmp, tmpu, dv, cv):
+    """As _nv_row for MXFP4: E8M0 scales sc [K/32]; `offs`: exponent offsets, fp4.MX_SEARCH."""
     finite = True
+    sure = True
+    d0 = 0.0
     eu = ebuf.view(np.uint32)
     for gi in range(x.shape[0] // 32):
         o = gi * 32
@@ -152,9 +210,18 @@ def _mx_row(x, xu, bf16, pk, sc, cbuf, ebuf, tmp, tmpu):
             e = np.uint32(255)
         else:
             e = field - np.uint32(2) if field > 2 else np.uint32(0)
+        if offs.shape[0]:
+            for c in range(offs.shape[0]):
+                ee = np.int64(e) + offs[c]
+                ee = 0 if (e == 0 or ee < 0) else (254 if ee > 254 else ee)
+                cv[c] = ee
+                dv[c] = _cand_error(x, o, 32, _e8m0_value(ee, tmp, tmpu))
+            d0 += dv[0]
+            b, ok = _pick(dv, cv)
+            sure = sure and ok
+            e = np.uint32(cv[b])
         sc[gi] = np.uint8(e)
-        tmpu[0] = np.uint32(1 << 22) if e == 0 else e << np.uint32(23)  # 2^(e - 127), exact
-        eff = tmp[0]
+        eff = _e8m0_value(e, tmp, tmpu)
         # the quotients in ebuf first: rounded to bf16 on their bits in a separate loop (vectorizes)
         for j in range(o, o + 32):
             ebuf[j] = x[j] / eff
@@ -168,11 +235,11 @@ def _mx_row(x, xu, bf16, pk, sc, cbuf, ebuf, tmp, tmpu):
             ebuf[j] = val * eff - x[j]
     for w in range(pk.shape[0]):
         pk[w] = cbuf[2 * w] | (cbuf[2 * w + 1] << np.uint8(4))
-    return _sumsq(x), _sumsq(ebuf), finite
+    return _sumsq(x), _sumsq(ebuf), d0, finite, sure
 
 
 @njit(nogil=True)
-def fp4_pack_bf16(w16, nv, gs, pk, sc, sig, noise, bad):
+def fp4_pack_bf16(w16, nv, gs, offs, pk, sc, sig, noise, noise0, unsure, bad):
     """w16 [R, K] uint16 (bf16 bit patterns), gs [R] float32 (NVFP4; unused for MXFP4) ->
     pk [R, K/2] uint8, sc [R, G] uint8 (e4m3 or E8M0 codes), sig/noise [R] float64, bad [R] bool."""
     r_total, k = w16.shape
@@ -182,33 +249,41 @@ def fp4_pack_bf16(w16, nv, gs, pk, sc, sig, noise, bad):
     ebuf = np.empty(k, np.float32)
     tmp = np.empty(1, np.float32)
     tmpu = tmp.view(np.uint32)
+    dv = np.empty(offs.shape[0], np.float64)
+    cv = np.empty(offs.shape[0], np.int64)
     for r in range(r_total):
         for j in range(k):
             xu[j] = np.uint32(w16[r, j]) << np.uint32(16)
         if nv:
-            s2, n2, ok = _nv_row(x, xu, True, gs[r], pk[r], sc[r], cbuf, ebuf, tmp, tmpu)
+            s2, n2, n0, ok, sure = _nv_row(x, xu, True, gs[r], offs, pk[r], sc[r], cbuf, ebuf, tmp, tmpu, dv, cv)
         else:
-            s2, n2, ok = _mx_row(x, xu, True, pk[r], sc[r], cbuf, ebuf, tmp, tmpu)
+            s2, n2, n0, ok, sure = _mx_row(x, xu, True, offs, pk[r], sc[r], cbuf, ebuf, tmp, tmpu, dv, cv)
         sig[r] = s2
         noise[r] = n2
+        noise0[r] = n0
+        unsure[r] = not sure
         bad[r] = not ok
 
 
 @njit(nogil=True)
-def fp4_pack_f32(w32, nv, gs, pk, sc, sig, noise, bad):
+def fp4_pack_f32(w32, nv, gs, offs, pk, sc, sig, noise, noise0, unsure, bad):
     """As fp4_pack_bf16, for float32 rows."""
     r_total, k = w32.shape
     cbuf = np.empty(k, np.uint8)
     ebuf = np.empty(k, np.float32)
     tmp = np.empty(1, np.float32)
     tmpu = tmp.view(np.uint32)
+    dv = np.empty(offs.shape[0], np.float64)
+    cv = np.empty(offs.shape[0], np.int64)
     for r in range(r_total):
         x = w32[r]
         xu = x.view(np.uint32)
         if nv:
-            s2, n2, ok = _nv_row(x, xu, False, gs[r], pk[r], sc[r], cbuf, ebuf, tmp, tmpu)
+            s2, n2, n0, ok, sure = _nv_row(x, xu, False, gs[r], offs, pk[r], sc[r], cbuf, ebuf, tmp, tmpu, dv, cv)
         else:
-            s2, n2, ok = _mx_row(x, xu, False, pk[r], sc[r], cbuf, ebuf, tmp, tmpu)
+            s2, n2, n0, ok, sure = _mx_row(x, xu, False, offs, pk[r], sc[r], cbuf, ebuf, tmp, tmpu, dv, cv)
         sig[r] = s2
         noise[r] = n2
+        noise0[r] = n0
+        unsure[r] = not sure
         bad[r] = not ok

@@ -344,10 +344,12 @@ def _native_module():
     return _NATIVE
 
 
-def _rtn_native(rows: torch.Tensor, nv: bool, gs_rows: torch.Tensor | None):
-    """The fused kernel (quant/_fp4_native.py) over rows [R, K] with amax scales -> (packed [R, K/2],
-    scale [R, G], sum w^2 [R], sum err^2 [R]), or None when it does not apply (not bf16/float32 on CPU,
-    a global scale that is not finite and positive, NaN/Inf weights): the torch path then runs."""
+def _rtn_native(rows: torch.Tensor, nv: bool, gs_rows: torch.Tensor | None, fit: bool = False):
+    """The fused kernel (quant/_fp4_native.py) over rows [R, K] -> (packed [R, K/2], scale [R, G],
+    sum w^2 [R], sum err^2 [R], sum err^2 with amax scales [R] | None), or None when it does not apply
+    (not bf16/float32 on CPU, a global scale that is not finite and positive, NaN/Inf weights): the
+    torch path then runs. With `fit` (fitted scales) the rows whose choice the kernel cannot prove equal
+    to torch's (near ties, see _fp4_native._pick) are recomputed by the torch path."""
     mod = _native_module()
     if not mod or rows.device.type != "cpu" or rows.dtype not in (torch.bfloat16, torch.float32):
         return None
@@ -359,21 +361,30 @@ def _rtn_native(rows: torch.Tensor, nv: bool, gs_rows: torch.Tensor | None):
     else:
         gs_rows = torch.ones(r, dtype=torch.float32)  # unused by MXFP4
     rows = rows.contiguous()
+    offs = torch.tensor((NV_SEARCH if nv else MX_SEARCH) if fit else (), dtype=torch.int64)
     packed = torch.empty(r, k // 2, dtype=torch.uint8)
     scale = torch.empty(r, k // (NVFP4_GROUP_SIZE if nv else MXFP4_GROUP_SIZE), dtype=torch.uint8)
-    sig = torch.empty(r, dtype=torch.float64)
-    noise = torch.empty(r, dtype=torch.float64)
+    sig, noise, noise0 = (torch.empty(r, dtype=torch.float64) for _ in range(3))
+    unsure = torch.empty(r, dtype=torch.bool)
     bad = torch.empty(r, dtype=torch.bool)
     fn, src = ((mod.fp4_pack_bf16, rows.view(torch.int16).numpy().view("uint16")) if rows.dtype == torch.bfloat16
                else (mod.fp4_pack_f32, rows.numpy()))
-    arrays = (packed.numpy(), scale.numpy(), sig.numpy(), noise.numpy(), bad.numpy())
-    if not run_rows(fn, src, (nv, gs_rows.numpy()), arrays, per_row=(1,)):
+    arrays = tuple(t.numpy() for t in (packed, scale, sig, noise, noise0, unsure, bad))
+    if not run_rows(fn, src, (nv, gs_rows.numpy(), offs.numpy()), arrays, per_row=(1,)):
         global _NATIVE
         _NATIVE = False
         return None
     if bool(bad.any()):
         return None  # NaN/Inf: the torch path defines what happens
-    return packed, scale.view(torch.float8_e4m3fn) if nv else scale, sig, noise
+    if fit and bool(unsure.any()):
+        idx = unsure.nonzero().squeeze(-1)
+        sub = rows[idx].unsqueeze(1)  # [U, 1, K]: each row its own matrix, with its own global scale
+        ref = (_rtn(sub, "NVFP4", gs_rows[idx].unsqueeze(-1), "mse", native=False) if nv
+               else _rtn(sub, "MXFP4", None, "mse", native=False))
+        packed[idx] = ref.packed.squeeze(1)
+        scale[idx] = ref.scale.squeeze(1).view(torch.uint8)
+        sig[idx], noise[idx], noise0[idx] = ref.signal.double(), ref.noise.double(), ref.noise_amax.double()
+    return packed, scale.view(torch.float8_e4m3fn) if nv else scale, sig, noise, noise0 if fit else None
 
 
 def _rtn(w: torch.Tensor, fmt: str, global_scale: torch.Tensor | None, scale_search: str = "amax",
@@ -396,12 +407,12 @@ def _rtn(w: torch.Tensor, fmt: str, global_scale: torch.Tensor | None, scale_sea
         gs = choose_global_scale(w) if global_scale is None else _as_global(global_scale, lead)
         gs_rows = gs.expand(*lead, n).reshape(r)  # [R]: row r's matrix's global scale
     lead_n = (*lead, n)
-    res = _rtn_native(rows, nv, gs_rows) if native and not fit else None
+    res = _rtn_native(rows, nv, gs_rows, fit) if native else None
     if res is not None:
-        packed, scale, sig, noise = res
+        packed, scale, sig, noise, noise0 = res
         return FP4Result(packed.reshape(*lead_n, k // 2), scale.reshape(*lead_n, groups), gs,
                          torch.ones(lead, dtype=torch.bool), sig.reshape(lead_n).sum(-1),
-                         noise.reshape(lead_n).sum(-1))
+                         noise.reshape(lead_n).sum(-1), None if noise0 is None else noise0.reshape(lead_n).sum(-1))
     packed = torch.empty(r, k // 2, dtype=torch.uint8)
     scale = torch.empty(r, groups, dtype=torch.float8_e4m3fn if nv else torch.uint8)
     finite = torch.empty(r, dtype=torch.bool)
