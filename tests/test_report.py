@@ -323,3 +323,169 @@ def _assert_heatmap_drawn(png: Path) -> None:
     assert len(band) >= 40, f"no heatmap-like band of saturated rows ({len(band)} rows)"
     colours = {px[x, y] for y in band[:: max(1, len(band) // 20)] for x in range(0, w, 3)}
     assert len(colours) >= 12, f"the heatmap band has only {len(colours)} colours"
+
+
+# ---- hostile inputs, synthetic and fast (issue 26.2; the subprocess/RSS versions: test_report_hostile.py) --
+_VERIFY = {"passed": True, "checks": [{"name": "weight_sqnr", "ok": True, "value": 20.0, "threshold": 10.0}],
+           "metrics": {"kl_divergence": 1e-4}, "thresholds": {"min_sqnr_db": 10.0},
+           "layers": [{"layer": 1, "min_sqnr_db": 18.0, "mean_sqnr_db": 19.0, "ok": True},
+                      {"layer": 2, "min_sqnr_db": 17.0, "mean_sqnr_db": 19.0, "ok": True}]}
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A convert-shaped output of 3 layers x 4 experts (no model, no convert): seconds to copy and report."""
+    return _synthetic_output(tmp_path_factory.mktemp("small") / "q", layers=3, experts=4)
+
+
+def _edited(small, tmp_path, manifest=None) -> Path:
+    out = tmp_path / "q"
+    shutil.copytree(small, out)
+    if manifest:
+        m = json.loads((out / "quantkit_manifest.json").read_text())
+        manifest(m)
+        (out / "quantkit_manifest.json").write_text(json.dumps(m))
+    return out
+
+
+def _expert_entry(m) -> dict:
+    return dict(m["tensors"]["model.layers.1.mlp.experts.0.gate_proj.weight_packed"])
+
+
+def _set(doc, path, value):
+    d = doc
+    for k in path[:-1]:
+        d = d[k]
+    d[path[-1]] = value
+
+
+@pytest.mark.parametrize("path,value,error", [
+    (("checks",), 10 ** 1000, "'checks' is not a list"),
+    (("checks",), "s", "'checks' is not a list"),
+    (("layers",), {"a": 1}, "'layers' is not a list"),
+    (("metrics",), "s", "'metrics' is not an object"),
+    (("generation",), [1, 2], "'generation' is not an object"),
+    (("thresholds",), "s", "'thresholds' is not an object"),
+    (("thresholds", "min_sqnr_db"), 1e308, "min_sqnr_db is not a number of dB"),
+    (("thresholds", "min_sqnr_db"), "10", "min_sqnr_db is not a number of dB"),
+    (("layers", 0, "layer"), 10 ** 1000, None),  # was "internal error: OverflowError": the row is left out
+    (("layers", 0, "min_sqnr_db"), 1e308, None),  # drawn clipped to +-300 dB (1e308 broke matplotlib's axes)
+    (("layers", 0, "min_sqnr_db"), -(10 ** 1000), None),  # not a float: left out
+    (("checks", 0, "value"), 10 ** 4000, None),  # shown cut to 300 characters
+], ids=lambda x: x if isinstance(x, str) else "huge" if isinstance(x, int) and abs(x) > 1e300 else None)
+def test_hostile_verify_json_fields(small, tmp_path, path, value, error):
+    """verify.json is input: a field of the wrong type is one ConfigError naming it; an absurd value is left out
+    or clipped; never an internal error."""
+    doc = json.loads(json.dumps(_VERIFY))
+    _set(doc, path, value)
+    f = tmp_path / "v.json"
+    f.write_text(json.dumps(doc))
+    if error:
+        with pytest.raises(ConfigError, match=re.escape(error)):
+            build_report(small, output=tmp_path / "r.html", verify_json=f)
+        assert not (tmp_path / "r.html").exists()
+        return
+    res = build_report(small, output=tmp_path / "r.html", verify_json=f)
+    assert "fig-verify-layers" in res.figures and res.bytes < 1_000_000
+
+
+def test_verify_json_rows_are_capped(small, tmp_path):
+    from quantkit.report.model import MAX_FALLBACK_ROWS, MAX_METRICS
+
+    doc = dict(_VERIFY, checks=[{"name": f"c{i}", "ok": True} for i in range(100_000)],
+               metrics={f"m{i}": 1.0 for i in range(100_000)})
+    t0 = time.perf_counter()
+    res = build_report(small, output=tmp_path / "r.html", verify_json=doc)
+    assert time.perf_counter() - t0 < 15
+    page = Path(res.output).read_text()
+    assert f"... and {100_000 - MAX_FALLBACK_ROWS} more checks" in page and res.bytes < 2_000_000, res.bytes
+    assert f">m{MAX_METRICS - 1}<" in page and f">m{MAX_METRICS}<" not in page
+
+
+@pytest.mark.parametrize("name,limit", [("quantkit_manifest.json", "MAX_MANIFEST_BYTES"), ("verify.json", "MAX_JSON_BYTES")])
+def test_oversized_inputs_are_refused_from_their_size(small, tmp_path, name, limit):
+    """A manifest or verify.json over its cap is refused before a byte of it is parsed (a sparse file: the
+    test writes nothing); the error names the file and the limit."""
+    from quantkit.pack import manifest as pm
+    from quantkit.read import checkpoint as rc
+
+    cap = getattr(pm, limit, None) or getattr(rc, limit)
+    out = _edited(small, tmp_path)
+    with open(out / name, "r+b" if (out / name).exists() else "wb") as f:
+        f.truncate(cap + 1)
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=f"{name} is {cap + 1} bytes, over the {cap}-byte limit"):
+        build_report(out, output=tmp_path / "r.html")
+    assert time.perf_counter() - t0 < 5
+
+
+def test_huge_expert_ids_allocate_no_dense_grid(small, tmp_path):
+    """Expert 16383 named in 2,000 layers: the dense grid would be 2,000 x 16,384 float64 cells (3.2 GB with
+    its companions); the heatmap is skipped with the reason, and the report's Python/numpy allocations
+    stay small (tracemalloc; numpy reports its buffers there)."""
+    import tracemalloc
+
+    def edit(m):
+        e = _expert_entry(m)
+        for layer in range(2000):
+            m["tensors"][f"model.layers.{layer}.mlp.experts.16383.gate_proj.weight_packed"] = dict(e)
+    out = _edited(small, tmp_path, edit)
+    tracemalloc.start()
+    try:
+        res = build_report(out, output=tmp_path / "r.html")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    page = Path(res.output).read_text()
+    assert "No layer x expert heatmap" in page and "fig-sqnr-heatmap" not in res.figures
+    assert peak < 200e6, peak / 1e6
+
+
+def test_expert_index_past_the_cap_is_a_config_error(small, tmp_path):
+    from quantkit.report.model import MAX_EXPERTS
+
+    def edit(m):
+        m["tensors"][f"model.layers.1.mlp.experts.{MAX_EXPERTS}.gate_proj.weight_packed"] = _expert_entry(m)
+    with pytest.raises(ConfigError, match=f"routed expert {MAX_EXPERTS}"):
+        build_report(_edited(small, tmp_path, edit), output=tmp_path / "r.html")
+
+
+def test_long_and_many_names_are_cut(small, tmp_path):
+    """A 1 MB module name and 20,000 projection names: the page shows 300 characters of the name and 16
+    projection names (with their count), in seconds (51 s for the 1 MB name before)."""
+    def edit(m):
+        e = _expert_entry(m)
+        m["tensors"]["model.layers.1.mlp.experts.1." + "x" * 1_000_000 + ".weight_packed"] = dict(e, sqnr_db=-5.0)
+        for i in range(20_000):
+            m["tensors"][f"model.layers.2.mlp.experts.1.p{i}.weight_packed"] = dict(e)
+    out = _edited(small, tmp_path, edit)
+    t0 = time.perf_counter()
+    res = build_report(out, output=tmp_path / "r.html")
+    seconds = time.perf_counter() - t0
+    page = Path(res.output).read_text()
+    assert seconds < 15 and res.bytes < 2_000_000, (seconds, res.bytes)
+    assert "x" * 301 not in page and "x" * 200 in page and ",029 characters)" in page
+    assert "(20,004 names)" in page and "(the first 16 of 20,004 projection names)" in page
+
+
+@pytest.mark.parametrize("name", ["$\\alpha$", "un$balanced", "$x^{2", "$$"])
+def test_dollar_names_reach_a_figure_label_as_text(small, tmp_path, name):
+    """A `$` in a projection name (manifest input) reaches the heatmap's title: matplotlib draws the literal
+    text (mathtext off, report/__init__.py), so `$\\alpha$` is not an alpha and an unbalanced `$` no
+    ParseFatalException; the page's tables and captions show the module name and the scheme as text too."""
+    def edit(m):
+        e = _expert_entry(m)
+        for t in ("weight_packed", "weight_scale"):
+            m["tensors"][f"model.layers.1.mlp.experts.1.{name}.{t}"] = dict(e, scheme=f"int4-{name}", sqnr_db=-3.0)
+    out = _edited(small, tmp_path, edit)
+    import matplotlib
+
+    before = matplotlib.rcParams["text.parse_math"]
+    res = build_report(out, output=tmp_path / "r.html")
+    assert matplotlib.rcParams["text.parse_math"] == before  # the setting is scoped to the build
+    page = Path(res.output).read_text()
+    svg = page[re.search(r'<svg\b[^>]*\bid="fig-sqnr-heatmap"', page).start():]
+    title = next(t for t in svg[:svg.index("</svg>")].split("<text")[1:] if "worst projection" in t)
+    assert html.escape(name, quote=False) in title, title[:300]
+    assert f"<td class=\"mono\">model.layers.1.mlp.experts.1.{html.escape(name)}</td>" in page  # worst-modules table
+    assert f"int4-{html.escape(name)}" in page

@@ -29,7 +29,7 @@ from typing import Any
 from ..errors import CheckpointNotFound, ConfigError
 from ..read.checkpoint import Checkpoint, read_json_file, read_manifest
 from ..pack.manifest import MANIFEST_NAME
-from .model import DEFAULT_OUTPUT_NAME, VERIFY_NAME, _number, collect_modules
+from .model import DEFAULT_OUTPUT_NAME, SQNR_CAP_DB, VERIFY_NAME, _number, collect_modules
 from .page import _Page, _mpl
 from .timeline import read_timeline, section_timeline
 from .sections import (_section_bytes, _section_input_scales, _section_kv, _section_sqnr, _section_tables,
@@ -125,6 +125,17 @@ def _read_manifest(root: Path) -> dict:
                                  "did not finish", hint="run the same `quantkit convert` command again to resume it")
     if not isinstance(manifest.get("tensors"), dict):
         raise ConfigError(f"{path}: 'tensors' is missing or not an object", hint=hint)
+    # the other fields the page reads, each of the type convert writes (a string where an object belongs is
+    # this one line, not an internal error halfway through drawing)
+    cal = manifest.get("calibration")
+    for where, doc, key, kind in (
+            ("", manifest, "recipe", dict), ("", manifest, "summary", dict), ("", manifest, "source", dict),
+            ("", manifest, "calibration", dict), ("", manifest, "kv_cache", dict), ("", manifest, "notes", list),
+            ("", manifest, "tool", dict), ("calibration.", cal, "expert_tokens", dict),
+            ("calibration.", cal, "fallbacks", dict), ("calibration.", cal, "input_scale_fallbacks", dict),
+            ("calibration.", cal, "notes", list)):
+        if isinstance(doc, dict) and doc.get(key) is not None and not isinstance(doc[key], kind):
+            raise ConfigError(f"{path}: '{where}{key}' is not {'a list' if kind is list else 'an object'}", hint=hint)
     return manifest
 
 
@@ -145,6 +156,17 @@ def _read_verify(root: Path, verify_json) -> tuple[dict | None, str | None]:
     if not isinstance(doc, dict) or not ({"passed", "checks"} & set(doc)):
         raise ConfigError(f"verify JSON ({origin}) is not a `quantkit verify --json` object "
                           "(no 'passed' or 'checks')", hint=hint)
+    # the fields the page reads, each of the type verify writes (the file is input: a string where an object
+    # belongs must be this one line, not an internal error halfway through drawing)
+    for key, kind in (("checks", list), ("layers", list), ("metrics", dict), ("generation", dict),
+                      ("thresholds", dict)):
+        if doc.get(key) is not None and not isinstance(doc[key], kind):
+            raise ConfigError(f"verify JSON ({origin}): {key!r} is not {'a list' if kind is list else 'an object'}",
+                              hint=hint)
+    t = (doc.get("thresholds") or {}).get("min_sqnr_db")
+    if t is not None and not (_number(t) is not None and abs(_number(t)) <= SQNR_CAP_DB):
+        raise ConfigError(f"verify JSON ({origin}): thresholds.min_sqnr_db is not a number of dB within "
+                          f"+-{SQNR_CAP_DB:g}", hint=hint)
     return doc, origin
 
 

@@ -28,6 +28,7 @@ MAX_GRID_CELLS = 1 << 20  # layers x experts drawn as one heatmap (Kimi K2: 60 x
 MAX_PROJECTIONS = 16  # distinct projection names per expert that the report names (real models: 3)
 MAX_VERIFY_LAYERS = 100_000  # verify.json's per-layer rows drawn
 MAX_FALLBACK_ROWS = 1000  # one row per expert; the rest are counted (all of them are in the manifest)
+MAX_METRICS = 100  # verify's metrics / generation entries shown (it writes ~10)
 ANNOTATE_CELLS = 256  # heatmaps up to this many cells print their values in the cells
 SQNR_CAP_DB = 300.0  # an exact module has infinite SQNR; verify caps at the same value
 FIG_WIDTH_IN = 10.0
@@ -106,7 +107,8 @@ def collect_modules(tensors: dict[str, dict]) -> list[ModuleInfo]:
         m = _EXPERT.match(module)
         tokens = e.get("tokens")
         out.append(ModuleInfo(
-            name=module, scheme=str(e["scheme"]), method=e.get("method"), sqnr_db=_number(e.get("sqnr_db")),
+            name=module, scheme=str(e["scheme"]), method=e["method"] if isinstance(e.get("method"), str) else None,
+            sqnr_db=_number(e.get("sqnr_db")),
             tokens=tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None,
             fallback=str(e["fallback"]) if e.get("fallback") else None, layer=_layer_of(module),
             prefix=m["prefix"] if m else None, expert=int(m["expert"]) if m else None,

@@ -12,10 +12,11 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..read.checkpoint import Checkpoint
-from .model import ANNOTATE_CELLS, ExpertGrid, FIG_WIDTH_IN, _CSP, _CSS
+from .model import ANNOTATE_CELLS, ExpertGrid, FIG_WIDTH_IN, _CSP, _CSS, _number
 
 
 # ---- the page -----------------------------------------------------------------------------------------
+MAX_NOTES = 100  # convert's notes listed (it writes a handful)
 MAX_TEXT = 300  # characters of one interpolated value (a module name, a reason) shown; the manifest has all
 
 
@@ -89,10 +90,14 @@ class _Page:
         recipe = manifest.get("recipe") or {}
         summary = manifest.get("summary") or {}
         source = manifest.get("source") or {}
-        src_bytes = summary.get("bytes_read") or sum(s.get("size", 0) for s in source.get("shards") or [])
+        shards = source.get("shards") if isinstance(source.get("shards"), list) else []
+        src_bytes = (_number(summary.get("bytes_read"))
+                     or sum(_number(s.get("size")) or 0 for s in shards if isinstance(s, dict)))
         out_bytes = ck.total_bytes
+        fmt = source.get("format") if isinstance(source.get("format"), dict) else {}
         ratio = f" ({out_bytes / src_bytes:.1%} of the source)" if src_bytes else ""
-        arch = ", ".join(cfg.get("architectures") or []) or "—"
+        archs = cfg.get("architectures")
+        arch = (", ".join(map(str, archs[:8])) if isinstance(archs, list) else str(archs or "")) or "—"
         experts = get("n_routed_experts", "num_experts", "num_local_experts")
         rows = [
             ("output", f'<span class="mono">{_e(root)}</span>'),
@@ -100,8 +105,7 @@ class _Page:
                       + (f", {_e(experts)} routed experts" if experts else "")),
             ("recipe", (f"<b>{_e(recipe.get('name', '—'))}</b> <span class=\"mono\">sha256 "
                        f"{_e(str(recipe.get('sha256', ''))[:12])}</span>")),
-            ("source format", _e((source.get("format") or {}).get("description")
-                                 or (source.get("format") or {}).get("kind") or "—")),
+            ("source format", _e(fmt.get("description") or fmt.get("kind") or "—")),
             ("size", (f"{_fmt_bytes(src_bytes)} &rarr; <b>{_fmt_bytes(out_bytes)}</b>{ratio}, "
                      f"{len(ck.shards)} shard(s), {len(ck.location)} tensors")),
             ("modules", (f"{_e(summary.get('modules_quantized', '—'))} quantized by this run, "
@@ -127,8 +131,10 @@ class _Page:
         self.add("<table class=\"kv\">" + "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows) + "</table>")
         notes = list(manifest.get("notes") or []) + list((cal or {}).get("notes") or [])
         if notes:
+            more = len(notes) - MAX_NOTES
             self.add("<h3>Notes recorded by convert</h3><ul class=\"notes\">"
-                     + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>")
+                     + "".join(f"<li>{_e(n)}</li>" for n in notes[:MAX_NOTES])
+                     + (f"<li>... and {more} more (all in the manifest)</li>" if more > 0 else "") + "</ul>")
         if recipe.get("text"):
             self.add(f"<details><summary>recipe text</summary><pre>{_e(recipe['text'], 1 << 20)}</pre></details>")
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..read.checkpoint import Checkpoint
 from ..read.safetensors import SafetensorsFile
-from .model import MAX_PROJECTIONS, MAX_VERIFY_LAYERS, GridTooLarge
+from .model import MAX_METRICS, MAX_PROJECTIONS, MAX_VERIFY_LAYERS, GridTooLarge
 from .model import ANNOTATE_CELLS, BELOW_THRESHOLD, ExpertGrid, FALLBACK, MAX_FALLBACK_ROWS, MISSING, ModuleInfo, SQNR_CAP_DB, VERIFY_NAME, WORST_MODULES, ZERO_TOKENS, _EXPERT, _KV, _layer_of, _number
 from .page import _Page, _annotate, _e, _short, _fmt_bytes, _fmt_db, _fmt_value, _heat_rows, _integer_x, _label_axes, _luminance, _new_figure
 
@@ -106,7 +106,7 @@ def _sqnr_layers(page: _Page, measured: list[ModuleInfo], threshold: float) -> N
     outside = [m for m in measured if m.layer is None]
     for m in measured:
         if m.layer is not None:
-            by_layer[m.layer].append(min(m.sqnr_db, SQNR_CAP_DB))
+            by_layer[m.layer].append(_clip_db(m.sqnr_db))
     if not by_layer:
         return
     layers = sorted(by_layer)
@@ -161,7 +161,7 @@ def _section_tokens(page: _Page, manifest: dict, modules: list[ModuleInfo]) -> N
     row = grid.index()
     tokens = np.full((len(grid.rows), grid.n_experts), -1.0)  # [layers, experts]; -1 = no such expert
     for p, c in counts.items():
-        tokens[row[p], :len(c)] = [float(x) if isinstance(x, (int, float)) else -1.0 for x in c]
+        tokens[row[p], :len(c)] = [_token_count(x) for x in c]
     fell = np.zeros(tokens.shape, bool)
     for module in fallbacks:
         m = _EXPERT.match(module)
@@ -384,14 +384,18 @@ def _section_verify(page: _Page, doc: dict | None, origin: str | None) -> None:
         return
     page.add(f"<p>Result: {_ok(doc.get('passed'))} (from {_e(origin)}).</p>")
     checks = [c for c in doc.get("checks") or [] if isinstance(c, dict)]
+    more = len(checks) - MAX_FALLBACK_ROWS  # verify writes ~20; a file with 10^6 makes no 10^6-row table
+    checks = checks[:MAX_FALLBACK_ROWS]
     if checks:
         page.add("<table><tr><th>check</th><th>result</th><th class=\"num\">value</th><th class=\"num\">threshold</th>"
                  "<th>detail</th></tr>" + "".join(
                      f"<tr><td>{_e(c.get('name', '?'))}</td><td>{_ok(c.get('ok'))}</td>"
                      f"<td class=\"num\">{_e(_fmt_value(c.get('value')))}</td>"
                      f"<td class=\"num\">{_e(_fmt_value(c.get('threshold')))}</td><td>{_e(c.get('detail', ''))}</td></tr>"
-                     for c in checks) + "</table>")
-    metrics = {**(doc.get("metrics") or {}), **{f"generation {k}": v for k, v in (doc.get("generation") or {}).items()}}
+                     for c in checks) + "</table>"
+                 + (f"<p class=\"skip\">... and {more} more checks in the verify JSON.</p>" if more > 0 else ""))
+    metrics = dict(list((doc.get("metrics") or {}).items())[:MAX_METRICS])
+    metrics.update({f"generation {k}": v for k, v in list((doc.get("generation") or {}).items())[:MAX_METRICS]})
     if any(v is not None for v in metrics.values()):
         page.add("<h3>Model-level metrics</h3><table>" + "".join(
             f"<tr><th>{_e(k)}</th><td class=\"num\">{_e(_fmt_value(v))}</td></tr>" for k, v in metrics.items())
@@ -410,13 +414,14 @@ def _section_verify(page: _Page, doc: dict | None, origin: str | None) -> None:
     xs = [x["layer"] for x in layers]
     fig, axs = _new_figure(3.0)
     ax = axs[0, 0]
-    ax.plot(xs, [x["min_sqnr_db"] for x in layers], marker="o", ms=3, color="#3f007d", label="min (worst module)")
+    ax.plot(xs, [_clip_db(x["min_sqnr_db"]) for x in layers], marker="o", ms=3, color="#3f007d",
+            label="min (worst module)")
     if all(_number(x.get("mean_sqnr_db")) is not None for x in layers):
-        ax.plot(xs, [x["mean_sqnr_db"] for x in layers], marker="o", ms=3, color="#08519c", label="mean")
+        ax.plot(xs, [_clip_db(x["mean_sqnr_db"]) for x in layers], marker="o", ms=3, color="#08519c", label="mean")
     bad = [x for x in layers if x.get("ok") is False]
     if bad:
-        ax.scatter([x["layer"] for x in bad], [x["min_sqnr_db"] for x in bad], color=BELOW_THRESHOLD, zorder=3,
-                   label="failing layer")
+        ax.scatter([x["layer"] for x in bad], [_clip_db(x["min_sqnr_db"]) for x in bad], color=BELOW_THRESHOLD,
+                   zorder=3, label="failing layer")
     if threshold is not None:
         ax.axhline(threshold, color=BELOW_THRESHOLD, ls="--", lw=1, label=f"threshold {threshold:g} dB")
     ax.set_xlabel("layer")
@@ -483,6 +488,18 @@ def _proj_list(projs: list[str], fmt=str) -> str:
     return shown + (f", ... ({len(projs):,} names)" if len(projs) > MAX_PROJECTIONS else "")
 
 
+def _token_count(x) -> float:
+    """A routed-token count as drawn: a non-negative number, at most 1e15 (a 1000-digit integer, a negative or
+    NaN count from a hostile manifest is drawn as 'no such expert', never an OverflowError)."""
+    v = _number(x)
+    return -1.0 if v is None or v < 0 else min(v, 1e15)
+
+
+def _clip_db(x: float) -> float:
+    """An SQNR as drawn: within +-SQNR_CAP_DB (verify caps there; 1e308 dB from a hostile file breaks the axes)."""
+    return max(-SQNR_CAP_DB, min(float(x), SQNR_CAP_DB))
+
+
 def _natural(name: str) -> list:
     """Sort key putting experts.2 before experts.10."""
     # (kind, number, text) so numbers and text never compare; a digit run too long for int() stays text
@@ -496,9 +513,10 @@ def _section_input_scales(page: _Page, manifest: dict) -> None:
     fb = cal.get("input_scale_fallbacks") or {}
     if not isinstance(fb, dict) or not fb:
         return
-    rows = [f"<tr><td class=\"mono\">{_e(m)}</td><td>{_e(str((r or {}).get('source', '')))}</td>"
-            f"<td class=\"num\">{_e(_fmt_value((r or {}).get('tokens')))}</td><td>{_e(str((r or {}).get('reason', '')))}</td></tr>"
-            for m, r in list(sorted(fb.items(), key=lambda kv: _natural(kv[0])))[:MAX_FALLBACK_ROWS]]
+    rows = [f"<tr><td class=\"mono\">{_e(m)}</td><td>{_e(str(r.get('source', '')))}</td>"
+            f"<td class=\"num\">{_e(_fmt_value(r.get('tokens')))}</td><td>{_e(str(r.get('reason', '')))}</td></tr>"
+            for m, r in ((m, r if isinstance(r, dict) else {})
+                         for m, r in sorted(fb.items(), key=lambda kv: _natural(kv[0]))[:MAX_FALLBACK_ROWS])]
     more = len(fb) - MAX_FALLBACK_ROWS
     page.add(f"<h3>NVFP4 input scales not from the module's own calibration: {len(fb)} modules</h3>"
              "<table><tr><th>module</th><th>scale from</th><th class=\"num\">tokens</th><th>why</th></tr>"
