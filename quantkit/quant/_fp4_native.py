@@ -109,17 +109,26 @@ def _group_absmax(xu, o, g):
     return m
 
 
+@njit(nogil=True, fastmath={"reassoc"})
+def _sum64(a, n):
+    """sum of a[:n] in float64; reassociation only (vectorized)."""
+    acc = 0.0
+    for j in range(n):
+        acc += np.float64(a[j])
+    return acc
+
+
 @njit(nogil=True, inline="always")
-def _cand_error(x, o, g, e):
+def _cand_error(x, o, g, e, tb):
     """float64 sum over the group x[o:o+g] of the float32 squared error of scale e, term by term as
-    fp4._candidate_errors computes it (|w| / e rounded to E2M1, times e, minus |w|, squared)."""
-    d = 0.0
-    for j in range(o, o + g):
-        a = abs(x[j])
+    fp4._candidate_errors computes it (|w| / e rounded to E2M1, times e, minus |w|, squared): the terms
+    in tb first (an elementwise loop that vectorizes), then their sum."""
+    for j in range(g):
+        a = abs(x[o + j])
         _, val = _e2m1(a / e)
         t = val * e - a
-        d += np.float64(t * t)
-    return d
+        tb[j] = t * t
+    return _sum64(tb, g)
 
 
 @njit(nogil=True, inline="always")
@@ -143,7 +152,7 @@ def _pick(dv, cv):
 
 
 @njit(nogil=True, error_model="numpy")
-def _nv_row(x, xu, bf16, gs, offs, pk, sc, cbuf, ebuf, tmp, tmpu, dv, cv):
+def _nv_row(x, xu, bf16, gs, offs, pk, sc, cbuf, ebuf, tmp, tmpu, dv, cv, tb):
     """One float32 row x [K] (xu: its bits) -> packed codes pk [K/2], e4m3 codes sc [K/16]; `offs`
     (fitted scales, empty for amax): the e4m3 code offsets tried, fp4.NV_SEARCH. Returns (sum x^2,
     sum err^2, sum err^2 with the amax scales, finite, sure)."""
@@ -170,7 +179,7 @@ def _nv_row(x, xu, bf16, gs, offs, pk, sc, cbuf, ebuf, tmp, tmpu, dv, cv):
                 cc = np.int64(code) + offs[c]
                 cc = 1 if cc < 1 else (0x7E if cc > 0x7E else cc)  # never 0 (no scale) nor 0x7F (NaN)
                 cv[c] = cc
-                dv[c] = _cand_error(x, o, 16, _E4M3[cc] / gs)
+                dv[c] = _cand_error(x, o, 16, _E4M3[cc] / gs, tb)
             d0 += dv[0]
             b, ok = _pick(dv, cv)
             sure = sure and ok
@@ -193,7 +202,7 @@ def _e8m0_value(e, tmp, tmpu):
 
 
 @njit(nogil=True, error_model="numpy")
-def _mx_row(x, xu, bf16, offs, pk, sc, cbuf, ebuf, tmp, tmpu, dv, cv):
+def _mx_row(x, xu, bf16, offs, pk, sc, cbuf, ebuf, tmp, tmpu, dv, cv, tb):
     """As _nv_row for MXFP4: E8M0 scales sc [K/32]; `offs`: exponent offsets, fp4.MX_SEARCH."""
     finite = True
     sure = True
@@ -215,7 +224,7 @@ def _mx_row(x, xu, bf16, offs, pk, sc, cbuf, ebuf, tmp, tmpu, dv, cv):
                 ee = np.int64(e) + offs[c]
                 ee = 0 if (e == 0 or ee < 0) else (254 if ee > 254 else ee)
                 cv[c] = ee
-                dv[c] = _cand_error(x, o, 32, _e8m0_value(ee, tmp, tmpu))
+                dv[c] = _cand_error(x, o, 32, _e8m0_value(ee, tmp, tmpu), tb)
             d0 += dv[0]
             b, ok = _pick(dv, cv)
             sure = sure and ok
@@ -251,13 +260,14 @@ def fp4_pack_bf16(w16, nv, gs, offs, pk, sc, sig, noise, noise0, unsure, bad):
     tmpu = tmp.view(np.uint32)
     dv = np.empty(offs.shape[0], np.float64)
     cv = np.empty(offs.shape[0], np.int64)
+    tb = np.empty(32, np.float32)
     for r in range(r_total):
         for j in range(k):
             xu[j] = np.uint32(w16[r, j]) << np.uint32(16)
         if nv:
-            s2, n2, n0, ok, sure = _nv_row(x, xu, True, gs[r], offs, pk[r], sc[r], cbuf, ebuf, tmp, tmpu, dv, cv)
+            s2, n2, n0, ok, sure = _nv_row(x, xu, True, gs[r], offs, pk[r], sc[r], cbuf, ebuf, tmp, tmpu, dv, cv, tb)
         else:
-            s2, n2, n0, ok, sure = _mx_row(x, xu, True, offs, pk[r], sc[r], cbuf, ebuf, tmp, tmpu, dv, cv)
+            s2, n2, n0, ok, sure = _mx_row(x, xu, True, offs, pk[r], sc[r], cbuf, ebuf, tmp, tmpu, dv, cv, tb)
         sig[r] = s2
         noise[r] = n2
         noise0[r] = n0
@@ -275,13 +285,14 @@ def fp4_pack_f32(w32, nv, gs, offs, pk, sc, sig, noise, noise0, unsure, bad):
     tmpu = tmp.view(np.uint32)
     dv = np.empty(offs.shape[0], np.float64)
     cv = np.empty(offs.shape[0], np.int64)
+    tb = np.empty(32, np.float32)
     for r in range(r_total):
         x = w32[r]
         xu = x.view(np.uint32)
         if nv:
-            s2, n2, n0, ok, sure = _nv_row(x, xu, False, gs[r], offs, pk[r], sc[r], cbuf, ebuf, tmp, tmpu, dv, cv)
+            s2, n2, n0, ok, sure = _nv_row(x, xu, False, gs[r], offs, pk[r], sc[r], cbuf, ebuf, tmp, tmpu, dv, cv, tb)
         else:
-            s2, n2, n0, ok, sure = _mx_row(x, xu, False, offs, pk[r], sc[r], cbuf, ebuf, tmp, tmpu, dv, cv)
+            s2, n2, n0, ok, sure = _mx_row(x, xu, False, offs, pk[r], sc[r], cbuf, ebuf, tmp, tmpu, dv, cv, tb)
         sig[r] = s2
         noise[r] = n2
         noise0[r] = n0
