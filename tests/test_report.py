@@ -402,21 +402,29 @@ def test_verify_json_rows_are_capped(small, tmp_path):
     assert f">m{MAX_METRICS - 1}<" in page and f">m{MAX_METRICS}<" not in page
 
 
-@pytest.mark.parametrize("name,limit", [("quantkit_manifest.json", "MAX_MANIFEST_BYTES"), ("verify.json", "MAX_JSON_BYTES")])
-def test_oversized_inputs_are_refused_from_their_size(small, tmp_path, name, limit):
+@pytest.mark.parametrize("name,limit", [("quantkit_manifest.json", "REPORT_MAX_MANIFEST_BYTES"),
+                                        ("verify.json", "MAX_JSON_BYTES")])
+def test_oversized_inputs_are_refused_from_their_size(small, tmp_path, monkeypatch, name, limit):
     """A manifest or verify.json over its cap is refused before a byte of it is parsed (a sparse file: the
-    test writes nothing); the error names the file and the limit."""
-    from quantkit.pack import manifest as pm
+    test writes nothing); the error names the file and the limit. The report reads manifests up to 256 MiB
+    (parsing costs ~80 ms per MB: a 339 MB one took 27 s) unless QUANTKIT_REPORT_MAX_MANIFEST_MB says more."""
+    import quantkit.report as rep
     from quantkit.read import checkpoint as rc
 
-    cap = getattr(pm, limit, None) or getattr(rc, limit)
+    cap = getattr(rep, limit, None) or getattr(rc, limit)
     out = _edited(small, tmp_path)
     with open(out / name, "r+b" if (out / name).exists() else "wb") as f:
         f.truncate(cap + 1)
     t0 = time.perf_counter()
-    with pytest.raises(ConfigError, match=f"{name} is {cap + 1} bytes, over the {cap}-byte limit"):
+    msg = (f"is {cap + 1:,} bytes, over the {cap:,} bytes the report reads" if name.startswith("quantkit")
+           else f"{name} is {cap + 1} bytes, over the {cap}-byte limit")
+    with pytest.raises(ConfigError, match=msg):
         build_report(out, output=tmp_path / "r.html")
     assert time.perf_counter() - t0 < 5
+    if name.startswith("quantkit"):  # a larger limit asked for: the file is parsed (and is not JSON here)
+        monkeypatch.setenv(rep.REPORT_MANIFEST_ENV, "300")
+        with pytest.raises(ConfigError, match="not valid JSON"):
+            build_report(out, output=tmp_path / "r.html")
 
 
 def test_huge_expert_ids_allocate_no_dense_grid(small, tmp_path):

@@ -110,12 +110,36 @@ def _build_report(qmodel_dir, reference, output, verify_json, timeline=None) -> 
                         seconds=time.perf_counter() - t0)
 
 
+# The report parses the whole manifest in Python (~80 ms and several bytes of RAM per byte): it reads up to
+# 256 MiB (Kimi K2's is ~110 MB) unless QUANTKIT_REPORT_MAX_MANIFEST_MB says more; convert and verify keep
+# pack/manifest.py's own limit.
+REPORT_MAX_MANIFEST_BYTES = 256 << 20
+REPORT_MANIFEST_ENV = "QUANTKIT_REPORT_MAX_MANIFEST_MB"
+
+
+def _report_manifest_limit() -> int:
+    raw = os.environ.get(REPORT_MANIFEST_ENV)
+    if raw is None:
+        return REPORT_MAX_MANIFEST_BYTES
+    try:
+        mib = int(raw)
+    except ValueError:
+        raise ConfigError(f"{REPORT_MANIFEST_ENV}={raw[:40]!r} is not a whole number of MiB") from None
+    return max(1, mib) << 20
+
+
 def _read_manifest(root: Path) -> dict:
     path = root / MANIFEST_NAME
     if not path.is_file():
         raise CheckpointNotFound(f"{root} has no {MANIFEST_NAME}: it is not an output of `quantkit convert`",
                                  hint="run `quantkit convert SRC OUT --recipe R` first; the report reads what convert wrote")
     hint = "the manifest is damaged; re-run `quantkit convert` with --overwrite"
+    limit = _report_manifest_limit()
+    size = path.stat().st_size
+    if size > limit:  # refused from its size, before a parse that would take ~80 ms per MB
+        raise ConfigError(f"{path} is {size:,} bytes, over the {limit:,} bytes the report reads (a Kimi K2 "
+                          "manifest is ~110 MB)", hint=f"if this output is really that large, set "
+                                                         f"{REPORT_MANIFEST_ENV}=<MiB> to read it")
     try:
         manifest = read_manifest(root, ConfigError)  # pack/manifest.py: the size limit for manifests
     except ConfigError as e:
