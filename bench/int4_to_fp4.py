@@ -126,6 +126,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shards", type=int, default=4, help="shards of the BF16 source and so of the release (default 4)")
     ap.add_argument("--recipe", default="nvfp4-experts", help="quantkit recipe (default nvfp4-experts)")
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--quantkit-amax", action="store_true",
+                    help="also run quantkit with the recipe's scale_search set to amax (llm-compressor's scales; "
+                         "from INT4 quantkit fits them by default, on its torch path)")
     ap.add_argument("--peer-quant", choices=["model_free", "oneshot"], default="model_free")
     ap.add_argument("--peer-fused", action="store_true",
                     help="also run model_free_ptq on the INT4 release itself with compressed-tensors' dequantizer as "
@@ -166,6 +169,28 @@ def main(argv=None) -> int:
     r["out_bytes"] = du(qk_out)
     runs["quantkit"] = r
     print(f"  {r['wall_s']:.2f} s, maxrss {r['ru_maxrss_bytes'] / MIB:.0f} MiB", file=sys.stderr)
+    if args.quantkit_amax:
+        import tempfile
+        text = (REPO / "recipes" / f"{args.recipe}.yaml").read_text()
+        text = text.replace("strategy: tensor_group}", "strategy: tensor_group, scale_search: amax}")
+        if "scale_search: amax" not in text:
+            raise SystemExit(f"recipes/{args.recipe}.yaml changed shape; update --quantkit-amax")
+        fd, amax_recipe = tempfile.mkstemp(prefix=f"{args.recipe}-amax-", suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            f.write(text.replace(f"name: {args.recipe}", f"name: {args.recipe}-amax"))
+        cr.settle(qk_out)
+        cr.warm_cache(files)
+        cmd = [qk_bin, "convert", str(rel), str(qk_out), "--recipe", amax_recipe, "--json"]
+        print("running: " + " ".join(cmd), file=sys.stderr)
+        r = cr.run_measured(cmd, logs / "i2f-quantkit-amax.stderr", stdout_path=logs / "i2f-quantkit-amax.stdout")
+        os.unlink(amax_recipe)
+        if r["rc"] == 0:
+            r["reported"] = json.loads(r.pop("stdout"))
+            r["out_bytes"] = du(qk_out)
+            runs["quantkit_amax"] = r
+            print(f"  {r['wall_s']:.2f} s, maxrss {r['ru_maxrss_bytes'] / MIB:.0f} MiB", file=sys.stderr)
+        else:
+            print(f"quantkit (amax) failed (rc {r['rc']}); see {r['log']}", file=sys.stderr)
     if not args.skip_peer:
         cr.settle(bf16_out, llmc_out)
         cr.warm_cache(files)
@@ -238,6 +263,8 @@ def main(argv=None) -> int:
         print(f"{'llm-compressor total':<30}{peer_wall:>8.2f}")
         ratios["speedup_vs_llmcompressor"] = peer_wall / qk["wall_s"]
         ratios["speedup_vs_llmcompressor_quantize_only"] = runs["llmc_quantize"]["wall_s"] / qk["wall_s"]
+        if "quantkit_amax" in runs:
+            ratios["speedup_vs_llmcompressor_amax"] = peer_wall / runs["quantkit_amax"]["wall_s"]
     for k, v in ratios.items():
         print(f"{k} = {v:.3f}")
     doc = {"machine": mach, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
