@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._rtn_native import njit
+from ._rtn_native import _sumsq, njit  # _sumsq: the INT4 kernel's float64 sum of squares
 
 # the float32 value of each positive e4m3 code
 _E4M3 = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy().copy()
@@ -88,16 +88,6 @@ def _e2m1(v):
            + (np.float32(b5) + np.float32(b6)) + np.float32(2.0) * np.float32(b7))
     neg = v < np.float32(0.0)
     return idx | (np.uint8(8) if neg else np.uint8(0)), -mag if neg else mag
-
-
-@njit(nogil=True, fastmath={"reassoc"})
-def _sumsq(a):
-    """sum of a^2 in float64; reassociation only (vectorized), no finite-math assumptions."""
-    acc = 0.0
-    for j in range(a.shape[0]):
-        v = np.float64(a[j])
-        acc += v * v
-    return acc
 
 
 @njit(nogil=True, inline="always")
