@@ -19,7 +19,7 @@ less what no phase covered ("untracked"). The phases the calibrated pass and con
     setup      reading the source, planning, KV scales, preparing the output
 
 `to_json()` gives {"rank", "wall_s", "phases": {name: seconds}, "untracked_s", "layers": [...]} where
-"layers" holds each decoder layer's phases (for the report's per-layer view), capped at MAX_LAYERS.
+"layers" holds each decoder layer's phases, capped at MAX_LAYERS.
 """
 
 from __future__ import annotations
@@ -105,18 +105,3 @@ def set_layer(idx: int | None) -> None:
     """Attribute the phases from now on to decoder layer `idx` (None: to no layer) in the per-layer view."""
     if _current is not None:
         _current.layer = idx
-
-
-def summary(ranks: list[dict]) -> dict:
-    """Across ranks: each phase's max and mean seconds, the slowest rank's wall, and the serial share: how much
-    of the wall the busiest rank spent in phases that only one rank did (the work the others waited for)."""
-    if not ranks:
-        return {}
-    names = sorted({k for r in ranks for k in r["phases"]})
-    per = {k: [r["phases"].get(k, 0.0) for r in ranks] for k in names}
-    wall = max(r["wall_s"] for r in ranks)
-    out = {"ranks": len(ranks), "wall_s": round(wall, 3),
-           "phases": {k: {"max_s": round(max(v), 3), "mean_s": round(sum(v) / len(v), 3),
-                          "only_one_rank": sum(1 for x in v if x > 0.05 * max(max(v), 1e-9)) == 1 and len(v) > 1}
-                      for k, v in per.items()}}
-    return out

@@ -77,6 +77,7 @@ def section_timeline(page: _Page, ranks: list[dict]) -> None:
     phases = _order(drawn)
     fig, axs = _new_figure(1.4 + 0.4 * len(drawn))
     ax = axs[0, 0]
+    labelled: set[str] = set()  # each phase named once in the legend
     for row, r in enumerate(drawn):
         left = 0.0
         for k in phases + ["other", "untracked"]:
@@ -88,18 +89,15 @@ def section_timeline(page: _Page, ranks: list[dict]) -> None:
                 v = r["phases"].get(k, 0.0)
             if v > 0:
                 ax.barh(row, v, left=left, color=COLOURS.get(k, COLOURS["other"]),
-                        label=k if row == 0 or k not in ax.get_legend_handles_labels()[1] else None)
+                        label=None if k in labelled else k)
+                labelled.add(k)
                 left += v
     ax.set_yticks(range(len(drawn)))
     ax.set_yticklabels([f"rank {r['rank']}" for r in drawn], fontsize=9)
     ax.invert_yaxis()
     ax.set_xlabel("wall seconds")
     ax.grid(axis="x", alpha=0.3)
-    handles, labels = ax.get_legend_handles_labels()
-    seen = {}
-    for h, lab in zip(handles, labels):
-        seen.setdefault(lab, h)
-    ax.legend(seen.values(), seen.keys(), fontsize=8, ncol=min(6, len(seen)), loc="lower center",
+    ax.legend(fontsize=8, ncol=min(6, len(labelled)), loc="lower center",
               bbox_to_anchor=(0.5, 1.0), frameon=False)
     more = f" The first {MAX_RANKS} of {len(ranks)} ranks are drawn." if len(ranks) > MAX_RANKS else ""
     cap = ("Each rank's wall time by phase (<code>quantkit convert --json</code>, <code>timeline</code>): "
