@@ -68,7 +68,7 @@ def _sqnr_heatmap(page: _Page, experts: list[ModuleInfo], threshold: float) -> N
     ax = axs[0, 0]
     im = ax.imshow(np.ma.masked_invalid(shown), cmap=cmap, norm=norm, aspect="auto", interpolation="none")
     _label_axes(ax, grid)
-    ax.set_title(f"SQNR of each expert's worst projection (min over {_proj_list(projs, _short)}), dB", fontsize=11)
+    ax.set_title(f"SQNR of each expert's worst projection (min over {_proj_list(projs, 60)}), dB", fontsize=11)
     cb = fig.colorbar(im, ax=ax, extend="min" if below else "neither", fraction=0.04, pad=0.01)
     cb.set_label("dB (darker = more error)")
     handles = [Patch(color=MISSING, label="no such module")] if np.isnan(worst).any() else []
@@ -89,7 +89,7 @@ def _sqnr_heatmap(page: _Page, experts: list[ModuleInfo], threshold: float) -> N
         per_proj[m.proj].append(m.sqnr_db)
     med = {p: float(np.median(per_proj[p])) for p in projs[:MAX_PROJECTIONS]}
     cap = (f"Each cell is one routed expert (column) of one MoE layer (row); its colour is the lowest SQNR "
-           f"among the expert's projections ({_e(_proj_list(projs))}), as convert recorded it "
+           f"among the expert's projections ({_e(_proj_list(projs, 80))}), as convert recorded it "
            f"(10&nbsp;log10(&Sigma;w&sup2; / &Sigma;(w &minus; dequant)&sup2;)). Higher is better: dark cells "
            f"carry the most quantization error; red cells are below verify's {threshold:g}&nbsp;dB threshold "
            f"({below} of {int(np.isfinite(worst).sum())}). Worst: layer {_e(grid.labels[i])}, expert {j} at "
@@ -482,9 +482,9 @@ def _section_tables(page: _Page, modules: list[ModuleInfo], manifest: dict) -> N
                 if more > 0 else ""))
 
 
-def _proj_list(projs: list[str], fmt=str) -> str:
-    """Projection names for a title or caption: at most MAX_PROJECTIONS, each cut short."""
-    shown = ", ".join(fmt(p) if fmt is not str else p[:80] for p in projs[:MAX_PROJECTIONS])
+def _proj_list(projs: list[str], limit: int) -> str:
+    """Projection names for a title or caption: at most MAX_PROJECTIONS, each cut to `limit` characters."""
+    shown = ", ".join(_short(p, limit) for p in projs[:MAX_PROJECTIONS])
     return shown + (f", ... ({len(projs):,} names)" if len(projs) > MAX_PROJECTIONS else "")
 
 
