@@ -3,7 +3,9 @@ run each unit through the handler of its kind, stream the output shard(s) to dis
 process when `--workers` > 1; the result (hashes, manifest entries) goes back to the orchestrator.
 
 Memory: one work batch (at most `batch_bytes` of source weights, all experts of a layer that fit) plus
-the pages of the source shard being read. FP8 weights are dequantized per tensor, in row strips
+the pages of the source shard read since the mappings were last dropped (every `RELEASE_BYTES` consumed:
+mapped pages count as the process's resident memory until their mapping goes, so a shard read through
+one mapping would end up wholly resident). FP8 weights are dequantized per tensor, in row strips
 (quant/fp8.py), straight into the batch; INT4 and FP4 weights re-quantized to FP4 are decoded one module
 at a time into it; RTN batches whose weights are plain views of the mapped shard
 are quantized in place by the fused kernel (no copy).
@@ -33,6 +35,10 @@ from ..read.safetensors import SafetensorsFile, read_header
 from ..read.sources import Notes, read_scale
 from ..read.tensors import TensorReader
 from ..write.writer import ShardWriter, wait_durable
+
+
+# source bytes consumed between two drops of the shard's mappings (`TensorReader.release`)
+RELEASE_BYTES = 32 << 20
 
 
 @dataclass
@@ -105,7 +111,7 @@ def run_shard(plan: ShardPlan, src_path: Path, out_dir: Path, threads: int | Non
     location = {n: src_path.name for n in header.tensors} | dict(plan.foreign)
     reader = TensorReader(src_path.parent, location, {src_path.name: header})
     ctx = _Context(reader, src_path.name, _SpoolReader(spool), Notes())
-    outputs, entries, read = [], {}, 0
+    outputs, entries, read, released = [], {}, 0, 0
     try:
         for out_name, units in plan.parts:
             specs = [spec for u in units for spec in u.outputs(reader.info)]
@@ -114,6 +120,12 @@ def run_shard(plan: ShardPlan, src_path: Path, out_dir: Path, threads: int | Non
             try:
                 for u in units:
                     read += HANDLERS[type(u)](u, ctx)
+                    if read - released >= RELEASE_BYTES:
+                        # the pages read so far leave the process: a mapped page stays resident (RssFile)
+                        # as long as its mapping, so without this the whole source shard would by its end
+                        # (a view still queued for the writer keeps its mapping until it is written)
+                        reader.release()
+                        released = read
                     if progress:
                         progress(read)
                 sha, size = ctx.writer.finish()
