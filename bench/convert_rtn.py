@@ -193,12 +193,13 @@ def run_measured(cmd: list[str], log: Path, env: dict | None = None, stdout_path
         t0 = time.perf_counter()
         popen = subprocess.Popen(cmd, stdout=out_f, stderr=err_f, env=env)
         proc = psutil.Process(popen.pid)
-        peak, samples = 0, 0
+        peak, samples, split = 0, 0, {}
         while True:
             pid, status, ru = os.wait4(popen.pid, os.WNOHANG)
             if pid:
                 break
             peak = max(peak, tree_rss(proc))
+            split = rss_split(popen.pid, split)
             samples += 1
             time.sleep(POLL_S)
         wall = time.perf_counter() - t0
@@ -211,10 +212,38 @@ def run_measured(cmd: list[str], log: Path, env: dict | None = None, stdout_path
     cpu = ru.ru_utime + ru.ru_stime
     res = {"cmd": cmd, "rc": popen.returncode, "wall_s": round(wall, 3), "peak_rss_bytes": peak,
            "rss_samples": samples, "ru_maxrss_bytes": ru.ru_maxrss * 1024, "cpu_s": round(cpu, 2),
-           "other_cpu_s": round(max(0.0, busy - cpu), 2), "log": str(log)}
+           "other_cpu_s": round(max(0.0, busy - cpu), 2), "log": str(log), "rss_split": split}
     if stdout_path:
         res["stdout"] = stdout_path.read_text(errors="replace")
     return res
+
+
+SPLIT_FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM")
+
+
+def rss_split(pid: int, split: dict) -> dict:
+    """What the process's resident memory is made of (Linux /proc/PID/status, the process itself, not its
+    children): `peak_*` the largest polled value of each field, `at_peak_*` the fields at the sample where
+    VmRSS peaked, `VmHWM` the kernel's own high-water mark (exact, also between polls). RssAnon is
+    tensors and malloc arenas; RssFile is mapped files: shared libraries and source shards read through
+    mmap, whose pages count as long as their mapping lives."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return split
+    now = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in SPLIT_FIELDS:
+            now[key] = int(rest.split()[0]) * 1024
+    if not now:
+        return split
+    out = dict(split)
+    for k, v in now.items():
+        out[f"peak_{k}"] = max(out.get(f"peak_{k}", 0), v)
+    if now.get("VmRSS", 0) >= out.get("at_peak_VmRSS", 0):
+        out.update({f"at_peak_{k}": v for k, v in now.items()})
+    return out
 
 
 def warm_cache(files: list[Path]) -> None:

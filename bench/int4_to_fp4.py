@@ -19,6 +19,9 @@ shards); neither step is timed. Then, one after the other on the same release:
       transformers (--peer-quant oneshot; needs the whole BF16 model in RAM).
    Each step is timed on its own (wall, CPU, peak RSS), and the sum is the peer's time.
 
+quantkit's resident memory is also split as /proc/PID/status does (RssAnon: tensors and malloc arenas;
+RssFile: mapped files, i.e. libraries and source pages read through mmap), polled, with its VmHWM.
+
 Wall times are of whole commands (interpreter start and imports included). The CPU seconds other
 processes used during each run are recorded: on a shared machine they inflate wall times.
 Results go to bench/results/int4_to_fp4.json.
@@ -119,6 +122,16 @@ def make_release(args, qk_bin: str) -> Path:
     return rel
 
 
+def _print_split(r: dict) -> None:
+    """quantkit's resident memory split (convert_rtn.rss_split): anonymous vs mapped files, at its peak."""
+    s = r.get("rss_split") or {}
+    if "at_peak_VmRSS" in s:
+        print(f"  VmHWM {s.get('peak_VmHWM', 0) / MIB:.0f} MiB; at the polled peak {s['at_peak_VmRSS'] / MIB:.0f} MiB = "
+              f"RssAnon {s.get('at_peak_RssAnon', 0) / MIB:.0f} + RssFile {s.get('at_peak_RssFile', 0) / MIB:.0f} "
+              f"(largest polled: RssAnon {s.get('peak_RssAnon', 0) / MIB:.0f}, RssFile "
+              f"{s.get('peak_RssFile', 0) / MIB:.0f})", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=6.0, help="BF16 source size the INT4 release is made from (default "
@@ -169,6 +182,7 @@ def main(argv=None) -> int:
     r["out_bytes"] = du(qk_out)
     runs["quantkit"] = r
     print(f"  {r['wall_s']:.2f} s, maxrss {r['ru_maxrss_bytes'] / MIB:.0f} MiB", file=sys.stderr)
+    _print_split(r)
     if args.quantkit_amax:
         import tempfile
         text = (REPO / "recipes" / f"{args.recipe}.yaml").read_text()
@@ -189,6 +203,7 @@ def main(argv=None) -> int:
             r["out_bytes"] = du(qk_out)
             runs["quantkit_amax"] = r
             print(f"  {r['wall_s']:.2f} s, maxrss {r['ru_maxrss_bytes'] / MIB:.0f} MiB", file=sys.stderr)
+            _print_split(r)
         else:
             print(f"quantkit (amax) failed (rc {r['rc']}); see {r['log']}", file=sys.stderr)
     if not args.skip_peer:
