@@ -514,6 +514,9 @@ def check(ckpt: Path, *, plugin: str | None, kv_cache_dtype: str | None, probe: 
         kv_scales_missing=kv_missing,
         tensors_on_disk=len(on_disk),
         tensors_reaching_a_param=len([n for n in on_disk if n in trace.reached]),
+        parameters=sum(1 for p in model.parameters() if p.numel()),
+        moe_methods=sorted({type(m.quant_method).__name__ for m in model.modules()
+                            if type(getattr(m, "quant_method", None)).__name__.endswith("MoEMethod")}),
         weight_loader_calls=trace.calls,
         warnings=tap.messages,
     )

@@ -11,7 +11,11 @@ time with `--plugin` (quantkit/engine/vllm_plugin.py). Also: a Kimi-K2.5-style w
 kimi_k25, text model in text_config, tensors under `language_model.`, a tiny vision tower), a block-FP8
 DeepSeek-V3 source whose dims are not multiples of 128 (partial 128x128 blocks), converted and checked, the
 source itself checked too, and the glm recipe on `-wide` variants whose fused Linear parts are multiples
-of 128 (the default tiny widths are not, which vLLM's block-FP8 layers refuse).
+of 128 (the default tiny widths are not, which vLLM's block-FP8 layers refuse). Not in the default run:
+`kimi_k25-int4`, the same wrapper as a Kimi K2.5 / K2.6 release ships it, routed experts INT4
+pack-quantized group 32 on Kimi's 15-level QAT grid (quantkit.testing.make_tiny_kimi_k25(int4_experts="qat")),
+with the vision tower vLLM builds; e.g. `--archs kimi_k25-int4 --recipes nvfp4-experts kimi-k2-nvfp4a4
+mxfp4-experts --kv none tensor --no-fp8-source --results-name vllm_matrix_kimi_int4 --detail`.
 
 Recipes with a `kv_cache` section (kimi-k2, fp8-kv) calibrate inside convert when no --kv-scales is given.
 quantkit up to at least a40f670 took that calibration's size from the recipe only (128 x 512 tokens), not
@@ -20,7 +24,8 @@ copy of the recipe whose `calibration` says 4 x 64 (same groups, same layout; th
 `--shipped-calibration` uses the shipped recipe.
 
 Prints a markdown table on stderr and one JSON object on stdout; writes both to bench/results/
-(vllm_matrix.md, vllm_matrix.json). Everything else goes under --work (default bench/.cache/vllm-matrix).
+(vllm_matrix.md, vllm_matrix.json; --results-name NAME: NAME.md, NAME.json; --detail adds a table of
+tensors reaching a parameter, parameters and unwritten ones per check). Everything else goes under --work (default bench/.cache/vllm-matrix).
 Exit 0 when every step ran (whatever the verdicts), 1 when the check itself broke somewhere.
 """
 
@@ -44,7 +49,10 @@ VLLM_PYTHON = HERE / ".cache" / "vllm-venv" / "bin" / "python"
 RESULTS = HERE / "results"
 
 ARCHS = ("qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "mixtral", "kimi_k25")
-MLA = {"deepseek_v3", "glm_moe_dsa", "kimi_k25", "deepseek_v3-fp8", "deepseek_v3-wide", "glm_moe_dsa-wide"}
+# sources built on request only (--archs): the Kimi wrapper with INT4 QAT experts, as the releases ship it
+EXTRA_ARCHS = ("kimi_k25-int4",)
+MLA = {"deepseek_v3", "glm_moe_dsa", "kimi_k25", "kimi_k25-int4", "deepseek_v3-fp8", "deepseek_v3-wide",
+       "glm_moe_dsa-wide"}
 RECIPES = ("int4-experts-rtn", "int4-experts-gptq", "int4-experts-awq", "glm", "kimi-k2", "fp8-kv", "nvfp4-experts",
            "mxfp4-experts")
 KV_VARIANTS = ("none", "tensor", "attn_head")
@@ -87,6 +95,8 @@ def make_source(arch: str, root: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     if arch == "kimi_k25":
         make_kimi_k25(tmp, root)
+    elif arch == "kimi_k25-int4":
+        make_kimi_k25_int4(tmp)
     elif arch == "deepseek_v3-fp8":
         bf16 = make_source("deepseek_v3-odd", root)
         write_block_fp8(bf16, tmp)
@@ -121,7 +131,6 @@ def make_kimi_k25(out: Path, root: Path) -> None:
     {...deepseek_v3...}, vision_config}, text tensors renamed `language_model.` + name, plus the vision
     tower and projector tensors vLLM's KimiK25 class declares (names and shapes asked from vLLM itself, HF
     spelling `mm_projector.proj.{0,2}`), random BF16."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     inner = make_source("deepseek_v3", root)
@@ -137,6 +146,16 @@ def make_kimi_k25(out: Path, root: Path) -> None:
         tensors = {f"language_model.{n}": t for n, t in load_file(str(inner / shard)).items()}
         save_file(tensors, str(out / shard), metadata={"format": "pt"})
         weight_map.update({n: shard for n in tensors})
+    write_vllm_vision(out, weight_map)
+
+
+def write_vllm_vision(out: Path, weight_map: dict) -> None:
+    """Add to the wrapper in OUT (config.json and text shards written; `weight_map` its text tensors) the
+    vision tower and projector tensors vLLM's KimiK25 class declares for its config, random BF16, in
+    model-vision.safetensors, and write the index."""
+    import torch
+    from safetensors.torch import save_file
+
     # vision tower + projector: ask vLLM which parameters it builds (the config alone suffices)
     code, stdout, stderr, _ = run([VLLM_PYTHON, HERE / "vllm_check.py", out, "--list-params",
                                    "vision_tower.,mm_projector."], env={"VLLM_TARGET_DEVICE": "cpu"})
@@ -155,6 +174,23 @@ def make_kimi_k25(out: Path, root: Path) -> None:
     total = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+
+
+def make_kimi_k25_int4(out: Path) -> None:
+    """The Kimi-K2.5 wrapper as the K2.5 / K2.6 releases ship it: quantkit.testing.make_tiny_kimi_k25 with
+    `int4_experts="qat"` (routed experts INT4 pack-quantized group 32 symmetric on the 15-level grid, a
+    top-level quantization_config with the release's ignore list, text config model_type kimi_k2), whose
+    stand-in vision tensors are replaced by the full tower vLLM builds for KIMI_VISION (as make_kimi_k25)."""
+    from quantkit.testing import make_tiny_kimi_k25
+
+    make_tiny_kimi_k25(out, int4_experts="qat")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(vision_config=KIMI_VISION, projection_hidden_size=32)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    (out / "model-vision.safetensors").unlink()
+    weight_map = {n: s for n, s in index["weight_map"].items() if s != "model-vision.safetensors"}
+    write_vllm_vision(out, weight_map)
 
 
 # ---- steps ----------------------------------------------------------------------------------------------
@@ -271,6 +307,9 @@ def summary(rep: dict | None) -> dict:
     s["kv_loaded"] = sum(1 for r in kv.values() if r.get("k_scale") is not None and r.get("v_scale") is not None)
     s["kv_dropped_warnings"] = len(rep.get("kv_scales_dropped_by_vllm", []))
     s["moe_backend"] = rep.get("moe_backend_emulated")
+    for key in ("tensors_on_disk", "tensors_reaching_a_param", "parameters", "moe_methods"):
+        if key in rep:
+            s[key] = rep[key]
     return s
 
 
@@ -343,6 +382,24 @@ def markdown(rows: list[dict], extra: list[dict], vllm_version: str, scales: dic
     return "\n".join(lines)
 
 
+def detail_table(rows: list[dict]) -> str:
+    """Per check: tensors reaching a parameter / tensors on disk, vLLM's parameters (non-empty) and how many
+    hold unwritten elements, the MoE method vLLM chose, the verdict."""
+    lines = ["| model | recipe | --kv-scales | check | tensors reaching a parameter | parameters | unwritten "
+             "| dropped | vLLM MoE method | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for key in ("check", "check_plugin"):
+            c = r.get(key)
+            if not c:
+                continue
+            tens = (f"{c['tensors_reaching_a_param']} / {c['tensors_on_disk']}" if "tensors_on_disk" in c else "-")
+            lines.append(f"| {r['arch']} | {r['recipe']} | {r['kv']} | {'--plugin' if key == 'check_plugin' else 'plain'} "
+                         f"| {tens} | {c.get('parameters', '-')} | {len(c.get('unwritten', []))} "
+                         f"| {len(c.get('dropped', []))} | {', '.join(c.get('moe_methods') or []) or '-'} "
+                         f"| {c.get('verdict')} |")
+    return "\n".join(lines)
+
+
 def quantkit_state() -> dict:
     """The commit quantkit ran from, and whether its working tree differed from it."""
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -354,7 +411,7 @@ def quantkit_state() -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--archs", nargs="*", default=list(ARCHS))
+    ap.add_argument("--archs", nargs="*", default=list(ARCHS), help=f"also: {', '.join(EXTRA_ARCHS)}")
     ap.add_argument("--recipes", nargs="*", default=list(RECIPES))
     ap.add_argument("--kv", nargs="*", default=list(KV_VARIANTS), choices=KV_VARIANTS)
     ap.add_argument("--no-fp8-source", action="store_true", help="skip the block-FP8 (partial blocks) source")
@@ -365,10 +422,16 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true", help="redo conversions and checks found under --work")
     ap.add_argument("--work", type=Path, default=HERE / ".cache" / "vllm-matrix")
     ap.add_argument("--render", type=Path, metavar="JSON", help="only print the table of an earlier run's JSON")
+    ap.add_argument("--results-name", default="vllm_matrix",
+                    help="write bench/results/NAME.md and NAME.json (default vllm_matrix)")
+    ap.add_argument("--detail", action="store_true",
+                    help="add a table of tensors reaching a parameter / parameters / unwritten per check")
     args = ap.parse_args(argv)
     if args.render:
         done = json.loads(args.render.read_text())
         print(markdown(done["rows"], [], done["vllm"], done["calibration"]))
+        if args.detail:
+            print("\n" + detail_table(done["rows"]))
         return 0
     if not VLLM_PYTHON.is_file():
         sys.exit(f"no vLLM venv at {VLLM_PYTHON}: see docs/engine.md")
@@ -488,12 +551,14 @@ def main(argv=None) -> int:
 
     vllm_version = next((r.get("vllm") for r in reports.values() if r.get("vllm")), "?")
     table = markdown(rows, extra, vllm_version, scales)
+    if args.detail:
+        table += "\n\n" + detail_table(rows)
     result = {"vllm": vllm_version, "quantkit": quantkit_state(), "seconds": round(time.perf_counter() - t_start),
               "calibration": scales,
               "rows": rows, "mutants": mutants}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "vllm_matrix.md").write_text(table + "\n")
-    (RESULTS / "vllm_matrix.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (RESULTS / f"{args.results_name}.md").write_text(table + "\n")
+    (RESULTS / f"{args.results_name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(table, file=sys.stderr)
     if mutants is not None:
         for m in mutants:
