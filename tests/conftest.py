@@ -15,6 +15,14 @@ import pytest  # noqa: E402
 from quantkit.testing import ARCHS, make_tiny_model  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _seeded_rng():
+    """Every test starts from the same global RNG state, so that what it draws without a generator of its own
+    does not depend on which tests ran before it (a subset, `-k`, or a new test elsewhere)."""
+    torch.manual_seed(0)
+    yield
+
+
 # A test (setup and teardown included) that runs past this many seconds is a hang: every thread's stack is
 # written to the real stderr and the run ends there, instead of waiting for CI's own limit with no clue.
 TEST_TIMEOUT_S = float(os.environ.get("QUANTKIT_TEST_TIMEOUT", "900"))

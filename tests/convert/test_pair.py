@@ -84,7 +84,7 @@ def test_runner_runs_the_fp8_checkpoint_close_to_the_source(pair):
 def test_quant_act_groups():
     from quantkit.runtime.fp8 import quant_act
 
-    x = torch.randn(3, 256)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))  # seeded: the 1/8 bound below holds for e4m3 normals; an unseeded draw (its value depends on the tests run before) can land one among the subnormals
     x[:, :128] *= 1e-4  # under one per-token scale (set by the large half) these fall below e4m3's subnormals
     x[:, 128:] *= 400
     tok, grp = quant_act(x, None), quant_act(x, 128)
