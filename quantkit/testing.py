@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .hf import load_model, quiet_transformers, read_json  # noqa: F401 (re-exported for tests and benchmarks)
+from .pack.names import Tensor
 from .tiny import (ARCHS, KIMI_K25_PREFIX, kimi_int4_grid, make_tiny_kimi_k25, make_tiny_model,  # noqa: F401
                    tiny_config, wrap_kimi_k25)
 
@@ -55,7 +56,7 @@ def write_block_fp8_checkpoint(src_dir, dst_dir, block: tuple[int, int] = (128, 
                 specs.append((name, info.dtype, tuple(info.shape)))
             else:
                 specs += [(name, FP8_DTYPE, tuple(info.shape)),
-                          (f"{m}.weight_scale_inv", torch.float32, layout.scale_shape(*info.shape))]
+                          (Tensor.RELEASE_SCALE.of(m), torch.float32, layout.scale_shape(*info.shape))]
         w = ShardWriter(dst / shard.name, specs, metadata={"format": "pt"})
         with SafetensorsFile(shard.header) as f:
             for name, m in plan:
@@ -65,7 +66,7 @@ def write_block_fp8_checkpoint(src_dir, dst_dir, block: tuple[int, int] = (128, 
                     continue
                 scale = choose_scale(t, layout, power_of_two=scale_fmt == "ue8m0")
                 w.write(name, quantize(t, scale, layout))
-                w.write(f"{m}.weight_scale_inv", scale)
+                w.write(Tensor.RELEASE_SCALE.of(m), scale)
         w.finish()
         total += w.size
         weight_map.update({n: shard.name for n, _, _ in specs})

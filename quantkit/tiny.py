@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .hf import quiet_transformers
+from .pack.names import Tensor
 
 # One small config per supported architecture. hidden=128 and moe_intermediate=64 keep every routed
 # expert Linear group-32 and group-64 divisible; `hidden` 128 makes group 128 divisible for gate/up.
@@ -119,14 +120,14 @@ def kimi_int4_grid(ckpt_dir: str | os.PathLike) -> int:
     for shard in Checkpoint.open(ckpt_dir).shards:
         with SafetensorsFile(shard.header) as f:
             tensors = {name: f.get(name).clone() for name in shard.tensors}
-        for name in [t for t in tensors if t.endswith(".weight_packed") and tensors[t].dtype == torch.int32]:
-            m = name[: -len(".weight_packed")]
-            w = dequantize_module({s: tensors[f"{m}.{s}"] for s in ("weight_packed", "weight_scale", "weight_shape")})
+        for name in [t for t in tensors if t.endswith(Tensor.PACKED.dotted) and tensors[t].dtype == torch.int32]:
+            m = name[: -len(Tensor.PACKED.dotted)]
+            w = dequantize_module({s: tensors[f"{m}.{s}"] for s in (Tensor.PACKED, Tensor.SCALE, Tensor.SHAPE)})
             g = w.unflatten(-1, (-1, 32))  # [N, G, 32]
             scale = (g.abs().amax(-1) / 7).to(torch.bfloat16)
             sf = scale.float().clamp(min=torch.finfo(torch.float32).tiny)
             q = torch.round(g / sf.unsqueeze(-1)).clamp_(-7, 7).flatten(-2)
-            tensors[name], tensors[f"{m}.weight_scale"] = pack_int4(q.to(torch.int8)), scale.to(tensors[f"{m}.weight_scale"].dtype)
+            tensors[name], tensors[Tensor.SCALE.of(m)] = pack_int4(q.to(torch.int8)), scale.to(tensors[Tensor.SCALE.of(m)].dtype)
             n += 1
         write_safetensors(Path(ckpt_dir) / shard.name, tensors, metadata={"format": "pt"})
     return n

@@ -11,6 +11,7 @@ import torch
 from ..match.recipe import Scheme
 from ..pack.int4 import pack_int4
 from ..pack.layout import int4_module
+from ..pack.names import Tensor
 from ..quant.int4 import QParams
 from ..read.checkpoint import Checkpoint
 
@@ -35,11 +36,12 @@ def emit(res: LayerResult, module: str, q: torch.Tensor, qp: QParams, scheme: Sc
     res.modules[module] = {"scheme": scheme.label, **meta}
 
 
-def emit_tensors(res: LayerResult, module: str, tensors: dict[str, torch.Tensor], scheme: Scheme, meta: dict) -> None:
-    """Record one quantized module given its output tensors by local name (FP4: weight_packed,
-    weight_scale[, weight_global_scale]), in pack/layout.py's order."""
-    for suffix, t in tensors.items():
-        res.tensors[f"{module}.{suffix}"] = t.contiguous()
+def emit_tensors(res: LayerResult, module: str, tensors: list[tuple[str, torch.Tensor]], scheme: Scheme,
+                 meta: dict) -> None:
+    """Record one quantized module given its output tensors (name, tensor) in pack/layout.py's order (FP4:
+    pack.layout.fp4_module)."""
+    for name, t in tensors:
+        res.tensors[name] = t.contiguous()
     res.modules[module] = {"scheme": scheme.label, **meta}
 
 
@@ -57,7 +59,7 @@ def _input_scale_meta(amax: float, tokens: int, source: str) -> dict:
 
 
 def _add_input_scale(res: LayerResult, module: str, scale: torch.Tensor, meta: dict) -> None:
-    res.tensors[f"{module}.input_global_scale"] = scale.detach().float().reshape(1).clone()
+    res.tensors[Tensor.INPUT_GLOBAL_SCALE.of(module)] = scale.detach().float().reshape(1).clone()
     res.modules.setdefault(module, {})["input_scale"] = meta
 
 

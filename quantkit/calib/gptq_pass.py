@@ -17,6 +17,7 @@ from torch import nn
 
 from ..errors import CalibrationError
 from ..match.recipe import WeightGroup
+from ..pack.layout import fp4_module
 from ..quant import fp4
 from ..quant.gptq import gptq
 from ..quant.int4 import QParams, dequantize, rtn, sqnr_db
@@ -48,11 +49,10 @@ class _FP4Grid:
     def dequantize(self, codes: torch.Tensor) -> torch.Tensor:
         return fp4.dequantize_fp4(codes, self.eff, torch.float32)
 
-    def tensors(self, j: int, rows, codes: torch.Tensor) -> dict:
-        out = {"weight_packed": fp4.pack_fp4(codes).cpu(), "weight_scale": self.scale[j, rows].cpu()}
-        if self.global_scale is not None:
-            out["weight_global_scale"] = self.global_scale[j].reshape(1).cpu()
-        return out
+    def tensors(self, module: str, j: int, rows, codes: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Module `module`'s output tensors: its rows `rows` of expert `j`, quantized to `codes`."""
+        return fp4_module(module, fp4.pack_fp4(codes).cpu(), self.scale[j, rows].cpu(),
+                          None if self.global_scale is None else self.global_scale[j].cpu())
 
 
 def _solve(w: torch.Tensor, h: torch.Tensor, s, **kw):
@@ -78,7 +78,7 @@ def gptq_dense(res: LayerResult, ckpt, disk: str, mod: nn.Linear, g: WeightGroup
              source_dtype(ckpt, disk + ".weight"), {**meta, "sqnr_db": round(float(sqnr_db(w, deq)), 4)})
     else:
         deq = grid.dequantize(r.q)[0]
-        emit_tensors(res, disk, grid.tensors(0, slice(None), r.q[0]), s,
+        emit_tensors(res, disk, grid.tensors(disk, 0, slice(None), r.q[0]), s,
                      {**meta, "sqnr_db": round(float(sqnr_db(w, deq)), 4)})
     mod.weight.data.copy_(deq.to(mod.weight.dtype))
 
@@ -237,7 +237,8 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                     if checks is not None and not use_rtn[e]:
                         m.update(checks[j][kind])
                     if grid is not None:
-                        emit_tensors(res, names.module(e, kind), grid.tensors(j, rows, q[j, rows]), s, m)
+                        mod = names.module(e, kind)
+                        emit_tensors(res, mod, grid.tensors(mod, j, rows, q[j, rows]), s, m)
                         continue
                     zp = None if zh is None else zh[j, rows]
                     emit(res, names.module(e, kind), qh[j, rows], QParams(sh[j, rows], zp), s, src_dtype, m)

@@ -29,6 +29,7 @@ from .hessians import ExpertStats, LinearStats
 from .observers import ExpertInputAmax, LinearInputAmax
 from .names import disk_name, expert_names
 from .weights import reuse_heap
+from ..pack.names import Tensor
 
 
 # ---- the layer procedure ----------------------------------------------------------------------------
@@ -51,7 +52,7 @@ def _targets(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Module):
         egroup = recipe.match(names.module(0, "gate"))
         if egroup is not None and egroup.method == "rtn" and not egroup.scheme.w4a4:
             egroup = None  # RTN needs no calibration: convert does it while streaming (W4A4: input scales do)
-        if egroup is not None and f"{names.module(0, 'gate')}.weight_packed" in ckpt.location:
+        if egroup is not None and Tensor.PACKED.of(names.module(0, 'gate')) in ckpt.location:
             from ..match.shards import decide
             from .weights import stored_modules
 

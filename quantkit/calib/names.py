@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..arch import arch_for, text_config
 from ..errors import CalibrationError
+from ..pack.names import Tensor
 from ..read.checkpoint import Checkpoint
 
 
@@ -33,7 +34,7 @@ def expert_names(ckpt: Checkpoint, layer_idx: int) -> ExpertNames | None:
         return None
     prefix = f"{text_config(ckpt.config)[1]}model.layers.{layer_idx}.{names.block}.experts"
     if any(n in ckpt.location for n in (f"{prefix}.0.{names.gate}.weight", f"{prefix}.gate_up_proj",
-                                         f"{prefix}.0.{names.gate}.weight_packed")):
+                                         Tensor.PACKED.of(f"{prefix}.0.{names.gate}"))):
         return ExpertNames(prefix, names.gate, names.up, names.down)
     return None
 

@@ -17,6 +17,7 @@ from ..errors import UnsupportedWeights
 from ..read.checkpoint import Checkpoint
 from ..read.sources import detect_format, scan
 from ..read.tensors import TensorReader
+from ..pack.names import Tensor
 
 
 def _expert_parts(names) -> dict[str, tuple[str, int]]:
@@ -93,7 +94,7 @@ def _read_weight(r: TensorReader, stored: dict, base: str, device: torch.device 
     (on `device` when given: the packed tensors are moved there and decoded there)."""
     sw = stored.get(base)
     if sw is not None:
-        if any(suffix == "weight_g_idx" for suffix, _ in sw.tensors):
+        if any(suffix == Tensor.G_IDX for suffix, _ in sw.tensors):
             raise UnsupportedWeights(f"{base}: act-order (weight_g_idx) INT4 sources are not supported")
         return r.decode(sw, torch.float32, device=device)
     w = r.get(base + ".weight")
@@ -104,8 +105,8 @@ def _read_weight(r: TensorReader, stored: dict, base: str, device: torch.device 
     return w
 
 
-_COMPANIONS = (".weight_scale_inv", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx",
-               ".weight_packed", ".weight_global_scale", ".input_global_scale")  # the last two: NVFP4 (W4A4)
+_COMPANIONS = (Tensor.RELEASE_SCALE.dotted, Tensor.SCALE.dotted, Tensor.SHAPE.dotted, Tensor.ZERO_POINT.dotted, Tensor.G_IDX.dotted,
+               Tensor.PACKED.dotted, Tensor.GLOBAL_SCALE.dotted, Tensor.INPUT_GLOBAL_SCALE.dotted)  # the last two: NVFP4 (W4A4)
 
 
 def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype = torch.float32,
@@ -140,7 +141,7 @@ def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype =
         rel = name[len(prefix):]
         for a, b in renames:
             rel = ("." + rel).replace(a, b)[1:]
-        if name.endswith(".weight") or name.endswith(".weight_packed"):
+        if name.endswith(".weight") or name.endswith(Tensor.PACKED.dotted):
             base = name.rsplit(".", 1)[0]
             modules[rel.rsplit(".", 1)[0]] = base
         elif not name.endswith(_COMPANIONS):  # companions (scales, shapes) are read with their weight

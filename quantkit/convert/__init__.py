@@ -51,6 +51,7 @@ from ..write.output import output_lock, prepare_output
 from ..write.writer import copy_file_atomic, wait_durable, write_json_atomic
 from .calibrated import calibrated_pass, calibration_data, kv_scales, write_kv_scales
 from .run import ShardResult, Spool, run_shard, worker
+from ..pack.names import Tensor
 
 __all__ = ["convert", "ConvertOptions", "ConvertResult", "MANIFEST_NAME", "JOURNAL_DIR", "DEFAULT_MAX_SHARD_BYTES",
            "DEFAULT_BATCH_BYTES"]
@@ -329,8 +330,8 @@ def _source_modules(src: Checkpoint, hidden: int | None):
             yield from ((m, tuple(shape)) for m, _, shape in items)
         elif name.endswith(".weight") and len(info.shape) == 2:
             yield name[: -len(".weight")], tuple(info.shape)
-        elif name.endswith(".weight_packed"):
-            yield name[: -len(".weight_packed")], tuple(info.shape)
+        elif name.endswith(Tensor.PACKED.dotted):
+            yield name[: -len(Tensor.PACKED.dotted)], tuple(info.shape)
 
 
 def _matches_any(src: Checkpoint, recipe: Recipe, hidden: int | None) -> bool:

@@ -26,7 +26,7 @@ from ..match.shards import ShardPlan
 from ..match.units import CalibratedUnit, CopyUnit, DecodeUnit, FP4Unit, FP8Unit, PassUnit, QuantItem, RTNUnit
 from ..pack.checks import fp8_nan_codes
 from ..pack.config import scheme_config
-from ..pack.layout import INPUT_SCALE, check_module, int4_module, module_tensors, scale_dtype
+from ..pack.layout import INPUT_SCALE, check_module, fp4_module, int4_module, module_tensors, scale_dtype
 from ..pack.manifest import module_entry, tensor_entry
 from ..quant import fp4, fp8
 from ..quant.int4 import QParams, RTNResult, native_available, rtn, sqnr_db
@@ -267,21 +267,20 @@ def _fp4(u: FP4Unit, ctx: _Context) -> int:
         meta = _item_meta(u, it, "rtn", sqnr[b])
         if sqnr_amax is not None:  # fitted scales: what amax scales would have given, for comparison
             meta |= {"scale_search": search, "sqnr_amax_db": round(sqnr_amax[b], 4)}
-        values = {"weight_packed": res.packed[b], "weight_scale": res.scale[b]}
-        if res.global_scale is not None:
-            values["weight_global_scale"] = res.global_scale[b].reshape(1)
+        values = dict(fp4_module(it.module, res.packed[b], res.scale[b],
+                                 None if res.global_scale is None else res.global_scale[b]))
         if s.w4a4:  # NVFP4 W4A4: the input scale the calibrated pass measured (calib/emit.py)
-            values[INPUT_SCALE], extra = _input_scale(ctx, it.module)
+            values[INPUT_SCALE.of(it.module)], extra = _input_scale(ctx, it.module)
             meta |= extra
         for name, dtype, shape in module_tensors(it.module, it.shape, s, u.src_dtype):
-            ctx.write(name, values[name.rsplit(".", 1)[1]], tensor_entry(shape, dtype, **meta))
+            ctx.write(name, values[name], tensor_entry(shape, dtype, **meta))
     ctx.schemes[s.label] = scheme_config(s)
     return read
 
 
 def _input_scale(ctx: _Context, module: str) -> tuple[torch.Tensor, dict]:
     """An NVFP4 W4A4 module's calibrated `input_global_scale` [1] from the spool and its manifest record."""
-    name = f"{module}.{INPUT_SCALE}"
+    name = INPUT_SCALE.of(module)
     if not ctx.sp.has(name):
         raise CalibratedResultError(f"{module}: the calibrated pass produced no {INPUT_SCALE}",
                                     hint="re-run with --overwrite; if it persists, report it")

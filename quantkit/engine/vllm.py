@@ -22,11 +22,12 @@ import torch
 from ..arch import text_config
 from ..match.recipe import FUSED_LINEARS
 from ..pack import kv as kvrules
-from ..pack.config import PACKED_FORMATS, is_nvfp4_args, is_nvfp4_w4a4, is_w4afp8, targeting
+from ..pack.config import Group, config_groups, is_nvfp4_args, is_nvfp4_w4a4, is_w4afp8, targeting
 from . import w4afp8 as w4rules
 from ..read.checkpoint import Checkpoint
 from ..read.tensors import TensorReader
 from .vllm_config import router_bias_problem
+from ..pack.names import PACKED_FORMATS, Tensor
 
 VLLM_VERSION = "0.33.0"
 MARLIN_GROUP_SIZES = (-1, 32, 64, 128)  # marlin_utils.MARLIN_SUPPORTED_GROUP_SIZES
@@ -153,11 +154,9 @@ class EngineReport:
 
 
 class _Group:
-    def __init__(self, name: str, g: dict, top: str | None):
-        self.name, self.targets, self.weights = name, tuple(g.get("targets") or ()), g.get("weights") or {}
-        self.format = g.get("format") or top
-        acts = g.get("input_activations")
-        self.acts = acts if isinstance(acts, dict) else None
+    def __init__(self, g: Group):
+        self.name, self.targets, self.weights, self.format = g.name, g.targets, g.weights or {}, g.format
+        self.acts = g.input_activations
         self.w4afp8 = is_w4afp8(self.weights, self.acts)
         self.w4a4 = is_nvfp4_w4a4(self.weights, self.acts)
 
@@ -169,8 +168,7 @@ def check(root, tp: int = 1, plugin: bool = False) -> EngineReport:
     rep = EngineReport(f"vllm {VLLM_VERSION}", tp)
     cfg, prefix = text_config(ck.config)
     qc = ck.quantization_config or {}
-    groups = [_Group(n, g, qc.get("format")) for n, g in (qc.get("config_groups") or {}).items()
-              if isinstance(g, dict)]
+    groups = [_Group(g) for g in config_groups(qc, lenient=True)]
     _kv(ck, cfg, prefix, qc, rep, tp, plugin)
     bias = router_bias_problem(ck.config, ck.location)
     if bias is not None:
@@ -225,11 +223,11 @@ def _kv(ck, cfg, prefix: str, qc, rep: EngineReport, tp: int, plugin: bool) -> N
 def _experts(ck, cfg, groups, rep: EngineReport, tp: int, reader) -> None:
     layers: dict[str, dict] = {}
     for name in ck.location:
-        if not name.endswith(".weight_packed"):
+        if not name.endswith(Tensor.PACKED.dotted):
             continue
-        m = _EXPERT.match(name[: -len(".weight_packed")])
+        m = _EXPERT.match(name[: -len(Tensor.PACKED.dotted)])
         if m:
-            layers.setdefault(m["layer"], {}).setdefault((int(m["e"]), m["proj"]), name[: -len(".weight_packed")])
+            layers.setdefault(m["layer"], {}).setdefault((int(m["e"]), m["proj"]), name[: -len(Tensor.PACKED.dotted)])
     hidden = cfg.get("hidden_size")
     for layer, mods in sorted(layers.items()):
         schemes = {}
@@ -245,7 +243,7 @@ def _experts(ck, cfg, groups, rep: EngineReport, tp: int, reader) -> None:
         w = first.weights if first else {}
         kind = PACKED_FORMATS.get(first.format) if first else None
         down_name = next((mods[k] for k in sorted(mods) if k[1] in ("down_proj", "w2")), None)
-        inter = ck.info(down_name + ".weight_packed").shape[1] * (8 if kind == "int4" else 2) if down_name else None
+        inter = ck.info(down_name + Tensor.PACKED.dotted).shape[1] * (8 if kind == "int4" else 2) if down_name else None
         if kind == "int4" and first.w4afp8:
             _w4afp8(layer, w, hidden, inter, tp, rep)
         elif kind == "int4" and w.get("strategy") == "group":
@@ -271,11 +269,11 @@ def _experts(ck, cfg, groups, rep: EngineReport, tp: int, reader) -> None:
             up = mods.get((e, "up_proj" if proj == "gate_proj" else "w3"))
             if up is None:
                 continue
-            gs, us = ck.info(module + ".weight_scale").shape, ck.info(up + ".weight_scale").shape
+            gs, us = ck.info(module + Tensor.SCALE.dotted).shape, ck.info(up + Tensor.SCALE.dotted).shape
             if gs[-1] != us[-1]:
                 rep.add("M6", up, f"{us[-1]} scale groups, gate has {gs[-1]}: one w13 tensor takes both")
             if kind == "nvfp4":
-                a, b = (x + ".weight_global_scale" for x in (module, up))
+                a, b = (x + Tensor.GLOBAL_SCALE.dotted for x in (module, up))
                 if a in ck.location and b in ck.location and not torch.equal(reader.get(a), reader.get(b)):
                     rep.add("F1", up, "its weight_global_scale differs from the gate's: vLLM uses the gate's for both")
 
@@ -304,7 +302,7 @@ def _w4a4(ck, layer: str, mods: dict, rep: EngineReport, reader) -> None:
     """Rules A2-A4 on one MoE layer whose experts are NVFP4 W4A4 (`mods`: (expert, proj) -> module)."""
     values: dict[tuple[int, str], float] = {}
     for key, module in sorted(mods.items()):
-        name = f"{module}.input_global_scale"
+        name = Tensor.INPUT_GLOBAL_SCALE.of(module)
         if name not in ck.location:
             rep.add("A2", module, "no input_global_scale: vLLM leaves the expert's input scale as uninitialized memory")
             continue
@@ -334,7 +332,7 @@ def _fp8_blocks(ck, rep: EngineReport, tp: int) -> None:
     blocks = {}
     for name in ck.location:
         if name.endswith(".weight") and ck.info(name).dtype == torch.float8_e4m3fn:
-            scale = name[: -len(".weight")] + ".weight_scale"
+            scale = name[: -len(".weight")] + Tensor.SCALE.dotted
             n, k = ck.info(name).shape
             sshape = tuple(ck.info(scale).shape) if scale in ck.location else None
             if sshape == (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)) and sshape != (n, 1):  # 128x128 blocks

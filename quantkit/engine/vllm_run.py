@@ -35,9 +35,11 @@ import torch
 from ..arch import layer_index, text_config
 from ..errors import EngineError
 from ..pack import kv as kvrules
+from ..pack.config import config_groups
 from ..read.checkpoint import Checkpoint
 from ..read.tensors import TensorReader
 from ..verify.common import Check, finite
+from ..pack.names import Format, Tensor
 
 EXIT_CANNOT_RUN = 3  # `verify --run`: every check passed, but this vLLM build cannot run the checkpoint here
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -99,16 +101,15 @@ def checkpoint_schemes(ck: Checkpoint) -> list[str]:
     """What the checkpoint asks of the engine, in words (for the one-line verdict)."""
     qc = ck.quantization_config or {}
     parts = []
-    formats = {(g.get("format") or qc.get("format")) for g in (qc.get("config_groups") or {}).values()
-               if isinstance(g, dict)}
-    experts = any(".experts." in n and n.endswith(".weight_packed") for n in ck.location)
-    if "pack-quantized" in formats:
+    formats = {g.format for g in config_groups(qc, lenient=True)}
+    experts = any(".experts." in n and n.endswith(Tensor.PACKED.dotted) for n in ck.location)
+    if Format.PACKED in formats:
         parts.append("INT4 routed experts (W4A16)" if experts else "INT4 Linears (W4A16)")
-    if "nvfp4-pack-quantized" in formats:
+    if Format.NVFP4 in formats:
         parts.append("NVFP4 routed experts")
-    if "mxfp4-pack-quantized" in formats:
+    if Format.MXFP4 in formats:
         parts.append("MXFP4 routed experts")
-    if "float-quantized" in formats:
+    if Format.FLOAT in formats:
         parts.append("block-FP8 Linears")
     if qc.get("kv_cache_scheme"):
         parts.append("an FP8 KV cache")

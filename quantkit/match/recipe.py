@@ -42,6 +42,7 @@ from ..errors import RecipeError
 from ..pack.config import W4AFP8_GROUP_SIZE, is_nvfp4_w4a4, scheme_label, weights_config
 from ..pack.kv import STRATEGIES as KV_STRATEGIES
 from ..pack.kv import kv_cache_scheme
+from ..pack.names import Format
 from ..pack.targets import (MAX_CHOICES, MAX_MATCH_NAME, MAX_PATTERN_CHARS, MAX_UNBOUNDED,  # noqa: F401
                             check_regex, matches)
 
@@ -252,8 +253,8 @@ class Scheme:
     @property
     def format(self) -> str:
         if self.fp4:
-            return f"{self.fp4}-pack-quantized"
-        return "pack-quantized" if self.type == "int" else "float-quantized"
+            return Format.NVFP4 if self.fp4 == "nvfp4" else Format.MXFP4
+        return Format.PACKED if self.type == "int" else Format.FLOAT
 
     @property
     def label(self) -> str:

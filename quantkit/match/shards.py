@@ -30,6 +30,7 @@ from ..read.sources import FLOAT_DTYPES, StoredWeight
 from ..write.writer import ELEMENT_SIZE
 from .recipe import Recipe, Scheme, WeightGroup, fused_rows_ok
 from .units import CalibratedUnit, CopyUnit, DecodeUnit, FP4Unit, FP8Unit, PassUnit, QuantItem, RTNUnit, SourceRef, Unit
+from ..pack.names import Tensor
 
 # NVFP4: projections vLLM fuses (w13 = gate + up) and so must share one global scale
 _PAIRS = {"gate_proj": "up_proj", "up_proj": "gate_proj", "w1": "w3", "w3": "w1"}
@@ -92,7 +93,7 @@ def pass_unit(sw: StoredWeight, reason: str, group: WeightGroup | None, info: Ca
     renames = []
     for suffix, src in sw.tensors:
         si = info(src)
-        widen = sw.encoding == "fp8-block" and suffix == "weight_scale"
+        widen = sw.encoding == "fp8-block" and suffix == Tensor.SCALE
         renames.append((f"{sw.module}.{suffix}", src, torch.float32 if widen else si.dtype, tuple(si.shape)))
     cfg = {"format": sw.format, "weights": sw.weights, "input_activations": sw.input_activations}
     label = sw.label

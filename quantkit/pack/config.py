@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..errors import ConfigError
+from ..errors import ConfigError, QuantkitError
 from ..quant.fp8 import FP8Layout
+from .names import PACKED_FORMATS
 from .targets import matches
 
 # a checkpoint's own quantization_config is input: its `re:` targets pass the same checks as a recipe's
@@ -21,9 +24,56 @@ def canonical_json(d) -> str:
     return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
 
-# the packed formats (weights stored as `weight_packed`) and the encoding each names
-PACKED_FORMATS = {"pack-quantized": "int4", "nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
 FP4_SCALE_DTYPES = {"nvfp4": "torch.float8_e4m3fn", "mxfp4": "torch.uint8"}  # as compressed-tensors serializes them
+
+
+@dataclass(frozen=True)
+class Group:
+    """One entry of a checkpoint's `quantization_config.config_groups`, as compressed-tensors reads it."""
+
+    name: str
+    format: str | None  # the group's own `format`, else the config's
+    targets: tuple[str, ...]
+    weights: dict | None
+    input_activations: dict | None
+
+
+def config_groups(qc: Mapping | None, error: type[QuantkitError] = ConfigError, *,
+                  lenient: bool = False) -> list[Group]:
+    """The config groups of a `quantization_config` (hostile input), in the config's order: each an object
+    whose `targets` is a list of strings and whose `weights` / `input_activations` are objects or absent.
+    A group breaking that is `error` (a QuantkitError subclass), or skipped when `lenient`."""
+    if not isinstance(qc, Mapping):
+        return []
+    raw = qc.get("config_groups") or {}
+    if not isinstance(raw, Mapping):
+        if lenient:
+            return []
+        raise error("quantization_config.config_groups must be an object")
+    top, out = qc.get("format"), []
+    for name, g in raw.items():
+        where = f"quantization_config.config_groups.{str(name)[:40]}"
+        problem = None
+        if not isinstance(g, Mapping):
+            problem = f"{where} must be an object"
+        else:
+            targets = g.get("targets") or []
+            if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+                problem = f"{where}: targets must be a list of strings"
+            elif any(g.get(k) is not None and not isinstance(g.get(k), Mapping)
+                     for k in ("weights", "input_activations")):
+                problem = f"{where}: weights and input_activations must be objects"
+            elif g.get("format") is not None and not isinstance(g.get("format"), str):
+                problem = f"{where}: format must be a string"
+        if problem is not None:
+            if lenient:
+                continue
+            raise error(problem)
+        fmt = g.get("format") or top
+        out.append(Group(str(name), fmt if isinstance(fmt, str) else None, tuple(targets),
+                         dict(g["weights"]) if g.get("weights") else None,
+                         dict(g["input_activations"]) if g.get("input_activations") else None))
+    return out
 
 
 def weights_config(scheme) -> dict[str, Any]:

@@ -26,16 +26,17 @@ import torch
 
 from ..quant.fp8 import FP8_DTYPE, FP8Layout
 from .int4 import pack_zero_point
+from .names import Tensor
 
 TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape)
-INT4_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
-FP8_SUFFIXES = ("weight", "weight_scale")
-FP4_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
+INT4_SUFFIXES = (Tensor.PACKED, Tensor.SCALE, Tensor.SHAPE, Tensor.ZERO_POINT, Tensor.G_IDX)
+FP8_SUFFIXES = (Tensor.WEIGHT, Tensor.SCALE)
+FP4_SUFFIXES = (Tensor.PACKED, Tensor.SCALE, Tensor.GLOBAL_SCALE)
 # NVFP4 W4A4 only: the static global scale of the module's FP4 input activations
-INPUT_SCALE = "input_global_scale"
+INPUT_SCALE = Tensor.INPUT_GLOBAL_SCALE
 # A block-FP8 release's `weight_scale_inv` (a multiplier despite its name) is exactly compressed-tensors'
 # block `weight_scale`: a module passed through is written with it renamed and widened to float32.
-FP8_RELEASE_SCALE = "weight_scale_inv"
+FP8_RELEASE_SCALE = Tensor.RELEASE_SCALE
 
 
 def scale_dtype(src_dtype: torch.dtype) -> torch.dtype:
@@ -58,26 +59,26 @@ def module_tensors(module: str, shape: tuple[int, int], scheme, src_dtype: torch
     already resolved for this K), in the order they are written. `g_idx`: INT4 with actorder "group"."""
     n, k = shape
     if scheme.fp4:
-        out = [(f"{module}.weight_packed", torch.uint8, (n, k // 2)),
-               (f"{module}.weight_scale", torch.float8_e4m3fn if scheme.fp4 == "nvfp4" else torch.uint8,
+        out = [(Tensor.PACKED.of(module), torch.uint8, (n, k // 2)),
+               (Tensor.SCALE.of(module), torch.float8_e4m3fn if scheme.fp4 == "nvfp4" else torch.uint8,
                 (n, k // scheme.group_size))]
         if scheme.fp4 == "nvfp4":
-            out.append((f"{module}.weight_global_scale", torch.float32, (1,)))
+            out.append((Tensor.GLOBAL_SCALE.of(module), torch.float32, (1,)))
         if getattr(scheme, "activations", None) == "nvfp4":
-            out.append((f"{module}.{INPUT_SCALE}", torch.float32, (1,)))
+            out.append((INPUT_SCALE.of(module), torch.float32, (1,)))
         return out
     if scheme.type == "float":
-        return [(f"{module}.weight", FP8_DTYPE, (n, k)),
-                (f"{module}.weight_scale", torch.float32, fp8_layout(scheme).scale_shape(n, k))]
+        return [(Tensor.WEIGHT.of(module), FP8_DTYPE, (n, k)),
+                (Tensor.SCALE.of(module), torch.float32, fp8_layout(scheme).scale_shape(n, k))]
     groups = num_groups(scheme, k)
     per_word = 32 // scheme.num_bits
-    out = [(f"{module}.weight_packed", torch.int32, (n, -(-k // per_word))),
-           (f"{module}.weight_scale", scale_dtype(src_dtype), (n, groups)),
-           (f"{module}.weight_shape", torch.int64, (2,))]
+    out = [(Tensor.PACKED.of(module), torch.int32, (n, -(-k // per_word))),
+           (Tensor.SCALE.of(module), scale_dtype(src_dtype), (n, groups)),
+           (Tensor.SHAPE.of(module), torch.int64, (2,))]
     if not scheme.symmetric:
-        out.append((f"{module}.weight_zero_point", torch.int32, (-(-n // per_word), groups)))
+        out.append((Tensor.ZERO_POINT.of(module), torch.int32, (-(-n // per_word), groups)))
     if g_idx:
-        out.append((f"{module}.weight_g_idx", torch.int32, (k,)))
+        out.append((Tensor.G_IDX.of(module), torch.int32, (k,)))
     return out
 
 
@@ -86,17 +87,28 @@ def int4_module(module: str, packed: torch.Tensor, scale: torch.Tensor, zero_poi
     """One INT4 module's output tensors, in `module_tensors` order: `packed` int32 [N, ceil(K/8)] (see
     pack/int4.py), `scale` [N, G] (stored in `scale_dtype(src_dtype)`), `zero_point` [N, G] (unpacked; packed
     here along N) or None."""
-    values = {"weight_packed": packed, "weight_shape": torch.tensor(shape, dtype=torch.int64)}
+    values = {Tensor.PACKED: packed, Tensor.SHAPE: torch.tensor(shape, dtype=torch.int64)}
     out = []
     for name, dtype, _ in module_tensors(module, shape, scheme, src_dtype):
         suffix = name.rsplit(".", 1)[1]
-        if suffix == "weight_scale":
+        if suffix == Tensor.SCALE:
             t = scale.to(dtype)
-        elif suffix == "weight_zero_point":
+        elif suffix == Tensor.ZERO_POINT:
             t = pack_zero_point(zero_point)
         else:
             t = values[suffix]
         out.append((name, t))
+    return out
+
+
+def fp4_module(module: str, packed: torch.Tensor, scale: torch.Tensor,
+               global_scale: torch.Tensor | None) -> list[tuple[str, torch.Tensor]]:
+    """One FP4 module's weight tensors, in `module_tensors` order: `packed` uint8 [N, K/2] (pack/fp4.py),
+    `scale` [N, K/group] (e4m3 for NVFP4, E8M0 bytes for MXFP4), `global_scale` (NVFP4, one value) or None
+    (MXFP4). A W4A4 module's input_global_scale is the calibrated pass's, added by its writer."""
+    out = [(Tensor.PACKED.of(module), packed), (Tensor.SCALE.of(module), scale)]
+    if global_scale is not None:
+        out.append((Tensor.GLOBAL_SCALE.of(module), global_scale.reshape(1)))
     return out
 
 

@@ -15,8 +15,10 @@ from ..arch import ModelSpec, fused_experts
 from ..errors import ConfigError
 from ..match.recipe import KVCacheSpec, Recipe, Scheme, WeightGroup, fused_rows_ok, load_recipe
 from ..pack import kv as kvrules
+from ..pack.config import config_groups
 from ..pack.layout import FP8_RELEASE_SCALE, module_tensors
 from ..read.safetensors import CODE_OF, DTYPES
+from ..pack.names import Tensor
 
 # Legend: D = hidden_size, V = vocab_size, H = attention heads, KV = key/value heads, hd = head_dim,
 # I = dense intermediate, Im = expert intermediate, E = routed experts, L = decoder layers (no MTP).
@@ -193,7 +195,7 @@ def tensor_bytes(shape: tuple[int, ...], dtype: str) -> int:
 
 
 _EMBED_MODULES = ("embed_tokens", "wte", "word_embeddings", "embeddings")
-_SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
+_SCALE_SUFFIXES = (Tensor.RELEASE_SCALE, Tensor.SCALE, Tensor.ZERO_POINT, Tensor.SHAPE, Tensor.G_IDX,
                    "input_scale", "k_scale", "v_scale")
 
 
@@ -215,14 +217,14 @@ def _packed_source(name: str, shape: tuple[int, ...], dtype: str, tensors: Mappi
     "nvfp4" / "mxfp4" (two E2M1 codes a byte, no weight_shape; NVFP4 has a global scale) or "int4"
     (int32 words of eight codes, with weight_shape; in_features as the header gives it, a multiple of 8),
     else None."""
-    if not name.endswith(".weight_packed") or len(shape) != 2:
+    if not name.endswith(Tensor.PACKED.dotted) or len(shape) != 2:
         return None
-    module = name[: -len(".weight_packed")]
-    if f"{module}.weight_shape" in tensors:
+    module = name[: -len(Tensor.PACKED.dotted)]
+    if Tensor.SHAPE.of(module) in tensors:
         return ("int4", shape[1] * 8) if dtype == "I32" else None
     if dtype != "U8":
         return None
-    return ("nvfp4" if f"{module}.weight_global_scale" in tensors else "mxfp4"), shape[1] * 2
+    return ("nvfp4" if Tensor.GLOBAL_SCALE.of(module) in tensors else "mxfp4"), shape[1] * 2
 
 
 def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe: Recipe | None, *,
@@ -251,12 +253,12 @@ def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe:
     requant: dict[str, tuple[Scheme, WeightGroup, int]] = {}
     for name, (shape, dtype) in tensors.items():
         packed = _packed_source(name, tuple(shape), dtype, tensors)
-        group = recipe.match(name[: -len(".weight_packed")]) if packed else None
+        group = recipe.match(name[: -len(Tensor.PACKED.dotted)]) if packed else None
         if group is None or (packed[0] == "int4" and not group.scheme.fp4):
             continue
         scheme = group.scheme.for_in_features(packed[1])
         if scheme.fp4 != packed[0]:
-            requant[name[: -len(".weight_packed")]] = (scheme, group, packed[1])
+            requant[name[: -len(Tensor.PACKED.dotted)]] = (scheme, group, packed[1])
     for name, (shape, dtype) in tensors.items():
         if type(shape) is not tuple:
             shape = tuple(shape)
@@ -268,7 +270,7 @@ def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe:
         for name, shape, dtype in todo:
             module, _, suffix = name.rpartition(".")
             if module in requant:  # an FP4 source module the recipe re-quantizes: decoded, then its scheme
-                if suffix == "weight_packed":
+                if suffix == Tensor.PACKED:
                     scheme, group, k = requant[module]
                     for sfx, sh, d in _replacement((shape[0], k), "BF16", scheme,
                                                    group.name in g_idx_groups):
@@ -292,7 +294,7 @@ def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe:
                 parts = memo[key] = _replacement(shape, dtype, scheme, group.name in g_idx_groups)
             for suffix, sh, d in parts:
                 out[module + suffix] = (sh, d)
-            dropped.add(module + ".weight_scale_inv")
+            dropped.add(module + Tensor.RELEASE_SCALE.dotted)
     for n in dropped:
         out.pop(n, None)
     b1 = ((spec.quantization or {}).get("weight_block_size") or [128, 128])[1] if spec is not None else 128
@@ -302,7 +304,7 @@ def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe:
         if w in out and out[w][0][1] % b1:  # a partial block along K: written as BF16 (convert's DecodeUnit)
             out[w] = (out[w][0], "BF16")
             continue
-        out[n[: -len(FP8_RELEASE_SCALE)] + "weight_scale"] = (shape, "F32")
+        out[n[: -len(FP8_RELEASE_SCALE)] + Tensor.SCALE] = (shape, "F32")
     if recipe.kv_cache is not None:
         out.update(_kv_scale_tensors(tensors, recipe.kv_cache, spec))
     return out
@@ -398,7 +400,7 @@ def fp8_block_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], qc: Map
             continue
         n_out, k = shape
         out[name] = (shape, "F8_E4M3")
-        out[module + ".weight_scale_inv"] = ((-(-n_out // b0), -(-k // b1)), "F32")  # [ceil(out/b0), ceil(k/b1)]
+        out[module + Tensor.RELEASE_SCALE.dotted] = ((-(-n_out // b0), -(-k // b1)), "F32")  # [ceil(out/b0), ceil(k/b1)]
     return out
 
 
@@ -410,15 +412,15 @@ def recipe_from_quantization_config(qc: Mapping[str, Any]) -> tuple[Recipe, froz
     and the names of its groups written with actorder "group" (their modules carry `weight_g_idx`).
     The target "Linear" means every Linear; routers are not nn.Linear in the MoE modeling code."""
     groups, g_idx = [], set()
-    for gname, g in (qc.get("config_groups") or {}).items():
-        w = (g or {}).get("weights")
+    for g in config_groups(qc):
+        gname, w = g.name, g.weights
         if not w:
             continue
         scheme = Scheme.from_weights_config(w)
         if scheme is None:
             raise ConfigError(f"quantization_config group {gname!r}: weights {str(w)[:80]} are not a scheme quantkit "
                               "sizes", hint="the planner sizes pack-quantized INT4 and FP8 schemes")
-        targets = tuple("re:.*" if t == "Linear" else str(t) for t in (g.get("targets") or ["Linear"]))
+        targets = tuple("re:.*" if t == "Linear" else t for t in (g.targets or ("Linear",)))
         groups.append(WeightGroup(str(gname), targets, scheme, "rtn"))
         if w.get("actorder") == "group":
             g_idx.add(str(gname))
@@ -454,7 +456,7 @@ def parameter_count(name: str, shape: tuple[int, ...], dtype: str) -> int:
     last = name.rsplit(".", 1)[-1]
     if last in _SCALE_SUFFIXES:
         return 0
-    if last == "weight_packed":
+    if last == Tensor.PACKED:
         return _numel(shape) * 8
     return _numel(shape)
 

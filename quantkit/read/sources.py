@@ -30,17 +30,17 @@ from ..errors import SourceFormatError, SourceSchemeError, SourceTensorError
 from ..quant.fp8 import FP8_DTYPE, FP8Layout, dequantize as fp8_dequantize
 from ..pack.layout import FP4_SUFFIXES, FP8_SUFFIXES, INT4_SUFFIXES
 from ..pack import checks
-from ..pack.config import PACKED_FORMATS, fp8_input_activations, fp8_weights_config, targeting, weights_label
+from ..pack.config import config_groups, fp8_input_activations, fp8_weights_config, targeting, weights_label
+from ..pack.names import FLOAT_FORMATS, FP4_FORMATS, PACKED_FORMATS, Format, Tensor
 from .checkpoint import Checkpoint
 from .tensors import read_scale  # noqa: F401 (the reader decodes FP8 scales; re-exported)
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SCALE_DTYPES = FLOAT_DTYPES + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
-CT_FP8_FORMATS = ("float-quantized", "naive-quantized")
-CT_INT_FORMATS = ("pack-quantized",)
-CT_FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
+# the compressed-tensors formats convert reads
+READ_FORMATS = (*FLOAT_FORMATS, Format.PACKED, *FP4_FORMATS)
 # an FP8 module of a compressed-tensors source may carry static activation scales: passed through with it
-FP8_SOURCE_SUFFIXES = FP8_SUFFIXES + ("input_scale", "input_zero_point")
+FP8_SOURCE_SUFFIXES = FP8_SUFFIXES + (Tensor.INPUT_SCALE, Tensor.INPUT_ZERO_POINT)
 
 
 
@@ -94,22 +94,15 @@ def detect_format(config: dict) -> SourceFormat:
         if status != "compressed":
             raise SourceFormatError(f"compressed-tensors source with quantization_status {status!r}: only "
                                     "'compressed' checkpoints are read")
-        top = qc.get("format")
         groups = []
-        for name, g in sorted((qc.get("config_groups") or {}).items()):
-            if not isinstance(g, dict):
-                raise SourceFormatError(f"quantization_config.config_groups.{name} must be an object")
-            fmt = g.get("format") or top
-            w = g.get("weights") or {}
-            if not isinstance(fmt, str) or fmt not in CT_FP8_FORMATS + CT_INT_FORMATS + CT_FP4_FORMATS:
-                raise SourceFormatError(f"compressed-tensors group {name} has format {str(fmt)[:60]!r}; convert "
-                                        f"reads {', '.join(CT_FP8_FORMATS + CT_INT_FORMATS + CT_FP4_FORMATS)}")
-            check_group_args(name, fmt, w)
-            targets = g.get("targets") or []
-            if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-                raise SourceFormatError(f"compressed-tensors group {name}: targets must be a list of strings")
-            groups.append({"name": name, "format": fmt, "targets": targets, "weights": w,
-                           "input_activations": g.get("input_activations")})
+        for g in sorted(config_groups(qc, SourceFormatError), key=lambda g: g.name):
+            if g.format not in READ_FORMATS:
+                raise SourceFormatError(f"compressed-tensors group {g.name} has format {str(g.format)[:60]!r}; "
+                                        f"convert reads {', '.join(READ_FORMATS)}")
+            w = g.weights or {}
+            check_group_args(g.name, g.format, w)
+            groups.append({"name": g.name, "format": Format(g.format), "targets": list(g.targets), "weights": w,
+                           "input_activations": g.input_activations})
         return SourceFormat("compressed-tensors", groups=tuple(groups), kv_cache_scheme=qc.get("kv_cache_scheme"))
     raise SourceFormatError(f"source is quantized with quant_method {method!r}, which convert does not read",
                             hint="convert from the BF16 or block-FP8 release of the model")
@@ -125,7 +118,7 @@ def one_line(msg: str, limit: int = 300) -> str:
 
 def group_kind(fmt: str) -> str:
     """The encoding (pack/checks.py kinds) a compressed-tensors format stores: int4, fp8, nvfp4, mxfp4."""
-    return "fp8" if fmt in CT_FP8_FORMATS else PACKED_FORMATS[fmt]
+    return "fp8" if fmt in FLOAT_FORMATS else PACKED_FORMATS[fmt]
 
 
 def check_group_args(name: str, fmt: str, w) -> None:
@@ -147,7 +140,7 @@ class StoredWeight:
     tensors: tuple[tuple[str, str], ...]  # (output suffix, source tensor): the primary first
     weights: dict  # compressed-tensors QuantizationArgs (dict) that describe this encoding
     input_activations: dict | None = None
-    format: str = "float-quantized"  # compressed-tensors format for a pass-through
+    format: str = Format.FLOAT  # compressed-tensors format for a pass-through
     layout: FP8Layout | None = None  # FP8 encodings: where the scales live
     scale_fmt: str | None = None  # fp8-block "ue8m0"
 
@@ -157,7 +150,7 @@ class StoredWeight:
 
     @property
     def scale(self) -> str:
-        return dict(self.tensors)["weight_scale"]
+        return dict(self.tensors)[Tensor.SCALE]
 
     @property
     def label(self) -> str:
@@ -177,7 +170,7 @@ def _layout_from_args(w: dict, module: str) -> FP8Layout:
 def _ct_group(fmt: SourceFormat, module: str, want_float: bool) -> dict:
     """The source config group that describes `module` (compressed-tensors rules: exact name, then
     `re:`, then class-name targets such as "Linear")."""
-    cands = [g for g in fmt.groups if (g["format"] in CT_FP8_FORMATS) == want_float]  # FP8, or the packed formats
+    cands = [g for g in fmt.groups if (g["format"] in FLOAT_FORMATS) == want_float]  # FP8, or the packed formats
     pool = targeting(module, cands, lambda g: g["targets"])
     if not pool:
         raise SourceFormatError(f"{module} is stored {'FP8' if want_float else 'INT4'}, but no config group "
@@ -191,7 +184,8 @@ def scan(ck: Checkpoint, fmt: SourceFormat) -> dict[str, StoredWeight]:
     loc = {n: i for s in ck.shards for n, i in s.tensors.items()}  # tensor -> TensorInfo
     out: dict[str, StoredWeight] = {}
     f8 = sorted(n for n, i in loc.items() if i.dtype in (FP8_DTYPE, torch.float8_e5m2)
-                and not (n.endswith(".weight_scale") and f"{n[: -len('_scale')]}_packed" in loc))  # NVFP4 scales
+                and not (n.endswith(Tensor.SCALE.dotted) and
+                         n[: -len(Tensor.SCALE)] + Tensor.PACKED in loc))  # NVFP4 scales
     if fmt.kind == "dense":
         if f8:
             raise SourceFormatError(f"{f8[0]} is float8, but config.json has no quantization_config saying how "
@@ -202,23 +196,24 @@ def scan(ck: Checkpoint, fmt: SourceFormat) -> dict[str, StoredWeight]:
             info = loc[name]
             m = _fp8_module(name, info, "block-FP8 sources")
             layout = FP8Layout("block", fmt.block)
-            sname = f"{m}.weight_scale_inv"
+            sname = Tensor.RELEASE_SCALE.of(m)
             _check_scale(loc, m, sname, layout.scale_shape(*info.shape))
-            out[m] = StoredWeight(m, "fp8-block", tuple(info.shape), (("weight", name), ("weight_scale", sname)),
-                                  fp8_weights_config(layout), fp8_input_activations(layout), "float-quantized",
+            out[m] = StoredWeight(m, "fp8-block", tuple(info.shape), ((Tensor.WEIGHT, name), (Tensor.SCALE, sname)),
+                                  fp8_weights_config(layout), fp8_input_activations(layout), Format.FLOAT,
                                   layout, fmt.scale_fmt)
-        orphans = [n for n in loc if n.endswith(".weight_scale_inv") and n[: -len("_scale_inv")] not in loc]
+        orphans = [n for n in loc if n.endswith(Tensor.RELEASE_SCALE.dotted) and
+                   n[: -len(Tensor.RELEASE_SCALE)] + Tensor.WEIGHT not in loc]
         if orphans:
             raise SourceFormatError(f"{orphans[0]} has no weight next to it")
         return out
     # compressed-tensors
     for name in sorted(loc):
-        if name.endswith(".weight_packed"):
-            m = name[: -len(".weight_packed")]
+        if name.endswith(Tensor.PACKED.dotted):
+            m = name[: -len(Tensor.PACKED.dotted)]
             g = _ct_group(fmt, m, want_float=False)
             _check_packed_headers(m, loc, g)
-            if g["format"] in CT_FP4_FORMATS:  # two E2M1 codes a byte, never padded: no weight_shape
-                kind = g["format"].split("-", 1)[0]
+            kind = g["format"].fp4
+            if kind:  # two E2M1 codes a byte, never padded: no weight_shape
                 rows, cols = loc[name].shape[0], loc[name].shape[1] * 2
                 tensors = tuple((s, f"{m}.{s}") for s in FP4_SUFFIXES if f"{m}.{s}" in loc)
                 out[m] = StoredWeight(m, kind, (rows, cols), tensors, dict(g["weights"]), g["input_activations"],
@@ -228,15 +223,15 @@ def scan(ck: Checkpoint, fmt: SourceFormat) -> dict[str, StoredWeight]:
             cols = loc[name].shape[1] * (32 // int(g["weights"].get("num_bits", 4)))
             tensors = tuple((s, f"{m}.{s}") for s in INT4_SUFFIXES if f"{m}.{s}" in loc)
             # the exact in_features is in weight_shape (a tensor): record the padded one from the header
-            out[m] = StoredWeight(m, "int4", (rows, cols), (("weight_packed", name),) + tensors[1:],
+            out[m] = StoredWeight(m, "int4", (rows, cols), ((Tensor.PACKED, name),) + tensors[1:],
                                   dict(g["weights"]), g["input_activations"], g["format"])
     for name in f8:
         info = loc[name]
         m = _fp8_module(name, info, "compressed-tensors FP8 groups")
         g = _ct_group(fmt, m, want_float=True)
         layout = _layout_from_args(g["weights"], m)
-        _check_scale(loc, m, f"{m}.weight_scale", layout.scale_shape(*info.shape))
-        tensors = (("weight", name),) + tuple((s, f"{m}.{s}") for s in FP8_SOURCE_SUFFIXES[1:] if f"{m}.{s}" in loc)
+        _check_scale(loc, m, Tensor.SCALE.of(m), layout.scale_shape(*info.shape))
+        tensors = ((Tensor.WEIGHT, name),) + tuple((s, f"{m}.{s}") for s in FP8_SOURCE_SUFFIXES[1:] if f"{m}.{s}" in loc)
         out[m] = StoredWeight(m, "fp8", tuple(info.shape), tensors, dict(g["weights"]), g["input_activations"],
                               g["format"], layout)
     return out
@@ -310,22 +305,23 @@ def validate(ck: Checkpoint, stored: dict[str, StoredWeight]) -> None:
 def _module_problems(r, sw: StoredWeight) -> list[str]:
     m, local = sw.module, dict(sw.tensors)
     if sw.encoding in ("fp8", "fp8-block"):
-        suffix = "weight_scale_inv" if sw.encoding == "fp8-block" else "weight_scale"
+        suffix = Tensor.RELEASE_SCALE if sw.encoding == "fp8-block" else Tensor.SCALE
         found = checks.value_problems(m, "fp8", {suffix: r.get(sw.scale)}, scale=suffix)
-        if not found and "input_scale" in local:  # a static activation scale, passed through with the module
-            found = checks.value_problems(m, "fp8", {"input_scale": r.get(local["input_scale"])}, scale="input_scale")
+        if not found and Tensor.INPUT_SCALE in local:  # a static activation scale, passed through with the module
+            found = checks.value_problems(m, "fp8", {Tensor.INPUT_SCALE: r.get(local[Tensor.INPUT_SCALE])},
+                                          scale=Tensor.INPUT_SCALE)
         return found
     infos = {s: r.info(t) for s, t in local.items()}
     scheme = _scheme(sw.weights)
     group = "its config group"
     if sw.encoding == "int4":
-        n, k = (int(v) for v in r.get(local["weight_shape"]).tolist())
+        n, k = (int(v) for v in r.get(local[Tensor.SHAPE]).tolist())
     else:
         n, k = sw.shape
     found = checks.shape_problems(m, infos, sw.encoding, sw.weights, scheme, group, sw.label, n, k)
     if found:
         return found
-    small = {s: r.get(t) for s, t in local.items() if s != "weight_packed"}
+    small = {s: r.get(t) for s, t in local.items() if s != Tensor.PACKED}
     return checks.value_problems(m, sw.encoding, small, symmetric=scheme.symmetric)
 
 

@@ -29,6 +29,7 @@ from .int4 import PackedInt4, int4_gemm
 from .paged_attention import FP8_DTYPE
 from .spec import ModelSpec, MoESpec
 from .w4afp8 import W4AFP8Weight, w4afp8_gemm
+from ..pack.names import Format, Tensor
 
 
 @dataclass(frozen=True)
@@ -126,19 +127,14 @@ class _QuantScheme:
         if qcfg.get("quantization_status", "compressed") != "compressed":
             raise UnsupportedCheckpoint(f"quantization_status {qcfg.get('quantization_status')!r}, "
                                         "expected 'compressed'")
-        from ..pack.config import is_w4afp8
+        from ..pack.config import config_groups, is_w4afp8
         from ..quant.fp8 import FP8Layout
 
-        top_fmt = qcfg.get("format")
-        for name, g in (qcfg.get("config_groups") or {}).items():
-            if not isinstance(g, dict):
-                raise UnsupportedCheckpoint(f"quantization group {str(name)[:40]!r} is not an object")
-            w = g.get("weights") or {}
-            acts = g.get("input_activations")
-            fmt = g.get("format", top_fmt)
-            int4 = fmt == "pack-quantized" and w.get("num_bits") == 4 and w.get("type") == "int"
-            fp4 = fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized")  # routed experts (fused_moe_fp4)
-            fp8 = (fmt == "float-quantized" and w.get("num_bits") == 8 and w.get("type") == "float"
+        for g in config_groups(qcfg, UnsupportedCheckpoint):
+            name, w, acts, fmt = g.name, g.weights or {}, g.input_activations, g.format
+            int4 = fmt == Format.PACKED and w.get("num_bits") == 4 and w.get("type") == "int"
+            fp4 = fmt in (Format.NVFP4, Format.MXFP4)  # routed experts (fused_moe_fp4)
+            fp8 = (fmt == Format.FLOAT and w.get("num_bits") == 8 and w.get("type") == "float"
                    and w.get("strategy") in ("tensor", "channel", "block"))
             fp8_acts = (isinstance(acts, dict) and acts.get("num_bits") == 8 and acts.get("type") == "float"
                         and bool(acts.get("dynamic")) and acts.get("strategy") in ("token", "group"))
@@ -151,7 +147,7 @@ class _QuantScheme:
                                             "dynamic FP8 activations")
             if w.get("actorder") == "group":
                 raise UnsupportedCheckpoint("act-order 'group' (weight_g_idx) is not supported by the INT4 kernels")
-            targets = list(g.get("targets") or [])
+            targets = list(g.targets)
             if fp8:
                 bs = w.get("block_structure")
                 try:
@@ -204,12 +200,12 @@ class _Loader:
         return t.to(device=self.device, dtype=dtype or self.dtype)
 
     def packed(self, module: str) -> PackedInt4:
-        if self.r.has(f"{module}.weight_g_idx"):
+        if self.r.has(Tensor.G_IDX.of(module)):
             raise UnsupportedCheckpoint(f"{module} has weight_g_idx (act-order 'group'), which the kernels do not take")
-        zp = f"{module}.weight_zero_point"
+        zp = Tensor.ZERO_POINT.of(module)
         return PackedInt4.from_tensors(
-            self.r.get(f"{module}.weight_packed").to(self.device), self.r.get(f"{module}.weight_scale").to(self.device),
-            self.r.get(f"{module}.weight_shape"), self.r.get(zp).to(self.device) if self.r.has(zp) else None,
+            self.r.get(Tensor.PACKED.of(module)).to(self.device), self.r.get(Tensor.SCALE.of(module)).to(self.device),
+            self.r.get(Tensor.SHAPE.of(module)), self.r.get(zp).to(self.device) if self.r.has(zp) else None,
             self.scheme.group_size(module))
 
     def fp8(self, module: str) -> FP8Weight:
@@ -221,7 +217,7 @@ class _Loader:
         if g is None or g.kind != "fp8":
             raise UnsupportedCheckpoint(f"{module}.weight is float8, but no float-quantized config group targets it")
         q = self.r.get(f"{module}.weight")
-        s = read_scale(self.r.get, f"{module}.weight_scale", g.fp8_layout)
+        s = read_scale(self.r.get, Tensor.SCALE.of(module), g.fp8_layout)
         if tuple(s.shape) != tuple(g.fp8_layout.scale_shape(*q.shape)) and s.numel() != 1:
             raise UnsupportedCheckpoint(f"{module}.weight_scale is {list(s.shape)}, the {g.fp8_layout.strategy} "
                                         f"layout of a {list(q.shape)} weight implies "
@@ -235,7 +231,7 @@ class _Loader:
         return self.r.has(n) and self.r.info(n).dtype == FP8_DTYPE
 
     def linear(self, module: str, shape: tuple[int, int] | None = None) -> Linear:
-        if self.r.has(f"{module}.weight_packed"):
+        if self.r.has(Tensor.PACKED.of(module)):
             w = self.packed(module)
             got = w.shape
             if self.scheme.kind(module) == "w4afp8":
@@ -264,14 +260,14 @@ class _Loader:
         MXFP4 experts, PackedFP4 w13 = gate + up and w2; W4AFP8: the W4A8 kernel's gate_up / down; FP8 or
         unquantized experts: DenseExperts)."""
         first = f"{prefix}.0.{spec.names[0]}"
-        if self.r.has(f"{first}.weight_packed") and self.r.info(f"{first}.weight_packed").dtype == torch.uint8:
+        if self.r.has(Tensor.PACKED.of(first)) and self.r.info(Tensor.PACKED.of(first)).dtype == torch.uint8:
             return self._fp4_experts(prefix, spec, d)
-        if not self.r.has(f"{first}.weight_packed") and self.r.has(f"{first}.weight"):
+        if not self.r.has(Tensor.PACKED.of(first)) and self.r.has(f"{first}.weight"):
             return self._dense_experts(prefix, spec, d)
         stacks = []
         for name, shape in zip(spec.names, [(spec.intermediate_size, d)] * 2 + [(d, spec.intermediate_size)]):
             mods = [f"{prefix}.{e}.{name}" for e in range(spec.num_experts)]
-            if not self.r.has(f"{mods[0]}.weight_packed"):
+            if not self.r.has(Tensor.PACKED.of(mods[0])):
                 raise UnsupportedCheckpoint(
                     f"{mods[0]} is not INT4 pack-quantized; the runner executes quantized experts only",
                     hint="convert the model with an INT4 expert recipe (quantkit convert, e.g. int4-experts-rtn)")
@@ -322,8 +318,8 @@ class _Loader:
             parts = []
             for e in range(spec.num_experts):
                 m = f"{prefix}.{e}.{name}"
-                gs = f"{m}.weight_global_scale"
-                parts.append(PackedFP4.from_tensors(self.r.get(f"{m}.weight_packed"), self.r.get(f"{m}.weight_scale"),
+                gs = Tensor.GLOBAL_SCALE.of(m)
+                parts.append(PackedFP4.from_tensors(self.r.get(Tensor.PACKED.of(m)), self.r.get(Tensor.SCALE.of(m)),
                                                     self.r.get(gs) if self.r.has(gs) else None))
             if any(p.shape != tuple(shape) or p.kind != parts[0].kind for p in parts):
                 raise UnsupportedCheckpoint(f"{prefix}.*.{name}: experts disagree in shape or FP4 kind "
@@ -373,7 +369,7 @@ def _load_layer(ld: _Loader, spec: ModelSpec, i: int) -> Layer:
                             ld.linear(f"{a}.o_proj", (d, h * m.v_head_dim)))
     if spec.moe_layers[i]:
         mp = f"{p}.{spec.moe.prefix}"
-        if ld.r.has(f"{mp}.gate.weight_packed"):
+        if ld.r.has(Tensor.PACKED.of(f"{mp}.gate")):
             raise UnsupportedCheckpoint(f"{mp}.gate (the router) is quantized; routers must stay in full precision")
         sigmoid = spec.moe.scoring == "sigmoid"
         # DeepSeek/GLM keep the router and its bias in fp32 (_keep_in_fp32_modules_strict)

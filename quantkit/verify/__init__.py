@@ -45,6 +45,7 @@ from .numerics import (check_reference, check_reference_content, drift_check, ke
                        token_data)
 from .. import options
 from ..options import Thresholds
+from ..pack.names import Tensor
 
 __all__ = ["verify", "VerifyReport", "Thresholds", "Check"]
 
@@ -188,7 +189,7 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
         checks.append(ref_check)
         layers = layer_summary(sqnr, thresholds.min_sqnr_db)
         awq = sum(1 for n, e in (manifest or {}).get("tensors", {}).items()
-                  if n.endswith(".weight_packed") and isinstance(e, dict) and e.get("method") == "awq")
+                  if n.endswith(Tensor.PACKED.dotted) and isinstance(e, dict) and e.get("method") == "awq")
         checks.append(sqnr_check(sqnr, layers, modules_checked - awq, thresholds, awq))
         checks.append(drift_check(drift, thresholds))
         say("numerics: preparing token data")

@@ -25,13 +25,14 @@ from ..pack.targets import matches as _target_matches
 from ..pack import checks
 from ..pack import kv as kvrules
 from ..pack import fp4 as fp4pack
-from ..pack.config import PACKED_FORMATS, targeting, weights_label
+from ..pack.config import targeting, weights_label
+from ..pack.names import FLOAT_FORMATS, PACKED_FORMATS, Format, Tensor
 from ..pack.int4 import dequantize_module
 from ..pack.layout import FP4_SUFFIXES, INPUT_SCALE, INT4_SUFFIXES
 from ..quant.fp8 import FP8_DTYPE, FP8Layout, dequantize as fp8_dequantize
 from ..quant.int4 import sqnr_db
 from ..read.checkpoint import Checkpoint
-from ..read.sources import CT_FP8_FORMATS, SourceFormatError, detect_format, scan
+from ..read.sources import SourceFormatError, detect_format, scan
 from ..read.tensors import TensorReader
 from .common import SQNR_CAP_DB, Listing
 
@@ -53,7 +54,7 @@ class _Group:
     weights: dict
     ok: bool  # the weights config is one this version can check (INT4 group/channel, NVFP4, MXFP4, FP8)
     kind: str = "int4"  # the encoding its format names: int4 | nvfp4 | mxfp4 | fp8 | other (checks nothing)
-    format: str = "pack-quantized"  # its compressed-tensors format (the top-level one unless mixed-precision)
+    format: str = Format.PACKED  # its compressed-tensors format (the top-level one unless mixed-precision)
     input_activations: dict | None = None
 
     @property
@@ -95,8 +96,8 @@ def _config_groups(qc: dict | None, problems: Listing, judge: "Judge",
     if qc.get("quant_method") != "compressed-tensors":
         problems.add(f"quantization_config.quant_method is {qc.get('quant_method')!r}, not 'compressed-tensors'")
     top_format = qc.get("format")
-    allowed = [*(PACKED_FORMATS if "packed" in holds else ()), *(CT_FP8_FORMATS if "FP8" in holds else ())]
-    if top_format not in (*PACKED_FORMATS, *CT_FP8_FORMATS, "mixed-precision"):
+    allowed = [*(PACKED_FORMATS if "packed" in holds else ()), *(FLOAT_FORMATS if "FP8" in holds else ())]
+    if top_format not in (*PACKED_FORMATS, *FLOAT_FORMATS, "mixed-precision"):
         problems.add(f"quantization_config.format is {top_format!r}; {holds} weights need one of "
                      f"{', '.join(allowed)} (or mixed-precision)")
     if qc.get("quantization_status") != "compressed":
@@ -119,7 +120,7 @@ def _config_groups(qc: dict | None, problems: Listing, judge: "Judge",
         w = g["weights"]
         ok = True
         fmt = g.get("format", top_format) if top_format == "mixed-precision" else top_format
-        kind = PACKED_FORMATS.get(fmt) or ("fp8" if fmt in CT_FP8_FORMATS else None)
+        kind = PACKED_FORMATS.get(fmt) or ("fp8" if fmt in FLOAT_FORMATS else None)
         targets = tuple(t for t in g["targets"] if isinstance(t, str))
         acts = g.get("input_activations") if isinstance(g.get("input_activations"), dict) else None
         if kind is None:
@@ -139,7 +140,7 @@ def _config_groups(qc: dict | None, problems: Listing, judge: "Judge",
     return groups, ignore
 
 
-def _group_for(module: str, groups: list[_Group], has: str = "weight_packed") -> tuple[_Group | None, str | None]:
+def _group_for(module: str, groups: list[_Group], has: str = Tensor.PACKED) -> tuple[_Group | None, str | None]:
     """compressed-tensors' precedence: an exact name, then a `re:` pattern, then a class name (quantized
     modules are Linear layers). Returns (group, problem); `has` says what the module holds."""
     hit = targeting(module, groups)
@@ -200,7 +201,7 @@ class Judge:
             acts = args(**group.input_activations) if group.input_activations else None
             scheme = self._schemes[key] = scheme_cls(targets=["Linear"], weights=args(**group.weights),
                                                      input_activations=acts)
-        return compressor.decompress(dict(local), scheme)["weight"]
+        return compressor.decompress(dict(local), scheme)[Tensor.WEIGHT]
 
 
 def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None, judge: Judge,
@@ -214,7 +215,7 @@ def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None
         module, _, suffix = name.rpartition(".")
         if suffix in INT4_SUFFIXES or suffix in FP4_SUFFIXES or suffix == INPUT_SCALE:
             by_module.setdefault(module, {})[suffix] = ck.info(name)
-    quantized = sorted(m for m, s in by_module.items() if "weight_packed" in s)
+    quantized = sorted(m for m, s in by_module.items() if Tensor.PACKED in s)
     qset = set(quantized)
     fp8 = _fp8_modules(ck, qset)
     # the groups are checked when there are quantized weights (a KV-scales-only output has a "dense"
@@ -223,9 +224,9 @@ def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None
     groups, ignore = (_config_groups(qc, problems, judge, holds) if holds
                       else ([], (qc or {}).get("ignore") or []))
     for m, s in sorted(by_module.items()):
-        if m not in qset and any(x in s for x in ("weight_shape", "weight_zero_point", "weight_g_idx")):
+        if m not in qset and any(x in s for x in (Tensor.SHAPE, Tensor.ZERO_POINT, Tensor.G_IDX)):
             problems.add(f"{m}: has {', '.join(sorted(s))} but no weight_packed")
-        elif m not in qset and "weight_scale" in s and f"{m}.weight" not in ck.location:
+        elif m not in qset and Tensor.SCALE in s and Tensor.WEIGHT.of(m) not in ck.location:
             problems.add(f"{m}.weight_scale: no weight_packed or weight beside it")
     _check_dense_modules(ck, groups, ignore, qset, problems)
     if qc is None and not quantized and not fp8:
@@ -236,7 +237,7 @@ def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None
     mtable = (manifest or {}).get("tensors") if isinstance((manifest or {}).get("tensors"), dict) else {}
     reader = TensorReader.of(ck)
     ref_reader = _Reference(ref_ck) if ref_ck is not None else None
-    shard_of = {m: ck.location[f"{m}.weight_packed"] for m in quantized}
+    shard_of = {m: ck.location[Tensor.PACKED.of(m)] for m in quantized}
     shard_of.update({m: ck.location[f"{m}.weight"] for m in fp8})
     try:
         for si, shard in enumerate(ck.shards):
@@ -308,7 +309,7 @@ def _check_dense_modules(ck: Checkpoint, groups: list[_Group], ignore: list[str]
         by_name = g is not None and (m in g.targets or any(t.startswith("re:") and _matches(t, m) for t in g.targets))
         # a ["Linear"] class target cannot see module classes here: embeddings are not Linear, skip them
         if by_name or (g is not None and not _EMBEDDING.match(m)):
-            want = "weight_packed" if g.packed else "a float8 weight and a weight_scale"
+            want = Tensor.PACKED if g.packed else "a float8 weight and a weight_scale"
             problems.add(f"{m}.weight: stored unquantized, but {g.name} targets it and it is not in ignore "
                          f"(loaders would expect {want})")
 
@@ -324,7 +325,7 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
             problems.add(why)
         return
     if not group.packed:
-        problems.add(_wrong_group(m, "weight_packed", group, "a packed format"))
+        problems.add(_wrong_group(m, Tensor.PACKED, group, "a packed format"))
         return
     if not group.ok:
         return  # the group's config problem is already reported once
@@ -334,14 +335,14 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
     if found:
         return
     if group.kind == "int4":
-        n, k = (int(v) for v in reader.get(f"{m}.weight_shape").tolist())
+        n, k = (int(v) for v in reader.get(Tensor.SHAPE.of(m)).tolist())
     else:  # FP4 stores no shape: two codes a byte, never padded
-        n, k = infos["weight_packed"].shape[0], infos["weight_packed"].shape[1] * 2
+        n, k = infos[Tensor.PACKED].shape[0], infos[Tensor.PACKED].shape[1] * 2
     found = checks.shape_problems(m, infos, group.kind, group.weights, group.scheme, group.name, group.label, n, k)
     for p in found:
         problems.add(p)
     bad = bool(found)
-    entry = mtable.get(f"{m}.weight_packed") if isinstance(mtable.get(f"{m}.weight_packed"), dict) else {}
+    entry = mtable.get(Tensor.PACKED.of(m)) if isinstance(mtable.get(Tensor.PACKED.of(m)), dict) else {}
     # a module passed through with its source's own args is labelled `<label>+source` (match/shards.py pass_unit)
     if entry.get("scheme") and str(entry["scheme"]).removesuffix("+source") != group.label:
         problems.add(f"{m}: the manifest records scheme {entry['scheme']}, config.json gives {group.label} "
@@ -434,7 +435,7 @@ def _check_fp8_module(m: str, ck: Checkpoint, groups: list[_Group], ignore: list
         return
     if not group.ok:
         return  # the group's config problem is already reported once
-    sname = f"{m}.weight_scale"
+    sname = Tensor.SCALE.of(m)
     found = []
     if winfo.dtype != FP8_DTYPE:
         found.append(f"{m}.weight: dtype {str(winfo.dtype).removeprefix('torch.')}, expected float8_e4m3fn "
@@ -475,7 +476,7 @@ def _check_fp8_module(m: str, ck: Checkpoint, groups: list[_Group], ignore: list
     if bad:
         return
     q, stored_scale = reader.get(f"{m}.weight"), reader.get(sname)
-    found = checks.value_problems(m, "fp8", {"weight_scale": stored_scale})
+    found = checks.value_problems(m, "fp8", {Tensor.SCALE: stored_scale})
     for p in found:
         problems.add(p)
     if found:
@@ -487,7 +488,7 @@ def _check_fp8_module(m: str, ck: Checkpoint, groups: list[_Group], ignore: list
         problems.add(f"{m}.weight: {nan} NaN code(s)")
         return
     try:
-        theirs = judge.decompress({"weight": q, "weight_scale": stored_scale}, group)
+        theirs = judge.decompress({Tensor.WEIGHT: q, Tensor.SCALE: stored_scale}, group)
     except Exception as e:  # third-party code on untrusted tensors: its failure is the finding
         problems.add(f"{m}: compressed-tensors cannot decompress it: {type(e).__name__}: {str(e)[:160]}")
     else:
@@ -524,7 +525,7 @@ def _reference_weight(m: str, entry: dict, ref: _Reference) -> torch.Tensor | st
     ck = ref.ck
     src = entry.get("source_tensor") if isinstance(entry.get("source_tensor"), str) else f"{m}.weight"
     sl = entry.get("source_slice")
-    stored = next((src[: -len(x)] for x in (".weight", ".weight_packed") if src.endswith(x)), m)
+    stored = next((src[: -len(x)] for x in (".weight", Tensor.PACKED.dotted) if src.endswith(x)), m)
     sw = ref.stored.get(stored)
     if sw is not None and sl is None:  # FP8, INT4 or FP4 in the reference: its decoded values
         return ref.reader.decode(sw, torch.float32)

@@ -21,6 +21,7 @@ from ..errors import ConfigError, DatasetError, QuantkitError, ReferenceModelErr
 from ..read.checkpoint import Checkpoint
 from .common import Check, finite
 from ..options import Thresholds
+from ..pack.names import Tensor
 
 KERNEL_RTOL = 2e-2  # |triton - torch| <= rtol * max|torch|: bf16 outputs, fp32 accumulation either way
 # Built-in text for token data when the reference has a tokenizer but no dataset is given (varied prose,
@@ -220,7 +221,7 @@ def transformers_cannot_load(q_dir: Path) -> bool:
     qc = ck.quantization_config or {}
     if qc and not qc.get("config_groups"):
         return True  # KV scales only: transformers' MoE expert converter indexes config_groups[0]
-    return any(n.endswith(".weight_global_scale") and ".experts." in n for n in ck.location)
+    return any(n.endswith(Tensor.GLOBAL_SCALE.dotted) and ".experts." in n for n in ck.location)
 
 
 def load_dequantized(ref_dir: Path, q_dir: Path, dev: torch.device, dtype: torch.dtype = torch.bfloat16):
@@ -266,11 +267,10 @@ def assign_weight(params: dict, module: str, w: torch.Tensor) -> None:
 
 def w4afp8_layers(q_dir: Path) -> bool:
     """Whether some config group of `q_dir` is W4AFP8 (INT4 weights, dynamic per-token FP8 activations)."""
-    from ..pack.config import is_w4afp8
+    from ..pack.config import config_groups, is_w4afp8
 
-    qc = Checkpoint.open(q_dir).quantization_config or {}
-    return any(isinstance(g, dict) and is_w4afp8(g.get("weights"), g.get("input_activations"))
-               for g in (qc.get("config_groups") or {}).values())
+    return any(is_w4afp8(g.weights, g.input_activations)
+               for g in config_groups(Checkpoint.open(q_dir).quantization_config, lenient=True))
 
 
 _EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
@@ -293,7 +293,7 @@ def install_w4afp8(model, q_dir: Path) -> int:
             n_exp = mod.gate_up_proj.shape[0]
             for base in (name, name.replace(".mlp.experts", ".block_sparse_moe.experts")):
                 for g, u, d in _EXPERT_NAMES:
-                    if f"{base}.0.{g}.weight_packed" in ck.location:
+                    if Tensor.PACKED.of(f"{base}.0.{g}") in ck.location:
                         break
                 else:
                     continue
@@ -302,8 +302,8 @@ def install_w4afp8(model, q_dir: Path) -> int:
                 continue
 
             def stack(parts):
-                pk = [PackedInt4.from_tensors(r.get(f"{base}.{e}.{p}.weight_packed"), r.get(f"{base}.{e}.{p}.weight_scale"),
-                                              r.get(f"{base}.{e}.{p}.weight_shape"), group_size=128) for e in range(n_exp)
+                pk = [PackedInt4.from_tensors(r.get(Tensor.PACKED.of(f"{base}.{e}.{p}")), r.get(Tensor.SCALE.of(f"{base}.{e}.{p}")),
+                                              r.get(Tensor.SHAPE.of(f"{base}.{e}.{p}")), group_size=128) for e in range(n_exp)
                       for p in parts]
                 per = len(parts)
                 packed = torch.stack([torch.cat([x.packed for x in pk[e * per:(e + 1) * per]]) for e in range(n_exp)])
@@ -321,11 +321,10 @@ def install_w4afp8(model, q_dir: Path) -> int:
 def w4a4_layers(q_dir: Path) -> bool:
     """Whether some config group of `q_dir` is NVFP4 W4A4 (NVFP4 weights and activations, a static
     input_global_scale per module)."""
-    from ..pack.config import is_nvfp4_w4a4
+    from ..pack.config import config_groups, is_nvfp4_w4a4
 
-    qc = Checkpoint.open(q_dir).quantization_config or {}
-    return any(isinstance(g, dict) and is_nvfp4_w4a4(g.get("weights"), g.get("input_activations"))
-               for g in (qc.get("config_groups") or {}).values())
+    return any(is_nvfp4_w4a4(g.weights, g.input_activations)
+               for g in config_groups(Checkpoint.open(q_dir).quantization_config, lenient=True))
 
 
 _EXPERTS_KEY = re.compile(r"(?:^|\.)(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts$")
@@ -346,22 +345,22 @@ def install_w4a4(model, q_dir: Path, scales: str = "layer") -> int:
     bases = {}  # "layers.L" -> the on-disk experts prefix whose expert 0 is W4A4
     for n in ck.location:
         for g, _, _ in _EXPERT_NAMES:
-            if n.endswith(f".0.{g}.input_global_scale"):
-                base = n[: -len(f".0.{g}.input_global_scale")]
+            if n.endswith(Tensor.INPUT_GLOBAL_SCALE.of(f".0.{g}")):
+                base = n[: -len(Tensor.INPUT_GLOBAL_SCALE.of(f".0.{g}"))]
                 m = _EXPERTS_KEY.search(base)
                 if m:
                     bases[m[1]] = (base, _EXPERT_NAMES[0] if g == "gate_proj" else _EXPERT_NAMES[1])
     dense = {}  # layers.L.<rest> -> the input_global_scale of a dense W4A4 Linear
     for n in ck.location:
-        if n.endswith(".input_global_scale") and ".experts." not in n:
-            tail = _layer_tail(n[: -len(".input_global_scale")])
+        if n.endswith(Tensor.INPUT_GLOBAL_SCALE.dotted) and ".experts." not in n:
+            tail = _layer_tail(n[: -len(Tensor.INPUT_GLOBAL_SCALE.dotted)])
             if tail is not None:
                 dense[tail] = n
     done = 0
     with TensorReader.of(ck) as r:
         def packed(mod: str) -> PackedFP4:
-            return PackedFP4.from_tensors(r.get(f"{mod}.weight_packed"), r.get(f"{mod}.weight_scale"),
-                                          r.get(f"{mod}.weight_global_scale"), kind="nvfp4")
+            return PackedFP4.from_tensors(r.get(Tensor.PACKED.of(mod)), r.get(Tensor.SCALE.of(mod)),
+                                          r.get(Tensor.GLOBAL_SCALE.of(mod)), kind="nvfp4")
 
         def stack(parts: list[PackedFP4]) -> PackedFP4:
             gs = torch.stack([p.global_scale.reshape(1) for p in parts])  # [E, 1]
@@ -376,9 +375,9 @@ def install_w4a4(model, q_dir: Path, scales: str = "layer") -> int:
                 gate = stack([packed(f"{base}.{e}.{g}") for e in range(n_exp)])
                 up = stack([packed(f"{base}.{e}.{u}") for e in range(n_exp)])
                 experts = FP4Experts(fuse_gate_up_fp4(gate, up), stack([packed(f"{base}.{e}.{d}") for e in range(n_exp)]))
-                gs13 = torch.stack([torch.cat([r.get(f"{base}.{e}.{p}.input_global_scale").reshape(1) for p in (g, u)])
+                gs13 = torch.stack([torch.cat([r.get(Tensor.INPUT_GLOBAL_SCALE.of(f"{base}.{e}.{p}")).reshape(1) for p in (g, u)])
                                     for e in range(n_exp)])  # [E, 2]
-                gs2 = torch.cat([r.get(f"{base}.{e}.{d}.input_global_scale").reshape(1) for e in range(n_exp)])
+                gs2 = torch.cat([r.get(Tensor.INPUT_GLOBAL_SCALE.of(f"{base}.{e}.{d}")).reshape(1) for e in range(n_exp)])
                 dev = mod.gate_up_proj.device
                 # a bound method, as module.forward is: compressed-tensors' decompress hook (a compressed reference,
                 # e.g. Kimi K2.5's INT4 release) re-wraps forwards through `forward.__func__` on the first call
@@ -547,8 +546,8 @@ def kernel_check(modules: list[tuple[str, dict]], dev: torch.device) -> Check:
 
     worst, worst_m = 0.0, None
     for m, t in modules:
-        w = PackedInt4.from_tensors(t["weight_packed"], t["weight_scale"], t["weight_shape"],
-                                    t.get("weight_zero_point")).to(dev)
+        w = PackedInt4.from_tensors(t[Tensor.PACKED], t[Tensor.SCALE], t[Tensor.SHAPE],
+                                    t.get(Tensor.ZERO_POINT)).to(dev)
         x = torch.randn(16, w.shape[1], generator=torch.Generator().manual_seed(0)).to(dev, torch.bfloat16)
         want = int4_gemm_ref(x, w).float()
         got = int4_gemm(x, w, backend="triton").float()
