@@ -75,6 +75,15 @@ def _sources() -> dict[str, Path]:
         shutil.rmtree(fp8, ignore_errors=True)
         write_block_fp8_checkpoint(made["deepseek_v3"], fp8)
     made["deepseek_v3-fp8"] = fp8
+    kimi = CACHE / "kimi_k25-int4"  # a Kimi K2.5-style INT4 release (QAT grid, vision tower), made once
+    if not (kimi / "config.json").is_file():
+        from quantkit.testing import make_tiny_kimi_k25
+
+        shutil.rmtree(kimi, ignore_errors=True)
+        make_tiny_kimi_k25(kimi, int4_experts="qat")
+    made["kimi_k25-int4"] = kimi
+    # W4AFP8 needs hidden and expert widths that are multiples of 256 (vLLM rule W2)
+    tiny("glm4_moe-wide", "glm4_moe", hidden=256, head_dim=64, moe_intermediate=256)
     int4 = CACHE / "qwen3_moe-int4"  # a compressed-tensors INT4 source: made once by the tree that runs first
     if not (int4 / "quantkit_manifest.json").is_file():
         shutil.rmtree(int4, ignore_errors=True)
@@ -127,6 +136,27 @@ def _cases(src: dict[str, Path], work: Path):
     yield "glm5-glm", [["convert", src["glm_moe_dsa"], "{out}", "--recipe", "glm"]]
     # an INT4 source: the rtn output converted again (INT4 passed through, the rest to FP8)
     yield "int4src-glm", [["convert", src["qwen3_moe-int4"], "{out}", "--recipe", "glm"]]
+    # FP4: weights only, amax and fitted scales, and W4A4 (calibrated input scales)
+    yield "qwen3-nvfp4", [["convert", src["qwen3_moe"], "{out}", "--recipe", "nvfp4-experts"]]
+    yield "qwen3-mxfp4", [["convert", src["qwen3_moe"], "{out}", "--recipe", "mxfp4-experts"]]
+    yield "qwen3-nvfp4a4", [["convert", src["qwen3_moe"], "{out}", "--recipe", "nvfp4a4-experts", *CAL]]
+    yield "glm4-nvfp4", [["convert", src["glm4_moe"], "{out}", "--recipe", "glm-nvfp4"]]
+    yield "glm4-nvfp4a4", [["convert", src["glm4_moe"], "{out}", "--recipe", "glm-nvfp4a4", *CAL]]
+    # Kimi K2.5-style INT4 release re-quantized: FP4 (fitted scales from the INT4 grid), W4A4, MXFP4
+    yield "kimi-nvfp4", [["convert", src["kimi_k25-int4"], "{out}", "--recipe", "kimi-k2-nvfp4", *CAL]]
+    yield "kimi-nvfp4a4", [["convert", src["kimi_k25-int4"], "{out}", "--recipe", "kimi-k2-nvfp4a4", *CAL]]
+    yield "kimi-mxfp4", [["convert", src["kimi_k25-int4"], "{out}", "--recipe", "mxfp4-experts"]]
+    yield "int4src-nvfp4", [["convert", src["qwen3_moe-int4"], "{out}", "--recipe", "nvfp4-experts"]]
+    # W4AFP8 (INT4 group 128 + dynamic FP8 activations), RTN / GPTQ / AWQ, and the FP8 prefill recipe
+    yield "glm4w-w4afp8", [["convert", src["glm4_moe-wide"], "{out}", "--recipe", "glm-w4afp8", *CAL]]
+    yield "glm4w-w4afp8-rtn", [["convert", src["glm4_moe-wide"], "{out}", "--recipe", "int4-experts-w4afp8"]]
+    yield "glm4w-w4afp8-gptq", [["convert", src["glm4_moe-wide"], "{out}", "--recipe", "int4-experts-w4afp8-gptq",
+                                 *CAL]]
+    yield "glm4w-w4afp8-awq", [["convert", src["glm4_moe-wide"], "{out}", "--recipe", "int4-experts-w4afp8-awq", *CAL]]
+    yield "glm4w-fp8-prefill", [["convert", src["glm4_moe-wide"], "{out}", "--recipe", "fp8-prefill"]]
+    # a prefill/decode pair from one command: OUT and OUT-prefill (hashed under out/ via --pair-out)
+    yield "glm4w-pair", [["convert", src["glm4_moe-wide"], "{out}", "--recipe", "glm-w4afp8", *CAL,
+                          "--pair", "fp8-prefill", "--pair-out", "{out}/prefill"]]
 
 
 def _hash_tree(d: Path) -> dict[str, str]:
