@@ -51,18 +51,23 @@ class Arch:
     rope_interleave: bool = False  # config.json rope_interleave (default true) selects the interleaved RoPE
     routing: str = "softmax"  # softmax top-k | "noaux_tc": sigmoid + correction bias, group-limited top-k
     routing_weights_in_act_dtype: bool = False  # the routing weights are rounded to the activation dtype
+    qk_norm_whole: bool = False  # q/k norms span the whole projection (OLMoE), not each head (Qwen3, GLM)
+    experts_key: str = "n_routed_experts"  # the config.json field counting the routed experts
 
 
 ARCHITECTURES: dict[str, Arch] = {
     "llama": Arch("llama", "gqa", None),
     "qwen3": Arch("qwen3", "gqa", None),  # k_norm on each head before RoPE
-    "qwen3_moe": Arch("qwen3_moe", "gqa", QWEN_EXPERTS, runner=True, routing_weights_in_act_dtype=True),
-    "mixtral": Arch("mixtral", "gqa", MIXTRAL_EXPERTS, runner=True),
+    "qwen3_moe": Arch("qwen3_moe", "gqa", QWEN_EXPERTS, runner=True, routing_weights_in_act_dtype=True,
+                      experts_key="num_experts"),
+    "mixtral": Arch("mixtral", "gqa", MIXTRAL_EXPERTS, runner=True, experts_key="num_local_experts"),
     "deepseek_v3": Arch("deepseek_v3", "mla", QWEN_EXPERTS, runner=True, rope_interleave=True, routing="noaux_tc"),
     # partial RoPE, optional qk norm
     "glm4_moe": Arch("glm4_moe", "gqa", QWEN_EXPERTS, runner=True, partial_rotary=0.5, routing="noaux_tc"),
     # MLA + DSA indexer (GLM-5); its RoPE is always the interleaved one (no config key; the runner does not run it)
     "glm_moe_dsa": Arch("glm_moe_dsa", "mla", QWEN_EXPERTS, routing="noaux_tc"),
+    # OLMoE: every layer MoE, no shared expert, q/k norms over the whole projection (not per head)
+    "olmoe": Arch("olmoe", "gqa", QWEN_EXPERTS, qk_norm_whole=True, experts_key="num_experts"),
 }
 # Kimi K2's config.json says model_type "kimi_k2" (with remote code); the architecture is DeepSeek-V3's.
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -88,6 +93,11 @@ def layer_index(name: str) -> int | None:
     """The decoder layer a tensor or module name belongs to, or None."""
     m = LAYER_INDEX.search(name)
     return int(m[1]) if m else None
+
+
+def traits(model_type: str) -> Arch | None:
+    """The registry entry of a (text) model_type, aliases resolved; None when unknown."""
+    return ARCHITECTURES.get(ALIASES.get(model_type, model_type))
 
 
 def model_types(command: str) -> tuple[str, ...]:
@@ -215,6 +225,13 @@ class ModelSpec:
     @property
     def experts(self) -> ExpertNames | None:
         return ARCHITECTURES[self.arch].experts if self.num_experts else None
+
+    @property
+    def qk_norm_widths(self) -> tuple[int, int]:
+        """The widths of the q and k norm weights (when `qk_norm`): one head's, or the whole projection's."""
+        if ARCHITECTURES[self.arch].qk_norm_whole:
+            return self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.head_dim, self.head_dim
 
 
 _TORCH_DTYPE = {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32", "float": "F32"}
@@ -346,10 +363,18 @@ def parse_config(config: Mapping[str, Any]) -> ModelSpec:
                          moe_intermediate_size=_int(cfg, "moe_intermediate_size"), num_experts=E,
                          experts_per_tok=top_k(), shared_intermediate=0,
                          qkv_bias=bias, o_bias=bias, qk_norm=True, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+    if arch == "olmoe":  # intermediate_size is the routed expert's width; no dense MLP
+        inter = _int(cfg, "intermediate_size")
+        bias = bool(cfg.get("attention_bias", False))
+        return ModelSpec(**common, **gqa, moe=(True,) * L, intermediate_size=inter, moe_intermediate_size=inter,
+                         num_experts=_int(cfg, ARCHITECTURES[arch].experts_key, upper=MAX_EXPERTS),
+                         experts_per_tok=top_k(), shared_intermediate=0, qkv_bias=bias, o_bias=bias, qk_norm=True,
+                         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
     if arch == "mixtral":
         inter = _int(cfg, "intermediate_size")
         return ModelSpec(**common, **gqa, moe=(True,) * L, intermediate_size=inter, moe_intermediate_size=inter,
-                         num_experts=_int(cfg, "num_local_experts", upper=MAX_EXPERTS), experts_per_tok=top_k(),
+                         num_experts=_int(cfg, ARCHITECTURES[arch].experts_key, upper=MAX_EXPERTS),
+                         experts_per_tok=top_k(),
                          shared_intermediate=0, norm_topk_prob=True)
     bias = bool(cfg.get("attention_bias", False))  # llama, qwen3 (dense)
     return ModelSpec(**common, **gqa, moe=(False,) * L, intermediate_size=_int(cfg, "intermediate_size"),
@@ -405,7 +430,7 @@ def check_tensors(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]]) -> Non
         if gap is not None:
             _mismatch("num_hidden_layers", spec.num_layers, f"{p}model.layers.{gap}.*", None,
                       f"the shards hold no layer {gap}")
-    key = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}.get(spec.arch, "n_routed_experts")
+    key = ARCHITECTURES[spec.arch].experts_key
     for layer in sorted(set(experts) | set(fused)):
         ids = experts.get(layer, set())
         count = fused.get(layer, max(ids) + 1 if ids else 0)

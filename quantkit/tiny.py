@@ -17,7 +17,7 @@ from .pack.names import Tensor
 
 # One small config per supported architecture. hidden=128 and moe_intermediate=64 keep every routed
 # expert Linear group-32 and group-64 divisible; `hidden` 128 makes group 128 divisible for gate/up.
-ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "glm_moe_dsa")
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "olmoe")
 
 
 def tiny_config(arch: str, *, layers: int = 2, hidden: int = 128, experts: int = 4, moe_intermediate: int = 64,
@@ -35,6 +35,7 @@ def tiny_config(arch: str, *, layers: int = 2, hidden: int = 128, experts: int =
         "qwen3_moe": dict(moe_intermediate_size=moe_intermediate, num_experts=experts, num_experts_per_tok=2,
                           head_dim=32, decoder_sparse_step=1, mlp_only_layers=[]),
         "mixtral": dict(num_local_experts=experts, num_experts_per_tok=2, intermediate_size=moe_intermediate),
+        "olmoe": dict(num_experts=experts, num_experts_per_tok=2, intermediate_size=moe_intermediate),
         "deepseek_v3": dict(**routed, **mla),
         "glm4_moe": dict(**routed, head_dim=32),
         "glm_moe_dsa": dict(**routed, **mla, index_n_heads=2, index_head_dim=32, index_topk=16),

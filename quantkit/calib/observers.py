@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..arch import traits
 from ..errors import CalibrationError
 from ..quant.fp8 import FP8_MAX
 from .executor import modeling_module
@@ -57,10 +58,14 @@ def cached_kv(attn: nn.Module, hidden_states: torch.Tensor,
         latent = torch.cat([c_kv, k_pe], dim=-1)  # [B, 1, T, R + P]
         return latent, latent
     head_dim = attn.head_dim
-    k = attn.k_proj(hidden_states).view(b, t, -1, head_dim)  # [B, T, H_kv, hd]
+    k = attn.k_proj(hidden_states)  # [B, T, H_kv * hd]
     k_norm = getattr(attn, "k_norm", None)
-    if k_norm is not None and getattr(attn, "use_qk_norm", True):
-        k = k_norm(k)
+    if k_norm is None or not getattr(attn, "use_qk_norm", True):
+        k = k.view(b, t, -1, head_dim)
+    elif getattr(traits(attn.config.model_type), "qk_norm_whole", False):
+        k = k_norm(k).view(b, t, -1, head_dim)
+    else:
+        k = k_norm(k.view(b, t, -1, head_dim))  # [B, T, H_kv, hd]
     k = k.transpose(1, 2)  # [B, H_kv, T, hd]
     v = attn.v_proj(hidden_states).view(b, t, -1, head_dim).transpose(1, 2)
     _, k = mod.apply_rotary_pos_emb(k, k, cos, sin)

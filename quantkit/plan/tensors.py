@@ -71,8 +71,9 @@ def _layer_tensors(s: ModelSpec, i: int) -> Iterator[tuple[str, tuple[int, ...],
         if s.o_bias:
             yield a + "o_proj.bias", (D,), dt
         if s.qk_norm:
-            yield a + "q_norm.weight", (s.head_dim,), dt
-            yield a + "k_norm.weight", (s.head_dim,), dt
+            qw, kw = s.qk_norm_widths
+            yield a + "q_norm.weight", (qw,), dt
+            yield a + "k_norm.weight", (kw,), dt
     yield p + "input_layernorm.weight", (D,), dt
     yield p + "post_attention_layernorm.weight", (D,), dt
     if not s.moe[i]:

@@ -26,6 +26,7 @@ N, T = 6, 48  # calibration samples x tokens: small, but several batches with ba
 ARCH_KW = {  # the tiny models the executor is checked on (glm4_moe with its optional qk norm on)
     "qwen3_moe": {}, "deepseek_v3": {"layers": 3}, "mixtral": {}, "glm4_moe": {"use_qk_norm": True},
     "llama": {}, "qwen3": {},
+    "olmoe": {},  # q/k norms over the whole projection (arch.Arch.qk_norm_whole)
 }
 
 
@@ -129,7 +130,7 @@ def full_forward(tiny_models):
     return get
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "olmoe"])
 @pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
 def test_scales_match_independent_full_forward(tiny_models, full_forward, arch, strategy):
     path = _model(tiny_models, arch)
