@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..arch import text_config
-from ..match.recipe import FUSED_LINEARS
+from ..arch.layout import FUSED_LINEARS
 from ..pack import kv as kvrules
 from ..pack.config import Group, config_groups, is_nvfp4_args, is_nvfp4_w4a4, is_w4afp8, targeting
 from . import w4afp8 as w4rules

@@ -42,6 +42,7 @@ from ..errors import RecipeError
 from ..pack.config import W4AFP8_GROUP_SIZE, is_nvfp4_w4a4, scheme_label, weights_config
 from ..pack.kv import STRATEGIES as KV_STRATEGIES
 from ..pack.kv import kv_cache_scheme
+from ..arch.layout import FUSED_LINEARS
 from ..pack.names import Format
 from ..pack.targets import (MAX_CHOICES, MAX_MATCH_NAME, MAX_PATTERN_CHARS, MAX_UNBOUNDED,  # noqa: F401
                             check_regex, matches)
@@ -51,11 +52,9 @@ STRATEGIES = ("group", "channel", "tensor", "block", "tensor_group")
 FP4_GROUP_SIZES = {"tensor_group": 16, "group": 32}  # NVFP4: 16 + a global scale; MXFP4: 32, E8M0 scales
 
 
-# Linears that engines run as one (vLLM: qkv_proj, gate_up_proj, DeepSeek's fused_qkv_a_proj): the parts and
-# the fused module's name. A block-FP8 fused Linear needs every part but the last to fill whole blocks of
-# rows (vLLM refuses it at build time otherwise) and takes one scheme for all parts (the first part's).
-FUSED_LINEARS = ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj"),
-                 (("q_a_proj", "kv_a_proj_with_mqa"), "fused_qkv_a_proj"))
+# Linears that engines run as one (arch.layout.FUSED_LINEARS): a block-FP8 fused Linear needs every part but
+# the last to fill whole blocks of rows (vLLM refuses it at build time otherwise) and takes one scheme for all
+# parts (the first part's).
 
 
 def fused_rows_ok(module: str, rows_of: Callable[[str], int | None], block_rows: int) -> bool:

@@ -12,7 +12,6 @@ not "quantize as asked" becomes a note (`plan_notes`).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
@@ -30,11 +29,16 @@ from ..read.sources import FLOAT_DTYPES, StoredWeight
 from ..write.writer import ELEMENT_SIZE
 from .recipe import Recipe, Scheme, WeightGroup, fused_rows_ok
 from .units import CalibratedUnit, CopyUnit, DecodeUnit, FP4Unit, FP8Unit, PassUnit, QuantItem, RTNUnit, SourceRef, Unit
+from ..arch.layout import FUSED_GATE_UP, QWEN_EXPERTS, any_expert, expert_parts, partner
 from ..pack.names import Tensor
 
-# NVFP4: projections vLLM fuses (w13 = gate + up) and so must share one global scale
-_PAIRS = {"gate_proj": "up_proj", "up_proj": "gate_proj", "w1": "w3", "w3": "w1"}
 DEFAULT_BATCH_BYTES = options.BATCH_BYTES
+
+
+def _pair_key(key: str) -> str:
+    """One batch key for both halves of a gate/up pair: the key with the projection name cut to its base."""
+    base, _, last = key.rpartition(".")
+    return f"{base}.gate_up" if partner(last) else key
 DEFAULT_MAX_SHARD_BYTES = options.MAX_SHARD_BYTES
 
 
@@ -211,8 +215,7 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
             kind = FP4Unit if scheme.fp4 else FP8Unit if scheme.type == "float" else RTNUnit
         partner = _partner(module, g, scheme) if kind is FP4Unit and scheme.fp4 == "nvfp4" else None
         if partner is not None:  # the pair in one batch: one read gives both halves' amax
-            layer_key = ("pair", re.sub(r"\.(gate_proj|up_proj|w1|w3)$", ".gate_up", layer_key)
-                         if isinstance(layer_key, str) else layer_key[0])
+            layer_key = ("pair", _pair_key(layer_key) if isinstance(layer_key, str) else layer_key[0])
         key = (kind.__name__, layer_key, g.name, scheme, shape, dtype)
         if key not in batches:
             batches[key] = []
@@ -223,7 +226,7 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
     def _partner(module, g, scheme):
         """NVFP4: the other half of a gate/up pair, targeted by the same group (one global scale)."""
         base, _, last = module.rpartition(".")
-        other = _PAIRS.get(last)
+        other = partner(last)  # NVFP4: vLLM fuses gate and up (w13), which must share one global scale
         if other is None or recipe.match(f"{base}.{other}") is not g:
             return None
         ref = _ref_of(f"{base}.{other}")
@@ -244,10 +247,11 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
                              encoding=sw.encoding, stored=sw if sw.layout is None else None)
         if f"{module}.weight" in loc:
             return SourceRef(f"{module}.weight")
-        m = re.match(r"^(.*\.experts)\.(\d{1,9})\.(gate_proj|up_proj)$", module)
-        if m and f"{m[1]}.gate_up_proj" in loc:
-            rows = info(f"{m[1]}.gate_up_proj").shape[1]
-            return SourceRef(f"{m[1]}.gate_up_proj", int(m[2]), (0, rows // 2) if m[3] == "gate_proj" else (rows // 2, rows))
+        m = expert_parts(module)
+        fused = f"{m[0]}.{FUSED_GATE_UP}" if m else None
+        if fused in loc and m[2] in (QWEN_EXPERTS.gate, QWEN_EXPERTS.up):  # transformers' fused layout
+            rows = info(fused).shape[1]
+            return SourceRef(fused, m[1], (0, rows // 2) if m[2] == QWEN_EXPERTS.gate else (rows // 2, rows))
         return None
 
     def shape_of(ref):
@@ -273,7 +277,7 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
             scheme = None if g is None or (sw.encoding == "int4" and not g.scheme.fp4) else \
                 effective_scheme(module, g.scheme, sw.shape, rows_of)
             action, reason = decide(sw, scheme, g is not None)
-            layer_key = re.sub(r"\.experts\.\d+\.", ".experts.*.", module)
+            layer_key = any_expert(module)
             if action == "pass":
                 u = pass_unit(sw, reason, g, info)
                 for _, src, _, _ in u.renames:
@@ -307,7 +311,7 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
             g = recipe.match(module)
             if g is not None:
                 # batch all same-shape experts of one layer/projection: key on the name with indices removed
-                layer_key = re.sub(r"\.experts\.\d+\.", ".experts.*.", module)
+                layer_key = any_expert(module)
                 add_quant(module, SourceRef(name), tuple(tinfo.shape), tinfo.dtype, layer_key, g)
                 continue
         elif name.endswith(".weight") and len(tinfo.shape) == 2 and recipe.match(name[: -len(".weight")]) is not None:

@@ -12,6 +12,8 @@ from typing import Any
 
 
 from ..arch import ModelSpec, fused_experts
+from ..arch.layout import (EMBED_MODULES, FP8_RELEASE_KEEP, KV_A, ROLES, ROUTER_TARGETS, VISION_PREFIXES,  # noqa: F401
+                           attention_of, enumerate_tensors, tensor_role)
 from ..errors import ConfigError
 from ..match.recipe import KVCacheSpec, Recipe, Scheme, WeightGroup, fused_rows_ok, load_recipe
 from ..pack import kv as kvrules
@@ -26,154 +28,8 @@ from ..pack.names import Tensor
 # Name -> (shape, safetensors dtype string such as "BF16", "F8_E4M3", "I32").
 TensorShapes = dict[str, tuple[tuple[int, ...], str]]
 
-ROLES = ("routed_experts", "shared_experts", "attention", "dense_mlp", "router", "embeddings", "lm_head",
-         "norms", "mtp", "vision", "other")
 # Shard size assumed for a config-only plan (the hub convention); it only moves the header estimate.
 DEFAULT_SHARD_BYTES = 5 * 10**9
-
-
-# ---- tensor enumeration (the checkpoint's on-disk names and shapes) ------------------------------------
-def _layer_tensors(s: ModelSpec, i: int) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    p, D, dt = f"{s.prefix}model.layers.{i}.", s.hidden_size, s.dtype
-    a = p + "self_attn."
-    if s.attention == "mla":
-        qk = s.qk_nope_head_dim + s.qk_rope_head_dim
-        if s.q_lora_rank:
-            yield a + "q_a_proj.weight", (s.q_lora_rank, D), dt
-            if s.qkv_bias:
-                yield a + "q_a_proj.bias", (s.q_lora_rank,), dt
-            yield a + "q_a_layernorm.weight", (s.q_lora_rank,), dt
-            yield a + "q_b_proj.weight", (s.num_heads * qk, s.q_lora_rank), dt
-        else:
-            yield a + "q_proj.weight", (s.num_heads * qk, D), dt
-        yield a + "kv_a_proj_with_mqa.weight", (s.kv_lora_rank + s.qk_rope_head_dim, D), dt
-        if s.qkv_bias:
-            yield a + "kv_a_proj_with_mqa.bias", (s.kv_lora_rank + s.qk_rope_head_dim,), dt
-        yield a + "kv_a_layernorm.weight", (s.kv_lora_rank,), dt
-        yield a + "kv_b_proj.weight", (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank), dt
-        yield a + "o_proj.weight", (D, s.num_heads * s.v_head_dim), dt
-        if s.o_bias:
-            yield a + "o_proj.bias", (D,), dt
-        if s.indexer and s.indexer[i]:
-            x, n, hd = a + "indexer.", s.index_n_heads, s.index_head_dim
-            yield x + "wq_b.weight", (n * hd, s.q_lora_rank), dt  # [n*hd, q_lora_rank]
-            yield x + "wk.weight", (hd, D), dt  # one K head shared by all index heads
-            yield x + "k_norm.weight", (hd,), dt  # LayerNorm: weight and bias
-            yield x + "k_norm.bias", (hd,), dt
-            yield x + "weights_proj.weight", (n, D), dt
-    else:
-        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        for proj, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            yield a + proj + ".weight", (out, D), dt
-            if s.qkv_bias:
-                yield a + proj + ".bias", (out,), dt
-        yield a + "o_proj.weight", (D, q), dt
-        if s.o_bias:
-            yield a + "o_proj.bias", (D,), dt
-        if s.qk_norm:
-            qw, kw = s.qk_norm_widths
-            yield a + "q_norm.weight", (qw,), dt
-            yield a + "k_norm.weight", (kw,), dt
-    yield p + "input_layernorm.weight", (D,), dt
-    yield p + "post_attention_layernorm.weight", (D,), dt
-    if not s.moe[i]:
-        yield from _mlp(p + "mlp.", D, s.intermediate_size, dt, s.mlp_bias)
-        return
-    E, Im = s.num_experts, s.moe_intermediate_size
-    if s.arch == "mixtral":
-        m = p + "block_sparse_moe."
-        for e in range(E):
-            x = f"{m}experts.{e}."
-            yield x + "w1.weight", (Im, D), dt  # gate
-            yield x + "w2.weight", (D, Im), dt  # down
-            yield x + "w3.weight", (Im, D), dt  # up
-        yield m + "gate.weight", (E, D), dt
-        return
-    m = p + "mlp."
-    for e in range(E):
-        yield from _mlp(f"{m}experts.{e}.", D, Im, dt)
-    yield m + "gate.weight", (E, D), dt  # router [E, D]
-    if s.router_bias:
-        yield m + "gate.e_score_correction_bias", (E,), "F32"  # float32 in the DeepSeek/Kimi/GLM releases
-    if s.shared_intermediate:
-        yield from _mlp(m + "shared_experts.", D, s.shared_intermediate, dt)
-
-
-def _mlp(p: str, D: int, inter: int, dt: str, bias: bool = False) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    for proj, shape in (("gate_proj", (inter, D)), ("up_proj", (inter, D)), ("down_proj", (D, inter))):
-        yield p + proj + ".weight", shape, dt
-        if bias:
-            yield p + proj + ".bias", (shape[0],), dt
-
-
-def enumerate_tensors(spec: ModelSpec, *, mtp: bool = True) -> TensorShapes:
-    """The unquantized checkpoint's tensors by on-disk name: {name: (shape, dtype)}.
-
-    `mtp=True` includes the MTP layers as the hub releases ship them (DeepSeek-V3: layer 61, GLM-4.5:
-    layer 92, GLM-5: layer 78); transformers' `save_pretrained` drops them, so pass `mtp=False` to
-    compare with a checkpoint written by transformers."""
-    s, D, V, dt = spec, spec.hidden_size, spec.vocab_size, spec.dtype
-    out: TensorShapes = {}
-    top = f"{s.prefix}model."
-    out[top + "embed_tokens.weight"] = ((V, D), dt)
-    out[top + "norm.weight"] = ((D,), dt)
-    if not s.tie_word_embeddings:
-        out[f"{s.prefix}lm_head.weight"] = ((V, D), dt)
-    for i in range(s.num_layers + (s.mtp_layers if mtp else 0)):
-        for name, shape, d in _layer_tensors(s, i):
-            out[name] = (shape, d)
-        if i >= s.num_layers:  # MTP extras around the decoder block
-            p = f"{top}layers.{i}."
-            out[p + "enorm.weight"] = ((D,), dt)
-            out[p + "hnorm.weight"] = ((D,), dt)
-            out[p + "eh_proj.weight"] = ((D, 2 * D), dt)  # [D, 2D]: concat(embedding, hidden) -> hidden
-            out[p + "shared_head.norm.weight"] = ((D,), dt)
-            if s.mtp_embeddings:
-                out[p + "embed_tokens.weight"] = ((V, D), dt)
-                out[p + "shared_head.head.weight"] = ((V, D), dt)
-    return out
-
-
-# ---- roles -------------------------------------------------------------------------------------------
-_VISION_PREFIXES = ("vision_tower.", "mm_projector.", "visual.", "vision_model.", "multi_modal_projector.")
-
-
-def _layer_index(name: str) -> int | None:
-    i = name.find("layers.")
-    if i < 0 or (i and name[i - 1] != "."):
-        return None
-    j = name.find(".", i + 7)
-    idx = name[i + 7:j]
-    return int(idx) if idx.isdigit() and len(idx) <= 9 else None
-
-
-def tensor_role(name: str, num_layers: int | None = None) -> str:
-    """The role of a tensor (one of ROLES) from its name; layers >= num_layers are MTP layers.
-    (Plain substring tests: this runs once per tensor, ~10^5 times for a 1T-parameter model.)"""
-    if name.startswith(_VISION_PREFIXES):
-        return "vision"
-    if num_layers is not None:
-        li = _layer_index(name)
-        if li is not None and li >= num_layers:
-            return "mtp"
-    if ".experts." in name:
-        return "routed_experts"
-    if ".shared_expert" in name:  # shared_experts (DeepSeek/GLM), shared_expert(_gate) (Qwen2-MoE style)
-        return "shared_experts"
-    if ".mlp.gate." in name or ".block_sparse_moe.gate." in name:
-        return "router"
-    module = name.rsplit(".", 1)[0]
-    if module.endswith("norm"):  # input_layernorm, q_a_layernorm, k_norm, model.norm, enorm, ...
-        return "norms"
-    if ".self_attn." in name:
-        return "attention"
-    if ".mlp." in name:
-        return "dense_mlp"
-    if "embed_tokens." in name:
-        return "embeddings"
-    if name.startswith("lm_head.") or ".lm_head." in name:
-        return "lm_head"
-    return "other"
 
 
 # ---- bytes as quantkit writes them ---------------------------------------------------------------------
@@ -195,7 +51,6 @@ def tensor_bytes(shape: tuple[int, ...], dtype: str) -> int:
     return b
 
 
-_EMBED_MODULES = ("embed_tokens", "wte", "word_embeddings", "embeddings")
 _SCALE_SUFFIXES = (Tensor.RELEASE_SCALE, Tensor.SCALE, Tensor.ZERO_POINT, Tensor.SHAPE, Tensor.G_IDX,
                    "input_scale", "k_scale", "v_scale")
 
@@ -204,7 +59,7 @@ def _is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
     """A Linear's 2-D weight (what a recipe can quantize). Embeddings and norms are not Linears."""
     if not name.endswith(".weight") or len(shape) != 2:
         return False
-    return name[:-7].rsplit(".", 1)[-1] not in _EMBED_MODULES
+    return name[:-7].rsplit(".", 1)[-1] not in EMBED_MODULES
 
 
 def _replacement(shape: tuple[int, int], dtype: str, scheme: Scheme, g_idx: bool):
@@ -314,10 +169,10 @@ def quantized_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], recipe:
 def _kv_scale_tensors(tensors: Mapping, kv: KVCacheSpec, spec: ModelSpec | None) -> TensorShapes:
     attn: dict[str, int] = {}
     for name in tensors:
-        m = re.match(r"^(.*layers\.(\d{1,9})\.self_attn)\.", name)
-        if m and (spec is None or int(m.group(2)) < spec.num_layers):
-            attn[m.group(1)] = int(m.group(2))
-    mla = any(".kv_a_proj_with_mqa." in n for n in tensors) if spec is None else spec.attention == "mla"
+        m = attention_of(name)
+        if m and (spec is None or int(m[1]) < spec.num_layers):
+            attn[m[0]] = int(m[1])
+    mla = any(f".{KV_A}." in n for n in tensors) if spec is None else spec.attention == "mla"
     try:
         shape = kvrules.scale_shape(kv.strategy, None if spec is None else spec.num_kv_heads, mla)
     except Exception as e:  # KVScalesError: attn_head without the number of KV heads
@@ -377,11 +232,6 @@ def predict_bytes(tensor_shapes: Mapping[str, tuple[tuple[int, ...], str]], reci
 
 
 # ---- source layouts of quantized releases ---------------------------------------------------------------
-# Kept in BF16 by the DeepSeek-style FP8 block releases (DeepSeek-V3, Kimi K2, GLM FP8): not nn.Linear
-# in their modeling code (router), or precision-sensitive by convention.
-_FP8_KEEP = re.compile(r"(?:^|\.)(?:lm_head|shared_head\.head|eh_proj|gate|weights_proj)$")
-
-
 def _not_converted(module: str, entries: list[str]) -> bool:
     return any(module == e or module.startswith(e + ".") or module.endswith("." + e) for e in entries)
 
@@ -395,7 +245,7 @@ def fp8_block_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], qc: Map
     out: TensorShapes = {}
     for name, (shape, dtype) in tensors.items():
         module = name[:-7]
-        if (not _is_linear_weight(name, shape) or _FP8_KEEP.search(module) or name.startswith(_VISION_PREFIXES)
+        if (not _is_linear_weight(name, shape) or FP8_RELEASE_KEEP.search(module) or name.startswith(VISION_PREFIXES)
                 or (skip and _not_converted(module, skip))):
             out[name] = (shape, dtype)
             continue
@@ -403,9 +253,6 @@ def fp8_block_layout(tensors: Mapping[str, tuple[tuple[int, ...], str]], qc: Map
         out[name] = (shape, "F8_E4M3")
         out[module + Tensor.RELEASE_SCALE.dotted] = ((-(-n_out // b0), -(-k // b1)), "F32")  # [ceil(out/b0), ceil(k/b1)]
     return out
-
-
-_ROUTERS = (r"re:.*\.mlp\.gate$", r"re:.*\.block_sparse_moe\.gate$")
 
 
 def recipe_from_quantization_config(qc: Mapping[str, Any]) -> tuple[Recipe, frozenset[str]]:
@@ -429,7 +276,7 @@ def recipe_from_quantization_config(qc: Mapping[str, Any]) -> tuple[Recipe, froz
         raise ConfigError("compressed-tensors quantization_config has no weight groups")
     kv = qc.get("kv_cache_scheme")
     kv_spec = KVCacheSpec(kv.get("strategy", "tensor")) if isinstance(kv, Mapping) else None
-    ignore = tuple(str(x) for x in (qc.get("ignore") or [])) + _ROUTERS
+    ignore = tuple(str(x) for x in (qc.get("ignore") or [])) + ROUTER_TARGETS
     return Recipe(name="quantization_config", groups=tuple(groups), ignore=ignore, kv_cache=kv_spec), frozenset(g_idx)
 
 

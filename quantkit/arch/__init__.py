@@ -18,22 +18,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError, ConfigMismatch, UnsupportedArchitecture
+from ..errors import ConfigError, ConfigMismatch, UnsupportedArchitecture
+from .layout import MIXTRAL_EXPERTS, QWEN_EXPERTS, ExpertNames  # noqa: F401 (the module names: arch/layout.py)
 
 
 # ---- the registry ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ExpertNames:
-    """On-disk per-expert module names under `model.layers.L.<block>.experts.E.`."""
-
-    block: str  # "mlp" | "block_sparse_moe" (Mixtral)
-    gate: str
-    up: str
-    down: str
-
-
-QWEN_EXPERTS = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
-MIXTRAL_EXPERTS = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
 
 
 @dataclass(frozen=True)
