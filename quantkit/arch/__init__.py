@@ -69,10 +69,26 @@ class Wrapper:
     text_key: str
     prefix: str
     default_inner: str  # the text model's model_type when its config omits it
+    hf_text: str = ""  # where transformers' class holds the text model's `model.` (its decoder layers)
 
 
-# Kimi K2.5 / K2.6: language_model.model.layers.*, language_model.lm_head, vision_tower.*, mm_projector.*
-WRAPPERS = {"kimi_k25": Wrapper("text_config", "language_model.", "deepseek_v3")}
+# Kimi K2.5 / K2.6: language_model.model.layers.*, language_model.lm_head, vision_tower.*, mm_projector.*;
+# transformers' class names its text layers model.language_model.layers.*
+WRAPPERS = {"kimi_k25": Wrapper("text_config", "language_model.", "deepseek_v3", "model.language_model.")}
+
+
+def hf_module_name(module: str) -> str:
+    """A wrapper's on-disk text module name (`language_model.model.layers...`) as transformers' class names
+    it (`model.language_model.layers...`); other names unchanged."""
+    for w in WRAPPERS.values():
+        if w.hf_text and module.startswith(w.prefix + "model."):
+            return w.hf_text + module.removeprefix(w.prefix + "model.")
+    return module
+
+
+def wrapper_prefixes() -> tuple[str, ...]:
+    """The tensor-name prefixes of the wrappers' text models ("language_model.", ...)."""
+    return tuple(w.prefix for w in WRAPPERS.values())
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES) + tuple(ALIASES) + tuple(WRAPPERS)
 # The decoder-layer index in a tensor or module name ("model.layers.12.mlp..." -> 12): search, group 1.
 LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d{1,9})\.")

@@ -348,3 +348,53 @@ def attention_of(name: str) -> tuple[str, str] | None:
         return None
     m = re.search(r"(?:^|\.)layers\.(\d{1,9})$", name[:i])
     return (name[: i + len(ATTN) + 1], m[1]) if m else None
+
+
+# Linears whose input dimension engines split over tensor-parallel ranks (row parallel): attention's output
+# projection and the MLPs' down projections; every other Linear splits its output rows
+ROW_PARALLEL = tuple(dict.fromkeys((O,) + tuple(n.down for n in EXPERT_NAMINGS)))
+
+
+def is_row_parallel(module: str) -> bool:
+    return module.rsplit(".", 1)[-1] in ROW_PARALLEL
+
+
+# ---- transformers' in-memory names ---------------------------------------------------------------------
+HF_BLOCK = "mlp"  # transformers 5 names every family's MoE block `mlp` (Mixtral's on-disk block_sparse_moe too)
+_EXPERTS_KEY = re.compile(r"(?:^|\.)(layers\.\d{1,9})\.(?:" + "|".join(EXPERT_BLOCKS) + r")\.experts$")
+
+
+def hf_expert_param(module: str) -> tuple[str, int, str | None] | None:
+    """Where one on-disk routed expert projection lives in a transformers 5 model: (its fused parameter,
+    expert, "gate" | "up" for the half of gate_up_proj it fills, None for down_proj), or None when `module`
+    is not a routed expert projection of a known naming."""
+    m = EXPERT_PROJ.match(module)
+    if m is None:
+        return None
+    role = expert_role(m["proj"])
+    fused = FUSED_DOWN if role == "down" else FUSED_GATE_UP
+    return f"{m['layer']}.{HF_BLOCK}.{EXPERTS}.{fused}", int(m["e"]), None if role == "down" else role
+
+
+def experts_key(name: str) -> str | None:
+    """`layers.L` of a routed-experts container (`...layers.L.mlp.experts`, on disk or in transformers), else None."""
+    m = _EXPERTS_KEY.search(name)
+    return m[1] if m else None
+
+
+def disk_experts(hf_name: str, has) -> tuple[str, ExpertNames] | None:
+    """The on-disk prefix and naming of the routed experts a transformers model holds at `hf_name`
+    (`...mlp.experts`): the first naming whose expert 0 gate projection `has(module)` says is stored."""
+    for names in EXPERT_NAMINGS:
+        base = hf_name
+        tail = f".{HF_BLOCK}.{EXPERTS}"
+        if hf_name.endswith(tail):
+            base = hf_name[: -len(tail)] + f".{names.block}.{EXPERTS}"
+        if has(f"{base}.0.{names.gate}"):
+            return base, names
+    return None
+
+
+def naming_of(proj: str) -> ExpertNames | None:
+    """The expert naming a projection name belongs to (gate_proj -> Qwen's, w1 -> Mixtral's)."""
+    return next((n for n in EXPERT_NAMINGS if proj in (n.gate, n.up, n.down)), None)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..arch import text_config
-from ..arch.layout import FUSED_LINEARS
+from ..arch.layout import EXPERT_PROJ as _EXPERT, FUSED_LINEARS, expert_role, is_row_parallel, partner
 from ..pack import kv as kvrules
 from ..pack.config import Group, config_groups, is_nvfp4_args, is_nvfp4_w4a4, is_w4afp8, targeting
 from . import w4afp8 as w4rules
@@ -129,8 +129,6 @@ RULES = {r.id: r for r in (
          "model_executor/layers/quantization/utils/fp8_utils.py (validate_fp8_block_shape)"),
 )}
 
-# the parts vLLM fuses into one Linear (the last part may be ragged)
-_EXPERT = re.compile(r"^(?P<layer>.*)\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d{1,9})\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
 
 
 @dataclass
@@ -242,7 +240,7 @@ def _experts(ck, cfg, groups, rep: EngineReport, tp: int, reader) -> None:
             continue
         w = first.weights if first else {}
         kind = PACKED_FORMATS.get(first.format) if first else None
-        down_name = next((mods[k] for k in sorted(mods) if k[1] in ("down_proj", "w2")), None)
+        down_name = next((mods[k] for k in sorted(mods) if expert_role(k[1]) == "down"), None)
         inter = ck.info(down_name + Tensor.PACKED.dotted).shape[1] * (8 if kind == "int4" else 2) if down_name else None
         if kind == "int4" and first.w4afp8:
             _w4afp8(layer, w, hidden, inter, tp, rep)
@@ -264,9 +262,9 @@ def _experts(ck, cfg, groups, rep: EngineReport, tp: int, reader) -> None:
         if kind == "int4" and w.get("strategy") == "channel" and isinstance(hidden, int) and hidden % 128:
             rep.add("M5", layer, "channel-wise INT4 experts need Marlin (hidden_size % 128 == 0)")
         for (e, proj), module in sorted(mods.items()):
-            if proj not in ("gate_proj", "w1"):
+            if expert_role(proj) != "gate":
                 continue
-            up = mods.get((e, "up_proj" if proj == "gate_proj" else "w3"))
+            up = mods.get((e, partner(proj)))
             if up is None:
                 continue
             gs, us = ck.info(module + Tensor.SCALE.dotted).shape, ck.info(up + Tensor.SCALE.dotted).shape
@@ -318,7 +316,7 @@ def _w4a4(ck, layer: str, mods: dict, rep: EngineReport, reader) -> None:
             continue
         values[key] = v
     for (e, proj), v in sorted(values.items()):
-        up = {"gate_proj": "up_proj", "w1": "w3"}.get(proj)
+        up = partner(proj) if expert_role(proj) == "gate" else None
         if up is not None and (e, up) in values and values[(e, up)] != v:
             rep.add("A3", mods[(e, up)], f"input_global_scale {values[(e, up)]:.6g} differs from the gate's {v:.6g}: "
                     "vLLM quantizes both with the smaller", warning=True)
@@ -347,7 +345,7 @@ def _fp8_blocks(ck, rep: EngineReport, tp: int) -> None:
                             f"block-FP8 {base}{fused} at build time")
     if tp > 1:
         for module, (n, k) in sorted(blocks.items()):
-            row_parallel = module.endswith((".o_proj", ".down_proj", ".w2"))
+            row_parallel = is_row_parallel(module)
             size, what = (k // tp, "in_features / tp") if row_parallel else (n // tp, "out_features / tp")
             if (k if row_parallel else n) % tp or size % FP8_BLOCK:
                 rep.add("B1", module, f"{what} = {(k if row_parallel else n) / tp:g} is not a multiple of the "

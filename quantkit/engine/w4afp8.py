@@ -16,15 +16,13 @@ Pure functions, no torch: the CLI imports this module on its fast path.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
+from ..arch.layout import expert_parts, expert_role, is_expert_proj
 from ..errors import W4AFP8ShapeError
 
 MULTIPLE = 256  # W2
 TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
-_EXPERT = re.compile(r"(^|\.)experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")
-_IN_IS_HIDDEN = ("gate_proj", "up_proj", "w1", "w3")  # [I, H]; down_proj / w2 are [H, I]
 
 
 def working_tp(hidden: int, inter: int) -> list[int]:
@@ -55,11 +53,11 @@ def expert_widths(modules: Iterable[tuple[str, tuple[int, ...]]]) -> tuple[int, 
     when there are none. Widths that differ between experts give the first inconsistent pair's error."""
     found = None
     for module, shape in modules:
-        m = _EXPERT.search(module)
-        if not m or len(shape) != 2:
+        if not is_expert_proj(module) or len(shape) != 2:
             continue
         n, k = shape
-        hidden, inter = (k, n) if m.group(2) in _IN_IS_HIDDEN else (n, k)
+        # gate and up are [I, H]; down is [H, I]
+        hidden, inter = (k, n) if expert_role(expert_parts(module)[2]) in ("gate", "up") else (n, k)
         if found is None or (hidden, inter) > found[:2]:  # the widest layer decides (all equal in practice)
             found = (hidden, inter, module)
     return found
@@ -70,7 +68,7 @@ def check_modules(modules: list[tuple[str, tuple[int, ...]]], tp: int | None) ->
     when one of them is not a routed expert (vLLM 0.33.0 runs W4AFP8 Linears only for MoE experts on the
     path checked here). Returns a note naming the --tp values that work."""
     for module, _ in modules:
-        if not _EXPERT.search(module):
+        if not is_expert_proj(module):
             raise W4AFP8ShapeError(f"{module}: W4AFP8 (activations: fp8) applies to routed experts only; vLLM "
                                    "0.33.0 serves it through its W4A8 MoE method (CompressedTensorsW4A8Fp8MoEMethod)",
                                    hint="target routed experts (mlp.experts.E.*) with the W4AFP8 group; use FP8 "

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ..arch import layer_index
+from ..arch import hf_module_name, layer_index, wrapper_prefixes
+from ..arch.layout import (FUSED_GATE_UP, disk_experts, expert_parts, experts_key, hf_expert_param,
+                           is_routed_expert, naming_of)
 from ..errors import ConfigError, DatasetError, QuantkitError, ReferenceModelError
 from ..read.checkpoint import Checkpoint
 from .common import Check, finite
@@ -221,7 +223,7 @@ def transformers_cannot_load(q_dir: Path) -> bool:
     qc = ck.quantization_config or {}
     if qc and not qc.get("config_groups"):
         return True  # KV scales only: transformers' MoE expert converter indexes config_groups[0]
-    return any(n.endswith(Tensor.GLOBAL_SCALE.dotted) and ".experts." in n for n in ck.location)
+    return any(n.endswith(Tensor.GLOBAL_SCALE.dotted) and is_routed_expert(n) for n in ck.location)
 
 
 def load_dequantized(ref_dir: Path, q_dir: Path, dev: torch.device, dtype: torch.dtype = torch.bfloat16):
@@ -242,27 +244,23 @@ def load_dequantized(ref_dir: Path, q_dir: Path, dev: torch.device, dtype: torch
 def assign_weight(params: dict, module: str, w: torch.Tensor) -> None:
     """Write weight `w` [N, K] of on-disk `module` into the model: a Linear's weight, or expert e's rows of
     the fused experts (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]; Mixtral's w1/w3/w2)."""
-    if module.startswith("language_model.model.") and not any(n.startswith("language_model.") for n in params):
-        # Kimi K2.5's wrapper on disk (language_model.model.layers.*); transformers' class names its text
-        # layers model.language_model.layers.*
-        module = "model.language_model." + module.removeprefix("language_model.model.")
+    if not any(n.startswith(wrapper_prefixes()) for n in params):  # a wrapper's text model, as transformers names it
+        module = hf_module_name(module)
     if f"{module}.weight" in params:
         params[f"{module}.weight"].data.copy_(w)
         return
-    m = re.match(r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d{1,9})\.(\w+)$", module)
-    if m is None:
+    where = hf_expert_param(module)
+    if where is None:
         raise ReferenceModelError(f"{module}: no parameter of the reference model takes it")
-    base, e, proj = m[1], int(m[2]), m[3]
-    fused = f"{base}.mlp.experts.{'down_proj' if proj in ('down_proj', 'w2') else 'gate_up_proj'}"
+    fused, e, half_of = where
     if fused not in params:
         raise ReferenceModelError(f"{module}: the reference model has no {fused}")
     p = params[fused].data
-    if proj in ("down_proj", "w2"):
+    if half_of is None:  # down_proj
         p[e].copy_(w)
-    else:
+    else:  # gate rows first
         half = p.shape[1] // 2
-        rows = slice(0, half) if proj in ("gate_proj", "w1") else slice(half, None)
-        p[e, rows].copy_(w)
+        p[e, slice(0, half) if half_of == "gate" else slice(half, None)].copy_(w)
 
 
 def w4afp8_layers(q_dir: Path) -> bool:
@@ -271,9 +269,6 @@ def w4afp8_layers(q_dir: Path) -> bool:
 
     return any(is_w4afp8(g.weights, g.input_activations)
                for g in config_groups(Checkpoint.open(q_dir).quantization_config, lenient=True))
-
-
-_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
 def install_w4afp8(model, q_dir: Path) -> int:
@@ -288,18 +283,14 @@ def install_w4afp8(model, q_dir: Path) -> int:
     done = 0
     with TensorReader.of(ck) as r:
         for name, mod in model.named_modules():
-            if not (name.endswith(".experts") and isinstance(getattr(mod, "gate_up_proj", None), torch.nn.Parameter)):
+            if experts_key(name) is None or not isinstance(getattr(mod, FUSED_GATE_UP, None), torch.nn.Parameter):
                 continue
             n_exp = mod.gate_up_proj.shape[0]
-            for base in (name, name.replace(".mlp.experts", ".block_sparse_moe.experts")):
-                for g, u, d in _EXPERT_NAMES:
-                    if Tensor.PACKED.of(f"{base}.0.{g}") in ck.location:
-                        break
-                else:
-                    continue
-                break
-            else:
+            found = disk_experts(name, lambda m: Tensor.PACKED.of(m) in ck.location)
+            if found is None:
                 continue
+            base, names = found
+            g, u, d = names.gate, names.up, names.down
 
             def stack(parts):
                 pk = [PackedInt4.from_tensors(r.get(Tensor.PACKED.of(f"{base}.{e}.{p}")), r.get(Tensor.SCALE.of(f"{base}.{e}.{p}")),
@@ -327,9 +318,6 @@ def w4a4_layers(q_dir: Path) -> bool:
                for g in config_groups(Checkpoint.open(q_dir).quantization_config, lenient=True))
 
 
-_EXPERTS_KEY = re.compile(r"(?:^|\.)(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts$")
-
-
 def install_w4a4(model, q_dir: Path, scales: str = "layer") -> int:
     """Make the NVFP4 W4A4 parts of a transformers `model` (the reference with quantkit's dequantized weights)
     compute as engines run them: every routed-expert block whose experts carry `input_global_scale` through
@@ -344,15 +332,16 @@ def install_w4a4(model, q_dir: Path, scales: str = "layer") -> int:
     ck = Checkpoint.open(q_dir)
     bases = {}  # "layers.L" -> the on-disk experts prefix whose expert 0 is W4A4
     for n in ck.location:
-        for g, _, _ in _EXPERT_NAMES:
-            if n.endswith(Tensor.INPUT_GLOBAL_SCALE.of(f".0.{g}")):
-                base = n[: -len(Tensor.INPUT_GLOBAL_SCALE.of(f".0.{g}"))]
-                m = _EXPERTS_KEY.search(base)
-                if m:
-                    bases[m[1]] = (base, _EXPERT_NAMES[0] if g == "gate_proj" else _EXPERT_NAMES[1])
+        parts = expert_parts(n[: -len(Tensor.INPUT_GLOBAL_SCALE.dotted)]) \
+            if n.endswith(Tensor.INPUT_GLOBAL_SCALE.dotted) else None
+        names = naming_of(parts[2]) if parts and parts[1] == 0 else None
+        if names is not None and parts[2] == names.gate:
+            key = experts_key(parts[0])
+            if key:
+                bases[key] = (parts[0], names)
     dense = {}  # layers.L.<rest> -> the input_global_scale of a dense W4A4 Linear
     for n in ck.location:
-        if n.endswith(Tensor.INPUT_GLOBAL_SCALE.dotted) and ".experts." not in n:
+        if n.endswith(Tensor.INPUT_GLOBAL_SCALE.dotted) and not is_routed_expert(n):
             tail = _layer_tail(n[: -len(Tensor.INPUT_GLOBAL_SCALE.dotted)])
             if tail is not None:
                 dense[tail] = n
@@ -368,9 +357,10 @@ def install_w4a4(model, q_dir: Path, scales: str = "layer") -> int:
                              parts[0].shape, "nvfp4")
 
         for name, mod in model.named_modules():
-            m = _EXPERTS_KEY.search(name) if name.endswith(".experts") else None
-            if m is not None and m[1] in bases and isinstance(getattr(mod, "gate_up_proj", None), torch.nn.Parameter):
-                base, (g, u, d) = bases[m[1]]
+            key = experts_key(name)
+            if key in bases and isinstance(getattr(mod, FUSED_GATE_UP, None), torch.nn.Parameter):
+                base, names = bases[key]
+                g, u, d = names.gate, names.up, names.down
                 n_exp = mod.gate_up_proj.shape[0]
                 gate = stack([packed(f"{base}.{e}.{g}") for e in range(n_exp)])
                 up = stack([packed(f"{base}.{e}.{u}") for e in range(n_exp)])
