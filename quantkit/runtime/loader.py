@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..arch.layout import (DENSE_MLP, EXPERTS, K, K_NORM, KV_A, KV_A_NORM, KV_B, O, Q, Q_A, Q_A_NORM, Q_B, Q_NORM,
+                           QWEN_EXPERTS, ROUTER_BIAS, V, ExpertNames, LayerNames)
 from ..errors import KVScalesMissing, UnsupportedCheckpoint
 from ..pack import kv as kvrules
 from ..pack.config import targeting
@@ -250,8 +252,8 @@ class _Loader:
         b = f"{module}.bias"
         return Linear(w, self.tensor(b) if self.r.has(b) else None)
 
-    def mlp(self, prefix: str, d: int, inter: int, names=("gate_proj", "up_proj", "down_proj")) -> DenseMLP:
-        g, u, dn = names
+    def mlp(self, prefix: str, d: int, inter: int) -> DenseMLP:
+        g, u, dn = DENSE_MLP.gate, DENSE_MLP.up, DENSE_MLP.down
         return DenseMLP(self.linear(f"{prefix}.{g}", (inter, d)), self.linear(f"{prefix}.{u}", (inter, d)),
                         self.linear(f"{prefix}.{dn}", (d, inter)))
 
@@ -337,53 +339,50 @@ class _Loader:
 
 
 def _load_layer(ld: _Loader, spec: ModelSpec, i: int) -> Layer:
-    p = f"model.layers.{i}"
+    names = LayerNames("", i, ExpertNames(spec.moe.prefix, *spec.moe.names) if spec.moe else QWEN_EXPERTS)
+    a = names.att
     d, h = spec.hidden_size, spec.num_heads
     if spec.mla is None:
         dh, hkv = spec.head_dim, spec.num_kv_heads
-        qn = f"{p}.self_attn.q_norm.weight"
-        attn = GQAAttention(ld.linear(f"{p}.self_attn.q_proj", (h * dh, d)),
-                            ld.linear(f"{p}.self_attn.k_proj", (hkv * dh, d)),
-                            ld.linear(f"{p}.self_attn.v_proj", (hkv * dh, d)),
-                            ld.linear(f"{p}.self_attn.o_proj", (d, h * dh)),
-                            ld.tensor(qn) if spec.qk_norm else None,
-                            ld.tensor(f"{p}.self_attn.k_norm.weight") if spec.qk_norm else None)
+        attn = GQAAttention(ld.linear(a(Q), (h * dh, d)), ld.linear(a(K), (hkv * dh, d)),
+                            ld.linear(a(V), (hkv * dh, d)), ld.linear(a(O), (d, h * dh)),
+                            ld.tensor(a(Q_NORM) + ".weight") if spec.qk_norm else None,
+                            ld.tensor(a(K_NORM) + ".weight") if spec.qk_norm else None)
     else:
         m = spec.mla
-        a = f"{p}.self_attn"
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank is None:
-            q, q_a, q_a_norm, q_b = ld.linear(f"{a}.q_proj", (h * qk, d)), None, None, None
+            q, q_a, q_a_norm, q_b = ld.linear(a(Q), (h * qk, d)), None, None, None
         else:
             q = None
-            q_a = ld.linear(f"{a}.q_a_proj", (m.q_lora_rank, d))
-            q_a_norm = ld.tensor(f"{a}.q_a_layernorm.weight")
-            q_b = ld.linear(f"{a}.q_b_proj", (h * qk, m.q_lora_rank))
-        kv_b = ld.linear(f"{a}.kv_b_proj", (h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank))
+            q_a = ld.linear(a(Q_A), (m.q_lora_rank, d))
+            q_a_norm = ld.tensor(a(Q_A_NORM) + ".weight")
+            q_b = ld.linear(a(Q_B), (h * qk, m.q_lora_rank))
+        kv_b = ld.linear(a(KV_B), (h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank))
         # the absorbed decode needs W_UK / W_UV as matrices: an INT4 kv_b_proj is dequantized once here
         wkv = kv_b.dense(torch.float32).view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         attn = MLAAttention(q, q_a, q_a_norm, q_b,
-                            ld.linear(f"{a}.kv_a_proj_with_mqa", (m.kv_lora_rank + m.qk_rope_head_dim, d)),
-                            ld.tensor(f"{a}.kv_a_layernorm.weight"), kv_b,
+                            ld.linear(a(KV_A), (m.kv_lora_rank + m.qk_rope_head_dim, d)),
+                            ld.tensor(a(KV_A_NORM) + ".weight"), kv_b,
                             wkv[:, : m.qk_nope_head_dim].contiguous(), wkv[:, m.qk_nope_head_dim:].contiguous(),
-                            ld.linear(f"{a}.o_proj", (d, h * m.v_head_dim)))
+                            ld.linear(a(O), (d, h * m.v_head_dim)))
     if spec.moe_layers[i]:
-        mp = f"{p}.{spec.moe.prefix}"
-        if ld.r.has(Tensor.PACKED.of(f"{mp}.gate")):
-            raise UnsupportedCheckpoint(f"{mp}.gate (the router) is quantized; routers must stay in full precision")
+        if ld.r.has(Tensor.PACKED.of(names.router)):
+            raise UnsupportedCheckpoint(f"{names.router} (the router) is quantized; routers must stay in full "
+                                        "precision")
         sigmoid = spec.moe.scoring == "sigmoid"
         # DeepSeek/GLM keep the router and its bias in fp32 (_keep_in_fp32_modules_strict)
-        router = ld.tensor(f"{mp}.gate.weight", torch.float32 if sigmoid else None)
+        router = ld.tensor(names.router + ".weight", torch.float32 if sigmoid else None)
         bias = None
         if sigmoid:
-            bn = f"{mp}.gate.e_score_correction_bias"
+            bn = f"{names.router}.{ROUTER_BIAS}"
             bias = ld.tensor(bn, torch.float32) if ld.r.has(bn) else torch.zeros(spec.moe.num_experts, device=ld.device)
-        shared = (ld.mlp(f"{mp}.shared_experts", d, spec.moe.shared_intermediate)
+        shared = (ld.mlp(names.shared, d, spec.moe.shared_intermediate)
                   if spec.moe.shared_intermediate else None)
-        mlp = MoEBlock(router, bias, ld.experts(f"{mp}.experts", spec.moe, d), shared)
+        mlp = MoEBlock(router, bias, ld.experts(f"{names.mlp}.{EXPERTS}", spec.moe, d), shared)
     else:
-        mlp = ld.mlp(f"{p}.mlp", d, spec.intermediate_size)
-    return Layer(ld.tensor(f"{p}.input_layernorm.weight"), ld.tensor(f"{p}.post_attention_layernorm.weight"), attn, mlp)
+        mlp = ld.mlp(names.dense_mlp, d, spec.intermediate_size)
+    return Layer(ld.tensor(names.input_norm + ".weight"), ld.tensor(names.post_attn_norm + ".weight"), attn, mlp)
 
 
 def _kv_scale_source(kv_scales, reader: _Reader):

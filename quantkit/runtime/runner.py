@@ -39,6 +39,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ..arch.layout import top_level
 from ..errors import KVCacheViolation, RunnerError, UnsupportedCheckpoint
 from ..read.checkpoint import Checkpoint
 from ._triton import resolve_backend
@@ -285,16 +286,17 @@ def load_runner(checkpoint_dir: str | os.PathLike, *, device="cpu", backend: str
     reader = _Reader(ckpt)
     try:
         ld = _Loader(reader, scheme, dtype, device)
-        embed = ld.tensor("model.embed_tokens.weight")
+        embed_name, norm_name, head_name = top_level()
+        embed = ld.tensor(embed_name + ".weight")
         if tuple(embed.shape) != (spec.vocab_size, spec.hidden_size):
-            raise UnsupportedCheckpoint(f"model.embed_tokens.weight is {list(embed.shape)}, the config implies "
+            raise UnsupportedCheckpoint(f"{embed_name}.weight is {list(embed.shape)}, the config implies "
                                         f"[{spec.vocab_size}, {spec.hidden_size}]")
         layers = [_load_layer(ld, spec, i) for i in range(spec.num_layers)]
-        norm = ld.tensor("model.norm.weight")
-        if spec.tie_word_embeddings and not reader.has("lm_head.weight"):
+        norm = ld.tensor(norm_name + ".weight")
+        if spec.tie_word_embeddings and not reader.has(head_name + ".weight"):
             lm_head = embed
         else:
-            lm_head = ld.linear("lm_head", (spec.vocab_size, spec.hidden_size)).dense(dtype)
+            lm_head = ld.linear(head_name, (spec.vocab_size, spec.hidden_size)).dense(dtype)
         scales = _load_kv_scales(spec, kv_dtype, kv_scales, reader, device)
     finally:
         reader.close()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import arch as _arch
+from ..arch.layout import QWEN_EXPERTS
 from ..errors import ConfigError, UnsupportedModel
 
 ROPE_TYPES = ("default", "linear", "yarn")
@@ -65,8 +66,8 @@ class MoESpec:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_intermediate: int = 0  # shared-expert MLP width, 0 = none
-    prefix: str = "mlp"  # module under model.layers.L holding router and experts
-    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert gate, up, down
+    prefix: str = QWEN_EXPERTS.block  # module under model.layers.L holding router and experts
+    names: tuple[str, str, str] = (QWEN_EXPERTS.gate, QWEN_EXPERTS.up, QWEN_EXPERTS.down)  # per expert
     weights_in_act_dtype: bool = False  # Qwen3 rounds the routing weights to the activation dtype
 
 
