@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from . import __version__
+from .arch.layout import expert_module
 from .errors import QuantkitError
 from .pack.manifest import MANIFEST_NAME as MANIFEST
 
@@ -381,7 +382,7 @@ def _calibration_lines(facts: _Facts) -> list[str]:
     fallbacks = cal.get("fallbacks") or {}
     experts = defaultdict(set)  # reason -> experts (a module's parent when it is an expert's projection)
     for module, reason in fallbacks.items():
-        experts[str(reason)].add(re.sub(r"(\.experts\.\d+)\.[^.]+$", r"\1", module))
+        experts[str(reason)].add(expert_module(module))
     starved = set().union(*experts.values()) if experts else set()
     if starved:
         why = "; ".join(f"{r}: {len(e)}" for r, e in sorted(experts.items(), key=lambda kv: -len(kv[1])))
@@ -391,7 +392,7 @@ def _calibration_lines(facts: _Facts) -> list[str]:
         out.append("Starved experts: none (every expert saw enough calibration tokens).")
     inputs = cal.get("input_scale_fallbacks") or {}
     if inputs:  # NVFP4 W4A4 (calib/emit.py): experts no token reached take their layer's largest input amax
-        n = len({re.sub(r"(\.experts\.\d+)\.[^.]+$", r"\1", mod) for mod in inputs})
+        n = len({expert_module(mod) for mod in inputs})
         out.append(f"NVFP4 input scales: {n} expert(s) saw no calibration token and use their layer's largest "
                    "input amax (finite, positive); per module in the manifest's `calibration.input_scale_fallbacks`.")
     return [" ".join(out)]

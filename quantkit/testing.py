@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .hf import load_model, quiet_transformers, read_json  # noqa: F401 (re-exported for tests and benchmarks)
+from .arch.layout import EMBED, HF_BLOCK, LM_HEAD, ROUTER
 from .pack.names import Tensor
 from .tiny import (ARCHS, KIMI_K25_PREFIX, kimi_int4_grid, make_tiny_kimi_k25, make_tiny_model,  # noqa: F401
                    tiny_config, wrap_kimi_k25)
@@ -17,7 +18,8 @@ from .tiny import (ARCHS, KIMI_K25_PREFIX, kimi_int4_grid, make_tiny_kimi_k25, m
 def _release_fp8_module(module: str) -> bool:
     """Which Linears the DeepSeek-V3 / Kimi-K2 releases store in FP8: all but the router, the embeddings
     and lm_head (norms are 1-D and never quantized)."""
-    return not (module.endswith(".mlp.gate") or module.endswith("lm_head") or "embed_tokens" in module)
+    return not (module.endswith(f".{HF_BLOCK}.{ROUTER}") or module.endswith(LM_HEAD)
+                or EMBED.rsplit(".", 1)[1] in module)
 
 
 def write_block_fp8_checkpoint(src_dir, dst_dir, block: tuple[int, int] = (128, 128), scale_fmt: str | None = None,

@@ -2,6 +2,9 @@
 
 - the compressed-tensors vocabulary (tensor suffixes such as `weight_packed`, format names such as
   `pack-quantized`) is spelled only in quantkit/pack/ (`pack.names.Tensor` / `Format` everywhere else);
+- module names (`self_attn`, `gate_proj`, `block_sparse_moe`, `experts`, ...) only in quantkit/arch/
+  (`arch.layout`: the vocabulary, `LayerNames`, the expert parsers). tiny.py is the one exception: it writes
+  fake releases (a Kimi K2.5 vision tower, its quantization_config's ignore list) as those releases spell them.
 
 Strings with a space are messages (prose may name a tensor) and docstrings are documentation: neither counts.
 
@@ -17,6 +20,12 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "quantkit"
 
+MODULE_WORDS = re.compile(
+    r"(?:^|[.\\^]|\b)(?:block_sparse_moe|w[123]|gate_up_proj|shared_experts?|gate_proj|up_proj|down_proj|q_a_proj"
+    r"|kv_a_proj_with_mqa|kv_b_proj|q_b_proj|[qkvo]_proj|self_attn|mlp|experts|e_score_correction_bias|lm_head"
+    r"|embed_tokens|post_attention_layernorm|input_layernorm|[q]_a_layernorm|kv_a_layernorm|language_model"
+    r"|vision_tower|mm_projector)(?:$|[.\\]|\b)")
+RECIPE_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)+$")  # int4-experts-rtn: a recipe, not a module
 FORMAT_WORDS = re.compile(r"weight_packed|weight_scale|weight_zero_point|weight_global_scale|weight_shape|weight_g_idx"
                           r"|input_global_scale|pack-quantized|float-quantized|naive-quantized")
 
@@ -31,19 +40,20 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return out
 
 
-def literals(root: Path, pattern: re.Pattern, home: str) -> list[tuple[str, int, str]]:
+def literals(root: Path, pattern: re.Pattern, home: str, exempt: tuple[str, ...] = ()) -> list[tuple[str, int, str]]:
     """(file, line, literal) for every string constant under `root` (f-string parts included) that matches
-    `pattern`, outside files whose path relative to `root` starts with `home`, docstrings and messages excepted."""
+    `pattern`, outside files whose path relative to `root` starts with `home` (or is in `exempt`), docstrings,
+    messages and recipe names excepted."""
     found = []
     for f in sorted(root.rglob("*.py")):
         rel = f.relative_to(root).as_posix()
-        if rel.startswith(home):
+        if rel.startswith(home) or rel in exempt:
             continue
         tree = ast.parse(f.read_text(encoding="utf-8"))
         docs = _docstrings(tree)
         for node in ast.walk(tree):
             if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
-                    and " " not in node.value and pattern.search(node.value)):
+                    and " " not in node.value and not RECIPE_NAME.match(node.value) and pattern.search(node.value)):
                 found.append((rel, node.lineno, node.value))
     return sorted(found)
 
@@ -51,6 +61,11 @@ def literals(root: Path, pattern: re.Pattern, home: str) -> list[tuple[str, int,
 def test_format_names_live_in_pack():
     found = literals(PACKAGE, FORMAT_WORDS, "pack/")
     assert found == [], "format literals outside pack/: " + "; ".join(f"{f}:{n} {v!r}" for f, n, v in found)
+
+
+def test_module_names_live_in_arch():
+    found = literals(PACKAGE, MODULE_WORDS, "arch/", exempt=("tiny.py",))
+    assert found == [], "module-name literals outside arch/: " + "; ".join(f"{f}:{n} {v!r}" for f, n, v in found)
 
 
 def test_the_check_sees_a_literal(tmp_path):
@@ -62,11 +77,17 @@ def test_the_check_sees_a_literal(tmp_path):
                                    '    raise ValueError(f"{m}: no weight_packed here")\n\n'
                                    'def g(m):\n    return f"{m}.weight_scale"\n')
     assert literals(tmp_path, FORMAT_WORDS, "pack/") == [("a.py", 8, ".weight_scale")]
+    (tmp_path / "b.py").write_text('R = "int4-experts-rtn"\nP = r"\\.mlp\\.experts\\.(\\d+)"\n')
+    assert literals(tmp_path, MODULE_WORDS, "arch/") == [("b.py", 2, r"\.mlp\.experts\.(\d+)")]
 
 
 if __name__ == "__main__":
-    hits = literals(PACKAGE, FORMAT_WORDS, "pack/")
-    for f, n, v in hits:
-        print(f"quantkit/{f}:{n}: {v!r}")
-    print(f"{len(hits)} format literal(s) outside pack/")
-    sys.exit(1 if hits else 0)
+    bad = 0
+    for what, pattern, home, exempt in (("format", FORMAT_WORDS, "pack/", ()),
+                                        ("module-name", MODULE_WORDS, "arch/", ("tiny.py",))):
+        hits = literals(PACKAGE, pattern, home, exempt)
+        for f, n, v in hits:
+            print(f"quantkit/{f}:{n}: {v!r}")
+        print(f"{len(hits)} {what} literal(s) outside {home}")
+        bad += len(hits)
+    sys.exit(1 if bad else 0)

@@ -398,3 +398,41 @@ def disk_experts(hf_name: str, has) -> tuple[str, ExpertNames] | None:
 def naming_of(proj: str) -> ExpertNames | None:
     """The expert naming a projection name belongs to (gate_proj -> Qwen's, w1 -> Mixtral's)."""
     return next((n for n in EXPERT_NAMINGS if proj in (n.gate, n.up, n.down)), None)
+SHARED_SPELLINGS = (SHARED_EXPERTS, SHARED_EXPERT_PREFIX)  # DeepSeek / GLM / Kimi; Qwen2-MoE style
+
+
+def hf_moe_parts(layer):
+    """(MoE block, fused routed experts, router, shared experts or None) of a transformers 5 decoder layer, or
+    None when the layer has no fused routed experts (a dense layer, or experts transformers keeps unfused)."""
+    block = next((b for b in (getattr(layer, n, None) for n in (HF_BLOCK, *EXPERT_BLOCKS)) if b is not None), None)
+    experts = getattr(block, EXPERTS, None) if block is not None else None
+    if experts is None or not hasattr(experts, FUSED_GATE_UP):
+        return None
+    return block, experts, getattr(block, ROUTER, None), shared_of(block)
+
+
+def shared_of(block):
+    """A transformers MoE block's shared experts module (either spelling), or None."""
+    return next((s for s in (getattr(block, n, None) for n in SHARED_SPELLINGS) if s is not None), None)
+
+
+def shared_name(block) -> str:
+    """The attribute (= on-disk) name a MoE block gives its shared experts."""
+    return next((n for n in SHARED_SPELLINGS if hasattr(block, n)), SHARED_EXPERTS)
+
+
+ROUTER_MODULES = tuple(f"{b}.{ROUTER}" for b in EXPERT_BLOCKS)  # a router relative to its layer: mlp.gate, ...
+# the shared expert's gate and up of a layer (either spelling): group 1 is the layer
+SHARED_GATE_UP = re.compile(rf"(.*)\.{HF_BLOCK}\.{SHARED_EXPERT_PREFIX}s?\.(?:{DENSE_MLP.gate}|{DENSE_MLP.up})$")
+# noaux_tc's router correction bias, anywhere
+ROUTER_BIAS_TENSOR = re.compile(rf"(?:^|\.){HF_BLOCK}\.{ROUTER}\.{ROUTER_BIAS}$")
+
+
+def layer_module(layer_name: str, rel: str) -> str:
+    """A module of a layer by its name relative to the layer (`post_attention_layernorm`, ...)."""
+    return f"{layer_name}.{rel}"
+
+
+def targets_experts(target: str) -> bool:
+    """Whether a recipe / config target names routed experts (transformers' own test: the word `experts`)."""
+    return EXPERTS in target

@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from ..arch.layout import DENSE_MLP, HF_BLOCK, POST_ATTN_NORM, ROUTER, shared_name
 from ..errors import CalibrationError
 from ..match.recipe import WeightGroup
 from ..quant.awq import choose_qparams_clipped, fake_quant, scale_candidates, search_clip, search_scales
@@ -165,14 +166,14 @@ def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: Weig
     s_gu = g.scheme.for_in_features(x.shape[-1])
     dtype = experts.gate_up_proj.dtype
     norm = layer.post_attention_layernorm
-    norm_name = disk_name(ckpt, idx, "post_attention_layernorm.weight")
+    norm_name = disk_name(ckpt, idx, f"{POST_ATTN_NORM}.weight")
     readers = []  # unquantized tensors that read the norm output: (module, on-disk name)
     if router is not None:
-        readers.append((router, disk_name(ckpt, idx, "mlp.gate.weight")))
+        readers.append((router, disk_name(ckpt, idx, f"{HF_BLOCK}.{ROUTER}.weight")))
     if shared is not None:
-        sname = "shared_experts" if hasattr(mlp, "shared_experts") else "shared_expert"
-        for nm in ("gate_proj", "up_proj"):
-            readers.append((getattr(shared, nm), disk_name(ckpt, idx, f"mlp.{sname}.{nm}.weight")))
+        sname = shared_name(mlp)
+        for nm in (DENSE_MLP.gate, DENSE_MLP.up):
+            readers.append((getattr(shared, nm), disk_name(ckpt, idx, f"{HF_BLOCK}.{sname}.{nm}.weight")))
     for _, name in readers:
         if name[: -len(".weight")] in res.modules:
             raise CalibrationError(f"{name[: -len('.weight')]}: quantized by a calibrated group, but it reads the "

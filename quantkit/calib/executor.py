@@ -59,6 +59,7 @@ from torch import nn
 
 from .. import timeline
 from ..arch import arch_for, text_config, validate
+from ..arch.layout import HF_BLOCK, POST_ATTN_NORM, top_level
 from ..errors import CalibrationError, UnsupportedArchitecture, UnsupportedWeights
 from ..read.checkpoint import Checkpoint
 from ..read.tensors import TensorReader
@@ -299,7 +300,7 @@ class LayerExecutor:
     # -- building blocks ------------------------------------------------------------------------
     def embed(self, samples: Sequence[torch.Tensor]) -> ActivationStore:
         """Embed token samples (1-D int tensors) into a new store; reads only the used rows."""
-        name = f"{self.prefix}model.embed_tokens.weight"
+        name = f"{top_level(self.prefix)[0]}.weight"
         if name not in self.ckpt.location:
             raise UnsupportedWeights(f"the checkpoint has no {name}")
         vocab = self.ckpt.info(name).shape[0]
@@ -441,7 +442,7 @@ class LayerExecutor:
         """(post-attention norm, MLP block) of a layer whose forward `forward_to` / `forward_from` may split
         there, or None. The layer's output must be residual + block(norm(residual)); `forward_from` checks
         that against a whole forward the first time a layer class is split."""
-        norm, block = getattr(layer, "post_attention_layernorm", None), getattr(layer, "mlp", None)
+        norm, block = getattr(layer, POST_ATTN_NORM, None), getattr(layer, HF_BLOCK, None)
         if (self.topk is not None or not isinstance(norm, nn.Module) or not isinstance(block, nn.Module)
                 or self._split_ok.get(type(layer)) is False):
             return None

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .. import timeline
+from ..arch.layout import hf_moe_parts
 from ..errors import CalibrationError
 from ..match.recipe import Recipe, WeightGroup
 from ..read.checkpoint import Checkpoint
@@ -34,12 +35,7 @@ from ..pack.names import Tensor
 
 # ---- the layer procedure ----------------------------------------------------------------------------
 def _find_moe(layer: nn.Module):
-    mlp = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
-    experts = getattr(mlp, "experts", None) if mlp is not None else None
-    if experts is None or not hasattr(experts, "gate_up_proj"):
-        return None
-    shared = getattr(mlp, "shared_experts", None) or getattr(mlp, "shared_expert", None)
-    return mlp, experts, getattr(mlp, "gate", None), shared
+    return hf_moe_parts(layer)
 
 
 def _targets(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Module):

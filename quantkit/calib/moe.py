@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..arch.layout import FUSED_DOWN, FUSED_GATE_UP
+
 # Legend: T = tokens, k = experts per token, E = routed experts, H = hidden, I = expert intermediate,
 #         n = routed (token, slot) pairs kept (T*k minus sentinels)
 
@@ -263,7 +265,7 @@ def is_routed_experts(module: nn.Module) -> bool:
     """A transformers 5 fused routed-experts module this forward reproduces: 3-D `gate_up_proj` [E, 2I, H] and
     `down_proj` [E, H, I], an `act_fn`, and none of the variants the eager loop above does not describe
     (biases, transposed weights, ungated experts, a post-expert norm, a custom gate)."""
-    gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    gu, dn = getattr(module, FUSED_GATE_UP, None), getattr(module, FUSED_DOWN, None)
     if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor) or gu.dim() != 3 or dn.dim() != 3:
         return False
     e, p, h = gu.shape

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..arch import arch_for, text_config
+from ..arch.layout import EXPERTS, FUSED_GATE_UP, HF_BLOCK, LayerNames
 from ..errors import CalibrationError
 from ..pack.names import Tensor
 from ..read.checkpoint import Checkpoint
@@ -32,8 +33,8 @@ def expert_names(ckpt: Checkpoint, layer_idx: int) -> ExpertNames | None:
     names = arch_for(ckpt.config).experts
     if names is None:
         return None
-    prefix = f"{text_config(ckpt.config)[1]}model.layers.{layer_idx}.{names.block}.experts"
-    if any(n in ckpt.location for n in (f"{prefix}.0.{names.gate}.weight", f"{prefix}.gate_up_proj",
+    prefix = f"{LayerNames(text_config(ckpt.config)[1], layer_idx).layer}.{names.block}.{EXPERTS}"
+    if any(n in ckpt.location for n in (f"{prefix}.0.{names.gate}.weight", f"{prefix}.{FUSED_GATE_UP}",
                                          Tensor.PACKED.of(f"{prefix}.0.{names.gate}"))):
         return ExpertNames(prefix, names.gate, names.up, names.down)
     return None
@@ -42,10 +43,10 @@ def expert_names(ckpt: Checkpoint, layer_idx: int) -> ExpertNames | None:
 def disk_name(ckpt: Checkpoint, layer_idx: int, rel: str) -> str:
     """On-disk name of an in-memory layer tensor (`mlp.gate.weight` -> Mixtral's `block_sparse_moe.gate.weight`)."""
     names = arch_for(ckpt.config).experts
-    block = names.block if names is not None else "mlp"
-    p = text_config(ckpt.config)[1]
-    for cand in (rel, rel.replace("mlp.", f"{block}.", 1)):
-        name = f"{p}model.layers.{layer_idx}.{cand}"
+    block = names.block if names is not None else HF_BLOCK
+    layer = LayerNames(text_config(ckpt.config)[1], layer_idx).layer
+    for cand in (rel, rel.replace(f"{HF_BLOCK}.", f"{block}.", 1)):
+        name = f"{layer}.{cand}"
         if name in ckpt.location:
             return name
     raise CalibrationError(f"layer {layer_idx}: no on-disk tensor for {rel}")

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..arch import traits
+from ..arch.layout import EXPERTS, FUSED_GATE_UP, HF_BLOCK, KV_A, ROUTER
 from ..errors import CalibrationError
 from ..quant.fp8 import FP8_MAX
 from .executor import modeling_module
@@ -38,7 +39,7 @@ MIN_SCALE = torch.finfo(torch.float32).tiny  # never write a zero scale (0/0 at 
 
 
 def is_mla(attn: nn.Module) -> bool:
-    return hasattr(attn, "kv_a_proj_with_mqa")
+    return hasattr(attn, KV_A)
 
 
 def cached_kv(attn: nn.Module, hidden_states: torch.Tensor,
@@ -168,8 +169,8 @@ class ExpertTokenCounter:
         self.top_k: dict[int, int] = {}
 
     def attach(self, layer_idx: int, layer: nn.Module) -> list:
-        moe = getattr(layer, "mlp", None)
-        gate, experts = getattr(moe, "gate", None), getattr(moe, "experts", None)
+        moe = getattr(layer, HF_BLOCK, None)
+        gate, experts = getattr(moe, ROUTER, None), getattr(moe, EXPERTS, None)
         if not isinstance(gate, nn.Module) or experts is None or not hasattr(experts, "num_experts"):
             return []  # a dense layer
         n_exp = int(experts.num_experts)
@@ -182,7 +183,7 @@ class ExpertTokenCounter:
                 raise CalibrationError(f"layer {layer_idx}: the routed experts were not called with top-k expert "
                                        "indices")
             wts = args[2] if len(args) > 2 and isinstance(args[2], torch.Tensor) else None
-            if idx.dim() == 2 and (wts is None or wts.shape == idx.shape) and hasattr(module, "gate_up_proj"):
+            if idx.dim() == 2 and (wts is None or wts.shape == idx.shape) and hasattr(module, FUSED_GATE_UP):
                 counts = routing_for(module, idx, wts).counts  # shared with the forward of this call
             else:
                 counts = torch.bincount(idx.reshape(-1), minlength=n_exp + 1)[:n_exp]

@@ -13,6 +13,7 @@ import re
 import torch
 
 from ..arch import arch_for, text_config
+from ..arch.layout import EXPERTS, FUSED_DOWN, FUSED_GATE_UP, HF_BLOCK, LayerNames
 from ..errors import UnsupportedWeights
 from ..read.checkpoint import Checkpoint
 from ..read.sources import detect_format, scan
@@ -23,7 +24,7 @@ from ..pack.names import Tensor
 def _expert_parts(names) -> dict[str, tuple[str, int]]:
     """Per-expert on-disk projection names -> (fused in-memory tensor, part). transformers 5 keeps
     experts.gate_up_proj [E, 2I, D] = cat(gate, up) and experts.down_proj [E, D, I] (conversion_mapping.py)."""
-    return {names.gate: ("gate_up_proj", 0), names.up: ("gate_up_proj", 1), names.down: ("down_proj", 0)}
+    return {names.gate: (FUSED_GATE_UP, 0), names.up: (FUSED_GATE_UP, 1), names.down: (FUSED_DOWN, 0)}
 
 
 # Tensors a layer may carry on disk that are not module state (old rotary caches, static activation scales).
@@ -124,13 +125,13 @@ def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype =
     A multimodal wrapper's text layers are read under its prefix (Kimi K2.5: `language_model.model.layers.L.`)."""
     names = arch_for(ckpt.config, "calibrate").experts
     stored = stored_modules(ckpt) if stored is None else stored
-    prefix = f"{text_config(ckpt.config)[1]}model.layers.{layer_idx}."  # wrappers: language_model.model.layers.L.
+    prefix = LayerNames(text_config(ckpt.config)[1], layer_idx).layer + "."  # wrappers: language_model.model.layers.L.
     disk = {n for n in ckpt.location if n.startswith(prefix)}
     if not disk:
         raise UnsupportedWeights(f"the checkpoint holds no tensors for layer {layer_idx} ({prefix}*)")
-    renames = ((f".{names.block}.", ".mlp."),) if names is not None and names.block != "mlp" else ()
+    renames = ((f".{names.block}.", f".{HF_BLOCK}."),) if names is not None and names.block != HF_BLOCK else ()
     parts = _expert_parts(names) if names is not None else {}
-    expert_rx = re.compile(r"^mlp\.experts\.(\d{1,9})\.(" + "|".join(parts or ["-"]) + r")$")
+    expert_rx = re.compile(rf"^{HF_BLOCK}\.{EXPERTS}\.(\d{{1,9}})\.(" + "|".join(parts or ["-"]) + r")$")
 
     # logical modules: relative in-memory module name -> on-disk base name
     modules: dict[str, str] = {}
@@ -162,7 +163,7 @@ def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype =
             t = r.get(name)
             out[rel] = t.to(device=device, dtype=dtype if t.dtype.is_floating_point else t.dtype)
         for fused in sorted({f for f, _ in experts}):
-            want_parts = (0, 1) if fused == "gate_up_proj" else (0,)
+            want_parts = (0, 1) if fused == FUSED_GATE_UP else (0,)
             part_maps = [experts.get((fused, p), {}) for p in want_parts]  # gate, up (or down)
             n_exp = max(len(pm) for pm in part_maps)
             for pm in part_maps:
@@ -179,7 +180,7 @@ def load_layer_weights(ckpt: Checkpoint, layer_idx: int, *, dtype: torch.dtype =
                 for w in ws:
                     dst[e, r0:r0 + w.shape[0]].copy_(w)
                     r0 += w.shape[0]
-            out[f"mlp.experts.{fused}"] = dst
+            out[f"{HF_BLOCK}.{EXPERTS}.{fused}"] = dst
     finally:
         r.close()
     return out

@@ -14,11 +14,12 @@ glm4_moe is not concerned (vLLM's glm4_moe.py always builds the bias).
 
 from __future__ import annotations
 
-import re
 from typing import Any, Iterable, Mapping
 
+from ..arch.layout import ROUTER_BIAS_TENSOR
+
 NOAUX_TC_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm_moe_dsa")
-ROUTER_BIAS = re.compile(r"(?:^|\.)mlp\.gate\.e_score_correction_bias$")
+ROUTER_BIAS = ROUTER_BIAS_TENSOR
 SOURCE = "model_executor/models/deepseek_v2.py (DeepseekV2MoE.__init__)"
 
 

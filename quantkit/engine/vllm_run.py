@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..arch import layer_index, text_config
+from ..arch.layout import is_routed_expert
 from ..errors import EngineError
 from ..pack import kv as kvrules
 from ..pack.config import config_groups
@@ -102,7 +103,7 @@ def checkpoint_schemes(ck: Checkpoint) -> list[str]:
     qc = ck.quantization_config or {}
     parts = []
     formats = {g.format for g in config_groups(qc, lenient=True)}
-    experts = any(".experts." in n and n.endswith(Tensor.PACKED.dotted) for n in ck.location)
+    experts = any(is_routed_expert(n) and n.endswith(Tensor.PACKED.dotted) for n in ck.location)
     if Format.PACKED in formats:
         parts.append("INT4 routed experts (W4A16)" if experts else "INT4 Linears (W4A16)")
     if Format.NVFP4 in formats:

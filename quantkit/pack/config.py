@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from ..arch.layout import EXPERTS, is_routed_expert
 from ..errors import ConfigError, QuantkitError
 from ..quant.fp8 import FP8Layout
 from .names import PACKED_FORMATS
@@ -193,10 +194,6 @@ def scheme_config(scheme) -> dict:
     return {"format": "pack-quantized", "weights": weights_config(scheme), "input_activations": acts}
 
 
-def _is_routed_expert(module: str) -> bool:
-    return re.search(r"(^|\.)experts\.\d+\.", module) is not None
-
-
 def _patterns(modules: list[str]) -> dict[str, list[str]]:
     """`re:` patterns standing for `modules`: indices become \\d+, names differing only in their last
     segment share one alternation, e.g. re:model\\.layers\\.\\d+\\.self_attn\\.(o_proj|q_proj)$."""
@@ -212,10 +209,10 @@ def _patterns(modules: list[str]) -> dict[str, list[str]]:
         last = sorted(lasts[prefix])
         alt = re.escape(last[0]) if len(last) == 1 else "(" + "|".join(map(re.escape, last)) + ")"
         pat = (prefix + r"\." if prefix else "") + alt + "$"
-        if not any(_is_routed_expert(m) for m in members[prefix]):
+        if not any(is_routed_expert(m) for m in members[prefix]):
             # transformers 5 picks the experts' config group as the one whose re: targets contain
             # "experts"; shared experts must not look like that. expert[s] is the same regex.
-            pat = pat.replace("experts", "expert[s]")
+            pat = pat.replace(EXPERTS, EXPERTS[:-1] + "[s]")
         out["re:" + pat] = members[prefix]
     return out
 

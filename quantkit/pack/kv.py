@@ -25,25 +25,27 @@ from pathlib import Path
 import torch
 
 from ..arch import WRAPPERS
+from ..arch.layout import ATTN, LAYERS
 from ..errors import KVScalesError
 from ..quant.fp8 import FP8_MAX
 
 KV_SHARD_NAME = "model-kv-scales.safetensors"
 _PREFIX = "(?:" + "|".join(sorted(re.escape(w.prefix) for w in WRAPPERS.values())) + ")?"  # a wrapper's, or none
-KV_SCALE = re.compile(rf"^{_PREFIX}model\.layers\.(\d{{1,9}})\.self_attn\.([kv])_scale$")
+_LAYERS = re.escape(LAYERS)
+KV_SCALE = re.compile(rf"^{_PREFIX}{_LAYERS}\.(\d{{1,9}})\.{ATTN}\.([kv])_scale$")
 STRATEGIES = ("tensor", "attn_head")
-ATTN_TENSOR = re.compile(rf"^{_PREFIX}model\.layers\.(\d{{1,9}})\.self_attn\.")  # a tensor of layer L's attention
+ATTN_TENSOR = re.compile(rf"^{_PREFIX}{_LAYERS}\.(\d{{1,9}})\.{ATTN}\.")  # a tensor of layer L's attention
 
 
 def kv_scale_name(layer: int, kind: str, prefix: str = "") -> str:
     """kind: "k" or "v"; prefix: the wrapper's ("language_model.") in a wrapped model's checkpoint."""
-    return f"{prefix}model.layers.{layer}.self_attn.{kind}_scale"
+    return f"{prefix}{LAYERS}.{layer}.{ATTN}.{kind}_scale"
 
 
 def unprefixed(name: str) -> str:
     """The text model's name of a scale (a wrapper's prefix removed)."""
     for w in WRAPPERS.values():
-        if name.startswith(w.prefix + "model.layers."):
+        if name.startswith(f"{w.prefix}{LAYERS}."):
             return name[len(w.prefix):]
     return name
 

@@ -16,14 +16,14 @@ a passed-through one {scheme, method: passthrough, reason}.
 
 from __future__ import annotations
 
-import re
+from ..arch.layout import EXPERT
 
 MANIFEST_NAME = "quantkit_manifest.json"
 JOURNAL_DIR = ".quantkit-journal"  # only while converting: per-shard records, the calibration spool
 # ~530 bytes per tensor: a Kimi K2 manifest (~200k tensors) is ~110 MB, beyond the limit on config files
 MAX_MANIFEST_BYTES = 1 << 30
 FORMAT_VERSION = 1
-_EXPERT_MODULE = re.compile(r"^(.*\.experts)\.(\d{1,9})\.[^.]+$")
+_EXPERT_MODULE = EXPERT  # groups: prefix, expert, proj
 
 
 def dtype_name(dtype) -> str:

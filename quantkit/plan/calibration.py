@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..arch.layout import ATTN, EXPERTS, ROUTER_MODULES
 from ..errors import ConfigError
 
 GIB = 1 << 30
@@ -327,9 +328,9 @@ def _layer_shape(ex, idx: int, layer, src_bytes: int, n_tensors: int, expert_byt
     for name, m in layer.named_modules():
         if isinstance(m, nn.Linear):
             dense += m.in_features * m.out_features
-            if name.startswith("self_attn."):
+            if name.startswith(f"{ATTN}."):
                 attn += m.in_features * m.out_features
-        elif name.endswith(("mlp.gate", "block_sparse_moe.gate")) and getattr(m, "weight", None) is not None:
+        elif name.endswith(ROUTER_MODULES) and getattr(m, "weight", None) is not None:
             dense += m.weight.numel()  # routers that are not nn.Linear
     e = p = h = i = k = 0
     if experts is not None:
@@ -645,7 +646,6 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
 
     # source bytes per layer, from the (virtual) headers
     per_layer_bytes: dict[int, list[int]] = {}
-    expert_rx = re.compile(r"\.experts\.")
     from ..arch import layer_index
 
     for name in ckpt.location:
@@ -656,7 +656,7 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
         acc = per_layer_bytes.setdefault(li, [0, 0, 0])
         acc[0] += info.nbytes
         acc[1] += 1
-        if expert_rx.search(name):
+        if f".{EXPERTS}." in name:
             acc[2] += info.nbytes
     from ..calib.layer import _targets
     from .tensors import quantized_layout, tensor_bytes

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..arch.layout import targets_experts
 from ..match.recipe import Recipe, load_recipe
 
 __all__ = ["plan_pair", "expert_math"]
@@ -22,7 +23,7 @@ FP8_PEAK_VS_BF16 = 2.0  # H100/H200 SXM dense tensor-core peak, FP8 over BF16 (9
 def expert_math(recipe: Recipe | None) -> str:
     """What a recipe's routed-expert GEMMs compute in: fp8 (FP8 weights or W4AFP8), bf16 (W4A16, or none)."""
     for g in (recipe.groups if recipe else ()):
-        if any("experts" in t for t in g.targets):
+        if any(targets_experts(t) for t in g.targets):
             s = g.scheme
             return "fp8" if (s.type == "float" and s.num_bits == 8) or getattr(s, "activations", None) == "fp8" else "bf16"
     return "bf16"

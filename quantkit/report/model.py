@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 
 from ..arch import layer_index
+from ..arch.layout import ATTN, EXPERT
 from ..errors import ConfigError
 from ..pack.manifest import MANIFEST_NAME
 
@@ -19,8 +20,8 @@ DEFAULT_OUTPUT_NAME = "quantkit_report.html"
 # Module names are the only place the manifest keeps (layer, expert, projection); convert's
 # calibration report reads them with the same pattern.
 # Indices of at most 9 digits: a 5,000-digit "layer" in a hostile name is not an index (int() would refuse it).
-_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d{1,9})\.(?P<proj>[^.]+)$")
-_KV = re.compile(r"(?:^|\.)layers\.(?P<layer>\d{1,9})\.self_attn\.(?P<kind>[kv])_scale$")
+_EXPERT = EXPERT
+_KV = re.compile(rf"(?:^|\.)layers\.(?P<layer>\d{{1,9}})\.{ATTN}\.(?P<kind>[kv])_scale$")
 
 WORST_MODULES = 10
 MAX_EXPERTS = 1 << 14  # per layer; the largest releases have 384

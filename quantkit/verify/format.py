@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..arch import text_config
+from ..arch.layout import POST_ATTN_NORM, SHARED_GATE_UP
 from ..errors import ConfigError
 from ..match.recipe import Scheme
 from ..pack.config import TARGET_HINT
@@ -376,7 +377,6 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
                  "weight_shape says" if group.kind == "int4" else "the stored weight is")
 
 
-_NORM_READER = re.compile(r"(.*)\.mlp\.shared_experts?\.(gate|up)_proj$")
 
 
 def _awq_scaled(m: str, entry: dict, mtable: dict) -> bool:
@@ -385,8 +385,8 @@ def _awq_scaled(m: str, entry: dict, mtable: dict) -> bool:
     there, so they were quantized from W * s: quantkit/calib/awq_pass.py)."""
     if entry.get("method") == "awq" or entry.get("modified_by") == "awq":
         return True
-    hit = _NORM_READER.match(m)
-    norm = mtable.get(f"{hit[1]}.post_attention_layernorm.weight") if hit else None
+    hit = SHARED_GATE_UP.match(m)
+    norm = mtable.get(f"{hit[1]}.{POST_ATTN_NORM}.weight") if hit else None
     return isinstance(norm, dict) and norm.get("modified_by") == "awq"
 
 
