@@ -34,7 +34,8 @@ def test_nested_phases_are_exclusive_and_add_up():
         timeline.stop()
     ph, cpu = doc["phases"], doc["phases_cpu"]
     assert 0.09 <= ph["outer"] < 0.2, ph  # the two sleeps, not the nested busy loop
-    assert 0.11 <= ph["inner"] < 0.3, ph  # busy loop + the second, separate entry
+    # busy loop + the second, separate entry; no upper bound: 0.1 s of CPU takes longer on a loaded machine
+    assert ph["inner"] >= 0.11 and ph["inner"] >= cpu["inner"], ph
     assert cpu["inner"] >= 0.09 and cpu["outer"] < 0.05, cpu  # sleeping costs no CPU, the loop does
     assert abs(sum(ph.values()) + doc["untracked_s"] - doc["wall_s"]) < 0.01
     assert list(ph) == sorted(ph, key=lambda k: -ph[k])  # largest first

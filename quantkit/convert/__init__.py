@@ -132,15 +132,26 @@ def _source_fingerprint(src: Checkpoint) -> list[dict]:
     return [{"name": s.name, "size": s.size, "mtime_ns": s.path.stat().st_mtime_ns} for s in src.shards]
 
 
-def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: ConvertOptions = ConvertOptions(),
-            progress: Callable[[int, int], None] | None = None,
-            log: Callable[[str], None] | None = None) -> ConvertResult:
-    """Convert `src_dir` into `out_dir` per `opts.recipe`. `progress(done_bytes, total_bytes)` is called
-    as source bytes are consumed; `log(line)` receives each note (what is passed through or re-quantized
-    rather than quantized as asked) as soon as it is known — the CLI prints them on stderr."""
-    t0 = time.perf_counter()
+@dataclass
+class _Job:
+    """What a conversion will do, decided from the source and the recipe before anything is written (the same
+    on every rank)."""
+
+    src: Checkpoint
+    recipe: Recipe
+    fmt: SourceFormat
+    stored: dict
+    plans: list[ShardPlan]
+    notes: list[str]
+    want_kv: bool  # KV scales go into the output (given, computed by the caller, or calibrated here)
+    source_kv: frozenset[str]  # the source's own KV-scale tensors
+    calibrated: bool  # a calibrated pass runs (GPTQ/AWQ units, or NVFP4 W4A4 input scales)
+
+
+def _plan_job(src_dir, opts: ConvertOptions) -> _Job:
+    """Open and validate the source, hold the recipe to it, plan every shard (nothing written): the hostile
+    config, a recipe matching nothing, a W4AFP8 shape vLLM refuses and a bad group size all fail here."""
     recipe = opts.recipe if isinstance(opts.recipe, Recipe) else load_recipe(opts.recipe)
-    calibrated = recipe.needs_calibrated_pass
     src = Checkpoint.open(src_dir)
     validate_config(src.config, {n: src.info(n).shape for n in src.location})  # hostile configs stop here
     fmt = detect_format(src.config)
@@ -150,8 +161,6 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     source_kv = frozenset(n for n in src.location if kvrules.KV_SCALE.match(n))
     companions = frozenset(t for sw in stored.values() for _, t in sw.tensors[1:])
     skip = companions | (source_kv if want_kv else frozenset())
-
-    out = Path(out_dir)
     hidden = src.config.get("hidden_size") if isinstance(src.config.get("hidden_size"), int) else None
     if recipe.groups and not opts.allow_unmatched and not _matches_any(src, recipe, hidden):
         raise RecipeError(f"recipe {recipe.name[:60]!r} has weight groups, but their targets match no module of "
@@ -161,47 +170,38 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     w4afp8_note = _w4afp8_rules(src, recipe, hidden, opts.tp)  # before any plan or write: a wrong shape costs seconds
     names = output_shard_names(src)
     plans = [plan_shard(s, names[s.name], recipe, hidden, opts.batch_bytes, opts.max_shard_bytes, stored=stored,
-                        skip=skip, location=src.location, info=src.info, calibrated=calibrated) for s in src.shards]
+                        skip=skip, location=src.location, info=src.info, calibrated=recipe.needs_calibrated_pass)
+             for s in src.shards]
     notes = plan_notes(plans, len(source_kv) if want_kv else 0, stored) + ([w4afp8_note] if w4afp8_note else [])
     if source_kv and not want_kv:  # the source's own KV scales are kept: held to the same rules
         with TensorReader.of(src) as r:
             notes += kvrules.check_source(r.get, source_kv)
     # every module a calibrated group targets may be stored INT4 already (Kimi K2.5): then nothing to calibrate
     # NVFP4 W4A4 modules need their input scales calibrated, whatever their method
-    calibrated = calibrated and any(isinstance(u, CalibratedUnit) or (isinstance(u, FP4Unit) and u.scheme.w4a4)
-                                    for p in plans for u in p.units)
-    options.parse_device(opts.device)  # a misspelled device fails here, whatever the recipe
-    calib_device = None
-    if calibrated or (want_kv and opts.kv_scales is None and opts.kv is None):
-        from ..calib.device import resolve_device
+    calibrated = recipe.needs_calibrated_pass and any(
+        isinstance(u, CalibratedUnit) or (isinstance(u, FP4Unit) and u.scheme.w4a4) for p in plans for u in p.units)
+    return _Job(src, recipe, fmt, stored, plans, notes, want_kv, source_kv, calibrated)
 
-        calib_device = resolve_device(opts.device)  # a device that is not there fails before anything is written
-    w = world(opts.device)  # torchrun: this rank's place (size 1 otherwise)
-    tl = timeline.start(w.rank)
-    with timeline.phase("setup"):
-        data = calibration_data(src, recipe, opts.dataset, opts.num_samples, opts.seq_len) if calibrated else None
-    if calibrated and calib_device.type != "cpu":  # a layer that cannot fit on the GPU: refused before any work
-        from .calibrated import preflight
 
-        w.step(lambda: preflight(src, recipe, data, str(calib_device), w.size if w.backend == "nccl" else 1)
-               if w.leader else None, "planning device memory")
-    # KV scales: read and checked (or calibrated) once the plan is known to be valid, before any write
-    calib_report: dict = {}  # the calibration's device and memory plan, for the result
-    # Several ranks calibrate together (calib/parallel.py): on the CPU over gloo, on GPUs over NCCL (each rank
-    # on its LOCAL_RANK's GPU). A GPU job whose process group is gloo (a GPU asked for while torch.distributed
-    # joined without one) calibrates on rank 0 alone while the others wait.
-    split_calib = w.size > 1 and calib_device is not None and (calib_device.type == "cpu" or w.backend == "nccl")
+def _job_kv(job: _Job, opts: ConvertOptions, w, split_calib: bool, calib_report: dict):
+    """The KV scales the output ships (None: none): the caller's (a prefill/decode pair), calibrated here over
+    every rank, or read (or calibrated) by rank 0 and broadcast."""
+    src, recipe = job.src, job.recipe
     if opts.kv is not None:  # computed by the caller (a prefill/decode pair): the same scales, as they are
-        kv = opts.kv
-    elif want_kv and opts.kv_scales is None and split_calib:  # calibrated here: data parallel over the ranks
+        return opts.kv
+    if job.want_kv and opts.kv_scales is None and split_calib:  # calibrated here: data parallel over the ranks
         with timeline.phase("kv"):
-            kv = kv_scales(src, recipe, None, opts.dataset, opts.num_samples, opts.seq_len, device=opts.device,
-                           report=calib_report if w.leader else None, world=w)
-    else:
-        kv = w.broadcast(w.step(lambda: kv_scales(src, recipe, opts.kv_scales, opts.dataset, opts.num_samples,
-                                                  opts.seq_len, device=opts.device, report=calib_report)
-                                if want_kv and w.leader else None,
-                                "reading the KV scales", "kv"))
+            return kv_scales(src, recipe, None, opts.dataset, opts.num_samples, opts.seq_len, device=opts.device,
+                             report=calib_report if w.leader else None, world=w)
+    return w.broadcast(w.step(lambda: kv_scales(src, recipe, opts.kv_scales, opts.dataset, opts.num_samples,
+                                                opts.seq_len, device=opts.device, report=calib_report)
+                              if job.want_kv and w.leader else None,
+                              "reading the KV scales", "kv"))
+
+
+def _kv_notes(src: Checkpoint, kv) -> list[str]:
+    """What a user should know about the KV scales shipped: MLA caches, values near the FP8 range's ends."""
+    notes = []
     if kv is not None and "kv_lora_rank" in text_config(src.config)[0]:
         from ..engine.vllm_config import kv_scale_use_notes
 
@@ -209,16 +209,112 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
         notes.extend(kv_scale_use_notes(src.config))
     if kv is not None:
         notes += kvrules.range_notes(kv.scales)
+    return notes
+
+
+def _identity(job: _Job, opts: ConvertOptions, data) -> dict:
+    """What makes an output this conversion's (a resume continues only an output with the same identity)."""
+    src = job.src
+    return {"tool_version": __version__, "recipe_sha256": job.recipe.sha256,
+            "config_sha256": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
+            "source": _source_fingerprint(src), "batch_bytes": opts.batch_bytes,
+            "max_shard_bytes": opts.max_shard_bytes,
+            "calibration": None if data is None else {k: data.describe()[k] for k in
+                                                      ("source", "sha256", "num_samples", "seq_len", "seed")}}
+
+
+def _stream(job: _Job, out: Path, opts: ConvertOptions, w, spool: Spool, done: dict, progress) -> tuple[dict, dict]:
+    """Convert this rank's share of the shards not done yet, journaling each; (results of every shard done so
+    far on this rank, including `done`; the ones this rank converted now)."""
+    src, journal = job.src, out / JOURNAL_DIR
+    total = src.total_bytes
+    finished_bytes = sum(src.shard(s).size for s in done)
+    results: dict[str, dict] = dict(done)
+    mine: dict[str, dict] = {}  # the shards this rank converts now
+
+    def record(res: ShardResult):
+        rec = asdict(res)
+        # this shard is now done; no fsync: a record lost to a power cut only means the shard is redone
+        write_json_atomic(journal / f"{res.source}.json", rec, indent=None, durable=False)
+        results[res.source] = mine[res.source] = rec
+
+    # with several ranks each converts its share of the shards (balanced by bytes) and journals them
+    todo = w.split([p for p in job.plans if p.source not in done], lambda p: src.shard(p.source).size)
+    if progress:
+        progress(finished_bytes, total)
+    # Streaming RTN is thousands of small cache-sized ops: OpenMP barriers cost more than a second thread
+    # gains (measured by bench/convert_rtn.py), so each shard runs single-threaded; --workers runs shards
+    # in parallel processes instead. The fused RTN kernel (quantkit.quant._rtn_native) has no such
+    # barriers: it splits rows over the cores when shards run one at a time.
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def shards():
+        with native_threads(_cpu_count() if opts.workers <= 1 else 1):
+            _run_shards(todo, src, out, opts, spool, record, progress, finished_bytes, total)
+        wait_durable()  # this rank's shards are on disk before rank 0 writes the index and manifest
+
+    try:
+        w.step(shards, "converting its shards", "stream")
+    finally:
+        torch.set_num_threads(prev_threads)
+    return results, mine
+
+
+def _calibrate(job: _Job, data, spool_dir: Path, log, opts: ConvertOptions, w, split_calib: bool,
+               calib_report: dict) -> Spool:
+    """The calibrated pass into its spool: every rank takes part (data and expert parallel,
+    calib/parallel.py; rank 0 writes the spool), or rank 0 alone while the others wait (a GPU job whose
+    process group is gloo)."""
+    if split_calib or w.size == 1:
+        return calibrated_pass(job.src, job.recipe, data, spool_dir, log, device=opts.device, report=calib_report,
+                               world=w)
+    return w.broadcast(w.step(lambda: calibrated_pass(job.src, job.recipe, data, spool_dir, log, device=opts.device,
+                                                      report=calib_report)
+                              if w.leader else None, "calibrating", "solve"))
+
+
+def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: ConvertOptions = ConvertOptions(),
+            progress: Callable[[int, int], None] | None = None,
+            log: Callable[[str], None] | None = None) -> ConvertResult:
+    """Convert `src_dir` into `out_dir` per `opts.recipe`. `progress(done_bytes, total_bytes)` is called
+    as source bytes are consumed; `log(line)` receives each note (what is passed through or re-quantized
+    rather than quantized as asked) as soon as it is known — the CLI prints them on stderr.
+
+    Under torchrun every rank runs this: `w` (dist.world) makes each collective step a plain call at size 1.
+    Rank 0 holds the output's lock, reads or calibrates the KV scales, writes the index and manifest; the
+    calibrated pass and the shards are shared out."""
+    t0 = time.perf_counter()
+    job = _plan_job(src_dir, opts)
+    src, recipe, notes, out = job.src, job.recipe, job.notes, Path(out_dir)
+    options.parse_device(opts.device)  # a misspelled device fails here, whatever the recipe
+    calib_device = None
+    if job.calibrated or (job.want_kv and opts.kv_scales is None and opts.kv is None):
+        from ..calib.device import resolve_device
+
+        calib_device = resolve_device(opts.device)  # a device that is not there fails before anything is written
+    w = world(opts.device)  # torchrun: this rank's place (size 1 otherwise)
+    tl = timeline.start(w.rank)
+    with timeline.phase("setup"):
+        data = calibration_data(src, recipe, opts.dataset, opts.num_samples, opts.seq_len) if job.calibrated else None
+    if job.calibrated and calib_device.type != "cpu":  # a layer that cannot fit on the GPU: refused before any work
+        from .calibrated import preflight
+
+        w.step(lambda: preflight(src, recipe, data, str(calib_device), w.size if w.backend == "nccl" else 1)
+               if w.leader else None, "planning device memory")
+    calib_report: dict = {}  # the calibration's device and memory plan, for the result
+    # Several ranks calibrate together (calib/parallel.py): on the CPU over gloo, on GPUs over NCCL (each rank
+    # on its LOCAL_RANK's GPU). A GPU job whose process group is gloo (a GPU asked for while torch.distributed
+    # joined without one) calibrates on rank 0 alone while the others wait.
+    split_calib = w.size > 1 and calib_device is not None and (calib_device.type == "cpu" or w.backend == "nccl")
+    # KV scales: read and checked (or calibrated) once the plan is known to be valid, before any write
+    kv = _job_kv(job, opts, w, split_calib, calib_report)
+    notes += _kv_notes(src, kv)
     for n in notes:
         if log:
             log(n)
 
-    identity = {"tool_version": __version__, "recipe_sha256": recipe.sha256,
-                "config_sha256": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
-                "source": _source_fingerprint(src), "batch_bytes": opts.batch_bytes,
-                "max_shard_bytes": opts.max_shard_bytes,
-                "calibration": None if data is None else {k: data.describe()[k] for k in
-                                                          ("source", "sha256", "num_samples", "seq_len", "seed")}}
+    identity = _identity(job, opts, data)
     if opts.overwrite and out.exists():
         o, sr = out.resolve(), src.root.resolve()
         if sr == o or sr.is_relative_to(o):
@@ -234,59 +330,20 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
             return found
 
         done = w.broadcast(w.step(lambda: prepare() if w.leader else None, "preparing the output", "write"))
-        journal = out / JOURNAL_DIR
         spool = Spool()
-        if calibrated and len(done) < len(plans):
-            if split_calib or w.size == 1:
-                # every rank takes part (data and expert parallel, calib/parallel.py); rank 0 writes the spool
-                spool = calibrated_pass(src, recipe, data, journal / "calib", log, device=opts.device,
-                                        report=calib_report, world=w)
-            else:
-                spool = w.broadcast(w.step(lambda: calibrated_pass(src, recipe, data, journal / "calib", log,
-                                                                   device=opts.device, report=calib_report)
-                                           if w.leader else None, "calibrating", "solve"))
-
-        total = src.total_bytes
-        finished_bytes = sum(src.shard(s).size for s in done)
-        results: dict[str, dict] = dict(done)
-        mine: dict[str, dict] = {}  # the shards this rank converts now
-
-        def record(res: ShardResult):
-            rec = asdict(res)
-            # this shard is now done; no fsync: a record lost to a power cut only means the shard is redone
-            write_json_atomic(journal / f"{res.source}.json", rec, indent=None, durable=False)
-            results[res.source] = mine[res.source] = rec
-
-        # with several ranks each converts its share of the shards (balanced by bytes) and journals them
-        todo = w.split([p for p in plans if p.source not in done], lambda p: src.shard(p.source).size)
-        if progress:
-            progress(finished_bytes, total)
-        # Streaming RTN is thousands of small cache-sized ops: OpenMP barriers cost more than a second thread
-        # gains (measured by bench/convert_rtn.py), so each shard runs single-threaded; --workers runs shards
-        # in parallel processes instead. The fused RTN kernel (quantkit.quant._rtn_native) has no such
-        # barriers: it splits rows over the cores when shards run one at a time.
-        prev_threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-        def shards():
-            with native_threads(_cpu_count() if opts.workers <= 1 else 1):
-                _run_shards(todo, src, out, opts, spool, record, progress, finished_bytes, total)
-            wait_durable()  # this rank's shards are on disk before rank 0 writes the index and manifest
-
-        try:
-            w.step(shards, "converting its shards", "stream")
-        finally:
-            torch.set_num_threads(prev_threads)
+        if job.calibrated and len(done) < len(job.plans):
+            spool = _calibrate(job, data, out / JOURNAL_DIR / "calib", log, opts, w, split_calib, calib_report)
+        results, mine = _stream(job, out, opts, w, spool, done, progress)
         timelines = w.all_gather(tl.to_json())
         if w.size > 1:
             for part in w.all_gather(mine):
                 results.update(part)
             if progress:
-                progress(total, total)
+                progress(src.total_bytes, src.total_bytes)
             if not w.leader:  # rank 0 writes index, config, card and manifest; every rank returns its result
                 return _follow(w)
 
-        for p in plans:  # what reading found (e.g. scales breaking a ue8m0 promise), in shard order
+        for p in job.plans:  # what reading found (e.g. scales breaking a ue8m0 promise), in shard order
             for n in results[p.source].get("notes") or []:
                 if n not in notes:
                     notes.append(n)
@@ -295,9 +352,9 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
 
         def finish():
             kv_out = write_kv_scales(out, kv) if kv is not None else None
-            kv_scheme = kv.config() if kv is not None else (fmt.kv_cache_scheme if source_kv else None)
-            res = _finalize(src, fmt, out, recipe, plans, results, identity, t0, resumed=len(done), notes=notes,
-                            kv=kv, kv_out=kv_out, kv_scheme=kv_scheme,
+            kv_scheme = kv.config() if kv is not None else (job.fmt.kv_cache_scheme if job.source_kv else None)
+            res = _finalize(src, job.fmt, out, recipe, job.plans, results, identity, t0, resumed=len(done),
+                            notes=notes, kv=kv, kv_out=kv_out, kv_scheme=kv_scheme,
                             calibration=None if data is None else data.describe(), source_id=opts.source_id,
                             model_card=opts.model_card)
             res.device, res.device_memory = calib_report.get("device"), calib_report.get("memory")
