@@ -601,6 +601,168 @@ def _communication(s: _LayerShape, egroup, dense, gq: _Batches, g: int, item: in
 
 
 # ---- the model ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _PassContext:
+    """What every layer's time model of the calibrated pass reads."""
+
+    c: "Throughput"
+    ex: object  # the meta-built LayerExecutor
+    ckpt: object  # the (virtual) checkpoint
+    rec: object  # the Recipe
+    kind: str  # "cpu" | "cuda"
+    g: int  # ranks
+    item: int  # bytes per element of the pass's dtype
+    hidden: int
+    num_samples: int
+    seq_len: int
+    gq: object  # the pass's batches over the ranks (_pass_batches)
+
+
+def _bytes_per_layer(ckpt, num_layers: int) -> dict[int, list[int]]:
+    """Per decoder layer, from the (virtual) headers: [source bytes, tensors, routed-expert bytes]."""
+    from ..arch import layer_index
+
+    out: dict[int, list[int]] = {}
+    for name in ckpt.location:
+        li = layer_index(name)
+        if li is None or li >= num_layers:
+            continue
+        info = ckpt.info(name)
+        acc = out.setdefault(li, [0, 0, 0])
+        acc[0] += info.nbytes
+        acc[1] += 1
+        if f".{EXPERTS}." in name:
+            acc[2] += info.nbytes
+    return out
+
+
+def _calibrated_bytes(layout, rec, num_layers: int) -> tuple[dict[int, int], dict[str, bool]]:
+    """(bytes the calibrated groups write per layer: the pass's results; module -> calibrated or not)."""
+    from ..arch import layer_index
+    from .tensors import tensor_bytes
+
+    packed_layer: dict[int, int] = {}
+    calibrated_module: dict[str, bool] = {}
+    for name, (shape, code) in layout.items():
+        li = layer_index(name)
+        if li is None or li >= num_layers:
+            continue
+        module = name.rsplit(".", 1)[0]
+        hit = calibrated_module.get(module)
+        if hit is None:
+            grp = rec.match(module)
+            hit = calibrated_module[module] = grp is not None and grp.method != "rtn"
+        if hit:
+            packed_layer[li] = packed_layer.get(li, 0) + tensor_bytes(shape, code)
+    return packed_layer, calibrated_module
+
+
+def _pass_row(row: dict, comm: dict, ctx: _PassContext, idx: int, layer, s, packed: int) -> int:
+    """Add one layer's GPTQ/AWQ pass seconds to `row` (and its communicated bytes to `comm`); 1 when the layer
+    has something calibrated, else 0."""
+    from ..calib.layer import _targets
+
+    c, ex, rec, kind, g, item, hidden, gq = ctx.c, ctx.ex, ctx.rec, ctx.kind, ctx.g, ctx.item, ctx.hidden, ctx.gq
+    num_samples, seq_len, link = ctx.num_samples, ctx.seq_len, c.link_bytes_per_s
+    calibrated = 0
+    _, egroup, dense = _targets(ctx.ckpt, rec, idx, layer)
+    # NVFP4 W4A4 RTN targets are only observed (their input amax): no Hessian, no solve
+    dense = {d: v for d, v in dense.items() if v[1].method != "rtn"}
+    # statistics forward, then the quantized layer's forward (true-sequential): the busiest rank's batches.
+    # GPTQ of the routed experts alone splits them (the statistics stop at the experts, the second
+    # forward runs the MLP block only); a layer with nothing calibrated is forwarded once
+    split = (egroup is not None and egroup.method in ("gptq", "rtn") and not dense
+             and not getattr(ex.config, "index_topk", None))
+    if split:
+        row["forward"] += _forward(c, s, gq.rank_batches, seq_len, item, hidden, "to_experts") + \
+            _forward(c, s, gq.rank_batches, seq_len, item, hidden, "block")
+    else:
+        row["forward"] += (2 if egroup is not None or dense else 1) * \
+            _forward(c, s, gq.rank_batches, seq_len, item, hidden)
+    if egroup is not None or dense:
+        calibrated = 1
+    if egroup is not None and egroup.scheme.w4a4 and s.experts:
+        # NVFP4 W4A4: each expert's input amax, and its down input's (one gate/up product per routed
+        # token, the busiest rank's batches; calib/observers.py ExpertInputAmax)
+        for per_call in gq.rank_batches:
+            rows = per_call * s.top_k / s.experts
+            row["input_amax"] += 2 * per_call * s.top_k * s.h * s.p / _rate(c.gemm_flops, c.gemm_half_rows,
+                                                                               rows)
+    owned = 0
+    if egroup is not None and egroup.method == "gptq":
+        group = _expert_group(s, kind)
+        groups = math.ceil(s.experts / group)
+        owned = min(s.experts, math.ceil(groups / g) * group)  # the busiest rank's experts
+        row["hessians"] += _hessians(c, s, gq.all_batches, owned, hidden)
+        sweep = [_sweep_experts(kk, nn, group, kind) for nn, kk in ((s.p, s.h), (s.h, s.i))]
+        ch, sw = _gptq_solves(c, [(owned, s.p, s.h, sweep[0]), (owned, s.h, s.i, sweep[1])],
+                              egroup.options.block_size)
+        row["gptq_solve"] += ch + sw + owned * c.module_s  # gate and up: one matrix, two modules
+    elif egroup is not None and egroup.method == "awq":
+        o = egroup.options
+        s_tok = min(int(o.sample_tokens), num_samples * seq_len)
+        sch = egroup.scheme
+        # the norm-scale candidates of each round and the per-expert searches (awq_pass.search_owners:
+        # about E / g each) are split over the ranks; rank 0 quantizes and emits every expert
+        parts = _awq_search_parts(c, s, s_tok, o.n_grid, o.clip, o.scale_down, s.experts,
+                                  sch.group_size or s.h, sch.group_size or s.i)
+        share = math.ceil(s.experts / g) / s.experts
+        cands, sub = o.n_grid + 1, min(512, s_tok)  # the busiest rank's share of the candidates' tokens
+        norm_share = ((math.ceil(cands / g) * sub + math.ceil(3 / g) * s_tok) / (cands * sub + 3 * s_tok)
+                      if s_tok > sub else math.ceil(cands / g) / cands)
+        row["awq_search"] += (norm_share * parts["norm"] + parts["rtn"]
+                              + share * (parts["down"] + parts["clip"] + parts["choice"]))
+        row["awq_search"] += s_tok * hidden * 4 * 2 / c.mem_bytes_per_s  # the samples and block outputs
+    if dense:
+        dshapes = [(1, m.out_features, m.in_features, 1) for m, _ in dense.values()]
+        mine = dshapes[::g]  # the i-th dense target belongs to rank i % G
+        row["hessians"] += sum(2 * tok * k * k / _rate(c.gram_flops, c.gram_half_rows, tok)
+                               for _, _, k, _ in dshapes for tok in gq.rank_batches)
+        ch, sw = _gptq_solves(c, mine, 128)
+        row["gptq_solve"] += ch + sw
+    # the spool: the layer's packed results (rank 0 writes them) and the next layer's inputs (every rank
+    # its own samples': the busiest rank's share)
+    row["write_spool"] += (packed + gq.rank_tokens * hidden * item) / c.write_bytes_per_s + 5 * c.fsync_s
+    if g > 1:
+        got = _communication(s, egroup, dense, gq, g, item, hidden, packed, owned,
+                             min(int(egroup.options.sample_tokens), num_samples * seq_len)
+                             if egroup is not None and egroup.method != "rtn" else 0)
+        for k2, v in got.items():
+            comm[k2] = comm.get(k2, 0) + v
+        row["communication"] += sum(got.values()) / link
+    return calibrated
+
+
+def _kv_row(row: dict, ctx: _PassContext, s, kvb: list[int]) -> None:
+    """Add one layer's KV calibration seconds (forward and the K/V observers) to `row`."""
+    c, ex, item, hidden = ctx.c, ctx.ex, ctx.item, ctx.hidden
+    row["forward"] += _forward(c, s, kvb, ctx.seq_len, item, hidden)
+    kv_width = (int(getattr(ex.config, "kv_lora_rank", 0) or 0) + int(getattr(ex.config, "qk_rope_head_dim", 0)
+                or 0)) or 2 * s.heads * s.qk_dim
+    tokens = sum(kvb)
+    row["kv_observe"] += 2 * tokens * hidden * kv_width / _rate(c.gemm_flops, c.gemm_half_rows, max(kvb)) \
+        + 4 * tokens * kv_width * 4 / c.mem_bytes_per_s
+
+
+def _host_ram(c, plan, gq, passes_gq: bool, kind: str, ckpt, num_layers: int, packed_layer: dict) -> dict:
+    """Host memory of the busiest rank by component."""
+    from ..arch import layer_index
+
+    host = {"process": c.process_bytes}
+    host["layer_results"] = max(packed_layer.values(), default=0)  # rank 0 gathers the whole layer's results
+    # the activations in host memory: two copies, each up to the budget kept in RAM (a memory map above it);
+    # a rank writes only its own samples' rows of every-sample stores (untouched pages are not resident)
+    share = (gq.rank_tokens / max(1, sum(gq.all_batches))) if passes_gq else 1.0
+    host["activations"] = 0 if plan.activations == "device" else int(
+        2 * min(plan.activation_bytes, _activation_budget()) * share)
+    if kind == "cpu":  # the CPU is the device: the layer, its forward, statistics and solves are host memory
+        host["layer"] = plan.peak_bytes
+    else:
+        host["read_buffer"] = max((ckpt.info(n).nbytes for n in ckpt.location
+                                   if (i := layer_index(n)) is not None and i < num_layers), default=0)
+    return host
+
+
 def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *, world_size: int = 1,
                      device: str = "cpu", gpu_memory_gib: float | None = None,
                      throughput: Throughput | None = None) -> CalibrationCost:
@@ -644,40 +806,13 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     out.layers = ex.num_layers
     available = int(gpu_memory_gib * GIB) if (gpu_memory_gib and kind == "cuda") else None
 
-    # source bytes per layer, from the (virtual) headers
-    per_layer_bytes: dict[int, list[int]] = {}
-    from ..arch import layer_index
-
-    for name in ckpt.location:
-        li = layer_index(name)
-        if li is None or li >= ex.num_layers:
-            continue
-        info = ckpt.info(name)
-        acc = per_layer_bytes.setdefault(li, [0, 0, 0])
-        acc[0] += info.nbytes
-        acc[1] += 1
-        if f".{EXPERTS}." in name:
-            acc[2] += info.nbytes
-    from ..calib.layer import _targets
+    from ..arch import parse_config
     from .tensors import quantized_layout, tensor_bytes
 
-    from ..arch import parse_config
-
+    per_layer_bytes = _bytes_per_layer(ckpt, ex.num_layers)
     layout = quantized_layout({n: (ckpt.info(n).shape, _code(ckpt.info(n).dtype)) for n in ckpt.location}, rec,
                               spec=parse_config(ckpt.config))
-    packed_layer: dict[int, int] = {}  # bytes the calibrated groups write per layer (the pass's results)
-    calibrated_module: dict[str, bool] = {}
-    for name, (shape, code) in layout.items():
-        li = layer_index(name)
-        if li is None or li >= ex.num_layers:
-            continue
-        module = name.rsplit(".", 1)[0]
-        hit = calibrated_module.get(module)
-        if hit is None:
-            grp = rec.match(module)
-            hit = calibrated_module[module] = grp is not None and grp.method != "rtn"
-        if hit:
-            packed_layer[li] = packed_layer.get(li, 0) + tensor_bytes(shape, code)
+    packed_layer, calibrated_module = _calibrated_bytes(layout, rec, ex.num_layers)
 
     secs = dict.fromkeys(COMPONENTS, 0.0)
     comm: dict[str, float] = {}
@@ -688,7 +823,7 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     emb_rows = num_samples * seq_len
     fixed = c.setup_s * (int(passes_gq) + int(passes_kv)) + emb_rows * hidden * 4 / c.mem_bytes_per_s
     secs["fixed"] += fixed
-    link = c.link_bytes_per_s
+    ctx = _PassContext(c, ex, ckpt, rec, kind, g, item, hidden, num_samples, seq_len, gq)
     for idx in range(ex.num_layers):
         layer = ex.decoder_layers[idx]
         sb, nt, eb = per_layer_bytes.get(idx, [0, 0, 0])
@@ -696,83 +831,13 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
         row: dict[str, float] = dict.fromkeys(COMPONENTS, 0.0)
         read = sb / c.read_bytes_per_s + s.elements * (item + 2 + item) / c.mem_bytes_per_s + nt * 6 * c.op_s
         if passes_gq:
-            _, egroup, dense = _targets(ckpt, rec, idx, layer)
-            # NVFP4 W4A4 RTN targets are only observed (their input amax): no Hessian, no solve
-            dense = {d: v for d, v in dense.items() if v[1].method != "rtn"}
             row["read_weights"] += read
             row["fixed"] += c.layer_s
-            # statistics forward, then the quantized layer's forward (true-sequential): the busiest rank's batches.
-            # GPTQ of the routed experts alone splits them (the statistics stop at the experts, the second
-            # forward runs the MLP block only); a layer with nothing calibrated is forwarded once
-            split = (egroup is not None and egroup.method in ("gptq", "rtn") and not dense
-                     and not getattr(ex.config, "index_topk", None))
-            if split:
-                row["forward"] += _forward(c, s, gq.rank_batches, seq_len, item, hidden, "to_experts") + \
-                    _forward(c, s, gq.rank_batches, seq_len, item, hidden, "block")
-            else:
-                row["forward"] += (2 if egroup is not None or dense else 1) * \
-                    _forward(c, s, gq.rank_batches, seq_len, item, hidden)
-            if egroup is not None or dense:
-                calib_layers += 1
-            if egroup is not None and egroup.scheme.w4a4 and s.experts:
-                # NVFP4 W4A4: each expert's input amax, and its down input's (one gate/up product per routed
-                # token, the busiest rank's batches; calib/observers.py ExpertInputAmax)
-                for per_call in gq.rank_batches:
-                    rows = per_call * s.top_k / s.experts
-                    row["input_amax"] += 2 * per_call * s.top_k * s.h * s.p / _rate(c.gemm_flops, c.gemm_half_rows,
-                                                                                       rows)
-            owned = 0
-            if egroup is not None and egroup.method == "gptq":
-                group = _expert_group(s, kind)
-                groups = math.ceil(s.experts / group)
-                owned = min(s.experts, math.ceil(groups / g) * group)  # the busiest rank's experts
-                row["hessians"] += _hessians(c, s, gq.all_batches, owned, hidden)
-                sweep = [_sweep_experts(kk, nn, group, kind) for nn, kk in ((s.p, s.h), (s.h, s.i))]
-                ch, sw = _gptq_solves(c, [(owned, s.p, s.h, sweep[0]), (owned, s.h, s.i, sweep[1])],
-                                      egroup.options.block_size)
-                row["gptq_solve"] += ch + sw + owned * c.module_s  # gate and up: one matrix, two modules
-            elif egroup is not None and egroup.method == "awq":
-                o = egroup.options
-                s_tok = min(int(o.sample_tokens), num_samples * seq_len)
-                sch = egroup.scheme
-                # the norm-scale candidates of each round and the per-expert searches (awq_pass.search_owners:
-                # about E / g each) are split over the ranks; rank 0 quantizes and emits every expert
-                parts = _awq_search_parts(c, s, s_tok, o.n_grid, o.clip, o.scale_down, s.experts,
-                                          sch.group_size or s.h, sch.group_size or s.i)
-                share = math.ceil(s.experts / g) / s.experts
-                cands, sub = o.n_grid + 1, min(512, s_tok)  # the busiest rank's share of the candidates' tokens
-                norm_share = ((math.ceil(cands / g) * sub + math.ceil(3 / g) * s_tok) / (cands * sub + 3 * s_tok)
-                              if s_tok > sub else math.ceil(cands / g) / cands)
-                row["awq_search"] += (norm_share * parts["norm"] + parts["rtn"]
-                                      + share * (parts["down"] + parts["clip"] + parts["choice"]))
-                row["awq_search"] += s_tok * hidden * 4 * 2 / c.mem_bytes_per_s  # the samples and block outputs
-            if dense:
-                dshapes = [(1, m.out_features, m.in_features, 1) for m, _ in dense.values()]
-                mine = dshapes[::g]  # the i-th dense target belongs to rank i % G
-                row["hessians"] += sum(2 * tok * k * k / _rate(c.gram_flops, c.gram_half_rows, tok)
-                                       for _, _, k, _ in dshapes for tok in gq.rank_batches)
-                ch, sw = _gptq_solves(c, mine, 128)
-                row["gptq_solve"] += ch + sw
-            packed = packed_layer.get(idx, 0)
-            # the spool: the layer's packed results (rank 0 writes them) and the next layer's inputs (every rank
-            # its own samples': the busiest rank's share)
-            row["write_spool"] += (packed + gq.rank_tokens * hidden * item) / c.write_bytes_per_s + 5 * c.fsync_s
-            if g > 1:
-                got = _communication(s, egroup, dense, gq, g, item, hidden, packed, owned,
-                                     min(int(egroup.options.sample_tokens), num_samples * seq_len)
-                                     if egroup is not None and egroup.method != "rtn" else 0)
-                for k2, v in got.items():
-                    comm[k2] = comm.get(k2, 0) + v
-                row["communication"] += sum(got.values()) / link
+            calib_layers += _pass_row(row, comm, ctx, idx, layer, s, packed_layer.get(idx, 0))
         if passes_kv:
             row["read_weights"] += read
             row["fixed"] += c.layer_s
-            row["forward"] += _forward(c, s, kvb, seq_len, item, hidden)
-            kv_width = (int(getattr(ex.config, "kv_lora_rank", 0) or 0) + int(getattr(ex.config, "qk_rope_head_dim", 0)
-                        or 0)) or 2 * s.heads * s.qk_dim
-            tokens = sum(kvb)
-            row["kv_observe"] += 2 * tokens * hidden * kv_width / _rate(c.gemm_flops, c.gemm_half_rows, max(kvb)) \
-                + 4 * tokens * kv_width * 4 / c.mem_bytes_per_s
+            _kv_row(row, ctx, s, kvb)
         for k2, v in row.items():
             secs[k2] += v
         out.per_layer.append({"layer": idx, **{k2: round(v, 4) for k2, v in row.items() if v}})
@@ -787,10 +852,10 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     out_total = sum(tensor_bytes(sh, d) for sh, d in layout.values())
     n_shards = len(list(src.checkpoint.glob("*.safetensors"))) if src.checkpoint is not None else \
         max(1, math.ceil(src_total / 5e9))  # hub releases: ~5 GB shards
+    packed_total = sum(packed_layer.values())
     out.convert_output_seconds = (3 * n_shards + 8) * c.fsync_s + sum(calibrated_module.values()) * c.module_s + \
-        (src_total + sum(packed_layer.values())) / c.read_bytes_per_s + \
-        out_total / c.write_bytes_per_s + out_total / (c.hash_bytes_per_s * g) + \
-        (src_total - sum(packed_layer.values())) * 2 / c.mem_bytes_per_s
+        (src_total + packed_total) / c.read_bytes_per_s + out_total / c.write_bytes_per_s + \
+        out_total / (c.hash_bytes_per_s * g) + (src_total - packed_total) * 2 / c.mem_bytes_per_s
 
     # memory: the executor's own plan, as the pass makes it (every rank plans every sample's slot)
     ex.batch_tokens = gq.batch_tokens if passes_gq else _kv_batch_tokens(ex)
@@ -801,20 +866,7 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
         out.fits = err is None
     if err:
         out.warnings.append(f"does not fit: {err}")
-    host = {"process": c.process_bytes}
-    packed_max = max(packed_layer.values(), default=0)
-    host["layer_results"] = packed_max  # rank 0 gathers the whole layer's packed results
-    # the activations in host memory: two copies, each up to the budget kept in RAM (a memory map above it);
-    # a rank writes only its own samples' rows of every-sample stores (untouched pages are not resident)
-    share = (gq.rank_tokens / max(1, sum(gq.all_batches))) if passes_gq else 1.0
-    host["activations"] = 0 if plan.activations == "device" else int(
-        2 * min(plan.activation_bytes, _activation_budget()) * share)
-    if kind == "cpu":  # the CPU is the device: the layer, its forward, statistics and solves are host memory
-        host["layer"] = plan.peak_bytes
-    else:
-        biggest = max((ckpt.info(n).nbytes for n in ckpt.location
-                       if (i := layer_index(n)) is not None and i < ex.num_layers), default=0)
-        host["read_buffer"] = biggest
+    host = _host_ram(c, plan, gq, passes_gq, kind, ckpt, ex.num_layers, packed_layer)
     out.host_ram = host
     out.host_ram_bytes = sum(host.values())
 
