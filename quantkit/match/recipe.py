@@ -74,6 +74,7 @@ class Scheme:
     """How one weight is quantized (compressed-tensors QuantizationArgs terms):
 
         type int,   num_bits 4, group | channel      INT4 pack-quantized (W4A16)
+        type int,   num_bits 8, group | channel, symmetric   INT8 pack-quantized (W8A16), four values a word
         type float, num_bits 8, tensor | channel | block   FP8 float-quantized (W8A8, dynamic activations)
         type float, num_bits 4, tensor_group, group_size 16   NVFP4 (nvfp4-pack-quantized, W4A16)
         type float, num_bits 4, group, group_size 32          MXFP4 (mxfp4-pack-quantized, W4A16)
@@ -105,8 +106,11 @@ class Scheme:
         if self.strategy not in STRATEGIES:
             raise RecipeError(f"scheme.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.type == "int":
-            if self.num_bits != 4:
-                raise RecipeError(f"integer schemes are INT4 (num_bits 4, pack-quantized), got {self.num_bits}")
+            if self.num_bits not in (4, 8):
+                raise RecipeError(f"integer schemes are INT4 or INT8 (num_bits 4 or 8, pack-quantized), got "
+                                  f"{self.num_bits!r}")
+            if self.num_bits == 8 and not self.symmetric:
+                raise RecipeError("INT8 schemes are symmetric (no zero points)")
             if self.strategy == "group":
                 if self.group_size is None:
                     object.__setattr__(self, "group_size", options.INT4_GROUP_SIZE)
@@ -151,7 +155,7 @@ class Scheme:
             if self.activations != "fp8":
                 raise RecipeError(f"scheme.activations must be 'fp8' (dynamic per-token FP8, W4AFP8), 'nvfp4' "
                                   f"(NVFP4 W4A4) or absent, got {self.activations!r}")
-            if not (self.type == "int" and self.strategy == "group" and self.symmetric
+            if not (self.type == "int" and self.num_bits == 4 and self.strategy == "group" and self.symmetric
                     and self.group_size == W4AFP8_GROUP_SIZE and self.fallback is None):
                 raise RecipeError(f"activations: fp8 (W4AFP8) needs INT4 strategy group, group_size "
                                   f"{W4AFP8_GROUP_SIZE}, symmetric, no fallback: the only form vLLM loads "

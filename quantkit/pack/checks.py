@@ -3,7 +3,8 @@ tensors its scheme implies (names, dtypes, shapes: pack/layout.py) and what its 
 holds every quantized source module to them before anything is written (read/sources.py, `validate`),
 `verify` every written module (verify/format.py): one home per rule (docs/format.md, "Sources").
 
-Kinds: "int4" (pack-quantized), "fp8" (float-quantized; also block-FP8 releases), "nvfp4", "mxfp4".
+Kinds: "int4" (pack-quantized: INT4, or INT8 when its args say num_bits 8), "fp8" (float-quantized; also
+block-FP8 releases), "nvfp4", "mxfp4".
 
 Scales must be finite and positive (an NVFP4 group scale may be 0: an e4m3 scale of a tiny group underflows
 to 0 and decodes to zeros, which is what the group held), an E8M0 byte is never 255 (its NaN), and the
@@ -35,8 +36,9 @@ def _dt(dtype) -> str:
 
 def scheme_problem(kind: str, w) -> str | None:
     """What makes compressed-tensors weight args `w` no scheme of `kind` quantkit reads and writes (the
-    rules of match.recipe.Scheme: INT4 num_bits 4 with a positive group_size that is a multiple of 8, or per
-    channel; FP8 tensor / channel / block; NVFP4 tensor_group 16; MXFP4 group 32), or None."""
+    rules of match.recipe.Scheme: INT4 num_bits 4 (or symmetric INT8, num_bits 8) with a positive group_size
+    that is a multiple of 8, or per channel; FP8 tensor / channel / block; NVFP4 tensor_group 16; MXFP4 group
+    32), or None."""
     from ..errors import RecipeError
     from ..match.recipe import Scheme
 
@@ -46,7 +48,7 @@ def scheme_problem(kind: str, w) -> str | None:
         return e.message[:200]
     found = s.fp4 or ("fp8" if s.type == "float" else "int4")
     if found != kind:
-        want = {"int4": "INT4 (type int, num_bits 4, strategy group or channel)",
+        want = {"int4": "INT4 or INT8 (type int, num_bits 4 or 8, strategy group or channel)",
                 "fp8": "FP8 (type float, num_bits 8, strategy tensor, channel or block)",
                 "nvfp4": "NVFP4 (type float, num_bits 4, strategy tensor_group, group_size 16)",
                 "mxfp4": "MXFP4 (type float, num_bits 4, strategy group, group_size 32)"}[kind]
@@ -133,11 +135,12 @@ def _range(t: torch.Tensor) -> tuple[float, float]:
 
 
 def value_problems(module: str, kind: str, tensors: Mapping[str, torch.Tensor], scale: str = "weight_scale",
-                   symmetric: bool = True) -> list[str]:
+                   symmetric: bool = True, num_bits: int = 4) -> list[str]:
     """What a module's scales hold (tensors: suffix -> tensor, only the small ones are read): finite and
     positive, E8M0 never 255, NVFP4 global scale finite and positive, the largest decodable weight within
     MAX_WEIGHT; INT4 g_idx within the groups. `scale`: the scale's suffix (block-FP8 releases:
-    weight_scale_inv). One min/max pass per scale; the counts for a message only when something is wrong."""
+    weight_scale_inv). `num_bits`: a pack-quantized module's (4 or 8: the largest code it decodes).
+    One min/max pass per scale; the counts for a message only when something is wrong."""
     name = f"{module}.{scale}"
     s = tensors[scale]
     if not s.numel():
@@ -167,7 +170,8 @@ def value_problems(module: str, kind: str, tensors: Mapping[str, torch.Tensor], 
     if not (lo > 0 and math.isfinite(hi)):
         f = s.float()
         return [f"{name}: {int((~torch.isfinite(f) | (f <= 0)).sum())} non-finite or non-positive value(s)"]
-    out = [p for p in [_too_large(name, hi, FP8_MAX if kind == "fp8" else (8.0 if symmetric else 15.0))] if p]
+    code_max = float(2 ** (num_bits - 1) if symmetric else 2 ** num_bits - 1)  # INT4: 8 or 15; INT8: 128
+    out = [p for p in [_too_large(name, hi, FP8_MAX if kind == "fp8" else code_max)] if p]
     g_idx = tensors.get("weight_g_idx") if kind == "int4" else None
     if g_idx is not None and g_idx.numel() and s.dim() == 2:
         glo, ghi = _range(g_idx)

@@ -6,6 +6,7 @@
     INT4 pack-quantized           weight_packed int32 [N, ceil(K/8)], weight_scale <scale dtype> [N, G],
                                   weight_shape int64 [2], + weight_zero_point int32 [ceil(N/8), G] (asym),
                                   + weight_g_idx int32 [K] (actorder "group")
+    INT8 pack-quantized           as INT4 with four values a word: weight_packed int32 [N, ceil(K/4)]; symmetric
     FP8 float-quantized           weight float8_e4m3fn [N, K], weight_scale float32 [1] | [N, 1] |
                                   [ceil(N/b0), ceil(K/b1)]
     NVFP4 nvfp4-pack-quantized    weight_packed uint8 [N, K/2] (two E2M1 codes a byte, even column low),
@@ -14,7 +15,7 @@
     NVFP4 W4A4                    the NVFP4 tensors + input_global_scale float32 [1] (448 * 6 / the
                                   calibrated input amax; gate and up of an expert hold the same value)
 
-The INT4 scale dtype is the source weight's when that is bf16 or fp16, else bf16 (fp32 sources, and FP8
+The INT4 (and INT8) scale dtype is the source weight's when that is bf16 or fp16, else bf16 (fp32 sources, and FP8
 sources, which are dequantized to bf16 on read): `scale_dtype`.
 """
 
@@ -84,12 +85,12 @@ def module_tensors(module: str, shape: tuple[int, int], scheme, src_dtype: torch
 
 def int4_module(module: str, packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
                 shape: tuple[int, int], scheme, src_dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
-    """One INT4 module's output tensors, in `module_tensors` order: `packed` int32 [N, ceil(K/8)] (see
-    pack/int4.py), `scale` [N, G] (stored in `scale_dtype(src_dtype)`), `zero_point` [N, G] (unpacked; packed
-    here along N) or None."""
+    """One INT4 (or INT8) module's output tensors, in `module_tensors` order: `packed` int32 [N, ceil(K/8)]
+    (INT8: [N, ceil(K/4)]; see pack/int4.py), `scale` [N, G] (stored in `scale_dtype(src_dtype)`), `zero_point`
+    [N, G] (unpacked; packed here along N; INT4 only) or None."""
     values = {Tensor.PACKED: packed, Tensor.SHAPE: torch.tensor(shape, dtype=torch.int64)}
     out = []
-    for name, dtype, _ in module_tensors(module, shape, scheme, src_dtype):
+    for name, dtype, want in module_tensors(module, shape, scheme, src_dtype):
         suffix = name.rsplit(".", 1)[1]
         if suffix == Tensor.SCALE:
             t = scale.to(dtype)
@@ -97,6 +98,8 @@ def int4_module(module: str, packed: torch.Tensor, scale: torch.Tensor, zero_poi
             t = pack_zero_point(zero_point)
         else:
             t = values[suffix]
+        if tuple(t.shape) != tuple(want):  # e.g. INT4 words under an INT8 scheme
+            raise ValueError(f"{name}: shape {list(t.shape)}, the scheme ({scheme.num_bits} bits) needs {list(want)}")
         out.append((name, t))
     return out
 

@@ -9,7 +9,8 @@ Conventions (compressed-tensors, see docs/format.md):
 - asymmetric: scale = (max - min) / (2^b - 1) with min <= 0 <= max, zero_point = round(-min/scale) - 2^(b-1)
   clamped to [-2^(b-1), 2^(b-1)-1] (signed, as compressed-tensors stores it)
 - meaning: w ~= (q - zero_point) * scale, q = clamp(round(w / scale) + zero_point, qmin, qmax)
-- packing: u = q + 8 in [0, 15]; element j of a row -> int32 word j // 8, bits 4*(j % 8).. (LSB first)
+- packing: u = q + 8 in [0, 15]; element j of a row -> int32 word j // 8, bits 4*(j % 8).. (LSB first);
+  INT8 (num_bits 8): u = q + 128, word j // 4, bits 8*(j % 4)..
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..pack.int4 import pack_int4
+from ..pack.int4 import pack_ints
 
 # Legend: E = experts (optional leading dims), N = out_features, K = in_features, G = groups = K / group_size
 
@@ -127,7 +128,7 @@ CHUNK_ELEMENTS = 1 << 19
 
 @dataclass(frozen=True)
 class RTNResult:
-    q: torch.Tensor  # [..., N, K] int8, or packed int32 [..., N, ceil(K/8)] when pack=True
+    q: torch.Tensor  # [..., N, K] int8, or packed int32 [..., N, ceil(K/8)] (INT8: ceil(K/4)) when pack=True
     qparams: QParams  # scale [..., N, G] float32, zero_point [..., N, G] int32 | None
     signal: torch.Tensor  # [...] float64: sum of w^2 per matrix (for SQNR)
     noise: torch.Tensor  # [...] float64: sum of (w - dequant(q))^2 per matrix
@@ -143,9 +144,10 @@ def rtn(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetr
 
     Rows are independent (groups run along K), so the batch is flattened to rows and processed in
     cache-sized chunks; q and qparams equal `quantize(w, choose_qparams(w))` exactly. With pack=True
-    (INT4 only) the result holds `pack_int4(q)`. Also returns the per-matrix quantization error energy.
+    the result holds `pack_ints(q, num_bits)` (num_bits 4 or 8). Also returns the per-matrix quantization
+    error energy.
 
-    With pack=True the fused kernel of quantkit.quant._rtn_native runs when it can (numba installed,
+    With pack=True and num_bits 4 the fused kernel of quantkit.quant._rtn_native runs when it can (numba installed,
     bf16/float32 rows on CPU, bf16/float32 scales, all values finite); native=False forces this torch
     path, which is the definition the kernel is tested against.
 
@@ -155,12 +157,12 @@ def rtn(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetr
     rows = w.reshape(-1, k)
     n_groups = 1 if group_size is None else k // group_size
     _grouped(rows[:1], group_size)  # validates divisibility before any work
-    if pack and num_bits != 4:
-        raise ValueError("pack=True needs num_bits=4")
+    if pack and num_bits not in (4, 8):
+        raise ValueError("pack=True needs num_bits 4 or 8")
     if scale_search not in ("amax", "mse") or (scale_search == "mse" and not symmetric):
         raise ValueError(f"scale_search must be amax, or mse with a symmetric scheme, got {scale_search!r}")
     res = (_rtn_native(rows, group_size or k, symmetric, scale_dtype)
-           if pack and native and scale_search == "amax" else None)
+           if pack and native and num_bits == 4 and scale_search == "amax" else None)
     out, scale, zp, sig, noise = res or _rtn_rows(rows, num_bits, group_size, symmetric, scale_dtype, pack,
                                                   scale_search)
     lead_n = (*lead, n)
@@ -177,7 +179,9 @@ def _rtn_rows(rows: torch.Tensor, num_bits: int, group_size: int | None, symmetr
     k = rows.shape[-1]
     n_groups = 1 if group_size is None else k // group_size
     qmin, qmax = qrange(num_bits)
-    out = torch.empty(rows.shape[0], (k + 7) // 8, dtype=torch.int32) if pack else torch.empty(rows.shape, dtype=torch.int8)
+    per_word = 32 // num_bits
+    out = (torch.empty(rows.shape[0], -(-k // per_word), dtype=torch.int32) if pack
+           else torch.empty(rows.shape, dtype=torch.int8))
     scale = torch.empty(rows.shape[0], n_groups, dtype=torch.float32)
     zp = None if symmetric else torch.empty(rows.shape[0], n_groups, dtype=torch.int32)
     sig = torch.empty(rows.shape[0], dtype=torch.float64)
@@ -200,7 +204,7 @@ def _rtn_rows(rows: torch.Tensor, num_bits: int, group_size: int | None, symmetr
         # per-row sums in float32 (K terms: ample precision), accumulated across rows in float64 below
         sig[i:i + step] = wf.square().sum(dim=(-1, -2))
         noise[i:i + step] = err.square_().sum(dim=(-1, -2))
-        out[i:i + step] = pack_int4(q8) if pack else q8
+        out[i:i + step] = pack_ints(q8, num_bits) if pack else q8
         scale[i:i + step] = qp.scale
         if zp is not None:
             zp[i:i + step] = qp.zero_point
