@@ -56,7 +56,7 @@ SLOW_FILES = {
     "calib/test_awq_moe.py", "calib/test_calibrate.py", "calib/test_device.py", "calib/test_executor.py",
     "calib/test_glm5_kimi25.py", "calib/test_passes.py", "calib/test_split.py",
     "convert/test_calibrated.py", "convert/test_convert.py", "convert/test_fp4.py", "convert/test_fp8.py",
-    "convert/test_int4_fp4.py", "convert/test_w4a4.py", "convert/test_wrapper.py",
+    "convert/test_int4_fp4.py", "convert/test_int8.py", "convert/test_w4a4.py", "convert/test_wrapper.py",
     "dist/test_calib_ranks.py", "dist/test_convert_ranks.py",
     "engine/test_vllm_run.py", "engine/test_w4afp8.py",
     "pack/test_kv_scales.py",

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..match.recipe import Scheme
-from ..pack.int4 import pack_int4
+from ..pack.int4 import pack_ints
 from ..pack.layout import int4_module
 from ..pack.names import Tensor
 from ..quant.int4 import QParams
@@ -31,7 +31,8 @@ def emit(res: LayerResult, module: str, q: torch.Tensor, qp: QParams, scheme: Sc
          meta: dict) -> None:
     """Record one quantized module's output tensors (q [N, K] int, from a weight stored as `src_dtype`),
     exactly as convert writes them."""
-    for name, t in int4_module(module, pack_int4(q), qp.scale, qp.zero_point, tuple(q.shape), scheme, src_dtype):
+    packed = pack_ints(q, scheme.num_bits)
+    for name, t in int4_module(module, packed, qp.scale, qp.zero_point, tuple(q.shape), scheme, src_dtype):
         res.tensors[name] = t
     res.modules[module] = {"scheme": scheme.label, **meta}
 

@@ -214,7 +214,7 @@ def _fp8(u: FP8Unit, ctx: _Context) -> int:
 def _rtn(u: RTNUnit, ctx: _Context) -> int:
     s = u.scheme
     w = (_mapped_views(u, ctx) if s.num_bits == 4 and s.scale_search != "mse" else None) or _read_batch(u, ctx)
-    for b, (it, res) in enumerate(_rtn_items(u, w, pack=s.num_bits == 4)):
+    for b, (it, res) in enumerate(_rtn_items(u, w, pack=True)):
         # NaN/Inf anywhere in a matrix makes its sum of squares non-finite (a NaN group would otherwise
         # quantize silently with scale 1): free to check here; the exact test runs only on the failure path
         if not bool(torch.isfinite(res.signal).all()):

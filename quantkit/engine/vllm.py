@@ -241,7 +241,9 @@ def _experts(ck, cfg, groups, rep: EngineReport, tp: int, reader) -> None:
         w = first.weights if first else {}
         kind = PACKED_FORMATS.get(first.format) if first else None
         down_name = next((mods[k] for k in sorted(mods) if expert_role(k[1]) == "down"), None)
-        inter = ck.info(down_name + Tensor.PACKED.dotted).shape[1] * (8 if kind == "int4" else 2) if down_name else None
+        # codes per packed element: INT4 8 a word, INT8 4 a word (pack/int4.py), FP4 2 a byte
+        per = (4 if w.get("num_bits") == 8 else 8) if kind == "int4" else 2
+        inter = ck.info(down_name + Tensor.PACKED.dotted).shape[1] * per if down_name else None
         if kind == "int4" and first.w4afp8:
             _w4afp8(layer, w, hidden, inter, tp, rep)
         elif kind == "int4" and w.get("strategy") == "group":

@@ -322,7 +322,7 @@ def _module_problems(r, sw: StoredWeight) -> list[str]:
     if found:
         return found
     small = {s: r.get(t) for s, t in local.items() if s != Tensor.PACKED}
-    return checks.value_problems(m, sw.encoding, small, symmetric=scheme.symmetric)
+    return checks.value_problems(m, sw.encoding, small, symmetric=scheme.symmetric, num_bits=scheme.num_bits)
 
 
 # ---- reading -------------------------------------------------------------------------------------

@@ -137,7 +137,8 @@ class TensorReader:
         moved there first and decoded there (the same arithmetic, on e.g. a GPU)."""
         get = self.get if device is None else (lambda name: self.get(name).to(device))
         if sw.encoding == "int4":
-            return dequantize_module({suffix: get(t) for suffix, t in sw.tensors}, dtype)
+            return dequantize_module({suffix: get(t) for suffix, t in sw.tensors}, dtype,
+                                     int(sw.weights.get("num_bits", 4)))
         if sw.encoding in ("nvfp4", "mxfp4"):
             return fp4_module(sw.encoding, {suffix: get(t) for suffix, t in sw.tensors}, dtype)
         scale = read_scale(get, sw.scale, sw.layout, sw.scale_fmt, notes)

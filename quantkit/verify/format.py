@@ -351,13 +351,14 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
     if bad:
         return
     local = {s: reader.get(f"{m}.{s}") for s in infos}
-    found = checks.value_problems(m, group.kind, local, symmetric=group.symmetric)
+    bits = group.scheme.num_bits
+    found = checks.value_problems(m, group.kind, local, symmetric=group.symmetric, num_bits=bits)
     for p in found:
         problems.add(p)
     if found:
         return
     if group.kind == "int4":
-        mine = dequantize_module(local, torch.float32)  # [N, K]
+        mine = dequantize_module(local, torch.float32, bits)  # [N, K]
     else:
         mine = fp4pack.dequantize_module(group.kind, local, torch.float32)
     try:
@@ -370,7 +371,7 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
             diff = (theirs.float() - mine).abs().max().item() if tuple(theirs.shape) == (n, k) else float("nan")
             problems.add(f"{m}: compressed-tensors decompresses it differently from quantkit "
                          f"(shape {list(theirs.shape)}, max |diff| {diff:.3g})")
-    if kernel_modules is not None and len(kernel_modules) < KERNEL_MODULES and group.kind == "int4":
+    if kernel_modules is not None and len(kernel_modules) < KERNEL_MODULES and group.kind == "int4" and bits == 4:
         kernel_modules.append((m, local))
     if ref_reader is not None:
         _measure(m, entry, mtable, mine, ref_reader, problems, sqnr, drift,

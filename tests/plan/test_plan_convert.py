@@ -73,3 +73,31 @@ def test_int4_wrapper_source(tiny_models, tmp_path, recipe):
     src = tiny_models("kimi_k25", int4_experts=True)
     convert(src, tmp_path / "q", ConvertOptions(recipe=recipe, **CAL))
     _compare(src, tmp_path / "q", recipe)
+
+
+
+INT8_RECIPE = """\
+name: int8-trial
+groups:
+  experts:
+    targets: ['re:.*\\.mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$', 're:.*\\.block_sparse_moe\\.experts\\.\\d+\\.w[123]$']
+    method: rtn
+    scheme: {num_bits: 8, type: int, symmetric: true, strategy: channel}
+  attn:
+    targets: ['re:.*\\.self_attn\\.(q|k|v|o)_proj$']
+    method: rtn
+    scheme: {num_bits: 8, type: int, symmetric: true, strategy: group, group_size: 32, fallback: channel}
+ignore: ['re:.*\\.mlp\\.gate$', 'lm_head']
+"""
+
+
+@pytest.mark.parametrize("arch_name", ["qwen3_moe", "mixtral"])
+def test_int8_recipe(tiny_models, tmp_path, arch_name):
+    """INT8 (pack-quantized num_bits 8): four codes a word, sized by the same table convert writes by."""
+    recipe = tmp_path / "int8.yaml"
+    recipe.write_text(INT8_RECIPE)
+    src = tiny_models(arch_name)
+    convert(src, tmp_path / "q", ConvertOptions(recipe=str(recipe)))
+    _compare(src, tmp_path / "q", str(recipe))
+    packed = {n: sh for n, (sh, d) in headers(tmp_path / "q").items() if n.endswith(".weight_packed")}
+    assert packed and all(sh[1] == -(-headers(src)[n.replace("_packed", "")][0][1] // 4) for n, sh in packed.items())
