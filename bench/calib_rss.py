@@ -27,21 +27,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from calib_dist import CACHE, RECIPE, _dataset, _source  # noqa: E402
+from convert_rtn import SPLIT_FIELDS, proc_status  # noqa: E402
 
-FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM")
+FIELDS = SPLIT_FIELDS
 
 
 def status(pid: int) -> dict[str, int] | None:
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    out = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        if key in FIELDS:
-            out[key] = int(rest.split()[0]) * 1024
-    return out
+    return proc_status(pid, FIELDS)
 
 
 def traced(cmd: list[str], env: dict, period: float, timeout: int) -> dict:

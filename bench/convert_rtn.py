@@ -227,15 +227,7 @@ def rss_split(pid: int, split: dict) -> dict:
     VmRSS peaked, `VmHWM` the kernel's own high-water mark (exact, also between polls). RssAnon is
     tensors and malloc arenas; RssFile is mapped files: shared libraries and source shards read through
     mmap, whose pages count as long as their mapping lives."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return split
-    now = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        if key in SPLIT_FIELDS:
-            now[key] = int(rest.split()[0]) * 1024
+    now = proc_status(pid, SPLIT_FIELDS)
     if not now:
         return split
     out = dict(split)
@@ -243,6 +235,20 @@ def rss_split(pid: int, split: dict) -> dict:
         out[f"peak_{k}"] = max(out.get(f"peak_{k}", 0), v)
     if now.get("VmRSS", 0) >= out.get("at_peak_VmRSS", 0):
         out.update({f"at_peak_{k}": v for k, v in now.items()})
+    return out
+
+
+def proc_status(pid: int, fields) -> dict[str, int] | None:
+    """The `fields` of /proc/PID/status in bytes (None: the process is gone). The one reader of it in bench/."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in fields:
+            out[key] = int(rest.split()[0]) * 1024
     return out
 
 
