@@ -88,8 +88,9 @@ def _bypass_cpu_kernel_gates(report: dict) -> None:
        (`w13_weight_packed [E, 2I, H/8]`, `w13_weight_scale [E, 2I, H/g]`, ...); the backend only matters
        in process_weights_after_loading, which is not run.
     2. CPU attention backend selection (platforms/cpu.py `CpuPlatform.get_attn_backend_cls`) refuses an fp8
-       KV-cache dtype for MLA ("--kv-cache-dtype fp8 is not supported by MLA attention on CPU") and any
-       sparse MLA (GLM-5's DSA). The replacement asks the platform for the backend class with the KV dtype
+       KV-cache dtype for MLA ("--kv-cache-dtype fp8 is not supported by MLA attention on CPU"), for other
+       attention on a host without AVX-512 or AMX ("... not supported by the CPU attention backend on this
+       host"), and any sparse MLA (GLM-5's DSA). The replacement asks the platform for the backend class with the KV dtype
        'auto' and the dense flag; the layer still gets kv_cache_dtype=fp8 and so its KV-cache quant method
        and k/v scale parameters are created exactly as on a GPU (attention.py `_init_kv_cache_quant` depends
        on the quant config and kv dtype, not on the backend). The backend class owns no checkpoint
@@ -174,7 +175,9 @@ def _bypass_cpu_kernel_gates(report: dict) -> None:
 
     def attn_backend_without_mla_gate(cls, selected_backend, attn_selector_config, num_heads=None):
         sc = attn_selector_config
-        if sc.use_mla and (sc.use_sparse or sc.kv_cache_dtype not in (None, "auto", "bfloat16", "float16")):
+        # MLA: every fp8 KV dtype is refused on the CPU; the dense CPU backend refuses it on hosts without
+        # AVX-512 or AMX (cpu_attn.py supports_kv_cache_dtype): both asked again with 'auto'
+        if sc.use_sparse or sc.kv_cache_dtype not in (None, "auto", "bfloat16", "float16"):
             bypassed.append({"kv_cache_dtype": sc.kv_cache_dtype, "sparse": sc.use_sparse})
             sc = sc._replace(kv_cache_dtype="auto", use_sparse=False)  # a NamedTuple
         return original(cls, selected_backend, sc, num_heads)
