@@ -34,7 +34,7 @@ rc_tests=${PIPESTATUS[0]}
 echo "gpu_check: tests rc=$rc_tests in $(( $(date +%s) - start )) s"
 
 start=$(date +%s)
-timeout 300 python bench/kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/bench.txt"
+timeout 300 python bench/kernel_timings.py --json "$out/kernels.json" 2>&1 | tee "$out/bench.txt"
 rc_bench=${PIPESTATUS[0]}
 echo "gpu_check: bench rc=$rc_bench in $(( $(date +%s) - start )) s; results in $out"
 

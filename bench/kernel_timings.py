@@ -2,9 +2,9 @@
 bf16 per-expert torch loop, paged decode attention with a BF16 vs FP8 KV cache, GQA and MLA, with the
 KV-cache integrity check on and off; NVFP4 / MXFP4 weight-only GEMM and fused MoE (`--only fp4`).
 
-    python bench/kernels.py                 # CUDA: full table (~1-2 minutes on an H100/H200)
-    python bench/kernels.py --smoke         # CPU: tiny shapes in the Triton interpreter (crash test only)
-    python bench/kernels.py --json out.json # also write the rows as JSON ($OUT/kernels.json when $OUT is set)
+    python bench/kernel_timings.py                 # CUDA: full table (~1-2 minutes on an H100/H200)
+    python bench/kernel_timings.py --smoke         # CPU: tiny shapes in the Triton interpreter (crash test only)
+    python bench/kernel_timings.py --json out.json # also write the rows as JSON ($OUT/kernels.json when $OUT is set)
 
 Timings are medians of triton.testing.do_bench (CUDA events). Smoke timings are meaningless.
 This measures kernels in isolation with random weights; it is not an end-to-end serving benchmark.
