@@ -115,8 +115,8 @@ def clip_ratios(num_bits: int, symmetric: bool, n_grid: int = 20, max_shrink: fl
     return sorted(set(rs) | {1.0}, reverse=True)
 
 
-CLIP_GRAM_BYTES = 1 << 26  # float64 [E, K, K] Gram matrices `search_clip` holds at once (at least one expert's)
-# float64 [E, rows, K] errors per candidate (at least one row): below glibc's largest mmap threshold, so that
+CLIP_GRAM_BYTES = 1 << 26  # float32 [E, K, K] Gram matrices `search_clip` holds at once (at least one expert's)
+# float32 [E, rows, K] errors per candidate (at least one row): below glibc's largest mmap threshold, so that
 # the per-candidate temporaries are reused from the heap instead of mapped and faulted in every time
 CLIP_CHUNK_BYTES = 1 << 24
 
@@ -130,20 +130,24 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, num_bits: int = 4, group_size:
 
     w [E, N, K]; x [E, T, K] inputs of each matrix (padded), x_mask [E, T] marks real tokens (or weights
     them). Rows are searched `row_chunk` at a time (None: as many as CLIP_CHUNK_BYTES allows, at most 256).
-    Returns ratio [E, N, G] in [max_shrink, (qmax - qmin) / (2 qmax)]."""
+    Returns ratio [E, N, G] in [max_shrink, (qmax - qmin) / (2 qmax)].
+
+    The quadratic forms are float32 (the Gram matrix is a float32 product of float32 inputs either way). The
+    row test is the difference of the two errors as one form, (d_c - d_1)^T G (d_c + d_1) < 0, d_c and d_1
+    the row's weight errors with the chosen ratios and with r = 1: one [K, K] product per row, not two."""
     e, n, k = w.shape
-    per = max(1, CLIP_GRAM_BYTES // (k * k * 8))
-    if e > per:  # the float64 Gram matrices of a few experts at a time
+    per = max(1, CLIP_GRAM_BYTES // (k * k * 4))
+    if e > per:  # the Gram matrices of a few experts at a time
         return torch.cat([search_clip(w[i:i + per], x[i:i + per], num_bits, group_size, symmetric, n_grid, max_shrink,
                                       None if x_mask is None else x_mask[i:i + per], row_chunk)
                           for i in range(0, e, per)])
     if row_chunk is None:
-        row_chunk = max(1, min(256, CLIP_CHUNK_BYTES // (e * k * 8)))
+        row_chunk = max(1, min(256, CLIP_CHUNK_BYTES // (e * k * 4)))
     g = k if group_size is None else group_size
     groups = k // g
     xs = x.float() if x_mask is None else x.float() * x_mask[..., None].float()
     # errors are quadratic forms in the weight error: sum_t (x_t . d)^2 = d^T (X^T X) d
-    gram = torch.bmm(xs.transpose(1, 2), xs).double()  # [E, K, K]
+    gram = torch.bmm(xs.transpose(1, 2), xs)  # [E, K, K]
     dev = w.device
     idx = torch.arange(groups, device=dev)
     # the diagonal blocks [E * G, g, g]: group j of expert i is batch entry i * G + j
@@ -156,12 +160,12 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, num_bits: int = 4, group_size:
         # [E, G, n, g]: each group's rows are one batch entry of the quadratic forms, so that a candidate's
         # group errors are one batched product with the group's Gram block
         wp = wc.reshape(e, nb, groups, g).transpose(1, 2).contiguous()
-        be = torch.full((e, groups, nb), float("inf"), dtype=torch.float64, device=dev)
+        be = torch.full((e, groups, nb), float("inf"), device=dev)
         br = torch.ones(e, groups, nb, device=dev)
         rtn_dw = None
         for r in [1.0] + [r for r in ratios if r != 1.0]:  # r = 1 first: ties keep RTN
-            dw = wp.sub(fake_quant(wp, num_bits, g, symmetric, r)).double().reshape(e * groups, nb, g)
-            if rtn_dw is None:  # RTN's error, elementwise what _row_error would compute, kept for the row test
+            dw = wp.sub(fake_quant(wp, num_bits, g, symmetric, r)).reshape(e * groups, nb, g)
+            if rtn_dw is None:  # RTN's error [E, n, K], kept for the row test
                 rtn_dw = dw.reshape(e, groups, nb, g).transpose(1, 2).reshape(e, nb, k)
             err = torch.bmm(dw, gram_g).mul_(dw).sum(-1).reshape(e, groups, nb)  # sum_kl dw_k G_kl dw_l
             better = err < be
@@ -170,17 +174,14 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, num_bits: int = 4, group_size:
         br = br.transpose(1, 2)  # [E, n, G]
         # Groups were chosen independently, but a row's output error also has cross-group terms: keep a
         # row's clip ratios only where they lower the row's whole output error on these inputs.
-        keep = _row_error(wc, gram, br, num_bits, group_size, symmetric) < _quad(rtn_dw, gram)  # [E, n]
+        keep = _row_gain(wc, rtn_dw, gram, br, num_bits, group_size, symmetric) < 0  # [E, n]
         del rtn_dw
         best[:, i0:i0 + nb] = br.masked_fill(~keep[..., None], 1.0)
     return best
 
 
-def _row_error(w, gram, ratio, num_bits, group_size, symmetric) -> torch.Tensor:
-    """sum_t (x[t] . (w[n] - q(w)[n]))^2 per row, from gram = X^T X [E, K, K]: w [E, n, K] -> [E, n] (float64)."""
-    return _quad((w - fake_quant(w, num_bits, group_size, symmetric, ratio)).double(), gram)
-
-
-def _quad(dw: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
-    """dw[e, n] . gram[e] . dw[e, n] per row: dw [E, n, K] (float64), gram [E, K, K] -> [E, n]."""
-    return torch.einsum("enk,ekl,enl->en", dw, gram, dw)
+def _row_gain(w, rtn_dw, gram, ratio, num_bits, group_size, symmetric) -> torch.Tensor:
+    """Per row, the output error with clip ratios `ratio` minus that with r = 1 (`rtn_dw`: w - q_1(w)), from
+    gram = X^T X [E, K, K]: (d_c - d_1)^T G (d_c + d_1), G symmetric. w [E, n, K] -> [E, n] (float32)."""
+    d_c = w - fake_quant(w, num_bits, group_size, symmetric, ratio)
+    return torch.bmm(d_c - rtn_dw, gram).mul_(d_c.add_(rtn_dw)).sum(-1)

@@ -134,7 +134,7 @@ def test_search_clip_chunked_over_experts_equals_whole(monkeypatch):
     w = torch.randn(5, 16, 64, generator=g) * 0.05
     x = torch.randn(5, 40, 64, generator=g)
     whole = awq.search_clip(w, x, 4, 32, True)
-    monkeypatch.setattr(awq, "CLIP_GRAM_BYTES", 2 * 64 * 64 * 8)  # two experts per chunk
+    monkeypatch.setattr(awq, "CLIP_GRAM_BYTES", 2 * 64 * 64 * 4)  # two experts per chunk
     assert torch.equal(awq.search_clip(w, x, 4, 32, True), whole)
 
 
