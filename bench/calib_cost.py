@@ -127,17 +127,11 @@ def measure(device: str, hidden: int, inter: int, workdir: Path, log) -> dict:
     out["_gram_points"] = [[m, round(r / 1e9, 2)] for m, r in pts]
     log(f"gram: {[(m, round(r / 1e9, 1)) for m, r in pts]} GFLOP/s")
 
-    # float64 GEMM (AWQ's clip-search Gram work on the CPU; float32 on a GPU)
-    a = torch.randn(512, 512, generator=g).to(dev, sdt)
-    t = _best(lambda: (torch.mm(a, a), _sync(dev)))
-    out["gemm64_flops"] = 2 * 512 ** 3 / t
-    log(f"gemm64: {out['gemm64_flops'] / 1e9:.1f} GFLOP/s")
-
-    # AWQ clip search's group errors: per candidate, [rows, 32] x [32, 32] quadratic forms batched over every
-    # (expert, group) of a row chunk (quant.awq.search_clip), float64 on the CPU; nominal 2 x rows x 32 x 32
+    # AWQ clip search's group errors: per candidate, float32 [rows, 32] x [32, 32] quadratic forms batched over
+    # every (expert, group) of a row chunk (quant.awq.search_clip); nominal 2 x rows x 32 x 32
     b, m, gs = 8 * hidden // 32, 256, 32
-    d = torch.randn(b, m, gs, generator=g).to(dev, sdt)
-    blk = torch.randn(b, gs, gs, generator=g).to(dev, sdt)
+    d = torch.randn(b, m, gs, generator=g).to(dev)
+    blk = torch.randn(b, gs, gs, generator=g).to(dev)
     t = _best(lambda: (torch.bmm(d, blk).mul_(d).sum(-1), _sync(dev)))
     out["block_form_flops"] = 2 * b * m * gs * gs / t
     log(f"group forms: {out['block_form_flops'] / 1e9:.1f} GFLOP/s")

@@ -2,7 +2,8 @@
 expert's gate/up folded into the post-attention norm (router and shared expert compensated), per-expert
 up -> down scales, clipping; then RTN with the found parameters, written back into the layer.
 
-Each search tries ~21 candidates (n_grid + plain RTN). What keeps that cheap:
+Each scale search tries plain RTN and every grid_stride-th of the n_grid grid points, then the grid points
+next to the best one (quant.awq.grid_coarse / grid_refine: 13 candidates by default). What keeps that cheap:
 - (1) the norm scale: a candidate is a forward of the whole MoE block (router, routed experts with the
   batched expert forward, shared expert). Every candidate runs on a strided subset of the sampled tokens
   (NORM_SEARCH_TOKENS); the NORM_SEARCH_FINALISTS best of them and s = 1 then run on every sampled token,
@@ -25,7 +26,8 @@ import torch
 from ..arch.layout import DENSE_MLP, HF_BLOCK, POST_ATTN_NORM, ROUTER, shared_name
 from ..errors import CalibrationError
 from ..match.recipe import WeightGroup
-from ..quant.awq import choose_qparams_clipped, fake_quant, scale_candidates, search_clip, search_scales
+from ..quant.awq import (choose_qparams_clipped, fake_quant, grid_coarse, grid_refine, scale_candidates,
+                         search_clip, search_scales)
 from ..quant.int4 import QParams, dequantize, quantize, sqnr_db
 from ..pack.layout import scale_dtype
 from .emit import LayerResult, emit, source_dtype
@@ -99,11 +101,13 @@ def _rows_w_mean(parts: list[torch.Tensor], group_size: int | None) -> torch.Ten
     return (acc / n).float()
 
 
-def _search_norm_scale(x_mean, w_mean, loss_on, x: torch.Tensor, fp_out: torch.Tensor, n_grid: int):
-    """The norm-scale grid search (quant.awq.search_scales' candidates and tie rule: the earlier candidate,
-    s = 1 first, wins a tie) run in two rounds: every candidate on NORM_SEARCH_TOKENS strided tokens, then
-    the NORM_SEARCH_FINALISTS best and s = 1 on all of x. `loss_on(s, x, ref)` -> scalar. Returns (s, a)."""
-    return _drive(_norm_search_steps(x_mean, w_mean, loss_on, x, fp_out, n_grid))
+def _search_norm_scale(x_mean, w_mean, loss_on, x: torch.Tensor, fp_out: torch.Tensor, n_grid: int,
+                       stride: int = 1):
+    """The norm-scale grid search (quant.awq.search_scales' candidates, coarse-to-fine rounds and tie rule:
+    the lower candidate index, s = 1 first, wins a tie), with the candidates tried on NORM_SEARCH_TOKENS
+    strided tokens first and the NORM_SEARCH_FINALISTS best and s = 1 then on all of x.
+    `loss_on(s, x, ref)` -> scalar. Returns (s, a)."""
+    return _drive(_norm_search_steps(x_mean, w_mean, loss_on, x, fp_out, n_grid, stride=stride))
 
 
 def _drive(steps):
@@ -127,26 +131,35 @@ def _losses(par, loss_of, todo: list[int]):
     return {i: v for part in box["all"] for i, v in part.items()}
 
 
-def _norm_search_steps(x_mean, w_mean, loss_on, x: torch.Tensor, fp_out: torch.Tensor, n_grid: int, par=None):
+def _norm_search_steps(x_mean, w_mean, loss_on, x: torch.Tensor, fp_out: torch.Tensor, n_grid: int, par=None,
+                       stride: int = 1):
     """`_search_norm_scale` as a generator. Distributed (`par`): each round's candidates are split over the
     ranks and their losses exchanged (yielded, see `awq_steps`); every rank then makes the same choice from
     the same numbers, so the result does not depend on the world size."""
     n = x.shape[0]
     cands = [(-1.0, torch.ones_like(x_mean, dtype=torch.float32))] + list(scale_candidates(x_mean, w_mean, n_grid))
-    if n <= NORM_SEARCH_TOKENS:  # one round on every token
-        full = yield from _losses(par, lambda i: float(loss_on(cands[i][1], x, fp_out)), list(range(len(cands))))
-        win = 0
-        for i in range(1, len(cands)):  # search_scales' rule: strictly lower wins, so the earlier one keeps a tie
-            if full[i] < full[win]:
-                win = i
-        return cands[win][1], float(cands[win][0])
-    sub = torch.linspace(0, n - 1, NORM_SEARCH_TOKENS, device=x.device).round().long()
-    xs, refs = x[sub], fp_out[sub]
-    first = yield from _losses(par, lambda i: float(loss_on(cands[i][1], xs, refs)), list(range(len(cands))))
-    ranked = sorted(range(len(cands)), key=lambda i: (first[i], i))
-    finalists = sorted({0, *ranked[:NORM_SEARCH_FINALISTS]})
-    full = yield from _losses(par, lambda i: float(loss_on(cands[i][1], x, fp_out)), finalists)
-    win = min(finalists, key=lambda i: (full[i], i))
+    if n <= NORM_SEARCH_TOKENS:  # every round on every token
+        xs, refs = x, fp_out
+    else:
+        sub = torch.linspace(0, n - 1, NORM_SEARCH_TOKENS, device=x.device).round().long()
+        xs, refs = x[sub], fp_out[sub]
+
+    def on_subset(i):
+        return float(loss_on(cands[i][1], xs, refs))
+
+    def best(losses: dict) -> int:
+        return min(losses, key=lambda i: (losses[i], i))  # least loss, then the lower index
+
+    coarse = grid_coarse(n_grid, stride)
+    seen = yield from _losses(par, on_subset, coarse)
+    if stride > 1:
+        centre = best({i: seen[i] for i in coarse[1:]})
+        seen.update((yield from _losses(par, on_subset, grid_refine(centre, n_grid, stride))))
+    if n > NORM_SEARCH_TOKENS:
+        ranked = sorted(seen, key=lambda i: (seen[i], i))
+        finalists = sorted({0, *ranked[:NORM_SEARCH_FINALISTS]})
+        seen = yield from _losses(par, lambda i: float(loss_on(cands[i][1], x, fp_out)), finalists)
+    win = best(seen)
     return cands[win][1], float(cands[win][0])
 
 
@@ -215,7 +228,8 @@ def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: Weig
         return (_mlp_out(mlp, xs / s_eff, dtype) - ref).square().mean()
 
     try:
-        s1, a1 = yield from _norm_search_steps(x_mean, w_mean, block_loss, x, fp_out, n_grid, par)
+        s1, a1 = yield from _norm_search_steps(x_mean, w_mean, block_loss, x, fp_out, n_grid, par,
+                                               g.options.grid_stride)
     finally:
         experts.gate_up_proj.data.copy_(gu.to(dtype))  # gu is the float32 copy of these very values
         for m, _, w, _ in orig:
@@ -383,7 +397,8 @@ def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, 
         if do_down:
             expert_loss = down_scale_loss(he, wt, dn_e, s_dn)
             h_mean = torch.bmm(real[:, None, :], he.abs())[:, 0] / cnt[:, None]  # mean |he| over real tokens
-            best, a_best, _ = search_scales(h_mean, _group_w_mean(dn_e, s_dn.group_size), expert_loss, n_grid)
+            best, a_best, _ = search_scales(h_mean, _group_w_mean(dn_e, s_dn.group_size), expert_loss, n_grid,
+                                            stride=g.options.grid_stride)
             del expert_loss
         else:
             best, a_best = torch.ones(len(ids), I, device=dev), torch.full((len(ids),), -1.0, device=dev)

@@ -316,13 +316,14 @@ class AWQOptions(_Calibrated):
     """AWQ (quant/awq.py): grid points of the scale search, clipping search, per-expert up -> down scales."""
 
     n_grid: int = 20
+    grid_stride: int = 2
     clip: bool = True
     scale_down: bool = True
     sample_tokens: int = 8192
 
 
 OPTIONS = {"rtn": RTNOptions, "gptq": GPTQOptions, "awq": AWQOptions}
-_POSITIVE = ("block_size", "sample_tokens", "n_grid", "min_tokens")
+_POSITIVE = ("block_size", "sample_tokens", "n_grid", "grid_stride", "min_tokens")
 
 
 def parse_options(method: str, raw: dict, where: str):

@@ -14,8 +14,8 @@ checkpoint that exists only as its enumerated tensor headers (plan/tensors.py): 
 Time is a sum of counted work divided by rates:
 - GEMM-shaped work (FLOPs) at `gemm_flops` scaled down for short matrices: a GEMM of m rows runs at
   gemm_flops * m / (m + gemm_half_rows); the Hessians' Gram products (x^T x, reduced over tokens) at
-  `gram_flops` likewise; AWQ's float64 Gram work at `gemm64_flops`, and its clip search's group errors
-  (batched [m, 32] x [32, 32] products, far below a large GEMM's rate) at `block_form_flops`;
+  `gram_flops` likewise; AWQ's clip search's group errors (batched float32 [m, 32] x [32, 32] products, far
+  below a large GEMM's rate) at `block_form_flops`;
 - GPTQ's factorizations (the Cholesky factor of the reversed Hessian and its triangular inverse: nominal
   2/3 K^3 per matrix, batched) at `chol_flops`; its column sweep as `sweep_col_s` per column step (a dozen small ops: the fixed
   part) plus its in-block updates at `sweep_elems_per_s` (elements updated per second), the lazy block
@@ -57,8 +57,7 @@ class Throughput:
     gemm_half_rows: float  # rows m at which a GEMM [m, k] x [k, n] reaches half of gemm_flops
     gram_flops: float  # x^T x over tokens in float32 (Hessian accumulation), large
     gram_half_rows: float
-    gemm64_flops: float  # float64 GEMM (AWQ's clip search: the rows' whole errors), large
-    block_form_flops: float  # AWQ's clip search group errors: float64 [m, 32] x [32, 32] products, batched
+    block_form_flops: float  # AWQ's clip search group errors: float32 [m, 32] x [32, 32] products, batched
     chol_flops: float  # batched Cholesky + triangular inverse, nominal 2/3 K^3 per matrix, solve dtype
     sweep_col_s: float  # fixed seconds per column step of GPTQ's sweep (per chunk of experts)
     sweep_elems_per_s: float  # in-block error-feedback updates, elements per second
@@ -96,7 +95,7 @@ CPU_MEASURED = Throughput(
     kind="cpu", provenance="measured",
     source="bench/calib_cost.py, AMD EPYC VM, 2 CPUs, torch 2.13.0+cpu, 2 threads, 2026-12-02, wall seconds "
            "(load average 0.9 at the start; tree c0aeed5 and later: AWQ's searches on reused heap memory)",
-    gemm_flops=1.987e+11, gemm_half_rows=20.54, gram_flops=1.943e+11, gram_half_rows=1.911, gemm64_flops=8.929e+10,
+    gemm_flops=1.987e+11, gemm_half_rows=20.54, gram_flops=1.943e+11, gram_half_rows=1.911,
     block_form_flops=3.999e+10, chol_flops=2.469e+10, sweep_col_s=2.38e-05, sweep_elems_per_s=7.99e+09,
     mem_bytes_per_s=4.1e+10, op_s=9.277e-07, read_bytes_per_s=2.296e+10, write_bytes_per_s=1.35e+09,
     fsync_s=0.0002517, module_s=0.0005299, fake_quant_elems_per_s=1.187e+09, hash_bytes_per_s=1.941e+09,
@@ -114,8 +113,7 @@ CUDA_ASSUMED = Throughput(
     gemm_half_rows=256.0,  # a [m, 7168] x [7168, 4096] bf16 GEMM is launch/memory bound below a few hundred rows
     gram_flops=0.7 * 67e12,  # Hessians are float32 bmm (TF32 off, torch's default for matmul): fp32 peak x 0.7
     gram_half_rows=256.0,
-    gemm64_flops=0.7 * 67e12,  # AWQ's clip search is float64 on a GPU too: FP64 tensor-core peak 67 TFLOP/s x 0.7
-    block_form_flops=0.1 * 67e12,  # batched [m, 32] x [32, 32] float64 products: far from peak, x 0.1
+    block_form_flops=0.1 * 67e12,  # AWQ's batched [m, 32] x [32, 32] float32 products: far from peak, x 0.1
     chol_flops=0.15 * 67e12,  # batched float32 potrf/potri: far from peak (cuSOLVER per matrix), x 0.15
     sweep_col_s=15 * 10e-6,  # ~15 kernel launches of ~10 us per column step, whatever the chunk
     sweep_elems_per_s=0.4 * 4.8e12 / 12,  # in-block update reads/writes ~12 bytes per element at 0.4 x HBM
@@ -439,23 +437,26 @@ def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: 
     return chol, sweep
 
 
-def _awq_search(c: Throughput, s: _LayerShape, s_tok: int, n_grid: int, clip: bool, down: bool,
-                experts: int, g_gu: int, g_dn: int) -> float:
-    """AWQ's searches for one MoE layer, seconds (`_awq_search_parts` summed)."""
-    return sum(_awq_search_parts(c, s, s_tok, n_grid, clip, down, experts, g_gu, g_dn).values())
+def awq_candidates(n_grid: int, stride: int) -> tuple[int, int]:
+    """Candidates of AWQ's scale searches per round (quant.awq.grid_coarse, grid_refine): s = 1 and every
+    stride-th grid point, then up to 2 (stride - 1) neighbours of the best (fewer at the grid's ends)."""
+    from ..quant.awq import grid_coarse  # torch is imported only where the plan needs it
+
+    return len(grid_coarse(n_grid, stride)), min(2 * (stride - 1), n_grid + 1 - len(grid_coarse(n_grid, stride)))
 
 
-def _awq_search_parts(c: Throughput, s: _LayerShape, s_tok: int, n_grid: int, clip: bool, down: bool,
-                      experts: int, g_gu: int, g_dn: int) -> dict[str, float]:
+def _awq_search_parts(c: Throughput, s: _LayerShape, s_tok: int, n_grid: int, stride: int, clip: bool,
+                      down: bool, experts: int, g_gu: int, g_dn: int) -> dict[str, float]:
     """AWQ's searches for one MoE layer (calib/awq_pass.py), seconds per part: `norm`, the norm scale
-    (n_grid + 1 candidates on 512 strided sampled tokens, 3 finalists on all of them: each a fake-quantized
-    copy of every expert's gate/up and a forward of the MoE block); `down`, the per-expert up -> down scale
-    (the down inputs, their weighted Gram, then per candidate a fake-quant of down and a quadratic form,
+    (`awq_candidates` on 512 strided sampled tokens, 3 finalists on all of them: each a fake-quantized copy
+    of every expert's gate/up and a forward of the MoE block); `down`, the per-expert up -> down scale (the
+    down inputs, their weighted Gram, then per candidate a fake-quant of down and a quadratic form,
     H x I x I, per expert); `clip`, the clip search (the inputs' Gram; per ratio a fake-quant and the group
-    errors, float64 [rows, g] x [g, g] products; each matrix's row errors twice, float64 [rows, K] x [K, K]);
-    `choice`, the four clip combinations on <= 512 rows; `rtn`, RTN with the found parameters, SQNR, packing."""
+    errors, float32 [rows, g] x [g, g] products; the row test, a fake-quant and one [rows, K] x [K, K]
+    product per matrix); `choice`, the four clip combinations on <= 512 rows; `rtn`, RTN with the found
+    parameters, SQNR, packing."""
     e, h, p, i, k = s.experts, s.h, s.p, s.i, s.top_k
-    cands = n_grid + 1
+    cands = sum(awq_candidates(n_grid, stride))
     fq = c.fake_quant_elems_per_s
     mem = c.mem_bytes_per_s
     parts = dict.fromkeys(("norm", "down", "clip", "choice", "rtn"), 0.0)
@@ -483,11 +484,12 @@ def _awq_search_parts(c: Throughput, s: _LayerShape, s_tok: int, n_grid: int, cl
             # the inputs' Gram (float32, then float64) and its diagonal blocks
             sec += experts * (2 * rows * kk * kk / _rate(c.gram_flops, c.gram_half_rows, rows)
                               + kk * kk * 24 / mem)
-            # per ratio: a fake-quant, the error converted to float64, the group errors, the running best
-            sec += experts * nratio * (n_out * kk / fq + n_out * kk * 20 / mem
+            # per ratio: a fake-quant, the error, the group errors, the running best
+            sec += experts * nratio * (n_out * kk / fq + n_out * kk * 12 / mem
                                        + 2 * n_out * kk * g / c.block_form_flops + 8 * c.op_s)
-            # the rows' whole errors with and without clipping: a fake-quant and a float64 quadratic form each
-            sec += experts * 2 * (n_out * kk / fq + n_out * kk * 36 / mem + 2 * n_out * kk * kk / c.gemm64_flops)
+            # the row test: a fake-quant with the chosen ratios, one float32 [rows, K] x [K, K] product
+            sec += experts * (n_out * kk / fq + n_out * kk * 24 / mem
+                              + 2 * n_out * kk * kk / _rate(c.gemm_flops, c.gemm_half_rows, n_out))
         parts["clip"] = sec
         crow = min(rows, 512)
         parts["choice"] = (experts * crow * (2 * 2 * h * p + 4 * 2 * i * h) / _rate(c.gemm_flops, c.gemm_half_rows, crow)
@@ -704,12 +706,14 @@ def _pass_row(row: dict, comm: dict, ctx: _PassContext, idx: int, layer, s, pack
         sch = egroup.scheme
         # the norm-scale candidates of each round and the per-expert searches (awq_pass.search_owners:
         # about E / g each) are split over the ranks; rank 0 quantizes and emits every expert
-        parts = _awq_search_parts(c, s, s_tok, o.n_grid, o.clip, o.scale_down, s.experts,
+        parts = _awq_search_parts(c, s, s_tok, o.n_grid, o.grid_stride, o.clip, o.scale_down, s.experts,
                                   sch.group_size or s.h, sch.group_size or s.i)
         share = math.ceil(s.experts / g) / s.experts
-        cands, sub = o.n_grid + 1, min(512, s_tok)  # the busiest rank's share of the candidates' tokens
-        norm_share = ((math.ceil(cands / g) * sub + math.ceil(3 / g) * s_tok) / (cands * sub + 3 * s_tok)
-                      if s_tok > sub else math.ceil(cands / g) / cands)
+        # the busiest rank's share of the candidates' tokens: each round's candidates are split
+        rounds = awq_candidates(o.n_grid, o.grid_stride)
+        cands, mine, sub = sum(rounds), sum(math.ceil(r / g) for r in rounds), min(512, s_tok)
+        norm_share = ((mine * sub + math.ceil(3 / g) * s_tok) / (cands * sub + 3 * s_tok)
+                      if s_tok > sub else mine / cands)
         row["awq_search"] += (norm_share * parts["norm"] + parts["rtn"]
                               + share * (parts["down"] + parts["clip"] + parts["choice"]))
         row["awq_search"] += s_tok * hidden * 4 * 2 / c.mem_bytes_per_s  # the samples and block outputs

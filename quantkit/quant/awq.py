@@ -3,8 +3,9 @@
 Two searches, both over a fixed grid and both batched over experts (leading dim E):
 - `search_scales`: per input channel s = mean|x|^a / mean|w|^(1-a) for a in {0, 1/n, ..., (n-1)/n},
   normalized by sqrt(max*min), choosing per batch entry the a whose scaled-and-quantized weights give the
-  lowest loss. The loss is supplied by the caller (the block output error), since what "output" means
-  depends on the block (a whole MoE MLP for the post-attention norm scale, one expert for up->down).
+  lowest loss, coarse to fine (every `stride`-th a, then the neighbours of the best one). The loss is
+  supplied by the caller (the block output error), since what "output" means depends on the block (a whole
+  MoE MLP for the post-attention norm scale, one expert for up->down).
 - `search_clip`: per output row and group, a ratio r of the group's range (`clip_ratios`: from the range
   that puts a symmetric group's absmax exactly on the top code down to max_shrink of it, plus r = 1, plain
   RTN), minimizing the group's contribution to the Linear's output error on its own inputs (computed from
@@ -80,24 +81,54 @@ def scale_candidates(x_mean: torch.Tensor, w_mean: torch.Tensor, n_grid: int = 2
         yield a, s
 
 
+def grid_coarse(n_grid: int, stride: int = 1) -> list[int]:
+    """Candidate indices of a scale search's first round: 0 is s = 1 (plain RTN), 1 + i is grid point i of
+    scale_candidates; every stride-th grid point from 0 (stride 1: the whole grid, the only round)."""
+    return [0] + [1 + i for i in range(0, n_grid, stride)]
+
+
+def grid_refine(centre: int, n_grid: int, stride: int = 1) -> list[int]:
+    """Candidate indices of the second round around the first round's best grid point (candidate index
+    `centre` >= 1): the grid points within stride - 1 of it, none of which the first round tried."""
+    c = centre - 1
+    return [1 + j for j in range(max(0, c - stride + 1), min(n_grid, c + stride)) if j != c]
+
+
 def search_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, loss_fn: Callable[[torch.Tensor], torch.Tensor],
-                  n_grid: int = 20, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  n_grid: int = 20, power_of_two: bool = False,
+                  stride: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grid search of AWQ scales. x_mean, w_mean: [..., K]; loss_fn(s [..., K]) -> loss [...] (one per batch
-    entry, lower is better). Returns (best s [..., K], best a [...] (-1: no scaling won), loss with s = 1 [...])."""
-    best_s = best_a = best_loss = None
-    first = None
-    # s = 1 (plain RTN) is always a candidate, reported as a = -1: the search can only improve on it
-    cands = [(-1.0, torch.ones_like(x_mean, dtype=torch.float32))]
-    for a, s in cands + list(scale_candidates(x_mean, w_mean, n_grid, power_of_two)):
-        loss = loss_fn(s).double()
-        if best_s is None:
-            best_s, best_a, best_loss, first = s.expand_as(loss.new_empty(*loss.shape, s.shape[-1])).clone(), torch.full_like(loss, a), loss, loss
-            continue
-        better = loss < best_loss
-        best_loss = torch.where(better, loss, best_loss)
-        best_a = torch.where(better, torch.full_like(best_a, a), best_a)
-        best_s = torch.where(better.unsqueeze(-1), s, best_s)
-    return best_s, best_a, first
+    entry, lower is better). Returns (best s [..., K], best a [...] (-1: no scaling won), loss with s = 1 [...]).
+
+    s = 1 is always a candidate, so the result can only improve on plain RTN. Coarse to fine: s = 1 and every
+    stride-th grid point first (grid_coarse), then, per batch entry, the grid points within stride - 1 of its
+    best grid point (grid_refine, gathered per entry: one loss_fn call per offset); stride 1 tries the whole
+    grid in one round. The least loss wins; a tie goes to the lower candidate index (s = 1 first)."""
+    k = x_mean.shape[-1]
+    cands = torch.stack([torch.ones_like(x_mean, dtype=torch.float32)]
+                        + [s for _, s in scale_candidates(x_mean, w_mean, n_grid, power_of_two)])  # [1 + n_grid, ..., K]
+
+    def pick(idx: torch.Tensor) -> torch.Tensor:  # each batch entry's candidate idx[...] -> [..., K]
+        return cands.gather(0, idx[None, ..., None].expand(1, *idx.shape, k))[0]
+
+    coarse = grid_coarse(n_grid, stride)
+    losses = torch.stack([loss_fn(cands[i]).double() for i in coarse])  # [C, ...]
+    first = losses[0]
+    order = torch.tensor(coarse, device=losses.device)
+    win = losses.argmin(0)  # the first least loss: the lower candidate index keeps a tie
+    best_loss, best_i = losses.gather(0, win[None])[0], order[win]
+    if stride > 1:
+        centre = order[1:][losses[1:].argmin(0)] - 1  # each entry's best grid point (s = 1 aside)
+        for off in [o for o in range(1 - stride, stride) if o != 0]:
+            j = centre + off
+            valid = (j >= 0) & (j < n_grid)
+            idx = j.clamp(0, n_grid - 1) + 1
+            loss = loss_fn(pick(idx)).double()
+            better = valid & ((loss < best_loss) | ((loss == best_loss) & (idx < best_i)))
+            best_loss = torch.where(better, loss, best_loss)
+            best_i = torch.where(better, idx, best_i)
+    best_a = torch.where(best_i == 0, -1.0, (best_i - 1).double() / n_grid)
+    return pick(best_i), best_a, first
 
 
 def clip_ratios(num_bits: int, symmetric: bool, n_grid: int = 20, max_shrink: float = 0.5) -> list[float]:

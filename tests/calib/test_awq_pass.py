@@ -76,6 +76,38 @@ def test_norm_search_two_rounds(monkeypatch):
     assert seen == [64] * len(cands) and torch.equal(s, cands[4])
 
 
+def test_norm_search_coarse_to_fine(monkeypatch):
+    """grid_stride 2: the subset round tries s = 1 and every other grid point, then the neighbours of the best
+    grid point; the finalists come from both; with few tokens both rounds run on every token."""
+    monkeypatch.setattr(awq_pass, "NORM_SEARCH_TOKENS", 64)
+    monkeypatch.setattr(awq_pass, "NORM_SEARCH_FINALISTS", 2)
+    g = torch.Generator().manual_seed(3)
+    n_grid, h = 10, 16
+    x = torch.randn(1000, h, generator=g).abs() + 0.1
+    fp_out = torch.randn(1000, h, generator=g)
+    x_mean, w_mean = x.abs().mean(0), torch.rand(h, generator=g) + 0.1
+    cands = _candidates(x_mean, w_mean, n_grid)
+    seen = []
+
+    def loss_on(s, xs, ref):  # unimodal in the candidate index, least at 8 (grid point 7); s = 1 worst
+        i = _index(cands, s)
+        seen.append((i, xs.shape[0]))
+        return torch.tensor(50.0 if i == 0 else abs(i - 8) + (0.5 if xs.shape[0] == 1000 and i == 8 else 0.0))
+
+    s, a = _search_norm_scale(x_mean, w_mean, loss_on, x, fp_out, n_grid, stride=2)
+    sub = [i for i, n in seen if n == 64]
+    assert sorted(sub[:6]) == [0, 1, 3, 5, 7, 9] and sorted(sub[6:]) == [6, 8]
+    # finalists on every token: s = 1 and the subset's two best (8, then 7 before 9 on the tie)
+    assert sorted(i for i, n in seen if n == 1000) == [0, 7, 8]
+    assert torch.equal(s, cands[8]) and a == 7 / n_grid  # 8 costs 0.5 on all tokens, 7 costs 1
+    # few tokens: both rounds on every token, no finalists round; the same pick as the whole grid
+    seen.clear()
+    s2, a2 = _search_norm_scale(x_mean, w_mean, loss_on, x[:64], fp_out[:64], n_grid, stride=2)
+    assert len(seen) == 8 and {n for _, n in seen} == {64}
+    s1, a1 = _search_norm_scale(x_mean, w_mean, loss_on, x[:64], fp_out[:64], n_grid, stride=1)
+    assert a2 == a1 == 7 / n_grid and torch.equal(s2, s1)
+
+
 def test_down_scale_loss_is_the_weighted_output_error():
     g = torch.Generator().manual_seed(1)
     e, t, h, i = 3, 50, 64, 32

@@ -53,6 +53,50 @@ def test_search_scales_never_worse_than_no_scaling():
     assert torch.equal(s, torch.ones(3, 16)) and (a == -1).all()
 
 
+def test_search_scales_coarse_to_fine():
+    """stride 2: s = 1 and every other grid point, then per batch entry the neighbours of its best grid point.
+    On a loss unimodal in the grid index it finds what the whole grid finds, with fewer loss calls; a tie goes
+    to the lower candidate index, s = 1 first; stride 1 is the whole grid in one call per candidate."""
+    n_grid, k = 10, 8
+    x_mean, w_mean = torch.rand(4, k) + 0.5, torch.rand(4, k) + 0.5
+    grid = torch.stack([torch.ones(4, k)] + [s for _, s in scale_candidates(x_mean, w_mean, n_grid)])  # [11, 4, K]
+    target = torch.tensor([3, 8, 10, 1])  # each entry's best candidate index: grid points 2, 7, 9, 0
+
+    def index_of(s):  # [4, K] -> the candidate index each entry was given
+        hit = (grid == s[None]).all(-1)  # [11, 4]
+        assert (hit.sum(0) >= 1).all()
+        return hit.float().argmax(0)
+
+    calls = []
+
+    def loss(s):
+        calls.append(1)
+        i = index_of(s)
+        return torch.where(i == 0, 100.0, (i - target).abs().float())  # s = 1 never wins here
+
+    for stride, n_calls in [(1, 11), (2, 1 + 5 + 2), (3, 1 + 4 + 4)]:
+        calls.clear()
+        s, a, first = search_scales(x_mean, w_mean, loss, n_grid, stride=stride)
+        assert len(calls) == n_calls, stride
+        assert torch.equal(index_of(s), target) and torch.equal(s, grid[target, torch.arange(4)])
+        assert torch.equal(a, (target - 1).double() / n_grid) and (first == 100).all()
+    # grid point 7 (index 8) is best; with stride 2 the first round sees a tie between indices 7 and 9 and
+    # refines around the lower one, which still reaches 8
+    calls.clear()
+    flat = lambda s: torch.where(index_of(s) == 0, 100.0, (index_of(s) - 8).abs().float().clamp(min=0.5))
+    s, a, _ = search_scales(x_mean, w_mean, flat, n_grid, stride=2)
+    assert (a == 0.7).all()
+    # every candidate ties: s = 1 keeps it
+    s, a, _ = search_scales(x_mean, w_mean, lambda s: torch.zeros(4), n_grid, stride=2)
+    assert torch.equal(s, torch.ones(4, k)) and (a == -1).all()
+    # a tie across the rounds: indices 6, 7 and 8 least, 7 found first (coarse), 6 and 8 by the refinement;
+    # the lowest index wins as with the whole grid
+    tie = lambda s: torch.where((index_of(s) - 7).abs() <= 1, 0.0, 1.0 + index_of(s).float())
+    for stride in (1, 2):
+        s, a, _ = search_scales(x_mean, w_mean, tie, n_grid, stride=stride)
+        assert (a == 0.5).all(), stride
+
+
 def test_search_clip_never_worse_than_no_clip():
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(2, 16, 64, generator=gen) * 0.05
