@@ -8,7 +8,7 @@
 1. Constants (quantkit/plan/calibration.py, `Throughput`), measured on this machine in the compute dtype
    of `--device` (float32 on the CPU): GEMM FLOP/s at several row counts m of [m, K] x [K, N] (K = N = the
    bench model's hidden size) fitted as peak * m / (m + half); the Gram products x^T x of the Hessians likewise;
-   float64 GEMM; batched Cholesky + triangular inverse (quant.gptq._cholesky_inverse_upper) on the
+   AWQ's clip-search group errors (batched float32 [256, 32] x [32, 32] products); batched Cholesky + triangular inverse (quant.gptq._cholesky_inverse_upper) on the
    bench model's Hessian shapes; GPTQ's column sweep (quant.gptq.gptq minus its factorization, on two shapes:
    the fixed seconds per column step and the in-block update rate); streaming element-wise bandwidth; the
    cost of one small tensor op; fsynced file writes, page-cache reads and sha256; the process's RSS after
@@ -263,14 +263,15 @@ def measure(device: str, hidden: int, inter: int, workdir: Path, log) -> dict:
     import quantkit.calib.executor  # noqa: F401
     import quantkit.convert  # noqa: F401
 
-    out["process_bytes"] = _rss_now()
-
     def free():
         gc.collect()
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except OSError:
             pass
+
+    free()  # the measurements' freed temporaries, which the command's malloc settings keep in the heap
+    out["process_bytes"] = _rss_now()
 
     gc.freeze()  # as LayerExecutor.layers does over a pass: what exists before the first layer is not walked
     try:

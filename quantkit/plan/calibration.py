@@ -93,13 +93,13 @@ class Throughput:
 # VM with nothing else running, wall seconds, both threads (docs/cost.md has its check).
 CPU_MEASURED = Throughput(
     kind="cpu", provenance="measured",
-    source="bench/calib_cost.py, AMD EPYC VM, 2 CPUs, torch 2.13.0+cpu, 2 threads, 2026-12-02, wall seconds "
-           "(load average 0.9 at the start; tree c0aeed5 and later: AWQ's searches on reused heap memory)",
-    gemm_flops=1.987e+11, gemm_half_rows=20.54, gram_flops=1.943e+11, gram_half_rows=1.911,
-    block_form_flops=3.999e+10, chol_flops=2.469e+10, sweep_col_s=2.38e-05, sweep_elems_per_s=7.99e+09,
-    mem_bytes_per_s=4.1e+10, op_s=9.277e-07, read_bytes_per_s=2.296e+10, write_bytes_per_s=1.35e+09,
-    fsync_s=0.0002517, module_s=0.0005299, fake_quant_elems_per_s=1.187e+09, hash_bytes_per_s=1.941e+09,
-    link_bytes_per_s=1.0e9, process_bytes=732897280, setup_s=0.2826, layer_s=3.674e-05,
+    source="bench/calib_cost.py, AMD EPYC VM, 2 CPUs, torch 2.13.0+cpu, 2 threads, 2026-12-03, wall seconds "
+           "(load average 0.4 at the start; tree 0239980 and later: AWQ's clip search in float32)",
+    gemm_flops=1.703e+11, gemm_half_rows=31.62, gram_flops=1.704e+11, gram_half_rows=4.532,
+    block_form_flops=9.636e+10, chol_flops=1.532e+10, sweep_col_s=5.72e-05, sweep_elems_per_s=2.867e+09,
+    mem_bytes_per_s=3.931e+10, op_s=1.465e-06, read_bytes_per_s=9.733e+09, write_bytes_per_s=1.253e+09,
+    fsync_s=0.0004504, module_s=0.000814, fake_quant_elems_per_s=9.689e+08, hash_bytes_per_s=1.589e+09,
+    link_bytes_per_s=1.0e9, process_bytes=882868224, setup_s=0.08988, layer_s=0.0001401,
     notes=("link_bytes_per_s: assumed (gloo over loopback on one host), not measured",),
 )
 
