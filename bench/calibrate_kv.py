@@ -7,7 +7,8 @@ In one run, on one input (a random-weight BF16 qwen3_moe checkpoint: hidden 1024
 512, top-4, 16 query / 4 KV heads of 64 (see ARCH); generated once, one shard per layer, cached in
 bench/.cache/):
 
-1. quantkit: `calibrate(model, dataset=ids.jsonl, ...)` + `write_scales` in a fresh subprocess; wall
+1. quantkit: `calibrate(model, dataset=ids.jsonl, ...)` + `write_scales` in a fresh subprocess, with the
+   command's allocator settings (quantkit/allocator.py, applied before torch is imported); wall
    time (interpreter start and imports included) and peak RSS (kernel high-water mark of the process,
    and the RSS polled every 20 ms). Also the RSS of a subprocess that only imports the same modules,
    for the fixed cost of Python + torch + transformers.
@@ -174,6 +175,8 @@ QUANTKIT_SCRIPT = textwrap.dedent("""
     import json, sys, warnings
     sys.path.insert(0, {repo!r})
     warnings.simplefilter("ignore")
+    from quantkit import allocator
+    allocator.tune()  # as the `quantkit calibrate` command does, before torch is imported
     import torch
     from quantkit.calibrate import calibrate, write_scales
     res = calibrate({model!r}, dataset={ids!r}, num_samples={n}, seq_len={t}, strategy="tensor", batch_tokens={bt},
