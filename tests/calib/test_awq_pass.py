@@ -24,15 +24,20 @@ def _index(cands, s):
     return next(i for i, c in enumerate(cands) if torch.equal(c, s))
 
 
-def test_norm_search_two_rounds(monkeypatch):
+def _norm_search_case(monkeypatch, seed: int):
+    """1000 tokens of width 16, a 10-point grid; the subset round on 64 tokens, 2 finalists."""
     monkeypatch.setattr(awq_pass, "NORM_SEARCH_TOKENS", 64)
     monkeypatch.setattr(awq_pass, "NORM_SEARCH_FINALISTS", 2)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     n_grid, h = 10, 16
     x = torch.randn(1000, h, generator=g).abs() + 0.1
     fp_out = torch.randn(1000, h, generator=g)
     x_mean, w_mean = x.abs().mean(0), torch.rand(h, generator=g) + 0.1
-    cands = _candidates(x_mean, w_mean, n_grid)
+    return n_grid, x, fp_out, x_mean, w_mean, _candidates(x_mean, w_mean, n_grid)
+
+
+def test_norm_search_two_rounds(monkeypatch):
+    n_grid, x, fp_out, x_mean, w_mean, cands = _norm_search_case(monkeypatch, seed=0)
     seen = []
 
     def run(sub_loss, full_loss):
@@ -79,14 +84,7 @@ def test_norm_search_two_rounds(monkeypatch):
 def test_norm_search_coarse_to_fine(monkeypatch):
     """grid_stride 2: the subset round tries s = 1 and every other grid point, then the neighbours of the best
     grid point; the finalists come from both; with few tokens both rounds run on every token."""
-    monkeypatch.setattr(awq_pass, "NORM_SEARCH_TOKENS", 64)
-    monkeypatch.setattr(awq_pass, "NORM_SEARCH_FINALISTS", 2)
-    g = torch.Generator().manual_seed(3)
-    n_grid, h = 10, 16
-    x = torch.randn(1000, h, generator=g).abs() + 0.1
-    fp_out = torch.randn(1000, h, generator=g)
-    x_mean, w_mean = x.abs().mean(0), torch.rand(h, generator=g) + 0.1
-    cands = _candidates(x_mean, w_mean, n_grid)
+    n_grid, x, fp_out, x_mean, w_mean, cands = _norm_search_case(monkeypatch, seed=3)
     seen = []
 
     def loss_on(s, xs, ref):  # unimodal in the candidate index, least at 8 (grid point 7); s = 1 worst
