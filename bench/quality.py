@@ -48,10 +48,13 @@ FP4_SCHEMES = {"nvfp4": "{num_bits: 4, type: float, symmetric: true, strategy: t
 
 
 def recipe_yaml(method: str, group: int | str) -> str:
-    """`method` rtn, gptq or awq; "rtn-mse" is RTN with `scale_search: mse` (each group's clipping searched)."""
+    """`method` rtn, gptq or awq; "rtn-mse" is RTN with `scale_search: mse` (each group's clipping searched),
+    "gptq-mse" GPTQ with `observer: mse` (each group's scale searched against the Hessian-weighted error)."""
     base, _, search = method.partition("-")
     opts = {"gptq": "    options: {damp: 0.01, actorder: true, block_size: 128}\n", "awq": "    options: {n_grid: 20}\n",
             "rtn": ""}[base]
+    if base == "gptq" and search:
+        opts, search = opts.replace("}", f", observer: {search}}}"), ""
     scheme = FP4_SCHEMES.get(str(group)) or (f"{{num_bits: 4, type: int, symmetric: true, strategy: group, "
                                              f"group_size: {group}}}")
     if search:
@@ -178,7 +181,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--groups", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--methods", nargs="+", default=["rtn", "gptq", "awq"],
-                    help="rtn, gptq, awq, or rtn-mse (RTN with scale_search: mse)")
+                    help="rtn, gptq, awq, rtn-mse (RTN with scale_search: mse) or gptq-mse (GPTQ, observer: mse)")
     ap.add_argument("--fixture-steps", type=int, default=None,
                     help="train the fixture for this many steps instead of FixtureSpec's (a cheaper, less trained model)")
     ap.add_argument("--num-samples", type=int, default=64)

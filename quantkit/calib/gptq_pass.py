@@ -34,13 +34,20 @@ class _FP4Grid:
     """GPTQ on an FP4 grid (quant/fp4.py): every group's scale is fixed before the solve from the weights
     as they are (NVFP4: the global scale spans the whole matrix, and a fused gate/up pair shares it)."""
 
-    def __init__(self, s, w: torch.Tensor):
+    def __init__(self, s, w: torch.Tensor, weight: torch.Tensor | None = None):
+        """`weight` [c, K] (observer mse: the Hessians' diagonals): each group's scale is then fitted, the
+        candidate with the least squared error weighted per input column (quant.fp4.fit_scales)."""
         self.kind = s.fp4
         if self.kind == "nvfp4":
             qp = fp4.choose_qparams_nvfp4(w)  # [c, N, K] -> one global scale per matrix (gate+up fused: shared)
-            self.scale, self.global_scale, self.eff = qp.scale, qp.global_scale, qp.effective()
+            self.scale, self.global_scale = qp.scale, qp.global_scale
+            if weight is not None:
+                self.scale = fp4.fit_scales(w, self.scale, self.global_scale, weight)
+            self.eff = fp4.effective_scale_nvfp4(self.scale, self.global_scale)
         else:
             self.scale = fp4.choose_qparams_mxfp4(w)
+            if weight is not None:
+                self.scale = fp4.fit_scales(w, self.scale, None, weight)
             self.global_scale, self.eff = None, fp4.effective_scale_mxfp4(self.scale)
 
     def rtn(self, w: torch.Tensor, sel) -> torch.Tensor:
@@ -60,7 +67,8 @@ def _solve(w: torch.Tensor, h: torch.Tensor, s, **kw):
     kw = {**kw, "solve_dtype": solve_dtype(w.device)}
     if not s.fp4:
         return gptq(w, h, s.num_bits, s.group_size, s.symmetric, **kw), None
-    grid = _FP4Grid(s, w)
+    weight = torch.diagonal(h, dim1=-2, dim2=-1).float() if kw.get("observer") == "mse" else None
+    grid = _FP4Grid(s, w, weight)
     return gptq(w, h, 4, s.group_size, True, static_scale=grid.eff, quantize_column=fp4.quantize_column, **kw), grid
 
 

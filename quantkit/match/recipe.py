@@ -301,7 +301,7 @@ class GPTQOptions(_Calibrated):
     actorder: bool = False
     block_size: int = 128
     holdout: int = 8
-    observer: str = "minmax"  # or "mse": each INT4 group's clipping searched against the Hessian-weighted error
+    observer: str = "minmax"  # or "mse": each group's scale searched against the Hessian-weighted error (INT4, FP4)
 
     def __post_init__(self):
         super().__post_init__()

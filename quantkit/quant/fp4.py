@@ -274,39 +274,72 @@ def round_e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:
     return torch.round(a / step).mul_(step).clamp_(max=FP4_MAX)
 
 
-def _candidate_errors(wg: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
+def _candidate_errors(wg: torch.Tensor, eff: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """wg [R, G, g] float32, candidate effective scales [R, G, C] -> squared error [R, G, C] of each
     candidate's float32 dequantization (the same arithmetic as quantize_fp4 / dequantize_fp4: the sign
-    plays no part in the error, so magnitudes are rounded)."""
+    plays no part in the error, so magnitudes are rounded). `weight` [R, G, g] (or broadcastable): each
+    element's squared error weighted by it (GPTQ's Hessian diagonal)."""
     a = wg.abs().unsqueeze(-2)  # [R, G, 1, g]
     e = eff.unsqueeze(-1)  # [R, G, C, 1]
-    return round_e2m1_magnitude(a / e).mul_(e).sub_(a).square_().sum(-1)
+    err = round_e2m1_magnitude(a / e).mul_(e).sub_(a).square_()
+    return (err if weight is None else err.mul_(weight.unsqueeze(-2))).sum(-1)
 
 
-def search_scales_nvfp4(w: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor):
+def search_scales_nvfp4(w: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                        weight: torch.Tensor | None = None):
     """Rows w [R, K], their amax fp8 scales [R, G] and float32 global scales [R] (one per row's matrix)
-    -> (fitted fp8 scales [R, G], squared error [R] with them, squared error [R] with the amax scales)."""
+    -> (fitted fp8 scales [R, G], squared error [R] with them, squared error [R] with the amax scales).
+    `weight` [R, K] or [K]: the squared errors weighted per input column."""
     wg = w.float().unflatten(-1, (-1, NVFP4_GROUP_SIZE))  # [R, G, 16]
+    wt = None if weight is None else weight.float().unflatten(-1, (-1, NVFP4_GROUP_SIZE))
     code = scale.view(torch.uint8).to(torch.int16)  # positive e4m3: codes are ordered like their values
     offs = torch.tensor(NV_SEARCH, dtype=torch.int16)
     cand = (code.unsqueeze(-1) + offs).clamp_(1, 0x7E)  # [R, G, C]: never 0 (no scale) nor 0x7F (NaN)
     fp8 = cand.to(torch.uint8).view(torch.float8_e4m3fn)
-    err = _candidate_errors(wg, fp8.float() / global_scale.reshape(-1, 1, 1))
+    err = _candidate_errors(wg, fp8.float() / global_scale.reshape(-1, 1, 1), wt)
     best = err.argmin(-1, keepdim=True)  # the first minimum: the amax scale on ties
     chosen = cand.gather(-1, best).squeeze(-1).to(torch.uint8).view(torch.float8_e4m3fn)
     return chosen, err.gather(-1, best).squeeze(-1).sum(-1).double(), err[..., 0].sum(-1).double()
 
 
-def search_scales_mxfp4(w: torch.Tensor, scale: torch.Tensor):
+def search_scales_mxfp4(w: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor | None = None):
     """Rows w [R, K] and their amax E8M0 scales [R, G] -> (fitted E8M0 scales [R, G], squared error [R]
-    with them, squared error [R] with the amax scales)."""
+    with them, squared error [R] with the amax scales). `weight` [R, K] or [K]: as search_scales_nvfp4's."""
     wg = w.float().unflatten(-1, (-1, MXFP4_GROUP_SIZE))  # [R, G, 32]
+    wt = None if weight is None else weight.float().unflatten(-1, (-1, MXFP4_GROUP_SIZE))
     e = scale.to(torch.int16).unsqueeze(-1) + torch.tensor(MX_SEARCH, dtype=torch.int16)
     e = torch.where(scale.unsqueeze(-1) == 0, torch.zeros_like(e), e.clamp_(0, 254)).to(torch.uint8)  # [R, G, C]
-    err = _candidate_errors(wg, effective_scale_mxfp4(e))
+    err = _candidate_errors(wg, effective_scale_mxfp4(e), wt)
     best = err.argmin(-1, keepdim=True)
     return e.gather(-1, best).squeeze(-1), err.gather(-1, best).squeeze(-1).sum(-1).double(), \
         err[..., 0].sum(-1).double()
+
+
+def fit_scales(w: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None = None,
+               weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Fitted group scales of whole matrices: w [..., N, K] with its amax scales [..., N, G] (NVFP4: fp8
+    e4m3 with `global_scale` [..., 1]; MXFP4: E8M0 uint8, global_scale None) -> the scales search_scales_*
+    picks for every row, each group's squared error weighted per input column by `weight` [..., K] (GPTQ's
+    Hessian diagonal; None: unweighted). Row chunks of CHUNK_ELEMENTS / candidates, matrix by matrix."""
+    *lead, n, k = w.shape
+    nv = global_scale is not None
+    m = 1
+    for d in lead:
+        m *= d
+    ws, sc = w.reshape(m, n, k), scale.reshape(m, n, -1)
+    gs = global_scale.reshape(m) if nv else None
+    wt = None if weight is None else weight.reshape(m, k)
+    out = torch.empty_like(sc)
+    step = max(1, CHUNK_ELEMENTS // max(k, 1) // len(NV_SEARCH if nv else MX_SEARCH))
+    for j in range(m):
+        for i in range(0, n, step):
+            wc, s = ws[j, i:i + step], sc[j, i:i + step]
+            wj = None if wt is None else wt[j]
+            if nv:
+                out[j, i:i + step] = search_scales_nvfp4(wc, s, gs[j].expand(wc.shape[0]), wj)[0]
+            else:
+                out[j, i:i + step] = search_scales_mxfp4(wc, s, wj)[0]
+    return out.reshape(scale.shape)
 
 
 # --- RTN over a batch ------------------------------------------------------------------------------

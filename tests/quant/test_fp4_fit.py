@@ -87,3 +87,80 @@ def test_scale_search_is_an_fp4_and_symmetric_int4_option():
         Scheme(8, "float", True, "channel", scale_search="mse")
     with pytest.raises(RecipeError, match="amax or mse"):
         Scheme(4, "float", True, "group", scale_search="best")
+
+
+def _weighted_candidate_errors(w, kind, gs, weight):
+    """[C, E, N, G]: each candidate offset's per-group squared error weighted per input column, from the
+    public quantize / dequantize functions."""
+    errs = []
+    if kind == "nvfp4":
+        amax_scale, offsets = fp4.choose_qparams_nvfp4(w, gs).scale.view(torch.uint8).int(), fp4.NV_SEARCH
+    else:
+        amax_scale, offsets = fp4.choose_qparams_mxfp4(w).int(), fp4.MX_SEARCH
+    for off in offsets:
+        if kind == "nvfp4":
+            sc = (amax_scale + off).clamp(1, 0x7E).to(torch.uint8).view(torch.float8_e4m3fn)
+            eff = fp4.effective_scale_nvfp4(sc, gs)
+        else:
+            sc = torch.where(amax_scale == 0, 0, (amax_scale + off).clamp(0, 254)).to(torch.uint8)
+            eff = fp4.effective_scale_mxfp4(sc)
+        d = fp4.dequantize_fp4(fp4.quantize_fp4(w, eff), eff, torch.float32)
+        e = (d - w.float()).square() * weight[:, None, :]
+        errs.append(e.unflatten(-1, (eff.shape[-1], -1)).sum(-1))
+    return torch.stack(errs)
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
+def test_weighted_fit_is_the_best_candidate_under_the_weights(kind):
+    """fit_scales with a per-column weight (GPTQ's Hessian diagonal) picks, per group, a candidate whose
+    weighted error is the least; unweighted it is RTN's `scale_search: mse`; the weights change picks."""
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(3, 16, 128, generator=g) * 0.02).to(torch.bfloat16)
+    weight = torch.rand(3, 128, generator=g).pow(4) * 10 + 1e-3  # far from uniform
+    if kind == "nvfp4":
+        gs = fp4.choose_global_scale(w)
+        amax = fp4.choose_qparams_nvfp4(w, gs).scale
+        fitted = fp4.fit_scales(w, amax, gs, weight)
+        assert torch.equal(fp4.fit_scales(w, amax, gs).view(torch.uint8), fp4.rtn_nvfp4(w, gs, "mse").scale.view(torch.uint8))
+        eff = fp4.effective_scale_nvfp4(fitted, gs)
+    else:
+        gs = None
+        amax = fp4.choose_qparams_mxfp4(w)
+        fitted = fp4.fit_scales(w, amax, None, weight)
+        assert torch.equal(fp4.fit_scales(w, amax), fp4.rtn_mxfp4(w, "mse").scale)
+        eff = fp4.effective_scale_mxfp4(fitted)
+    d = fp4.dequantize_fp4(fp4.quantize_fp4(w, eff), eff, torch.float32)
+    got = ((d - w.float()).square() * weight[:, None, :]).unflatten(-1, (eff.shape[-1], -1)).sum(-1)
+    cands = _weighted_candidate_errors(w, kind, gs, weight)
+    assert torch.allclose(got, cands.amin(0), rtol=1e-5, atol=0)
+    unweighted = fp4.fit_scales(w, amax, gs)
+    as_bytes = (lambda s: s.view(torch.uint8)) if kind == "nvfp4" else (lambda s: s)
+    assert not torch.equal(as_bytes(fitted), as_bytes(unweighted))
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
+def test_gptq_fp4_observer_mse_fits_its_grid(kind):
+    """GPTQ on an FP4 grid with `observer: mse` fixes the scales fitted under the Hessians' diagonals before
+    the sweep (it was silently amax before); with minmax the amax scales."""
+    from quantkit.calib.gptq_pass import _solve
+    from quantkit.match.recipe import Scheme
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(2, 32, 64, generator=g) * 0.02
+    x = torch.randn(512, 64, generator=g) * (torch.rand(64, generator=g) * 4)
+    h = (x.T @ x / 512).expand(2, 64, 64).clone()
+    s = Scheme(num_bits=4, type="float", symmetric=True, strategy="tensor_group" if kind == "nvfp4" else "group",
+               group_size=16 if kind == "nvfp4" else 32)
+    r_mse, grid_mse = _solve(w, h, s, observer="mse")
+    r_mm, grid_mm = _solve(w, h, s)
+    diag = torch.diagonal(h, dim1=-2, dim2=-1)
+    as_bytes = (lambda t: t.view(torch.uint8)) if kind == "nvfp4" else (lambda t: t)
+    if kind == "nvfp4":
+        amax = fp4.choose_qparams_nvfp4(w)
+        want = fp4.fit_scales(w, amax.scale, amax.global_scale, diag)
+    else:
+        amax = fp4.choose_qparams_mxfp4(w)
+        want = fp4.fit_scales(w, amax, None, diag)
+    assert torch.equal(as_bytes(grid_mse.scale), as_bytes(want))
+    assert torch.equal(as_bytes(grid_mm.scale), as_bytes(amax.scale if kind == "nvfp4" else amax))
+    assert not torch.equal(as_bytes(grid_mse.scale), as_bytes(grid_mm.scale))
