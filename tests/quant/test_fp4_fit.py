@@ -28,24 +28,8 @@ def test_arithmetic_rounding_equals_the_e2m1_encoder():
 
 def _brute_force(w, kind, gs=None):
     """Per-group squared error of the best candidate, trying each offset with the public functions."""
-    best = None
-    if kind == "nvfp4":
-        amax_scale = fp4.choose_qparams_nvfp4(w, gs).scale.view(torch.uint8).int()
-        offsets = fp4.NV_SEARCH
-    else:
-        amax_scale = fp4.choose_qparams_mxfp4(w).int()
-        offsets = fp4.MX_SEARCH
-    for off in offsets:
-        if kind == "nvfp4":
-            sc = (amax_scale + off).clamp(1, 0x7E).to(torch.uint8).view(torch.float8_e4m3fn)
-            eff = fp4.effective_scale_nvfp4(sc, gs)
-        else:
-            sc = torch.where(amax_scale == 0, 0, (amax_scale + off).clamp(0, 254)).to(torch.uint8)
-            eff = fp4.effective_scale_mxfp4(sc)
-        d = fp4.dequantize_fp4(fp4.quantize_fp4(w, eff), eff, torch.float32)
-        err = (d - w.float()).square().unflatten(-1, (eff.shape[-1], -1)).sum(-1)  # [E, N, G]
-        best = err if best is None else torch.minimum(best, err)
-    return best.sum((-2, -1)).double()
+    weight = torch.ones(w.shape[0], w.shape[-1])
+    return _weighted_candidate_errors(w, kind, gs, weight).amin(0).sum((-2, -1)).double()
 
 
 @pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
