@@ -442,7 +442,8 @@ def awq_candidates(n_grid: int, stride: int) -> tuple[int, int]:
     stride-th grid point, then up to 2 (stride - 1) neighbours of the best (fewer at the grid's ends)."""
     from ..quant.awq import grid_coarse  # torch is imported only where the plan needs it
 
-    return len(grid_coarse(n_grid, stride)), min(2 * (stride - 1), n_grid + 1 - len(grid_coarse(n_grid, stride)))
+    coarse = len(grid_coarse(n_grid, stride))
+    return coarse, min(2 * (stride - 1), n_grid + 1 - coarse)
 
 
 def _awq_search_parts(c: Throughput, s: _LayerShape, s_tok: int, n_grid: int, stride: int, clip: bool,
@@ -481,9 +482,9 @@ def _awq_search_parts(c: Throughput, s: _LayerShape, s_tok: int, n_grid: int, st
         sec = 0.0
         nratio = 12  # clip_ratios(4 bits, n_grid 20, max_shrink 0.5) and r = 1
         for n_out, kk, g in ((p, h, g_gu), (h, i, g_dn)):
-            # the inputs' Gram (float32, then float64) and its diagonal blocks
+            # the inputs' Gram (float32) and its diagonal blocks
             sec += experts * (2 * rows * kk * kk / _rate(c.gram_flops, c.gram_half_rows, rows)
-                              + kk * kk * 24 / mem)
+                              + kk * kk * 8 / mem)
             # per ratio: a fake-quant, the error, the group errors, the running best
             sec += experts * nratio * (n_out * kk / fq + n_out * kk * 12 / mem
                                        + 2 * n_out * kk * g / c.block_form_flops + 8 * c.op_s)

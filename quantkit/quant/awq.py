@@ -119,7 +119,8 @@ def search_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, loss_fn: Callable[
     best_loss, best_i = losses.gather(0, win[None])[0], order[win]
     if stride > 1:
         centre = order[1:][losses[1:].argmin(0)] - 1  # each entry's best grid point (s = 1 aside)
-        for off in [o for o in range(1 - stride, stride) if o != 0]:
+        # grid_refine's offsets; beyond n_grid - 1 either way no entry has a grid point
+        for off in [o for o in range(max(1 - stride, 1 - n_grid), min(stride, n_grid)) if o != 0]:
             j = centre + off
             valid = (j >= 0) & (j < n_grid)
             idx = j.clamp(0, n_grid - 1) + 1

@@ -48,6 +48,7 @@ weights have no defined encoding: `FP4Result.finite` reports them for the caller
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -323,9 +324,7 @@ def fit_scales(w: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor 
     Hessian diagonal; None: unweighted). Row chunks of CHUNK_ELEMENTS / candidates, matrix by matrix."""
     *lead, n, k = w.shape
     nv = global_scale is not None
-    m = 1
-    for d in lead:
-        m *= d
+    m = math.prod(lead)
     ws, sc = w.reshape(m, n, k), scale.reshape(m, n, -1)
     gs = global_scale.reshape(m) if nv else None
     wt = None if weight is None else weight.reshape(m, k)
