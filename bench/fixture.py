@@ -3,6 +3,7 @@ standard library's own sources (present on every machine), byte-level (vocab 256
 
     python bench/fixture.py            # train (or reuse) and print where it is cached
     python bench/fixture.py --wide     # the 256-wide variant (hidden and expert width 256) for W4AFP8
+    python bench/fixture.py --skewed   # 32 experts, top-4, skewed routing: expert coverage matters
 
 The model is cached under bench/.cache/fixture-<hash>/ (a normal transformers checkpoint + the token
 splits as .pt files); the hash covers every training setting, so changing one retrains.
@@ -52,6 +53,11 @@ class FixtureSpec:
 # vLLM's W4AFP8 MoE kernels need hidden and expert widths that are multiples of 256 (docs/engine.md rule W2):
 # the same recipe of model, twice as wide, trained half as long (~23 min on this machine).
 WIDE = FixtureSpec(hidden=256, moe_intermediate=256, steps=1200)
+# Expert coverage matters when there are many experts and the router prefers some: 32 experts, top-4, half
+# as wide each (the same expert FLOPs per token), trained without a load-balancing loss (Qwen3-MoE adds its
+# aux loss only with output_router_logits), so the router's preferences grow unchecked; `routing` measures
+# how skewed the result is.
+SKEWED = FixtureSpec(experts=32, top_k=4, moe_intermediate=64, steps=1600)
 
 
 def stdlib_corpus(limit: int) -> tuple[bytes, bytes]:
@@ -127,16 +133,48 @@ def get_fixture(spec: FixtureSpec = FixtureSpec(), log=print) -> dict:
     return get_fixture(spec, log)
 
 
+@torch.no_grad()
+def routing(model_dir, tokens: torch.Tensor, seq_len: int = 128, windows: int = 64) -> list[dict]:
+    """Per MoE layer, how the router spreads `windows` x `seq_len` held-out tokens over the experts: each
+    expert's share of the routed (token, slot) pairs, as max / min / quartiles relative to an even share,
+    and how many experts get under a quarter of it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    n = min(windows, len(tokens) // seq_len)
+    x = tokens[:n * seq_len].view(n, seq_len)
+    counts = {}
+
+    def hook(name, n_exp):
+        def f(mod, args, out):                       # Qwen3-MoE's router returns (logits, weights, indices)
+            counts[name] = torch.bincount(out[2].flatten(), minlength=n_exp)
+        return f
+    for name, mod in model.named_modules():
+        if name.endswith("mlp.gate"):
+            mod.register_forward_hook(hook(name, model.config.num_experts))
+    model(x)
+    out = []
+    for name, c in counts.items():
+        share = c.double() / c.sum() * len(c)          # 1.0 = an even share
+        q = torch.quantile(share, torch.tensor([0.25, 0.5, 0.75], dtype=torch.double))
+        out.append({"layer": name, "max": round(float(share.max()), 3), "min": round(float(share.min()), 3),
+                    "quartiles": [round(float(v), 3) for v in q], "under_quarter": int((share < 0.25).sum())})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: the spec's)")
     ap.add_argument("--wide", action="store_true", help="the 256-wide fixture (W4AFP8's width rule)")
+    ap.add_argument("--skewed", action="store_true", help="the 32-expert top-4 fixture with skewed routing")
     a = ap.parse_args()
-    spec = WIDE if a.wide else FixtureSpec()
+    spec = WIDE if a.wide else SKEWED if a.skewed else FixtureSpec()
     if a.steps is not None:
         spec = replace(spec, steps=a.steps)
     fx = get_fixture(spec)
     print(json.dumps({k: str(v) for k, v in fx.items()}, indent=2))
+    for r in routing(fx["model_dir"], torch.load(fx["heldout_tokens"]), spec.seq_len):
+        print(json.dumps(r))
 
 
 if __name__ == "__main__":
