@@ -172,7 +172,7 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
     if not torch.equal(held, owned.nonzero().flatten()):
         raise CalibrationError(f"the statistics hold the Hessians of experts {held.tolist()[:8]}..., "
                                f"this rank solves {owned.nonzero().flatten().tolist()[:8]}...")
-    counts = stats.counts[held].clamp(min=1).float().to(dev)
+    counts = (stats.aff_counts if mode == "affinity" else stats.counts)[held].clamp(min=1).float().to(dev)
     # the sums become 2/n-scaled Hessians in place: the statistics are not used after this
     h_gu = stats.h_gu.mul_((2.0 / counts)[:, None, None])
     h_down = stats.h_down.mul_((2.0 / counts)[:, None, None])
@@ -181,7 +181,7 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
     use_rtn = torch.zeros(E, dtype=torch.bool)
     if low.any():
         ids = low.nonzero().flatten()
-        if fallback == "rtn" and mode == "routed":
+        if fallback == "rtn" and mode != "all":
             use_rtn[ids] = True
         else:
             mine = ids[owned[ids]]
@@ -190,8 +190,9 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                 h_gu[rows] = stats.h_all * (2.0 / max(stats.total, 1))
                 h_down[rows] = _all_token_down_hessians(stats, mine.to(dev))
         for e in ids.tolist():
+            n_e = int((stats.aff_counts if mode == "affinity" else stats.counts)[e])
             reasons[e] = ("stats: all tokens" if mode == "all" else
-                          f"{int(stats.counts[e])} routed tokens < min_tokens {min_tokens}: "
+                          f"{n_e} {'affinity' if mode == 'affinity' else 'routed'} tokens < min_tokens {min_tokens}: "
                           + ("RTN" if use_rtn[e] else "Hessian from all tokens"))
     kw = dict(damp=g.options.damp, actorder=g.options.actorder,
               block_size=g.options.block_size)
@@ -239,6 +240,8 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
             for j, e in enumerate(ids):
                 meta = {"method": "gptq" if not use_rtn[e] else "rtn", "tokens": int(stats.counts[e]),
                         "fallback": reasons[e] or fb[j], "damping": round(float(damping[j]), 6)}
+                if mode == "affinity":
+                    meta["affinity_tokens"] = int(stats.aff_counts[e])
                 for kind, rows in parts:
                     db = sq[kind][j] if sq is not None else float(sqnr_db(w[j, rows], deq[j, rows]))
                     m = {**meta, "sqnr_db": round(db, 4)}

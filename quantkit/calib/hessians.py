@@ -38,13 +38,19 @@ class ExpertStats:
     it owns (`owned`), so that the sums are the ones a single process computes."""
 
     def __init__(self, experts: nn.Module, need_hessians: bool, sample_tokens: int, block: nn.Module | None = None,
-                 par=None, owned: torch.Tensor | None = None, holdout: int = 0):
+                 par=None, owned: torch.Tensor | None = None, holdout: int = 0, router: nn.Module | None = None,
+                 affinity_top_k: int | None = None):
         """`block`: the MoE block around `experts`; when given, its outputs for the sampled tokens are kept
         too (`block_outputs`: the unquantized block's response AWQ's norm-scale search measures against).
         `par`: the pass's Parallel (None: one process); `owned` [E] bool: the experts whose Hessians this
         rank accumulates (None: all). `holdout` k >= 2: every k-th token routed to an expert (counted over
         the whole pass, in batch order and ascending token order within a batch) is left out of its Hessians
-        and kept as a held-out row (`heldout_inputs`) for GPTQ's check against RTN; 0: none."""
+        and kept as a held-out row (`heldout_inputs`) for GPTQ's check against RTN; 0: none.
+        `router` (GPTQ's `stats: affinity`): each expert's Hessians then sum, over every token among its
+        router's `affinity_top_k` preferred (None: every token), x x^T weighted by the router's affinity for
+        that pair (`moe.router_affinities`), the forward still following the router's real top-k; rows held
+        out of the routed tokens stay out (`aff_counts`: each expert's tokens in the affinity set, held-out rows
+        included, like `counts`)."""
         self.experts = experts
         e, p, h = experts.gate_up_proj.shape
         self.E, self.P, self.H, self.I = e, p, h, experts.down_proj.shape[-1]
@@ -63,6 +69,14 @@ class ExpertStats:
         self.h_all = torch.zeros(h, h, device=dev)
         self.holdout = int(holdout) if need_hessians else 0
         self.ho_x: list[list[torch.Tensor]] = [[] for _ in range(n)]  # held-out gate/up inputs, by slot
+        self.router = router if need_hessians else None
+        if self.router is not None:
+            rw = getattr(router, "weight", None)
+            if not isinstance(rw, torch.Tensor) or tuple(rw.shape) != (e, h):
+                raise CalibrationError(f"stats: affinity needs the router's [{e}, {h}] weight; "
+                                       f"{type(router).__name__} has {getattr(rw, 'shape', None)}")
+        self.affinity_top_k = affinity_top_k
+        self.aff_counts = torch.zeros(e, dtype=torch.long)
         self.total = 0
         self.sample_tokens = sample_tokens
         self.x_samples: list[torch.Tensor] = []  # [t, H] all tokens (subsampled) for AWQ / fallbacks
@@ -110,9 +124,14 @@ class ExpertStats:
         prior = self.counts.tolist()
         self.counts += routing.counts.cpu()
         if self.need_h:
-            self._add_grams(x, routing, prior)
+            aff = None
+            if self.router is not None:
+                aff = moe.router_affinities(self.router, x, self.affinity_top_k)
+                self.aff_counts += aff.counts.cpu()
+            self._add_grams(x, routing, prior, aff)
 
-    def _add_grams(self, x: torch.Tensor, routing: "moe.Routing", prior: list[int]) -> None:
+    def _add_grams(self, x: torch.Tensor, routing: "moe.Routing", prior: list[int],
+                   aff: "moe.Routing | None" = None) -> None:
         """h_gu[e] += X_e^T X_e and h_down[e] += D_e^T D_e for every (owned) expert e, X_e the rows routed to
         it (ascending token order), D_e = act(X_e gate_e^T) * (X_e up_e^T): one product per expert on its exact
         rows, so its value does not depend on which other experts are computed alongside.
@@ -121,14 +140,24 @@ class ExpertStats:
         and reused for every expert (the same products as fresh tensors): the executor serves allocations of
         1 MiB or more with fresh mappings (weights.bound_heap), and faulting pages in again for each expert's
         temporaries cost ~1/10 of a GPTQ pass. With `holdout` k, the rows whose running index for their
-        expert (`prior`: its token count before this batch) is k-1 mod k are kept aside instead."""
+        expert (`prior`: its token count before this batch) is k-1 mod k are kept aside instead.
+
+        With `aff` (the router's affinities, `stats: affinity`) an expert's rows are its affinity rows instead,
+        less the ones held out of its routed tokens, each row scaled by the square root of its affinity
+        before both Grams (after the down inputs are computed from the unscaled row)."""
         token, _ = routing.token_major()
         b = routing.bounds
         slots = self.slot.tolist()
-        todo = [(e, b[e], b[e + 1], slots[e]) for e in range(self.E) if b[e + 1] > b[e] and slots[e] >= 0]
+        if aff is not None:
+            a_tok, a_w = aff.token_major()
+            ab = aff.bounds
+        has = (lambda e: b[e + 1] > b[e] or ab[e + 1] > ab[e]) if aff is not None else (lambda e: b[e + 1] > b[e])
+        todo = [(e, b[e], b[e + 1], slots[e]) for e in range(self.E) if has(e) and slots[e] >= 0]
         if not todo:
             return
         rows = max(t - s for _, s, t, _ in todo)
+        if aff is not None:
+            rows = max(rows, max(ab[e + 1] - ab[e] for e, *_ in todo))
         ws_x = x.new_empty(rows, self.H)
         ws_gu = x.new_empty(rows, self.P)
         g_gu = x.new_empty(self.H, self.H)
@@ -136,18 +165,28 @@ class ExpertStats:
         silu = moe._silu_in_place(self.experts.act_fn)
         k = self.holdout
         for e, s, t, j in todo:
-            rows_e = token[s:t]
+            rows_e, held_rows, w_e = token[s:t], None, None
             if k:
                 held = (torch.arange(prior[e], prior[e] + t - s, device=token.device) % k) == k - 1
                 if bool(held.any()):
-                    self.ho_x[j].append(x.index_select(0, rows_e[held]))
+                    held_rows = rows_e[held]
+                    self.ho_x[j].append(x.index_select(0, held_rows))
                     rows_e = rows_e[~held]
-                if rows_e.numel() == 0:
-                    continue
+            if aff is not None:
+                rows_e, w_e = a_tok[ab[e]:ab[e + 1]], a_w[ab[e]:ab[e + 1]]
+                if held_rows is not None:
+                    keep = ~torch.isin(rows_e, held_rows)
+                    rows_e, w_e = rows_e[keep], w_e[keep]
+            if rows_e.numel() == 0:
+                continue
             xe = ws_x[:rows_e.numel()]
             torch.index_select(x, 0, rows_e, out=xe)  # [n, H]
-            self.h_gu[j] += torch.mm(xe.T, xe, out=g_gu)
             hd = self.down_inputs_one(e, xe, out=ws_gu[:rows_e.numel()], silu=silu)
+            if w_e is not None:
+                r = w_e.sqrt()[:, None]
+                xe.mul_(r)
+                hd.mul_(r)
+            self.h_gu[j] += torch.mm(xe.T, xe, out=g_gu)
             self.h_down[j] += torch.mm(hd.T, hd, out=g_down)
 
     def heldout_inputs(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,5 +399,8 @@ def coverage(options, stats: ExpertStats) -> tuple[torch.Tensor, int, str, str]:
     min_tokens = options.min_tokens
     if min_tokens is None:
         min_tokens = max(1, math.ceil(0.005 * stats.total))
-    low = stats.counts < int(min_tokens) if options.stats == "routed" else torch.ones(stats.E, dtype=torch.bool)
+    if options.stats == "all":
+        low = torch.ones(stats.E, dtype=torch.bool)
+    else:  # routed: the tokens the router sent; affinity: the tokens in each expert's weighted Hessian
+        low = (stats.counts if options.stats == "routed" else stats.aff_counts) < int(min_tokens)
     return low, int(min_tokens), options.fallback, options.stats

@@ -115,10 +115,14 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
             group = expert_group_size(e_, h_, experts.down_proj.shape[-1], experts.gate_up_proj.device)
             if dist_par is not None:
                 owned = torch.tensor([o == rank for o in expert_owners(e_, group, dist_par)], dtype=torch.bool)
+        if egroup.options.stats == "affinity" and router is None:
+            raise CalibrationError(f"stats: affinity: decoder layer {idx} has no router module to score tokens with")
         stats = ExpertStats(experts, need_hessians=egroup.method == "gptq",
                             sample_tokens=egroup.options.sample_tokens, block=mlp if egroup.method == "awq" else None,
                             par=dist_par, owned=owned,
-                            holdout=egroup.options.holdout if egroup.method == "gptq" else 0)
+                            holdout=egroup.options.holdout if egroup.method == "gptq" else 0,
+                            router=router if egroup.options.stats == "affinity" else None,
+                            affinity_top_k=getattr(egroup.options, "affinity_top_k", None))
     lstats = {d: LinearStats(m, dist_par) for d, (m, g) in dense.items() if g.method != "rtn"}
     dense_owner = {d: (par.dense_owner(i) if par is not None else 0) for i, d in enumerate(dense)}
     # GPTQ of the routed experts alone changes nothing the layer computes before them: the statistics pass

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..arch.layout import FUSED_DOWN, FUSED_GATE_UP
+from ..arch.layout import FUSED_DOWN, FUSED_GATE_UP, ROUTER_BIAS
 
 # Legend: T = tokens, k = experts per token, E = routed experts, H = hidden, I = expert intermediate,
 #         n = routed (token, slot) pairs kept (T*k minus sentinels)
@@ -156,6 +156,30 @@ def route(top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None, num_exp
     weight = (top_k_weights[token, slot] if top_k_weights is not None
               else torch.empty(0, dtype=torch.float32, device=flat.device))
     return Routing(num_experts, t, k, token, slot, weight, counts, offsets, bounds, int(hist[num_experts]))
+
+
+def router_affinities(router: nn.Module, x: torch.Tensor, top_k: int | None = None) -> Routing:
+    """The router's affinity of every token of x [T, H] for its `top_k` most preferred experts (None: all of
+    them), as a Routing whose weights are the affinities (float32): softmax of the logits (Qwen3-MoE,
+    Mixtral), or their sigmoid where the router carries noaux_tc's correction bias (DeepSeek-V3 / Kimi K2 /
+    GLM), the experts then preferred by sigmoid + bias as that router selects (without its group limit).
+    Statistics weighted by it count each token for an expert as much as the router favours that pair."""
+    w = getattr(router, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != x.shape[-1]:
+        raise ValueError(f"the router {type(router).__name__} has no [experts, hidden] weight to score tokens with")
+    logits = x.float() @ w.detach().float().T  # [T, E]
+    bias = getattr(router, ROUTER_BIAS, None)
+    if isinstance(bias, torch.Tensor):
+        aff = torch.sigmoid(logits)
+        prefer = aff + bias.detach().float()
+    else:
+        aff = prefer = torch.softmax(logits, -1)
+    t, n = aff.shape
+    if top_k is None or top_k >= n:
+        idx = torch.arange(n, device=aff.device).expand(t, n)
+        return route(idx, aff, n)
+    idx = prefer.topk(top_k, -1).indices
+    return route(idx, aff.gather(-1, idx), n)
 
 
 _ROUTING = "_quantkit_routing"  # instance attribute: (top_k_index, top_k_weights, Routing) of the current call

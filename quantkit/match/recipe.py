@@ -275,7 +275,8 @@ class _Calibrated:
     """Options every calibrated method shares: expert coverage (docs/calibration.md). An expert that
     received fewer than `min_tokens` routed tokens (None: 0.5% of the layer's tokens, at least 1) takes
     statistics from all of the layer's tokens (`fallback: all_tokens`) or is quantized with RTN
-    (`fallback: rtn`); `stats: all` uses all tokens for every expert."""
+    (`fallback: rtn`); `stats: all` uses all tokens for every expert; GPTQ's `stats: affinity` weights every
+    token by the router's affinity for the expert (see GPTQOptions)."""
 
     min_tokens: int | None = None
     fallback: str = "all_tokens"
@@ -285,8 +286,8 @@ class _Calibrated:
     def __post_init__(self):
         if self.fallback not in ("all_tokens", "rtn"):
             raise RecipeError(f"options.fallback must be all_tokens or rtn, got {self.fallback!r}")
-        if self.stats not in ("routed", "all"):
-            raise RecipeError(f"options.stats must be routed or all, got {self.stats!r}")
+        if self.stats not in ("routed", "all", "affinity"):
+            raise RecipeError(f"options.stats must be routed, all or affinity, got {self.stats!r}")
 
 
 @dataclass(frozen=True)
@@ -295,13 +296,17 @@ class GPTQOptions(_Calibrated):
     (columns by descending Hessian diagonal, group parameters fixed up front: no g_idx is written);
     lazy-update block size; `holdout` k: every k-th token routed to an expert is held out of its Hessian, and
     each expert module keeps GPTQ's result only where its output error on those tokens is no larger than
-    RTN's (0: off, every token in the Hessian and no check)."""
+    RTN's (0: off, every token in the Hessian and no check). `stats: affinity`: each expert's Hessians sum
+    x x^T over the tokens among the router's `affinity_top_k` preferred experts for it (null: every token),
+    weighted by the router's affinity (softmax, or sigmoid for noaux_tc routers), the forward still following
+    the router's top-k (calib/hessians.py); the routed tokens held out stay out."""
 
     damp: float = 0.01
     actorder: bool = False
     block_size: int = 128
     holdout: int = 8
     observer: str = "minmax"  # or "mse": each group's scale searched against the Hessian-weighted error (INT4, FP4)
+    affinity_top_k: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -321,9 +326,14 @@ class AWQOptions(_Calibrated):
     scale_down: bool = True
     sample_tokens: int = 8192
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.stats == "affinity":
+            raise RecipeError("options.stats: affinity weights GPTQ's Hessians; AWQ takes routed or all")
+
 
 OPTIONS = {"rtn": RTNOptions, "gptq": GPTQOptions, "awq": AWQOptions}
-_POSITIVE = ("block_size", "sample_tokens", "n_grid", "grid_stride", "min_tokens")
+_POSITIVE = ("block_size", "sample_tokens", "n_grid", "grid_stride", "min_tokens", "affinity_top_k")
 
 
 def parse_options(method: str, raw: dict, where: str):

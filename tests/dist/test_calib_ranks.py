@@ -146,6 +146,23 @@ def test_experts_only_byte_identical(src, reference, tmp_path, recipe, ranks):
         assert len(t["layers"]) == 3
 
 
+def test_affinity_statistics_split_byte_identical(src, reference, tmp_path_factory, tmp_path):
+    """GPTQ with `stats: affinity` (top-3 of 8 experts): the router's affinities are computed from the
+    replayed inputs on each owner, so 2 ranks write the single process's bytes."""
+    import quantkit
+
+    text = (Path(quantkit.__file__).parent / "data" / "recipes" / "int4-experts-gptq.yaml").read_text()
+    recipe = tmp_path_factory.mktemp("recipe") / "affinity.yaml"
+    recipe.write_text(text.replace("      block_size: 128\n", "      block_size: 128\n      stats: affinity\n"
+                                   "      affinity_top_k: 3\n"))
+    out = tmp_path / "q"
+    p = _convert(2, src, out, recipe)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = _files(out)
+    assert got == reference(recipe)
+    assert b'"affinity_tokens"' in got["quantkit_manifest.json"]
+
+
 @pytest.mark.parametrize("recipe,ranks", [("nvfp4a4-experts", 2), ("kimi-k2-nvfp4a4", 3)])
 def test_w4a4_input_scales_byte_identical(src, reference, tmp_path, recipe, ranks):
     """NVFP4 W4A4: each rank observes its batches' expert input amax, the maxima and token counts are gathered
