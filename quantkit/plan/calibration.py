@@ -397,17 +397,23 @@ def _forward(c: Throughput, s: _LayerShape, batches: list[int], t: int, item: in
     return sec
 
 
-def _hessians(c: Throughput, s: _LayerShape, batches: list[int], owned: int, hidden: int) -> float:
+def _hessians(c: Throughput, s: _LayerShape, batches: list[int], owned: int, hidden: int,
+              per_token: int | None = None) -> float:
     """GPTQ statistics of one layer, by the rank that owns `owned` of its experts: the all-token x x^T (one
     rank sums it over every batch), and for each owned expert and batch the Gram of the rows routed to it,
-    the down inputs of those rows (one gate/up product) and their Gram, added to the expert's sums."""
+    the down inputs of those rows (one gate/up product) and their Gram, added to the expert's sums.
+    `per_token`: the experts each token's row goes to in the statistics (None: the router's top-k;
+    `stats: affinity`: affinity_top_k, or every expert), plus the router's scoring of every token."""
     h, e = s.h or hidden, s.experts
+    k = s.top_k if per_token is None else min(per_token, e)
     sec = 0.0
     for per_call in batches:
         sec += 2 * per_call * h * h / _rate(c.gram_flops, c.gram_half_rows, per_call)
         if not e or not owned:
             continue
-        rows = per_call * s.top_k / e  # per expert and batch (balanced routing)
+        if per_token is not None:
+            sec += 2 * per_call * h * e / _rate(c.gemm_flops, c.gemm_half_rows, per_call)
+        rows = per_call * k / e  # per expert and batch (balanced routing)
         routed = rows * owned
         sec += 2 * routed * (h * h + s.i * s.i) / _rate(c.gram_flops, c.gram_half_rows, rows)
         sec += 2 * routed * h * s.p / _rate(c.gemm_flops, c.gemm_half_rows, rows)
@@ -696,7 +702,9 @@ def _pass_row(row: dict, comm: dict, ctx: _PassContext, idx: int, layer, s, pack
         group = _expert_group(s, kind)
         groups = math.ceil(s.experts / group)
         owned = min(s.experts, math.ceil(groups / g) * group)  # the busiest rank's experts
-        row["hessians"] += _hessians(c, s, gq.all_batches, owned, hidden)
+        o = egroup.options
+        per_token = (o.affinity_top_k or s.experts) if o.stats == "affinity" else None
+        row["hessians"] += _hessians(c, s, gq.all_batches, owned, hidden, per_token)
         sweep = [_sweep_experts(kk, nn, group, kind) for nn, kk in ((s.p, s.h), (s.h, s.i))]
         ch, sw = _gptq_solves(c, [(owned, s.p, s.h, sweep[0]), (owned, s.h, s.i, sweep[1])],
                               egroup.options.block_size)

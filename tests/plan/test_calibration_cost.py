@@ -214,3 +214,23 @@ def test_plan_library_entry(tmp_path):
     with pytest.raises(ConfigError):
         plan(str(_config(tmp_path, 2)), None, calibration=(8, 64))
     assert torch.get_default_dtype() == torch.float32  # planning changes no global torch state
+
+
+def test_affinity_statistics_cost_grows_with_the_experts_each_token_feeds(tmp_path):
+    """`stats: affinity`: each token's row goes to affinity_top_k experts (every expert without it) instead of
+    the router's top-k; only the statistics change."""
+    import quantkit
+
+    text = (Path(quantkit.__file__).parent / "data" / "recipes" / "int4-experts-gptq.yaml").read_text()
+    cfg = _config(tmp_path, 2)
+
+    def cost(extra):
+        p = tmp_path / f"r{len(extra)}.yaml"
+        p.write_text(text.replace("      block_size: 128\n", "      block_size: 128\n" + extra))
+        return _cost(cfg, recipe=str(p))
+
+    plain, top4, every = cost(""), cost("      stats: affinity\n      affinity_top_k: 4\n"), \
+        cost("      stats: affinity\n")
+    assert plain.seconds["hessians"] < top4.seconds["hessians"] < every.seconds["hessians"]
+    for k in ("forward", "gptq_solve"):
+        assert plain.seconds[k] == top4.seconds[k] == every.seconds[k], k
