@@ -16,10 +16,10 @@ group (routed experts only), timed as bench/quality.py times it: the whole call.
 the command's allocator settings (quantkit/allocator.py) before it imports torch, as `quantkit convert` does.
 
 A round runs, for each tree in turn, one fresh process (PYTHONPATH = the tree) that converts once with RTN
-(imports and first-touch costs, untimed), then GPTQ, then AWQ. `--repeat` rounds. The table gives every wall
-time, the fastest, the CPU time of the fastest and the ratio of the fastest AWQ to the fastest GPTQ (the
-issue's target: AWQ within 2x of GPTQ). `other` is the CPU (in cores) other processes used during a run: on a
-shared machine it inflates wall times. Results go to bench/results/calib_passes.json (calib_passes_bench_moe.json
+(imports and first-touch costs, untimed), then each method in turn. `--repeat` rounds. The table gives
+every wall time, the CPU time of the fastest and the ratio of each method's fastest to the first method's
+(`--methods`, default gptq awq: the issue's target, AWQ within 2x of GPTQ). `other` is the CPU (in cores)
+other processes used during a run: on a shared machine it inflates wall times. Results go to bench/results/calib_passes.json (calib_passes_bench_moe.json
 with --bench-moe; `--json` elsewhere).
 """
 
@@ -110,7 +110,7 @@ def worker(a) -> int:
 
     run("rtn", a.groups[0])
     out = {"quantkit": quantkit.__file__, "threads": torch.get_num_threads(),
-           "runs": {f"g{g}": {m: run(m, g) for m in ("gptq", "awq")} for g in a.groups}}
+           "runs": {f"g{g}": {m: run(m, g) for m in a.methods} for g in a.groups}}
     print(json.dumps(out), flush=True)
     return 0
 
@@ -120,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trees", nargs="+", default=[str(HERE.parent)], help="quantkit source trees to time")
     ap.add_argument("--groups", type=int, nargs="+", default=[32])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--methods", nargs="+", default=["gptq", "awq"],
+                    help="bench/quality.py's method names (e.g. gptq-mse-aff4); ratios are to the first")
     ap.add_argument("--num-samples", type=int, default=None, help="default 64 (16 with --bench-moe)")
     ap.add_argument("--seq-len", type=int, default=None, help="default 128 (256 with --bench-moe)")
     ap.add_argument("--bench-moe", action="store_true", help="bench/calib_dist.py's 32-expert MoE")
@@ -150,34 +152,34 @@ def main(argv=None) -> int:
             env = {**os.environ, "PYTHONPATH": t + os.pathsep + os.environ.get("PYTHONPATH", "")}
             cmd = [sys.executable, __file__, "--worker", "--model", str(src), "--rows", str(rows), "--work", str(work),
                    "--num-samples", str(a.num_samples), "--seq-len", str(a.seq_len),
-                   "--groups", *map(str, a.groups)]
+                   "--groups", *map(str, a.groups), "--methods", *a.methods]
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if p.returncode != 0:
                 print(p.stderr[-3000:], file=sys.stderr)
                 return 1
             doc = json.loads(p.stdout.strip().splitlines()[-1])
             runs[t].append(doc)
-            print(f"round {r + 1}, {t}: " + "; ".join(f"{g} gptq {v['gptq']['wall_s']:.2f} s, awq {v['awq']['wall_s']:.2f} s"
-                                                     for g, v in doc["runs"].items()), flush=True)
+            print(f"round {r + 1}, {t}: " + "; ".join(
+                f"{g} " + ", ".join(f"{m} {v[m]['wall_s']:.2f} s" for m in a.methods) for g, v in doc["runs"].items()),
+                flush=True)
     summary = {}
+    first = a.methods[0]
     for t, docs in runs.items():
         for g in (f"g{x}" for x in a.groups):
-            per = {m: [d["runs"][g][m] for d in docs] for m in ("gptq", "awq")}
+            per = {m: [d["runs"][g][m] for d in docs] for m in a.methods}
             best = {m: min(v, key=lambda x: x["wall_s"]) for m, v in per.items()}
-            summary.setdefault(t, {})[g] = {
-                "gptq_wall_s": [x["wall_s"] for x in per["gptq"]], "awq_wall_s": [x["wall_s"] for x in per["awq"]],
-                "best": best, "awq_over_gptq_wall": round(best["awq"]["wall_s"] / best["gptq"]["wall_s"], 2),
-                "awq_over_gptq_cpu": round(min(x["cpu_s"] for x in per["awq"])
-                                           / min(x["cpu_s"] for x in per["gptq"]), 2)}
-    print("\ntree / group                       GPTQ wall s (runs)       AWQ wall s (runs)        best G / A   "
-          "cpu G / A     AWQ/GPTQ wall (cpu)")
+            s = {"best": best, **{f"{m}_wall_s": [x["wall_s"] for x in per[m]] for m in a.methods}}
+            for m in a.methods[1:]:
+                s[f"{m}_over_{first}_wall"] = round(best[m]["wall_s"] / best[first]["wall_s"], 2)
+                s[f"{m}_over_{first}_cpu"] = round(min(x["cpu_s"] for x in per[m]) / min(x["cpu_s"] for x in per[first]), 2)
+            summary.setdefault(t, {})[g] = s
+    print(f"\ntree / group: wall s of each run, the fastest's CPU s, and the fastest's wall (CPU) over {first}'s")
     for t, by in summary.items():
         for g, s in by.items():
-            gw = " ".join(f"{x:5.2f}" for x in s["gptq_wall_s"])
-            aw = " ".join(f"{x:5.2f}" for x in s["awq_wall_s"])
-            print(f"{t[-28:]:28s} {g:5s} {gw:24s} {aw:24s} {s['best']['gptq']['wall_s']:5.2f} / "
-                  f"{s['best']['awq']['wall_s']:5.2f}  {s['best']['gptq']['cpu_s']:5.2f} / {s['best']['awq']['cpu_s']:5.2f}"
-                  f"   {s['awq_over_gptq_wall']} ({s['awq_over_gptq_cpu']})")
+            for m in a.methods:
+                ratio = (f"   {s[f'{m}_over_{first}_wall']} ({s[f'{m}_over_{first}_cpu']})" if m != first else "")
+                print(f"{t[-28:]:28s} {g:5s} {m:14s} {' '.join(f'{x:6.2f}' for x in s[f'{m}_wall_s']):28s} "
+                      f"cpu {s['best'][m]['cpu_s']:6.2f}{ratio}")
     import torch
 
     doc = {"model": what, "settings": {k: v for k, v in vars(a).items() if k not in ("worker", "model", "rows", "work")},

@@ -1,14 +1,21 @@
-"""Quality of INT4 expert quantization on a *trained* tiny MoE (bench/fixture.py): held-out perplexity and
-mean next-token KL(bf16 || quantized) for BF16, RTN, GPTQ and AWQ at group 32 and 128, all through the real
-pipeline (`quantkit convert` with a recipe, then transformers loading the written checkpoint).
+"""Quality of INT4 expert quantization on *trained* tiny MoEs (bench/fixture.py): held-out perplexity and
+mean next-token KL(bf16 || quantized) for BF16, RTN, GPTQ and AWQ (and their variants) at group 32 and 128,
+all through the real pipeline (`quantkit convert` with a recipe, then transformers loading the written
+checkpoint).
 
-Optionally, side by side on the same model, the same calibration tokens and the same targets,
-llm-compressor's `oneshot` GPTQ (W4A16, same group size) run in a separate venv (`--peer-python`):
-wall time and the same metrics.
+Optionally, side by side on the same model, the same calibration token ids and the same targets (the routed
+experts), the peers run in a separate venv (`--peer-python`, bench/setup_peers.sh): llm-compressor's
+`oneshot` GPTQ (W4A16, same group size; `llmc` with its default moe_calibrate_all_experts, `llmc-routed`
+without it) and auto-round's default W4A16 recipe (`autoround`).
 
-    python bench/quality.py [--groups 32 128] [--num-samples 64] [--eval-windows 2048] [--fp4 nvfp4 mxfp4]
-                            [--peer-python bench/.cache/peer-venv/bin/python]
+    python bench/quality.py [--fixtures default skewed] [--groups 32 128] [--methods rtn gptq gptq-mse-aff]
+                            [--num-samples 64] [--eval-windows 2048] [--fp4 nvfp4 mxfp4]
+                            [--peer-python bench/.cache/peer-venv/bin/python --peers llmc llmc-routed autoround]
 
+Fixtures: `default` (8 experts, top-2) and `skewed` (32 experts, top-4, trained without a balancing loss).
+Every quantization runs in its own process: its wall time (`seconds`: imports excluded, reading the source
+included: quantkit's `convert()` call, the peers' scripts from before `from_pretrained` to the saved
+checkpoint; `process_seconds`: the whole process) and its peak RSS.
 `--fp4`: NVFP4 / MXFP4 experts (RTN and GPTQ; each format has its own group) beside the INT4 rows, and with
 the peer, llm-compressor's NVFP4A16 preset on the same targets.
 
@@ -29,13 +36,14 @@ import sys
 import tempfile
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fixture import FixtureSpec, get_fixture  # noqa: E402
+from fixture import SKEWED, FixtureSpec, get_fixture  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -48,13 +56,26 @@ FP4_SCHEMES = {"nvfp4": "{num_bits: 4, type: float, symmetric: true, strategy: t
 
 
 def recipe_yaml(method: str, group: int | str) -> str:
-    """`method` rtn, gptq or awq; "rtn-mse" is RTN with `scale_search: mse` (each group's clipping searched),
-    "gptq-mse" GPTQ with `observer: mse` (each group's scale searched against the Hessian-weighted error)."""
-    base, _, search = method.partition("-")
-    opts = {"gptq": "    options: {damp: 0.01, actorder: true, block_size: 128}\n", "awq": "    options: {n_grid: 20}\n",
-            "rtn": ""}[base]
-    if base == "gptq" and search:
-        opts, search = opts.replace("}", f", observer: {search}}}"), ""
+    """`method` rtn, gptq or awq, with modifiers after dashes: "mse" (RTN: `scale_search: mse`, each group's
+    clipping searched; GPTQ: `observer: mse`, each group's scale searched against the Hessian-weighted
+    error), "aff" (GPTQ: `stats: affinity`, every token in every expert's Hessian weighted by the router's
+    affinity) or "affN" (the same over the router's top-N experts per token): e.g. gptq-mse-aff."""
+    base, *mods = method.split("-")
+    gptq = {"damp": "0.01", "actorder": "true", "block_size": "128"}
+    opts = {"gptq": gptq, "awq": {"n_grid": "20"}, "rtn": {}}[base]
+    search = None
+    for m in mods:
+        if m == "mse" and base == "gptq":
+            opts["observer"] = "mse"
+        elif m == "mse" and base == "rtn":
+            search = "mse"
+        elif m.startswith("aff") and base == "gptq" and (m == "aff" or m[3:].isdigit()):
+            opts["stats"] = "affinity"
+            if m != "aff":
+                opts["affinity_top_k"] = m[3:]
+        else:
+            raise SystemExit(f"unknown method {method!r}")
+    opts = ("    options: {" + ", ".join(f"{k}: {v}" for k, v in opts.items()) + "}\n") if opts else ""
     scheme = FP4_SCHEMES.get(str(group)) or (f"{{num_bits: 4, type: int, symmetric: true, strategy: group, "
                                              f"group_size: {group}}}")
     if search:
@@ -140,6 +161,7 @@ PEER = textwrap.dedent("""
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
     src, out, calib, group, seq_len = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    all_experts = sys.argv[6] == "all"
     rows = [json.loads(l) for l in open(calib)]
     ds = Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows],
                             "attention_mask": [[1] * len(r["input_ids"]) for r in rows]})
@@ -150,9 +172,43 @@ PEER = textwrap.dedent("""
     mod = GPTQModifier(config_groups={"group_0": scheme},
                        ignore=["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"], dampening_frac=0.01,
                        actorder="static", block_size=128)
-    oneshot(model=model, dataset=ds, recipe=[mod], max_seq_length=seq_len, num_calibration_samples=len(rows))
+    oneshot(model=model, dataset=ds, recipe=[mod], max_seq_length=seq_len, num_calibration_samples=len(rows),
+            moe_calibrate_all_experts=all_experts)
     model.save_pretrained(out, save_compressed=True)
-    print(json.dumps({"seconds": time.perf_counter() - t0}))
+    import resource
+    print(json.dumps({"seconds": time.perf_counter() - t0,
+                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+""")
+
+# auto-round's default INT4 recipe (W4A16 symmetric, SignRound with its default 200 iterations and learning
+# rate), its group size set to the row's, on the same targets (the routed experts: attention and the router
+# kept) and the same calibration token ids, exported by auto-round in the compressed-tensors format
+PEER_AUTOROUND = textwrap.dedent("""
+    import json, resource, sys, time, torch
+    from transformers import AutoModelForCausalLM
+    from auto_round import AutoRound
+    src, out, calib, group, seq_len = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    data = [torch.tensor([json.loads(l)["input_ids"][:seq_len]]) for l in open(calib)]
+
+    class ByteIds:  # the fixture is byte-level and ships no tokenizer: the calibration data are ids already
+        pad_token_id = None
+        def save_pretrained(self, *a, **k):
+            return ()
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    ar = AutoRound(model, tokenizer=ByteIds(), scheme="W4A16", group_size=group, sym=True, dataset=data,
+                   nsamples=len(data), seqlen=seq_len, device_map="cpu",
+                   layer_config={"self_attn": {"bits": 16}, "lm_head": {"bits": 16}})
+    ar.quantize_and_save(out, format="llm_compressor")
+    import pathlib, shutil  # it writes into a subfolder named after the scheme (out/model-w4g128/)
+    made = next(p.parent for p in pathlib.Path(out).rglob("config.json"))
+    if made != pathlib.Path(out):
+        for f in made.iterdir():
+            shutil.move(str(f), out)
+        made.rmdir()
+    print(json.dumps({"seconds": time.perf_counter() - t0,
+                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """)
 
 # llm-compressor's NVFP4 weights-only preset (its NVFP4 examples' QuantizationModifier: min-max scales,
@@ -173,15 +229,129 @@ PEER_NVFP4 = textwrap.dedent("""
                                ignore=["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"])
     oneshot(model=model, dataset=ds, recipe=[mod], max_seq_length=seq_len, num_calibration_samples=len(rows))
     model.save_pretrained(out, save_compressed=True)
-    print(json.dumps({"seconds": time.perf_counter() - t0}))
+    import resource
+    print(json.dumps({"seconds": time.perf_counter() - t0,
+                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """)
+
+# the peers beside each INT4 group: (tool, method label, script, extra argument)
+PEERS = {"llmc": ("llm-compressor", "gptq", PEER, "all"),  # its default: every expert sees every token
+         "llmc-routed": ("llm-compressor", "gptq-routed", PEER, "routed"),
+         "autoround": ("auto-round", "autoround", PEER_AUTOROUND, None)}
+
+
+def run_child(cmd: list[str]) -> dict | None:
+    """Run one quantization in its own process: its JSON line (seconds, peak_rss_mib) plus the process's
+    wall time, or None (its stderr printed) when it failed."""
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        print(f"{' '.join(cmd[:3])} failed:\n" + p.stderr[-3000:], file=sys.stderr)
+        return None
+    return {**json.loads(p.stdout.strip().splitlines()[-1]), "process_seconds": round(wall, 2)}
+
+
+def child_quantkit(argv: list[str]) -> None:
+    """`quality.py --child METHOD GROUP SRC OUT CALIB N SEQ`: one quantkit convert, timed in its own process."""
+    import resource
+
+    method, group, src, out, calib, n, seq = argv
+    secs = run_quantkit(Path(src), Path(out), method, group if group in FP4_SCHEMES else int(group), calib,
+                        int(n), int(seq))
+    print(json.dumps({"seconds": secs, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+FIXTURES = {"default": FixtureSpec(), "skewed": SKEWED}
+
+
+def run_fixture(name: str, a, work: Path) -> dict:
+    """Every row (quantkit's methods and the peers) on one fixture, and its summary."""
+    spec = FIXTURES[name]
+    if a.fixture_steps is not None:
+        spec = replace(spec, steps=a.fixture_steps)
+    fx = get_fixture(spec)
+    src = Path(fx["model_dir"])
+    train, held = torch.load(fx["train_tokens"]), torch.load(fx["heldout_tokens"])
+    eval_ids = heldout_windows(held, a.seq_len, a.eval_windows, seed=1)
+    calib_ids = windows(train, a.seq_len, a.num_samples, seed=a.calib_seed)
+    work = work / name
+    work.mkdir(parents=True)
+    calib_file = work / "calib.jsonl"
+    calib_file.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in calib_ids))
+
+    rows = []
+    base, ref_lp = evaluate(src, eval_ids)
+    rows.append({"method": "bf16", "group": None, **base, "seconds": None})
+    print(f"[{name}] bf16: ppl {base['perplexity']:.4f}", flush=True)
+
+    def add(tool, method, group, out, timing):
+        if timing is None:
+            return
+        m, _ = evaluate(out, eval_ids, ref_lp, src)
+        rows.append({"tool": tool, "method": method, "group": group, **m, "seconds": round(timing["seconds"], 2),
+                     "process_seconds": timing["process_seconds"],
+                     "peak_rss_mib": round(timing["peak_rss_mib"], 1)})
+        print(f"[{name}] {tool} {method} g{group}: ppl {m['perplexity']:.4f} kl {m['kl']:.3e} cross "
+              f"{m['cross']:+.3e} ({timing['seconds']:.1f}s, {timing['peak_rss_mib']:.0f} MiB)", flush=True)
+
+    for group in list(a.groups) + list(a.fp4):
+        for method in (a.methods if group not in FP4_SCHEMES else [m for m in a.methods if m != "awq"]):
+            out = work / f"{method}-g{group}"
+            add("quantkit", method, group, out, run_child(
+                [sys.executable, __file__, "--child", method, str(group), str(src), str(out), str(calib_file),
+                 str(a.num_samples), str(a.seq_len)]))
+        if not a.peer_python:
+            continue
+        if group == "nvfp4":
+            script = work / "peer_nvfp4.py"
+            script.write_text(PEER_NVFP4)
+            out = work / "llmc-nvfp4"
+            add("llm-compressor", "rtn", group, out,
+                run_child([a.peer_python, str(script), str(src), str(out), str(calib_file), str(a.seq_len)]))
+        if group in FP4_SCHEMES:
+            continue
+        for peer in a.peers:
+            tool, label, code, extra = PEERS[peer]
+            script = work / f"peer_{peer.replace('-', '_')}.py"
+            script.write_text(code)
+            out = work / f"{peer}-g{group}"
+            add(tool, label, group, out, run_child([a.peer_python, str(script), str(src), str(out), str(calib_file),
+                                                     str(group), str(a.seq_len), *([extra] if extra else [])]))
+
+    summary = {}
+    for group in list(a.groups) + list(a.fp4):
+        here = [r for r in rows if r["group"] == group]
+        by = {(r["tool"], r["method"]): r for r in here}
+        s = {}
+        rtn_r = by.get(("quantkit", "rtn"))
+        for r in here:
+            if r["tool"] == "quantkit" and rtn_r and r is not rtn_r and rtn_r["kl"]:
+                s[f"{r['method']}_kl_vs_rtn"] = r["kl"] / rtn_r["kl"]
+        ours = [r for r in here if r["tool"] == "quantkit"]
+        peers = [r for r in here if r["tool"] != "quantkit"]
+        if ours and peers:
+            best, peer = min(ours, key=lambda r: r["kl"]), min(peers, key=lambda r: r["kl"])
+            s.update(best=best["method"], best_peer=f"{peer['tool']} {peer['method']}",
+                     best_kl_vs_best_peer=best["kl"] / peer["kl"] if peer["kl"] else None,
+                     best_ppl_vs_best_peer=best["perplexity"] / peer["perplexity"])
+            # the issue's target: quantkit's best recipe's KL <= 0.8x the best peer's
+            s["target_met"] = s["best_kl_vs_best_peer"] is not None and s["best_kl_vs_best_peer"] <= 0.8
+        summary[str(group)] = s
+    return {"fixture": {k: v for k, v in fx.items() if k not in ("model_dir", "train_tokens", "heldout_tokens")},
+            "rows": rows, "summary": summary}
 
 
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        return child_quantkit(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fixtures", nargs="+", default=["default"], choices=sorted(FIXTURES),
+                    help="default: bench/fixture.py's 8-expert top-2 model; skewed: its 32-expert top-4 one")
     ap.add_argument("--groups", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--methods", nargs="+", default=["rtn", "gptq", "awq"],
-                    help="rtn, gptq, awq, rtn-mse (RTN with scale_search: mse) or gptq-mse (GPTQ, observer: mse)")
+                    help="rtn, gptq or awq, with modifiers: -mse (RTN: scale_search mse; GPTQ: observer mse), "
+                         "-aff / -affN (GPTQ: stats affinity, over every expert / the router's top N)")
     ap.add_argument("--fixture-steps", type=int, default=None,
                     help="train the fixture for this many steps instead of FixtureSpec's (a cheaper, less trained model)")
     ap.add_argument("--num-samples", type=int, default=64)
@@ -189,118 +359,29 @@ def main():
     ap.add_argument("--calib-seed", type=int, default=2, help="seed of the calibration windows")
     ap.add_argument("--eval-windows", type=int, default=2048,
                     help="non-overlapping held-out windows to evaluate on (0: the whole held-out split)")
-    ap.add_argument("--peer-python", default=None, help="python of a venv with llmcompressor installed")
+    ap.add_argument("--peer-python", default=None, help="python of a venv with llmcompressor (and auto-round)")
+    ap.add_argument("--peers", nargs="+", default=["llmc"], choices=sorted(PEERS),
+                    help="with --peer-python: llmc (llm-compressor GPTQ, its default moe_calibrate_all_experts), "
+                         "llmc-routed (the same, routed tokens only), autoround (auto-round's W4A16 SignRound)")
     ap.add_argument("--fp4", nargs="*", default=[], choices=["nvfp4", "mxfp4"],
                     help="also these FP4 formats (RTN and GPTQ), beside the INT4 groups; with --peer-python, "
                          "llm-compressor's NVFP4 too")
     a = ap.parse_args()
 
-    fx = get_fixture(FixtureSpec() if a.fixture_steps is None else FixtureSpec(steps=a.fixture_steps))
-    src = Path(fx["model_dir"])
-    train, held = torch.load(fx["train_tokens"]), torch.load(fx["heldout_tokens"])
-    eval_ids = heldout_windows(held, a.seq_len, a.eval_windows, seed=1)
-    calib_ids = windows(train, a.seq_len, a.num_samples, seed=a.calib_seed)
     work = Path(tempfile.mkdtemp(prefix="qk-quality-"))
-    calib_file = work / "calib.jsonl"
-    calib_file.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in calib_ids))
-
-    rows = []
-    base, ref_lp = evaluate(src, eval_ids)
-    rows.append({"method": "bf16", "group": None, **base, "seconds": None})
-    print(f"bf16: ppl {base['perplexity']:.4f}", flush=True)
-    for group in list(a.groups) + list(a.fp4):
-        for method in (a.methods if group not in FP4_SCHEMES else [m for m in a.methods if m != "awq"]):
-            out = work / f"{method}-g{group}"
-            secs = run_quantkit(src, out, method, group, calib_file, a.num_samples, a.seq_len)
-            m, _ = evaluate(out, eval_ids, ref_lp, src)
-            rows.append({"method": method, "group": group, **m, "seconds": round(secs, 2), "tool": "quantkit"})
-            print(f"quantkit {method} g{group}: ppl {m['perplexity']:.4f} kl {m['kl']:.3e} cross {m['cross']:+.3e} "
-                  f"({secs:.1f}s)", flush=True)
-        if a.peer_python and group == "nvfp4":
-            out = work / "llmc-nvfp4"
-            script = work / "peer_nvfp4.py"
-            script.write_text(PEER_NVFP4)
-            t0 = time.perf_counter()
-            p = subprocess.run([a.peer_python, str(script), str(src), str(out), str(calib_file), str(a.seq_len)],
-                               capture_output=True, text=True)
-            wall = time.perf_counter() - t0
-            if p.returncode != 0:
-                print("llm-compressor NVFP4 failed:\n" + p.stderr[-3000:], file=sys.stderr)
-                continue
-            inner = json.loads(p.stdout.strip().splitlines()[-1])["seconds"]
-            m, _ = evaluate(out, eval_ids, ref_lp, src)
-            rows.append({"method": "rtn", "group": group, **m, "seconds": round(inner, 2),
-                         "process_seconds": round(wall, 2), "tool": "llm-compressor"})
-            print(f"llm-compressor nvfp4: ppl {m['perplexity']:.4f} kl {m['kl']:.3e} ({inner:.1f}s)", flush=True)
-        if a.peer_python and group not in FP4_SCHEMES:
-            out = work / f"llmc-gptq-g{group}"
-            script = work / "peer.py"
-            script.write_text(PEER)
-            t0 = time.perf_counter()
-            p = subprocess.run([a.peer_python, str(script), str(src), str(out), str(calib_file), str(group),
-                                str(a.seq_len)], capture_output=True, text=True)
-            wall = time.perf_counter() - t0
-            if p.returncode != 0:
-                print("llm-compressor failed:\n" + p.stderr[-3000:], file=sys.stderr)
-                continue
-            inner = json.loads(p.stdout.strip().splitlines()[-1])["seconds"]
-            m, _ = evaluate(out, eval_ids, ref_lp, src)
-            rows.append({"method": "gptq", "group": group, **m, "seconds": round(inner, 2),
-                         "process_seconds": round(wall, 2), "tool": "llm-compressor"})
-            print(f"llm-compressor gptq g{group}: ppl {m['perplexity']:.4f} kl {m['kl']:.3e} cross {m['cross']:+.3e} "
-                  f"({inner:.1f}s)", flush=True)
-
-    summary = {}
-    for group in a.fp4:
-        by = {(r.get("tool"), r["method"]): r for r in rows if r["group"] == group}
-        rtn_r, gptq_r, peer = by.get(("quantkit", "rtn")), by.get(("quantkit", "gptq")), by.get(("llm-compressor", "rtn"))
-        s = {}
-        if rtn_r and gptq_r and rtn_r["kl"]:
-            s["gptq_kl_vs_rtn"] = gptq_r["kl"] / rtn_r["kl"]
-            s["gptq_target_met"] = s["gptq_kl_vs_rtn"] <= 0.8  # the issue's target: GPTQ KL <= 0.8x RTN's
-        if peer and rtn_r:
-            s["rtn_kl_vs_llmcompressor"] = rtn_r["kl"] / peer["kl"] if peer["kl"] else None
-        if peer and gptq_r:
-            s["gptq_kl_vs_llmcompressor"] = gptq_r["kl"] / peer["kl"] if peer["kl"] else None
-        summary[group] = s
-    for group in a.groups:
-        by = {(r.get("tool"), r["method"]): r for r in rows if r["group"] == group}
-        rtn_r, gptq_r, awq_r = by.get(("quantkit", "rtn")), by.get(("quantkit", "gptq")), by.get(("quantkit", "awq"))
-        s = {}
-        if rtn_r:
-            gap = rtn_r["perplexity"] - base["perplexity"]
-            for name, r in (("gptq", gptq_r), ("awq", awq_r)):
-                if r:
-                    s[f"{name}_ppl_gap_closed"] = (rtn_r["perplexity"] - r["perplexity"]) / gap if gap > 0 else None
-                    s[f"{name}_kl_vs_rtn"] = r["kl"] / rtn_r["kl"] if rtn_r["kl"] else None
-        peer = by.get(("llm-compressor", "gptq"))
-        if peer and gptq_r:
-            s["time_vs_llmcompressor"] = gptq_r["seconds"] / peer["seconds"]
-            s["ppl_vs_llmcompressor"] = gptq_r["perplexity"] / peer["perplexity"]
-        # the issue's targets: at group 128 each method closes >= 30% of RTN's gap to BF16; at group 32
-        # neither is worse than RTN; GPTQ within 0.5x llm-compressor's time and 1.01x its perplexity
-        if rtn_r:
-            for name, r in (("gptq", gptq_r), ("awq", awq_r)):
-                if r is None:
-                    continue
-                closed = s.get(f"{name}_ppl_gap_closed")
-                s[f"{name}_target_met"] = (closed is not None and closed >= 0.3) if group == 128 else (
-                    r["perplexity"] <= rtn_r["perplexity"])
-        if "time_vs_llmcompressor" in s:
-            s["llmcompressor_target_met"] = s["time_vs_llmcompressor"] <= 0.5 and s["ppl_vs_llmcompressor"] <= 1.01
-        summary[f"g{group}"] = s
+    per = {name: run_fixture(name, a, work) for name in a.fixtures}
     doc = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-           "fixture": {k: v for k, v in fx.items() if k not in ("model_dir", "train_tokens", "heldout_tokens")},
-           "settings": vars(a), "rows": rows, "summary": summary}
+           "settings": vars(a), "fixtures": per}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "quality.json").write_text(json.dumps(doc, indent=2))
-    print("\n| tool | method | group | perplexity | KL(bf16 \\|\\| q) | cross | dNLL s.e. | seconds |\n"
-          "|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r.get('tool', '-')} | {r['method']} | {r['group'] or '-'} | {r['perplexity']:.4f} | "
-              f"{r['kl']:.3e} | {r['cross']:+.2e} | {r['dnll_se']:.1e} | "
-              f"{r['seconds'] if r['seconds'] is not None else '-'} |")
-    print(json.dumps(summary, indent=2))
+    print("\n| fixture | tool | method | group | perplexity | KL(bf16 \\|\\| q) | cross | dNLL s.e. | seconds "
+          "| peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|")
+    for name, res in per.items():
+        for r in res["rows"]:
+            print(f"| {name} | {r.get('tool', '-')} | {r['method']} | {r['group'] or '-'} | {r['perplexity']:.4f} | "
+                  f"{r['kl']:.3e} | {r['cross']:+.2e} | {r['dnll_se']:.1e} | "
+                  f"{r['seconds'] if r['seconds'] is not None else '-'} | {r.get('peak_rss_mib', '-')} |")
+    print(json.dumps({name: res["summary"] for name, res in per.items()}, indent=2))
 
 
 if __name__ == "__main__":
