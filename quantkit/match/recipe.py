@@ -314,6 +314,8 @@ class GPTQOptions(_Calibrated):
             raise RecipeError(f"options.observer must be minmax or mse, got {self.observer!r}")
         if self.holdout < 0 or self.holdout == 1:
             raise RecipeError(f"options.holdout must be 0 (off) or at least 2, got {self.holdout!r}")
+        if self.affinity_top_k is not None and self.stats != "affinity":
+            raise RecipeError(f"options.affinity_top_k applies to stats: affinity (stats is {self.stats!r})")
 
 
 @dataclass(frozen=True)

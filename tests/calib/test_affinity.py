@@ -133,5 +133,7 @@ def test_affinity_options():
             recipe("gptq", stats="affinity", affinity_top_k=bad)
     with pytest.raises(RecipeError, match="affinity"):
         recipe("awq", stats="affinity")
+    with pytest.raises(RecipeError, match="applies to stats: affinity"):
+        recipe("gptq", affinity_top_k=4)
     with pytest.raises(RecipeError, match="stats"):
         recipe("gptq", stats="weighted")
