@@ -175,16 +175,15 @@ PEER = textwrap.dedent("""
     oneshot(model=model, dataset=ds, recipe=[mod], max_seq_length=seq_len, num_calibration_samples=len(rows),
             moe_calibrate_all_experts=all_experts)
     model.save_pretrained(out, save_compressed=True)
-    import resource
-    print(json.dumps({"seconds": time.perf_counter() - t0,
-                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    hwm = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
+    print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_mib": hwm}))
 """)
 
 # auto-round's default INT4 recipe (W4A16 symmetric, SignRound with its default 200 iterations and learning
 # rate), its group size set to the row's, on the same targets (the routed experts: attention and the router
 # kept) and the same calibration token ids, exported by auto-round in the compressed-tensors format
 PEER_AUTOROUND = textwrap.dedent("""
-    import json, resource, sys, time, torch
+    import json, sys, time, torch
     from transformers import AutoModelForCausalLM
     from auto_round import AutoRound
     src, out, calib, group, seq_len = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
@@ -207,8 +206,8 @@ PEER_AUTOROUND = textwrap.dedent("""
         for f in made.iterdir():
             shutil.move(str(f), out)
         made.rmdir()
-    print(json.dumps({"seconds": time.perf_counter() - t0,
-                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    hwm = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
+    print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_mib": hwm}))
 """)
 
 # llm-compressor's NVFP4 weights-only preset (its NVFP4 examples' QuantizationModifier: min-max scales,
@@ -229,9 +228,8 @@ PEER_NVFP4 = textwrap.dedent("""
                                ignore=["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"])
     oneshot(model=model, dataset=ds, recipe=[mod], max_seq_length=seq_len, num_calibration_samples=len(rows))
     model.save_pretrained(out, save_compressed=True)
-    import resource
-    print(json.dumps({"seconds": time.perf_counter() - t0,
-                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    hwm = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
+    print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_mib": hwm}))
 """)
 
 # the peers beside each INT4 group: (tool, method label, script, extra argument)
@@ -241,8 +239,8 @@ PEERS = {"llmc": ("llm-compressor", "gptq", PEER, "all"),  # its default: every 
 
 
 def run_child(cmd: list[str]) -> dict | None:
-    """Run one quantization in its own process: its JSON line (seconds, peak_rss_mib) plus the process's
-    wall time, or None (its stderr printed) when it failed."""
+    """Run one quantization in its own process: its JSON line (seconds, peak_rss_mib: the process's VmHWM)
+    plus the process's wall time, or None (its stderr printed) when it failed."""
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -254,12 +252,17 @@ def run_child(cmd: list[str]) -> dict | None:
 
 def child_quantkit(argv: list[str]) -> None:
     """`quality.py --child METHOD GROUP SRC OUT CALIB N SEQ`: one quantkit convert, timed in its own process."""
-    import resource
-
     method, group, src, out, calib, n, seq = argv
     secs = run_quantkit(Path(src), Path(out), method, group if group in FP4_SCHEMES else int(group), calib,
                         int(n), int(seq))
-    print(json.dumps({"seconds": secs, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"seconds": secs, "peak_rss_mib": peak_rss_mib()}))
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory since it started (VmHWM: ru_maxrss would also count the forked
+    parent's pages, i.e. the bench's own)."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) / 1024
 
 
 FIXTURES = {"default": FixtureSpec(), "skewed": SKEWED}
