@@ -172,7 +172,8 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
     if not torch.equal(held, owned.nonzero().flatten()):
         raise CalibrationError(f"the statistics hold the Hessians of experts {held.tolist()[:8]}..., "
                                f"this rank solves {owned.nonzero().flatten().tolist()[:8]}...")
-    counts = (stats.aff_counts if mode == "affinity" else stats.counts)[held].clamp(min=1).float().to(dev)
+    n_tok = stats.aff_counts if mode == "affinity" else stats.counts  # the tokens in each expert's Hessians
+    counts = n_tok[held].clamp(min=1).float().to(dev)
     # the sums become 2/n-scaled Hessians in place: the statistics are not used after this
     h_gu = stats.h_gu.mul_((2.0 / counts)[:, None, None])
     h_down = stats.h_down.mul_((2.0 / counts)[:, None, None])
@@ -190,9 +191,9 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                 h_gu[rows] = stats.h_all * (2.0 / max(stats.total, 1))
                 h_down[rows] = _all_token_down_hessians(stats, mine.to(dev))
         for e in ids.tolist():
-            n_e = int((stats.aff_counts if mode == "affinity" else stats.counts)[e])
             reasons[e] = ("stats: all tokens" if mode == "all" else
-                          f"{n_e} {'affinity' if mode == 'affinity' else 'routed'} tokens < min_tokens {min_tokens}: "
+                          f"{int(n_tok[e])} {'affinity' if mode == 'affinity' else 'routed'} tokens "
+                          f"< min_tokens {min_tokens}: "
                           + ("RTN" if use_rtn[e] else "Hessian from all tokens"))
     kw = dict(damp=g.options.damp, actorder=g.options.actorder,
               block_size=g.options.block_size)
