@@ -4,6 +4,7 @@ standard library's own sources (present on every machine), byte-level (vocab 256
     python bench/fixture.py            # train (or reuse) and print where it is cached
     python bench/fixture.py --wide     # the 256-wide variant (hidden and expert width 256) for W4AFP8
     python bench/fixture.py --skewed   # 32 experts, top-4, skewed routing: expert coverage matters
+    python bench/fixture.py --skewed128  # the same with expert width 128 (group 128 fits)
 
 The model is cached under bench/.cache/fixture-<hash>/ (a normal transformers checkpoint + the token
 splits as .pt files); the hash covers every training setting, so changing one retrains.
@@ -58,6 +59,9 @@ WIDE = FixtureSpec(hidden=256, moe_intermediate=256, steps=1200)
 # aux loss only with output_router_logits), so the router's preferences grow unchecked; `routing` measures
 # how skewed the result is.
 SKEWED = FixtureSpec(experts=32, top_k=4, moe_intermediate=64, steps=1600)
+# ... and with experts as wide as the first fixture's, so that group 128 divides the down projection's input
+# (width 64 admits no g128: every tool refuses it)
+SKEWED128 = replace(SKEWED, moe_intermediate=128)
 
 
 def stdlib_corpus(limit: int) -> tuple[bytes, bytes]:
@@ -167,8 +171,9 @@ def main():
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: the spec's)")
     ap.add_argument("--wide", action="store_true", help="the 256-wide fixture (W4AFP8's width rule)")
     ap.add_argument("--skewed", action="store_true", help="the 32-expert top-4 fixture with skewed routing")
+    ap.add_argument("--skewed128", action="store_true", help="the same with expert width 128")
     a = ap.parse_args()
-    spec = WIDE if a.wide else SKEWED if a.skewed else FixtureSpec()
+    spec = WIDE if a.wide else SKEWED if a.skewed else SKEWED128 if a.skewed128 else FixtureSpec()
     if a.steps is not None:
         spec = replace(spec, steps=a.steps)
     fx = get_fixture(spec)

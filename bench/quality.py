@@ -12,7 +12,8 @@ without it) and auto-round's default W4A16 recipe (`autoround`).
                             [--num-samples 64] [--eval-windows 2048] [--fp4 nvfp4 mxfp4]
                             [--peer-python bench/.cache/peer-venv/bin/python --peers llmc llmc-routed autoround]
 
-Fixtures: `default` (8 experts, top-2) and `skewed` (32 experts, top-4, trained without a balancing loss).
+Fixtures: `default` (8 experts, top-2) and `skewed` (32 experts, top-4, trained without a balancing loss;
+expert width 64, so no group 128), `skewed128` (the same with expert width 128).
 Every quantization runs in its own process: its wall time (`seconds`: imports excluded, reading the source
 included: quantkit's `convert()` call, the peers' scripts from before `from_pretrained` to the saved
 checkpoint; `process_seconds`: the whole process) and its peak RSS.
@@ -43,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fixture import SKEWED, FixtureSpec, get_fixture  # noqa: E402
+from fixture import SKEWED, SKEWED128, FixtureSpec, get_fixture  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -265,7 +266,7 @@ def peak_rss_mib() -> float:
         return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) / 1024
 
 
-FIXTURES = {"default": FixtureSpec(), "skewed": SKEWED}
+FIXTURES = {"default": FixtureSpec(), "skewed": SKEWED, "skewed128": SKEWED128}
 
 
 def run_fixture(name: str, a, work: Path) -> dict:
@@ -350,7 +351,8 @@ def main():
         return child_quantkit(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fixtures", nargs="+", default=["default"], choices=sorted(FIXTURES),
-                    help="default: bench/fixture.py's 8-expert top-2 model; skewed: its 32-expert top-4 one")
+                    help="default: bench/fixture.py's 8-expert top-2 model; skewed: its 32-expert top-4 one "
+                         "(expert width 64: no g128); skewed128: the same with expert width 128")
     ap.add_argument("--groups", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--methods", nargs="+", default=["rtn", "gptq", "awq"],
                     help="rtn, gptq or awq, with modifiers: -mse (RTN: scale_search mse; GPTQ: observer mse), "
