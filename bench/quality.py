@@ -155,6 +155,12 @@ def run_quantkit(src, out, method, group, calib_file, num_samples, seq_len):
     return time.perf_counter() - t0
 
 
+# every peer script's last line: its time since t0 and its own peak RSS (VmHWM; see peak_rss_mib), as JSON
+_REPORT = textwrap.dedent("""
+    hwm = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
+    print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_mib": hwm}))
+""")
+
 PEER = textwrap.dedent("""
     import json, sys, time, torch
     from datasets import Dataset
@@ -176,9 +182,7 @@ PEER = textwrap.dedent("""
     oneshot(model=model, dataset=ds, recipe=[mod], max_seq_length=seq_len, num_calibration_samples=len(rows),
             moe_calibrate_all_experts=all_experts)
     model.save_pretrained(out, save_compressed=True)
-    hwm = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
-    print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_mib": hwm}))
-""")
+""") + _REPORT
 
 # auto-round's default INT4 recipe (W4A16 symmetric, SignRound with its default 200 iterations and learning
 # rate), its group size set to the row's, on the same targets (the routed experts: attention and the router
@@ -207,9 +211,7 @@ PEER_AUTOROUND = textwrap.dedent("""
         for f in made.iterdir():
             shutil.move(str(f), out)
         made.rmdir()
-    hwm = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
-    print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_mib": hwm}))
-""")
+""") + _REPORT
 
 # llm-compressor's NVFP4 weights-only preset (its NVFP4 examples' QuantizationModifier: min-max scales,
 # one global scale per matrix, fused gate/up global scales made equal), on the same targets
@@ -229,9 +231,7 @@ PEER_NVFP4 = textwrap.dedent("""
                                ignore=["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"])
     oneshot(model=model, dataset=ds, recipe=[mod], max_seq_length=seq_len, num_calibration_samples=len(rows))
     model.save_pretrained(out, save_compressed=True)
-    hwm = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
-    print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_mib": hwm}))
-""")
+""") + _REPORT
 
 # the peers beside each INT4 group: (tool, method label, script, extra argument)
 PEERS = {"llmc": ("llm-compressor", "gptq", PEER, "all"),  # its default: every expert sees every token
