@@ -4,6 +4,7 @@
 
     python bench/small_calib.py [--archs deepseek_v3 glm_moe_dsa] [--samples 16 128] [--seq-len 64]
                                 [--recipes int4-experts-rtn int4-experts-gptq] [--seeds 0]
+                                [--calib text|random] [--eval text|random] [--calib-random N]
 
 Tokens: the shipped calibration set's text as UTF-8 bytes (the tiny models have no tokenizer), one stream;
 calibration windows are drawn (seeded) from its first 80%, the evaluation windows are the non-overlapping
@@ -54,6 +55,8 @@ def main():
     ap.add_argument("--eval", choices=["text", "random"], default="text",
                     help="held-out windows: the last 20%% of the text, or uniformly random tokens of the vocabulary")
     ap.add_argument("--calib", choices=["text", "random"], default="text")
+    ap.add_argument("--calib-random", type=int, default=0,
+                    help="rows of uniformly random token ids appended to the calibration set")
     a = ap.parse_args()
 
     from quantkit.convert import ConvertOptions, convert
@@ -81,13 +84,16 @@ def main():
                 rows_c = [stream[s:s + a.seq_len] for s in starts]
                 if a.calib == "random":
                     rows_c = list(torch.randint(0, vocab, (n, a.seq_len), generator=g))
+                if a.calib_random:
+                    rows_c += list(torch.randint(0, vocab, (a.calib_random, a.seq_len),
+                                                 generator=torch.Generator().manual_seed(3)))
                 calib.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in rows_c))
                 kls = {}
                 for recipe in a.recipes:
                     out = work / f"{arch}-{seed}-{n}-{recipe}"
                     t0 = time.perf_counter()
                     convert(src, out, ConvertOptions(recipe=recipe, overwrite=True, dataset=str(calib),
-                                                     num_samples=n, seq_len=a.seq_len, model_card=False))
+                                                     num_samples=len(rows_c), seq_len=a.seq_len, model_card=False))
                     secs = time.perf_counter() - t0
                     lp = logprobs(out, eval_ids)
                     kl = float((ref.exp() * (ref - lp)).sum(-1).mean())

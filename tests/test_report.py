@@ -94,6 +94,12 @@ def test_gptq_report_has_every_figure_and_the_fallbacks(outputs, gptq_report):
     assert "int4-experts-gptq" in page and str(outputs["src"]) in page
     assert "verify.json" in page and 'class="ok">pass' in page
     assert "verify-layers" in res.skipped  # verify ran without --reference: no per-layer SQNR
+    # GPTQ's held-out check: how many modules kept RTN / a re-solve with a higher damping, as the manifest says
+    mods = {n.rsplit(".", 1)[0]: e for n, e in manifest["tensors"].items() if "heldout" in e}
+    calibrated = {m: e for m, e in mods.items() if m not in fallbacks}
+    kept = [e["heldout"].get("kept") for e in calibrated.values()]
+    assert f"{kept.count('rtn')} of {len(calibrated)} calibrated expert modules kept RTN" in page
+    assert (f"{kept.count('retry')} kept a second GPTQ solve" in page) == bool(kept.count("retry"))
 
 
 def test_sections_without_data_say_why(outputs, tmp_path):

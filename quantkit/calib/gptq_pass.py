@@ -230,8 +230,14 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                         qp.zero_point[sel] = rr.qparams.zero_point.to(dev)
             checks = None
             if heldout is not None:
+                hb = h[slot[ids[0]]:slot[ids[0]] + len(ids)]
+
+                def retry(sub: list[int], factor: float, w=w, hb=hb):
+                    rs, _ = _solve(w[sub], hb[sub], s, factor_chunk=group, **{**kw, "damp": kw["damp"] * factor})
+                    return rs.q, rs.qparams, rs.damping
                 checks = _heldout_check(w, q, qp, grid, s, parts, ids, use_rtn,
-                                        [heldout[e][0 if key == "gu" else 1] for e in ids])
+                                        [heldout[e][0 if key == "gu" else 1] for e in ids],
+                                        retry=retry if grid is None else None)
             deq = dequantize(q, qp.scale, qp.zero_point) if grid is None else grid.dequantize(q)  # [c, N, K]
             sq = {kind: sqnr_db(w[:, rows], deq[:, rows], dim=(-2, -1)).tolist() for kind, rows in parts} \
                 if dev.type != "cpu" else None  # one transfer per chunk on a GPU, not one per expert
@@ -258,13 +264,23 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
             del w, r, q, qp, deq
 
 
+# Where RTN beats GPTQ on an expert's held-out rows, the expert is solved again with its damping raised by
+# these factors (0.01 -> 0.1 -> 1 of mean(diag H) by default): a nearly singular Hessian over-fits less, and
+# the damped solve often beats both (INT4 grids; FP4 keeps the choice between GPTQ and RTN).
+RETRY_DAMPING = (10.0, 100.0)
+
+
 def _heldout_check(w: torch.Tensor, q: torch.Tensor, qp: QParams, grid, s, parts, ids: list[int],
-                   use_rtn: torch.Tensor, xs: list[torch.Tensor]) -> list[dict]:
+                   use_rtn: torch.Tensor, xs: list[torch.Tensor], retry=None) -> list[dict]:
     """Never worse than RTN on tokens the solve did not see: for each expert j of the batch (weights w [c, N, K],
     GPTQ's codes q and qparams, changed in place) and each part (gate, up / down), the output error
-    ||X (W - Q)^T||^2 on its held-out inputs X = xs[j] [m, K] of GPTQ's result and of RTN's; where RTN's is
-    smaller, that part's rows take RTN's codes (and INT4 scales). Returns per expert {part: manifest fields}:
-    `method` and `heldout` {tokens, gptq, rtn}, the errors relative to ||X W^T||^2."""
+    ||X (W - Q)^T||^2 on its held-out inputs X = xs[j] [m, K] of GPTQ's result and of RTN's. `retry(sub,
+    factor)` (INT4): GPTQ of batch experts `sub` with the damping multiplied by `factor` -> (codes, qparams,
+    damping); it runs for the experts where RTN did better on some part, each factor of RETRY_DAMPING in turn,
+    and its result competes too. Each part's rows take the codes (and INT4 scales) of the candidate with the
+    least error, the solve's own on ties. Returns per expert {part: manifest fields}: `method` (gptq or rtn),
+    `heldout` {tokens, gptq, rtn, `retries` [{damping, error}] where retried, `kept`: solve, rtn or retry},
+    errors relative to ||X W^T||^2, and `damping` where a retried solve was kept."""
     dev = w.device
     if grid is None:
         rr = rtn(w, s.num_bits, s.group_size, s.symmetric)
@@ -275,29 +291,60 @@ def _heldout_check(w: torch.Tensor, q: torch.Tensor, qp: QParams, grid, s, parts
     else:
         q_r = grid.rtn(w, slice(None)).to(dev)
         deq_r, deq_g = grid.dequantize(q_r), grid.dequantize(q)
+    n = w.shape[1]
+
+    def errors(j: int, x: torch.Tensor, deqs: list[torch.Tensor]) -> tuple[float, list[list[float]]]:
+        """||X W^T||^2 per part and each candidate's ||X (W - D)^T||^2 per part, from one product."""
+        y = x @ torch.cat([w[j]] + [w[j] - d for d in deqs]).T
+        parts_of = [[float(y[:, i * n:(i + 1) * n][:, rows].double().square().sum()) for _, rows in parts]
+                    for i in range(len(deqs) + 1)]
+        return parts_of[0], parts_of[1:]
+
+    xs = [x.to(device=dev, dtype=torch.float32) for x in xs]
+    todo = [j for j in range(len(ids)) if xs[j].shape[0] and not bool(use_rtn[ids[j]])]
+    base = {j: errors(j, xs[j], [deq_g[j], deq_r[j]]) for j in todo}
+    # candidates per expert: (error per part, codes, qparams, damping), the solve's first, then RTN's
+    cands = {j: [(base[j][1][0], q[j], QParams(qp.scale[j], None if qp.zero_point is None else qp.zero_point[j]),
+                  None),
+                 (base[j][1][1], q_r[j], None if grid is not None else QParams(s_r[j], None if z_r is None else z_r[j]),
+                  None)] for j in todo}
+    retries = {j: [] for j in todo}
+    if retry is not None:
+        sub = [j for j in todo if any(er < eg for eg, er in zip(*base[j][1]))]
+        for factor in RETRY_DAMPING if sub else ():
+            rq, rqp, rdamp = retry(sub, factor)
+            deq_d = dequantize(rq, rqp.scale, rqp.zero_point)
+            for i, j in enumerate(sub):
+                _, (ed,) = errors(j, xs[j], [deq_d[i]])
+                retries[j].append({"damping": round(float(rdamp[i]), 6), "error": ed})
+                cands[j].append((ed, rq[i], QParams(rqp.scale[i], None if rqp.zero_point is None
+                                                    else rqp.zero_point[i]), float(rdamp[i])))
     out = []
     for j in range(len(ids)):
-        x = xs[j].to(device=dev, dtype=torch.float32)
-        res = {}
-        if x.shape[0] == 0 or bool(use_rtn[ids[j]]):
-            out.append({kind: {"heldout": {"tokens": int(x.shape[0])}} for kind, _ in parts})
+        if j not in base:
+            out.append({kind: {"heldout": {"tokens": int(xs[j].shape[0])}} for kind, _ in parts})
             continue
-        # one product for the reference and both errors: [m, 3N]
-        y = x @ torch.cat([w[j], w[j] - deq_g[j], w[j] - deq_r[j]]).T
-        n = w.shape[1]
-        for kind, rows in parts:
-            ref, eg, er = (float(y[:, i * n:(i + 1) * n][:, rows].double().square().sum()) for i in range(3))
-            keep_rtn = er < eg
-            if keep_rtn:
-                q[j, rows] = q_r[j, rows]
+        ref = base[j][0]
+        res = {}
+        for p, (kind, rows) in enumerate(parts):
+            best = min(range(len(cands[j])), key=lambda c: (cands[j][c][0][p], c))
+            err, cq, cqp, damping = cands[j][best]
+            if best:
+                q[j, rows] = cq[rows]
                 if grid is None:
-                    qp.scale[j, rows] = s_r[j, rows]
+                    qp.scale[j, rows] = cqp.scale[rows]
                     if qp.zero_point is not None:
-                        qp.zero_point[j, rows] = z_r[j, rows]
-            den = ref if ref > 0 else 1.0
-            res[kind] = {"method": "rtn" if keep_rtn else "gptq",
-                         "heldout": {"tokens": int(x.shape[0]), "gptq": float(f"{eg / den:.6g}"),
-                                     "rtn": float(f"{er / den:.6g}")}}
+                        qp.zero_point[j, rows] = cqp.zero_point[rows]
+            den = ref[p] if ref[p] > 0 else 1.0
+            held = {"tokens": int(xs[j].shape[0]), "gptq": float(f"{cands[j][0][0][p] / den:.6g}"),
+                    "rtn": float(f"{cands[j][1][0][p] / den:.6g}")}
+            if retries[j]:
+                held["retries"] = [{"damping": r["damping"], "error": float(f"{r['error'][p] / den:.6g}")}
+                                   for r in retries[j]]
+            held["kept"] = ("solve", "rtn")[best] if best < 2 else "retry"
+            res[kind] = {"method": "rtn" if best == 1 else "gptq", "heldout": held}
+            if best >= 2:
+                res[kind]["damping"] = round(damping, 6)
         out.append(res)
     return out
 

@@ -77,6 +77,7 @@ class ModuleInfo:
     prefix: str | None  # `...experts` for a routed expert
     expert: int | None
     proj: str | None
+    heldout_kept: str | None = None  # GPTQ's held-out check: "solve", "rtn" or "retry" (a re-solve, damping raised)
 
 
 def _number(x) -> float | None:
@@ -113,8 +114,13 @@ def collect_modules(tensors: dict[str, dict]) -> list[ModuleInfo]:
             tokens=tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None,
             fallback=str(e["fallback"]) if e.get("fallback") else None, layer=_layer_of(module),
             prefix=m["prefix"] if m else None, expert=int(m["expert"]) if m else None,
-            proj=m["proj"] if m else None))
+            proj=m["proj"] if m else None, heldout_kept=_kept(e.get("heldout"))))
     return out
+
+
+def _kept(heldout) -> str | None:
+    kept = heldout.get("kept") if isinstance(heldout, dict) else None
+    return kept if kept in ("solve", "rtn", "retry") else None
 
 
 class GridTooLarge(ValueError):

@@ -209,6 +209,10 @@ def _section_tokens(page: _Page, manifest: dict, modules: list[ModuleInfo]) -> N
         sqnr_note += (f" {kept_rtn} of {len(calibrated)} calibrated expert modules kept RTN's result: its output "
                       f"error on held-out calibration tokens was smaller than GPTQ's (the manifest's "
                       f"<code>method</code> and <code>heldout</code> per module).")
+        retried = sum(m.heldout_kept == "retry" for m in calibrated)
+        if retried:
+            sqnr_note += (f" {retried} kept a second GPTQ solve with a higher damping, which did better on those "
+                          f"tokens than both the first solve and RTN.")
     cap = (f"Each cell is one routed expert; its colour is the number of calibration tokens ({_e(cal.get('num_tokens', '?'))} "
            f"in all, each routed to top-k experts) the router sent to it, on a log scale. A GPTQ/AWQ expert needs "
            f"tokens to estimate its Hessian / activation scales: <b>red</b> cells are experts that saw too few and "
