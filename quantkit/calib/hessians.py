@@ -71,10 +71,7 @@ class ExpertStats:
         self.ho_x: list[list[torch.Tensor]] = [[] for _ in range(n)]  # held-out gate/up inputs, by slot
         self.router = router if need_hessians else None
         if self.router is not None:
-            rw = getattr(router, "weight", None)
-            if not isinstance(rw, torch.Tensor) or tuple(rw.shape) != (e, h):
-                raise CalibrationError(f"stats: affinity needs the router's [{e}, {h}] weight; "
-                                       f"{type(router).__name__} has {getattr(rw, 'shape', None)}")
+            moe.router_weight(router, h, e)  # checked before the pass, not at its first batch
         self.affinity_top_k = affinity_top_k
         self.aff_counts = torch.zeros(e, dtype=torch.long)
         self.total = 0

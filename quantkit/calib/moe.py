@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import types
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from ..arch.layout import FUSED_DOWN, FUSED_GATE_UP, ROUTER_BIAS
+from ..errors import CalibrationError
 
 # Legend: T = tokens, k = experts per token, E = routed experts, H = hidden, I = expert intermediate,
 #         n = routed (token, slot) pairs kept (T*k minus sentinels)
@@ -78,6 +79,7 @@ class Routing:
     offsets: torch.Tensor  # [E + 1] int64: start of each expert's pairs
     bounds: tuple[int, ...]  # offsets as Python ints (slicing without a tensor read per expert)
     dropped: int  # sentinel pairs (index == E)
+    token_sorted: bool = False  # each expert's pairs already in ascending token order (one slot per expert)
 
     def tokens(self, e: int) -> torch.Tensor:
         """Indices of the tokens routed to expert e (slot-major, as eager visits them)."""
@@ -103,7 +105,7 @@ class Routing:
         """(token, weight) of every pair with each expert's pairs in ascending token order (ties, a token sent
         twice to one expert, by slot): the order a token-major scan of `top_k_index` visits them, which is the
         order the Hessian accumulation (calib/hessians.py) has always summed rows in. Same `bounds`."""
-        if self.top_k == 1 or not self.bounds[-1]:
+        if self.top_k == 1 or self.token_sorted or not self.bounds[-1]:
             return self.token, self.weight
         expert = torch.repeat_interleave(torch.arange(self.num_experts, device=self.token.device), self.counts)
         perm = torch.argsort(expert * self.num_tokens + self.token, stable=True)
@@ -164,10 +166,7 @@ def router_affinities(router: nn.Module, x: torch.Tensor, top_k: int | None = No
     Mixtral), or their sigmoid where the router carries noaux_tc's correction bias (DeepSeek-V3 / Kimi K2 /
     GLM), the experts then preferred by sigmoid + bias as that router selects (without its group limit).
     Statistics weighted by it count each token for an expert as much as the router favours that pair."""
-    w = getattr(router, "weight", None)
-    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != x.shape[-1]:
-        raise ValueError(f"the router {type(router).__name__} has no [experts, hidden] weight to score tokens with")
-    logits = x.float() @ w.detach().float().T  # [T, E]
+    logits = x.float() @ router_weight(router, x.shape[-1]).detach().float().T  # [T, E]
     bias = getattr(router, ROUTER_BIAS, None)
     if isinstance(bias, torch.Tensor):
         aff = torch.sigmoid(logits)
@@ -175,11 +174,23 @@ def router_affinities(router: nn.Module, x: torch.Tensor, top_k: int | None = No
     else:
         aff = prefer = torch.softmax(logits, -1)
     t, n = aff.shape
-    if top_k is None or top_k >= n:
+    if top_k is None or top_k >= n:  # expert e in slot e of every token: its pairs are in token order
         idx = torch.arange(n, device=aff.device).expand(t, n)
-        return route(idx, aff, n)
+        return replace(route(idx, aff, n), token_sorted=True)
     idx = prefer.topk(top_k, -1).indices
     return route(idx, aff.gather(-1, idx), n)
+
+
+def router_weight(router: nn.Module, hidden: int, num_experts: int | None = None) -> torch.Tensor:
+    """The router's [experts, hidden] weight, which `router_affinities` scores tokens with; a CalibrationError
+    naming what the router has instead."""
+    w = getattr(router, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != hidden or \
+            (num_experts is not None and w.shape[0] != num_experts):
+        want = f"[{num_experts if num_experts is not None else 'experts'}, {hidden}]"
+        raise CalibrationError(f"stats: affinity needs the router's {want} weight; {type(router).__name__} has "
+                               f"{tuple(w.shape) if isinstance(w, torch.Tensor) else None}")
+    return w
 
 
 _ROUTING = "_quantkit_routing"  # instance attribute: (top_k_index, top_k_weights, Routing) of the current call

@@ -137,3 +137,42 @@ def test_affinity_options():
         recipe("gptq", affinity_top_k=4)
     with pytest.raises(RecipeError, match="stats"):
         recipe("gptq", stats="weighted")
+
+
+def test_all_expert_affinities_are_in_token_order_and_skip_the_sort():
+    """With every expert in the affinity set, each expert's pairs come in ascending token order already: the
+    Routing says so and token_major returns them as they are, equal to the generic sort's result; with a
+    top-k' it does not, and the sort runs."""
+    from dataclasses import replace
+
+    router = torch.nn.Linear(16, 6, bias=False)
+    x = torch.randn(37, 16, generator=torch.Generator().manual_seed(0))
+    every = moe.router_affinities(router, x)
+    assert every.token_sorted and every.top_k == 6
+    tok, wt = every.token_major()
+    ref_tok, ref_wt = replace(every, token_sorted=False).token_major()
+    assert torch.equal(tok, ref_tok) and torch.equal(wt, ref_wt)
+    some = moe.router_affinities(router, x, top_k=2)
+    assert not some.token_sorted
+    tok2, _ = some.token_major()
+    for e, s, t in some.segments():  # each expert's tokens ascending after the sort
+        assert torch.all(tok2[s:t][1:] > tok2[s:t][:-1])
+
+
+@pytest.mark.parametrize("make", [lambda: torch.nn.Identity(), lambda: torch.nn.Linear(16, 5, bias=False),
+                                  lambda: torch.nn.Linear(8, 6, bias=False)])
+def test_a_router_without_a_matching_weight_is_refused_before_the_pass(make):
+    """No weight, a weight for 5 experts where the layer has 6, a weight over 8 inputs where the hidden size is
+    16: a named CalibrationError from ExpertStats up front, and the same rule in router_affinities."""
+    from types import SimpleNamespace
+
+    from quantkit.errors import CalibrationError
+
+    experts = SimpleNamespace(gate_up_proj=torch.zeros(6, 8, 16), down_proj=torch.zeros(6, 16, 4),
+                              register_forward_pre_hook=lambda hook: None)
+    router = make()
+    with pytest.raises(CalibrationError, match=r"stats: affinity needs the router's \[6, 16\] weight"):
+        ExpertStats(experts, True, 0, router=router)
+    if not isinstance(getattr(router, "weight", None), torch.Tensor) or router.weight.shape[1] != 16:
+        with pytest.raises(CalibrationError, match="stats: affinity needs the router's"):
+            moe.router_affinities(router, torch.zeros(3, 16))
