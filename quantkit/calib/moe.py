@@ -187,7 +187,7 @@ def router_weight(router: nn.Module, hidden: int, num_experts: int | None = None
     w = getattr(router, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != hidden or \
             (num_experts is not None and w.shape[0] != num_experts):
-        want = f"[{num_experts if num_experts is not None else 'experts'}, {hidden}]"
+        want = f"[{num_experts if num_experts is not None else 'E'}, {hidden}]"
         raise CalibrationError(f"stats: affinity needs the router's {want} weight; {type(router).__name__} has "
                                f"{tuple(w.shape) if isinstance(w, torch.Tensor) else None}")
     return w
