@@ -299,7 +299,9 @@ class GPTQOptions(_Calibrated):
     RTN's (0: off, every token in the Hessian and no check). `stats: affinity`: each expert's Hessians sum
     x x^T over the tokens among the router's `affinity_top_k` preferred experts for it (null: every token),
     weighted by the router's affinity (softmax, or sigmoid for noaux_tc routers), the forward still following
-    the router's top-k (calib/hessians.py); the routed tokens held out stay out."""
+    the router's top-k (calib/hessians.py); the routed tokens held out stay out. `refit_scales` (symmetric
+    INT4): after the sweep each row's group scales are the least-squares ones for its codes under the damped
+    Hessian (quant/gptq.py refit_scales)."""
 
     damp: float = 0.01
     actorder: bool = False
@@ -307,6 +309,7 @@ class GPTQOptions(_Calibrated):
     holdout: int = 8
     observer: str = "minmax"  # or "mse": each group's scale searched against the Hessian-weighted error (INT4, FP4)
     affinity_top_k: int | None = None
+    refit_scales: bool = False  # symmetric INT4: each row's group scales refitted to its codes after the sweep
 
     def __post_init__(self):
         super().__post_init__()
@@ -547,6 +550,9 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
         if method == "gptq" and scheme.type != "int" and not scheme.fp4:
             raise RecipeError(f"groups.{gname}: method gptq applies to INT4 and FP4 schemes")
         opts = parse_options(method, g.get("options") or {}, f"groups.{gname}.options")
+        if getattr(opts, "refit_scales", False) and (scheme.type != "int" or not scheme.symmetric):
+            raise RecipeError(f"groups.{gname}.options.refit_scales applies to symmetric INT4 schemes "
+                              f"(the scales of FP4 grids are fixed before the solve)")
         groups.append(WeightGroup(str(gname), _str_list(f"groups.{gname}.targets", g["targets"]), scheme,
                                   method, opts))
     if not groups and not d.get("kv_cache"):

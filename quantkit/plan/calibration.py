@@ -422,9 +422,11 @@ def _hessians(c: Throughput, s: _LayerShape, batches: list[int], owned: int, hid
     return sec
 
 
-def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: int) -> tuple[float, float]:
+def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: int,
+                 refit: bool = False) -> tuple[float, float]:
     """(Cholesky seconds, sweep seconds) of GPTQ on matrices [(count, n_out, k_in, chunk)]: `count` of them,
-    `chunk` in one column sweep."""
+    `chunk` in one column sweep. `refit` (options.refit_scales): each matrix's scales refitted after the
+    sweep, ~4 n_out k^2 flops in the solve dtype (the products of codes and Hessian), counted at chol_flops."""
     chol = sweep = 0.0
     for count, n_out, k, per in shapes:
         if not count:
@@ -440,6 +442,8 @@ def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: 
         # act-order permutations, dequantize, SQNR, packing and emitting every module
         sweep += count * (6 * k * k * 8 + 24 * n_out * k) / c.mem_bytes_per_s + count * 40 * c.op_s
         sweep += count * c.module_s  # emitting it (gate/up: two modules, counted at the call)
+        if refit:
+            sweep += count * 4 * n_out * k * k / c.chol_flops
     return chol, sweep
 
 
@@ -707,7 +711,7 @@ def _pass_row(row: dict, comm: dict, ctx: _PassContext, idx: int, layer, s, pack
         row["hessians"] += _hessians(c, s, gq.all_batches, owned, hidden, per_token)
         sweep = [_sweep_experts(kk, nn, group, kind) for nn, kk in ((s.p, s.h), (s.h, s.i))]
         ch, sw = _gptq_solves(c, [(owned, s.p, s.h, sweep[0]), (owned, s.h, s.i, sweep[1])],
-                              egroup.options.block_size)
+                              egroup.options.block_size, egroup.options.refit_scales)
         row["gptq_solve"] += ch + sw + owned * c.module_s  # gate and up: one matrix, two modules
     elif egroup is not None and egroup.method == "awq":
         o = egroup.options
@@ -731,7 +735,7 @@ def _pass_row(row: dict, comm: dict, ctx: _PassContext, idx: int, layer, s, pack
         mine = dshapes[::g]  # the i-th dense target belongs to rank i % G
         row["hessians"] += sum(2 * tok * k * k / _rate(c.gram_flops, c.gram_half_rows, tok)
                                for _, _, k, _ in dshapes for tok in gq.rank_batches)
-        ch, sw = _gptq_solves(c, mine, 128)
+        ch, sw = _gptq_solves(c, mine, 128, any(getattr(grp.options, "refit_scales", False) for _, grp in dense.values()))
         row["gptq_solve"] += ch + sw
     # the spool: the layer's packed results (rank 0 writes them) and the next layer's inputs (every rank
     # its own samples': the busiest rank's share)

@@ -272,3 +272,60 @@ def test_observer_option():
     assert recipe("gptq", observer="mse").groups[0].options.observer == "mse"
     with pytest.raises(RecipeError, match="observer"):
         recipe("gptq", observer="max")
+
+
+def test_refit_scales_option():
+    from quantkit.errors import RecipeError
+
+    assert recipe("gptq").groups[0].options.refit_scales is False
+    assert recipe("gptq", refit_scales="true").groups[0].options.refit_scales is True
+    for bad in ('"yes"', "1", "[true]"):
+        with pytest.raises(RecipeError, match="refit_scales"):
+            recipe("gptq", refit_scales=bad)
+    with pytest.raises(RecipeError, match="refit_scales applies to symmetric INT4"):
+        parse_recipe(f"groups:\n  experts:\n    targets: {TARGETS}\n    method: gptq\n"
+                     "    scheme: {group_size: 32, symmetric: false}\n    options: {refit_scales: true}\n")
+    with pytest.raises(RecipeError, match="refit_scales applies to symmetric INT4"):
+        parse_recipe(f"groups:\n  experts:\n    targets: {TARGETS}\n    method: gptq\n"
+                     "    scheme: {num_bits: 4, type: float, symmetric: true, strategy: tensor_group, group_size: 16}\n"
+                     "    options: {refit_scales: true}\n")
+    with pytest.raises(RecipeError, match="refit_scales"):
+        recipe("awq", refit_scales="true")
+
+
+def test_refit_scales_keep_the_codes_and_lower_the_calibration_error(tmp_path):
+    """End to end (held-out check off, so that the codes are GPTQ's own in both runs): with refit_scales every
+    expert module keeps the codes of the run without it (each group of its weights is the other run's times
+    one positive factor), some groups' scales change, and the error on the calibration tokens routed to each
+    module, ||X (W - Q)^T||^2 from a plain forward's expert inputs, is never larger and lower in sum."""
+    src = make_tiny_model("deepseek_v3", tmp_path / "src", experts=8)  # layer 1 is the only MoE layer
+    data = load_calibration_data(None, vocab_size=512, num_samples=6, seq_len=32)
+    runs = {}
+    for refit in (False, True):
+        spool = tmp_path / f"spool-{refit}"
+        runs[refit] = spool_weights(spool, run_calibrated(src, recipe("gptq", holdout=0, refit_scales=str(refit).lower()),
+                                                          data.samples, spool))
+    experts, seen = _routed_inputs(load_model(src).eval(), data.samples, 1)
+    half = experts.gate_up_proj.shape[1] // 2
+    moved = 0
+    total = {False: 0.0, True: 0.0}
+    for e in range(8):
+        x = torch.cat([xb[(ib == e).any(-1)] for xb, ib in seen])
+        gu = experts.gate_up_proj[e].detach().float()
+        d = experts.act_fn(x @ gu[:half].T) * (x @ gu[half:].T)
+        for kind, inp, wt in (("gate", x, gu[:half]), ("up", x, gu[half:]),
+                              ("down", d, experts.down_proj[e].detach().float())):
+            name = f"model.layers.1.mlp.experts.{e}.{kind}_proj.weight"
+            a, b = runs[False][name], runs[True][name]
+            ga, gb = a.reshape(a.shape[0], -1, 32), b.reshape(b.shape[0], -1, 32)
+            assert torch.equal(ga == 0, gb == 0)
+            ratio = torch.where(ga != 0, gb / ga, torch.nan)  # one factor per group: the same codes
+            lo, hi = ratio.nan_to_num(float("inf")).amin(-1), ratio.nan_to_num(float("-inf")).amax(-1)
+            live = (ga != 0).any(-1)
+            assert torch.allclose(lo[live], hi[live], rtol=1e-5) and bool((lo[live] > 0).all())
+            moved += int((~torch.isclose(lo[live], torch.ones_like(lo[live]))).sum())
+            err = {r: float((inp @ (wt - runs[r][name]).T).double().square().sum()) for r in (False, True)}
+            assert err[True] <= err[False] * (1 + 1e-6)
+            total[False] += err[False]
+            total[True] += err[True]
+    assert moved > 0 and total[True] < total[False]

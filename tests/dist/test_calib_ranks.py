@@ -28,8 +28,8 @@ CAL = ["--num-samples", "8", "--seq-len", "32"]  # 8 forward batches of one samp
 # per call at least), so that the KV calibration is split over the ranks too
 DENSE_CAL = ["--num-samples", "24", "--seq-len", "64"]
 
-# dense GPTQ targets (MLA attention, the shared expert, the dense MLP of layer 0) besides the routed experts,
-# and FP8 KV-cache scales calibrated in the same convert
+# dense GPTQ targets (MLA attention, the shared expert, the dense MLP of layer 0) besides the routed experts
+# (their scales refitted), and FP8 KV-cache scales calibrated in the same convert
 DENSE = """\
 name: dense-gptq-kv
 groups:
@@ -37,7 +37,7 @@ groups:
     targets: ['re:.*\\.mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$']
     method: gptq
     scheme: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
-    options: {fallback: all_tokens}
+    options: {fallback: all_tokens, refit_scales: true}
   dense:
     targets: ['re:.*\\.self_attn\\.(q_a|q_b|kv_a|kv_b|o)_proj(_with_mqa)?$',
               're:.*\\.mlp\\.shared_experts\\.(gate|up|down)_proj$', 're:.*\\.mlp\\.(gate|up|down)_proj$']

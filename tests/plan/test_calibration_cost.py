@@ -234,3 +234,24 @@ def test_affinity_statistics_cost_grows_with_the_experts_each_token_feeds(tmp_pa
     assert plain.seconds["hessians"] < top4.seconds["hessians"] < every.seconds["hessians"]
     for k in ("forward", "gptq_solve"):
         assert plain.seconds[k] == top4.seconds[k] == every.seconds[k], k
+
+
+def test_refit_scales_cost_is_the_solves_own(tmp_path):
+    """`refit_scales: true` adds ~4 n k^2 flops per matrix at chol_flops to gptq_solve, and nothing else."""
+    import quantkit
+
+    text = (Path(quantkit.__file__).parent / "data" / "recipes" / "int4-experts-gptq.yaml").read_text()
+    cfg = _config(tmp_path, 2)
+
+    def cost(extra):
+        p = tmp_path / f"r{len(extra)}.yaml"
+        p.write_text(text.replace("      block_size: 128\n", "      block_size: 128\n" + extra))
+        return _cost(cfg, recipe=str(p))
+
+    plain, refit = cost(""), cost("      refit_scales: true\n")
+    for k in plain.seconds:
+        if k != "gptq_solve":
+            assert plain.seconds[k] == refit.seconds[k], k
+    e, h, i = EXPERTS, HIDDEN, WIDTH  # two MoE layers
+    want = 2 * e * 4 * (2 * i * h * h + h * i * i) / THROUGHPUT["cpu"].chol_flops
+    assert refit.seconds["gptq_solve"] - plain.seconds["gptq_solve"] == pytest.approx(want, rel=1e-6)

@@ -182,3 +182,51 @@ def test_mse_observer_never_worse_than_minmax_and_used_by_gptq():
     assert torch.equal(r.qparams.scale, choose_qparams_mse(w, 4, 32, weight=torch.diagonal(h, dim1=-2, dim2=-1)).scale)
     r0 = gptq(w, h, 4, 32, True, actorder=True)
     assert torch.equal(r0.qparams.scale, choose_qparams(w, 4, 32).scale)
+
+
+def _hessian(k, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, k, generator=g, dtype=torch.float64) @ (torch.randn(k, k, generator=g, dtype=torch.float64)
+                                                                 * 0.3 + torch.eye(k, dtype=torch.float64))
+    return 2 * x.T @ x / n
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_refit_scales_solve_each_rows_least_squares(group, monkeypatch):
+    """Each row's refitted scales are the least-squares ones for its fixed codes under the damped Hessian
+    (computed here per row from an explicit [K, G] code matrix and a Cholesky factor), rounded to bf16; a
+    row keeps its scales where the rounded new ones are not better; no row's error grows; the chunking of
+    rows changes nothing."""
+    from quantkit.quant import gptq as gq
+
+    k, n = 128, 24
+    h = torch.stack([_hessian(k, 200, 1), _hessian(k, 150, 2)]).float()
+    w = torch.randn(2, n, k, generator=torch.Generator().manual_seed(3)) * 0.05
+    r = gptq(w, h, 4, group, True, damp=0.01)
+    scale, changed = gq.refit_scales(w, r.q, r.qparams.scale, h, r.damping)
+    monkeypatch.setattr(gq, "REFIT_CHUNK_BYTES", 1)  # one row at a time
+    scale1, changed1 = gq.refit_scales(w, r.q, r.qparams.scale, h, r.damping)
+    assert torch.equal(scale, scale1) and torch.equal(changed, changed1)
+    assert changed.any() and torch.equal(r.q, r.q)  # codes untouched (refit returns scales only)
+    assert torch.equal(scale, scale.bfloat16().float())
+    g = k // group
+    for e in range(2):
+        hd = h[e].double() + torch.eye(k, dtype=torch.float64) * (float(r.damping[e]) * h[e].double().diagonal().mean())
+        lt = torch.linalg.cholesky(hd).T  # Hd = L L^T: the error is ||L^T (w - Z s)||^2
+        for row in range(n):
+            z = torch.zeros(k, g, dtype=torch.float64)
+            for j in range(g):
+                z[j * group:(j + 1) * group, j] = r.q[e, row, j * group:(j + 1) * group].double()
+            wv = w[e, row].double()
+
+            def err(s):
+                return float((lt @ (wv - z @ s)).square().sum())
+
+            best = torch.linalg.lstsq(lt @ z, lt @ wv[:, None]).solution[:, 0]
+            old = r.qparams.scale[e, row].double()
+            if changed[e, row]:
+                assert torch.allclose(scale[e, row].double(), best.float().bfloat16().double(), rtol=1e-2)
+                assert err(scale[e, row].double()) < err(old)
+            else:
+                assert torch.equal(scale[e, row], r.qparams.scale[e, row])
+                assert err(best.float().bfloat16().double()) >= err(old) * (1 - 1e-6) or not (best > 0).all()
