@@ -216,9 +216,9 @@ def test_plan_library_entry(tmp_path):
     assert torch.get_default_dtype() == torch.float32  # planning changes no global torch state
 
 
-def test_affinity_statistics_cost_grows_with_the_experts_each_token_feeds(tmp_path):
-    """`stats: affinity`: each token's row goes to affinity_top_k experts (every expert without it) instead of
-    the router's top-k; only the statistics change."""
+def _gptq_cost_with(tmp_path):
+    """cost(extra): the 2-layer config's calibration cost under the shipped int4-experts-gptq recipe with the
+    option lines `extra` added."""
     import quantkit
 
     text = (Path(quantkit.__file__).parent / "data" / "recipes" / "int4-experts-gptq.yaml").read_text()
@@ -228,7 +228,13 @@ def test_affinity_statistics_cost_grows_with_the_experts_each_token_feeds(tmp_pa
         p = tmp_path / f"r{len(extra)}.yaml"
         p.write_text(text.replace("      block_size: 128\n", "      block_size: 128\n" + extra))
         return _cost(cfg, recipe=str(p))
+    return cost
 
+
+def test_affinity_statistics_cost_grows_with_the_experts_each_token_feeds(tmp_path):
+    """`stats: affinity`: each token's row goes to affinity_top_k experts (every expert without it) instead of
+    the router's top-k; only the statistics change."""
+    cost = _gptq_cost_with(tmp_path)
     plain, top4, every = cost(""), cost("      stats: affinity\n      affinity_top_k: 4\n"), \
         cost("      stats: affinity\n")
     assert plain.seconds["hessians"] < top4.seconds["hessians"] < every.seconds["hessians"]
@@ -238,16 +244,7 @@ def test_affinity_statistics_cost_grows_with_the_experts_each_token_feeds(tmp_pa
 
 def test_refit_scales_cost_is_the_solves_own(tmp_path):
     """`refit_scales: true` adds ~4 n k^2 flops per matrix at chol_flops to gptq_solve, and nothing else."""
-    import quantkit
-
-    text = (Path(quantkit.__file__).parent / "data" / "recipes" / "int4-experts-gptq.yaml").read_text()
-    cfg = _config(tmp_path, 2)
-
-    def cost(extra):
-        p = tmp_path / f"r{len(extra)}.yaml"
-        p.write_text(text.replace("      block_size: 128\n", "      block_size: 128\n" + extra))
-        return _cost(cfg, recipe=str(p))
-
+    cost = _gptq_cost_with(tmp_path)
     plain, refit = cost(""), cost("      refit_scales: true\n")
     for k in plain.seconds:
         if k != "gptq_solve":
