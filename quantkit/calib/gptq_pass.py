@@ -12,8 +12,6 @@ Where the layer lives (calib/device.py): on the CPU the Hessians are factorized 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from torch import nn
 
@@ -67,14 +65,12 @@ class _FP4Grid:
 def _solve(w: torch.Tensor, h: torch.Tensor, s, refit: bool = False, **kw):
     """GPTQ of w [c, N, K]: (result, FP4 grid or None). INT4 chooses its group parameters in the sweep;
     `refit` (options.refit_scales, symmetric INT4): then its group scales are refitted to the codes
-    (quant/gptq.py refit_scales; `result.refit`: the rows changed)."""
+    (quant/gptq.py refit_scales)."""
     kw = {**kw, "solve_dtype": solve_dtype(w.device)}
     if not s.fp4:
         r = gptq(w, h, s.num_bits, s.group_size, s.symmetric, **kw)
         if refit:
-            scale, changed = refit_scales(w, r.q, r.qparams.scale, h, r.damping, solve_dtype=kw["solve_dtype"])
-            r.qparams.scale.copy_(scale)
-            r = replace(r, refit=changed)
+            r.qparams.scale.copy_(refit_scales(w, r.q, r.qparams.scale, h, r.damping, solve_dtype=kw["solve_dtype"])[0])
         return r, None
     weight = torch.diagonal(h, dim1=-2, dim2=-1).float() if kw.get("observer") == "mse" else None
     grid = _FP4Grid(s, w, weight)

@@ -735,7 +735,8 @@ def _pass_row(row: dict, comm: dict, ctx: _PassContext, idx: int, layer, s, pack
         mine = dshapes[::g]  # the i-th dense target belongs to rank i % G
         row["hessians"] += sum(2 * tok * k * k / _rate(c.gram_flops, c.gram_half_rows, tok)
                                for _, _, k, _ in dshapes for tok in gq.rank_batches)
-        ch, sw = _gptq_solves(c, mine, 128, any(getattr(grp.options, "refit_scales", False) for _, grp in dense.values()))
+        refit = any(getattr(grp.options, "refit_scales", False) for _, grp in dense.values())
+        ch, sw = _gptq_solves(c, mine, 128, refit)
         row["gptq_solve"] += ch + sw
     # the spool: the layer's packed results (rank 0 writes them) and the next layer's inputs (every rank
     # its own samples': the busiest rank's share)

@@ -39,7 +39,6 @@ class GPTQResult:
     damping: torch.Tensor  # [E] relative damping finally used
     fallback: list[str | None]  # per matrix: None, or why H was replaced by its diagonal
     dead_columns: torch.Tensor  # [E] number of inputs never seen (H_ii == 0)
-    refit: torch.Tensor | None = None  # [E, N] bool: rows whose scales refit_scales changed (None: not refitted)
 
 
 # Blocks of at most this order are factorized and inverted by LAPACK; larger ones recursively, from two
@@ -296,9 +295,8 @@ def hessian_update(h: torch.Tensor | None, count: int, x: torch.Tensor) -> tuple
     return h, count
 
 
-
 # Bytes of the refit's per-chunk product [rows, G, K] in the solve dtype: rows of a matrix are refitted this many
-# at a time (Kimi K2's gate/up at g32: ~6 rows of 7168 columns per 64 MiB in float64).
+# at a time (Kimi K2's gate/up at g32: ~5 rows of 7168 columns per 64 MiB in float64).
 REFIT_CHUNK_BYTES = 64 << 20
 
 

@@ -303,8 +303,8 @@ def test_refit_scales_keep_the_codes_and_lower_the_calibration_error(tmp_path):
     runs = {}
     for refit in (False, True):
         spool = tmp_path / f"spool-{refit}"
-        runs[refit] = spool_weights(spool, run_calibrated(src, recipe("gptq", holdout=0, refit_scales=str(refit).lower()),
-                                                          data.samples, spool))
+        rec = recipe("gptq", holdout=0, refit_scales=str(refit).lower())
+        runs[refit] = spool_weights(spool, run_calibrated(src, rec, data.samples, spool))
     experts, seen = _routed_inputs(load_model(src).eval(), data.samples, 1)
     half = experts.gate_up_proj.shape[1] // 2
     moved = 0
