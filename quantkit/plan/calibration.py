@@ -426,7 +426,7 @@ def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: 
                  refit: bool = False) -> tuple[float, float]:
     """(Cholesky seconds, sweep seconds) of GPTQ on matrices [(count, n_out, k_in, chunk)]: `count` of them,
     `chunk` in one column sweep. `refit` (options.refit_scales): each matrix's scales refitted after the
-    sweep, ~4 n_out k^2 flops in the solve dtype (the products of codes and Hessian), counted at chol_flops."""
+    sweep, ~2 n_out k^2 flops in float32 (the products of codes and Hessian), counted as lazy-update GEMMs."""
     chol = sweep = 0.0
     for count, n_out, k, per in shapes:
         if not count:
@@ -443,7 +443,7 @@ def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: 
         sweep += count * (6 * k * k * 8 + 24 * n_out * k) / c.mem_bytes_per_s + count * 40 * c.op_s
         sweep += count * c.module_s  # emitting it (gate/up: two modules, counted at the call)
         if refit:
-            sweep += count * 4 * n_out * k * k / c.chol_flops
+            sweep += count * 2 * n_out * k * k / _rate(c.gram_flops, c.gram_half_rows, n_out)
     return chol, sweep
 
 

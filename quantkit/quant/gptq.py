@@ -295,8 +295,8 @@ def hessian_update(h: torch.Tensor | None, count: int, x: torch.Tensor) -> tuple
     return h, count
 
 
-# Bytes of the refit's per-chunk product [rows, G, K] in the solve dtype: rows of a matrix are refitted this many
-# at a time (Kimi K2's gate/up at g32: ~5 rows of 7168 columns per 64 MiB in float64).
+# Bytes of the refit's per-chunk product [rows, G, K] (float32): rows of a matrix are refitted this many at a
+# time (Kimi K2's gate/up at g32: ~10 rows of 7168 columns per 64 MiB).
 REFIT_CHUNK_BYTES = 64 << 20
 
 
@@ -307,35 +307,33 @@ def refit_scales(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     (q [E, N, K], integers) and G group scales (scale [E, N, G]): the scales s minimizing the Hessian-weighted
     error (w_n - Z_n s)^T Hd (w_n - Z_n s), Z_n [K, G] holding each group's codes in its own column and
     Hd = H + damp * mean(diag H) I (h [E, K, K]; `damp` per matrix [E] or one float, as the solve used it):
-    the G x G normal equations A s = b, A = Z_n^T Hd Z_n, b = Z_n^T Hd w_n. The new scales are rounded to
-    `scale_dtype`, as stored; a row keeps its old ones unless every new one is positive and finite and the
-    rounded new ones have a smaller error. Returns (scales [E, N, G] float32, rows changed [E, N] bool).
-    Work per matrix: about N x K^2 multiply-adds (the products Z_n^T Hd, in chunks of REFIT_CHUNK_BYTES)."""
+    the G x G normal equations A s = b, A = Z_n^T Hd Z_n, b = Z_n^T Hd w_n, formed in float32 and solved in
+    `solve_dtype`. The new scales are rounded to `scale_dtype`, as stored; a row keeps its old ones unless
+    every new one is positive and finite and the rounded new ones have a smaller error (compared through A
+    and b: the error's constant w^T Hd w cancels). Returns (scales [E, N, G] float32, rows changed [E, N]
+    bool). Work per matrix: about N x K^2 multiply-adds (Z_n^T Hd, in chunks of REFIT_CHUNK_BYTES)."""
     e, n, k = w.shape
     g = scale.shape[-1]
     gs = k // g
     dev = w.device
-    damp = torch.as_tensor(damp, dtype=solve_dtype, device=dev).expand(e)
+    damp = torch.as_tensor(damp, dtype=torch.float64, device=dev).expand(e)
     out = scale.float().clone()
     changed = torch.zeros(e, n, dtype=torch.bool, device=dev)
-    rows = max(1, REFIT_CHUNK_BYTES // (g * k * torch.empty((), dtype=solve_dtype).element_size()))
+    rows = max(1, REFIT_CHUNK_BYTES // (g * k * 4))
     eye = torch.eye(g, dtype=solve_dtype, device=dev)
     for i in range(e):
-        hd = h[i].to(solve_dtype)
-        hd = hd + torch.eye(k, dtype=solve_dtype, device=dev) * (damp[i] * hd.diagonal().mean())
+        hd = h[i].to(torch.float64)
+        hd = (hd + torch.eye(k, dtype=torch.float64, device=dev) * (damp[i] * hd.diagonal().mean())).float()
         hg = hd.view(g, gs, k)
         for r0 in range(0, n, rows):
-            z = q[i, r0:r0 + rows].to(solve_dtype)  # [m, K]
-            m = z.shape[0]
-            zr = z.view(m, g, gs)
+            zr = q[i, r0:r0 + rows].float().view(-1, g, gs)  # [m, G, gs]
+            m = zr.shape[0]
             y = torch.einsum("mgs,gsk->mgk", zr, hg)  # [m, G, K]: row g of Z_n^T Hd
-            a = torch.einsum("mgjs,mjs->mgj", y.view(m, g, g, gs), zr)  # [m, G, G]
-            wi = w[i, r0:r0 + rows].to(solve_dtype)
-            b = torch.einsum("mgk,mk->mg", y, wi)  # [m, G]
-            c = ((wi @ hd) * wi).sum(-1)  # w^T Hd w
+            a = torch.einsum("mgjs,mjs->mgj", y.view(m, g, g, gs), zr).to(solve_dtype)  # [m, G, G]
+            b = torch.einsum("mgk,mk->mg", y, w[i, r0:r0 + m].float()).to(solve_dtype)  # [m, G]
 
-            def err(s):  # (w - Z s)^T Hd (w - Z s), from A, b and c
-                return c - 2 * (s * b).sum(-1) + torch.einsum("mg,mgj,mj->m", s, a, s)
+            def err(s):  # (w - Z s)^T Hd (w - Z s) - w^T Hd w
+                return torch.einsum("mg,mgj,mj->m", s, a, s) - 2 * (s * b).sum(-1)
 
             # a group whose codes are all 0 leaves its column of A empty: a vanishing ridge keeps A invertible
             ridge = a.diagonal(dim1=-2, dim2=-1).mean(-1).clamp(min=1e-30) * 1e-9
