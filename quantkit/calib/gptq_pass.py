@@ -219,8 +219,8 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
             ids = [e for i0, i1 in mine[b0:b0 + per] for e in range(i0, i1)]
             idx = torch.tensor(ids, device=param.device)
             w = param.data.index_select(0, idx).float()  # [c, N, K]
-            # the owned experts' slots are consecutive, in expert order
-            r, grid = _solve(w, h[slot[ids[0]]:slot[ids[0]] + len(ids)], s, factor_chunk=group, **kw)
+            hb = h[slot[ids[0]]:slot[ids[0]] + len(ids)]  # the owned experts' slots are consecutive, in expert order
+            r, grid = _solve(w, hb, s, factor_chunk=group, **kw)
             q, qp = r.q, r.qparams
             sel = use_rtn[idx.cpu()]
             if sel.any():
@@ -235,9 +235,7 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                         qp.zero_point[sel] = rr.qparams.zero_point.to(dev)
             checks = None
             if heldout is not None:
-                hb = h[slot[ids[0]]:slot[ids[0]] + len(ids)]
-
-                def retry(sub: list[int], factor: float, w=w, hb=hb):
+                def retry(sub: list[int], factor: float):  # called within this iteration only
                     rs, _ = _solve(w[sub], hb[sub], s, factor_chunk=group, **{**kw, "damp": kw["damp"] * factor})
                     return rs.q, rs.qparams, rs.damping
                 checks = _heldout_check(w, q, qp, grid, s, parts, ids, use_rtn,
