@@ -71,11 +71,12 @@ def _hashes(d: Path) -> dict[str, str]:
             for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-def _run(n: int, src: Path, out: Path, data: Path, samples: int, seq_len: int, timeout: int) -> dict:
+def _run(n: int, src: Path, out: Path, data: Path, samples: int, seq_len: int, timeout: int,
+         torchrun_one: bool = False) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "QUANTKIT_DIST_TIMEOUT": str(timeout)}
     args = ["convert", str(src), str(out), "-r", RECIPE, "--dataset", str(data), "--num-samples", str(samples),
             "--seq-len", str(seq_len), "--overwrite", "--json"]
-    if n == 1:
+    if n == 1 and not torchrun_one:
         cmd = [sys.executable, "-m", "quantkit", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
@@ -139,6 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--quick", action="store_true", help="2 layers, 8 samples x 64 tokens")
+    ap.add_argument("--torchrun-one", action="store_true",
+                    help="world size 1 under torchrun too (--nproc-per-node 1), so every world size pays the launcher")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds: every configuration (and the peer) once per round; medians reported")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -162,7 +165,7 @@ def main(argv=None) -> int:
     for rep in range(a.repeat):  # interleaved, so that a slow spell of the machine hits every configuration
         for n in ranks:
             out = work / f"world{n}"
-            r = _run(n, src, out, data, a.samples, a.seq_len, a.timeout)
+            r = _run(n, src, out, data, a.samples, a.seq_len, a.timeout, a.torchrun_one)
             h = _hashes(out)
             ref = hashes.setdefault(1, h) if n == 1 else hashes[1]
             hashes.setdefault(n, h)
@@ -195,7 +198,7 @@ def main(argv=None) -> int:
 
     doc = {"model": {"arch": "qwen3_moe", "layers": a.layers, **BENCH}, "recipe": RECIPE,
            "calibration": {"samples": a.samples, "seq_len": a.seq_len, "tokens": "random ids, seed 0"},
-           "threads_per_rank": 1, "backend": "gloo",
+           "threads_per_rank": 1, "backend": "gloo", "world_size_1": "torchrun" if a.torchrun_one else "python -m quantkit",
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                        "torch": torch.__version__},
            "repeat": a.repeat, "runs": rows, "files": len(hashes[1])}
