@@ -60,8 +60,9 @@ def recipe_yaml(method: str, group: int | str) -> str:
     """`method` rtn, gptq or awq, with modifiers after dashes: "mse" (RTN: `scale_search: mse`, each group's
     clipping searched; GPTQ: `observer: mse`, each group's scale searched against the Hessian-weighted
     error), "aff" (GPTQ: `stats: affinity`, every token in every expert's Hessian weighted by the router's
-    affinity), "affN" (the same over the router's top-N experts per token) or "refit" (GPTQ, INT4:
-    `refit_scales: true`, each row's group scales refitted to its codes): e.g. gptq-mse-aff-refit."""
+    affinity), "affN" (the same over the router's top-N experts per token), "refit" (GPTQ, INT4:
+    `refit_scales: true`, each row's group scales refitted to its codes) or "cdN" (GPTQ, INT4:
+    `refine_sweeps: N`, N coordinate-descent sweeps over the codes; "cd": one): e.g. gptq-mse-aff-refit-cd2."""
     base, *mods = method.split("-")
     gptq = {"damp": "0.01", "actorder": "true", "block_size": "128"}
     opts = {"gptq": gptq, "awq": {"n_grid": "20"}, "rtn": {}}[base]
@@ -73,6 +74,8 @@ def recipe_yaml(method: str, group: int | str) -> str:
             search = "mse"
         elif m == "refit" and base == "gptq":
             opts["refit_scales"] = "true"
+        elif m.startswith("cd") and base == "gptq":
+            opts["refine_sweeps"] = m[2:] or "1"
         elif m.startswith("aff") and base == "gptq" and (m == "aff" or m[3:].isdigit()):
             opts["stats"] = "affinity"
             if m != "aff":
@@ -360,7 +363,7 @@ def main():
     ap.add_argument("--methods", nargs="+", default=["rtn", "gptq", "awq"],
                     help="rtn, gptq or awq, with modifiers: -mse (RTN: scale_search mse; GPTQ: observer mse), "
                          "-aff / -affN (GPTQ: stats affinity, over every expert / the router's top N), "
-                         "-refit (GPTQ, INT4: refit_scales)")
+                         "-refit (GPTQ, INT4: refit_scales), -cdN (GPTQ, INT4: refine_sweeps N)")
     ap.add_argument("--fixture-steps", type=int, default=None,
                     help="train the fixture for this many steps instead of FixtureSpec's (a cheaper, less trained model)")
     ap.add_argument("--num-samples", type=int, default=64)

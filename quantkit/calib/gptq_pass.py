@@ -19,7 +19,7 @@ from ..errors import CalibrationError
 from ..match.recipe import WeightGroup
 from ..pack.layout import fp4_module
 from ..quant import fp4
-from ..quant.gptq import gptq, refit_scales
+from ..quant.gptq import gptq, refine_codes, refit_scales
 from ..quant.int4 import QParams, dequantize, rtn, sqnr_db
 from .emit import LayerResult, emit, emit_tensors, source_dtype
 from .hessians import ExpertStats, LinearStats, coverage
@@ -62,15 +62,18 @@ class _FP4Grid:
                           None if self.global_scale is None else self.global_scale[j].cpu())
 
 
-def _solve(w: torch.Tensor, h: torch.Tensor, s, refit: bool = False, **kw):
+def _solve(w: torch.Tensor, h: torch.Tensor, s, refit: bool = False, refine: int = 0, **kw):
     """GPTQ of w [c, N, K]: (result, FP4 grid or None). INT4 chooses its group parameters in the sweep;
     `refit` (options.refit_scales, symmetric INT4): then its group scales are refitted to the codes
-    (quant/gptq.py refit_scales)."""
+    (quant/gptq.py refit_scales); `refine` (options.refine_sweeps, symmetric INT4): then that many
+    coordinate-descent sweeps move the codes under the final scales (quant/gptq.py refine_codes)."""
     kw = {**kw, "solve_dtype": solve_dtype(w.device)}
     if not s.fp4:
         r = gptq(w, h, s.num_bits, s.group_size, s.symmetric, **kw)
         if refit:
             r.qparams.scale.copy_(refit_scales(w, r.q, r.qparams.scale, h, r.damping, solve_dtype=kw["solve_dtype"])[0])
+        if refine:
+            r.q.copy_(refine_codes(w, r.q, r.qparams.scale, h, r.damping, num_bits=s.num_bits, sweeps=refine)[0])
         return r, None
     weight = torch.diagonal(h, dim1=-2, dim2=-1).float() if kw.get("observer") == "mse" else None
     grid = _FP4Grid(s, w, weight)
@@ -81,7 +84,7 @@ def gptq_dense(res: LayerResult, ckpt, disk: str, mod: nn.Linear, g: WeightGroup
     w = mod.weight.detach().float()
     s = g.scheme.for_in_features(w.shape[1])
     r, grid = _solve(w[None], st.hessian()[None], s, damp=g.options.damp, actorder=g.options.actorder,
-                     block_size=g.options.block_size, refit=g.options.refit_scales,
+                     block_size=g.options.block_size, refit=g.options.refit_scales, refine=g.options.refine_sweeps,
                      **({"observer": g.options.observer} if g.options.observer != "minmax" else {}))
     meta = {"method": "gptq", "tokens": st.count, "damping": round(float(r.damping[0]), 6), "fallback": r.fallback[0]}
     if grid is None:
@@ -201,7 +204,7 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                           f"< min_tokens {min_tokens}: "
                           + ("RTN" if use_rtn[e] else "Hessian from all tokens"))
     kw = dict(damp=g.options.damp, actorder=g.options.actorder,
-              block_size=g.options.block_size, refit=g.options.refit_scales)
+              block_size=g.options.block_size, refit=g.options.refit_scales, refine=g.options.refine_sweeps)
     if g.options.observer != "minmax":
         kw["observer"] = g.options.observer
     half = stats.P // 2

@@ -310,9 +310,12 @@ class GPTQOptions(_Calibrated):
     observer: str = "minmax"  # or "mse": each group's scale searched against the Hessian-weighted error (INT4, FP4)
     affinity_top_k: int | None = None
     refit_scales: bool = False  # symmetric INT4: each row's group scales refitted to its codes after the sweep
+    refine_sweeps: int = 0  # symmetric INT4: coordinate-descent sweeps over the codes after the solve (0: none)
 
     def __post_init__(self):
         super().__post_init__()
+        if self.refine_sweeps < 0 or self.refine_sweeps > 8:
+            raise RecipeError(f"options.refine_sweeps must be 0 to 8, got {self.refine_sweeps!r}")
         if self.observer not in ("minmax", "mse"):
             raise RecipeError(f"options.observer must be minmax or mse, got {self.observer!r}")
         if self.holdout < 0 or self.holdout == 1:
@@ -550,9 +553,10 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
         if method == "gptq" and scheme.type != "int" and not scheme.fp4:
             raise RecipeError(f"groups.{gname}: method gptq applies to INT4 and FP4 schemes")
         opts = parse_options(method, g.get("options") or {}, f"groups.{gname}.options")
-        if getattr(opts, "refit_scales", False) and (scheme.type != "int" or not scheme.symmetric):
-            raise RecipeError(f"groups.{gname}.options.refit_scales applies to symmetric INT4 schemes "
-                              f"(the scales of FP4 grids are fixed before the solve)")
+        for key in ("refit_scales", "refine_sweeps"):
+            if getattr(opts, key, False) and (scheme.type != "int" or not scheme.symmetric):
+                raise RecipeError(f"groups.{gname}.options.{key} applies to symmetric INT4 schemes "
+                                  f"(the scales of FP4 grids are fixed before the solve)")
         groups.append(WeightGroup(str(gname), _str_list(f"groups.{gname}.targets", g["targets"]), scheme,
                                   method, opts))
     if not groups and not d.get("kv_cache"):

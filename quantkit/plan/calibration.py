@@ -423,10 +423,13 @@ def _hessians(c: Throughput, s: _LayerShape, batches: list[int], owned: int, hid
 
 
 def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: int,
-                 refit: bool = False) -> tuple[float, float]:
+                 refit: bool = False, refine: int = 0) -> tuple[float, float]:
     """(Cholesky seconds, sweep seconds) of GPTQ on matrices [(count, n_out, k_in, chunk)]: `count` of them,
     `chunk` in one column sweep. `refit` (options.refit_scales): each matrix's scales refitted after the
-    sweep, ~2 n_out k^2 flops in float32 (the products of codes and Hessian), counted as lazy-update GEMMs."""
+    sweep, ~2 n_out k^2 flops in float32 (the products of codes and Hessian), counted as lazy-update GEMMs.
+    `refine` (options.refine_sweeps): that many coordinate-descent sweeps after the solve (and the refit),
+    each a column sweep like GPTQ's whose block updates reach every column (n_out k^2 flops), plus the
+    starting gradient (one n_out k^2 product)."""
     chol = sweep = 0.0
     for count, n_out, k, per in shapes:
         if not count:
@@ -444,6 +447,10 @@ def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: 
         sweep += count * c.module_s  # emitting it (gate/up: two modules, counted at the call)
         if refit:
             sweep += count * 2 * n_out * k * k / _rate(c.gram_flops, c.gram_half_rows, n_out)
+        if refine:
+            gemm = count * n_out * k * k / _rate(c.gram_flops, c.gram_half_rows, n_out)
+            sweep += refine * (chunks * k * c.sweep_col_s + count * n_out * k * (b / 2 + 4) / c.sweep_elems_per_s
+                               + gemm) + gemm
     return chol, sweep
 
 
@@ -711,7 +718,7 @@ def _pass_row(row: dict, comm: dict, ctx: _PassContext, idx: int, layer, s, pack
         row["hessians"] += _hessians(c, s, gq.all_batches, owned, hidden, per_token)
         sweep = [_sweep_experts(kk, nn, group, kind) for nn, kk in ((s.p, s.h), (s.h, s.i))]
         ch, sw = _gptq_solves(c, [(owned, s.p, s.h, sweep[0]), (owned, s.h, s.i, sweep[1])],
-                              egroup.options.block_size, egroup.options.refit_scales)
+                              egroup.options.block_size, egroup.options.refit_scales, egroup.options.refine_sweeps)
         row["gptq_solve"] += ch + sw + owned * c.module_s  # gate and up: one matrix, two modules
     elif egroup is not None and egroup.method == "awq":
         o = egroup.options
@@ -736,7 +743,8 @@ def _pass_row(row: dict, comm: dict, ctx: _PassContext, idx: int, layer, s, pack
         row["hessians"] += sum(2 * tok * k * k / _rate(c.gram_flops, c.gram_half_rows, tok)
                                for _, _, k, _ in dshapes for tok in gq.rank_batches)
         refit = any(getattr(grp.options, "refit_scales", False) for _, grp in dense.values())
-        ch, sw = _gptq_solves(c, mine, 128, refit)
+        refine = max((getattr(grp.options, "refine_sweeps", 0) for _, grp in dense.values()), default=0)
+        ch, sw = _gptq_solves(c, mine, 128, refit, refine)
         row["gptq_solve"] += ch + sw
     # the spool: the layer's packed results (rank 0 writes them) and the next layer's inputs (every rank
     # its own samples': the busiest rank's share)

@@ -343,3 +343,59 @@ def refit_scales(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
             out[i, r0:r0 + m] = torch.where(ok[:, None], s_new.float(), out[i, r0:r0 + m])
             changed[i, r0:r0 + m] = ok
     return out, changed
+
+
+def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch.Tensor,
+                 damp: torch.Tensor | float = 0.01, *, num_bits: int = 4, sweeps: int = 1,
+                 block_size: int = 128, with_error: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Cyclic coordinate descent on symmetric integer codes with fixed group scales: every weight, column by
+    column, moves to the grid point that minimizes the Hessian-weighted error (w_n - q_n s)^T Hd (w_n - q_n s)
+    of its row with all other weights held (Hd = H + damp * mean(diag H) I, as the solve used it). Along one
+    coordinate the error is a parabola with its vertex at q_nj s_j + (Hd e_n)_j / Hd_jj (e_n = w_n - q_n s),
+    so the nearest grid point to the vertex is the exact minimizer and no sweep can raise the error. GPTQ
+    pushes each column's error onto later columns only; a sweep also corrects earlier columns against the
+    final later ones. Works on the transposed layout [E, K, N] with G = Hd E^T kept current (blocks of
+    `block_size` columns: in-block rank-1 updates, one GEMM for the rest; the last sweep updates only the
+    columns still ahead of it). Inputs never seen (H_jj == 0) are treated as GPTQ treats them: diagonal 1,
+    weight 0. Returns (codes [E, N, K] int8, with `with_error` the Hessian-weighted error [E] after the
+    sweeps in float64, else None). Work per sweep: about N x K^2 multiply-adds, like GPTQ's sweep."""
+    e, n, k = w.shape
+    gs = k // scale.shape[-1]
+    qmin, qmax = qrange(num_bits)
+    damp = torch.as_tensor(damp, dtype=torch.float32, device=w.device).expand(e)
+    dead = torch.diagonal(h, dim1=-2, dim2=-1) == 0
+    hd = h.float().clone()
+    diag = hd.diagonal(dim1=-2, dim2=-1)
+    diag.masked_fill_(dead, 1.0)
+    diag.add_((damp * diag.mean(-1))[:, None])
+    s_t = scale.float().transpose(1, 2).repeat_interleave(gs, dim=1)  # [E, K, N]: each weight's scale
+    qt = q.transpose(1, 2).contiguous().float()  # [E, K, N]
+    et = torch.empty_like(qt).copy_(w.transpose(1, 2)).masked_fill_(dead[:, :, None], 0.0)
+    et.addcmul_(qt, s_t, value=-1)  # the error w - q s, kept current block by block
+    gt = torch.bmm(hd, et)  # [E, K, N] = Hd E^T, kept current
+    step = diag[:, :, None] * s_t  # [E, K, N]: Hd_jj s_j, the curvature of the error in code units
+    for sweep in range(sweeps):
+        last = sweep == sweeps - 1
+        for i1 in range(0, k, block_size):
+            i2 = min(i1 + block_size, k)
+            gb = gt[:, i1:i2].clone()  # [E, B, N], kept current inside the block
+            delta = torch.empty_like(gb)  # change of the dequantized weights (the error moves by -delta)
+            for i in range(i2 - i1):
+                j = i1 + i
+                old = qt[:, j]
+                new = torch.addcdiv(old, gb[:, i], step[:, j]).round_().clamp_(qmin, qmax)  # the vertex's grid point
+                d = torch.sub(new, old, out=delta[:, i]).mul_(s_t[:, j])
+                old.copy_(new)
+                if i + 1 < i2 - i1:
+                    gb[:, i + 1:].addcmul_(hd[:, j + 1:i2, j, None], d[:, None, :], value=-1)
+            if not last:  # G of every column, for the next sweep
+                gt.baddbmm_(hd[:, :, i1:i2], delta, alpha=-1)
+                et[:, i1:i2].sub_(delta)
+            elif i2 < k:  # the last sweep: only the columns it has still to visit
+                gt[:, i2:].baddbmm_(hd[:, i2:, i1:i2], delta, alpha=-1)
+    err = None
+    if with_error:
+        et = torch.empty_like(qt).copy_(w.transpose(1, 2)).masked_fill_(dead[:, :, None], 0.0)
+        et.addcmul_(qt, s_t, value=-1)
+        err = (et * torch.bmm(hd, et)).flatten(1).sum(-1, dtype=torch.float64)
+    return qt.transpose(1, 2).to(torch.int8).contiguous(), err

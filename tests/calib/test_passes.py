@@ -293,6 +293,61 @@ def test_refit_scales_option():
         recipe("awq", refit_scales="true")
 
 
+def test_refine_sweeps_option():
+    from quantkit.errors import RecipeError
+
+    assert recipe("gptq").groups[0].options.refine_sweeps == 0
+    assert recipe("gptq", refine_sweeps="2").groups[0].options.refine_sweeps == 2
+    for bad in ('"2"', "true", "-1", "9", "1.5", "[1]"):
+        with pytest.raises(RecipeError, match="refine_sweeps"):
+            recipe("gptq", refine_sweeps=bad)
+    for scheme in ("{group_size: 32, symmetric: false}",
+                   "{num_bits: 4, type: float, symmetric: true, strategy: tensor_group, group_size: 16}"):
+        with pytest.raises(RecipeError, match="refine_sweeps applies to symmetric INT4"):
+            parse_recipe(f"groups:\n  experts:\n    targets: {TARGETS}\n    method: gptq\n"
+                         f"    scheme: {scheme}\n    options: {{refine_sweeps: 1}}\n")
+    with pytest.raises(RecipeError, match="refine_sweeps"):
+        recipe("awq", refine_sweeps="1")
+
+
+def test_refine_sweeps_lower_the_calibration_error(tmp_path):
+    """End to end (held-out check off): with refine_sweeps every expert module keeps the scales of the run
+    without it (only codes move), some codes change, and the error on the calibration tokens routed to each module, ||X (W - Q)^T||^2
+    from a plain forward's expert inputs, is lower in sum."""
+    src = make_tiny_model("deepseek_v3", tmp_path / "src", experts=8)  # layer 1 is the only MoE layer
+    data = load_calibration_data(None, vocab_size=512, num_samples=6, seq_len=32)
+    runs, scales = {}, {}
+    for sweeps in (0, 2):
+        spool = tmp_path / f"spool-{sweeps}"
+        rec = recipe("gptq", holdout=0, refine_sweeps=str(sweeps))
+        index = run_calibrated(src, rec, data.samples, spool)
+        runs[sweeps] = spool_weights(spool, index)
+        scales[sweeps] = {}
+        for name in index["layers"]:
+            with SafetensorsFile(spool / f"{name}.safetensors") as f:
+                scales[sweeps].update({k[: -len(".weight_scale")]: f.get(k) for k in f.header.tensors
+                                       if k.endswith(".weight_scale")})
+    experts, seen = _routed_inputs(load_model(src).eval(), data.samples, 1)
+    half = experts.gate_up_proj.shape[1] // 2
+    moved = 0
+    total = {0: 0.0, 2: 0.0}
+    for e in range(8):
+        x = torch.cat([xb[(ib == e).any(-1)] for xb, ib in seen])
+        gu = experts.gate_up_proj[e].detach().float()
+        d = experts.act_fn(x @ gu[:half].T) * (x @ gu[half:].T)
+        for kind, inp, wt in (("gate", x, gu[:half]), ("up", x, gu[half:]),
+                              ("down", d, experts.down_proj[e].detach().float())):
+            name = f"model.layers.1.mlp.experts.{e}.{kind}_proj.weight"
+            a, b = runs[0][name], runs[2][name]
+            mod = name[: -len(".weight")]
+            assert torch.equal(scales[0][mod], scales[2][mod])  # the scales are the solve's
+            moved += int((a != b).sum())
+            err = {r: float((inp @ (wt - runs[r][name]).T).double().square().sum()) for r in (0, 2)}
+            total[0] += err[0]
+            total[2] += err[2]
+    assert moved > 0 and total[2] < total[0]
+
+
 def test_refit_scales_keep_the_codes_and_lower_the_calibration_error(tmp_path):
     """End to end (held-out check off, so that the codes are GPTQ's own in both runs): with refit_scales every
     expert module keeps the codes of the run without it (each group of its weights is the other run's times

@@ -255,3 +255,21 @@ def test_refit_scales_cost_is_the_solves_own(tmp_path):
     want = 2 * e * 2 * (2 * i * h * h / (c.gram_flops * 2 * i / (2 * i + c.gram_half_rows))
                         + h * i * i / (c.gram_flops * h / (h + c.gram_half_rows)))
     assert refit.seconds["gptq_solve"] - plain.seconds["gptq_solve"] == pytest.approx(want, rel=1e-6)
+
+
+def test_refine_sweeps_cost_is_the_solves_own(tmp_path):
+    """`refine_sweeps: n` adds n column sweeps and one n k^2 product (the starting gradient) per matrix to
+    gptq_solve and nothing else: each further sweep costs the same, and the first costs one product more."""
+    cost = _gptq_cost_with(tmp_path)
+    runs = [cost(f"      refine_sweeps: {n}\n" if n else "") for n in (0, 1, 2, 3)]
+    for k in runs[0].seconds:
+        if k != "gptq_solve":
+            assert all(r.seconds[k] == runs[0].seconds[k] for r in runs), k
+    solve = [r.seconds["gptq_solve"] for r in runs]
+    sweep = solve[2] - solve[1]
+    assert sweep > 0 and solve[3] - solve[2] == pytest.approx(sweep, rel=1e-9)
+    e, h, i = EXPERTS, HIDDEN, WIDTH  # two MoE layers
+    c = THROUGHPUT["cpu"]
+    start = 2 * e * (2 * i * h * h / (c.gram_flops * 2 * i / (2 * i + c.gram_half_rows))
+                     + h * i * i / (c.gram_flops * h / (h + c.gram_half_rows)))
+    assert solve[1] - solve[0] - sweep == pytest.approx(start, rel=1e-6)
