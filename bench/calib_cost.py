@@ -398,6 +398,7 @@ def main(argv=None) -> int:
                               f"load average {load0:.1f} at the start"
                               + (", CPU seconds of one thread (--cpu-time)" if a.cpu_time else ""),
                        notes=("link_bytes_per_s: assumed, not measured",),
+                       threads=torch.get_num_threads() if kind == "cpu" else 0,
                        **{k: v for k, v in consts.items() if not k.startswith("_")})
 
     runs = []

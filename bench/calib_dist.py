@@ -12,13 +12,15 @@ experts per layer, hidden 512, expert width 256, top-4 routing, 8 query / 4 KV h
 Calibration: `--samples` rows of `--seq-len` random token ids (seeded; an `input_ids` JSONL file, so no
 tokenizer is involved). Recipe int4-experts-gptq.
 
-World size 1 is a plain `python -m quantkit convert` with OMP_NUM_THREADS=1 (one thread); world size n > 1 is
+World size 1 is a plain `python -m quantkit convert` with OMP_NUM_THREADS=1 (one thread; `--torchrun-one`:
+under torchrun too); world size n > 1 is
 `torchrun --standalone --nproc-per-node n -m quantkit convert ...` with OMP_NUM_THREADS=1 in every rank (gloo
 on the CPU). Each run writes a fresh output directory (--overwrite). Reported per world size: the command's
 wall time (process start and imports included), the conversion's own `seconds` (rank 0's ConvertResult) and
 the pass's own time from the timeline (`pass`: the slowest rank's load, forward, statistics, solve, exchange,
 wait and write phases; quantkit/timeline.py), each rank's phases in wall and CPU seconds,
-the speed-up of both against world size 1, and whether every output file is byte-identical to world size 1's.
+the speed-up of both against world size 1, whether every output file is byte-identical to world size 1's,
+and `quantkit plan --calibration`'s prediction of the pass for that world size on one thread per rank.
 Run it on a quiet machine with at least as many cores as the largest world size: the ranks share the cores.
 
 Writes bench/results/calib_dist.json and bench/results/calib_dist.md (or under --out).
@@ -185,8 +187,14 @@ def main(argv=None) -> int:
                      "pass_cpu_s": _median([r["pass_cpu_s"] for r in rs if r.get("pass_cpu_s") is not None]),
                      "timeline": rs[-1].get("timeline"),
                      "wall_runs": [r["wall_s"] for r in rs], "convert_runs": [r["convert_s"] for r in rs]})
+    from quantkit.plan.calibration import calibration_cost
+
     base = rows[0]
-    for r in rows:
+    for r in rows:  # the plan's prediction of the pass on one thread per rank, as the ranks ran
+        plan = calibration_cost(str(src), RECIPE, a.samples, a.seq_len, world_size=r["world_size"], device="cpu",
+                                threads=1)
+        r["plan_pass_s"] = round(plan.total_seconds, 3)
+        r["plan_error"] = round(plan.total_seconds / r["pass_s"] - 1, 3) if r.get("pass_s") else None
         r["speedup_wall"] = round(base["wall_s"] / r["wall_s"], 3)
         r["speedup_convert"] = (round(base["convert_s"] / r["convert_s"], 3)
                                 if base["convert_s"] and r["convert_s"] else None)
@@ -208,16 +216,19 @@ def main(argv=None) -> int:
              f"hidden {BENCH['hidden']}; {a.samples} x {a.seq_len} calibration tokens; one thread per rank, gloo; "
              f"{os.cpu_count()} CPUs.", "",
              "| world size | wall (s) | convert (s) | pass (s) | speed-up (wall) | speed-up (convert) | speed-up (pass) "
-             "| peak RSS rank 0 (MiB) | output vs world size 1 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| plan of the pass (s), error | peak RSS rank 0 (MiB) | output vs world size 1 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rss = f"{r['peak_rss_bytes'] / 2 ** 20:.0f}" if r["peak_rss_bytes"] else "-"
         same = "byte-identical" if r["byte_identical"] else f"{len(r['differing_files'])} files differ"
         lines.append(f"| {r['world_size']} | {r['wall_s']} | {r['convert_s']} | {r['pass_s']} | {r['speedup_wall']}x | "
-                     f"{r['speedup_convert']}x | {r['speedup_pass']}x | {rss} | {same} "
+                     f"{r['speedup_convert']}x | {r['speedup_pass']}x | {r['plan_pass_s']}, "
+                     f"{'-' if r['plan_error'] is None else format(r['plan_error'], '+.0%')} | {rss} | {same} "
                      f"({len(hashes[r['world_size']])} files) |")
     lines += ["", "pass: the slowest rank's time in the calibrated pass's own phases (timeline: "
-              + ", ".join(PASS_PHASES) + "); per rank and phase, wall / CPU seconds (last round):", ""]
+              + ", ".join(PASS_PHASES) + "); plan: `quantkit plan --calibration`'s total for that world size with one "
+              "thread per rank (calibration_cost(..., threads=1)); per rank and phase, wall / CPU seconds (last round):",
+              ""]
     for r in rows:
         for t in r.get("timeline") or []:
             lines.append(f"- world size {r['world_size']}, rank {t['rank']}: "

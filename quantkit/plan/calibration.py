@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -73,15 +73,25 @@ class Throughput:
     process_bytes: int  # host RSS of a process once torch, transformers and quantkit are imported
     setup_s: float  # fixed: building the meta model, embedding, opening the checkpoint
     layer_s: float  # fixed per layer and pass: materializing, freeing (gc, malloc_trim), hooks
+    threads: int = 0  # cpu: the threads the rates were measured with (the host's cores); 0: not thread-bound
     notes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
 
+    def for_threads(self, threads: float) -> "Throughput":
+        """The rates of a process computing on `threads` of the table's threads: the multi-threaded rates
+        (THREAD_SCALED) times threads / self.threads; dispatch, I/O and fixed costs unchanged. A table
+        without a thread count (threads 0: a GPU's) is returned as it is."""
+        if not self.threads or threads == self.threads:
+            return self
+        f = float(threads) / self.threads
+        return replace(self, **{k: getattr(self, k) * f for k in THREAD_SCALED})
+
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "Throughput":
         names = {f.name for f in fields(cls)}
-        missing = names - set(doc) - {"notes"}
+        missing = names - set(doc) - {"notes", "threads"}
         if missing:
             raise ConfigError(f"throughput table lacks {sorted(missing)}")
         kw = {k: v for k, v in doc.items() if k in names}
@@ -99,7 +109,7 @@ CPU_MEASURED = Throughput(
     block_form_flops=9.636e+10, chol_flops=1.532e+10, sweep_col_s=5.72e-05, sweep_elems_per_s=2.867e+09,
     mem_bytes_per_s=3.931e+10, op_s=1.465e-06, read_bytes_per_s=9.733e+09, write_bytes_per_s=1.253e+09,
     fsync_s=0.0004504, module_s=0.000814, fake_quant_elems_per_s=9.689e+08, hash_bytes_per_s=1.589e+09,
-    link_bytes_per_s=1.0e9, process_bytes=882868224, setup_s=0.08988, layer_s=0.0001401,
+    link_bytes_per_s=1.0e9, process_bytes=882868224, setup_s=0.08988, layer_s=0.0001401, threads=2,
     notes=("link_bytes_per_s: assumed (gloo over loopback on one host), not measured",),
 )
 
@@ -134,6 +144,12 @@ CUDA_ASSUMED = Throughput(
 )
 
 THROUGHPUT: dict[str, Throughput] = {"cpu": CPU_MEASURED, "cuda": CUDA_ASSUMED}
+
+# The rates that grow with a process's threads (torch's intra-op parallelism over the host's cores); on a CPU
+# host, ranks share the table's threads. Measured on the 2-core VM (bench/README.md, calib_dist.py): one
+# single-threaded GEMM process and two at once each ran 600 [512, 512] products in 1.72-1.73 s.
+THREAD_SCALED = ("gemm_flops", "gram_flops", "block_form_flops", "chol_flops", "sweep_elems_per_s",
+                 "mem_bytes_per_s", "fake_quant_elems_per_s")
 DEVICE_KINDS = tuple(THROUGHPUT)
 
 
@@ -791,11 +807,13 @@ def _host_ram(c, plan, gq, passes_gq: bool, kind: str, ckpt, num_layers: int, pa
 
 def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *, world_size: int = 1,
                      device: str = "cpu", gpu_memory_gib: float | None = None,
-                     throughput: Throughput | None = None) -> CalibrationCost:
+                     throughput: Throughput | None = None, threads: float | None = None) -> CalibrationCost:
     """Predict the calibrated pass of `recipe` (a name, path or Recipe) on `num_samples` x `seq_len` tokens
     for `model_or_config` (config.json, checkpoint directory, reference config name), on `world_size` ranks
     of `device` ("cpu" or "cuda"). `gpu_memory_gib`: the device memory each rank may use (cuda; None: not
-    checked). `throughput`: the rates (None: THROUGHPUT[device kind])."""
+    checked). `throughput`: the rates (None: THROUGHPUT[device kind]). `threads`: the threads each rank
+    computes on, for a table that states its own (`Throughput.threads`: the cpu's); None: the ranks share the
+    table's threads on one host (torchrun gives each worker one thread when it starts several)."""
     from ..match.recipe import Recipe, load_recipe
     from .source import resolve, tensor_shapes_from_checkpoint
 
@@ -804,7 +822,11 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     if world_size < 1:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
     kind = "cuda" if str(device).startswith("cuda") else str(device)
-    c = throughput or throughput_for(kind)
+    table = throughput or throughput_for(kind)
+    if threads is not None and not threads > 0:
+        raise ConfigError(f"threads per rank must be positive, got {threads}")
+    per_rank = (threads if threads is not None else table.threads / world_size) if table.threads else None
+    c = table.for_threads(per_rank) if per_rank else table
     rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     src = resolve(model_or_config)
     headers = tensor_shapes_from_checkpoint(src.checkpoint) if src.checkpoint is not None else None
@@ -814,7 +836,8 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     out = CalibrationCost(model=src.label, recipe=rec.name, methods=methods, calibrated=bool(methods),
                           num_samples=num_samples, seq_len=seq_len, world_size=world_size, device=kind,
                           dtype="float32" if kind == "cpu" else "bfloat16", layers=0, calibrated_layers=0)
-    out.constants = {"kind": c.kind, "provenance": c.provenance, "source": c.source, "values": c.to_json()}
+    out.constants = {"kind": c.kind, "provenance": c.provenance, "source": c.source, "values": table.to_json(),
+                     "threads_per_rank": per_rank}
     if not methods:
         out.warnings.append(f"recipe {rec.name!r} has no calibrated group (GPTQ/AWQ) and no kv_cache section: "
                             "convert does not calibrate, nothing to predict")
@@ -896,7 +919,7 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     out.host_ram = host
     out.host_ram_bytes = sum(host.values())
 
-    out.assumptions += _assumptions(c, g, kind, gq, kvb, passes_gq, passes_kv)
+    out.assumptions += _assumptions(c, g, kind, gq, kvb, passes_gq, passes_kv, per_rank)
     if c.provenance == "assumed":
         out.warnings.append(f"the {kind} throughput figures are assumptions, not measurements ({c.source})")
     return out
@@ -921,8 +944,11 @@ def _code(dtype) -> str:
 
 
 def _assumptions(c: Throughput, g: int, kind: str, gq: _Batches, kvb: list[int], passes_gq: bool,
-                 passes_kv: bool) -> list[str]:
-    a = [f"throughput: {c.kind} figures {c.provenance} ({c.source})",
+                 passes_kv: bool, per_rank: float | None = None) -> list[str]:
+    a = [f"throughput: {c.kind} figures {c.provenance} ({c.source})"
+         + (f"; each rank computes on {per_rank:g} of the table's {c.threads} threads: the multi-threaded rates "
+            f"({', '.join(THREAD_SCALED)}) scaled by {per_rank:g}/{c.threads}" if per_rank and per_rank != c.threads
+            else ""),
          "per layer: GPTQ/AWQ forward twice (statistics, then the quantized layer: true-sequential), GPTQ of the "
          "routed experts alone in two halves (attention up to the experts, then the MLP block); KV scales once",
          "GEMM rate for m rows: gemm_flops x m / (m + gemm_half_rows); routed experts at m = routed rows per "

@@ -103,9 +103,10 @@ def test_monotone_in_samples_tokens_and_layers(tmp_path):
 
 
 def test_world_size_splits_the_parallel_parts(tmp_path):
+    """Every rank on the same threads (one host per rank): the work splits."""
     cfg = _config(tmp_path, 2)
     n, t = 64, 64  # 4096 tokens: 8 forward batches of 512 (the pass cuts at least 8)
-    runs = {g: _cost(cfg, n, t, g) for g in (1, 2, 4)}
+    runs = {g: _cost(cfg, n, t, g, threads=2) for g in (1, 2, 4)}
     for a, b in ((1, 2), (2, 4)):
         for k in ("forward", "hessians", "gptq_solve"):
             assert runs[b].seconds[k] < runs[a].seconds[k], (k, a, b)
@@ -124,6 +125,38 @@ def test_world_size_splits_the_parallel_parts(tmp_path):
             assert layer["statistics"]["hessians"] == (held * (HIDDEN ** 2 + WIDTH ** 2) + HIDDEN ** 2) * 4
             assert layer["weights"] == runs[1].device_memory["layers"][layer["layer"]]["weights"]
     assert runs[4].device_memory_bytes < runs[2].device_memory_bytes < runs[1].device_memory_bytes
+
+
+def test_ranks_on_one_host_share_its_threads(tmp_path):
+    """By default the ranks of a cpu world share the table's threads: G ranks each compute on threads / G, at
+    the multi-threaded rates (and only those) scaled by 1 / G, as an explicit `threads` or a table scaled
+    beforehand (for_threads) gives; a gpu table has no thread count and is not scaled."""
+    from dataclasses import replace
+
+    from quantkit.plan.calibration import THREAD_SCALED, THROUGHPUT
+
+    cfg = _config(tmp_path, 2)
+    c = THROUGHPUT["cpu"]
+    assert c.threads == 2
+    half = c.for_threads(1)
+    for k, v in half.to_json().items():
+        assert v == (c.to_json()[k] / 2 if k in THREAD_SCALED else c.to_json()[k]), k
+    assert c.for_threads(2) is c and THROUGHPUT["cuda"].for_threads(1) is THROUGHPUT["cuda"]
+    for g in (2, 4):
+        shared = _cost(cfg, 64, 64, g)
+        assert shared.constants["threads_per_rank"] == 2 / g
+        same = _cost(cfg, 64, 64, g, threads=2 / g)
+        pre = _cost(cfg, 64, 64, g, throughput=replace(c.for_threads(2 / g), threads=0))
+        assert shared.seconds == same.seconds == pre.seconds
+        assert shared.seconds["hessians"] > _cost(cfg, 64, 64, g, threads=2).seconds["hessians"]
+        assert any("threads" in a for a in shared.assumptions)
+    one = _cost(cfg, 64, 64, 1)
+    assert one.seconds == _cost(cfg, 64, 64, 1, threads=2).seconds and one.constants["threads_per_rank"] == 2
+    slow = _cost(cfg, 64, 64, 1, threads=1)
+    assert slow.seconds["hessians"] > one.seconds["hessians"]
+    assert slow.seconds["write_spool"] == one.seconds["write_spool"]  # I/O is not thread-bound
+    with pytest.raises(ConfigError):
+        _cost(cfg, 64, 64, 1, threads=0)
 
 
 def test_device_memory_is_the_executors_plan(tiny, tmp_path):
@@ -186,7 +219,7 @@ def test_kv_scales_forward_once(tmp_path):
     assert kv.seconds["forward"] < gq.seconds["forward"] < awq.seconds["forward"]
     assert set(kv.device_memory["layers"][0]["statistics"]) == {"kv_observer"}
     # KV calibration is data parallel too (calib/kv_dist.py): 8 batches, 4 per rank
-    kv2 = _cost(cfg, 64, 128, g=2, recipe="fp8-kv")
+    kv2 = _cost(cfg, 64, 128, g=2, recipe="fp8-kv", threads=2)  # one host per rank
     assert kv2.seconds["forward"] == pytest.approx(kv.seconds["forward"] / 2)
 
 
@@ -203,7 +236,8 @@ def test_json_keys_documented(tmp_path):
 def test_constants_say_where_they_come_from():
     assert THROUGHPUT["cpu"].provenance == "measured" and THROUGHPUT["cuda"].provenance == "assumed"
     for t in THROUGHPUT.values():
-        assert t.source and all(v > 0 for v in t.to_json().values() if isinstance(v, (int, float)))
+        assert t.source and all(v > 0 for k, v in t.to_json().items() if isinstance(v, (int, float)) and k != "threads")
+    assert THROUGHPUT["cpu"].threads > 0 and THROUGHPUT["cuda"].threads == 0  # a GPU's rates are not per thread
     text = DOCS.read_text()
     assert "ASSUMED" in text and "measured" in text
 
