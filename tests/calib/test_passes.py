@@ -293,6 +293,20 @@ def test_refit_scales_option():
         recipe("awq", refit_scales="true")
 
 
+def _layer1_expert_modules(src, samples):
+    """(weight name, the inputs routed to it, its source weight) of every expert module of decoder layer 1 of
+    the tiny deepseek_v3 `src`, from a plain forward over `samples` (the down inputs from the source gate/up)."""
+    experts, seen = _routed_inputs(load_model(src).eval(), samples, 1)
+    half = experts.gate_up_proj.shape[1] // 2
+    for e in range(experts.gate_up_proj.shape[0]):
+        x = torch.cat([xb[(ib == e).any(-1)] for xb, ib in seen])
+        gu = experts.gate_up_proj[e].detach().float()
+        d = experts.act_fn(x @ gu[:half].T) * (x @ gu[half:].T)
+        for kind, inp, wt in (("gate", x, gu[:half]), ("up", x, gu[half:]),
+                              ("down", d, experts.down_proj[e].detach().float())):
+            yield f"model.layers.1.mlp.experts.{e}.{kind}_proj.weight", inp, wt
+
+
 def test_refine_sweeps_option():
     from quantkit.errors import RecipeError
 
@@ -327,24 +341,15 @@ def test_refine_sweeps_lower_the_calibration_error(tmp_path):
             with SafetensorsFile(spool / f"{name}.safetensors") as f:
                 scales[sweeps].update({k[: -len(".weight_scale")]: f.get(k) for k in f.header.tensors
                                        if k.endswith(".weight_scale")})
-    experts, seen = _routed_inputs(load_model(src).eval(), data.samples, 1)
-    half = experts.gate_up_proj.shape[1] // 2
     moved = 0
     total = {0: 0.0, 2: 0.0}
-    for e in range(8):
-        x = torch.cat([xb[(ib == e).any(-1)] for xb, ib in seen])
-        gu = experts.gate_up_proj[e].detach().float()
-        d = experts.act_fn(x @ gu[:half].T) * (x @ gu[half:].T)
-        for kind, inp, wt in (("gate", x, gu[:half]), ("up", x, gu[half:]),
-                              ("down", d, experts.down_proj[e].detach().float())):
-            name = f"model.layers.1.mlp.experts.{e}.{kind}_proj.weight"
-            a, b = runs[0][name], runs[2][name]
-            mod = name[: -len(".weight")]
-            assert torch.equal(scales[0][mod], scales[2][mod])  # the scales are the solve's
-            moved += int((a != b).sum())
-            err = {r: float((inp @ (wt - runs[r][name]).T).double().square().sum()) for r in (0, 2)}
-            total[0] += err[0]
-            total[2] += err[2]
+    for name, inp, wt in _layer1_expert_modules(src, data.samples):
+        a, b = runs[0][name], runs[2][name]
+        mod = name[: -len(".weight")]
+        assert torch.equal(scales[0][mod], scales[2][mod])  # the scales are the solve's
+        moved += int((a != b).sum())
+        for r in (0, 2):
+            total[r] += float((inp @ (wt - runs[r][name]).T).double().square().sum())
     assert moved > 0 and total[2] < total[0]
 
 
@@ -360,27 +365,19 @@ def test_refit_scales_keep_the_codes_and_lower_the_calibration_error(tmp_path):
         spool = tmp_path / f"spool-{refit}"
         rec = recipe("gptq", holdout=0, refit_scales=str(refit).lower())
         runs[refit] = spool_weights(spool, run_calibrated(src, rec, data.samples, spool))
-    experts, seen = _routed_inputs(load_model(src).eval(), data.samples, 1)
-    half = experts.gate_up_proj.shape[1] // 2
     moved = 0
     total = {False: 0.0, True: 0.0}
-    for e in range(8):
-        x = torch.cat([xb[(ib == e).any(-1)] for xb, ib in seen])
-        gu = experts.gate_up_proj[e].detach().float()
-        d = experts.act_fn(x @ gu[:half].T) * (x @ gu[half:].T)
-        for kind, inp, wt in (("gate", x, gu[:half]), ("up", x, gu[half:]),
-                              ("down", d, experts.down_proj[e].detach().float())):
-            name = f"model.layers.1.mlp.experts.{e}.{kind}_proj.weight"
-            a, b = runs[False][name], runs[True][name]
-            ga, gb = a.reshape(a.shape[0], -1, 32), b.reshape(b.shape[0], -1, 32)
-            assert torch.equal(ga == 0, gb == 0)
-            ratio = torch.where(ga != 0, gb / ga, torch.nan)  # one factor per group: the same codes
-            lo, hi = ratio.nan_to_num(float("inf")).amin(-1), ratio.nan_to_num(float("-inf")).amax(-1)
-            live = (ga != 0).any(-1)
-            assert torch.allclose(lo[live], hi[live], rtol=1e-5) and bool((lo[live] > 0).all())
-            moved += int((~torch.isclose(lo[live], torch.ones_like(lo[live]))).sum())
-            err = {r: float((inp @ (wt - runs[r][name]).T).double().square().sum()) for r in (False, True)}
-            assert err[True] <= err[False] * (1 + 1e-6)
-            total[False] += err[False]
-            total[True] += err[True]
+    for name, inp, wt in _layer1_expert_modules(src, data.samples):
+        a, b = runs[False][name], runs[True][name]
+        ga, gb = a.reshape(a.shape[0], -1, 32), b.reshape(b.shape[0], -1, 32)
+        assert torch.equal(ga == 0, gb == 0)
+        ratio = torch.where(ga != 0, gb / ga, torch.nan)  # one factor per group: the same codes
+        lo, hi = ratio.nan_to_num(float("inf")).amin(-1), ratio.nan_to_num(float("-inf")).amax(-1)
+        live = (ga != 0).any(-1)
+        assert torch.allclose(lo[live], hi[live], rtol=1e-5) and bool((lo[live] > 0).all())
+        moved += int((~torch.isclose(lo[live], torch.ones_like(lo[live]))).sum())
+        err = {r: float((inp @ (wt - runs[r][name]).T).double().square().sum()) for r in (False, True)}
+        assert err[True] <= err[False] * (1 + 1e-6)
+        total[False] += err[False]
+        total[True] += err[True]
     assert moved > 0 and total[True] < total[False]
