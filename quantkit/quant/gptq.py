@@ -357,7 +357,7 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     final later ones. Works on the transposed layout [E, K, N] with G = Hd E^T kept current (blocks of
     `block_size` columns: in-block rank-1 updates, one GEMM for the rest; the last sweep updates only the
     columns still ahead of it). Inputs never seen (H_jj == 0) are treated as GPTQ treats them: diagonal 1,
-    weight 0. Returns (codes [E, N, K] int8, with `with_error` the Hessian-weighted error [E] after the
+    weight 0; a row with a scale that is not positive and finite keeps its codes. Returns (codes [E, N, K] int8, with `with_error` the Hessian-weighted error [E] after the
     sweeps in float64, else None). Work per sweep: about N x K^2 multiply-adds, like GPTQ's sweep."""
     e, n, k = w.shape
     gs = k // scale.shape[-1]
@@ -368,12 +368,14 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     diag = hd.diagonal(dim1=-2, dim2=-1)
     diag.masked_fill_(dead, 1.0)
     diag.add_((damp * diag.mean(-1))[:, None])
-    s_t = scale.float().transpose(1, 2).repeat_interleave(gs, dim=1)  # [E, K, N]: each weight's scale
+    usable = ((scale > 0) & scale.isfinite()).all(-1)  # [E, N]: rows whose every scale can be refined against
+    s_t = scale.float().masked_fill(~usable[..., None], 0.0).transpose(1, 2).repeat_interleave(gs, dim=1)  # [E, K, N]
     qt = q.transpose(1, 2).contiguous().float()  # [E, K, N]
     et = torch.empty_like(qt).copy_(w.transpose(1, 2)).masked_fill_(dead[:, :, None], 0.0)
-    et.addcmul_(qt, s_t, value=-1)  # the error w - q s, kept current block by block
-    gt = torch.bmm(hd, et)  # [E, K, N] = Hd E^T, kept current
+    gt = torch.bmm(hd, et.addcmul_(qt, s_t, value=-1))  # [E, K, N] = Hd E^T (E = w - q s), kept current
+    del et
     step = diag[:, :, None] * s_t  # [E, K, N]: Hd_jj s_j, the curvature of the error in code units
+    step.masked_fill_(~(step > 0), float("inf"))  # a row without usable scales: its codes stay
     for sweep in range(sweeps):
         last = sweep == sweeps - 1
         for i1 in range(0, k, block_size):
@@ -390,7 +392,6 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
                     gb[:, i + 1:].addcmul_(hd[:, j + 1:i2, j, None], d[:, None, :], value=-1)
             if not last:  # G of every column, for the next sweep
                 gt.baddbmm_(hd[:, :, i1:i2], delta, alpha=-1)
-                et[:, i1:i2].sub_(delta)
             elif i2 < k:  # the last sweep: only the columns it has still to visit
                 gt[:, i2:].baddbmm_(hd[:, i2:, i1:i2], delta, alpha=-1)
     err = None

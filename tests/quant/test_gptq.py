@@ -302,3 +302,19 @@ def test_refine_codes_blocking_changes_nothing():
         assert (q != runs[0][0]).float().mean() <= 1e-3
         assert torch.allclose(err, runs[0][1], rtol=1e-4)
     assert not torch.equal(runs[0][0], r.q)
+
+
+def test_refine_codes_keeps_the_codes_of_unusable_scales():
+    """A row with a scale that is 0, negative, inf or NaN (never produced by the solves, but refine_codes is
+    public) keeps its codes, the other rows are refined, and no code leaves the grid."""
+    from quantkit.quant.gptq import refine_codes
+
+    k, n = 64, 8
+    h = _hessian(k, 100, 9).float()[None]
+    w = torch.randn(1, n, k, generator=torch.Generator().manual_seed(10)) * 0.05
+    r = gptq(w, h, 4, 16, True)
+    scale = r.qparams.scale.clone()
+    scale[0, 0, 0], scale[0, 1, 1], scale[0, 2, 2], scale[0, 3, 3] = 0.0, -1.0, float("inf"), float("nan")
+    q, _ = refine_codes(w, r.q, scale, h, r.damping, sweeps=2)
+    assert torch.equal(q[0, :4], r.q[0, :4])
+    assert int(q.min()) >= -8 and int(q.max()) <= 7 and not torch.equal(q[0, 4:], r.q[0, 4:])
