@@ -74,6 +74,7 @@ class Throughput:
     setup_s: float  # fixed: building the meta model, embedding, opening the checkpoint
     layer_s: float  # fixed per layer and pass: materializing, freeing (gc, malloc_trim), hooks
     threads: int = 0  # cpu: the threads the rates were measured with (the host's cores); 0: not thread-bound
+    startup_s: float = 0.0  # once per job: a fresh process's first executor (modeling imports, first use)
     notes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
@@ -91,7 +92,7 @@ class Throughput:
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "Throughput":
         names = {f.name for f in fields(cls)}
-        missing = names - set(doc) - {"notes", "threads"}
+        missing = names - set(doc) - {"notes", "threads", "startup_s"}
         if missing:
             raise ConfigError(f"throughput table lacks {sorted(missing)}")
         kw = {k: v for k, v in doc.items() if k in names}
@@ -110,7 +111,10 @@ CPU_MEASURED = Throughput(
     mem_bytes_per_s=3.931e+10, op_s=1.465e-06, read_bytes_per_s=9.733e+09, write_bytes_per_s=1.253e+09,
     fsync_s=0.0004504, module_s=0.000814, fake_quant_elems_per_s=9.689e+08, hash_bytes_per_s=1.589e+09,
     link_bytes_per_s=1.0e9, process_bytes=882868224, setup_s=0.08988, layer_s=0.0001401, threads=2,
-    notes=("link_bytes_per_s: assumed (gloo over loopback on one host), not measured",),
+    startup_s=2.62,
+    notes=("link_bytes_per_s: assumed (gloo over loopback on one host), not measured",
+           "startup_s: measured 2026-12-04 by bench/calib_cost.py's measure_startup on the same VM (fastest of three "
+           "fresh processes, one other job running)"),
 )
 
 # Assumed: one NVIDIA H100/H200 SXM GPU. Published dense peaks (NVIDIA H100/H200 SXM datasheets, without
@@ -139,6 +143,7 @@ CUDA_ASSUMED = Throughput(
     process_bytes=3_000_000_000,  # torch + transformers + the CUDA context's host side
     setup_s=30.0,  # building the meta model of a 1T model, opening ~1000 shards' headers, embedding
     layer_s=1.0,  # per layer and pass: allocating, freeing and synchronizing the device
+    startup_s=10.0,  # the CPU's modeling imports (~2.6 s) plus creating the CUDA context and its first kernels
     notes=("every figure assumed: published H100/H200 peaks times the efficiency factors in "
            "quantkit/plan/calibration.py; measure on a GPU with bench/calib_cost.py --device cuda to replace them",),
 )
@@ -870,7 +875,8 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     passes_kv = rec.kv_cache is not None
     hidden = ex.hidden_size
     emb_rows = num_samples * seq_len
-    fixed = c.setup_s * (int(passes_gq) + int(passes_kv)) + emb_rows * hidden * 4 / c.mem_bytes_per_s
+    fixed = (c.startup_s + c.setup_s * (int(passes_gq) + int(passes_kv))
+             + emb_rows * hidden * 4 / c.mem_bytes_per_s)
     secs["fixed"] += fixed
     ctx = _PassContext(c, ex, ckpt, rec, kind, g, item, hidden, num_samples, seq_len, gq)
     for idx in range(ex.num_layers):

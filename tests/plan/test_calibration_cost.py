@@ -307,3 +307,24 @@ def test_refine_sweeps_cost_is_the_solves_own(tmp_path):
     start = 2 * e * (2 * i * h * h / (c.gram_flops * 2 * i / (2 * i + c.gram_half_rows))
                      + h * i * i / (c.gram_flops * h / (h + c.gram_half_rows)))
     assert solve[1] - solve[0] - sweep == pytest.approx(start, rel=1e-6)
+
+
+def test_a_fresh_process_pays_startup_once(tmp_path):
+    """`startup_s` (a fresh process's first executor) is counted once in `fixed`, for GPTQ and for KV scales, on
+    one rank and on several (they start in parallel); a table without it (from_json of an older row) has 0."""
+    from dataclasses import replace
+
+    from quantkit.plan.calibration import THROUGHPUT, Throughput
+
+    cfg = _config(tmp_path, 2)
+    c = THROUGHPUT["cpu"]
+    assert c.startup_s > 0
+    for recipe, g in (("int4-experts-gptq", 1), ("fp8-kv", 1), ("int4-experts-gptq", 2)):
+        with_it = _cost(cfg, 8, 64, g, recipe=recipe)
+        without = _cost(cfg, 8, 64, g, recipe=recipe, throughput=replace(c, startup_s=0.0))
+        assert with_it.seconds["fixed"] - without.seconds["fixed"] == pytest.approx(c.startup_s, rel=1e-9)
+        assert {k: v for k, v in with_it.seconds.items() if k != "fixed"} == \
+            {k: v for k, v in without.seconds.items() if k != "fixed"}
+    doc = c.to_json()
+    del doc["startup_s"], doc["threads"]
+    assert Throughput.from_json(doc).startup_s == 0.0 and Throughput.from_json(doc).threads == 0
