@@ -151,8 +151,7 @@ CUDA_ASSUMED = Throughput(
 THROUGHPUT: dict[str, Throughput] = {"cpu": CPU_MEASURED, "cuda": CUDA_ASSUMED}
 
 # The rates that grow with a process's threads (torch's intra-op parallelism over the host's cores); on a CPU
-# host, ranks share the table's threads. Measured on the 2-core VM (bench/README.md, calib_dist.py): one
-# single-threaded GEMM process and two at once each ran 600 [512, 512] products in 1.72-1.73 s.
+# host, ranks share the table's threads (docs/cost.md, "Threads per rank": how it was checked).
 THREAD_SCALED = ("gemm_flops", "gram_flops", "block_form_flops", "chol_flops", "sweep_elems_per_s",
                  "mem_bytes_per_s", "fake_quant_elems_per_s")
 DEVICE_KINDS = tuple(THROUGHPUT)

@@ -357,8 +357,9 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     final later ones. Works on the transposed layout [E, K, N] with G = Hd E^T kept current (blocks of
     `block_size` columns: in-block rank-1 updates, one GEMM for the rest; the last sweep updates only the
     columns still ahead of it). Inputs never seen (H_jj == 0) are treated as GPTQ treats them: diagonal 1,
-    weight 0; a row with a scale that is not positive and finite keeps its codes. Returns (codes [E, N, K] int8, with `with_error` the Hessian-weighted error [E] after the
-    sweeps in float64, else None). Work per sweep: about N x K^2 multiply-adds, like GPTQ's sweep."""
+    weight 0; a row with a scale that is not positive and finite keeps its codes. Returns (codes [E, N, K]
+    int8, with `with_error` the Hessian-weighted error [E] after the sweeps in float64, else None). Work per
+    sweep: about N x K^2 multiply-adds, like GPTQ's sweep."""
     e, n, k = w.shape
     gs = k // scale.shape[-1]
     qmin, qmax = qrange(num_bits)
@@ -369,7 +370,8 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     diag.masked_fill_(dead, 1.0)
     diag.add_((damp * diag.mean(-1))[:, None])
     usable = ((scale > 0) & scale.isfinite()).all(-1)  # [E, N]: rows whose every scale can be refined against
-    s_t = scale.float().masked_fill(~usable[..., None], 0.0).transpose(1, 2).repeat_interleave(gs, dim=1)  # [E, K, N]
+    s_t = scale.float().masked_fill(~usable[..., None], 0.0)
+    s_t = s_t.transpose(1, 2).repeat_interleave(gs, dim=1)  # [E, K, N]: each weight's scale
     qt = q.transpose(1, 2).contiguous().float()  # [E, K, N]
     et = torch.empty_like(qt).copy_(w.transpose(1, 2)).masked_fill_(dead[:, :, None], 0.0)
     gt = torch.bmm(hd, et.addcmul_(qt, s_t, value=-1))  # [E, K, N] = Hd E^T (E = w - q s), kept current
@@ -385,7 +387,8 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
             for i in range(i2 - i1):
                 j = i1 + i
                 old = qt[:, j]
-                new = torch.addcdiv(old, gb[:, i], step[:, j]).round_().clamp_(qmin, qmax)  # the vertex's grid point
+                # the grid point nearest the vertex of this weight's parabola
+                new = torch.addcdiv(old, gb[:, i], step[:, j]).round_().clamp_(qmin, qmax)
                 d = torch.sub(new, old, out=delta[:, i]).mul_(s_t[:, j])
                 old.copy_(new)
                 if i + 1 < i2 - i1:
