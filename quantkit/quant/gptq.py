@@ -24,6 +24,7 @@ Algorithm (per matrix, all of them at once):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -345,6 +346,24 @@ def refit_scales(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     return out, changed
 
 
+_CD_NATIVE = None  # quant/_cd_native.py once imported, False when unavailable
+
+
+def _cd_native():
+    """The compiled column loop of refine_codes, or None (no numba, QUANTKIT_NATIVE=0): the torch path."""
+    global _CD_NATIVE
+    if _CD_NATIVE is None:
+        _CD_NATIVE = False
+        if os.environ.get("QUANTKIT_NATIVE", "1") != "0":
+            try:
+                from . import _cd_native as mod
+
+                _CD_NATIVE = mod
+            except Exception:  # noqa: BLE001 - no numba, or it cannot compile/cache here: the torch path
+                pass
+    return _CD_NATIVE or None
+
+
 def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch.Tensor,
                  damp: torch.Tensor | float = 0.01, *, num_bits: int = 4, sweeps: int = 1,
                  block_size: int = 128, with_error: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -378,13 +397,17 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     del et
     step = diag[:, :, None] * s_t  # [E, K, N]: Hd_jj s_j, the curvature of the error in code units
     step.masked_fill_(~(step > 0), float("inf"))  # a row without usable scales: its codes stay
+    native = _cd_native() if qt.device.type == "cpu" else None
     for sweep in range(sweeps):
         last = sweep == sweeps - 1
         for i1 in range(0, k, block_size):
             i2 = min(i1 + block_size, k)
             gb = gt[:, i1:i2].clone()  # [E, B, N], kept current inside the block
             delta = torch.empty_like(gb)  # change of the dequantized weights (the error moves by -delta)
-            for i in range(i2 - i1):
+            if native is not None:  # the same column steps as one compiled loop (quant/_cd_native.py)
+                native.cd_block(qt.numpy(), gb.numpy(), step.numpy(), s_t.numpy(), hd.numpy(), delta.numpy(),
+                                i1, float(qmin), float(qmax))
+            for i in range(0 if native is None else i2 - i1, i2 - i1):
                 j = i1 + i
                 old = qt[:, j]
                 # the grid point nearest the vertex of this weight's parabola

@@ -247,8 +247,21 @@ def _damped_error(w, q, scale, h, damp):
     return torch.tensor(out, dtype=torch.float64)
 
 
+@pytest.fixture(params=["native", "torch"])
+def cd_path(request, monkeypatch):
+    """refine_codes with its compiled column loop (quant/_cd_native.py) and with the torch ops."""
+    from quantkit.quant import gptq as gq
+
+    if request.param == "native":
+        if gq._cd_native() is None:
+            pytest.skip("numba unavailable")
+    else:
+        monkeypatch.setattr(gq, "_CD_NATIVE", False)
+    return request.param
+
+
 @pytest.mark.parametrize("actorder", [False, True])
-def test_refine_codes_descends_to_a_coordinate_minimum(actorder):
+def test_refine_codes_descends_to_a_coordinate_minimum(actorder, cd_path):
     """Coordinate descent on GPTQ's codes: each sweep's error (recomputed here from scratch) is no higher than
     the one before, the first is lower than GPTQ's, the reported error is the recomputed one, the codes stay in
     range; repeated until nothing moves, no single code can move by one step and lower its row's error (checked
@@ -287,7 +300,7 @@ def test_refine_codes_descends_to_a_coordinate_minimum(actorder):
                     >= base[e] * (1 - 1e-6)
 
 
-def test_refine_codes_blocking_changes_nothing():
+def test_refine_codes_blocking_changes_nothing(cd_path):
     """The lazy block updates are an implementation detail: one block, blocks of 8 and of 1 give the same codes
     (float32 sums in another order may flip a rounding tie: at most one code in a thousand) and errors."""
     from quantkit.quant.gptq import refine_codes
@@ -304,7 +317,7 @@ def test_refine_codes_blocking_changes_nothing():
     assert not torch.equal(runs[0][0], r.q)
 
 
-def test_refine_codes_keeps_the_codes_of_unusable_scales():
+def test_refine_codes_keeps_the_codes_of_unusable_scales(cd_path):
     """A row with a scale that is 0, negative, inf or NaN (never produced by the solves, but refine_codes is
     public) keeps its codes, the other rows are refined, and no code leaves the grid."""
     from quantkit.quant.gptq import refine_codes
@@ -318,3 +331,22 @@ def test_refine_codes_keeps_the_codes_of_unusable_scales():
     q, _ = refine_codes(w, r.q, scale, h, r.damping, sweeps=2)
     assert torch.equal(q[0, :4], r.q[0, :4])
     assert int(q.min()) >= -8 and int(q.max()) <= 7 and not torch.equal(q[0, 4:], r.q[0, 4:])
+
+
+def test_refine_codes_native_loop_is_the_torch_path(monkeypatch):
+    """The compiled column loop and the torch ops give the same codes (a tie rounded the other way after a
+    contracted multiply-add may flip one code in a thousand) and the same errors, over several sweeps."""
+    from quantkit.quant import gptq as gq
+
+    if gq._cd_native() is None:
+        pytest.skip("numba unavailable")
+    k, n = 128, 48
+    h = torch.stack([_hessian(k, 300, 11), _hessian(k, 200, 12), _hessian(k, 250, 13)]).float()
+    w = torch.randn(3, n, k, generator=torch.Generator().manual_seed(14)) * 0.05
+    r = gptq(w, h, 4, 32, True, actorder=True)
+    native = gq.refine_codes(w, r.q, r.qparams.scale, h, r.damping, sweeps=3, block_size=32, with_error=True)
+    monkeypatch.setattr(gq, "_CD_NATIVE", False)
+    plain = gq.refine_codes(w, r.q, r.qparams.scale, h, r.damping, sweeps=3, block_size=32, with_error=True)
+    assert (native[0] != plain[0]).float().mean() <= 1e-3
+    assert torch.allclose(native[1], plain[1], rtol=1e-4)
+    assert not torch.equal(native[0], r.q)
