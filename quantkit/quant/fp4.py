@@ -56,7 +56,7 @@ import torch
 from ..errors import GroupSizeError
 from ..pack.fp4 import E2M1_VALUES, E8M0_BIAS, pack_fp4, unpack_fp4  # noqa: F401  (the RTN functions pack)
 from .fp8 import FP8_MAX  # float8_e4m3fn max: NVFP4 group scales are e4m3
-from .int4 import native_available, run_rows
+from .int4 import optional_native, run_rows
 
 # Legend: N = out_features, K = in_features, G = groups = K / group_size, g = group_size, R = rows
 
@@ -364,15 +364,8 @@ _NATIVE = None  # quant/_fp4_native.py once imported, False when unavailable
 
 def _native_module():
     global _NATIVE
-    if _NATIVE is None:
-        _NATIVE = False
-        if native_available():  # numba importable and QUANTKIT_NATIVE not 0, as for INT4
-            try:
-                from quantkit.quant import _fp4_native
-
-                _NATIVE = _fp4_native
-            except Exception:  # noqa: BLE001 - numba cannot compile/cache here: the torch path
-                pass
+    if _NATIVE is None:  # numba importable and QUANTKIT_NATIVE not 0, as for INT4
+        _NATIVE = optional_native("_fp4_native") or False
     return _NATIVE
 
 

@@ -24,13 +24,12 @@ Algorithm (per matrix, all of them at once):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .int4 import QParams, choose_qparams, choose_qparams_mse, qrange
+from .int4 import QParams, choose_qparams, choose_qparams_mse, optional_native, qrange
 
 
 @dataclass(frozen=True)
@@ -353,14 +352,7 @@ def _cd_native():
     """The compiled column loop of refine_codes, or None (no numba, QUANTKIT_NATIVE=0): the torch path."""
     global _CD_NATIVE
     if _CD_NATIVE is None:
-        _CD_NATIVE = False
-        if os.environ.get("QUANTKIT_NATIVE", "1") != "0":
-            try:
-                from . import _cd_native as mod
-
-                _CD_NATIVE = mod
-            except Exception:  # noqa: BLE001 - no numba, or it cannot compile/cache here: the torch path
-                pass
+        _CD_NATIVE = optional_native("_cd_native") or False
     return _CD_NATIVE or None
 
 

@@ -15,6 +15,7 @@ Conventions (compressed-tensors, see docs/format.md):
 
 from __future__ import annotations
 
+import importlib
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -255,6 +256,17 @@ def _pool():
 def native_available() -> bool:
     """Whether `rtn(..., pack=True)` can use the fused kernel (numba importable, not disabled)."""
     return bool(_native_module())
+
+
+def optional_native(module: str):
+    """The compiled-kernel module quantkit.quant.<module> (numba), or None where native kernels are off or
+    unavailable (native_available) or the module cannot compile or load here: its caller's torch path."""
+    if not native_available():
+        return None
+    try:
+        return importlib.import_module(f"quantkit.quant.{module}")
+    except Exception:  # noqa: BLE001 - numba cannot compile/cache here
+        return None
 
 
 def run_rows(fn, src, consts: tuple, arrays: tuple, per_row: tuple[int, ...] = ()) -> bool:
