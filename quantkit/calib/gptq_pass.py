@@ -194,6 +194,8 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
             use_rtn[ids] = True
         else:
             mine = ids[owned[ids]]
+            if stats.h_all_skipped:  # reduce() decided from the same counts and rule: cannot happen
+                raise CalibrationError(f"experts {ids.tolist()[:8]} need the all-token Hessian, which was not summed")
             if mine.numel():
                 rows = stats.slot[mine].to(dev)
                 h_gu[rows] = stats.h_all * (2.0 / max(stats.total, 1))

@@ -67,6 +67,7 @@ class ExpertStats:
         self.h_gu = torch.zeros(n, h, h, device=dev) if need_hessians else None  # sums of x x^T (scaled at the end)
         self.h_down = torch.zeros(n, self.I, self.I, device=dev) if need_hessians else None
         self.h_all = torch.zeros(h, h, device=dev)
+        self.h_all_skipped = False  # distributed: not summed, as no fallback of the group reads it (reduce)
         self.holdout = int(holdout) if need_hessians else 0
         self.ho_x: list[list[torch.Tensor]] = [[] for _ in range(n)]  # held-out gate/up inputs, by slot
         self.router = router if need_hessians else None
@@ -215,12 +216,14 @@ class ExpertStats:
         if take:
             self.y_samples.append(y.detach().reshape(-1, self.H)[:take].float().clone())
 
-    def reduce(self, h_all_owner: int | None = None) -> None:
+    def reduce(self, h_all_owner: int | None = None, options=None) -> None:
         """Distributed: replay every batch in batch order on every rank, from the rank that forwarded it
         (its routing and router weights, and its MoE inputs: all rows for GPTQ, the sampled rows and the
         block's outputs for them otherwise; broadcast). Counts, totals and samples end equal on every rank;
         each rank's Hessians hold its owned experts' sums; the all-token Hessian is summed by `h_all_owner`
-        (default: the last rank) and broadcast. A no-op in one process (the hook observed every batch)."""
+        (default: the last rank) and broadcast, unless the group's `options` show before the replay that no
+        fallback will read it (all_token_hessian_needed: every expert has its routed min_tokens, or the
+        fallback is RTN); then it stays zero. A no-op in one process (the hook observed every batch)."""
         par = self.par
         if par is None:
             return
@@ -228,8 +231,14 @@ class ExpertStats:
             raise CalibrationError(f"{len(self._records)} routed-experts calls observed for "
                                    f"{len(par.mine)} forward batches")
         mine = dict(zip(par.mine, self._records))
-        shapes = par.world.all_gather([(int(r[0].shape[0]), int(r[1].shape[1]), r[3] is not None)
+        shapes = par.world.all_gather([(int(r[0].shape[0]), int(r[1].shape[1]), r[3] is not None,
+                                        moe.route(r[1], None, self.E).counts.cpu().tolist())
                                        for r in self._records])
+        counts = torch.tensor([c for lst in shapes for *_, c in lst], dtype=torch.long).reshape(-1, self.E).sum(0)
+        total = sum(rows for lst in shapes for rows, *_ in lst)
+        need_all = self.need_h and (options is None or all_token_hessian_needed(options, counts, total))
+        self.h_all_skipped = self.need_h and not need_all
+        shapes = [[t[:3] for t in lst] for lst in shapes]
         meta: dict[int, tuple[int, int, bool]] = {}
         for rank, lst in enumerate(shapes):
             meta.update(zip([b for b, o in enumerate(par.owner) if o == rank], lst))
@@ -252,13 +261,13 @@ class ExpertStats:
                 self.y_samples.append(y[:take].clone())
             routing = moe.route(idx, None, self.E)
             if self.need_h:
-                self._observe(x, idx, wts, routing, h_all=par.rank == h_all_owner)
+                self._observe(x, idx, wts, routing, h_all=need_all and par.rank == h_all_owner)
             else:
                 self._observe(x[:n_x], idx, wts, routing, h_all=False, rows=rows)
             if rec is not None:
                 rec.clear()
         self._records = []
-        if self.need_h:
+        if need_all:
             par.broadcast_(self.h_all, h_all_owner)
 
     def remove(self):
@@ -390,12 +399,25 @@ def reduce_linear_stats(par, stats: dict[str, LinearStats], owners: dict[str, in
             st.h = sums[n].to(st.h.device)
 
 
+def _min_tokens(options, total: int) -> int:
+    """An expert's least statistics tokens: options.min_tokens, by default 0.5% of the layer's tokens."""
+    return int(options.min_tokens) if options.min_tokens is not None else max(1, math.ceil(0.005 * total))
+
+
+def all_token_hessian_needed(options, counts: torch.Tensor, total: int) -> bool:
+    """Whether a GPTQ group with `options` can read the all-token Hessian, given each expert's routed tokens
+    `counts` [E] over the layer's `total` tokens: `stats: all` always, `stats: affinity` always (its counts
+    are known only after the replay), `routed` only where an expert has fewer than min_tokens and the
+    fallback is all_tokens (coverage's rule, decided before the statistics)."""
+    if options.stats != "routed":
+        return True
+    return options.fallback != "rtn" and bool((counts < _min_tokens(options, total)).any())
+
+
 def coverage(options, stats: ExpertStats) -> tuple[torch.Tensor, int, str, str]:
     """(experts whose statistics come from all tokens [E] bool, min_tokens, fallback, stats mode) for a
     group's options (match.recipe GPTQOptions / AWQOptions)."""
-    min_tokens = options.min_tokens
-    if min_tokens is None:
-        min_tokens = max(1, math.ceil(0.005 * stats.total))
+    min_tokens = _min_tokens(options, stats.total)
     if options.stats == "all":
         low = torch.ones(stats.E, dtype=torch.bool)
     else:  # routed: the tokens the router sent; affinity: the tokens in each expert's weighted Hessian

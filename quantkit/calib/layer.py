@@ -139,7 +139,7 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
     if dist_par is not None:
         with timeline.phase("statistics"):  # the owners' Grams of the exchanged rows; the exchange nested
             if stats is not None:
-                stats.reduce()
+                stats.reduce(options=egroup.options if egroup.method == "gptq" else None)
             reduce_linear_stats(dist_par, lstats, dense_owner)
     for s in [*dense_amax.values(), *([act_amax] if act_amax is not None else [])]:
         s.reduce(dist_par)

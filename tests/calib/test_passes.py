@@ -381,3 +381,20 @@ def test_refit_scales_keep_the_codes_and_lower_the_calibration_error(tmp_path):
         total[False] += err[False]
         total[True] += err[True]
     assert moved > 0 and total[True] < total[False]
+
+
+def test_all_token_hessian_needed_only_where_a_fallback_reads_it():
+    """The distributed replay skips the all-token Hessian where no fallback can read it: routed statistics
+    with every expert at min_tokens (default 0.5% of the layer's tokens), or the RTN fallback; `stats: all`
+    and `stats: affinity` always need it (coverage's rule, decided from the routed counts)."""
+    from quantkit.calib.hessians import all_token_hessian_needed
+
+    covered, starved = torch.tensor([30, 40, 50]), torch.tensor([30, 4, 50])
+    opts = recipe("gptq").groups[0].options  # routed, all_tokens, min_tokens 0.5% of the tokens
+    assert not all_token_hessian_needed(opts, covered, 1000)  # min_tokens 5
+    assert all_token_hessian_needed(opts, starved, 1000)
+    assert not all_token_hessian_needed(recipe("gptq", fallback="rtn").groups[0].options, starved, 1000)
+    assert all_token_hessian_needed(recipe("gptq", min_tokens="31").groups[0].options, covered, 1000)
+    assert not all_token_hessian_needed(recipe("gptq", min_tokens="30").groups[0].options, covered, 1000)
+    for mode in ("all", "affinity"):
+        assert all_token_hessian_needed(recipe("gptq", stats=mode).groups[0].options, covered, 1000)

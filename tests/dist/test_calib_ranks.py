@@ -146,6 +146,25 @@ def test_experts_only_byte_identical(src, reference, tmp_path, recipe, ranks):
         assert len(t["layers"]) == 3
 
 
+def test_starved_experts_all_token_fallback_byte_identical(src, reference, tmp_path_factory, tmp_path):
+    """Every expert under `min_tokens` with the all-token fallback: the replay sums the all-token Hessian
+    (reduce decides it from the routed counts before the replay; with every expert covered it skips it, the
+    tests above), and 2 ranks write one process's bytes."""
+    import quantkit
+
+    recipe = tmp_path_factory.mktemp("recipe") / "starved.yaml"
+    shipped = (Path(quantkit.__file__).parent / "data" / "recipes" / "int4-experts-gptq.yaml").read_text()
+    assert "fallback: all_tokens" in shipped
+    recipe.write_text(shipped.replace("fallback: all_tokens", "fallback: all_tokens\n      min_tokens: 100000"))
+    out = tmp_path / "q"
+    p = _convert(2, src, out, recipe)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert _files(out) == reference(recipe)
+    tensors = json.loads((out / "quantkit_manifest.json").read_text())["tensors"]
+    reasons = [t.get("fallback") or "" for n, t in tensors.items() if ".experts." in n and n.endswith("_packed")]
+    assert reasons and all("Hessian from all tokens" in r for r in reasons)
+
+
 def test_affinity_statistics_split_byte_identical(src, reference, tmp_path_factory, tmp_path):
     """GPTQ with `stats: affinity` (top-3 of 8 experts): the router's affinities are computed from the
     replayed inputs on each owner, so 2 ranks write the single process's bytes."""
