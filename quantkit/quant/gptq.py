@@ -356,6 +356,20 @@ def _cd_native():
     return _CD_NATIVE or None
 
 
+def _cd_block_torch(qt, gb, step, s_t, hd, delta, i1: int, qmin: int, qmax: int) -> None:
+    """quant/_cd_native.py's cd_block in torch ops, one column of every row and expert at a time."""
+    b = gb.shape[1]
+    for i in range(b):
+        j = i1 + i
+        old = qt[:, j]
+        # the grid point nearest the vertex of this weight's parabola
+        new = torch.addcdiv(old, gb[:, i], step[:, j]).round_().clamp_(qmin, qmax)
+        d = torch.sub(new, old, out=delta[:, i]).mul_(s_t[:, j])
+        old.copy_(new)
+        if i + 1 < b:
+            gb[:, i + 1:].addcmul_(hd[:, j + 1:i1 + b, j, None], d[:, None, :], value=-1)
+
+
 def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch.Tensor,
                  damp: torch.Tensor | float = 0.01, *, num_bits: int = 4, sweeps: int = 1,
                  block_size: int = 128, with_error: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -384,9 +398,12 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     s_t = scale.float().masked_fill(~usable[..., None], 0.0)
     s_t = s_t.transpose(1, 2).repeat_interleave(gs, dim=1)  # [E, K, N]: each weight's scale
     qt = q.transpose(1, 2).contiguous().float()  # [E, K, N]
-    et = torch.empty_like(qt).copy_(w.transpose(1, 2)).masked_fill_(dead[:, :, None], 0.0)
-    gt = torch.bmm(hd, et.addcmul_(qt, s_t, value=-1))  # [E, K, N] = Hd E^T (E = w - q s), kept current
-    del et
+
+    def error_t():  # [E, K, N]: w - q s, transposed, never-seen inputs' weights 0
+        return torch.empty_like(qt).copy_(w.transpose(1, 2)).masked_fill_(dead[:, :, None], 0.0).addcmul_(
+            qt, s_t, value=-1)
+
+    gt = torch.bmm(hd, error_t())  # [E, K, N] = Hd E^T, kept current
     step = diag[:, :, None] * s_t  # [E, K, N]: Hd_jj s_j, the curvature of the error in code units
     step.masked_fill_(~(step > 0), float("inf"))  # a row without usable scales: its codes stay
     native = _cd_native() if qt.device.type == "cpu" else None
@@ -397,24 +414,15 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
             gb = gt[:, i1:i2].clone()  # [E, B, N], kept current inside the block
             delta = torch.empty_like(gb)  # change of the dequantized weights (the error moves by -delta)
             if native is not None:  # the same column steps as one compiled loop (quant/_cd_native.py)
-                native.cd_block(qt.numpy(), gb.numpy(), step.numpy(), s_t.numpy(), hd.numpy(), delta.numpy(),
-                                i1, float(qmin), float(qmax))
-            for i in range(0 if native is None else i2 - i1, i2 - i1):
-                j = i1 + i
-                old = qt[:, j]
-                # the grid point nearest the vertex of this weight's parabola
-                new = torch.addcdiv(old, gb[:, i], step[:, j]).round_().clamp_(qmin, qmax)
-                d = torch.sub(new, old, out=delta[:, i]).mul_(s_t[:, j])
-                old.copy_(new)
-                if i + 1 < i2 - i1:
-                    gb[:, i + 1:].addcmul_(hd[:, j + 1:i2, j, None], d[:, None, :], value=-1)
+                native.cd_block(*(t.numpy() for t in (qt, gb, step, s_t, hd, delta)), i1, float(qmin), float(qmax))
+            else:
+                _cd_block_torch(qt, gb, step, s_t, hd, delta, i1, qmin, qmax)
             if not last:  # G of every column, for the next sweep
                 gt.baddbmm_(hd[:, :, i1:i2], delta, alpha=-1)
             elif i2 < k:  # the last sweep: only the columns it has still to visit
                 gt[:, i2:].baddbmm_(hd[:, i2:, i1:i2], delta, alpha=-1)
     err = None
     if with_error:
-        et = torch.empty_like(qt).copy_(w.transpose(1, 2)).masked_fill_(dead[:, :, None], 0.0)
-        et.addcmul_(qt, s_t, value=-1)
+        et = error_t()
         err = (et * torch.bmm(hd, et)).flatten(1).sum(-1, dtype=torch.float64)
     return qt.transpose(1, 2).to(torch.int8).contiguous(), err
