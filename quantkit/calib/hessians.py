@@ -231,9 +231,9 @@ class ExpertStats:
             raise CalibrationError(f"{len(self._records)} routed-experts calls observed for "
                                    f"{len(par.mine)} forward batches")
         mine = dict(zip(par.mine, self._records))
+        own_routing = {b: moe.route(r[1], None, self.E) for b, r in mine.items()}  # reused in the replay
         shapes = par.world.all_gather([(int(r[0].shape[0]), int(r[1].shape[1]), r[3] is not None,
-                                        moe.route(r[1], None, self.E).counts.cpu().tolist())
-                                       for r in self._records])
+                                        own_routing[b].counts.cpu().tolist()) for b, r in mine.items()])
         counts = torch.tensor([c for lst in shapes for *_, c in lst], dtype=torch.long).reshape(-1, self.E).sum(0)
         total = sum(rows for lst in shapes for rows, *_ in lst)
         need_all = self.need_h and (options is None or all_token_hessian_needed(options, counts, total))
@@ -259,7 +259,7 @@ class ExpertStats:
                 y = rec[3] if rec is not None else torch.empty(rows, self.H, device=dev)
                 par.broadcast_(y[:take], src)
                 self.y_samples.append(y[:take].clone())
-            routing = moe.route(idx, None, self.E)
+            routing = own_routing.pop(b, None) or moe.route(idx, None, self.E)
             if self.need_h:
                 self._observe(x, idx, wts, routing, h_all=need_all and par.rank == h_all_owner)
             else:

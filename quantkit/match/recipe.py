@@ -301,7 +301,8 @@ class GPTQOptions(_Calibrated):
     weighted by the router's affinity (softmax, or sigmoid for noaux_tc routers), the forward still following
     the router's top-k (calib/hessians.py); the routed tokens held out stay out. `refit_scales` (symmetric
     INT4): after the sweep each row's group scales are the least-squares ones for its codes under the damped
-    Hessian (quant/gptq.py refit_scales)."""
+    Hessian (quant/gptq.py refit_scales); `refine_sweeps` n (symmetric INT4): then n coordinate-descent sweeps
+    over the codes under those scales (quant/gptq.py refine_codes)."""
 
     damp: float = 0.01
     actorder: bool = False
