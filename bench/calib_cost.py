@@ -289,54 +289,24 @@ def _rss_now() -> int:
 
 
 def measure_setup(src: Path, calib: Path, n: int, t: int) -> float:
-    """The fixed part of a calibrated convert: the calibration data, an executor over the model, embedding."""
-    from quantkit.calib.executor import LayerExecutor
-    from quantkit.convert.calibrated import calibration_data
-    from quantkit.match.recipe import load_recipe
-    from quantkit.read.checkpoint import Checkpoint
+    """The fixed part of a calibrated convert (bench/setup_probe.py): the faster of a first and a second
+    set-up, the second with the modules imported, as in a process that already ran one pass."""
+    from setup_probe import setup_times
 
-    best = float("inf")
-    for _ in range(2):  # the second: with the modules imported, as in a process that already ran one pass
-        t0 = CLOCK()
-        ck = Checkpoint.open(src)
-        data = calibration_data(ck, load_recipe("int4-experts-gptq"), str(calib), n, t)
-        ex = LayerExecutor(src, device="cpu")
-        ex.embed(data.samples).close()
-        best = min(best, CLOCK() - t0)
-    return best
-
-
-_STARTUP = """
-import sys, time
-import quantkit.cli  # what `quantkit convert` has imported when convert() starts
-from quantkit.calib.executor import LayerExecutor
-from quantkit.convert.calibrated import calibration_data
-from quantkit.match.recipe import load_recipe
-from quantkit.read.checkpoint import Checkpoint
-src, calib, n, t = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-times = []
-for _ in range(2):  # cold (this process's first executor: the modeling imports), then warm
-    t0 = time.perf_counter()
-    ck = Checkpoint.open(src)
-    data = calibration_data(ck, load_recipe("int4-experts-gptq"), calib, n, t)
-    ex = LayerExecutor(src, device="cpu")
-    ex.embed(data.samples).close()
-    times.append(time.perf_counter() - t0)
-print(times[0] - times[1])
-"""
+    return min(setup_times(src, calib, n, t, clock=CLOCK))
 
 
 def measure_startup(src: Path, calib: Path, n: int, t: int, rounds: int = 3) -> float:
-    """What a fresh process pays once before its first layer beyond `setup_s`: the set-up of measure_setup
+    """What a fresh process pays once before its first layer beyond `setup_s`: bench/setup_probe.py's set-up
     cold (the first executor: transformers' modeling imports, first-use initialization) minus warm, in a
-    process that has imported what the CLI imports. Fastest of `rounds` fresh processes."""
+    fresh process that has imported what the CLI imports. Fastest of `rounds` of them."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if torch.get_num_threads() == 1:
         env["OMP_NUM_THREADS"] = "1"
     best = float("inf")
     for _ in range(rounds):
-        p = subprocess.run([sys.executable, "-c", _STARTUP, str(src), str(calib), str(n), str(t)], env=env,
-                           capture_output=True, text=True, check=True)
+        p = subprocess.run([sys.executable, str(ROOT / "bench" / "setup_probe.py"), str(src), str(calib), str(n),
+                            str(t)], env=env, capture_output=True, text=True, check=True)
         best = min(best, float(p.stdout.strip().splitlines()[-1]))
     return max(0.0, best)
 
