@@ -278,20 +278,22 @@ class CalibrationData:
     pretokenized: bool
     seed: int
     notes: tuple[str, ...] = field(default=())
+    pool: int = 0  # the last `pool` samples are the top-up pool (GPTQOptions.balance_tokens), not calibration samples
 
     @property
     def num_samples(self) -> int:
-        return len(self.samples)
+        """Calibration samples (the pool not counted)."""
+        return len(self.samples) - self.pool
 
     @property
     def num_tokens(self) -> int:
-        return sum(int(s.numel()) for s in self.samples)
+        return sum(int(s.numel()) for s in self.samples[:self.num_samples])
 
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "sha256": self.sha256, "num_samples": self.num_samples,
                 "requested_samples": self.requested_samples, "seq_len": self.seq_len, "num_tokens": self.num_tokens,
                 "tokenizer": self.tokenizer, "pretokenized": self.pretokenized, "seed": self.seed,
-                "notes": list(self.notes)}
+                "notes": list(self.notes), **({"pool_samples": self.pool} if self.pool else {})}
 
 
 def choose(n_available: int, n: int, seed: int) -> list[int]:
@@ -324,10 +326,22 @@ def _pretokenized(rows: list, where: str, vocab_size: int | None, seq_len: int) 
     return out
 
 
+def _pool(candidates: list[torch.Tensor], taken: list[int], n: int, seq_len: int, seed: int) -> list[torch.Tensor]:
+    """Up to `n` of the full-length candidates not `taken`, drawn by a seeded generator: the top-up pool. Full
+    length only, so that the pool's samples come after every calibration sample in the pass's batch order
+    (calib/activations.py batch_plan: shortest first, then by index)."""
+    skip = set(taken)
+    rest = [i for i, t in enumerate(candidates) if i not in skip and int(t.numel()) == seq_len]
+    return [candidates[rest[j]] for j in choose(len(rest), n, seed)]
+
+
 def load_calibration_data(dataset: str | os.PathLike | None = None, *, tokenizer=None, vocab_size: int | None = None,
-                          num_samples: int, seq_len: int, seed: int = DEFAULT_SEED) -> CalibrationData:
+                          num_samples: int, seq_len: int, seed: int = DEFAULT_SEED,
+                          pool_samples: int = 0) -> CalibrationData:
     """Token samples for calibration. `tokenizer`: a transformers tokenizer, or None for the byte
-    fallback (then `vocab_size` is required and a CalibrationWarning says so)."""
+    fallback (then `vocab_size` is required and a CalibrationWarning says so). `pool_samples`: that many
+    further full-length samples of the same data (none of the calibration samples) appended as the top-up
+    pool (GPTQOptions.balance_tokens), fewer with a warning when the data holds fewer."""
     if num_samples <= 0 or seq_len <= 0:
         raise DatasetError(f"num_samples and seq_len must be positive (got {num_samples}, {seq_len})",
                            hint="pass --num-samples N and --seq-len L greater than 0")
@@ -345,6 +359,7 @@ def load_calibration_data(dataset: str | os.PathLike | None = None, *, tokenizer
         pool = _pretokenized(rows, src.source, vocab_size, seq_len)
         idx = choose(len(pool), num_samples, seed)
         samples = [pool[i] for i in idx]
+        extra = _pool(pool, idx, pool_samples, seq_len, seed + 1) if pool_samples > 0 else []
         tok_name, pre = "pre-tokenized", True
     else:
         if tokenizer is None:
@@ -384,14 +399,21 @@ def load_calibration_data(dataset: str | os.PathLike | None = None, *, tokenizer
             msg = f"the data holds only {stream.numel()} tokens, fewer than seq_len={seq_len}: one shorter sample"
             _warn(msg)
             notes.append(msg)
-            samples = [stream]
+            samples, extra = [stream], []
         else:
             idx = choose(windows.shape[0], num_samples, seed)
             samples = [windows[i].clone() for i in idx]
+            extra = [t.clone() for t in _pool(list(windows), idx, pool_samples, seq_len, seed + 1)] \
+                if pool_samples > 0 else []
         tok_name, pre = tokenizer_name(tokenizer), False
     if len(samples) < num_samples:
         msg = f"asked for {num_samples} samples, the data holds {len(samples)}: using all of them"
         _warn(msg)
         notes.append(msg)
-    return CalibrationData(tuple(samples), src.source, src.sha256, seq_len, num_samples, tok_name, pre, seed,
-                           tuple(notes))
+    if len(extra) < pool_samples:
+        msg = (f"asked for a top-up pool of {pool_samples} samples, the data holds {len(extra)} more full-length "
+               f"ones: using {'all of them' if extra else 'none'}")
+        _warn(msg)
+        notes.append(msg)
+    return CalibrationData(tuple(samples) + tuple(extra), src.source, src.sha256, seq_len, num_samples, tok_name,
+                           pre, seed, tuple(notes), len(extra))

@@ -257,6 +257,8 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                         "fallback": reasons[e] or fb[j], "damping": round(float(damping[j]), 6)}
                 if mode == "affinity":
                     meta["affinity_tokens"] = int(stats.aff_counts[e])
+                if stats.pool_counts[e]:
+                    meta["pool_tokens"] = int(stats.pool_counts[e])  # of `tokens`, from the top-up pool
                 for kind, rows in parts:
                     db = sq[kind][j] if sq is not None else float(sqnr_db(w[j, rows], deq[j, rows]))
                     m = {**meta, "sqnr_db": round(db, 4)}

@@ -39,7 +39,8 @@ class ExpertStats:
 
     def __init__(self, experts: nn.Module, need_hessians: bool, sample_tokens: int, block: nn.Module | None = None,
                  par=None, owned: torch.Tensor | None = None, holdout: int = 0, router: nn.Module | None = None,
-                 affinity_top_k: int | None = None):
+                 affinity_top_k: int | None = None, primary_tokens: int | None = None,
+                 balance_tokens: int | None = None):
         """`block`: the MoE block around `experts`; when given, its outputs for the sampled tokens are kept
         too (`block_outputs`: the unquantized block's response AWQ's norm-scale search measures against).
         `par`: the pass's Parallel (None: one process); `owned` [E] bool: the experts whose Hessians this
@@ -50,7 +51,13 @@ class ExpertStats:
         router's `affinity_top_k` preferred (None: every token), x x^T weighted by the router's affinity for
         that pair (`moe.router_affinities`), the forward still following the router's real top-k; rows held
         out of the routed tokens stay out (`aff_counts`: each expert's tokens in the affinity set, held-out rows
-        included, like `counts`)."""
+        included, like `counts`).
+
+        `primary_tokens` (GPTQ's `balance_tokens`, with a top-up pool): the layer's rows after the first
+        `primary_tokens` (in batch order; calib/spool.py puts the pool last) are the pool's. They count for
+        nothing but the top-up: an expert with fewer than `balance_tokens` routed rows gets the pool's rows
+        routed to it, in order, until it has that many (`_top_up`); `total`, samples, held-out rows and the
+        all-token Hessian stay the calibration samples'."""
         self.experts = experts
         e, p, h = experts.gate_up_proj.shape
         self.E, self.P, self.H, self.I = e, p, h, experts.down_proj.shape[-1]
@@ -76,6 +83,10 @@ class ExpertStats:
         self.affinity_top_k = affinity_top_k
         self.aff_counts = torch.zeros(e, dtype=torch.long)
         self.total = 0
+        self.primary = primary_tokens if need_hessians else None
+        self.balance = balance_tokens
+        self._seen = 0  # rows observed, the pool's included
+        self.pool_counts = torch.zeros(e, dtype=torch.long)  # routed rows each expert took from the pool
         self.sample_tokens = sample_tokens
         self.x_samples: list[torch.Tensor] = []  # [t, H] all tokens (subsampled) for AWQ / fallbacks
         self.idx_samples: list[torch.Tensor] = []
@@ -108,7 +119,18 @@ class ExpertStats:
     def _observe(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor, routing: "moe.Routing",
                  h_all: bool, rows: int | None = None) -> None:
         """One batch's contribution, in batch order: token total, all-token Hessian, samples, counts, Grams.
-        `rows`: the batch's tokens when x holds only its first (sampled) rows (no Hessians then)."""
+        `rows`: the batch's tokens when x holds only its first (sampled) rows (no Hessians then). With a
+        top-up pool, the batch's rows past the calibration samples' go to `_top_up` instead."""
+        if self.primary is not None:
+            n = x.shape[0]
+            p = min(max(self.primary - self._seen, 0), n)
+            if p < n:
+                if p:  # a batch across the boundary: its calibration rows first (they advance _seen)
+                    self._observe(x[:p], idx[:p], wts[:p], moe.route(idx[:p], wts[:p], self.E), h_all)
+                self._seen += n - p
+                self._top_up(x[p:], idx[p:], wts[p:])
+                return
+            self._seen += n
         self.total += x.shape[0] if rows is None else rows
         if h_all:
             self.h_all += x.T @ x
@@ -187,6 +209,49 @@ class ExpertStats:
             self.h_gu[j] += torch.mm(xe.T, xe, out=g_gu)
             self.h_down[j] += torch.mm(hd.T, hd, out=g_down)
 
+    def _top_up(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> None:
+        """Rows of the top-up pool. While an expert has fewer than `balance` routed rows, each pool row counts
+        for it: the rows routed to it enter its Grams (on its owner) and its counts (on every rank), in
+        ascending token order, until the one that brings it to `balance`; under `stats: affinity` every row
+        up to that one enters them, weighted by its affinity as in `_add_grams`."""
+        if not self.balance:
+            return
+        routing = moe.route(idx, wts, self.E)
+        token, _ = routing.token_major()
+        b = routing.bounds
+        aff = moe.router_affinities(self.router, x, self.affinity_top_k) if self.router is not None else None
+        if aff is not None:
+            a_tok, a_w = aff.token_major()
+            ab = aff.bounds
+        slots = self.slot.tolist()
+        silu = moe._silu_in_place(self.experts.act_fn)
+        for e in range(self.E):
+            need = self.balance - int(self.counts[e])
+            if need <= 0:
+                continue
+            routed = token[b[e]:b[e + 1]]
+            rows_e, w_e = routed[:need], None
+            self.counts[e] += rows_e.numel()
+            self.pool_counts[e] += rows_e.numel()
+            if aff is not None:  # every row up to the one that completes it (the whole call if none does)
+                a_rows, a_wts = a_tok[ab[e]:ab[e + 1]], a_w[ab[e]:ab[e + 1]]
+                if routed.numel() >= need:
+                    keep = a_rows <= int(rows_e[-1])
+                    a_rows, a_wts = a_rows[keep], a_wts[keep]
+                rows_e, w_e = a_rows, a_wts
+                self.aff_counts[e] += rows_e.numel()
+            j = slots[e]
+            if j < 0 or rows_e.numel() == 0:
+                continue
+            xe = x.index_select(0, rows_e)
+            hd = self.down_inputs_one(e, xe, out=x.new_empty(rows_e.numel(), self.P), silu=silu)
+            if w_e is not None:
+                r = w_e.sqrt()[:, None]
+                xe.mul_(r)
+                hd.mul_(r)
+            self.h_gu[j] += xe.T @ xe
+            self.h_down[j] += hd.T @ hd
+
     def heldout_inputs(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's held-out rows (owned experts only): (gate/up inputs [m, H], down inputs [m, I] from the
         experts' weights as they are now, i.e. before they are quantized), in the order they were seen."""
@@ -236,7 +301,9 @@ class ExpertStats:
                                         own_routing[b].counts.cpu().tolist()) for b, r in mine.items()])
         counts = torch.tensor([c for lst in shapes for *_, c in lst], dtype=torch.long).reshape(-1, self.E).sum(0)
         total = sum(rows for lst in shapes for rows, *_ in lst)
-        need_all = self.need_h and (options is None or all_token_hessian_needed(options, counts, total))
+        # with a top-up pool the counts above hold the whole pool's rows, not what the top-up will take
+        need_all = self.need_h and (options is None or self.primary is not None
+                                    or all_token_hessian_needed(options, counts, total))
         self.h_all_skipped = self.need_h and not need_all
         shapes = [[t[:3] for t in lst] for lst in shapes]
         meta: dict[int, tuple[int, int, bool]] = {}

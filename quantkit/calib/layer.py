@@ -72,7 +72,7 @@ def _targets(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Module):
 
 
 def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], None] = lambda m: None,
-                   par=None) -> LayerResult:
+                   par=None, primary_tokens: int | None = None) -> LayerResult:
     """Calibrate and quantize decoder layer `step.index` in place (weights replaced by their dequantized
     values); returns what convert must write. The caller forwards the step afterwards (true-sequential).
 
@@ -80,7 +80,11 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
     statistics are reduced to their owners in batch order, each owner solves its dense modules and expert
     groups (AWQ: the per-expert searches split, rank 0 quantizes), the dequantized weights are broadcast to every rank, and the
     result (packed tensors, overrides, metadata) is gathered on rank 0 (other ranks return an empty one).
-    Every local phase runs under World.step, so that a failure on one rank stops every rank."""
+    Every local phase runs under World.step, so that a failure on one rank stops every rank.
+
+    `primary_tokens`: the step's inputs end with a top-up pool (GPTQOptions.balance_tokens) after this many
+    calibration tokens; only the routed experts' statistics read it, so no other module here may be
+    calibrated."""
     from .gptq_pass import expert_group_size, expert_owners, share_expert_weights
     from .hessians import reduce_linear_stats
 
@@ -91,6 +95,12 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
     if egroup is None and not dense:
         return res
     dist_par = par if par is not None and par.distributed else None
+    if primary_tokens is not None and (any(g.method != "rtn" or g.scheme.w4a4 for _, g in dense.values())
+                                       or (egroup is not None and egroup.method != "gptq")):
+        raise CalibrationError(f"decoder layer {idx}: the top-up pool of balance_tokens would reach modules other "
+                               f"than GPTQ's routed experts ({', '.join(list(dense)[:3]) or 'the experts'})",
+                               hint="target only routed experts with the balance_tokens group")
+
     def run(fn, what, phase):
         if par is not None:
             return par.step(fn, what, phase)
@@ -122,7 +132,9 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
                             par=dist_par, owned=owned,
                             holdout=egroup.options.holdout if egroup.method == "gptq" else 0,
                             router=router if egroup.options.stats == "affinity" else None,
-                            affinity_top_k=getattr(egroup.options, "affinity_top_k", None))
+                            affinity_top_k=getattr(egroup.options, "affinity_top_k", None),
+                            primary_tokens=primary_tokens if egroup.method == "gptq" else None,
+                            balance_tokens=getattr(egroup.options, "balance_tokens", None))
     lstats = {d: LinearStats(m, dist_par) for d, (m, g) in dense.items() if g.method != "rtn"}
     dense_owner = {d: (par.dense_owner(i) if par is not None else 0) for i, d in enumerate(dense)}
     # GPTQ of the routed experts alone changes nothing the layer computes before them: the statistics pass

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from .. import timeline
+from ..errors import CalibrationError
 from ..match.recipe import Recipe
 from ..write.writer import fsync_path, write_json_atomic, write_safetensors
 from .layer import quantize_layer, statistics_bytes
@@ -71,7 +72,7 @@ def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int
 def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: Callable[[int, int], None] | None = None,
                    log: Callable[[str], None] = lambda m: None, dtype: torch.dtype | None = None,
                    device: str | torch.device | None = None, available_bytes: int | None = None,
-                   world=None) -> dict | None:
+                   world=None, pool: int = 0) -> dict | None:
     """Quantize every calibrated group of `recipe` layer by layer; write the spool; return its index
     {"layers": [...], "modules": {module: meta}, "overrides": [names], "device": ..., "memory": {...}}.
 
@@ -89,7 +90,10 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
     ranks, one file per rank holding its own batches' samples, every one written before the record), then a
     progress record naming them. A pass that finds a consistent record in `spool` (under the same world
     size) continues at that layer with those activations, and ends with the same results as an
-    uninterrupted pass (the pass is deterministic)."""
+    uninterrupted pass (the pass is deterministic).
+
+    `pool`: the last `pool` samples are the top-up pool of GPTQOptions.balance_tokens (calib/data.py), forwarded
+    after every calibration sample; only the routed experts' statistics read them (calib/hessians.py)."""
     from ..dist import World
     from .executor import LayerExecutor
     from .parallel import Parallel
@@ -97,10 +101,25 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
     w = world if world is not None else World()
     spool = Path(spool)
     with timeline.phase("setup"):
-        return _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, available_bytes)
+        return _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, available_bytes, pool)
 
 
-def _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, available_bytes):
+def primary_tokens(lengths: list[int], pool: int, batch_tokens: int) -> int | None:
+    """The calibration samples' tokens when the last `pool` samples are a top-up pool (None: no pool), checked
+    to come first in the pass's batch order: the statistics tell the pool's rows by their running count."""
+    if not pool:
+        return None
+    from .activations import batch_plan
+
+    first = len(lengths) - pool
+    order = [i for chunk in batch_plan(lengths, batch_tokens) for i in chunk]
+    if any(i >= first for i in order[:first]):
+        raise CalibrationError("the top-up pool's samples do not come after every calibration sample in the "
+                               "pass's batch order (they must be full length)")
+    return sum(lengths[:first])
+
+
+def _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, available_bytes, pool=0):
     from .executor import LayerExecutor
     from .parallel import Parallel
 
@@ -110,6 +129,7 @@ def _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, avail
     lengths = [int(len(x)) for x in samples]
     ex.batch_tokens = pass_batch_tokens(ex.batch_tokens, lengths)
     par = Parallel(w, lengths, ex.batch_tokens)
+    primary = primary_tokens(lengths, pool, ex.batch_tokens)
     if par.distributed:
         ex.share = set(par.mine)
         ex.file_tag = f"-rank{par.rank}-of-{par.size}"
@@ -136,7 +156,8 @@ def _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, avail
     elif restored is not None:
         restored.close()
     for step in ex.layers(inputs, start=start):
-        r = quantize_layer(ckpt, recipe, step, log, **({"par": par} if par.distributed else {}))
+        r = quantize_layer(ckpt, recipe, step, log, **({"par": par} if par.distributed else {}),
+                           **({"primary_tokens": primary} if primary is not None else {}))
         # true-sequential: the next layer calibrates on this layer's quantized output
         par.step(step.forward, f"forwarding decoder layer {step.index}", "forward")
 

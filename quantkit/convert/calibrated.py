@@ -24,9 +24,10 @@ def calibration_data(src: Checkpoint, recipe: Recipe, dataset: str | None, num_s
 
     cal = recipe.calibration or CalibrationSpec()
     vocab = text_config(src.config)[0].get("vocab_size")
+    n = num_samples or cal.num_samples
     return load_calibration_data(dataset or cal.dataset, tokenizer=load_tokenizer(src.root),
                                  vocab_size=vocab if isinstance(vocab, int) else None,
-                                 num_samples=num_samples or cal.num_samples, seq_len=seq_len or cal.seq_len)
+                                 num_samples=n, seq_len=seq_len or cal.seq_len, pool_samples=recipe.balance_pool(n))
 
 
 def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log, device: str | None = None,
@@ -59,14 +60,15 @@ def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log,
             what += ["NVFP4 input scales"] if any(g.scheme.w4a4 for g in recipe.groups) else []
             log(f"calibrating {', '.join(what)} on "
                 f"{data.num_samples} samples x {data.seq_len} tokens, layer by layer"
+                + (f" (and a top-up pool of {data.pool} samples)" if data.pool else "")
                 + (f", over {w.size} ranks" if w.size > 1 else ""))
         if w.size == 1:
             index = run_calibrated(src.root, recipe, data.samples, spool_dir, log=log or (lambda m: None),
-                                   device=device)
+                                   device=device, pool=data.pool)
             write_json_atomic(done, index)
         else:
             index = run_calibrated(src.root, recipe, data.samples, spool_dir, log=log or (lambda m: None),
-                                   device=device, world=w)
+                                   device=device, world=w, pool=data.pool)
 
             def finish():
                 if w.leader:

@@ -302,7 +302,11 @@ class GPTQOptions(_Calibrated):
     the router's top-k (calib/hessians.py); the routed tokens held out stay out. `refit_scales` (symmetric
     INT4): after the sweep each row's group scales are the least-squares ones for its codes under the damped
     Hessian (quant/gptq.py refit_scales); `refine_sweeps` n (symmetric INT4): then n coordinate-descent sweeps
-    over the codes under those scales (quant/gptq.py refine_codes)."""
+    over the codes under those scales (quant/gptq.py refine_codes). `balance_tokens` n (routed experts): every
+    expert that the calibration samples route fewer than n tokens to is topped up from a pool of
+    `balance_pool` further samples of the same dataset (null: as many as the calibration's), forwarded
+    after them: the pool's tokens enter an expert's statistics, in order, until it has n routed tokens
+    (calib/hessians.py); nothing else sees the pool."""
 
     damp: float = 0.01
     actorder: bool = False
@@ -312,6 +316,8 @@ class GPTQOptions(_Calibrated):
     affinity_top_k: int | None = None
     refit_scales: bool = False  # symmetric INT4: each row's group scales refitted to its codes after the sweep
     refine_sweeps: int = 0  # symmetric INT4: coordinate-descent sweeps over the codes after the solve (0: none)
+    balance_tokens: int | None = None  # routed experts: top up every expert to this many routed tokens
+    balance_pool: int | None = None  # samples in the top-up pool (null: the calibration's num_samples)
 
     def __post_init__(self):
         super().__post_init__()
@@ -321,6 +327,8 @@ class GPTQOptions(_Calibrated):
             raise RecipeError(f"options.observer must be minmax or mse, got {self.observer!r}")
         if self.holdout < 0 or self.holdout == 1:
             raise RecipeError(f"options.holdout must be 0 (off) or at least 2, got {self.holdout!r}")
+        if self.balance_pool is not None and self.balance_tokens is None:
+            raise RecipeError("options.balance_pool sizes the pool of balance_tokens, which is not set")
         if self.affinity_top_k is not None and self.stats != "affinity":
             raise RecipeError(f"options.affinity_top_k applies to stats: affinity (stats is {self.stats!r})")
 
@@ -342,7 +350,8 @@ class AWQOptions(_Calibrated):
 
 
 OPTIONS = {"rtn": RTNOptions, "gptq": GPTQOptions, "awq": AWQOptions}
-_POSITIVE = ("block_size", "sample_tokens", "n_grid", "grid_stride", "min_tokens", "affinity_top_k")
+_POSITIVE = ("block_size", "sample_tokens", "n_grid", "grid_stride", "min_tokens", "affinity_top_k", "balance_tokens",
+             "balance_pool")
 
 
 def parse_options(method: str, raw: dict, where: str):
@@ -432,6 +441,12 @@ class Recipe:
         """Some group quantizes with calibration data (GPTQ/AWQ), or needs calibrated input scales (NVFP4
         W4A4, whatever its method), layer by layer before streaming."""
         return any(g.method != "rtn" or g.scheme.w4a4 for g in self.groups)
+
+    def balance_pool(self, num_samples: int) -> int:
+        """Samples of the top-up pool the calibrated pass forwards after `num_samples` calibration samples
+        (GPTQOptions.balance_tokens; 0: none)."""
+        return max((g.options.balance_pool or num_samples for g in self.groups
+                    if g.method == "gptq" and g.options.balance_tokens is not None), default=0)
 
     @property
     def needs_calibration(self) -> bool:
@@ -562,6 +577,13 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
                                   method, opts))
     if not groups and not d.get("kv_cache"):
         raise RecipeError("recipe has no groups and no kv_cache section: it would do nothing")
+    balanced = [g.name for g in groups if g.method == "gptq" and g.options.balance_tokens is not None]
+    others = [g.name for g in groups if g.name not in balanced and (g.method != "rtn" or g.scheme.w4a4)]
+    if balanced and (others or len(balanced) > 1 or any(g.scheme.w4a4 for g in groups)):
+        raise RecipeError(f"groups.{balanced[0]}.options.balance_tokens: the top-up pool is forwarded through "
+                          f"every layer, and only one GPTQ group of routed experts may read it (calibrated "
+                          f"here too: {', '.join(n for n in others + balanced[1:]) or 'W4A4 input scales'})",
+                          hint="quantize the other groups with RTN, or drop balance_tokens")
     kv = d.get("kv_cache")
     if kv is not None:
         _check_keys("kv_cache", kv, {"strategy"})
