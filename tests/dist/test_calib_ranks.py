@@ -182,6 +182,23 @@ def test_affinity_statistics_split_byte_identical(src, reference, tmp_path_facto
     assert b'"affinity_tokens"' in got["quantkit_manifest.json"]
 
 
+def test_balance_top_up_byte_identical(src, reference, tmp_path_factory, tmp_path):
+    """GPTQ with `balance_tokens`: the top-up pool's batches are replayed in batch order after the calibration
+    samples' on every rank, so each owner tops up its experts from the same rows, and 2 ranks write the
+    single process's bytes."""
+    import quantkit
+
+    text = (Path(quantkit.__file__).parent / "data" / "recipes" / "int4-experts-gptq.yaml").read_text()
+    recipe = tmp_path_factory.mktemp("recipe") / "balance.yaml"
+    recipe.write_text(text.replace("      block_size: 128\n", "      block_size: 128\n      balance_tokens: 64\n"))
+    out = tmp_path / "q"
+    p = _convert(2, src, out, recipe)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = _files(out)
+    assert got == reference(recipe)
+    assert b'"pool_tokens"' in got["quantkit_manifest.json"] and b'"pool_samples": 8' in got["quantkit_manifest.json"]
+
+
 @pytest.mark.parametrize("recipe,ranks", [("nvfp4a4-experts", 2), ("kimi-k2-nvfp4a4", 3)])
 def test_w4a4_input_scales_byte_identical(src, reference, tmp_path, recipe, ranks):
     """NVFP4 W4A4: each rank observes its batches' expert input amax, the maxima and token counts are gathered
