@@ -195,6 +195,7 @@ class CalibrationCost:
     dtype: str
     layers: int
     calibrated_layers: int
+    pool_samples: int = 0  # GPTQ's balance_tokens: top-up samples forwarded after the calibration samples
     seconds: dict[str, float] = field(default_factory=dict)  # by component, summed over layers and passes
     total_seconds: float = 0.0
     convert_output_seconds: float = 0.0  # after the pass: streaming the source and writing the output
@@ -214,6 +215,7 @@ class CalibrationCost:
         return {
             "calibrated": self.calibrated, "recipe": self.recipe, "methods": list(self.methods),
             "num_samples": self.num_samples, "seq_len": self.seq_len, "world_size": self.world_size,
+            "pool_samples": self.pool_samples,
             "device": self.device, "dtype": self.dtype, "layers": self.layers,
             "calibrated_layers": self.calibrated_layers,
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
@@ -655,7 +657,8 @@ class _PassContext:
     hidden: int
     num_samples: int
     seq_len: int
-    gq: object  # the pass's batches over the ranks (_pass_batches)
+    gq: object  # the pass's batches over the ranks (_pass_batches), the top-up pool's included
+    stats_batches: list[int] = field(default_factory=list)  # tokens per batch of the calibration samples alone
 
 
 def _bytes_per_layer(ckpt, num_layers: int) -> dict[int, list[int]]:
@@ -735,7 +738,8 @@ def _pass_row(row: dict, comm: dict, ctx: _PassContext, idx: int, layer, s, pack
         owned = min(s.experts, math.ceil(groups / g) * group)  # the busiest rank's experts
         o = egroup.options
         per_token = (o.affinity_top_k or s.experts) if o.stats == "affinity" else None
-        row["hessians"] += _hessians(c, s, gq.all_batches, owned, hidden, per_token)
+        # the Grams of the calibration samples (a top-up pool adds a few rows per starved expert: not counted)
+        row["hessians"] += _hessians(c, s, ctx.stats_batches or gq.all_batches, owned, hidden, per_token)
         sweep = [_sweep_experts(kk, nn, group, kind) for nn, kk in ((s.p, s.h), (s.h, s.i))]
         ch, sw = _gptq_solves(c, [(owned, s.p, s.h, sweep[0]), (owned, s.h, s.i, sweep[1])],
                               egroup.options.block_size, egroup.options.refit_scales, egroup.options.refine_sweeps)
@@ -854,7 +858,9 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     item = torch.empty((), dtype=ex.dtype).element_size()
     g = world_size
     lengths = [seq_len] * num_samples
-    gq = _pass_batches(ex, lengths, g)  # the GPTQ/AWQ pass: fixed forward batches over the ranks
+    pool = rec.balance_pool(num_samples)  # GPTQ's balance_tokens: the top-up pool is forwarded too
+    gq = _pass_batches(ex, [seq_len] * (num_samples + pool), g)  # the GPTQ/AWQ pass: fixed forward batches
+    out.pool_samples = pool
     kvb = _kv_batches(ex, lengths, g)  # KV calibration: the executor's batches over the ranks
     out.layers = ex.num_layers
     available = int(gpu_memory_gib * GIB) if (gpu_memory_gib and kind == "cuda") else None
@@ -873,11 +879,12 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     passes_gq = rec.needs_calibrated_pass
     passes_kv = rec.kv_cache is not None
     hidden = ex.hidden_size
-    emb_rows = num_samples * seq_len
+    emb_rows = (num_samples + pool) * seq_len
     fixed = (c.startup_s + c.setup_s * (int(passes_gq) + int(passes_kv))
              + emb_rows * hidden * 4 / c.mem_bytes_per_s)
     secs["fixed"] += fixed
-    ctx = _PassContext(c, ex, ckpt, rec, kind, g, item, hidden, num_samples, seq_len, gq)
+    ctx = _PassContext(c, ex, ckpt, rec, kind, g, item, hidden, num_samples, seq_len, gq,
+                       _pass_batches(ex, lengths, g).all_batches if pool else [])
     for idx in range(ex.num_layers):
         layer = ex.decoder_layers[idx]
         sb, nt, eb = per_layer_bytes.get(idx, [0, 0, 0])

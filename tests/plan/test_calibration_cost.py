@@ -309,6 +309,21 @@ def test_refine_sweeps_cost_is_the_solves_own(tmp_path):
     assert solve[1] - solve[0] - sweep == pytest.approx(start, rel=1e-6)
 
 
+def test_balance_pool_is_forwarded_not_summed(tmp_path):
+    """`balance_tokens`: the top-up pool (balance_pool samples, or N) goes through every layer's forward and
+    the spool as calibration samples do; the statistics and the solves stay the N samples'."""
+    cost = _gptq_cost_with(tmp_path)
+    plain, pool, same = cost(""), cost("      balance_tokens: 64\n      balance_pool: 8\n"), \
+        cost("      balance_tokens: 64\n")
+    assert plain.to_json()["pool_samples"] == 0 and pool.to_json()["pool_samples"] == 8
+    assert same.pool_samples == 8  # N = 8 samples
+    assert pool.seconds["forward"] > 1.2 * plain.seconds["forward"]  # twice the tokens, in larger batches
+    assert pool.seconds["write_spool"] > plain.seconds["write_spool"]
+    for k in ("hessians", "gptq_solve"):
+        assert pool.seconds[k] == plain.seconds[k], k
+    assert cost("      balance_tokens: 64\n      balance_pool: 2\n").seconds["forward"] < pool.seconds["forward"]
+
+
 def test_a_fresh_process_pays_startup_once(tmp_path):
     """`startup_s` (a fresh process's first executor) is counted once in `fixed`, for GPTQ and for KV scales, on
     one rank and on several (they start in parallel); a table without it (from_json of an older row) has 0."""
