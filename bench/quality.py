@@ -62,7 +62,9 @@ def recipe_yaml(method: str, group: int | str) -> str:
     error), "aff" (GPTQ: `stats: affinity`, every token in every expert's Hessian weighted by the router's
     affinity), "affN" (the same over the router's top-N experts per token), "refit" (GPTQ, INT4:
     `refit_scales: true`, each row's group scales refitted to its codes) or "cdN" (GPTQ, INT4:
-    `refine_sweeps: N`, N coordinate-descent sweeps over the codes; "cd": one): e.g. gptq-mse-aff-refit-cd2."""
+    `refine_sweeps: N`, N coordinate-descent sweeps over the codes; "cd": one), "dampX" (GPTQ: `damp: X`),
+    "hoN" (GPTQ: `holdout: N`), "noact" (GPTQ: `actorder: false`), "balN" / "poolM" (GPTQ: `balance_tokens: N`,
+    `balance_pool: M`; the pool comes from the rows `--calib-extra` adds): e.g. gptq-mse-aff-refit-cd2."""
     base, *mods = method.split("-")
     gptq = {"damp": "0.01", "actorder": "true", "block_size": "128"}
     opts = {"gptq": gptq, "awq": {"n_grid": "20"}, "rtn": {}}[base]
@@ -74,6 +76,16 @@ def recipe_yaml(method: str, group: int | str) -> str:
             search = "mse"
         elif m == "refit" and base == "gptq":
             opts["refit_scales"] = "true"
+        elif m.startswith("damp") and base == "gptq":
+            opts["damp"] = m[4:]
+        elif m.startswith("ho") and m[2:].isdigit() and base == "gptq":
+            opts["holdout"] = m[2:]
+        elif m == "noact" and base == "gptq":
+            opts["actorder"] = "false"
+        elif m.startswith("bal") and m[3:].isdigit() and base == "gptq":
+            opts["balance_tokens"] = m[3:]
+        elif m.startswith("pool") and m[4:].isdigit() and base == "gptq":
+            opts["balance_pool"] = m[4:]
         elif m.startswith("cd") and base == "gptq":
             opts["refine_sweeps"] = m[2:] or "1"
         elif m.startswith("aff") and base == "gptq" and (m == "aff" or m[3:].isdigit()):
@@ -284,7 +296,9 @@ def run_fixture(name: str, a, work: Path) -> dict:
     src = Path(fx["model_dir"])
     train, held = torch.load(fx["train_tokens"]), torch.load(fx["heldout_tokens"])
     eval_ids = heldout_windows(held, a.seq_len, a.eval_windows, seed=1)
-    calib_ids = windows(train, a.seq_len, a.num_samples, seed=a.calib_seed)
+    # --calib-extra: the file holds more windows than the samples; convert then draws its num_samples (and
+    # a balance_tokens pool) from them, so every quantkit row of the run shares those samples
+    calib_ids = windows(train, a.seq_len, a.num_samples + a.calib_extra, seed=a.calib_seed)
     work = work / name
     work.mkdir(parents=True)
     calib_file = work / "calib.jsonl"
@@ -369,6 +383,9 @@ def main():
     ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--calib-seed", type=int, default=2, help="seed of the calibration windows")
+    ap.add_argument("--calib-extra", type=int, default=0,
+                    help="windows in the calibration file besides --num-samples (a balance_tokens pool's source; "
+                         "quantkit then draws its samples from all of them; not with peers)")
     ap.add_argument("--eval-windows", type=int, default=2048,
                     help="non-overlapping held-out windows to evaluate on (0: the whole held-out split)")
     ap.add_argument("--peer-python", default=None, help="python of a venv with llmcompressor (and auto-round)")
@@ -379,6 +396,8 @@ def main():
                     help="also these FP4 formats (RTN and GPTQ), beside the INT4 groups; with --peer-python, "
                          "llm-compressor's NVFP4 too")
     a = ap.parse_args()
+    if a.calib_extra and a.peer_python:
+        ap.error("--calib-extra gives quantkit a larger file to draw from: the peers would read all of it")
 
     work = Path(tempfile.mkdtemp(prefix="qk-quality-"))
     per = {name: run_fixture(name, a, work) for name in a.fixtures}
