@@ -176,6 +176,9 @@ def test_balance_options_and_what_may_read_the_pool(tmp_path):
             recipe("gptq", balance_tokens=bad)
     with pytest.raises(RecipeError, match="balance_pool"):
         recipe("gptq", balance_pool=8)
+    for bad in (0, -3, '"8"', "false", 2.5):
+        with pytest.raises(RecipeError, match="balance_pool"):
+            recipe("gptq", balance_tokens=8, balance_pool=bad)
     with pytest.raises(RecipeError, match="balance_tokens"):
         recipe("awq", balance_tokens=8)
     two = (f"groups:\n  experts:\n    targets: {TARGETS}\n    method: gptq\n    scheme: {{group_size: 32}}\n"
