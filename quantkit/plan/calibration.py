@@ -737,7 +737,7 @@ def _pass_row(row: dict, comm: dict, ctx: _PassContext, idx: int, layer, s, pack
         groups = math.ceil(s.experts / group)
         owned = min(s.experts, math.ceil(groups / g) * group)  # the busiest rank's experts
         o = egroup.options
-        per_token = (o.affinity_top_k or s.experts) if o.stats == "affinity" else None
+        per_token = min(o.affinity_top_k or s.experts, s.experts) if o.stats == "affinity" else None
         # the Grams of the calibration samples (a top-up pool adds a few rows per starved expert: not counted)
         row["hessians"] += _hessians(c, s, ctx.stats_batches or gq.all_batches, owned, hidden, per_token)
         sweep = [_sweep_experts(kk, nn, group, kind) for nn, kk in ((s.p, s.h), (s.h, s.i))]

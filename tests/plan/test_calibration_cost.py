@@ -272,6 +272,8 @@ def test_affinity_statistics_cost_grows_with_the_experts_each_token_feeds(tmp_pa
     plain, top4, every = cost(""), cost("      stats: affinity\n      affinity_top_k: 4\n"), \
         cost("      stats: affinity\n")
     assert plain.seconds["hessians"] < top4.seconds["hessians"] < every.seconds["hessians"]
+    more = cost("      stats: affinity\n      affinity_top_k: 16\n")  # more than the 8 experts there are
+    assert more.seconds["hessians"] == every.seconds["hessians"]
     for k in ("forward", "gptq_solve"):
         assert plain.seconds[k] == top4.seconds[k] == every.seconds[k], k
 
