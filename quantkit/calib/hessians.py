@@ -178,11 +178,7 @@ class ExpertStats:
         rows = max(t - s for _, s, t, _ in todo)
         if aff is not None:
             rows = max(rows, max(ab[e + 1] - ab[e] for e, *_ in todo))
-        ws_x = x.new_empty(rows, self.H)
-        ws_gu = x.new_empty(rows, self.P)
-        g_gu = x.new_empty(self.H, self.H)
-        g_down = x.new_empty(self.I, self.I)
-        silu = moe._silu_in_place(self.experts.act_fn)
+        bufs = self._gram_buffers(x, rows)
         k = self.holdout
         for e, s, t, j in todo:
             rows_e, held_rows, w_e = token[s:t], None, None
@@ -197,17 +193,29 @@ class ExpertStats:
                 if held_rows is not None:
                     keep = ~torch.isin(rows_e, held_rows)
                     rows_e, w_e = rows_e[keep], w_e[keep]
-            if rows_e.numel() == 0:
-                continue
-            xe = ws_x[:rows_e.numel()]
-            torch.index_select(x, 0, rows_e, out=xe)  # [n, H]
-            hd = self.down_inputs_one(e, xe, out=ws_gu[:rows_e.numel()], silu=silu)
-            if w_e is not None:
-                r = w_e.sqrt()[:, None]
-                xe.mul_(r)
-                hd.mul_(r)
-            self.h_gu[j] += torch.mm(xe.T, xe, out=g_gu)
-            self.h_down[j] += torch.mm(hd.T, hd, out=g_down)
+            if rows_e.numel():
+                self._add_rows(e, j, x, rows_e, w_e, bufs)
+
+    def _gram_buffers(self, x: torch.Tensor, rows: int) -> tuple:
+        """Buffers for `_add_rows` of up to `rows` rows of x: gathered rows, gate/up products, both Grams, and
+        whether act_fn is SiLU (run in place)."""
+        return (x.new_empty(rows, self.H), x.new_empty(rows, self.P), x.new_empty(self.H, self.H),
+                x.new_empty(self.I, self.I), moe._silu_in_place(self.experts.act_fn))
+
+    def _add_rows(self, e: int, j: int, x: torch.Tensor, rows_e: torch.Tensor, w_e: torch.Tensor | None,
+                  bufs: tuple) -> None:
+        """h_gu[j] += X^T X and h_down[j] += D^T D for expert e's rows `rows_e` of x (X [n, H], D its down
+        inputs), each row scaled by the square root of its weight in `w_e` (None: 1) after D is computed."""
+        ws_x, ws_gu, g_gu, g_down, silu = bufs
+        xe = ws_x[:rows_e.numel()]
+        torch.index_select(x, 0, rows_e, out=xe)  # [n, H]
+        hd = self.down_inputs_one(e, xe, out=ws_gu[:rows_e.numel()], silu=silu)
+        if w_e is not None:
+            r = w_e.sqrt()[:, None]
+            xe.mul_(r)
+            hd.mul_(r)
+        self.h_gu[j] += torch.mm(xe.T, xe, out=g_gu)
+        self.h_down[j] += torch.mm(hd.T, hd, out=g_down)
 
     def _top_up(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> None:
         """Rows of the top-up pool. While an expert has fewer than `balance` routed rows, each pool row counts
@@ -224,7 +232,7 @@ class ExpertStats:
             a_tok, a_w = aff.token_major()
             ab = aff.bounds
         slots = self.slot.tolist()
-        silu = moe._silu_in_place(self.experts.act_fn)
+        bufs = self._gram_buffers(x, x.shape[0])
         for e in range(self.E):
             need = self.balance - int(self.counts[e])
             if need <= 0:
@@ -240,17 +248,8 @@ class ExpertStats:
                     a_rows, a_wts = a_rows[keep], a_wts[keep]
                 rows_e, w_e = a_rows, a_wts
                 self.aff_counts[e] += rows_e.numel()
-            j = slots[e]
-            if j < 0 or rows_e.numel() == 0:
-                continue
-            xe = x.index_select(0, rows_e)
-            hd = self.down_inputs_one(e, xe, out=x.new_empty(rows_e.numel(), self.P), silu=silu)
-            if w_e is not None:
-                r = w_e.sqrt()[:, None]
-                xe.mul_(r)
-                hd.mul_(r)
-            self.h_gu[j] += xe.T @ xe
-            self.h_down[j] += hd.T @ hd
+            if slots[e] >= 0 and rows_e.numel():
+                self._add_rows(e, slots[e], x, rows_e, w_e, bufs)
 
     def heldout_inputs(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's held-out rows (owned experts only): (gate/up inputs [m, H], down inputs [m, I] from the

@@ -658,7 +658,7 @@ class _PassContext:
     num_samples: int
     seq_len: int
     gq: object  # the pass's batches over the ranks (_pass_batches), the top-up pool's included
-    stats_batches: list[int] = field(default_factory=list)  # tokens per batch of the calibration samples alone
+    stats_batches: list[int]  # tokens per batch of the calibration samples alone (no top-up pool)
 
 
 def _bytes_per_layer(ckpt, num_layers: int) -> dict[int, list[int]]:
@@ -739,7 +739,7 @@ def _pass_row(row: dict, comm: dict, ctx: _PassContext, idx: int, layer, s, pack
         o = egroup.options
         per_token = min(o.affinity_top_k or s.experts, s.experts) if o.stats == "affinity" else None
         # the Grams of the calibration samples (a top-up pool adds a few rows per starved expert: not counted)
-        row["hessians"] += _hessians(c, s, ctx.stats_batches or gq.all_batches, owned, hidden, per_token)
+        row["hessians"] += _hessians(c, s, ctx.stats_batches, owned, hidden, per_token)
         sweep = [_sweep_experts(kk, nn, group, kind) for nn, kk in ((s.p, s.h), (s.h, s.i))]
         ch, sw = _gptq_solves(c, [(owned, s.p, s.h, sweep[0]), (owned, s.h, s.i, sweep[1])],
                               egroup.options.block_size, egroup.options.refit_scales, egroup.options.refine_sweeps)
@@ -884,7 +884,7 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
              + emb_rows * hidden * 4 / c.mem_bytes_per_s)
     secs["fixed"] += fixed
     ctx = _PassContext(c, ex, ckpt, rec, kind, g, item, hidden, num_samples, seq_len, gq,
-                       _pass_batches(ex, lengths, g).all_batches if pool else [])
+                       _pass_batches(ex, lengths, g).all_batches if pool else gq.all_batches)
     for idx in range(ex.num_layers):
         layer = ex.decoder_layers[idx]
         sb, nt, eb = per_layer_bytes.get(idx, [0, 0, 0])
