@@ -21,6 +21,8 @@ class LayerResult:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # final output tensors (packed)
     overrides: dict[str, torch.Tensor] = field(default_factory=dict)  # replaced source tensors
     modules: dict[str, dict] = field(default_factory=dict)  # module -> manifest metadata
+    # module -> {"input_scale": meta} (NVFP4 W4A4), added to `modules` after every rank's entries (spool.py)
+    input_scales: dict[str, dict] = field(default_factory=dict)
 
 
 def source_dtype(ckpt: Checkpoint, name: str) -> torch.dtype:
@@ -61,7 +63,7 @@ def _input_scale_meta(amax: float, tokens: int, source: str) -> dict:
 
 def _add_input_scale(res: LayerResult, module: str, scale: torch.Tensor, meta: dict) -> None:
     res.tensors[Tensor.INPUT_GLOBAL_SCALE.of(module)] = scale.detach().float().reshape(1).clone()
-    res.modules.setdefault(module, {})["input_scale"] = meta
+    res.input_scales.setdefault(module, {})["input_scale"] = meta
 
 
 def emit_expert_input_scales(res: LayerResult, names, obs, layer_idx: int) -> None:

@@ -366,6 +366,7 @@ def share_expert_weights(experts, group: int, par) -> None:
         return
     E = experts.gate_up_proj.shape[0]
     owner = expert_owners(E, group, par)
-    for param in (experts.gate_up_proj, experts.down_proj):
-        for i0 in range(0, E, group):
-            par.broadcast_(param.data[i0:min(E, i0 + group)], owner[i0])
+    waits = [par.broadcast_async(param.data[i0:min(E, i0 + group)], owner[i0])
+             for param in (experts.gate_up_proj, experts.down_proj) for i0 in range(0, E, group)]
+    for wait in waits:  # posted at once: every rank sends its groups while it receives the others'
+        wait()

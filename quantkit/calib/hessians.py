@@ -310,17 +310,29 @@ class ExpertStats:
             meta.update(zip([b for b, o in enumerate(par.owner) if o == rank], lst))
         dev = self.device
         h_all_owner = par.size - 1 if h_all_owner is None else h_all_owner
+
+        def post(b: int):
+            """Batch b's routing and inputs from the rank that forwarded it: (x, idx, wts, waits). With
+            Hessians every row travels, known before the replay, so the next batch's broadcasts are posted
+            while this one's Grams are computed; otherwise the rows depend on the samples taken so far."""
+            rows, k, _ = meta[b]
+            src, rec = par.owner[b], mine.get(b)
+            n_x = rows if self.need_h else min(max(self.sample_tokens - self._n_samples, 0), rows)
+            x = rec[0] if rec is not None else torch.empty(rows, self.H, device=dev)
+            idx = rec[1] if rec is not None else torch.empty(rows, k, dtype=torch.long, device=dev)
+            wts = rec[2] if rec is not None else torch.empty(rows, k, device=dev)
+            return x, idx, wts, [par.broadcast_async(t, src) for t in (idx, wts, x[:n_x])]
+
+        ahead = post(0) if self.need_h and par.plan else None
         for b in range(len(par.plan)):
             rows, k, has_y = meta[b]
             src, rec = par.owner[b], mine.get(b)
             take = min(max(self.sample_tokens - self._n_samples, 0), rows)
             n_x = rows if self.need_h else take
-            x = rec[0] if rec is not None else torch.empty(rows, self.H, device=dev)
-            idx = rec[1] if rec is not None else torch.empty(rows, k, dtype=torch.long, device=dev)
-            wts = rec[2] if rec is not None else torch.empty(rows, k, device=dev)
-            par.broadcast_(idx, src)
-            par.broadcast_(wts, src)
-            par.broadcast_(x[:n_x], src)
+            x, idx, wts, waits = ahead if ahead is not None else post(b)
+            ahead = post(b + 1) if self.need_h and b + 1 < len(par.plan) else None
+            for wait in waits:
+                wait()
             if has_y and take:
                 y = rec[3] if rec is not None else torch.empty(rows, self.H, device=dev)
                 par.broadcast_(y[:take], src)

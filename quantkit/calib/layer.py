@@ -78,8 +78,9 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
 
     `par` (calib/parallel.py; None: one process): the statistics forward runs this rank's batches, the
     statistics are reduced to their owners in batch order, each owner solves its dense modules and expert
-    groups (AWQ: the per-expert searches split, rank 0 quantizes), the dequantized weights are broadcast to every rank, and the
-    result (packed tensors, overrides, metadata) is gathered on rank 0 (other ranks return an empty one).
+    groups (AWQ: the per-expert searches split, rank 0 quantizes), the dequantized weights are broadcast to every rank, and
+    each rank returns its own part of the result (the packed tensors, overrides and metadata of what it solved;
+    rank 0 also the input scales), which it writes to the spool itself.
     Every local phase runs under World.step, so that a failure on one rank stops every rank.
 
     `primary_tokens`: the step's inputs end with a top-up pool (GPTQOptions.balance_tokens) after this many
@@ -197,26 +198,12 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
                 if dist_par is not None:  # AWQ changed the norm, the router, the shared and routed experts
                     for _, p in sorted(layer.named_parameters()):
                         dist_par.broadcast_(p.data, 0)
-    if dist_par is not None:
-        res = _gather_result(dist_par, res)
     if rank == 0:  # the input scales are the same on every rank (reduced above): rank 0 records them
         if act_amax is not None:
             emit_expert_input_scales(res, names, act_amax, idx)
         for disk, obs in dense_amax.items():
             emit_input_scale(res, disk, obs.amax, obs.tokens)
     return res
-
-
-def _gather_result(par, res: LayerResult) -> LayerResult:
-    """Every rank's part of the layer's result on rank 0, merged in rank order (an empty result elsewhere)."""
-    tensors = {**{"t:" + k: v for k, v in res.tensors.items()}, **{"o:" + k: v for k, v in res.overrides.items()}}
-    parts = par.gather_to_leader(tensors, res.modules)
-    out = LayerResult()
-    for got, modules in parts:
-        for k, v in got.items():
-            (out.tensors if k.startswith("t:") else out.overrides)[k[2:]] = v
-        out.modules.update(modules)
-    return out
 
 
 # ---- device memory of a layer's statistics and solves (calib/device.py plans with it) ------------------

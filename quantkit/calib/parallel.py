@@ -16,7 +16,7 @@ whatever the number of ranks.
 - **Ownership.** Experts are solved in fixed groups (`gptq_pass.expert_group_size`: depends on the layer's
   shapes, never on the world size); group g belongs to rank g % world. Dense targets: the i-th belongs to
   rank i % world. Each owner solves its own, then broadcasts the dequantized weights (every rank needs the
-  quantized layer for the next forward) and sends the packed results to rank 0, which writes the spool.
+  quantized layer for the next forward) and writes its packed results to the spool itself (calib/spool.py).
 
 Tensors travel as raw bytes with torch.distributed's tensor collectives (broadcast, send/recv) on the
 backend's device (`Parallel.device`: the rank's GPU under NCCL, the host under gloo; a tensor elsewhere is
@@ -53,13 +53,6 @@ def assign_batches(tokens: Sequence[int], size: int) -> list[int]:
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a contiguous tensor's storage (any dtype travels the same way)."""
     return t.reshape(-1).view(torch.uint8)
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dt
 
 
 class Parallel:
@@ -117,6 +110,28 @@ class Parallel:
             t.copy_(buf)
         return t
 
+    def broadcast_async(self, t: torch.Tensor, src: int) -> Callable[[], torch.Tensor]:
+        """`broadcast_` posted without waiting: the transfer runs on the backend's threads while this rank
+        computes. Returns `wait()`, which completes it (its blocking time counted as "exchange") and gives `t`.
+        Every rank posts the same broadcasts in the same order; `t` must not be read (receivers) or written
+        (the source) before `wait()` returns."""
+        if not self.distributed or t.numel() == 0:
+            return lambda: t
+        import torch.distributed as dist
+
+        buf = t if t.is_contiguous() and t.device == self.device else t.to(self.device).contiguous()
+        with timeline.phase("exchange"):
+            work = dist.broadcast(_bytes(buf), src=src, async_op=True)
+
+        def wait() -> torch.Tensor:
+            with timeline.phase("exchange"):
+                work.wait()
+            if buf is not t:
+                t.copy_(buf)
+            return t
+
+        return wait
+
     def sum_in_batch_order(self, keys: Sequence[tuple[object, int, tuple[int, ...]]],
                            parts: dict[tuple[object, int], torch.Tensor]) -> dict[object, torch.Tensor]:
         """For each (key, owner rank, shape): on the owner, the float32 sum of every batch's partial
@@ -149,40 +164,4 @@ class Parallel:
                 out[key] = acc
         for h, _ in pending:
             h.wait()
-        return out
-
-    def gather_to_leader(self, tensors: dict[str, torch.Tensor], meta) -> list[tuple[dict[str, torch.Tensor], object]]:
-        """Every rank's (tensors, meta) on rank 0, in rank order (other ranks get []): the names, dtypes and
-        shapes (and `meta`, small and JSON-like) through an object collective, the tensors as one byte
-        buffer per rank through send/recv."""
-        if not self.distributed:
-            return [(tensors, meta)]
-        with timeline.phase("exchange"):
-            return self._gather_to_leader(tensors, meta)
-
-    def _gather_to_leader(self, tensors, meta):
-        import torch.distributed as dist
-
-        items = [(n, str(t.dtype), list(t.shape)) for n, t in tensors.items()]
-        everyone = self.world.all_gather((items, meta))
-        if not self.leader:
-            if tensors:
-                flat = torch.cat([_bytes(t.detach().to(self.device).contiguous()) for t in tensors.values()])
-                dist.send(flat, 0)
-            return []
-        out = [(tensors, meta)]
-        for r in range(1, self.size):
-            items_r, meta_r = everyone[r]
-            got: dict[str, torch.Tensor] = {}
-            if items_r:
-                shapes = [(n, _dtype(d), tuple(s)) for n, d, s in items_r]
-                sizes = [int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for _, d, s in shapes]
-                flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-                dist.recv(flat, r)
-                flat = flat.cpu()
-                pos = 0
-                for (n, d, s), k in zip(shapes, sizes):
-                    got[n] = flat[pos:pos + k].clone().view(d).reshape(s)
-                    pos += k
-            out.append((got, meta_r))
         return out

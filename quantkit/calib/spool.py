@@ -1,6 +1,7 @@
 """The calibrated pass over the whole model, layer by layer, into a spool directory that `convert` reads.
 
-Results go to the spool, one safetensors file + one JSON file per layer:
+Results go to the spool, one safetensors file + one JSON file per layer (under torchrun, per layer and rank: each
+rank writes what it solved, `layer_name`):
 - packed tensors under their final output names (`<module>.weight_packed`, `.weight_scale`, ...),
 - overrides: source tensors whose values changed (AWQ folds its scales into the post-attention norm, the
   router and the shared experts), stored in the source dtype under the source name,
@@ -24,6 +25,7 @@ from ..write.writer import fsync_path, write_json_atomic, write_safetensors
 from .layer import quantize_layer, statistics_bytes
 
 PROGRESS_NAME = "progress.json"  # in the spool: how far an interrupted pass got
+LAYER_FILE = r"layer-\d{5}(-rank\d+-of-\d+)?"  # layer_name's stems
 
 # The calibrated pass cuts the samples into at least this many forward batches when they allow it (whole
 # samples per batch; fewer tokens per call than the executor's default when needed): the batches are the
@@ -38,6 +40,11 @@ def pass_batch_tokens(batch_tokens: int, lengths: list[int]) -> int:
         return batch_tokens
     cap = max(max(lengths), -(-sum(lengths) // MIN_BATCHES))
     return max(1, min(int(batch_tokens), cap))
+
+
+def layer_name(layer: int, rank: int = 0, size: int = 1) -> str:
+    """The spool files' stem of layer `layer`'s results solved by rank `rank` of a world of `size`."""
+    return f"layer-{layer:05d}" if size == 1 else f"layer-{layer:05d}-rank{rank}-of-{size}"
 
 
 def activations_name(layer: int, rank: int = 0, size: int = 1) -> str:
@@ -60,8 +67,8 @@ def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int
               and name == activations_name(nxt, 0, size)
               and (spool / activations_name(nxt, rank, size)).is_file()
               and isinstance(index["modules"], dict) and isinstance(index["overrides"], list)
-              and isinstance(layers, list) and all(isinstance(n, str) and re.fullmatch(r"layer-\d{5}", n)
-                                                   and int(n[6:]) < nxt for n in layers)
+              and isinstance(layers, list) and all(isinstance(n, str) and re.fullmatch(LAYER_FILE, n)
+                                                   and int(n[6:11]) < nxt for n in layers)
               and all((spool / f"{n}.json").is_file() and (spool / f"{n}.safetensors").is_file() for n in layers))
         act = spool / activations_name(nxt, rank, size)
     except (OSError, ValueError, KeyError, TypeError):
@@ -161,22 +168,30 @@ def _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, avail
         # true-sequential: the next layer calibrates on this layer's quantized output
         par.step(step.forward, f"forwarding decoder layer {step.index}", "forward")
 
-        def write_layer():
-            if not par.leader or not (r.tensors or r.overrides):
-                return
-            name = f"layer-{step.index:05d}"
+        def write_layer():  # each rank its own part of the layer (what it solved): one file, made durable
+            if not (r.tensors or r.overrides):
+                return None
+            name = layer_name(step.index, par.rank, par.size)
             tensors = {**{k: v.contiguous() for k, v in r.tensors.items()},
                        **{k: v.contiguous() for k, v in r.overrides.items()}}
             write_safetensors(spool / f"{name}.safetensors", dict(sorted(tensors.items())))
-            meta = {"tensors": sorted(r.tensors), "overrides": sorted(r.overrides), "modules": r.modules}
+            meta = {"tensors": sorted(r.tensors), "overrides": sorted(r.overrides), "modules": r.modules,
+                    "input_scales": r.input_scales}
             (spool / f"{name}.json").write_text(json.dumps(meta, sort_keys=True))
             fsync_path(spool / f"{name}.safetensors")
             fsync_path(spool / f"{name}.json")
-            index["layers"].append(name)
-            index["modules"].update(r.modules)
-            index["overrides"].extend(sorted(r.overrides))
+            return name, meta
 
-        par.step(write_layer, f"writing decoder layer {step.index} to the calibration spool", "write")
+        written = par.step(write_layer, f"writing decoder layer {step.index} to the calibration spool", "write")
+        with timeline.phase("exchange"):
+            parts = [p for p in (par.world.all_gather(written) if par.distributed else [written]) if p is not None]
+        for name, meta in parts:  # in rank order, then the input scales: the same index whatever the world size
+            index["layers"].append(name)
+            index["modules"].update(meta["modules"])
+        for _, meta in parts:
+            for module, extra in meta["input_scales"].items():
+                index["modules"].setdefault(module, {}).update(extra)
+        index["overrides"].extend(sorted(o for _, meta in parts for o in meta["overrides"]))
         if step.index + 1 < ex.num_layers:
             nxt = step.index + 1
             par.step(lambda: step.outputs.save_samples(spool / activations_name(nxt, par.rank, par.size),
