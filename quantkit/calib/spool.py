@@ -215,7 +215,7 @@ def _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, avail
                      f"saving the inputs of decoder layer {nxt}", "write")
 
             def record():  # every rank's activations are durable: the record may name them
-                if not par.leader:
+                if par.rank != par.size - 1:  # the last rank: rank 0 has more to write (index, AWQ's results)
                     return
                 write_json_atomic(spool / PROGRESS_NAME, {
                     "next_layer": nxt, "activations": activations_name(nxt, 0, par.size), "world": par.size,

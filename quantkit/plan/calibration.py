@@ -614,13 +614,14 @@ def _expert_group(s: _LayerShape, kind: str) -> int:
     return min(gptq_pass.chunk_experts(s.h, dev), gptq_pass.chunk_experts(s.i, dev))
 
 
-def _communication(s: _LayerShape, egroup, dense, gq: _Batches, g: int, item: int, hidden: int, packed: int,
+def _communication(s: _LayerShape, egroup, dense, gq: _Batches, g: int, item: int, hidden: int,
                    owned: int, s_tok: int) -> dict[str, float]:
     """Bytes one rank receives for one layer in a world of g ranks (calib/parallel.py): every batch's MoE
     inputs (float32 rows, routing indices and weights) broadcast by the rank that forwarded it (AWQ: the
     sampled rows and the block's outputs for them); dense targets' partial Hessians sent to their owners;
     the dequantized weights broadcast by their owners (AWQ: every parameter of the layer, from rank 0, and
-    the per-expert search results from the ranks that ran them); the packed results gathered on rank 0."""
+    the per-expert search results from the ranks that ran them). The packed results do not travel: each rank
+    writes what it solved to the spool."""
     out: dict[str, float] = {}
     others = sum(gq.all_batches) - gq.rank_tokens
     if egroup is not None and egroup.method == "gptq":
@@ -638,7 +639,6 @@ def _communication(s: _LayerShape, egroup, dense, gq: _Batches, g: int, item: in
             * (g - 1) / g
         out["dequantized_weights"] = out.get("dequantized_weights", 0) + sum(
             m.in_features * m.out_features * item for m, _ in dense.values()) * (g - 1) / g
-    out["packed_results"] = packed * (g - 1) / g
     return out
 
 
@@ -700,9 +700,9 @@ def _calibrated_bytes(layout, rec, num_layers: int) -> tuple[dict[int, int], dic
     return packed_layer, calibrated_module
 
 
-def _pass_row(row: dict, comm: dict, ctx: _PassContext, idx: int, layer, s, packed: int) -> int:
-    """Add one layer's GPTQ/AWQ pass seconds to `row` (and its communicated bytes to `comm`); 1 when the layer
-    has something calibrated, else 0."""
+def _pass_row(row: dict, comm: dict, held: dict, ctx: _PassContext, idx: int, layer, s, packed: int) -> int:
+    """Add one layer's GPTQ/AWQ pass seconds to `row` (its communicated bytes to `comm`, the packed results the
+    busiest rank holds and writes to `held[idx]`); 1 when the layer has something calibrated, else 0."""
     from ..calib.layer import _targets
 
     c, ex, rec, kind, g, item, hidden, gq = ctx.c, ctx.ex, ctx.rec, ctx.kind, ctx.g, ctx.item, ctx.hidden, ctx.gq
@@ -770,11 +770,14 @@ def _pass_row(row: dict, comm: dict, ctx: _PassContext, idx: int, layer, s, pack
         refine = max((getattr(grp.options, "refine_sweeps", 0) for _, grp in dense.values()), default=0)
         ch, sw = _gptq_solves(c, mine, 128, refit, refine)
         row["gptq_solve"] += ch + sw
-    # the spool: the layer's packed results (rank 0 writes them) and the next layer's inputs (every rank
-    # its own samples': the busiest rank's share)
-    row["write_spool"] += (packed + gq.rank_tokens * hidden * item) / c.write_bytes_per_s + 5 * c.fsync_s
+    # the spool: the layer's packed results (each rank writes what it solved: the busiest rank's expert groups;
+    # AWQ's rank 0 emits every expert) and the next layer's inputs (every rank its own samples')
+    mine = 1.0 if g == 1 or (egroup is not None and egroup.method == "awq") else (
+        owned / s.experts if owned else 1 / g)
+    held[idx] = int(packed * mine)
+    row["write_spool"] += (held[idx] + gq.rank_tokens * hidden * item) / c.write_bytes_per_s + 5 * c.fsync_s
     if g > 1:
-        got = _communication(s, egroup, dense, gq, g, item, hidden, packed, owned,
+        got = _communication(s, egroup, dense, gq, g, item, hidden, owned,
                              min(int(egroup.options.sample_tokens), num_samples * seq_len)
                              if egroup is not None and egroup.method != "rtn" else 0)
         for k2, v in got.items():
@@ -794,12 +797,13 @@ def _kv_row(row: dict, ctx: _PassContext, s, kvb: list[int]) -> None:
         + 4 * tokens * kv_width * 4 / c.mem_bytes_per_s
 
 
-def _host_ram(c, plan, gq, passes_gq: bool, kind: str, ckpt, num_layers: int, packed_layer: dict) -> dict:
-    """Host memory of the busiest rank by component."""
+def _host_ram(c, plan, gq, passes_gq: bool, kind: str, ckpt, num_layers: int, held: dict) -> dict:
+    """Host memory of the busiest rank by component (`held`: each layer's packed results it holds)."""
     from ..arch import layer_index
 
     host = {"process": c.process_bytes}
-    host["layer_results"] = max(packed_layer.values(), default=0)  # rank 0 gathers the whole layer's results
+    # a layer's packed results before the spool write: a rank holds those it solved (AWQ's rank 0 all of them)
+    host["layer_results"] = max(held.values(), default=0)
     # the activations in host memory: two copies, each up to the budget kept in RAM (a memory map above it);
     # a rank writes only its own samples' rows of every-sample stores (untouched pages are not resident)
     share = (gq.rank_tokens / max(1, sum(gq.all_batches))) if passes_gq else 1.0
@@ -875,6 +879,7 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
 
     secs = dict.fromkeys(COMPONENTS, 0.0)
     comm: dict[str, float] = {}
+    held: dict[int, int] = {}  # layer -> packed result bytes of the busiest rank
     calib_layers = 0
     passes_gq = rec.needs_calibrated_pass
     passes_kv = rec.kv_cache is not None
@@ -894,7 +899,7 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
         if passes_gq:
             row["read_weights"] += read
             row["fixed"] += c.layer_s
-            calib_layers += _pass_row(row, comm, ctx, idx, layer, s, packed_layer.get(idx, 0))
+            calib_layers += _pass_row(row, comm, held, ctx, idx, layer, s, packed_layer.get(idx, 0))
         if passes_kv:
             row["read_weights"] += read
             row["fixed"] += c.layer_s
@@ -927,7 +932,7 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
         out.fits = err is None
     if err:
         out.warnings.append(f"does not fit: {err}")
-    host = _host_ram(c, plan, gq, passes_gq, kind, ckpt, ex.num_layers, packed_layer)
+    host = _host_ram(c, plan, gq, passes_gq, kind, ckpt, ex.num_layers, held)
     out.host_ram = host
     out.host_ram_bytes = sum(host.values())
 
@@ -975,8 +980,8 @@ def _assumptions(c: Throughput, g: int, kind: str, gq: _Batches, kvb: list[int],
     if g > 1:
         a += [f"world size {g} (calib/parallel.py): batches data parallel; expert groups owned round-robin, each "
               "owner accumulates its experts' Hessians from every batch's MoE inputs (broadcast) and solves them; "
-              "one rank sums the all-token Hessian; dequantized weights broadcast by their owners, packed results "
-              f"gathered on rank 0; AWQ's norm-scale candidates and per-expert searches split over the ranks; link {c.link_bytes_per_s / 1e9:.0f} GB/s per "
+              "one rank sums the all-token Hessian; dequantized weights broadcast by their owners, each rank writes the "
+              f"packed results it solved; AWQ's norm-scale candidates and per-expert searches split over the ranks; link {c.link_bytes_per_s / 1e9:.0f} GB/s per "
               "rank, no overlap with compute"]
     a.append("device memory: the executor's plan (LayerExecutor.plan_memory + calib.layer.statistics_bytes) with "
              "the pass's batches; every rank holds the whole layer, and the Hessians of the experts it owns (the "
