@@ -25,7 +25,6 @@ from ..write.writer import fsync_path, write_json_atomic, write_safetensors
 from .layer import quantize_layer, statistics_bytes
 
 PROGRESS_NAME = "progress.json"  # in the spool: how far an interrupted pass got
-LAYER_FILE = r"layer-\d{5}(-rank\d+-of-\d+)?"  # layer_name's stems
 
 # The calibrated pass cuts the samples into at least this many forward batches when they allow it (whole
 # samples per batch; fewer tokens per call than the executor's default when needed): the batches are the
@@ -63,6 +62,15 @@ def layer_name(layer: int, rank: int = 0, size: int = 1) -> str:
     return f"layer-{layer:05d}" if size == 1 else f"layer-{layer:05d}-rank{rank}-of-{size}"
 
 
+def _is_layer_name(name: str, size: int, below: int) -> bool:
+    """Whether `name` is a spool stem `layer_name` gives for a layer before `below` in a world of `size`."""
+    m = re.fullmatch(r"layer-(\d{5})(?:-rank(\d+)-of-(\d+))?", name)
+    if m is None or int(m[1]) >= below:
+        return False
+    return m[2] is None if size == 1 else (m[2] is not None and name == layer_name(int(m[1]), int(m[2]), size)
+                                           and int(m[2]) < size)
+
+
 def activations_name(layer: int, rank: int = 0, size: int = 1) -> str:
     """The spool file of layer `layer`'s input activations (of rank `rank`'s samples in a world of `size`)."""
     return f"activations-{layer:05d}.bin" if size == 1 else f"activations-{layer:05d}-rank{rank}-of-{size}.bin"
@@ -83,8 +91,7 @@ def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int
               and name == activations_name(nxt, 0, size)
               and (spool / activations_name(nxt, rank, size)).is_file()
               and isinstance(index["modules"], dict) and isinstance(index["overrides"], list)
-              and isinstance(layers, list) and all(isinstance(n, str) and re.fullmatch(LAYER_FILE, n)
-                                                   and int(n[6:11]) < nxt for n in layers)
+              and isinstance(layers, list) and all(isinstance(n, str) and _is_layer_name(n, size, nxt) for n in layers)
               and all((spool / f"{n}.json").is_file() and (spool / f"{n}.safetensors").is_file() for n in layers))
         act = spool / activations_name(nxt, rank, size)
     except (OSError, ValueError, KeyError, TypeError):

@@ -98,7 +98,8 @@ def _tree(d):
 def test_calibration_resumes_at_the_interrupted_layer(src, calib, tmp_path, monkeypatch, recipe):
     """A conversion that dies while calibrating layer 1 leaves layer 0's results and layer 1's inputs in the
     journal; --resume calibrates only layer 1 and ends byte-identical to an uninterrupted conversion. A
-    damaged progress record (torn, or naming a file outside the spool) only means starting over."""
+    damaged progress record (torn, naming a file outside the spool, or layer files of another world size) only
+    means starting over."""
     import quantkit.calib.spool as cq
 
     path, _ = calib
@@ -129,7 +130,7 @@ def test_calibration_resumes_at_the_interrupted_layer(src, calib, tmp_path, monk
     assert _tree(tmp_path / "q") == _tree(tmp_path / "ref")
 
     # a progress record that cannot be trusted: the pass starts over, with the same result
-    for damage in ("outside", "torn"):
+    for damage in ("outside", "torn", "foreign"):
         fail[0], calls[:] = True, []
         with pytest.raises(RuntimeError):
             convert(src, tmp_path / "q", ConvertOptions(recipe=recipe, dataset=str(path), overwrite=True))
@@ -137,6 +138,11 @@ def test_calibration_resumes_at_the_interrupted_layer(src, calib, tmp_path, monk
         if damage == "outside":  # a whole activation file, but not the spool's
             (spool.parent / "outside.bin").write_bytes((spool / rec["activations"]).read_bytes())
             (spool / cq.PROGRESS_NAME).write_text(json.dumps({**rec, "activations": "../outside.bin"}))
+        elif damage == "foreign":  # layer files named as another world size writes them (calib/spool.py)
+            for ext in (".json", ".safetensors"):
+                (spool / f"layer-00000-rank0-of-2{ext}").write_bytes((spool / f"layer-00000{ext}").read_bytes())
+            rec["index"]["layers"] = ["layer-00000-rank0-of-2"]
+            (spool / cq.PROGRESS_NAME).write_text(json.dumps(rec))
         else:
             (spool / cq.PROGRESS_NAME).write_text(json.dumps(rec)[:40])
         fail[0], calls[:] = False, []
