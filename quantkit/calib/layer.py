@@ -213,7 +213,8 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
     besides the layer's weights and the forward (`layer` may be the meta skeleton). Mirrors the code: the
     expert Hessians (float32; on `ranks` ranks, those of the experts the busiest rank owns), the token
     samples, the Gram/solve working sets (one solve group's factorization within GPTQ_CHUNK_BYTES, a sweep
-    batch of groups within GPTQ_SWEEP_BYTES, PAIR_BUDGET-bounded gathers), AWQ's copy of the experts, its
+    batch of groups within GPTQ_SWEEP_BYTES, PAIR_BUDGET-bounded gathers), on several ranks GPTQ's replay
+    buffers, AWQ's copy of the experts, its
     float32 chunks of experts and its search blocks."""
     from .awq_pass import AWQ_TOKEN_CHUNK, W_MEAN_BYTES, experts_per_chunk, search_block_experts
     from .gptq_pass import expert_group_size, solve_dtype, sweep_experts
@@ -246,6 +247,10 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
                 routed = sum(int(t) for t in lengths) * k * held // e
                 out["heldout"] = -(-routed // ho) * (h + i) * 4
             out["gram"] = upcast + PAIR_BUDGET * (3 + (2 * p + 2 * i) // h) + 2 * GRAM_CHUNK_BYTES
+            if ranks > 1:  # the replay (ExpertStats.reduce): this rank's batches' MoE inputs and routing, kept
+                # from the statistics forward, and two other batches' (the one being added, the next in flight)
+                own = -(-sum(int(t) for t in lengths) // int(ranks))
+                out["replay"] = (own + 2 * tokens) * (h * 4 + k * 12)
             solve = 0
             for n_out, k_in in ((p, h), (h, i)):
                 # one group factorized at a time (~5 solve-dtype copies of its Hessians), several swept at once

@@ -772,9 +772,9 @@ def _pass_row(row: dict, comm: dict, held: dict, ctx: _PassContext, idx: int, la
         row["gptq_solve"] += ch + sw
     # the spool: the layer's packed results (each rank writes what it solved: the busiest rank's expert groups;
     # AWQ's rank 0 emits every expert) and the next layer's inputs (every rank its own samples')
-    mine = 1.0 if g == 1 or (egroup is not None and egroup.method == "awq") else (
+    written = 1.0 if g == 1 or (egroup is not None and egroup.method == "awq") else (
         owned / s.experts if owned else 1 / g)
-    held[idx] = int(packed * mine)
+    held[idx] = int(packed * written)
     row["write_spool"] += (held[idx] + gq.rank_tokens * hidden * item) / c.write_bytes_per_s + 5 * c.fsync_s
     if g > 1:
         got = _communication(s, egroup, dense, gq, g, item, hidden, owned,

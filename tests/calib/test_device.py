@@ -215,6 +215,35 @@ def test_estimates_match_what_a_layer_allocates(tiny_models, dtype):
     assert line.startswith("calibrating on cpu") and "activations" in line
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_replay_buffers_of_several_ranks_are_planned(tiny_models, ranks):
+    """On several ranks GPTQ's statistics also hold the replay's tensors (hessians.ExpertStats.reduce): the
+    MoE inputs (float32), top-k indices (int64) and weights (float32) of the batches this rank forwarded, and
+    two other batches' at a time. The busiest rank's, from the pass's own batch plan, are within the plan."""
+    from quantkit.calib.activations import batch_plan
+    from quantkit.calib.parallel import assign_batches
+    from quantkit.calib.spool import pass_batch_tokens
+
+    path = tiny_models("deepseek_v3", layers=2, experts=8)
+    ex = LayerExecutor(path)
+    rec = load_recipe("int4-experts-gptq")
+    lengths = [32] * 12
+    ex.batch_tokens = pass_batch_tokens(ex.batch_tokens, lengths)
+    layer = ex.load_layer(1)
+    h, k = ex.hidden_size, int(layer.mlp.gate.top_k)
+    one = statistics_bytes(ex.ckpt, rec, 1, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths)
+    many = statistics_bytes(ex.ckpt, rec, 1, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths, ranks)
+    assert "replay" not in one and many["hessians"] < one["hessians"]
+    row = h * 4 + k * (8 + 4)
+    tokens = [sum(lengths[i] for i in c) for c in batch_plan(lengths, ex.batch_tokens)]
+    owner = assign_batches(tokens, ranks)
+    for r in range(ranks):
+        own = sum(t for t, o in zip(tokens, owner) if o == r)
+        others = sorted((t for t, o in zip(tokens, owner) if o != r), reverse=True)[:2]
+        assert (own + sum(others)) * row <= many["replay"]
+    ex.free_layer(1)
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_gpu_numerics_emulated_on_the_cpu(tiny_models, tmp_path, monkeypatch, method):
     """What a GPU computes in (bfloat16 layers and activations, float32 GPTQ solves), run on the CPU: the
