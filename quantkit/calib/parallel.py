@@ -99,19 +99,10 @@ class Parallel:
     # ---- tensor collectives (raw bytes) -------------------------------------------------------------------
     def broadcast_(self, t: torch.Tensor, src: int) -> torch.Tensor:
         """Make `t` (every rank's tensor of the same shape and dtype) equal to rank `src`'s, in place."""
-        if not self.distributed or t.numel() == 0:
-            return t
-        import torch.distributed as dist
-
-        buf = t if t.is_contiguous() and t.device == self.device else t.to(self.device).contiguous()
-        with timeline.phase("exchange"):
-            dist.broadcast(_bytes(buf), src=src)
-        if buf is not t:
-            t.copy_(buf)
-        return t
+        return self.broadcast_async(t, src)()
 
     def broadcast_async(self, t: torch.Tensor, src: int) -> Callable[[], torch.Tensor]:
-        """`broadcast_` posted without waiting: the transfer runs on the backend's threads while this rank
+        """A broadcast (`broadcast_`) posted without waiting: the transfer runs on the backend's threads while this rank
         computes. Returns `wait()`, which completes it (its blocking time counted as "exchange") and gives `t`.
         Every rank posts the same broadcasts in the same order; `t` must not be read (receivers) or written
         (the source) before `wait()` returns."""
