@@ -64,7 +64,8 @@ def recipe_yaml(method: str, group: int | str) -> str:
     `refit_scales: true`, each row's group scales refitted to its codes) or "cdN" (GPTQ, INT4:
     `refine_sweeps: N`, N coordinate-descent sweeps over the codes; "cd": one), "dampX" (GPTQ: `damp: X`),
     "hoN" (GPTQ: `holdout: N`), "noact" (GPTQ: `actorder: false`), "balN" / "poolM" (GPTQ: `balance_tokens: N`,
-    `balance_pool: M`; the pool comes from the rows `--calib-extra` adds): e.g. gptq-mse-aff-refit-cd2."""
+    `balance_pool: M`; the pool comes from the rows `--calib-extra` adds), "fitP" (GPTQ: `fit_unquantized: P/100`):
+    e.g. gptq-mse-aff-refit-cd2."""
     base, *mods = method.split("-")
     gptq = {"damp": "0.01", "actorder": "true", "block_size": "128"}
     opts = {"gptq": gptq, "awq": {"n_grid": "20"}, "rtn": {}}[base]
@@ -86,6 +87,8 @@ def recipe_yaml(method: str, group: int | str) -> str:
             opts["balance_tokens"] = m[3:]
         elif m.startswith("pool") and m[4:].isdigit() and base == "gptq":
             opts["balance_pool"] = m[4:]
+        elif m.startswith("fit") and m[3:].isdigit() and base == "gptq":
+            opts["fit_unquantized"] = str(int(m[3:]) / 100)
         elif m.startswith("cd") and base == "gptq":
             opts["refine_sweeps"] = m[2:] or "1"
         elif m.startswith("aff") and base == "gptq" and (m == "aff" or m[3:].isdigit()):

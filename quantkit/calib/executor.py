@@ -437,6 +437,28 @@ class LayerExecutor:
             topk.finish()
         return out
 
+    def forward_capture(self, layer: nn.Module, inputs: ActivationStore,
+                        capture: nn.Module | None) -> tuple[ActivationStore, list[torch.Tensor]]:
+        """`forward_layer`, also returning what `capture` (a module inside the layer; None: nothing) receives
+        as its first argument in each forward call, float32 [rows, D], in batch order: the unquantized
+        model's own stream beside the quantized one (GPTQ's fit_unquantized). Not on models whose layers
+        carry DSA top-k indices (one carry per pass)."""
+        if self.topk is not None:
+            raise CalibrationError("fitting to the unquantized model (fit_unquantized) is not supported on models "
+                                   "with DeepSeek sparse attention (glm_moe_dsa)", hint="leave fit_unquantized at 0")
+        seen: list[torch.Tensor] = []
+
+        def grab(module, args):
+            seen.append(args[0].detach().float().reshape(-1, args[0].shape[-1]).clone())
+
+        handle = capture.register_forward_pre_hook(grab) if capture is not None else None
+        try:
+            out = self.forward_layer(layer, inputs)
+        finally:
+            if handle is not None:
+                handle.remove()
+        return out, seen
+
     # -- a forward in two halves (calibration statistics of the MLP block only) ---------------------
     def _split_parts(self, layer: nn.Module) -> tuple[nn.Module, nn.Module] | None:
         """(post-attention norm, MLP block) of a layer whose forward `forward_to` / `forward_from` may split

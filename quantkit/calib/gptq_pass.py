@@ -99,6 +99,24 @@ def gptq_dense(res: LayerResult, ckpt, disk: str, mod: nn.Linear, g: WeightGroup
     mod.weight.data.copy_(deq.to(mod.weight.dtype))
 
 
+def fit_target(w: torch.Tensor, h: torch.Tensor, a: torch.Tensor, alpha: float, damp: float) -> torch.Tensor:
+    """The weights GPTQ quantizes to fit the unquantized model (options.fit_unquantized): for each expert of
+    w [c, N, K], with its Hessian h = X^T X and cross-Gram a = X_ref^T X [c, K, K] (X the quantized model's
+    inputs, X_ref the unquantized model's for the same rows; scaled alike), W + alpha W (A - H) H_d^-1, H_d
+    = H + damp * mean(diag H) * I: the least-squares W' of ||X W'^T - X_ref W^T|| at alpha 1, GPTQ's own W at
+    0. An expert whose damped Hessian is not positive definite (no rows) keeps W."""
+    dt = solve_dtype(w.device)
+    hd = h.to(dt)
+    lam = damp * torch.diagonal(hd, dim1=-2, dim2=-1).mean(-1)
+    hd = hd + lam[:, None, None] * torch.eye(hd.shape[-1], dtype=dt, device=hd.device)
+    chol, info = torch.linalg.cholesky_ex(hd)
+    m = w.to(dt) @ (a.to(dt) - h.to(dt))  # [c, N, K]
+    out = w.to(dt) + alpha * torch.cholesky_solve(m.transpose(-1, -2), chol).transpose(-1, -2)
+    bad = (info != 0) | (lam <= 0) | ~torch.isfinite(out).flatten(1).all(-1)
+    out[bad] = w[bad].to(dt)
+    return out.float()
+
+
 def _all_token_down_hessians(stats: ExpertStats, ids: torch.Tensor) -> torch.Tensor:
     """Down-proj Hessians of experts `ids` from the sampled tokens of the layer sent through each of them
     (one expert at a time: each value depends only on that expert's weights and the samples)."""
@@ -213,6 +231,16 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
     # held-out rows of every owned expert, the down inputs from the unquantized gate/up (computed before
     # the gate/up solves write their results back)
     heldout = {e: stats.heldout_inputs(e) for e in range(E) if owned[e]} if stats.holdout else None
+    # fit_unquantized: the experts with routed (or affinity) statistics are fitted to the unquantized model's
+    # outputs; their down_proj statistics are summed once their gate/up are quantized (below)
+    alpha = float(g.options.fit_unquantized) if stats.a_gu is not None else 0.0
+    fitted = owned & ~low & ~use_rtn if alpha else torch.zeros(E, dtype=torch.bool)
+    a_gu = stats.a_gu.mul_((2.0 / counts)[:, None, None]) if alpha else None
+    # the fitted experts' held-out rows, per kind: (inputs, the unquantized model's inputs); down's are
+    # those of the quantized and of the unquantized gate/up, set once gate/up are quantized
+    fit_ho: dict[int, dict] = {}
+    if alpha and heldout is not None:
+        fit_ho = {e: {"gu": (heldout[e][0], stats.heldout_reference(e))} for e in range(E) if fitted[e]}
     src_dtype = source_dtype(ckpt, names.module(0, "gate") + ".weight")
     for key, param, h in (("gu", experts.gate_up_proj, h_gu), ("down", experts.down_proj, h_down)):
         k = param.shape[-1]
@@ -225,7 +253,14 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
             idx = torch.tensor(ids, device=param.device)
             w = param.data.index_select(0, idx).float()  # [c, N, K]
             hb = h[slot[ids[0]]:slot[ids[0]] + len(ids)]  # the owned experts' slots are consecutive, in expert order
-            r, grid = _solve(w, hb, s, factor_chunk=group, **kw)
+            wt = w  # what GPTQ quantizes: w, or for fitted experts the weights that fit the unquantized model
+            fit_rows = fitted[idx.cpu()]
+            if fit_rows.any():
+                ab = (a_gu if key == "gu" else stats.a_down)[slot[ids[0]]:slot[ids[0]] + len(ids)]
+                sel = fit_rows.nonzero().flatten().to(dev)
+                wt = w.clone()
+                wt[sel] = fit_target(w[sel], hb[sel], ab[sel], alpha, g.options.damp)
+            r, grid = _solve(wt, hb, s, factor_chunk=group, **kw)
             q, qp = r.q, r.qparams
             sel = use_rtn[idx.cpu()]
             if sel.any():
@@ -241,12 +276,22 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
             checks = None
             if heldout is not None:
                 def retry(sub: list[int], factor: float):  # called within this iteration only
-                    rs, _ = _solve(w[sub], hb[sub], s, factor_chunk=group, **{**kw, "damp": kw["damp"] * factor})
+                    rs, _ = _solve(wt[sub], hb[sub], s, factor_chunk=group, **{**kw, "damp": kw["damp"] * factor})
                     return rs.q, rs.qparams, rs.damping
-                checks = _heldout_check(w, q, qp, grid, s, parts, ids, use_rtn,
-                                        [heldout[e][0 if key == "gu" else 1] for e in ids],
-                                        retry=retry if grid is None else None)
+                pairs = [fit_ho[e][key] if e in fit_ho else (heldout[e][0 if key == "gu" else 1], None) for e in ids]
+                checks = _heldout_check(w, q, qp, grid, s, parts, ids, use_rtn, [x for x, _ in pairs],
+                                        retry=retry if grid is None else None, refs=[xr for _, xr in pairs])
             deq = dequantize(q, qp.scale, qp.zero_point) if grid is None else grid.dequantize(q)  # [c, N, K]
+            if key == "gu" and alpha:  # down_proj's statistics from the quantized gate/up, before write-back
+                for j, e in enumerate(ids):
+                    if not fitted[e]:
+                        continue
+                    hs, as_ = stats.down_statistics(e, deq[j], w[j], float(counts[slot[e]]))
+                    h_down[slot[e]] = hs
+                    stats.a_down[slot[e]] = as_
+                    if e in fit_ho:
+                        x_ho, xr_ho = fit_ho[e]["gu"]
+                        fit_ho[e]["down"] = (stats.down_inputs(x_ho, deq[j]), stats.down_inputs(xr_ho, w[j]))
             sq = {kind: sqnr_db(w[:, rows], deq[:, rows], dim=(-2, -1)).tolist() for kind, rows in parts} \
                 if dev.type != "cpu" else None  # one transfer per chunk on a GPU, not one per expert
             qh = q.cpu()  # emitted from the host (a no-op on the CPU)
@@ -281,7 +326,8 @@ RETRY_DAMPING = (10.0, 100.0)
 
 
 def _heldout_check(w: torch.Tensor, q: torch.Tensor, qp: QParams, grid, s, parts, ids: list[int],
-                   use_rtn: torch.Tensor, xs: list[torch.Tensor], retry=None) -> list[dict]:
+                   use_rtn: torch.Tensor, xs: list[torch.Tensor], retry=None,
+                   refs: list[torch.Tensor | None] | None = None) -> list[dict]:
     """Never worse than RTN on tokens the solve did not see: for each expert j of the batch (weights w [c, N, K],
     GPTQ's codes q and qparams, changed in place) and each part (gate, up / down), the output error
     ||X (W - Q)^T||^2 on its held-out inputs X = xs[j] [m, K] of GPTQ's result and of RTN's. `retry(sub,
@@ -290,7 +336,10 @@ def _heldout_check(w: torch.Tensor, q: torch.Tensor, qp: QParams, grid, s, parts
     and its result competes too. Each part's rows take the codes (and INT4 scales) of the candidate with the
     least error, the solve's own on ties. Returns per expert {part: manifest fields}: `method` (gptq or rtn),
     `heldout` {tokens, gptq, rtn, `retries` [{damping, error}] where retried, `kept`: solve, rtn or retry},
-    errors relative to ||X W^T||^2, and `damping` where a retried solve was kept."""
+    errors relative to ||X W^T||^2, and `damping` where a retried solve was kept.
+
+    `refs` (fit_unquantized): per expert, the unquantized model's inputs X_ref for the same held-out rows (None:
+    X): the error of a candidate D is then ||X_ref W^T - X D^T||^2, relative to ||X_ref W^T||^2."""
     dev = w.device
     if grid is None:
         rr = rtn(w, s.num_bits, s.group_size, s.symmetric)
@@ -304,8 +353,13 @@ def _heldout_check(w: torch.Tensor, q: torch.Tensor, qp: QParams, grid, s, parts
     n = w.shape[1]
 
     def errors(j: int, x: torch.Tensor, deqs: list[torch.Tensor]) -> tuple[float, list[list[float]]]:
-        """||X W^T||^2 per part and each candidate's ||X (W - D)^T||^2 per part, from one product."""
-        y = x @ torch.cat([w[j]] + [w[j] - d for d in deqs]).T
+        """||X W^T||^2 per part and each candidate's ||X (W - D)^T||^2 per part, from one product (with a
+        reference X_ref: ||X_ref W^T||^2 and ||X_ref W^T - X D^T||^2)."""
+        if refs is not None and refs[j] is not None:
+            t = refs[j].to(device=dev, dtype=torch.float32) @ w[j].T
+            y = torch.cat([t] + [t - x @ d.T for d in deqs], dim=1)
+        else:
+            y = x @ torch.cat([w[j]] + [w[j] - d for d in deqs]).T
         parts_of = [[float(y[:, i * n:(i + 1) * n][:, rows].double().square().sum()) for _, rows in parts]
                     for i in range(len(deqs) + 1)]
         return parts_of[0], parts_of[1:]

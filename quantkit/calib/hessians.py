@@ -40,7 +40,7 @@ class ExpertStats:
     def __init__(self, experts: nn.Module, need_hessians: bool, sample_tokens: int, block: nn.Module | None = None,
                  par=None, owned: torch.Tensor | None = None, holdout: int = 0, router: nn.Module | None = None,
                  affinity_top_k: int | None = None, primary_tokens: int | None = None,
-                 balance_tokens: int | None = None):
+                 balance_tokens: int | None = None, reference: list[torch.Tensor] | None = None):
         """`block`: the MoE block around `experts`; when given, its outputs for the sampled tokens are kept
         too (`block_outputs`: the unquantized block's response AWQ's norm-scale search measures against).
         `par`: the pass's Parallel (None: one process); `owned` [E] bool: the experts whose Hessians this
@@ -57,7 +57,14 @@ class ExpertStats:
         `primary_tokens` (in batch order; calib/spool.py puts the pool last) are the pool's. They count for
         nothing but the top-up: an expert with fewer than `balance_tokens` routed rows gets the pool's rows
         routed to it, in order, until it has that many (`_top_up`); `total`, samples, held-out rows and the
-        all-token Hessian stay the calibration samples'."""
+        all-token Hessian stay the calibration samples'.
+
+        `reference` (GPTQ's fit_unquantized; one process): the unquantized model's inputs to the experts for
+        the same tokens, [rows, H] per forward call in batch order (executor.forward_capture). Each expert
+        then also sums the cross-Gram X_ref^T X of its rows (`a_gu`, weighted like its Hessian), keeps each
+        call's inputs and the rows each expert took (`rows_of`), and its held-out rows' reference inputs;
+        its down_proj statistics are not summed in the forward but after its gate/up are quantized
+        (`down_statistics`), from the quantized gate/up's outputs."""
         self.experts = experts
         e, p, h = experts.gate_up_proj.shape
         self.E, self.P, self.H, self.I = e, p, h, experts.down_proj.shape[-1]
@@ -95,6 +102,14 @@ class ExpertStats:
         self.y_samples: list[torch.Tensor] = []  # [t, H] float32: the block's outputs for x_samples
         self._take = 0  # sampled rows of the current call, for the block's output hook
         self._records: list[list] = []  # distributed: [x, idx, weights, block output] of each own call
+        self.reference = reference if need_hessians else None
+        if self.reference is not None and self.par is not None:
+            raise CalibrationError("fit_unquantized statistics run in one process")
+        self.a_gu = torch.zeros(n, h, h, device=dev) if self.reference is not None else None
+        self.a_down = torch.zeros(n, self.I, self.I, device=dev) if self.reference is not None else None
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # fit_unquantized: (x, x_ref) of every call
+        self.rows_of: list[list[tuple]] = [[] for _ in range(n)]  # by slot: (call, rows, weights or None)
+        self.ho_ref: list[list[torch.Tensor]] = [[] for _ in range(n)]  # held-out rows' reference inputs
         self.handle = experts.register_forward_pre_hook(self._hook)
         self.block_handle = block.register_forward_hook(self._block_hook) if block is not None else None
 
@@ -114,6 +129,13 @@ class ExpertStats:
         if self.par is not None:  # reduce() replays it in batch order
             self._records.append([x.clone(), idx.clone(), wts.clone(), None])
             return
+        if self.reference is not None:
+            call = len(self.kept)
+            if call >= len(self.reference) or self.reference[call].shape != x.shape:
+                raise CalibrationError(f"the unquantized model's stream does not match the forward call {call} "
+                                       f"of the routed experts ({len(self.reference)} calls recorded)")
+            self.kept.append((x.clone(), self.reference[call].to(x.device)))
+            self.reference[call] = None  # held in `kept` from now on
         self._observe(x, idx, wts, routing, h_all=True)
 
     def _observe(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor, routing: "moe.Routing",
@@ -195,6 +217,8 @@ class ExpertStats:
                     rows_e, w_e = rows_e[keep], w_e[keep]
             if rows_e.numel():
                 self._add_rows(e, j, x, rows_e, w_e, bufs)
+            if held_rows is not None and self.a_gu is not None:
+                self.ho_ref[j].append(self.kept[-1][1].index_select(0, held_rows))
 
     def _gram_buffers(self, x: torch.Tensor, rows: int) -> tuple:
         """Buffers for `_add_rows` of up to `rows` rows of x: gathered rows, gate/up products, both Grams, and
@@ -209,6 +233,16 @@ class ExpertStats:
         ws_x, ws_gu, g_gu, g_down, silu = bufs
         xe = ws_x[:rows_e.numel()]
         torch.index_select(x, 0, rows_e, out=xe)  # [n, H]
+        if self.a_gu is not None:  # fit_unquantized: the cross-Gram now, down_proj's statistics after gate/up
+            xr = self.kept[-1][1].index_select(0, rows_e)
+            if w_e is not None:
+                r = w_e.sqrt()[:, None]
+                xe.mul_(r)
+                xr.mul_(r)
+            self.h_gu[j] += torch.mm(xe.T, xe, out=g_gu)
+            self.a_gu[j] += torch.mm(xr.T, xe, out=g_gu)
+            self.rows_of[j].append((len(self.kept) - 1, rows_e, w_e))
+            return
         hd = self.down_inputs_one(e, xe, out=ws_gu[:rows_e.numel()], silu=silu)
         if w_e is not None:
             r = w_e.sqrt()[:, None]
@@ -250,6 +284,38 @@ class ExpertStats:
                 self.aff_counts[e] += rows_e.numel()
             if slots[e] >= 0 and rows_e.numel():
                 self._add_rows(e, slots[e], x, rows_e, w_e, bufs)
+
+    def down_statistics(self, e: int, gate_up: torch.Tensor, gate_up_ref: torch.Tensor,
+                        count: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """fit_unquantized: expert e's down_proj Hessian D^T D and cross-Gram D_ref^T D, each 2/count-scaled,
+        over the rows its gate/up statistics took (weighted alike): D the down inputs its quantized gate/up
+        `gate_up` [P, H] produce from the quantized model's inputs, D_ref those its unquantized gate/up
+        `gate_up_ref` produce from the unquantized model's."""
+        j = int(self.slot[e])
+        h = torch.zeros(self.I, self.I, device=self.device)
+        a = torch.zeros(self.I, self.I, device=self.device)
+        for call, rows, w in self.rows_of[j]:
+            x, xr = self.kept[call]
+            d = self.down_inputs(x.index_select(0, rows), gate_up)
+            dr = self.down_inputs(xr.index_select(0, rows), gate_up_ref)
+            if w is not None:
+                r = w.sqrt()[:, None]
+                d.mul_(r)
+                dr.mul_(r)
+            h.addmm_(d.T, d)
+            a.addmm_(dr.T, d)
+        scale = 2.0 / max(count, 1.0)
+        return h.mul_(scale), a.mul_(scale)
+
+    def heldout_reference(self, e: int) -> torch.Tensor:
+        """fit_unquantized: the unquantized model's inputs for expert e's held-out rows [m, H]."""
+        rows = self.ho_ref[int(self.slot[e])]
+        return torch.cat(rows) if rows else torch.zeros(0, self.H, device=self.device)
+
+    def down_inputs(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(x gate^T) * (x up^T) for rows x [n, H] under gate/up weights `gate_up` [P, H] -> [n, I]."""
+        g, u = (x @ gate_up.float().T).chunk(2, dim=-1)
+        return self.experts.act_fn(g) * u
 
     def heldout_inputs(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's held-out rows (owned experts only): (gate/up inputs [m, H], down inputs [m, I] from the

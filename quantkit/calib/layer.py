@@ -72,7 +72,7 @@ def _targets(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Module):
 
 
 def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], None] = lambda m: None,
-                   par=None, primary_tokens: int | None = None) -> LayerResult:
+                   par=None, primary_tokens: int | None = None, reference: list | None = None) -> LayerResult:
     """Calibrate and quantize decoder layer `step.index` in place (weights replaced by their dequantized
     values); returns what convert must write. The caller forwards the step afterwards (true-sequential).
 
@@ -85,7 +85,10 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
 
     `primary_tokens`: the step's inputs end with a top-up pool (GPTQOptions.balance_tokens) after this many
     calibration tokens; only the routed experts' statistics read it, so no other module here may be
-    calibrated."""
+    calibrated.
+
+    `reference` (GPTQ's fit_unquantized, one process): the unquantized model's inputs to the routed experts for
+    each forward call of the step, in batch order (executor.forward_capture); required by such a group."""
     from .gptq_pass import expert_group_size, expert_owners, share_expert_weights
     from .hessians import reduce_linear_stats
 
@@ -96,6 +99,14 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
     if egroup is None and not dense:
         return res
     dist_par = par if par is not None and par.distributed else None
+    fit = egroup is not None and egroup.method == "gptq" and bool(egroup.options.fit_unquantized)
+    for disk, (_, g) in dense.items():
+        if g.method == "gptq" and g.options.fit_unquantized:
+            raise CalibrationError(f"{disk}: fit_unquantized applies to routed experts only",
+                                   hint="give the dense modules a group of their own without it")
+    if fit and reference is None:
+        raise CalibrationError(f"decoder layer {idx}: fit_unquantized needs the unquantized model's stream, "
+                               "which this pass does not carry")
     if primary_tokens is not None and (any(g.method != "rtn" or g.scheme.w4a4 for _, g in dense.values())
                                        or (egroup is not None and egroup.method != "gptq")):
         raise CalibrationError(f"decoder layer {idx}: the top-up pool of balance_tokens would reach modules other "
@@ -135,7 +146,8 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
                             router=router if egroup.options.stats == "affinity" else None,
                             affinity_top_k=getattr(egroup.options, "affinity_top_k", None),
                             primary_tokens=primary_tokens if egroup.method == "gptq" else None,
-                            balance_tokens=getattr(egroup.options, "balance_tokens", None))
+                            balance_tokens=getattr(egroup.options, "balance_tokens", None),
+                            reference=reference if fit else None)
     lstats = {d: LinearStats(m, dist_par) for d, (m, g) in dense.items() if g.method != "rtn"}
     dense_owner = {d: (par.dense_owner(i) if par is not None else 0) for i, d in enumerate(dense)}
     # GPTQ of the routed experts alone changes nothing the layer computes before them: the statistics pass

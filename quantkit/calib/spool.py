@@ -76,16 +76,31 @@ def activations_name(layer: int, rank: int = 0, size: int = 1) -> str:
     return f"activations-{layer:05d}.bin" if size == 1 else f"activations-{layer:05d}-rank{rank}-of-{size}.bin"
 
 
+def reference_name(layer: int) -> str:
+    """The spool file of the unquantized model's hidden states entering layer `layer` (fit_unquantized)."""
+    return f"reference-{layer:05d}.bin"
+
+
+def fits_unquantized(recipe: Recipe) -> bool:
+    """Whether a GPTQ group of `recipe` fits its experts to the unquantized model (options.fit_unquantized):
+    the pass then forwards the unquantized model's hidden states beside the quantized ones."""
+    return any(g.method == "gptq" and g.options.fit_unquantized for g in recipe.groups)
+
+
 def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int, dtype: torch.dtype,
-                   batch_tokens: int, rank: int = 0, size: int = 1):
+                   batch_tokens: int, rank: int = 0, size: int = 1, reference: bool = False):
     """The progress record of an interrupted pass over the same samples, if whole and consistent (anything
-    else, torn or foreign, means starting over): (next layer, index so far, this rank's activation file).
-    A distributed pass's record names its world size and batch size: it resumes under the same ones."""
+    else, torn or foreign, means starting over): (next layer, index so far, this rank's activation file,
+    the unquantized model's hidden states file or None). A distributed pass's record names its world size
+    and batch size: it resumes under the same ones. `reference`: the pass keeps the unquantized model's
+    stream (fits_unquantized), which the record must name."""
     try:
         rec = json.loads((spool / PROGRESS_NAME).read_text())
         nxt, index, name = rec["next_layer"], rec["index"], rec["activations"]
         layers = index["layers"]
+        ref = rec.get("reference")
         ok = (isinstance(nxt, int) and 0 < nxt < num_layers and rec["lengths"] == lengths
+              and (ref == reference_name(nxt) and (spool / ref).is_file() if reference else ref is None)
               and rec["hidden"] == hidden and rec["dtype"] == str(dtype)
               and rec.get("world", 1) == size and rec.get("batch_tokens", batch_tokens) == batch_tokens
               and name == activations_name(nxt, 0, size)
@@ -96,7 +111,7 @@ def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int
         act = spool / activations_name(nxt, rank, size)
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return (nxt, index, act) if ok else None
+    return (nxt, index, act, spool / ref if reference else None) if ok else None
 
 
 def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: Callable[[int, int], None] | None = None,
@@ -167,16 +182,25 @@ def _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, avail
         ckpt, recipe, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths, par.size))  # refuses first
     if par.leader:
         log(plan.summary())
+    fit = fits_unquantized(recipe)
+    if fit and par.distributed:
+        raise CalibrationError("fit_unquantized runs in one process: the distributed pass does not carry the "
+                               "unquantized model's stream", hint="run without torchrun, or leave fit_unquantized at 0")
     spool.mkdir(parents=True, exist_ok=True)
     index = {"layers": [], "modules": {}, "overrides": []}
     start, inputs = 0, samples
-    found = _read_progress(spool, ex.num_layers, lengths, ex.hidden_size, dtype, ex.batch_tokens, par.rank, par.size)
-    restored = None
+    found = _read_progress(spool, ex.num_layers, lengths, ex.hidden_size, dtype, ex.batch_tokens, par.rank, par.size,
+                           reference=fit)
+    restored = reference = None
     if found is not None:
         try:
             restored = ex.restore_samples(found[2], lengths, par.samples())
-        except (OSError, ValueError):
-            restored = None  # activations that do not fit the samples: start over
+            if fit:
+                reference = ex.restore(found[3], lengths)
+        except (OSError, ValueError):  # activations that do not fit the samples: start over
+            if restored is not None:
+                restored.close()
+            restored = None
     # every rank resumes at the same layer, or none does
     views = w.all_gather(None if restored is None else found[0])
     if restored is not None and all(v == found[0] for v in views):
@@ -185,9 +209,65 @@ def _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, avail
             log(f"resuming calibration at layer {start} of {ex.num_layers}")
     elif restored is not None:
         restored.close()
+        if reference is not None:
+            reference.close()
+            reference = None
+    ref = _Reference(reference) if fit else None
+    try:
+        _layer_loop(ex, par, ckpt, recipe, inputs, start, index, ref, lengths, dtype, primary, spool, progress, log)
+    finally:
+        if ref is not None and ref.store is not None:
+            ref.store.close()
+
+    def cleanup():
+        if par.leader:
+            for p in [spool / PROGRESS_NAME, *spool.glob("activations-*"), *spool.glob(".activations-*"),
+                      *spool.glob("reference-*"), *spool.glob(".reference-*")]:
+                p.unlink(missing_ok=True)
+
+    par.step(cleanup, "finishing the calibration spool", "write")
+    ex.measured_peak_bytes()
+    if not par.leader:
+        return None
+    index["device"] = str(ex.device)
+    index["memory"] = plan.to_json()
+    return index
+
+
+class _Reference:
+    """The unquantized model's hidden states beside the quantized ones (fit_unquantized): each layer is
+    forwarded over them before it is quantized, its routed experts' inputs kept for the statistics."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def advance(self, ex, step) -> list:
+        """Forward `step`'s (still unquantized) layer over the stream; returns the routed experts' inputs of
+        each forward call, in batch order (nothing for a layer without routed experts)."""
+        from .layer import _find_moe
+
+        moe = _find_moe(step.layer)
+        if self.store is None:  # the first layer: the stream starts from the same embeddings
+            self.store = ex._new_store(step.inputs.lengths)
+            self.store.data.copy_(step.inputs.data)
+        out, seen = ex.forward_capture(step.layer, self.store, moe[1] if moe is not None else None)
+        self.store.close()
+        self.store = out
+        return seen
+
+
+def _layer_loop(ex, par, ckpt, recipe, inputs, start, index, ref, lengths, dtype, primary, spool, progress, log):
+    """Every layer from `start`: its statistics, solves and spool files, the next layer's inputs saved and the
+    progress recorded (`index` grows in place). `ref`: the unquantized model's stream (fit_unquantized)."""
     for step in ex.layers(inputs, start=start):
+        seen = None
+        if ref is not None:
+            seen = par.step(lambda: ref.advance(ex, step),
+                            f"forwarding the unquantized decoder layer {step.index}", "forward")
         r = quantize_layer(ckpt, recipe, step, log, **({"par": par} if par.distributed else {}),
-                           **({"primary_tokens": primary} if primary is not None else {}))
+                           **({"primary_tokens": primary} if primary is not None else {}),
+                           **({"reference": seen} if seen is not None else {}))
+        del seen
         # true-sequential: the next layer calibrates on this layer's quantized output
         par.step(step.forward, f"forwarding decoder layer {step.index}", "forward")
 
@@ -220,6 +300,9 @@ def _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, avail
             par.step(lambda: step.outputs.save_samples(spool / activations_name(nxt, par.rank, par.size),
                                                        par.samples()),
                      f"saving the inputs of decoder layer {nxt}", "write")
+            if ref is not None:
+                par.step(lambda: ref.store.save(spool / reference_name(nxt)),
+                         f"saving the unquantized model's inputs of decoder layer {nxt}", "write")
 
             def record():  # every rank's activations are durable: the record may name them
                 if par.rank != par.size - 1:  # the last rank: rank 0 has more to write (index, AWQ's results)
@@ -227,25 +310,13 @@ def _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, avail
                 write_json_atomic(spool / PROGRESS_NAME, {
                     "next_layer": nxt, "activations": activations_name(nxt, 0, par.size), "world": par.size,
                     "batch_tokens": ex.batch_tokens, "lengths": lengths, "hidden": ex.hidden_size,
-                    "dtype": str(dtype), "index": index})
-                keep = {activations_name(nxt, r_, par.size) for r_ in range(par.size)}
-                for old in spool.glob("activations-*.bin"):
+                    "dtype": str(dtype), "index": index,
+                    **({"reference": reference_name(nxt)} if ref is not None else {})})
+                keep = {activations_name(nxt, r_, par.size) for r_ in range(par.size)} | {reference_name(nxt)}
+                for old in [*spool.glob("activations-*.bin"), *spool.glob("reference-*.bin")]:
                     if old.name not in keep:
                         old.unlink(missing_ok=True)
 
             par.step(record, f"recording the progress of the calibration after decoder layer {step.index}", "write")
         if progress:
             progress(step.index + 1, ex.num_layers)
-
-    def cleanup():
-        if par.leader:
-            for p in [spool / PROGRESS_NAME, *spool.glob("activations-*"), *spool.glob(".activations-*")]:
-                p.unlink(missing_ok=True)
-
-    par.step(cleanup, "finishing the calibration spool", "write")
-    ex.measured_peak_bytes()
-    if not par.leader:
-        return None
-    index["device"] = str(ex.device)
-    index["memory"] = plan.to_json()
-    return index

@@ -306,7 +306,11 @@ class GPTQOptions(_Calibrated):
     expert that the calibration samples route fewer than n tokens to is topped up from a pool of
     `balance_pool` further samples of the same dataset (null: as many as the calibration's), forwarded
     after them: the pool's tokens enter an expert's statistics, in order, until it has n routed tokens
-    (calib/hessians.py); nothing else sees the pool."""
+    (calib/hessians.py); nothing else sees the pool. `fit_unquantized` a in (0, 1] (routed experts, one process):
+    each expert is fitted to what the unquantized model computes for the same tokens, not to its own
+    weights on the quantized model's inputs: GPTQ of W + a W (A - H) H_damped^-1 under H, A the cross-Gram of
+    the unquantized model's inputs with the quantized model's, down_proj's statistics taken after gate/up
+    are quantized (asymmetric calibration, docs/calibration.md); 0: off."""
 
     damp: float = 0.01
     actorder: bool = False
@@ -318,9 +322,16 @@ class GPTQOptions(_Calibrated):
     refine_sweeps: int = 0  # symmetric INT4: coordinate-descent sweeps over the codes after the solve (0: none)
     balance_tokens: int | None = None  # routed experts: top up every expert to this many routed tokens
     balance_pool: int | None = None  # samples in the top-up pool (null: the calibration's num_samples)
+    fit_unquantized: float = 0.0  # routed experts: weight of the correction toward the unquantized model's outputs
 
     def __post_init__(self):
         super().__post_init__()
+        a = self.fit_unquantized
+        if not 0.0 <= a <= 1.0:  # NaN too
+            raise RecipeError(f"options.fit_unquantized must be a number in [0, 1] (0: off), got {a!r}")
+        if self.fit_unquantized and self.balance_tokens is not None:
+            raise RecipeError("options.fit_unquantized and options.balance_tokens cannot be combined (the top-up pool "
+                              "has no unquantized-model stream)")
         if self.refine_sweeps < 0 or self.refine_sweeps > 8:
             raise RecipeError(f"options.refine_sweeps must be 0 to 8, got {self.refine_sweeps!r}")
         if self.observer not in ("minmax", "mse"):
@@ -367,7 +378,10 @@ def parse_options(method: str, raw: dict, where: str):
         if "int" in want and "bool" not in want and (v is not None or "None" not in want) and (
                 isinstance(v, bool) or not isinstance(v, int) or (key in _POSITIVE and v <= 0)):
             raise RecipeError(f"{where}.{key} must be a positive integer, got {v!r}")
-        if want == "float" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1):
+        if key == "fit_unquantized" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
+            raise RecipeError(f"{where}.{key} must be a number in [0, 1] (0: off), got {v!r}")
+        if key != "fit_unquantized" and want == "float" and (
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1):
             raise RecipeError(f"{where}.{key} must be a number in (0, 1), got {v!r}")
         if want == "str" and not isinstance(v, str):
             raise RecipeError(f"{where}.{key} must be a string, got {v!r}")

@@ -1,0 +1,212 @@
+"""GPTQ's `fit_unquantized`: each routed expert fitted to what the unquantized model computes for the same
+tokens (asymmetric calibration). Its statistics are held against a float64 computation written here from the
+experts' inputs, the unquantized model's inputs and the routing; its target against a least-squares solve;
+the pass against plain GPTQ where the two must agree (layer 0, whose inputs are the same in both models) and
+where they must not."""
+
+import json
+
+import pytest
+import torch
+
+from quantkit.calib import moe
+from quantkit.calib.executor import LayerExecutor
+from quantkit.calib.gptq_pass import fit_target
+from quantkit.calib.hessians import ExpertStats
+from quantkit.calib.spool import run_calibrated
+from quantkit.errors import CalibrationError, RecipeError
+from quantkit.match.recipe import parse_recipe
+from quantkit.testing import make_tiny_model
+
+from calib.test_passes import TARGETS, recipe, spool_weights
+
+
+def _samples(n=4, t=40, vocab=512, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return list(torch.randint(0, vocab, (n, t), generator=g))
+
+
+def _reference(experts, router, calls, refs, holdout, quantized_gu):
+    """(h_gu, a_gu, h_down, a_down, held-out reference rows) in float64, unscaled sums: each expert's routed
+    rows less every holdout-th (or with `router` every row but those, weighted by its softmax affinity);
+    X its rows of the quantized model's inputs, R the unquantized model's: h_gu = X^T X, a_gu = R^T X;
+    D = act(X G_q^T) * (X U_q^T) under `quantized_gu`, D_r the same of R under the unquantized gate/up:
+    h_down = D^T D, a_down = D_r^T D."""
+    gu = experts.gate_up_proj.detach().double()
+    gq = quantized_gu.double()
+    n_exp, p, h = gu.shape
+    half, i_dim = p // 2, experts.down_proj.shape[-1]
+    x = torch.cat([c[0] for c in calls]).double()
+    r = torch.cat(refs).double()
+    idx = torch.cat([c[1] for c in calls])
+    aff = torch.softmax(x @ router.weight.detach().double().T, -1) if router is not None else None
+    out = [torch.zeros(n_exp, h, h, dtype=torch.float64) for _ in range(2)]
+    out += [torch.zeros(n_exp, i_dim, i_dim, dtype=torch.float64) for _ in range(2)]
+    held_ref = []
+
+    def down(rows, w):
+        return torch.nn.functional.silu(rows @ w[:half].T) * (rows @ w[half:].T)
+
+    for e in range(n_exp):
+        routed = [t for t in range(x.shape[0]) if e in idx[t].tolist()]
+        held = [t for k, t in enumerate(routed) if holdout and k % holdout == holdout - 1]
+        rows = [t for t in (routed if aff is None else range(x.shape[0])) if t not in held]
+        held_ref.append(r[held])
+        if not rows:
+            continue
+        wt = torch.ones(len(rows), 1, dtype=torch.float64) if aff is None else aff[rows, e][:, None]
+        xs, rs = x[rows], r[rows]
+        d, dr = down(xs, gq[e]), down(rs, gu[e])
+        out[0][e] = (xs * wt).T @ xs
+        out[1][e] = (rs * wt).T @ xs
+        out[2][e] = (d * wt).T @ d
+        out[3][e] = (dr * wt).T @ d
+    return (*out, held_ref)
+
+
+@pytest.mark.parametrize("affinity", [False, True])
+def test_fit_statistics_against_an_independent_computation(tmp_path, affinity):
+    path = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=1)
+    ex = LayerExecutor(path, batch_tokens=80)  # 2 calls of 2 samples
+    for step in ex.layers(_samples()):
+        experts = next(m for m in step.layer.modules() if moe.is_routed_experts(m))
+        router = step.layer.mlp.gate
+        calls = []
+        grab = experts.register_forward_pre_hook(lambda m, a: calls.append((a[0].detach().float().reshape(
+            -1, a[0].shape[-1]).clone(), a[1].detach().clone())))
+        _, seen = ex.forward_capture(step.layer, step.inputs, experts)
+        assert len(seen) == 2 and all(s.shape == (80, ex.hidden_size) for s in seen)
+        g = torch.Generator().manual_seed(1)
+        refs = [s + 0.05 * torch.randn(s.shape, generator=g) for s in seen]  # a stream unlike the quantized one
+        st = ExpertStats(experts, need_hessians=True, sample_tokens=64, holdout=4,
+                         router=router if affinity else None, reference=list(refs))
+        step.observe(stop_at=experts)
+        st.remove(), grab.remove()
+        assert len(calls) == 4  # forward_capture's, then the statistics'
+        calls = calls[2:]
+        assert all(torch.equal(c[0], s) for c, s in zip(calls, seen))  # the same rows in both forwards
+        quantized = experts.gate_up_proj.detach().float() * 0.9 + 0.01  # any other gate/up weights
+        h_gu, a_gu, h_down, a_down, held_ref = _reference(experts, router if affinity else None, calls, refs, 4,
+                                                          quantized)
+        torch.testing.assert_close(st.h_gu.double(), h_gu, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(st.a_gu.double(), a_gu, rtol=1e-4, atol=1e-4)
+        assert not torch.equal(st.a_gu, st.h_gu)
+        counts = st.aff_counts if affinity else st.counts
+        for e in range(8):
+            hd, ad = st.down_statistics(e, quantized[e], experts.gate_up_proj[e].detach(), float(counts[e]))
+            scale = 2.0 / max(float(counts[e]), 1.0)
+            torch.testing.assert_close(hd.double(), h_down[e] * scale, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(ad.double(), a_down[e] * scale, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(st.heldout_reference(e).double(), held_ref[e])
+        assert sum(len(r) for r in held_ref) > 0
+        step.forward()
+    ex.final.close()
+
+
+def test_fit_target_is_the_least_squares_fit():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 400, 16, generator=g, dtype=torch.float64)  # the quantized model's inputs, 3 experts
+    r = x + 0.3 * torch.randn(x.shape, generator=g, dtype=torch.float64)  # the unquantized model's
+    w = torch.randn(3, 8, 16, generator=g)
+    h, a = x.transpose(1, 2) @ x, r.transpose(1, 2) @ x
+    got = fit_target(w, h.float(), a.float(), 1.0, 1e-9)
+    want = torch.linalg.lstsq(x, r @ w.double().transpose(1, 2)).solution.transpose(1, 2)  # min |X W'^T - R W^T|
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    half = fit_target(w, h.float(), a.float(), 0.5, 1e-9)
+    torch.testing.assert_close(half.double(), (w.double() + want) / 2, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fit_target(w, h.float(), h.float(), 1.0, 0.01), w)  # the same streams: W itself
+    zero = torch.zeros_like(h).float()
+    assert torch.equal(fit_target(w, zero, zero, 1.0, 0.01), w)  # no rows: W
+
+
+def test_fit_pass_against_plain_gptq(tmp_path):
+    """Layer 0's inputs are the embeddings in both models: its gate/up targets are their own weights and
+    their codes are plain GPTQ's; its down_proj's statistics come from the quantized gate/up, so they are
+    not; every later layer differs. The manifest records the held-out errors against the same target."""
+    src = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=2)
+    samples = _samples(6, 48)
+    plain = run_calibrated(src, recipe("gptq"), samples, tmp_path / "a")
+    fit = run_calibrated(src, recipe("gptq", fit_unquantized=0.5), samples, tmp_path / "b")
+    wa, wb = spool_weights(tmp_path / "a", plain), spool_weights(tmp_path / "b", fit)
+    assert sorted(wa) == sorted(wb) and len(wa) == 2 * 8 * 3
+    for n in wa:
+        same = torch.equal(wa[n], wb[n])
+        if ".layers.0." in n and ("gate_proj" in n or "up_proj" in n):
+            assert same, n
+    for layer in (0, 1):
+        diff = [n for n in wa if f".layers.{layer}." in n and "down_proj" in n and not torch.equal(wa[n], wb[n])]
+        assert len(diff) >= 4, (layer, diff)
+    assert sum(not torch.equal(wa[n], wb[n]) for n in wa if ".layers.1." in n and "gate_proj" in n) >= 4
+    m = fit["modules"]["model.layers.1.mlp.experts.0.down_proj"]
+    assert m["heldout"]["tokens"] > 0 and m["heldout"]["kept"] in ("solve", "rtn", "retry")
+    assert not list((tmp_path / "b").glob("reference-*"))  # the stream's files end with the pass
+
+
+def test_fit_resumes_with_the_unquantized_stream(tmp_path, monkeypatch):
+    """Interrupted at layer 2, the pass resumes there from both streams and ends with the same results; a
+    progress record without the unquantized stream (written by a plain pass) is not trusted by it."""
+    import quantkit.calib.spool as cq
+
+    src = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=3)
+    samples = _samples(4, 40)
+    r = recipe("gptq", fit_unquantized=0.5)
+    ref = run_calibrated(src, r, samples, tmp_path / "ref")
+    real, calls, fail = cq.quantize_layer, [], [True]
+
+    def dies_at_layer_2(ckpt, recipe_, step, log=lambda m: None, **kw):
+        calls.append(step.index)
+        if step.index == 2 and fail[0]:
+            raise RuntimeError("killed")
+        return real(ckpt, recipe_, step, log, **kw)
+
+    monkeypatch.setattr(cq, "quantize_layer", dies_at_layer_2)
+    spool = tmp_path / "q"
+    with pytest.raises(RuntimeError, match="killed"):
+        run_calibrated(src, r, samples, spool)
+    rec = json.loads((spool / cq.PROGRESS_NAME).read_text())
+    assert rec["next_layer"] == 2 and rec["reference"] == "reference-00002.bin"
+    assert sorted(p.name for p in spool.glob("reference-*")) == ["reference-00002.bin"]
+    fail[0], calls[:] = False, []
+    got = run_calibrated(src, r, samples, spool)
+    assert calls == [2]
+    assert got == ref
+    wa, wb = spool_weights(tmp_path / "ref", ref), spool_weights(spool, got)
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+
+    # a plain pass's record names no unquantized stream: the fitting pass starts over
+    fail[0], calls[:] = True, []
+    plain_spool = tmp_path / "p"
+    with pytest.raises(RuntimeError, match="killed"):
+        run_calibrated(src, recipe("gptq"), samples, plain_spool)
+    fail[0], calls[:] = False, []
+    got = run_calibrated(src, r, samples, plain_spool)
+    assert calls == [0, 1, 2] and got == ref
+    # and a record naming a stream whose file is gone: the same
+    fail[0], calls[:] = True, []
+    with pytest.raises(RuntimeError, match="killed"):
+        run_calibrated(src, r, samples, tmp_path / "g")
+    (tmp_path / "g" / "reference-00002.bin").unlink()
+    fail[0], calls[:] = False, []
+    assert run_calibrated(src, r, samples, tmp_path / "g") == ref and calls == [0, 1, 2]
+
+
+def test_fit_options_and_where_it_is_refused(tmp_path):
+    assert recipe("gptq", fit_unquantized=0.5).groups[0].options.fit_unquantized == 0.5
+    assert recipe("gptq", fit_unquantized=1).groups[0].options.fit_unquantized == 1.0
+    assert recipe("gptq", fit_unquantized=0).groups[0].options.fit_unquantized == 0.0
+    assert recipe("gptq").groups[0].options.fit_unquantized == 0.0
+    for bad in (-0.1, 1.5, "true", '"0.5"', ".nan", "[1]"):
+        with pytest.raises(RecipeError, match="fit_unquantized"):
+            recipe("gptq", fit_unquantized=bad)
+    with pytest.raises(RecipeError, match="fit_unquantized"):
+        recipe("awq", fit_unquantized=0.5)
+    with pytest.raises(RecipeError, match="balance_tokens"):
+        recipe("gptq", fit_unquantized=0.5, balance_tokens=16)
+    src = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=1)
+    wide = parse_recipe(f"groups:\n  all:\n    targets: {TARGETS[:-1]}, 're:.*self_attn\\.o_proj$']\n"
+                        "    method: gptq\n    scheme: {group_size: 32}\n    options: {fit_unquantized: 0.5}\n")
+    with pytest.raises(CalibrationError, match="routed experts only"):
+        run_calibrated(src, wide, _samples(2, 32), tmp_path / "w")
+    dsa = make_tiny_model("glm_moe_dsa", tmp_path / "dsa", layers=2)
+    with pytest.raises(CalibrationError, match="sparse attention"):
+        run_calibrated(dsa, recipe("gptq", fit_unquantized=0.5), _samples(2, 32), tmp_path / "d")
