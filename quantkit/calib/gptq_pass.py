@@ -104,17 +104,18 @@ def fit_target(w: torch.Tensor, h: torch.Tensor, a: torch.Tensor, alpha: float, 
     w [c, N, K], with its Hessian h = X^T X and cross-Gram a = X_ref^T X [c, K, K] (X the quantized model's
     inputs, X_ref the unquantized model's for the same rows; scaled alike), W + alpha W (A - H) H_d^-1, H_d
     = H + damp * mean(diag H) * I: the least-squares W' of ||X W'^T - X_ref W^T|| at alpha 1, GPTQ's own W at
-    0. An expert whose damped Hessian is not positive definite (no rows) keeps W."""
-    dt = solve_dtype(w.device)
-    hd = h.to(dt)
-    lam = damp * torch.diagonal(hd, dim1=-2, dim2=-1).mean(-1)
-    hd = hd + lam[:, None, None] * torch.eye(hd.shape[-1], dtype=dt, device=hd.device)
+    0. An expert whose damped Hessian is not positive definite (no rows) keeps W. In float32 throughout (on
+    the CPU too, unlike the solve): the result is W plus a correction that the damping keeps well
+    conditioned, and its factorization and products are most of the fit's cost."""
+    h, w = h.float(), w.float()
+    lam = damp * torch.diagonal(h, dim1=-2, dim2=-1).mean(-1)
+    hd = h + lam[:, None, None] * torch.eye(h.shape[-1], device=h.device)
     chol, info = torch.linalg.cholesky_ex(hd)
-    m = w.to(dt) @ (a.to(dt) - h.to(dt))  # [c, N, K]
-    out = w.to(dt) + alpha * torch.cholesky_solve(m.transpose(-1, -2), chol).transpose(-1, -2)
+    m = torch.bmm(w, a.float() - h)  # W (A - H) [c, N, K]
+    out = w + alpha * torch.cholesky_solve(m.transpose(-1, -2), chol).transpose(-1, -2)
     bad = (info != 0) | (lam <= 0) | ~torch.isfinite(out).flatten(1).all(-1)
-    out[bad] = w[bad].to(dt)
-    return out.float()
+    out[bad] = w[bad]
+    return out
 
 
 def _all_token_down_hessians(stats: ExpertStats, ids: torch.Tensor) -> torch.Tensor:

@@ -292,20 +292,20 @@ class ExpertStats:
         `gate_up` [P, H] produce from the quantized model's inputs, D_ref those its unquantized gate/up
         `gate_up_ref` produce from the unquantized model's."""
         j = int(self.slot[e])
-        h = torch.zeros(self.I, self.I, device=self.device)
-        a = torch.zeros(self.I, self.I, device=self.device)
-        for call, rows, w in self.rows_of[j]:
-            x, xr = self.kept[call]
-            d = self.down_inputs(x.index_select(0, rows), gate_up)
-            dr = self.down_inputs(xr.index_select(0, rows), gate_up_ref)
-            if w is not None:
-                r = w.sqrt()[:, None]
-                d.mul_(r)
-                dr.mul_(r)
-            h.addmm_(d.T, d)
-            a.addmm_(dr.T, d)
+        parts = self.rows_of[j]
         scale = 2.0 / max(count, 1.0)
-        return h.mul_(scale), a.mul_(scale)
+        if not parts:
+            z = torch.zeros(self.I, self.I, device=self.device)
+            return z, z.clone()
+        # every call's rows at once: two products and two Grams per expert
+        x = torch.cat([self.kept[call][0].index_select(0, rows) for call, rows, _ in parts])
+        xr = torch.cat([self.kept[call][1].index_select(0, rows) for call, rows, _ in parts])
+        d, dr = self.down_inputs(x, gate_up), self.down_inputs(xr, gate_up_ref)
+        if parts[0][2] is not None:
+            r = torch.cat([w for _, _, w in parts]).sqrt()[:, None]
+            d.mul_(r)
+            dr.mul_(r)
+        return torch.mm(d.T, d).mul_(scale), torch.mm(dr.T, d).mul_(scale)
 
     def heldout_reference(self, e: int) -> torch.Tensor:
         """fit_unquantized: the unquantized model's inputs for expert e's held-out rows [m, H]."""

@@ -226,8 +226,8 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
     expert Hessians (float32; on `ranks` ranks, those of the experts the busiest rank owns), the token
     samples, the Gram/solve working sets (one solve group's factorization within GPTQ_CHUNK_BYTES, a sweep
     batch of groups within GPTQ_SWEEP_BYTES, PAIR_BUDGET-bounded gathers), on several ranks GPTQ's replay
-    buffers, AWQ's copy of the experts, its
-    float32 chunks of experts and its search blocks."""
+    buffers, GPTQ's fit_unquantized (its cross-Grams, kept inputs and the unquantized model's stream), AWQ's
+    copy of the experts, its float32 chunks of experts and its search blocks."""
     from .awq_pass import AWQ_TOKEN_CHUNK, W_MEAN_BYTES, experts_per_chunk, search_block_experts
     from .gptq_pass import expert_group_size, solve_dtype, sweep_experts
     from .hessians import GRAM_CHUNK_BYTES, PAIR_BUDGET
@@ -263,6 +263,17 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
                 # from the statistics forward, and two other batches' (the one being added, the next in flight)
                 own = -(-sum(int(t) for t in lengths) // int(ranks))
                 out["replay"] = (own + 2 * tokens) * (h * 4 + k * 12)
+            if egroup.options.fit_unquantized:
+                # the cross-Grams, both streams' expert inputs of every call (kept for down_proj's statistics),
+                # the rows each expert took, one expert's rows of both streams with their gate/up products
+                # (the busiest: twice the mean), and the unquantized model's hidden states (in and out)
+                total = sum(int(t) for t in lengths)
+                o = egroup.options
+                kk = min(e, o.affinity_top_k or e) if o.stats == "affinity" else k
+                per_expert = 2 * total * kk // e
+                citem = torch.empty((), dtype=compute_dtype).element_size()
+                out["fit"] = (held * (h * h + i * i) * 4 + 2 * total * h * 4 + total * kk * held // e * 12
+                              + 2 * per_expert * (h + p) * 4 + 2 * total * h * citem)
             solve = 0
             for n_out, k_in in ((p, h), (h, i)):
                 # one group factorized at a time (~5 solve-dtype copies of its Hessians), several swept at once

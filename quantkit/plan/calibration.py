@@ -444,6 +444,30 @@ def _hessians(c: Throughput, s: _LayerShape, batches: list[int], owned: int, hid
     return sec
 
 
+def _fit_unquantized(c: Throughput, s: _LayerShape, batches: list[int], owned: int, hidden: int,
+                     per_token: int | None = None) -> tuple[float, float]:
+    """(statistics seconds, solve seconds) GPTQ's fit_unquantized adds to one layer (its reference stream's
+    forward is counted with the forwards): per owned expert and batch the cross-Gram of its rows with the
+    unquantized model's (one more h x h Gram), then after the gate/up solves the down inputs of both streams
+    (one more gate/up product than the statistics forward computes) and two i x i Grams; per matrix the
+    fitted target, W (A - H) and a Cholesky solve (~3 n_out k^2 flops) after a float64 factorization."""
+    h, e = s.h or hidden, s.experts
+    if not e or not owned:
+        return 0.0, 0.0
+    k = s.top_k if per_token is None else min(per_token, e)
+    stats = 0.0
+    for per_call in batches:
+        rows = per_call * k / e
+        routed = rows * owned
+        stats += 2 * routed * (h * h + s.i * s.i) / _rate(c.gram_flops, c.gram_half_rows, rows)
+        stats += 2 * routed * h * s.p / _rate(c.gemm_flops, c.gemm_half_rows, rows)
+        stats += routed * (2 * h + s.p) * 4 / c.mem_bytes_per_s
+    solve = sum(owned * ((2 / 3) * kk ** 3 / c.chol_flops
+                         + 6 * n_out * kk * kk / _rate(c.gram_flops, c.gram_half_rows, n_out))
+                for n_out, kk in ((s.p, h), (h, s.i)))
+    return stats, solve
+
+
 def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: int,
                  refit: bool = False, refine: int = 0) -> tuple[float, float]:
     """(Cholesky seconds, sweep seconds) of GPTQ on matrices [(count, n_out, k_in, chunk)]: `count` of them,
@@ -704,6 +728,7 @@ def _pass_row(row: dict, comm: dict, held: dict, ctx: _PassContext, idx: int, la
     """Add one layer's GPTQ/AWQ pass seconds to `row` (its communicated bytes to `comm`, the packed results the
     busiest rank holds and writes to `held[idx]`); 1 when the layer has something calibrated, else 0."""
     from ..calib.layer import _targets
+    from ..calib.spool import fits_unquantized
 
     c, ex, rec, kind, g, item, hidden, gq = ctx.c, ctx.ex, ctx.rec, ctx.kind, ctx.g, ctx.item, ctx.hidden, ctx.gq
     num_samples, seq_len, link = ctx.num_samples, ctx.seq_len, c.link_bytes_per_s
@@ -724,6 +749,9 @@ def _pass_row(row: dict, comm: dict, held: dict, ctx: _PassContext, idx: int, la
             _forward(c, s, gq.rank_batches, seq_len, item, hidden)
     if egroup is not None or dense:
         calibrated = 1
+    if fits_unquantized(rec):  # the unquantized model's stream through every layer, saved with the progress
+        row["forward"] += _forward(c, s, gq.rank_batches, seq_len, item, hidden)
+        row["write_spool"] += gq.rank_tokens * hidden * item / c.write_bytes_per_s + c.fsync_s
     if egroup is not None and egroup.scheme.w4a4 and s.experts:
         # NVFP4 W4A4: each expert's input amax, and its down input's (one gate/up product per routed
         # token, the busiest rank's batches; calib/observers.py ExpertInputAmax)
@@ -744,6 +772,10 @@ def _pass_row(row: dict, comm: dict, held: dict, ctx: _PassContext, idx: int, la
         ch, sw = _gptq_solves(c, [(owned, s.p, s.h, sweep[0]), (owned, s.h, s.i, sweep[1])],
                               egroup.options.block_size, egroup.options.refit_scales, egroup.options.refine_sweeps)
         row["gptq_solve"] += ch + sw + owned * c.module_s  # gate and up: one matrix, two modules
+        if o.fit_unquantized:
+            fs, fsol = _fit_unquantized(c, s, ctx.stats_batches, owned, hidden, per_token)
+            row["hessians"] += fs
+            row["gptq_solve"] += fsol
     elif egroup is not None and egroup.method == "awq":
         o = egroup.options
         s_tok = min(int(o.sample_tokens), num_samples * seq_len)

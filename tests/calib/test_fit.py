@@ -13,6 +13,7 @@ from quantkit.calib import moe
 from quantkit.calib.executor import LayerExecutor
 from quantkit.calib.gptq_pass import fit_target
 from quantkit.calib.hessians import ExpertStats
+from quantkit.calib.layer import statistics_bytes
 from quantkit.calib.spool import run_calibrated
 from quantkit.errors import CalibrationError, RecipeError
 from quantkit.match.recipe import parse_recipe
@@ -210,3 +211,22 @@ def test_fit_options_and_where_it_is_refused(tmp_path):
     dsa = make_tiny_model("glm_moe_dsa", tmp_path / "dsa", layers=2)
     with pytest.raises(CalibrationError, match="sparse attention"):
         run_calibrated(dsa, recipe("gptq", fit_unquantized=0.5), _samples(2, 32), tmp_path / "d")
+
+
+def test_fit_memory_is_planned(tmp_path):
+    """The memory plan counts what the fit holds beyond plain GPTQ: at least the cross-Grams (exactly the
+    Hessians' size), both streams' expert inputs of every call (float32) and the unquantized model's hidden
+    states entering and leaving the layer."""
+    path = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=1)
+    ex = LayerExecutor(path)
+    layer = ex.load_layer(0)
+    lengths = [40] * 4
+    args = (0, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths)
+    plain = statistics_bytes(ex.ckpt, recipe("gptq"), *args)
+    fit = statistics_bytes(ex.ckpt, recipe("gptq", fit_unquantized=0.5), *args)
+    assert "fit" not in plain and {k: v for k, v in fit.items() if k != "fit"} == plain
+    st = ExpertStats(layer.mlp.experts, need_hessians=True, sample_tokens=64, reference=[])
+    grams = sum(t.numel() * t.element_size() for t in (st.a_gu, st.a_down))
+    st.remove()
+    assert fit["fit"] >= grams + 2 * 160 * ex.hidden_size * 4 + 2 * 160 * ex.hidden_size * ex.dtype.itemsize
+    ex.free_layer(0)

@@ -345,3 +345,16 @@ def test_a_fresh_process_pays_startup_once(tmp_path):
     doc = c.to_json()
     del doc["startup_s"], doc["threads"]
     assert Throughput.from_json(doc).startup_s == 0.0 and Throughput.from_json(doc).threads == 0
+
+
+def test_fit_unquantized_cost_is_a_forward_and_the_fits(tmp_path):
+    """`fit_unquantized`: the unquantized model's stream is forwarded through every layer (one more whole forward
+    each) and saved with the progress; the statistics gain the cross-Grams and the down inputs of both streams,
+    the solves the fitted targets. The alpha itself costs nothing."""
+    cost = _gptq_cost_with(tmp_path)
+    plain, fit, fit1 = cost(""), cost("      fit_unquantized: 0.5\n"), cost("      fit_unquantized: 1\n")
+    for k in ("forward", "hessians", "gptq_solve", "write_spool"):
+        assert fit.seconds[k] > plain.seconds[k], k
+        assert fit.seconds[k] == fit1.seconds[k], k
+    assert fit.seconds["forward"] < 2 * plain.seconds["forward"]  # plain: a whole and a split forward per layer
+    assert fit.seconds["hessians"] < 2.5 * plain.seconds["hessians"]
