@@ -87,6 +87,13 @@ def fits_unquantized(recipe: Recipe) -> bool:
     return any(g.method == "gptq" and g.options.fit_unquantized for g in recipe.groups)
 
 
+def check_world(recipe: Recipe, distributed: bool) -> None:
+    """Refuse what a distributed pass cannot do: fit_unquantized (its replay does not carry the second stream)."""
+    if distributed and fits_unquantized(recipe):
+        raise CalibrationError("fit_unquantized runs in one process: the distributed pass does not carry the "
+                               "unquantized model's stream", hint="run without torchrun, or leave fit_unquantized at 0")
+
+
 def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int, dtype: torch.dtype,
                    batch_tokens: int, rank: int = 0, size: int = 1, reference: bool = False):
     """The progress record of an interrupted pass over the same samples, if whole and consistent (anything
@@ -183,9 +190,7 @@ def _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, avail
     if par.leader:
         log(plan.summary())
     fit = fits_unquantized(recipe)
-    if fit and par.distributed:
-        raise CalibrationError("fit_unquantized runs in one process: the distributed pass does not carry the "
-                               "unquantized model's stream", hint="run without torchrun, or leave fit_unquantized at 0")
+    check_world(recipe, par.distributed)
     spool.mkdir(parents=True, exist_ok=True)
     index = {"layers": [], "modules": {}, "overrides": []}
     start, inputs = 0, samples

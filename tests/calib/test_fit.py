@@ -14,7 +14,7 @@ from quantkit.calib.executor import LayerExecutor
 from quantkit.calib.gptq_pass import fit_target
 from quantkit.calib.hessians import ExpertStats
 from quantkit.calib.layer import statistics_bytes
-from quantkit.calib.spool import run_calibrated
+from quantkit.calib.spool import check_world, run_calibrated
 from quantkit.errors import CalibrationError, RecipeError
 from quantkit.match.recipe import parse_recipe
 from quantkit.testing import make_tiny_model
@@ -203,6 +203,10 @@ def test_fit_options_and_where_it_is_refused(tmp_path):
         recipe("awq", fit_unquantized=0.5)
     with pytest.raises(RecipeError, match="balance_tokens"):
         recipe("gptq", fit_unquantized=0.5, balance_tokens=16)
+    check_world(recipe("gptq", fit_unquantized=0.5), distributed=False)
+    check_world(recipe("gptq"), distributed=True)
+    with pytest.raises(CalibrationError, match="one process"):
+        check_world(recipe("gptq", fit_unquantized=0.5), distributed=True)
     src = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=1)
     wide = parse_recipe(f"groups:\n  all:\n    targets: {TARGETS[:-1]}, 're:.*self_attn\\.o_proj$']\n"
                         "    method: gptq\n    scheme: {group_size: 32}\n    options: {fit_unquantized: 0.5}\n")
