@@ -234,3 +234,19 @@ def test_fit_memory_is_planned(tmp_path):
     st.remove()
     assert fit["fit"] >= grams + 2 * 160 * ex.hidden_size * 4 + 2 * 160 * ex.hidden_size * ex.dtype.itemsize
     ex.free_layer(0)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral"])
+def test_fit_pass_on_other_families(tmp_path, arch):
+    """A dense first layer (DeepSeek-V3: forwarded in both streams, nothing to fit), a noaux_tc router, and
+    Mixtral's block_sparse_moe names: every expert module is written, and past the first MoE layer the
+    fitted solves differ from plain GPTQ's."""
+    src = make_tiny_model(arch, tmp_path / "src", experts=8, layers=3)
+    samples = _samples(4, 40)
+    plain = run_calibrated(src, recipe("gptq"), samples, tmp_path / "a")
+    fit = run_calibrated(src, recipe("gptq", fit_unquantized=0.5), samples, tmp_path / "b")
+    wa, wb = spool_weights(tmp_path / "a", plain), spool_weights(tmp_path / "b", fit)
+    assert sorted(wa) == sorted(wb) and len(wa) > 0
+    layers = sorted({int(n.split(".layers.")[1].split(".")[0]) for n in wa})
+    last = [n for n in wa if f".layers.{layers[-1]}." in n]
+    assert sum(not torch.equal(wa[n], wb[n]) for n in last) >= len(last) // 2

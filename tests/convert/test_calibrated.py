@@ -36,7 +36,8 @@ def calib(tmp_path_factory):
     return p, rows
 
 
-@pytest.mark.parametrize("recipe", ["int4-experts-gptq", "int4-experts-gptq-plus", "int4-experts-awq"])
+@pytest.mark.parametrize("recipe", ["int4-experts-gptq", "int4-experts-gptq-plus", "int4-experts-gptq-fit",
+                                    "int4-experts-awq"])
 def test_calibrated_convert_loads_and_beats_rtn(src, calib, tmp_path, recipe):
     path, rows = calib
     res = convert(src, tmp_path / "q", ConvertOptions(recipe=recipe, dataset=str(path)))
@@ -53,8 +54,9 @@ def test_calibrated_convert_loads_and_beats_rtn(src, calib, tmp_path, recipe):
             kept = "rtn" if h["rtn"] < min(solves) else ("solve" if h["gptq"] <= min(solves) else "retry")
             assert h["kept"] == kept and e["method"] == ("rtn" if kept == "rtn" else "gptq")
         assert any(e["method"] == "gptq" for e in packed)
-        # -plus: affinity statistics over every expert (each expert's set is every token of its layer)
-        assert all(e.get("affinity_tokens") == (12 * 48 if recipe.endswith("-plus") else None) for e in packed)
+        # -plus, -fit: affinity statistics over every expert (each expert's set is every token of its layer)
+        affinity = load_recipe(recipe).groups[0].options.stats == "affinity"
+        assert all(e.get("affinity_tokens") == (12 * 48 if affinity else None) for e in packed)
     else:
         assert {e["method"] for e in packed} == {method}
     cal = m["calibration"]
