@@ -330,9 +330,10 @@ class ExpertStats:
         gate/up products (the result is then a view of its gate half when `silu`: act_fn is exactly SiLU and
         runs in place, moe._silu_in_place)."""
         w = self.experts.gate_up_proj[e].detach()  # reduce() replays outside the forward's no_grad
-        gu = xe @ w.float().T if out is None else torch.mm(xe, w.float().T, out=out)  # [n, P]
-        g, u = gu.chunk(2, dim=-1)
-        if silu and out is not None:
+        if out is None:
+            return self.down_inputs(xe, w)
+        g, u = torch.mm(xe, w.float().T, out=out).chunk(2, dim=-1)  # [n, P]
+        if silu:
             return torch.nn.functional.silu(g, inplace=True).mul_(u)
         return self.experts.act_fn(g) * u
 
