@@ -59,8 +59,9 @@ class ExpertStats:
         routed to it, in order, until it has that many (`_top_up`); `total`, samples, held-out rows and the
         all-token Hessian stay the calibration samples'.
 
-        `reference` (GPTQ's fit_unquantized; one process): the unquantized model's inputs to the experts for
-        the same tokens, [rows, H] per forward call in batch order (executor.forward_capture). Each expert
+        `reference` (GPTQ's fit_unquantized): the unquantized model's inputs to the experts for the same
+        tokens, [rows, H] per forward call in batch order (executor.forward_capture; distributed: this rank's
+        calls, replayed with the others' by `reduce`). Each expert
         then also sums the cross-Gram X_ref^T X of its rows (`a_gu`, weighted like its Hessian), keeps each
         call's inputs and the rows each expert took (`rows_of`), and its held-out rows' reference inputs;
         its down_proj statistics are not summed in the forward but after its gate/up are quantized
@@ -101,10 +102,8 @@ class ExpertStats:
         self._n_samples = 0
         self.y_samples: list[torch.Tensor] = []  # [t, H] float32: the block's outputs for x_samples
         self._take = 0  # sampled rows of the current call, for the block's output hook
-        self._records: list[list] = []  # distributed: [x, idx, weights, block output] of each own call
+        self._records: list[list] = []  # distributed: [x, idx, weights, block output, x_ref] of each own call
         self.reference = reference if need_hessians else None
-        if self.reference is not None and self.par is not None:
-            raise CalibrationError("fit_unquantized statistics run in one process")
         self.a_gu = torch.zeros(n, h, h, device=dev) if self.reference is not None else None
         self.a_down = torch.zeros(n, self.I, self.I, device=dev) if self.reference is not None else None
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # fit_unquantized: (x, x_ref) of every call
@@ -126,16 +125,19 @@ class ExpertStats:
         wts = wts_in.detach().reshape(x.shape[0], -1).float() if wts_in is not None else None
         if wts is None or wts.shape != idx.shape:
             wts = torch.ones(idx.shape, device=x.device)
-        if self.par is not None:  # reduce() replays it in batch order
-            self._records.append([x.clone(), idx.clone(), wts.clone(), None])
-            return
+        x_ref = None
         if self.reference is not None:
-            call = len(self.kept)
+            call = len(self._records) if self.par is not None else len(self.kept)
             if call >= len(self.reference) or self.reference[call].shape != x.shape:
                 raise CalibrationError(f"the unquantized model's stream does not match the forward call {call} "
                                        f"of the routed experts ({len(self.reference)} calls recorded)")
-            self.kept.append((x.clone(), self.reference[call].to(x.device)))
-            self.reference[call] = None  # held in `kept` from now on
+            x_ref = self.reference[call].to(x.device)
+            self.reference[call] = None  # held by the statistics from now on
+        if self.par is not None:  # reduce() replays it in batch order
+            self._records.append([x.clone(), idx.clone(), wts.clone(), None, x_ref])
+            return
+        if x_ref is not None:
+            self.kept.append((x.clone(), x_ref))
         self._observe(x, idx, wts, routing, h_all=True)
 
     def _observe(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor, routing: "moe.Routing",
@@ -388,7 +390,10 @@ class ExpertStats:
             x = rec[0] if rec is not None else torch.empty(rows, self.H, device=dev)
             idx = rec[1] if rec is not None else torch.empty(rows, k, dtype=torch.long, device=dev)
             wts = rec[2] if rec is not None else torch.empty(rows, k, device=dev)
-            return x, idx, wts, [par.broadcast_async(t, src) for t in (idx, wts, x[:n_x])]
+            xr = None
+            if self.a_gu is not None:  # fit_unquantized: the unquantized model's rows too, kept by every rank
+                xr = rec[4] if rec is not None else torch.empty(rows, self.H, device=dev)
+            return x, idx, wts, xr, [par.broadcast_async(t, src) for t in (idx, wts, x[:n_x], xr) if t is not None]
 
         ahead = post(0) if self.need_h and par.plan else None
         for b in range(len(par.plan)):
@@ -396,7 +401,7 @@ class ExpertStats:
             src, rec = par.owner[b], mine.get(b)
             take = min(max(self.sample_tokens - self._n_samples, 0), rows)
             n_x = rows if self.need_h else take
-            x, idx, wts, waits = ahead if ahead is not None else post(b)
+            x, idx, wts, xr, waits = ahead if ahead is not None else post(b)
             ahead = post(b + 1) if self.need_h and b + 1 < len(par.plan) else None
             for wait in waits:
                 wait()
@@ -405,6 +410,8 @@ class ExpertStats:
                 par.broadcast_(y[:take], src)
                 self.y_samples.append(y[:take].clone())
             routing = own_routing.pop(b, None) or moe.route(idx, None, self.E)
+            if xr is not None:
+                self.kept.append((x, xr))
             if self.need_h:
                 self._observe(x, idx, wts, routing, h_all=need_all and par.rank == h_all_owner)
             else:

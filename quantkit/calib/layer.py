@@ -87,8 +87,8 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
     calibration tokens; only the routed experts' statistics read it, so no other module here may be
     calibrated.
 
-    `reference` (GPTQ's fit_unquantized, one process): the unquantized model's inputs to the routed experts for
-    each forward call of the step, in batch order (executor.forward_capture); required by such a group."""
+    `reference` (GPTQ's fit_unquantized): the unquantized model's inputs to the routed experts for each
+    forward call of the step (this rank's), in batch order (executor.forward_capture); required by such a group."""
     from .gptq_pass import expert_group_size, expert_owners, share_expert_weights
     from .hessians import reduce_linear_stats
 

@@ -76,22 +76,16 @@ def activations_name(layer: int, rank: int = 0, size: int = 1) -> str:
     return f"activations-{layer:05d}.bin" if size == 1 else f"activations-{layer:05d}-rank{rank}-of-{size}.bin"
 
 
-def reference_name(layer: int) -> str:
-    """The spool file of the unquantized model's hidden states entering layer `layer` (fit_unquantized)."""
-    return f"reference-{layer:05d}.bin"
+def reference_name(layer: int, rank: int = 0, size: int = 1) -> str:
+    """The spool file of the unquantized model's hidden states entering layer `layer` (fit_unquantized; of
+    rank `rank`'s samples in a world of `size`)."""
+    return f"reference-{layer:05d}.bin" if size == 1 else f"reference-{layer:05d}-rank{rank}-of-{size}.bin"
 
 
 def fits_unquantized(recipe: Recipe) -> bool:
     """Whether a GPTQ group of `recipe` fits its experts to the unquantized model (options.fit_unquantized):
     the pass then forwards the unquantized model's hidden states beside the quantized ones."""
     return any(g.method == "gptq" and g.options.fit_unquantized for g in recipe.groups)
-
-
-def check_world(recipe: Recipe, distributed: bool) -> None:
-    """Refuse what a distributed pass cannot do: fit_unquantized (its replay does not carry the second stream)."""
-    if distributed and fits_unquantized(recipe):
-        raise CalibrationError("fit_unquantized runs in one process: the distributed pass does not carry the "
-                               "unquantized model's stream", hint="run without torchrun, or leave fit_unquantized at 0")
 
 
 def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int, dtype: torch.dtype,
@@ -107,7 +101,8 @@ def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int
         layers = index["layers"]
         ref = rec.get("reference")
         ok = (isinstance(nxt, int) and 0 < nxt < num_layers and rec["lengths"] == lengths
-              and (ref == reference_name(nxt) and (spool / ref).is_file() if reference else ref is None)
+              and (ref == reference_name(nxt, 0, size) and (spool / reference_name(nxt, rank, size)).is_file()
+                   if reference else ref is None)
               and rec["hidden"] == hidden and rec["dtype"] == str(dtype)
               and rec.get("world", 1) == size and rec.get("batch_tokens", batch_tokens) == batch_tokens
               and name == activations_name(nxt, 0, size)
@@ -118,7 +113,7 @@ def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int
         act = spool / activations_name(nxt, rank, size)
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return (nxt, index, act, spool / ref if reference else None) if ok else None
+    return (nxt, index, act, spool / reference_name(nxt, rank, size) if reference else None) if ok else None
 
 
 def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: Callable[[int, int], None] | None = None,
@@ -190,7 +185,6 @@ def _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, avail
     if par.leader:
         log(plan.summary())
     fit = fits_unquantized(recipe)
-    check_world(recipe, par.distributed)
     spool.mkdir(parents=True, exist_ok=True)
     index = {"layers": [], "modules": {}, "overrides": []}
     start, inputs = 0, samples
@@ -201,7 +195,7 @@ def _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, avail
         try:
             restored = ex.restore_samples(found[2], lengths, par.samples())
             if fit:
-                reference = ex.restore(found[3], lengths)
+                reference = ex.restore_samples(found[3], lengths, par.samples())
         except (OSError, ValueError):  # activations that do not fit the samples: start over
             if restored is not None:
                 restored.close()
@@ -306,7 +300,8 @@ def _layer_loop(ex, par, ckpt, recipe, inputs, start, index, ref, lengths, dtype
                                                        par.samples()),
                      f"saving the inputs of decoder layer {nxt}", "write")
             if ref is not None:
-                par.step(lambda: ref.store.save(spool / reference_name(nxt)),
+                par.step(lambda: ref.store.save_samples(spool / reference_name(nxt, par.rank, par.size),
+                                                        par.samples()),
                          f"saving the unquantized model's inputs of decoder layer {nxt}", "write")
 
             def record():  # every rank's activations are durable: the record may name them
@@ -316,8 +311,8 @@ def _layer_loop(ex, par, ckpt, recipe, inputs, start, index, ref, lengths, dtype
                     "next_layer": nxt, "activations": activations_name(nxt, 0, par.size), "world": par.size,
                     "batch_tokens": ex.batch_tokens, "lengths": lengths, "hidden": ex.hidden_size,
                     "dtype": str(dtype), "index": index,
-                    **({"reference": reference_name(nxt)} if ref is not None else {})})
-                keep = {activations_name(nxt, r_, par.size) for r_ in range(par.size)} | {reference_name(nxt)}
+                    **({"reference": reference_name(nxt, 0, par.size)} if ref is not None else {})})
+                keep = {f(nxt, r_, par.size) for r_ in range(par.size) for f in (activations_name, reference_name)}
                 for old in [*spool.glob("activations-*.bin"), *spool.glob("reference-*.bin")]:
                     if old.name not in keep:
                         old.unlink(missing_ok=True)

@@ -307,10 +307,6 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     # on its LOCAL_RANK's GPU). A GPU job whose process group is gloo (a GPU asked for while torch.distributed
     # joined without one) calibrates on rank 0 alone while the others wait.
     split_calib = w.size > 1 and calib_device is not None and (calib_device.type == "cpu" or w.backend == "nccl")
-    if split_calib and job.calibrated:  # before any work (the pass itself refuses it too)
-        from ..calib.spool import check_world
-
-        check_world(recipe, distributed=True)
     # KV scales: read and checked (or calibrated) once the plan is known to be valid, before any write
     kv = _job_kv(job, opts, w, split_calib, calib_report)
     notes += _kv_notes(src, kv)

@@ -306,7 +306,7 @@ class GPTQOptions(_Calibrated):
     expert that the calibration samples route fewer than n tokens to is topped up from a pool of
     `balance_pool` further samples of the same dataset (null: as many as the calibration's), forwarded
     after them: the pool's tokens enter an expert's statistics, in order, until it has n routed tokens
-    (calib/hessians.py); nothing else sees the pool. `fit_unquantized` a in (0, 1] (routed experts, one process):
+    (calib/hessians.py); nothing else sees the pool. `fit_unquantized` a in (0, 1] (routed experts):
     each expert is fitted to what the unquantized model computes for the same tokens, not to its own
     weights on the quantized model's inputs: GPTQ of W + a W (A - H) H_damped^-1 under H, A the cross-Gram of
     the unquantized model's inputs with the quantized model's, down_proj's statistics taken after gate/up

@@ -645,11 +645,13 @@ def _communication(s: _LayerShape, egroup, dense, gq: _Batches, g: int, item: in
     sampled rows and the block's outputs for them); dense targets' partial Hessians sent to their owners;
     the dequantized weights broadcast by their owners (AWQ: every parameter of the layer, from rank 0, and
     the per-expert search results from the ranks that ran them). The packed results do not travel: each rank
-    writes what it solved to the spool."""
+    writes what it solved to the spool. GPTQ's fit_unquantized: every batch's unquantized-model MoE inputs too."""
     out: dict[str, float] = {}
     others = sum(gq.all_batches) - gq.rank_tokens
     if egroup is not None and egroup.method == "gptq":
         out["moe_inputs"] = others * (hidden * 4 + s.top_k * 16)
+        if egroup.options.fit_unquantized:  # the unquantized model's rows beside them
+            out["reference_inputs"] = others * hidden * 4
         out["dequantized_weights"] = (s.experts - owned) * (s.p * s.h + s.h * s.i) * item
     elif egroup is not None and egroup.method == "rtn":  # NVFP4 W4A4 input amax: gathered maxima only
         out["input_amax"] = s.experts * 3 * 8 * (g - 1) / g

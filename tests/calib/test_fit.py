@@ -14,7 +14,7 @@ from quantkit.calib.executor import LayerExecutor
 from quantkit.calib.gptq_pass import fit_target
 from quantkit.calib.hessians import ExpertStats
 from quantkit.calib.layer import statistics_bytes
-from quantkit.calib.spool import check_world, run_calibrated
+from quantkit.calib.spool import _read_progress, reference_name, run_calibrated
 from quantkit.errors import CalibrationError, RecipeError
 from quantkit.match.recipe import parse_recipe
 from quantkit.testing import make_tiny_model
@@ -203,10 +203,6 @@ def test_fit_options_and_where_it_is_refused(tmp_path):
         recipe("awq", fit_unquantized=0.5)
     with pytest.raises(RecipeError, match="balance_tokens"):
         recipe("gptq", fit_unquantized=0.5, balance_tokens=16)
-    check_world(recipe("gptq", fit_unquantized=0.5), distributed=False)
-    check_world(recipe("gptq"), distributed=True)
-    with pytest.raises(CalibrationError, match="one process"):
-        check_world(recipe("gptq", fit_unquantized=0.5), distributed=True)
     src = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=1)
     wide = parse_recipe(f"groups:\n  all:\n    targets: {TARGETS[:-1]}, 're:.*self_attn\\.o_proj$']\n"
                         "    method: gptq\n    scheme: {group_size: 32}\n    options: {fit_unquantized: 0.5}\n")
@@ -250,3 +246,29 @@ def test_fit_pass_on_other_families(tmp_path, arch):
     layers = sorted({int(n.split(".layers.")[1].split(".")[0]) for n in wa})
     last = [n for n in wa if f".layers.{layers[-1]}." in n]
     assert sum(not torch.equal(wa[n], wb[n]) for n in last) >= len(last) // 2
+
+
+def test_a_distributed_record_names_each_ranks_stream(tmp_path):
+    """Under torchrun each rank saves its own part of the unquantized stream: the record names rank 0's file
+    for the world size, and each rank resumes only from its own (a rank whose file is missing starts over)."""
+    spool = tmp_path
+    lengths = [8, 8]
+    for n in ("layer-00000-rank0-of-2", "layer-00000-rank1-of-2"):
+        (spool / f"{n}.json").write_text("{}")
+        (spool / f"{n}.safetensors").write_bytes(b"")
+    rec = {"next_layer": 1, "activations": "activations-00001-rank0-of-2.bin", "world": 2, "batch_tokens": 8,
+           "lengths": lengths, "hidden": 4, "dtype": "torch.float32", "reference": reference_name(1, 0, 2),
+           "index": {"layers": ["layer-00000-rank0-of-2", "layer-00000-rank1-of-2"], "modules": {}, "overrides": []}}
+    (spool / "progress.json").write_text(json.dumps(rec))
+    for r in (0, 1):
+        (spool / f"activations-00001-rank{r}-of-2.bin").write_bytes(b"")
+    (spool / reference_name(1, 0, 2)).write_bytes(b"")
+    args = (spool, 3, lengths, 4, torch.float32, 8)
+    got = _read_progress(*args, 0, 2, reference=True)
+    assert got is not None and got[3] == spool / "reference-00001-rank0-of-2.bin"
+    assert _read_progress(*args, 1, 2, reference=True) is None  # rank 1's part is missing
+    (spool / reference_name(1, 1, 2)).write_bytes(b"")
+    assert _read_progress(*args, 1, 2, reference=True)[3] == spool / "reference-00001-rank1-of-2.bin"
+    assert _read_progress(*args, 0, 2, reference=False) is None  # a plain pass does not take a fitting record
+    (spool / "progress.json").write_text(json.dumps({**rec, "reference": "../reference-00001-rank0-of-2.bin"}))
+    assert _read_progress(*args, 0, 2, reference=True) is None

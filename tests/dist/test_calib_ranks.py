@@ -182,6 +182,15 @@ def test_affinity_statistics_split_byte_identical(src, reference, tmp_path_facto
     assert b'"affinity_tokens"' in got["quantkit_manifest.json"]
 
 
+def test_fit_unquantized_byte_identical(src, reference, tmp_path):
+    """`int4-experts-gptq-fit`: each rank forwards its batches of the unquantized model's stream too, the replay
+    broadcasts those rows beside the quantized ones, and 2 ranks write the single process's bytes."""
+    out = tmp_path / "q"
+    p = _convert(2, src, out, "int4-experts-gptq-fit")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert _files(out) == reference("int4-experts-gptq-fit")
+
+
 def test_balance_top_up_byte_identical(src, reference, tmp_path_factory, tmp_path):
     """GPTQ with `balance_tokens`: the top-up pool's batches are replayed in batch order after the calibration
     samples' on every rank, so each owner tops up its experts from the same rows, and 2 ranks write the

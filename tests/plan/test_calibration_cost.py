@@ -358,3 +358,20 @@ def test_fit_unquantized_cost_is_a_forward_and_the_fits(tmp_path):
         assert fit.seconds[k] == fit1.seconds[k], k
     assert fit.seconds["forward"] < 2 * plain.seconds["forward"]  # plain: a whole and a split forward per layer
     assert fit.seconds["hessians"] < 2.5 * plain.seconds["hessians"]
+
+
+def test_fit_unquantized_rows_travel_under_torchrun(tmp_path):
+    """On 2 ranks a fitting pass also receives the other rank's batches' unquantized-model MoE inputs (float32
+    hidden rows), beside the quantized ones."""
+    cfg = _config(tmp_path, 2)
+    n, t = 64, 64
+    rec = tmp_path / "fit.yaml"
+    import quantkit
+
+    text = (Path(quantkit.__file__).parent / "data" / "recipes" / "int4-experts-gptq.yaml").read_text()
+    rec.write_text(text.replace("      block_size: 128\n", "      block_size: 128\n      fit_unquantized: 0.5\n"))
+    plain, fit = _cost(cfg, n, t, 2, threads=2), _cost(cfg, n, t, 2, threads=2, recipe=str(rec))
+    other = n * t - n * t // 2
+    assert "reference_inputs" not in plain.communication_bytes
+    assert fit.communication_bytes["reference_inputs"] == 2 * other * HIDDEN * 4  # 2 layers
+    assert fit.seconds["communication"] > plain.seconds["communication"]
