@@ -10,7 +10,7 @@ a byte comparison of every output file.
 The model: qwen3_moe built with quantkit.testing.make_tiny_model (random BF16 weights): 8 layers, 32 routed
 experts per layer, hidden 512, expert width 256, top-4 routing, 8 query / 4 KV heads of 64, vocab 4096.
 Calibration: `--samples` rows of `--seq-len` random token ids (seeded; an `input_ids` JSONL file, so no
-tokenizer is involved). Recipe int4-experts-gptq.
+tokenizer is involved). Recipe int4-experts-gptq (`--recipe`: another shipped one).
 
 World size 1 is a plain `python -m quantkit convert` with OMP_NUM_THREADS=1 (one thread; `--torchrun-one`:
 under torchrun too); world size n > 1 is
@@ -137,11 +137,13 @@ def _peer(python: Path, src: Path, work: Path, data: Path, seq_len: int, timeout
 
 
 def main(argv=None) -> int:
+    global RECIPE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--recipe", default=RECIPE, help="a shipped recipe (default %(default)s)")
     ap.add_argument("--quick", action="store_true", help="2 layers, 8 samples x 64 tokens")
     ap.add_argument("--torchrun-one", action="store_true",
                     help="world size 1 under torchrun too (--nproc-per-node 1), so every world size pays the launcher")
@@ -153,6 +155,7 @@ def main(argv=None) -> int:
                     help="python of a venv with llmcompressor (bench/setup_peers.sh): also its `oneshot` GPTQ (W4A16, "
                          "group 32, bench/quality.py's script) on the same model and tokens, one thread, after the ranks")
     a = ap.parse_args(argv)
+    RECIPE = a.recipe
     if a.quick:
         a.layers, a.samples, a.seq_len = 2, 8, 64
     ranks = sorted(set(a.ranks) | {1})
