@@ -437,15 +437,19 @@ class LayerExecutor:
             topk.finish()
         return out
 
+    def check_second_stream(self) -> None:
+        """Refuse a second stream of hidden states (GPTQ's fit_unquantized) where the layers carry DSA top-k
+        indices from one layer to the next: there is one carry per pass."""
+        if self.topk is not None:
+            raise CalibrationError("fitting to the unquantized model (fit_unquantized) is not supported on models "
+                                   "with DeepSeek sparse attention (glm_moe_dsa)", hint="leave fit_unquantized at 0")
+
     def forward_capture(self, layer: nn.Module, inputs: ActivationStore,
                         capture: nn.Module | None) -> tuple[ActivationStore, list[torch.Tensor]]:
         """`forward_layer`, also returning what `capture` (a module inside the layer; None: nothing) receives
         as its first argument in each forward call, float32 [rows, D], in batch order: the unquantized
-        model's own stream beside the quantized one (GPTQ's fit_unquantized). Not on models whose layers
-        carry DSA top-k indices (one carry per pass)."""
-        if self.topk is not None:
-            raise CalibrationError("fitting to the unquantized model (fit_unquantized) is not supported on models "
-                                   "with DeepSeek sparse attention (glm_moe_dsa)", hint="leave fit_unquantized at 0")
+        model's own stream beside the quantized one (GPTQ's fit_unquantized; `check_second_stream`)."""
+        self.check_second_stream()
         seen: list[torch.Tensor] = []
 
         def grab(module, args):

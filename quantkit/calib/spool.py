@@ -185,6 +185,8 @@ def _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, avail
     if par.leader:
         log(plan.summary())
     fit = fits_unquantized(recipe)
+    if fit:
+        ex.check_second_stream()  # before any layer
     spool.mkdir(parents=True, exist_ok=True)
     index = {"layers": [], "modules": {}, "overrides": []}
     start, inputs = 0, samples
