@@ -244,7 +244,7 @@ def test_the_replay_buffers_of_several_ranks_are_planned(tiny_models, ranks):
     ex.free_layer(1)
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "gptq-fit"])
 def test_gpu_numerics_emulated_on_the_cpu(tiny_models, tmp_path, monkeypatch, method):
     """What a GPU computes in (bfloat16 layers and activations, float32 GPTQ solves), run on the CPU: the
     pass works end to end in those dtypes and stays within bench/calib_cuda.py's tolerances of the float32
@@ -259,13 +259,15 @@ def test_gpu_numerics_emulated_on_the_cpu(tiny_models, tmp_path, monkeypatch, me
 
     path = tiny_models("qwen3_moe")
     samples = _samples(4, 32)
-    rec = recipe(method, **({"n_grid": 5} if method == "awq" else {}))  # CPU bfloat16 index_add_ is slow
+    # CPU bfloat16 index_add_ is slow; gptq-fit: GPTQ fitted to the unquantized model (its stream in bfloat16)
+    rec = recipe(method.split("-")[0], **({"n_grid": 5} if method == "awq" else
+                                          {"fit_unquantized": 0.5} if method == "gptq-fit" else {}))
     ref = run_calibrated(path, rec, samples, tmp_path / "f32")
     monkeypatch.setattr(gptq_pass, "solve_dtype", lambda device: torch.float32)
     got = run_calibrated(path, rec, samples, tmp_path / "bf16", dtype=torch.bfloat16)
     assert got["memory"]["dtype"] == "bfloat16" and ref["memory"]["dtype"] == "float32"
     assert got["modules"].keys() == ref["modules"].keys()
-    if method == "gptq":
+    if method.startswith("gptq"):
         wr, wg = spool_weights(tmp_path / "f32", ref), spool_weights(tmp_path / "bf16", got)
         assert wr and wr.keys() == wg.keys()
         assert statistics.median(float(sqnr_db(wr[k], wg[k])) for k in wr) >= 12.0
