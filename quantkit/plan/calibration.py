@@ -450,7 +450,7 @@ def _fit_unquantized(c: Throughput, s: _LayerShape, batches: list[int], owned: i
     forward is counted with the forwards): per owned expert and batch the cross-Gram of its rows with the
     unquantized model's (one more h x h Gram), then after the gate/up solves the down inputs of both streams
     (one more gate/up product than the statistics forward computes) and two i x i Grams; per matrix the
-    fitted target, W (A - H) and a Cholesky solve (~3 n_out k^2 flops) after a float64 factorization."""
+    fitted target, W (A - H) and a Cholesky solve (~3 n_out k^2 flops) after a factorization (float32)."""
     h, e = s.h or hidden, s.experts
     if not e or not owned:
         return 0.0, 0.0
