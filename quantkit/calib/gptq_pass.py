@@ -305,6 +305,8 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                     meta["affinity_tokens"] = int(stats.aff_counts[e])
                 if stats.pool_counts[e]:
                     meta["pool_tokens"] = int(stats.pool_counts[e])  # of `tokens`, from the top-up pool
+                if fitted[e]:
+                    meta["fit_unquantized"] = alpha  # solved against the unquantized model's outputs
                 for kind, rows in parts:
                     db = sq[kind][j] if sq is not None else float(sqnr_db(w[j, rows], deq[j, rows]))
                     m = {**meta, "sqnr_db": round(db, 4)}

@@ -140,7 +140,16 @@ def test_fit_pass_against_plain_gptq(tmp_path):
     assert sum(not torch.equal(wa[n], wb[n]) for n in wa if ".layers.1." in n and "gate_proj" in n) >= 4
     m = fit["modules"]["model.layers.1.mlp.experts.0.down_proj"]
     assert m["heldout"]["tokens"] > 0 and m["heldout"]["kept"] in ("solve", "rtn", "retry")
+    # every expert module records the fit (none fell back here); plain GPTQ's record nothing of it
+    assert all(m.get("fit_unquantized") == 0.5 for m in fit["modules"].values())
+    assert not any("fit_unquantized" in m for m in plain["modules"].values())
     assert not list((tmp_path / "b").glob("reference-*"))  # the stream's files end with the pass
+    # experts whose statistics come from every token (min_tokens fallback) are solved as plain GPTQ
+    low = run_calibrated(src, recipe("gptq", fit_unquantized=0.5, min_tokens=100000), samples, tmp_path / "c")
+    low_plain = run_calibrated(src, recipe("gptq", min_tokens=100000), samples, tmp_path / "d")
+    assert not any("fit_unquantized" in m for m in low["modules"].values())
+    wc, wd = spool_weights(tmp_path / "c", low), spool_weights(tmp_path / "d", low_plain)
+    assert all(torch.equal(wc[n], wd[n]) for n in wc)
 
 
 def test_fit_resumes_with_the_unquantized_stream(tmp_path, monkeypatch):
