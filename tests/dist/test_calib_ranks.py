@@ -280,6 +280,22 @@ def test_a_rank_killed_mid_pass_resumes_to_the_same_bytes(src, dense_recipe, ref
     assert _files(out) == reference(dense_recipe)
 
 
+def test_a_rank_killed_mid_fit_resumes_from_both_streams(src, reference, tmp_path):
+    """`int4-experts-gptq-fit` on 2 ranks, rank 1 SIGKILLed at layer 2: each rank's part of the unquantized
+    model's stream is in the spool beside its activations, and the same command resumes at layer 2 to the
+    single process's bytes."""
+    out = tmp_path / "q"
+    first = _ranked(tmp_path, "kill", src, out, "int4-experts-gptq-fit")
+    assert first.returncode != 0 and (tmp_path / "killed").exists()
+    spool = out / ".quantkit-journal" / "calib"
+    assert sorted(p.name for p in spool.glob("reference-*.bin")) == [
+        "reference-00002-rank0-of-2.bin", "reference-00002-rank1-of-2.bin"]
+    again = _ranked(tmp_path, "kill", src, out, "int4-experts-gptq-fit")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming calibration at layer 2 of 3" in again.stderr
+    assert _files(out) == reference("int4-experts-gptq-fit")
+
+
 def test_a_rank_failing_mid_pass_stops_every_rank(src, tmp_path):
     p = _ranked(tmp_path, "fail", src, tmp_path / "q", "int4-experts-gptq")
     assert p.returncode != 0
