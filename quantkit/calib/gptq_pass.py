@@ -229,13 +229,14 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
     if g.options.observer != "minmax":
         kw["observer"] = g.options.observer
     half = stats.P // 2
-    # held-out rows of every owned expert, the down inputs from the unquantized gate/up (computed before
-    # the gate/up solves write their results back)
-    heldout = {e: stats.heldout_inputs(e) for e in range(E) if owned[e]} if stats.holdout else None
     # fit_unquantized: the experts with routed (or affinity) statistics are fitted to the unquantized model's
     # outputs; their down_proj statistics are summed once their gate/up are quantized (below)
     alpha = float(g.options.fit_unquantized) if stats.a_gu is not None else 0.0
     fitted = owned & ~low & ~use_rtn if alpha else torch.zeros(E, dtype=torch.bool)
+    # held-out rows of every owned expert, the down inputs from the unquantized gate/up (computed before
+    # the gate/up solves write their results back; a fitted expert's come from its quantized gate/up, below)
+    heldout = ({e: stats.heldout_inputs(e, down=not bool(fitted[e])) for e in range(E) if owned[e]}
+               if stats.holdout else None)
     a_gu = stats.a_gu.mul_((2.0 / counts)[:, None, None]) if alpha else None
     # the fitted experts' held-out rows, per kind: (inputs, the unquantized model's inputs); down's are
     # those of the quantized and of the unquantized gate/up, set once gate/up are quantized

@@ -231,27 +231,25 @@ class ExpertStats:
     def _add_rows(self, e: int, j: int, x: torch.Tensor, rows_e: torch.Tensor, w_e: torch.Tensor | None,
                   bufs: tuple) -> None:
         """h_gu[j] += X^T X and h_down[j] += D^T D for expert e's rows `rows_e` of x (X [n, H], D its down
-        inputs), each row scaled by the square root of its weight in `w_e` (None: 1) after D is computed."""
+        inputs), each row scaled by the square root of its weight in `w_e` (None: 1) after D is computed.
+        fit_unquantized: a_gu[j] += X_ref^T X instead of the down Gram (X_ref the same rows of the unquantized
+        model's inputs, scaled alike), the rows recorded for `down_statistics`."""
         ws_x, ws_gu, g_gu, g_down, silu = bufs
         xe = ws_x[:rows_e.numel()]
         torch.index_select(x, 0, rows_e, out=xe)  # [n, H]
-        if self.a_gu is not None:  # fit_unquantized: the cross-Gram now, down_proj's statistics after gate/up
-            xr = self.kept[-1][1].index_select(0, rows_e)
-            if w_e is not None:
-                r = w_e.sqrt()[:, None]
-                xe.mul_(r)
-                xr.mul_(r)
-            self.h_gu[j] += torch.mm(xe.T, xe, out=g_gu)
-            self.a_gu[j] += torch.mm(xr.T, xe, out=g_gu)
-            self.rows_of[j].append((len(self.kept) - 1, rows_e, w_e))
-            return
-        hd = self.down_inputs_one(e, xe, out=ws_gu[:rows_e.numel()], silu=silu)
+        fit = self.a_gu is not None  # the cross-Gram now, down_proj's statistics after gate/up are quantized
+        other = (self.kept[-1][1].index_select(0, rows_e) if fit
+                 else self.down_inputs_one(e, xe, out=ws_gu[:rows_e.numel()], silu=silu))  # X_ref or D
         if w_e is not None:
             r = w_e.sqrt()[:, None]
             xe.mul_(r)
-            hd.mul_(r)
+            other.mul_(r)
         self.h_gu[j] += torch.mm(xe.T, xe, out=g_gu)
-        self.h_down[j] += torch.mm(hd.T, hd, out=g_down)
+        if fit:
+            self.a_gu[j] += torch.mm(other.T, xe, out=g_gu)
+            self.rows_of[j].append((len(self.kept) - 1, rows_e, w_e))
+        else:
+            self.h_down[j] += torch.mm(other.T, other, out=g_down)
 
     def _top_up(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> None:
         """Rows of the top-up pool. While an expert has fewer than `balance` routed rows, each pool row counts
@@ -319,12 +317,13 @@ class ExpertStats:
         g, u = (x @ gate_up.float().T).chunk(2, dim=-1)
         return self.experts.act_fn(g) * u
 
-    def heldout_inputs(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def heldout_inputs(self, e: int, down: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Expert e's held-out rows (owned experts only): (gate/up inputs [m, H], down inputs [m, I] from the
-        experts' weights as they are now, i.e. before they are quantized), in the order they were seen."""
+        experts' weights as they are now, i.e. before they are quantized; None when not `down`), in the order
+        they were seen."""
         rows = self.ho_x[int(self.slot[e])]
         x = torch.cat(rows) if rows else torch.zeros(0, self.H, device=self.device)
-        return x, self.down_inputs_one(e, x)
+        return x, self.down_inputs_one(e, x) if down else None
 
     def down_inputs_one(self, e: int, xe: torch.Tensor, out: torch.Tensor | None = None,
                         silu: bool = False) -> torch.Tensor:
