@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("QUANTKIT_TREE_CACHE", ROOT / "bench" / ".cache" / "tree-sources"))
 CAL = ["--num-samples", "4", "--seq-len", "32"]
+CAL16 = ["--num-samples", "16", "--seq-len", "64"]  # enough tokens per expert for the solve's options to act
 
 ASYM_RECIPE = """\
 name: asym-mixed
@@ -117,6 +118,9 @@ def _cases(src: dict[str, Path], work: Path):
     yield "qwen3-asym", [["convert", src["qwen3_moe"], "{out}", "--recipe", str(src["asym-recipe"])]]
     yield "qwen3-rtn-split", [["convert", src["qwen3_moe"], "{out}", "--recipe", "int4-experts-rtn",
                                "--max-shard-size", "100KB"]]
+    # searched scales, affinity statistics, refitted scales, sweeps, the held-out check; and the fit
+    yield "qwen3-gptq-plus", [["convert", src["qwen3_moe"], "{out}", "--recipe", "int4-experts-gptq-plus", *CAL16]]
+    yield "deepseek-gptq-fit", [["convert", src["deepseek_v3"], "{out}", "--recipe", "int4-experts-gptq-fit", *CAL16]]
     yield "mixtral-rtn", [["convert", src["mixtral"], "{out}", "--recipe", "int4-experts-rtn"]]
     yield "mixtral-gptq", [["convert", src["mixtral"], "{out}", "--recipe", "int4-experts-gptq", *CAL]]
     yield "mixtral-asym", [["convert", src["mixtral"], "{out}", "--recipe", str(src["asym-recipe"])]]

@@ -66,14 +66,17 @@ def _solve(w: torch.Tensor, h: torch.Tensor, s, refit: bool = False, refine: int
     """GPTQ of w [c, N, K]: (result, FP4 grid or None). INT4 chooses its group parameters in the sweep;
     `refit` (options.refit_scales, symmetric INT4): then its group scales are refitted to the codes
     (quant/gptq.py refit_scales); `refine` (options.refine_sweeps, symmetric INT4): then that many
-    coordinate-descent sweeps move the codes under the final scales (quant/gptq.py refine_codes)."""
+    coordinate-descent sweeps move the codes under the final scales (quant/gptq.py refine_codes). With `fit`
+    (quant/gptq.py gptq) both work on the fitted weights the solve quantized; an FP4 grid's scales are chosen
+    from the weights as they are."""
     kw = {**kw, "solve_dtype": solve_dtype(w.device)}
     if not s.fp4:
         r = gptq(w, h, s.num_bits, s.group_size, s.symmetric, **kw)
+        wt = w if r.target is None else r.target
         if refit:
-            r.qparams.scale.copy_(refit_scales(w, r.q, r.qparams.scale, h, r.damping, solve_dtype=kw["solve_dtype"])[0])
+            r.qparams.scale.copy_(refit_scales(wt, r.q, r.qparams.scale, h, r.damping, solve_dtype=kw["solve_dtype"])[0])
         if refine:
-            r.q.copy_(refine_codes(w, r.q, r.qparams.scale, h, r.damping, num_bits=s.num_bits, sweeps=refine)[0])
+            r.q.copy_(refine_codes(wt, r.q, r.qparams.scale, h, r.damping, num_bits=s.num_bits, sweeps=refine)[0])
         return r, None
     weight = torch.diagonal(h, dim1=-2, dim2=-1).float() if kw.get("observer") == "mse" else None
     grid = _FP4Grid(s, w, weight)
@@ -97,25 +100,6 @@ def gptq_dense(res: LayerResult, ckpt, disk: str, mod: nn.Linear, g: WeightGroup
         emit_tensors(res, disk, grid.tensors(disk, 0, slice(None), r.q[0]), s,
                      {**meta, "sqnr_db": round(float(sqnr_db(w, deq)), 4)})
     mod.weight.data.copy_(deq.to(mod.weight.dtype))
-
-
-def fit_target(w: torch.Tensor, h: torch.Tensor, a: torch.Tensor, alpha: float, damp: float) -> torch.Tensor:
-    """The weights GPTQ quantizes to fit the unquantized model (options.fit_unquantized): for each expert of
-    w [c, N, K], with its Hessian h = X^T X and cross-Gram a = X_ref^T X [c, K, K] (X the quantized model's
-    inputs, X_ref the unquantized model's for the same rows; scaled alike), W + alpha W (A - H) H_d^-1, H_d
-    = H + damp * mean(diag H) * I: the least-squares W' of ||X W'^T - X_ref W^T|| at alpha 1, GPTQ's own W at
-    0. An expert whose damped Hessian is not positive definite (no rows) keeps W. In float32 throughout (on
-    the CPU too, unlike the solve): the result is W plus a correction that the damping keeps well
-    conditioned, and its factorization and products are most of the fit's cost."""
-    h, w = h.float(), w.float()
-    lam = damp * torch.diagonal(h, dim1=-2, dim2=-1).mean(-1)
-    hd = h + lam[:, None, None] * torch.eye(h.shape[-1], device=h.device)
-    chol, info = torch.linalg.cholesky_ex(hd)
-    m = torch.bmm(w, a.float() - h)  # W (A - H) [c, N, K]
-    out = w + alpha * torch.cholesky_solve(m.transpose(-1, -2), chol).transpose(-1, -2)
-    bad = (info != 0) | (lam <= 0) | ~torch.isfinite(out).flatten(1).all(-1)
-    out[bad] = w[bad]
-    return out
 
 
 def _all_token_down_hessians(stats: ExpertStats, ids: torch.Tensor) -> torch.Tensor:
@@ -255,14 +239,13 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
             idx = torch.tensor(ids, device=param.device)
             w = param.data.index_select(0, idx).float()  # [c, N, K]
             hb = h[slot[ids[0]]:slot[ids[0]] + len(ids)]  # the owned experts' slots are consecutive, in expert order
-            wt = w  # what GPTQ quantizes: w, or for fitted experts the weights that fit the unquantized model
+            # fitted experts: GPTQ quantizes the weights that fit the unquantized model (quant/gptq.py `fit`)
             fit_rows = fitted[idx.cpu()]
+            fit = None
             if fit_rows.any():
                 ab = (a_gu if key == "gu" else stats.a_down)[slot[ids[0]]:slot[ids[0]] + len(ids)]
-                sel = fit_rows.nonzero().flatten().to(dev)
-                wt = w.clone()
-                wt[sel] = fit_target(w[sel], hb[sel], ab[sel], alpha, g.options.damp)
-            r, grid = _solve(wt, hb, s, factor_chunk=group, **kw)
+                fit = (ab, fit_rows.to(dev, torch.float32) * alpha)
+            r, grid = _solve(w, hb, s, factor_chunk=group, fit=fit, **kw)
             q, qp = r.q, r.qparams
             sel = use_rtn[idx.cpu()]
             if sel.any():
@@ -278,7 +261,8 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
             checks = None
             if heldout is not None:
                 def retry(sub: list[int], factor: float):  # called within this iteration only
-                    rs, _ = _solve(wt[sub], hb[sub], s, factor_chunk=group, **{**kw, "damp": kw["damp"] * factor})
+                    fs = None if fit is None else (fit[0][sub], fit[1][sub])
+                    rs, _ = _solve(w[sub], hb[sub], s, factor_chunk=group, fit=fs, **{**kw, "damp": kw["damp"] * factor})
                     return rs.q, rs.qparams, rs.damping
                 pairs = [fit_ho[e][key] if e in fit_ho else (heldout[e][0 if key == "gu" else 1], None) for e in ids]
                 checks = _heldout_check(w, q, qp, grid, s, parts, ids, use_rtn, [x for x, _ in pairs],

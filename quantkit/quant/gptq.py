@@ -39,6 +39,7 @@ class GPTQResult:
     damping: torch.Tensor  # [E] relative damping finally used
     fallback: list[str | None]  # per matrix: None, or why H was replaced by its diagonal
     dead_columns: torch.Tensor  # [E] number of inputs never seen (H_ii == 0)
+    target: torch.Tensor | None = None  # with `fit`: the weights quantized [E, N, K] float32 (see gptq)
 
 
 # Blocks of at most this order are factorized and inverted by LAPACK; larger ones recursively, from two
@@ -158,7 +159,8 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
          *, damp: float = 0.01, block_size: int = 128, actorder: bool = False, max_retries: int = 4,
          scale_dtype: torch.dtype = torch.bfloat16, static_scale: torch.Tensor | None = None,
          quantize_column: Callable | None = None, solve_dtype: torch.dtype = torch.float64,
-         factor_chunk: int | None = None, observer: str = "minmax") -> GPTQResult:
+         factor_chunk: int | None = None, observer: str = "minmax",
+         fit: tuple[torch.Tensor, torch.Tensor] | None = None) -> GPTQResult:
     """Quantize weights w [E, N, K] (or [N, K]) given Hessians h [E, K, K] (or [K, K]) = 2/n * sum x x^T.
     `static_scale` [E, N, G] float32 + `quantize_column`: another grid with scales fixed up front (FP4);
     the result's q then holds that grid's codes and its qparams the given scales. `solve_dtype`: what the
@@ -167,6 +169,13 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
     over all of them at once). `observer` "mse" (INT4, symmetric): each group's scale is the clipping of its
     min/max scale with the least error weighted by the Hessian's diagonal (quant/int4.py choose_qparams_mse).
     Every tensor lives on w's device.
+
+    `fit` (a [E, K, K], alpha [E]): the solve fits each matrix to another model's outputs (calib/gptq_pass.py,
+    options.fit_unquantized): with a = X_ref^T X the cross-Gram of that model's inputs X_ref with X (scaled
+    like h), the weights quantized are W + alpha W (A - H) H_d^-1 instead of W (H_d the damped Hessian this
+    solve factorizes): at alpha 1 the least-squares W' of ||X W'^T - X_ref W^T||, at 0 W itself. The
+    correction takes two products with the solve's own inverse factor (H_d^-1 = U^T U); the result's
+    `target` holds those weights.
 
     The sweep works on the transposed weights [E, K, N], so that a column of w is a contiguous row: the
     per-column quantization and the in-block error push read and write contiguous memory."""
@@ -203,10 +212,6 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
     if actorder:
         diag = torch.diagonal(H, dim1=-2, dim2=-1).masked_fill(dead, 1.0)
         perm = torch.argsort(diag, dim=-1, descending=True, stable=True)  # [E, K]
-        if static is None:
-            static = pick(Wt.transpose(1, 2), None)  # natural order
-        Wt = _permute_rows(Wt, perm)
-        group_of = torch.div(perm, gs, rounding_mode="floor")  # [E, K] natural group of each visited column
 
     fc = e if factor_chunk is None else max(1, int(factor_chunk))
     kw = dict(solve_dtype=solve_dtype)
@@ -223,7 +228,25 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
             U[sl] = u_c
             fallback += fb_c
             del u_c
+    target = None
+    if fit is not None:  # Wt (natural order) += alpha H_d^-1 (A - H)^T W^T, H_d^-1 = P^T U^T U P
+        a, alpha = fit
+        m = torch.bmm((a.to(device=dev, dtype=torch.float32) - H.float()).transpose(1, 2), Wt)  # [E, K, N]
+        if perm is not None:
+            m = _permute_rows(m, perm)
+        m = torch.bmm(U.transpose(1, 2), torch.bmm(U, m))
+        if perm is not None:
+            m = _permute_rows(m, torch.argsort(perm, dim=-1))
+        m[~torch.isfinite(m).flatten(1).all(-1)] = 0.0  # a correction that overflowed: that matrix keeps W
+        Wt.add_(m.mul_(alpha.to(device=dev, dtype=torch.float32)[:, None, None])).masked_fill_(dead[:, :, None], 0.0)
+        del m
+        target = Wt.transpose(1, 2).clone()
     del H
+    if actorder:
+        if static is None:
+            static = pick(Wt.transpose(1, 2).contiguous(), None)  # natural order (contiguous: ~2.5x faster)
+        Wt = _permute_rows(Wt, perm)
+        group_of = torch.div(perm, gs, rounding_mode="floor")  # [E, K] natural group of each visited column
     Ud = torch.diagonal(U, dim1=-2, dim2=-1)  # [E, K]
 
     groups = k // gs
@@ -243,7 +266,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
         for i in range(i2 - i1):
             col = i1 + i
             if static is None and col % gs == 0:  # group params from the already-updated weights
-                qp = pick(W1[:, i:i + gs].transpose(1, 2), slice(col, col + gs))
+                qp = pick(W1[:, i:i + gs].transpose(1, 2).contiguous(), slice(col, col + gs))
                 cur_s, cur_z = qp.scale[..., 0], None if qp.zero_point is None else qp.zero_point[..., 0]
                 scale[:, :, col // gs] = cur_s
                 if zp is not None:
@@ -277,7 +300,9 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
     qp = QParams(scale, zp)
     if squeeze:
         q8, qp = q8[0], QParams(scale[0], None if zp is None else zp[0])
-    return GPTQResult(q8, qp, rel.float(), fallback, dead.sum(-1))
+    if squeeze and target is not None:
+        target = target[0]
+    return GPTQResult(q8, qp, rel.float(), fallback, dead.sum(-1), target)
 
 
 def hessian_update(h: torch.Tensor | None, count: int, x: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -11,12 +11,12 @@ import torch
 
 from quantkit.calib import moe
 from quantkit.calib.executor import LayerExecutor
-from quantkit.calib.gptq_pass import fit_target
 from quantkit.calib.hessians import ExpertStats
 from quantkit.calib.layer import statistics_bytes
 from quantkit.calib.spool import _read_progress, reference_name, run_calibrated
 from quantkit.errors import CalibrationError, RecipeError
 from quantkit.match.recipe import parse_recipe
+from quantkit.quant.gptq import gptq
 from quantkit.testing import make_tiny_model
 
 from calib.test_passes import TARGETS, recipe, spool_weights
@@ -104,20 +104,30 @@ def test_fit_statistics_against_an_independent_computation(tmp_path, affinity):
     ex.final.close()
 
 
-def test_fit_target_is_the_least_squares_fit():
+@pytest.mark.parametrize("actorder", [True, False])
+def test_fitted_target_is_the_least_squares_fit(actorder):
+    """GPTQ's `fit`: the weights it quantizes are the least-squares fit to the other model's outputs at alpha
+    1, the midpoint at 0.5, W itself at 0 or when both streams are equal; its codes are those of a plain
+    solve of those weights."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 400, 16, generator=g, dtype=torch.float64)  # the quantized model's inputs, 3 experts
     r = x + 0.3 * torch.randn(x.shape, generator=g, dtype=torch.float64)  # the unquantized model's
     w = torch.randn(3, 8, 16, generator=g)
-    h, a = x.transpose(1, 2) @ x, r.transpose(1, 2) @ x
-    got = fit_target(w, h.float(), a.float(), 1.0, 1e-9)
+    h, a = (x.transpose(1, 2) @ x).float(), (r.transpose(1, 2) @ x).float()
+
+    def solve(a_, alpha):
+        return gptq(w, h, 4, 16, True, damp=1e-9, actorder=actorder, fit=(a_, torch.tensor(alpha)))
+
     want = torch.linalg.lstsq(x, r @ w.double().transpose(1, 2)).solution.transpose(1, 2)  # min |X W'^T - R W^T|
-    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
-    half = fit_target(w, h.float(), a.float(), 0.5, 1e-9)
-    torch.testing.assert_close(half.double(), (w.double() + want) / 2, rtol=1e-4, atol=1e-4)
-    assert torch.equal(fit_target(w, h.float(), h.float(), 1.0, 0.01), w)  # the same streams: W itself
-    zero = torch.zeros_like(h).float()
-    assert torch.equal(fit_target(w, zero, zero, 1.0, 0.01), w)  # no rows: W
+    full = solve(a, [1.0, 1.0, 1.0])
+    torch.testing.assert_close(full.target.double(), want, rtol=1e-4, atol=1e-4)
+    mixed = solve(a, [0.5, 0.0, 1.0])
+    torch.testing.assert_close(mixed.target[0].double(), (w[0].double() + want[0]) / 2, rtol=1e-4, atol=1e-4)
+    assert torch.equal(mixed.target[1], w[1])  # alpha 0: W itself
+    torch.testing.assert_close(mixed.target[2], full.target[2], rtol=0, atol=0)
+    assert torch.equal(solve(h, [1.0, 1.0, 1.0]).target, w)  # the same streams: W itself
+    plain = gptq(full.target, h, 4, 16, True, damp=1e-9, actorder=actorder)
+    assert torch.equal(full.q, plain.q) and torch.equal(full.qparams.scale, plain.qparams.scale)
 
 
 def test_fit_pass_against_plain_gptq(tmp_path):
