@@ -450,7 +450,8 @@ def _fit_unquantized(c: Throughput, s: _LayerShape, batches: list[int], owned: i
     forward is counted with the forwards): per owned expert and batch the cross-Gram of its rows with the
     unquantized model's (one more h x h Gram), then after the gate/up solves the down inputs of both streams
     (one more gate/up product than the statistics forward computes) and two i x i Grams; per matrix the
-    fitted target, W (A - H) and a Cholesky solve (~3 n_out k^2 flops) after a factorization (float32)."""
+    fitted target: W (A - H) and two products with the solve's own inverse factor (~3 n_out k^2
+    multiply-adds, float32; quant/gptq.py `fit`)."""
     h, e = s.h or hidden, s.experts
     if not e or not owned:
         return 0.0, 0.0
@@ -462,8 +463,7 @@ def _fit_unquantized(c: Throughput, s: _LayerShape, batches: list[int], owned: i
         stats += 2 * routed * (h * h + s.i * s.i) / _rate(c.gram_flops, c.gram_half_rows, rows)
         stats += 2 * routed * h * s.p / _rate(c.gemm_flops, c.gemm_half_rows, rows)
         stats += routed * (2 * h + s.p) * 4 / c.mem_bytes_per_s
-    solve = sum(owned * ((2 / 3) * kk ** 3 / c.chol_flops
-                         + 6 * n_out * kk * kk / _rate(c.gram_flops, c.gram_half_rows, n_out))
+    solve = sum(owned * 6 * n_out * kk * kk / _rate(c.gram_flops, c.gram_half_rows, n_out)
                 for n_out, kk in ((s.p, h), (h, s.i)))
     return stats, solve
 
