@@ -387,6 +387,9 @@ def plan(
         "--device", callback=lambda v: _cost_device(v),
         help="What the calibration cost is predicted for: cuda (--gpus GPUs of --gpu-memory-gib) or cpu (--gpus "
              "processes).")] = options.PLAN_COST_DEVICE,
+    measure: Annotated[bool, typer.Option(
+        "--measure", help="With --calibration: measure this machine's rates for --device first (~1 min; a GPU "
+                          "must be visible for cuda) and predict with them instead of the shipped table.")] = False,
     pair: Annotated[Optional[str], typer.Option("--pair", help="Also plan the prefill pool of a prefill/decode pair "
                                                              "served with this recipe (fp8-prefill) beside --recipe's "
                                                              "decode pool, one FP8 KV cache for both.")] = None,
@@ -402,11 +405,21 @@ def plan(
     if calibration is not None and recipe is None:
         raise typer.BadParameter("--calibration needs --recipe (the calibrated recipe to cost)",
                                  param_hint="--calibration")
+    if measure and calibration is None:
+        raise typer.BadParameter("--measure needs --calibration (it measures the rates the cost is predicted "
+                                 "with)", param_hint="--measure")
     target = model_or_config
     if model_or_config not in REFERENCE_CONFIGS and not Path(model_or_config).exists():
         target = str(_source(model_or_config, revision))
+    table = None
+    if measure:
+        from .plan.measure import measure_throughput
+
+        err.print(f"measuring this machine's {device} rates for the cost model ...", highlight=False)
+        table = measure_throughput(device, log=lambda m: err.print(f"  {m}", highlight=False, soft_wrap=True))
     rep = run(target, recipe, gpu_memory_gib=gpu_memory_gib, gpus=gpus, context_len=context_len,
-              activation_reserve_gib=activation_reserve_gib, tp=tp, calibration=calibration, device=device)
+              activation_reserve_gib=activation_reserve_gib, tp=tp, calibration=calibration, device=device,
+              throughput=table)
     pair_doc = None
     if pair is not None:
         from .plan.pair import plan_pair

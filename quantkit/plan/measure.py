@@ -1,0 +1,300 @@
+"""The calibration cost model's constants (plan/calibration.py `Throughput`), measured on this machine:
+`quantkit plan ... --calibration N,T --measure` predicts with them instead of the shipped table, and
+bench/calib_cost.py measures them to check the model against real conversions (and to ship a new CPU row).
+
+What is measured, in the compute dtype of the device (float32 on the CPU, bfloat16 GEMMs on a GPU): GEMM FLOP/s
+at several row counts, fitted as peak * m / (m + half); the Hessians' Gram products likewise; AWQ's
+clip-search group errors; batched Cholesky + triangular inverse (quant.gptq._cholesky_inverse_upper); GPTQ's
+column sweep (the fixed seconds per column step and the in-block update rate); streaming element-wise
+bandwidth; one small tensor op; fsynced writes, page-cache reads, sha256; per-module emission; the process's
+RSS after the imports; gc + malloc_trim per layer. Not measured, taken from the shipped table and said so
+in the table's notes: the link between ranks, the fixed set-up of a pass and a fresh process's start-up
+(bench/calib_cost.py measures the last two on its bench model). About 30-60 s on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from .calibration import THROUGHPUT, Throughput
+
+# the shapes the rates are measured on: bench/calib_cost.py's bench MoE (hidden 512, expert width 256)
+HIDDEN, INTER = 512, 256
+MIN_S = 0.2  # each timing repeats its operation for at least this long
+
+
+def best_seconds(fn, repeat: int = 3, min_s: float | None = None, clock=time.perf_counter) -> float:
+    """Fastest seconds of one call of fn over `repeat` timings (each timing runs fn until min_s passed;
+    None: MIN_S)."""
+    min_s = MIN_S if min_s is None else min_s
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        n, t0 = 0, clock()
+        while True:
+            fn()
+            n += 1
+            el = clock() - t0
+            if el >= min_s:
+                break
+        best = min(best, el / n)
+    return best
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _fit_half(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(peak, half) of rate(m) = peak * m / (m + half) from (m, rate) points, least squares on log(rate)
+    (relative errors: every row count counts alike): half on a log grid, peak in closed form for each."""
+    best = None
+    for i in range(0, 161):
+        half = 0.0 if i == 0 else 10 ** (i / 32)  # 1 .. 1e5 rows
+        logs = [math.log(r) - math.log(m / (m + half)) for m, r in points]
+        lp = statistics.fmean(logs)
+        err = sum((v - lp) ** 2 for v in logs)
+        if best is None or err < best[0]:
+            best = (err, math.exp(lp), half)
+    return best[1], best[2]
+
+
+def rss_now() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, clock=time.perf_counter) -> dict:
+    """Every rate and per-operation cost of the Throughput table for `device`, measured here on the shapes of a
+    model of `hidden` and expert width `inter` (the table's fields; points behind the fits under keys
+    starting with "_"). `clock`: what time is read with (time.process_time: CPU seconds of this process)."""
+
+    def _best(fn, repeat: int = 3, min_s: float | None = None) -> float:
+        return best_seconds(fn, repeat, min_s, clock)
+    from quantkit.quant.gptq import _cholesky_inverse_upper, gptq
+
+    dev = torch.device(device)
+    dt = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    sdt = torch.float64 if dev.type == "cpu" else torch.float32
+    out: dict = {}
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    # GEMM [m, H] x [H, 2I] at several m (the experts' gate/up; attention projections are [tokens, H] x [H, *])
+    pts = []
+    for m in (16, 64, 256, 1024, 4096):
+        a = torch.randn(m, hidden, generator=g).to(dev, dt)
+        b = torch.randn(hidden, 2 * inter, generator=g).to(dev, dt)
+        t = _best(lambda: (torch.mm(a, b), _sync(dev)))
+        pts.append((m, 2 * m * hidden * 2 * inter / t))
+    out["gemm_flops"], out["gemm_half_rows"] = _fit_half(pts)
+    out["_gemm_points"] = [[m, round(r / 1e9, 2)] for m, r in pts]
+    log(f"gemm: {[(m, round(r / 1e9, 1)) for m, r in pts]} GFLOP/s -> peak {out['gemm_flops'] / 1e9:.1f}, "
+        f"half {out['gemm_half_rows']:.0f} rows")
+
+    # Gram x^T x over m rows, batched over 8 experts, float32 (the Hessians)
+    pts = []
+    for m in (32, 128, 512, 2048):
+        x = torch.randn(8, m, hidden, generator=g).to(dev, torch.float32)
+        t = _best(lambda: (torch.bmm(x.transpose(1, 2), x), _sync(dev)))
+        pts.append((m, 2 * 8 * m * hidden * hidden / t))
+    out["gram_flops"], out["gram_half_rows"] = _fit_half(pts)
+    out["_gram_points"] = [[m, round(r / 1e9, 2)] for m, r in pts]
+    log(f"gram: {[(m, round(r / 1e9, 1)) for m, r in pts]} GFLOP/s")
+
+    # AWQ clip search's group errors: per candidate, float32 [rows, 32] x [32, 32] quadratic forms batched over
+    # every (expert, group) of a row chunk (quant.awq.search_clip); nominal 2 x rows x 32 x 32
+    b, m, gs = 8 * hidden // 32, 256, 32
+    d = torch.randn(b, m, gs, generator=g).to(dev)
+    blk = torch.randn(b, gs, gs, generator=g).to(dev)
+    t = _best(lambda: (torch.bmm(d, blk).mul_(d).sum(-1), _sync(dev)))
+    out["block_form_flops"] = 2 * b * m * gs * gs / t
+    log(f"group forms: {out['block_form_flops'] / 1e9:.1f} GFLOP/s")
+
+    # batched Cholesky of the reversed Hessian + its triangular inverse, nominal 2/3 K^3 per matrix
+    rates = []
+    for c, k in ((8, hidden), (32, inter)):
+        x = torch.randn(c, 4 * k, k, generator=g, dtype=torch.float64)
+        h = (x.transpose(1, 2) @ x / (4 * k)).to(dev, sdt)
+        t = _best(lambda: (_cholesky_inverse_upper(h, 0.01, 4, torch.float32), _sync(dev)), repeat=3)
+        rates.append(c * 2 / 3 * k ** 3 / t)
+    out["chol_flops"] = statistics.fmean(rates)
+    log(f"cholesky: {[round(r / 1e9, 2) for r in rates]} GFLOP/s")
+
+    # GPTQ's column sweep: gptq() minus its factorization, at a small (fixed cost) and a large shape
+    def sweep(c, n, k):
+        x = torch.randn(c, 4 * k, k, generator=g, dtype=torch.float64)
+        h = (x.transpose(1, 2) @ x / (4 * k)).to(dev, sdt)
+        w = (torch.randn(c, n, k, generator=g) * 0.02).to(dev)
+        tf = _best(lambda: (gptq(w, h, 4, 32, True, actorder=True, solve_dtype=sdt), _sync(dev)), repeat=2)
+        tc = _best(lambda: (_cholesky_inverse_upper(h, 0.01, 4, torch.float32), _sync(dev)), repeat=2)
+        lazy = 2 * c * n * sum(128 * max(0, k - i - 128) for i in range(0, k, 128))
+        return max(1e-9, tf - tc - lazy / out["gram_flops"]), c, n, k
+
+    small = sweep(1, 16, 256)
+    large = sweep(8, 2 * inter, hidden)
+    # t = k * col_s + c * n * k * (b/2 + 4) / rate, b = 128
+    cols = [small[3], large[3]]
+    elems = [s[1] * s[2] * s[3] * (min(128, s[3]) / 2 + 4) for s in (small, large)]
+    ts = [small[0], large[0]]
+    det = cols[0] * elems[1] - cols[1] * elems[0]
+    col_s = (ts[0] * elems[1] - ts[1] * elems[0]) / det if det else ts[0] / cols[0]
+    inv_rate = (cols[0] * ts[1] - cols[1] * ts[0]) / det if det else 0.0
+    if col_s <= 0 or inv_rate <= 0:  # noisy: attribute the small shape to the fixed part, the rest to the rate
+        col_s = ts[0] / cols[0]
+        inv_rate = max(1e-15, (ts[1] - cols[1] * col_s) / elems[1])
+    out["sweep_col_s"], out["sweep_elems_per_s"] = col_s, 1 / inv_rate
+    log(f"sweep: {col_s * 1e6:.1f} us per column step, {out['sweep_elems_per_s'] / 1e9:.2f} G elements/s "
+        f"(raw {ts[0]:.3f} s, {ts[1]:.3f} s)")
+
+    # streaming element-wise bandwidth: z = x + y over 64 MiB float32 (3 x 64 MiB moved)
+    n = 16 << 20
+    x, y = torch.randn(n, generator=g).to(dev), torch.randn(n, generator=g).to(dev)
+    z = torch.empty_like(x)
+    t = _best(lambda: (torch.add(x, y, out=z), _sync(dev)))
+    out["mem_bytes_per_s"] = 3 * n * 4 / t
+    log(f"stream: {out['mem_bytes_per_s'] / 1e9:.1f} GB/s")
+
+    # AWQ's fake quantization (RTN quantize-dequantize, group 32) of every expert's gate/up
+    from quantkit.quant.awq import fake_quant
+
+    wq = (torch.randn(32, 2 * inter, hidden, generator=g) * 0.02).to(dev)  # the bench model's 32 experts
+    t = _best(lambda: (fake_quant(wq, 4, 32, True), _sync(dev)))
+    out["fake_quant_elems_per_s"] = wq.numel() / t
+    log(f"fake_quant: {out['fake_quant_elems_per_s'] / 1e6:.0f} M elements/s")
+
+    # one small op: what dispatching a tensor op costs beyond its bytes (a 64-element add; on a GPU a launch)
+    a64, b64 = torch.ones(64, device=dev), torch.ones(64, device=dev)
+    c64 = torch.empty(64, device=dev)
+    t = _best(lambda: [torch.add(a64, b64, out=c64) for _ in range(100)] and _sync(dev))
+    out["op_s"] = t / 100
+    log(f"op: {out['op_s'] * 1e6:.2f} us")
+
+    # files: fsynced writes, page-cache reads, sha256
+    f = workdir / "calib_cost.io"
+    buf = os.urandom(64 << 20)
+    size = 256 << 20
+
+    def write():
+        with open(f, "wb") as fh:
+            for _ in range(size // len(buf)):
+                fh.write(buf)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    out["write_bytes_per_s"] = size / _best(write, repeat=2, min_s=0)
+
+    def read():
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(bytearray(16 << 20)):
+                pass
+
+    out["read_bytes_per_s"] = size / _best(read, repeat=3, min_s=0)
+    out["hash_bytes_per_s"] = len(buf) / _best(lambda: hashlib.sha256(buf).digest(), repeat=3, min_s=0)
+    f.unlink()
+
+    def small():  # a small file written and fsynced (the spool's JSON records, the journal)
+        with open(f, "wb") as fh:
+            fh.write(b"{}" * 512)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    out["fsync_s"] = _best(small, repeat=5, min_s=0)
+    f.unlink()
+    log(f"files: write {out['write_bytes_per_s'] / 1e9:.2f} GB/s, read {out['read_bytes_per_s'] / 1e9:.2f} GB/s, "
+        f"sha256 {out['hash_bytes_per_s'] / 1e9:.2f} GB/s, fsync of a small file {out['fsync_s'] * 1e3:.1f} ms")
+
+    # per quantized module: packing and recording it (calib/emit.py), its SQNR, its metadata as JSON and its
+    # tensors written to a safetensors file (no fsync), beyond the bytes
+    from quantkit.calib.emit import LayerResult, emit
+    from quantkit.match.recipe import load_recipe
+    from quantkit.quant.int4 import QParams, dequantize, rtn, sqnr_db
+    from quantkit.write.writer import write_safetensors
+
+    scheme = load_recipe("int4-experts-gptq").groups[0].scheme
+    mods = 32
+    w = torch.randn(mods, 2 * inter, hidden, generator=g) * 0.02
+    r = rtn(w, 4, 32, True)
+    deq = dequantize(r.q, r.qparams.scale, None)
+
+    def emit_all():
+        res = LayerResult()
+        for j in range(mods):
+            emit(res, f"model.layers.0.mlp.experts.{j}.gate_proj", r.q[j], QParams(r.qparams.scale[j], None), scheme,
+                 torch.bfloat16, {"method": "gptq", "sqnr_db": round(float(sqnr_db(w[j], deq[j])), 4)})
+        write_safetensors(f, res.tensors)
+        json.dumps(res.modules, sort_keys=True)
+
+    t = _best(emit_all, repeat=2, min_s=0)
+    f.unlink()
+    out["module_s"] = max(1e-6, (t - mods * 2 * inter * hidden * 0.6 / out["write_bytes_per_s"]) / mods)
+    log(f"per module: {out['module_s'] * 1e3:.2f} ms")
+
+    # fixed costs: the process after the imports, gc (of what the pass created) + malloc_trim per layer
+    import ctypes
+
+    import transformers  # noqa: F401
+
+    import quantkit.calib.executor  # noqa: F401
+    import quantkit.convert  # noqa: F401
+
+    def free():
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+
+    free()  # the measurements' freed temporaries, which the command's malloc settings keep in the heap
+    out["process_bytes"] = rss_now()
+
+    gc.freeze()  # as LayerExecutor.layers does over a pass: what exists before the first layer is not walked
+    try:
+        out["layer_s"] = _best(free, repeat=3, min_s=0)  # the executor's free_layer: once per layer and pass
+    finally:
+        gc.unfreeze()
+    log(f"process {out['process_bytes'] / 1e9:.2f} GB, per layer {out['layer_s'] * 1e3:.0f} ms")
+    return out
+
+
+
+
+def machine_label(device: str) -> str:
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads" + (f", {torch.cuda.get_device_name()}" if kind == "cuda" else ""))
+
+
+def measure_throughput(device: str = "cpu", *, log=None, workdir: str | Path | None = None,
+                       source: str = "quantkit plan --measure") -> Throughput:
+    """A Throughput table for `device` ("cpu", or "cuda" where a GPU is visible) measured here: the shipped
+    table's row with every measured field replaced (see the module's docstring for what is not measured).
+    `log(message)`: progress, one line per measurement."""
+    kind = "cuda" if str(device).startswith("cuda") else "cpu"
+    if kind == "cuda" and not torch.cuda.is_available():
+        from ..errors import ConfigError
+
+        raise ConfigError("measuring a GPU's throughput needs one here (torch sees no CUDA device)",
+                          hint="run it on the GPU machine, or drop --measure to use the assumed figures")
+    load0 = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="quantkit-measure-", dir=workdir) as tmp:
+        rates = measure_rates(device, HIDDEN, INTER, Path(tmp), log or (lambda m: None))
+    base = THROUGHPUT[kind]
+    return replace(base, provenance="measured",
+                   source=f"{source}, {machine_label(device)}, {time.strftime('%Y-%m-%d', time.gmtime())}, "
+                          f"load average {load0:.1f} at the start",
+                   notes=("link_bytes_per_s, setup_s, startup_s: the shipped table's, not measured here",),
+                   threads=torch.get_num_threads() if kind == "cpu" else 0,
+                   **{k: v for k, v in rates.items() if not k.startswith("_")})
