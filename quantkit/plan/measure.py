@@ -82,9 +82,10 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
     model of `hidden` and expert width `inter` (the table's fields; points behind the fits under keys
     starting with "_"). `clock`: what time is read with (time.process_time: CPU seconds of this process)."""
 
+    from ..quant.gptq import _cholesky_inverse_upper, gptq
+
     def _best(fn, repeat: int = 3, min_s: float | None = None) -> float:
         return best_seconds(fn, repeat, min_s, clock)
-    from quantkit.quant.gptq import _cholesky_inverse_upper, gptq
 
     dev = torch.device(device)
     dt = torch.float32 if dev.type == "cpu" else torch.bfloat16
@@ -168,7 +169,7 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
     log(f"stream: {out['mem_bytes_per_s'] / 1e9:.1f} GB/s")
 
     # AWQ's fake quantization (RTN quantize-dequantize, group 32) of every expert's gate/up
-    from quantkit.quant.awq import fake_quant
+    from ..quant.awq import fake_quant
 
     wq = (torch.randn(32, 2 * inter, hidden, generator=g) * 0.02).to(dev)  # the bench model's 32 experts
     t = _best(lambda: (fake_quant(wq, 4, 32, True), _sync(dev)))
@@ -218,10 +219,11 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
 
     # per quantized module: packing and recording it (calib/emit.py), its SQNR, its metadata as JSON and its
     # tensors written to a safetensors file (no fsync), beyond the bytes
-    from quantkit.calib.emit import LayerResult, emit
-    from quantkit.match.recipe import load_recipe
-    from quantkit.quant.int4 import QParams, dequantize, rtn, sqnr_db
-    from quantkit.write.writer import write_safetensors
+    from ..arch.layout import EXPERTS, LayerNames
+    from ..calib.emit import LayerResult, emit
+    from ..match.recipe import load_recipe
+    from ..quant.int4 import QParams, dequantize, rtn, sqnr_db
+    from ..write.writer import write_safetensors
 
     scheme = load_recipe("int4-experts-gptq").groups[0].scheme
     mods = 32
@@ -229,10 +231,13 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
     r = rtn(w, 4, 32, True)
     deq = dequantize(r.q, r.qparams.scale, None)
 
+    layer = LayerNames("", 0)
+    names = [f"{layer.mlp}.{EXPERTS}.{j}.{layer.experts.gate}" for j in range(mods)]
+
     def emit_all():
         res = LayerResult()
         for j in range(mods):
-            emit(res, f"model.layers.0.mlp.experts.{j}.gate_proj", r.q[j], QParams(r.qparams.scale[j], None), scheme,
+            emit(res, names[j], r.q[j], QParams(r.qparams.scale[j], None), scheme,
                  torch.bfloat16, {"method": "gptq", "sqnr_db": round(float(sqnr_db(w[j], deq[j])), 4)})
         write_safetensors(f, res.tensors)
         json.dumps(res.modules, sort_keys=True)
