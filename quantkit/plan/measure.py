@@ -81,7 +81,6 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
     """Every rate and per-operation cost of the Throughput table for `device`, measured here on the shapes of a
     model of `hidden` and expert width `inter` (the table's fields; points behind the fits under keys
     starting with "_"). `clock`: what time is read with (time.process_time: CPU seconds of this process)."""
-
     from ..quant.gptq import _cholesky_inverse_upper, gptq
 
     def _best(fn, repeat: int = 3, min_s: float | None = None) -> float:
@@ -274,9 +273,8 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
     return out
 
 
-
-
 def machine_label(device: str) -> str:
+    """The processor, core and thread counts and torch version (and the GPU's name for cuda) of this machine."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads" + (f", {torch.cuda.get_device_name()}" if kind == "cuda" else ""))
