@@ -235,13 +235,15 @@ def main(argv=None) -> int:
               + ", ".join(PASS_PHASES) + "); set-up + pass: the same with the `setup` phase (the executor, the "
               "modeling imports); plan: `quantkit plan --calibration`'s total for that world size with one thread per "
               "rank (calibration_cost(..., threads=1)), set-up included; per rank and phase, wall / CPU seconds "
-              "(last round):",
+              "(last round), and the rank's wait split by the step whose check it waited at:",
               ""]
     for r in rows:
         for t in r.get("timeline") or []:
             lines.append(f"- world size {r['world_size']}, rank {t['rank']}: "
                          + ", ".join(f"{k} {v:.2f}/{t.get('phases_cpu', {}).get(k, 0):.2f}"
-                                     for k, v in t["phases"].items()))
+                                     for k, v in t["phases"].items())
+                         + ("; wait after " + ", ".join(f"{k} {v:.2f}" for k, v in t["wait_after"].items())
+                            if t.get("wait_after") else ""))
     if peers:
         peer = {"wall_s": _median([p["wall_s"] for p in peers]), "seconds": _median([p["seconds"] for p in peers]),
                 "threads": 1, "wall_runs": [p["wall_s"] for p in peers]}

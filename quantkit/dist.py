@@ -81,7 +81,8 @@ class World:
     def step(self, fn: Callable[[], T], what: str, phase: str | None = None) -> T:
         """Run `fn` on this rank; if it raised here or on any other rank, raise on every rank (see the module
         docstring). `what` names the step in the error the other ranks raise. `phase` (quantkit/timeline.py)
-        is what the time inside `fn` counts as; the check after it counts as "wait"."""
+        is what the time inside `fn` counts as; the check after it counts as "wait" (and, in the timeline's
+        "wait_after", as a wait after `phase`: the step the slowest rank was still in)."""
         with timeline.phase(phase) if phase else contextlib.nullcontext():
             if self.size == 1:
                 return fn()
@@ -91,7 +92,7 @@ class World:
             except Exception as e:  # every kind: a bug on one rank must not leave the others waiting
                 err, val = e, None
         report = None if err is None else (type(err).__name__, getattr(err, "message", None) or str(err))
-        with timeline.phase("wait"):
+        with timeline.phase("wait", after=phase or "step"):
             reports = self.all_gather(report)
         failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
         if failed:

@@ -19,7 +19,10 @@ less what no phase covered ("untracked"). The phases the calibrated pass and con
     setup      reading the source, planning, KV scales, preparing the output
 
 `to_json()` gives {"rank", "wall_s", "phases": {name: seconds}, "untracked_s", "layers": [...]} where
-"layers" holds each decoder layer's phases, capped at MAX_LAYERS.
+"layers" holds each decoder layer's phases, capped at MAX_LAYERS, and, when a phase was entered with
+`after=` (the wait at a distributed step's check, dist.World.step), "wait_after": {step's phase: seconds}:
+the same seconds as the phase's total, split by the step whose check it waited at, so that a rank's wait
+says which step the others were still busy with.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class Timeline:
         self.cpu: dict[str, float] = defaultdict(float)
         self.per_layer: dict[int, dict[str, float]] = {}
         self.layer: int | None = None
+        self.after: dict[str, float] = defaultdict(float)  # `after=` phases' seconds, by what they followed
         self._stack: list[list] = []  # [name, started, cpu started] of the open phases, innermost last
 
     def _charge(self, name: str, seconds: float, cpu: float) -> None:
@@ -52,7 +56,8 @@ class Timeline:
             d[name] += seconds
 
     @contextlib.contextmanager
-    def phase(self, name: str):
+    def phase(self, name: str, after: str | None = None):
+        spent = self.totals[name]
         now, cnow = time.perf_counter(), time.thread_time()
         if self._stack:  # the enclosing phase pauses
             outer = self._stack[-1]
@@ -64,6 +69,8 @@ class Timeline:
             end, cend = time.perf_counter(), time.thread_time()
             _, began, cbegan = self._stack.pop()
             self._charge(name, end - began, cend - cbegan)
+            if after is not None:  # this entry's exclusive seconds (a nested phase's are not in them)
+                self.after[after] += self.totals[name] - spent
             if self._stack:  # the enclosing phase resumes
                 self._stack[-1][1], self._stack[-1][2] = end, cend
 
@@ -74,7 +81,9 @@ class Timeline:
                 "phases": phases, "phases_cpu": {k: round(self.cpu[k], 4) for k in phases},
                 "untracked_s": round(max(0.0, wall - sum(self.totals.values())), 4),
                 "layers": [{"layer": i, "phases": {k: round(v, 4) for k, v in d.items()}}
-                           for i, d in sorted(self.per_layer.items())]}
+                           for i, d in sorted(self.per_layer.items())],
+                **({"wait_after": {k: round(v, 4) for k, v in sorted(self.after.items(), key=lambda kv: -kv[1])}}
+                   if self.after else {})}
 
 
 def start(rank: int = 0) -> Timeline:
@@ -95,10 +104,11 @@ def stop() -> dict | None:
     return None if tl is None else tl.to_json()
 
 
-def phase(name: str):
-    """A context manager charging the time inside it to `name` on the active timeline (no-op without one)."""
+def phase(name: str, after: str | None = None):
+    """A context manager charging the time inside it to `name` on the active timeline (no-op without one);
+    `after`: also to that key of the timeline's "wait_after" (what the time followed)."""
     tl = _current
-    return tl.phase(name) if tl is not None else contextlib.nullcontext()
+    return tl.phase(name, after) if tl is not None else contextlib.nullcontext()
 
 
 def set_layer(idx: int | None) -> None:

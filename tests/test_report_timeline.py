@@ -45,6 +45,12 @@ def test_the_section_shows_every_phase_of_a_real_convert(converted):
     build_report(converted / "q", output=converted / "r2.html", timeline={"ranks": [rank]})
     assert "Where the time went" in (converted / "r2.html").read_text()
     assert "fig-timeline" not in build_report(converted / "q", output=converted / "r3.html").figures
+    # a distributed rank's waits by the step they followed (timeline "wait_after"), largest first
+    ranks = [{**rank, "rank": 0, "wait_after": {"statistics": 0.25, "solve": 1.5}}, {**rank, "rank": 1}]
+    build_report(converted / "q", output=converted / "r4.html", timeline={"ranks": ranks})
+    page = (converted / "r4.html").read_text()
+    assert ('<li>rank 0: after <span class="mono">solve</span> 1.50 s, after <span class="mono">statistics</span> '
+            '0.25 s</li>') in page and "<li>rank 1:" not in page
 
 
 @pytest.mark.parametrize("doc,msg", [
@@ -56,6 +62,8 @@ def test_the_section_shows_every_phase_of_a_real_convert(converted):
     ({"ranks": [{"phases": {"solve": 1e300}}]}, "not a number of seconds"),
     ({"ranks": [{"phases": {"solve": True}}]}, "not a number of seconds"),
     ({"ranks": [{"phases": {}, "cpu_s": float("nan")}]}, "cpu_s is not a number"),
+    ({"ranks": [{"phases": {}, "wait_after": {"solve": "long"}}]}, "wait after 'solve' is not a number"),
+    ({"ranks": [{"phases": {}, "wait_after": {"solve": float("inf")}}]}, "wait after 'solve' is not a number"),
 ])
 def test_malformed_timelines_are_one_line_errors(converted, doc, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -73,8 +81,9 @@ def test_hostile_sizes_are_bounded(converted, tmp_path):
     assert time.perf_counter() - t0 < 2
     # 20,000 ranks, 1 MB phase names, a 1000-digit rank: drawn capped, names truncated, in bounded time
     name = "$x" * 500_000
-    ranks = [{"rank": 10 ** 1000 if i == 0 else i, "wall_s": 2.0, "phases": {name: 1.0, "solve": 1.0}}
-             for i in range(20_000)]
+    after = {name: 0.5, **{f"step{j}": 0.5 for j in range(100_000)}}  # one object, shared by every rank
+    ranks = [{"rank": 10 ** 1000 if i == 0 else i, "wall_s": 2.0, "phases": {name: 1.0, "solve": 1.0},
+              "wait_after": after} for i in range(20_000)]
     t0 = time.perf_counter()
     res = build_report(converted / "q", output=tmp_path / "r.html", timeline={"ranks": ranks})
     assert time.perf_counter() - t0 < 30

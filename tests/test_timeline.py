@@ -41,6 +41,36 @@ def test_nested_phases_are_exclusive_and_add_up():
     assert list(ph) == sorted(ph, key=lambda k: -ph[k])  # largest first
 
 
+def test_waits_are_split_by_the_step_they_followed():
+    """`after=`: a phase's seconds also counted under what it followed ("wait_after"), exclusive of phases
+    nested in it, adding up to the phase's total; absent when nothing used it."""
+    tl = timeline.start()
+    try:
+        with timeline.phase("wait", after="solve"):
+            time.sleep(0.06)
+            with timeline.phase("exchange"):  # nested: the exchange's, not the wait's
+                time.sleep(0.05)
+        with timeline.phase("wait", after="statistics"):
+            time.sleep(0.02)
+        with timeline.phase("wait", after="solve"):
+            time.sleep(0.02)
+        doc = tl.to_json()
+    finally:
+        timeline.stop()
+    after = doc["wait_after"]
+    assert list(after) == ["solve", "statistics"], after  # largest first
+    assert 0.075 <= after["solve"] < 0.13 and 0.015 <= after["statistics"] < 0.06, after
+    assert abs(sum(after.values()) - doc["phases"]["wait"]) < 1e-3, (after, doc["phases"])
+    assert doc["phases"]["exchange"] >= 0.045
+    tl = timeline.start()
+    try:
+        with timeline.phase("wait"):
+            pass
+        assert "wait_after" not in tl.to_json()
+    finally:
+        timeline.stop()
+
+
 def test_per_layer_view_and_no_op_without_a_timeline():
     assert timeline.current() is None
     with timeline.phase("x"):  # nothing records, nothing fails

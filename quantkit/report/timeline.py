@@ -9,6 +9,7 @@ make it slow.
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -36,7 +37,8 @@ def _seconds(x, where: str) -> float:
 
 def read_timeline(source: dict | str | Path) -> list[dict]:
     """The ranks of a timeline document, checked: [{"rank", "wall_s", "cpu_s", "phases", "phases_cpu",
-    "untracked_s"}] with numbers only. Raises ConfigError (one line) for anything else."""
+    "untracked_s", "wait_after"}] with numbers only ("wait_after" {} where the document has none). Raises
+    ConfigError (one line) for anything else."""
     doc = source if isinstance(source, dict) else read_json_file(Path(source), "timeline JSON", ConfigError,
                                                                    limit=MAX_TIMELINE_BYTES, hint=HINT)
     tl = doc.get("timeline", doc) if isinstance(doc, dict) else None
@@ -51,12 +53,15 @@ def read_timeline(source: dict | str | Path) -> list[dict]:
                   for k, v in r["phases"].items()}
         cpu = r.get("phases_cpu") if isinstance(r.get("phases_cpu"), dict) else {}
         cpu = {str(k)[:MAX_NAME]: _seconds(v, f"rank {i} CPU of {str(k)[:MAX_NAME]!r}") for k, v in cpu.items()}
+        after = r.get("wait_after") if isinstance(r.get("wait_after"), dict) else {}
+        after = {str(k)[:MAX_NAME]: _seconds(v, f"rank {i} wait after {str(k)[:MAX_NAME]!r}")
+                 for k, v in itertools.islice(after.items(), MAX_PHASES)}
         rank = r.get("rank", i)
         out.append({"rank": rank if isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < 1 << 31 else i,
                     "wall_s": _seconds(r.get("wall_s", sum(phases.values())), f"rank {i} wall_s"),
                     "cpu_s": _seconds(r["cpu_s"], f"rank {i} cpu_s") if "cpu_s" in r else None,
                     "untracked_s": _seconds(r.get("untracked_s", 0.0), f"rank {i} untracked_s"),
-                    "phases": phases, "phases_cpu": cpu})
+                    "phases": phases, "phases_cpu": cpu, "wait_after": after})
     return out
 
 
@@ -120,3 +125,10 @@ def section_timeline(page: _Page, ranks: list[dict]) -> None:
     page.add(f"<table><tr><th>phase (seconds)</th>{head}</tr>{''.join(rows)}</table>"
              "<p>CPU seconds are the rank's main thread: unlike wall time they do not depend on what else ran on "
              "the machine, so they show how the work split. Wall much above CPU in a phase means waiting.</p>")
+    waits = [r for r in cols if r["wait_after"]]
+    if waits:
+        items = "".join(f"<li>rank {r['rank']}: " + ", ".join(
+            f"after <span class=\"mono\">{_e(k)}</span> {v:.2f} s"
+            for k, v in sorted(r["wait_after"].items(), key=lambda kv: -kv[1])) + "</li>" for r in waits)
+        page.add("<p>Each rank's <b>wait</b> by the step whose check it waited at: the step another rank was "
+                 f"still busy with.</p><ul>{items}</ul>")

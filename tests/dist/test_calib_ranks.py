@@ -144,6 +144,10 @@ def test_experts_only_byte_identical(src, reference, tmp_path, recipe, ranks):
         for name in ("load", "forward", "statistics", "solve", "exchange", "wait"):
             assert t["phases"].get(name, 0) > 0, (t["rank"], name, t["phases"])
         assert len(t["layers"]) == 3
+        # the waits split by the step they followed, adding up to the wait phase (each rounded to 1e-4 s)
+        after = t["wait_after"]
+        assert {"statistics", "solve", "forward"} <= set(after), after
+        assert abs(sum(after.values()) - t["phases"]["wait"]) < 1e-4 * (len(after) + 1), (after, t["phases"])
 
 
 def test_starved_experts_all_token_fallback_byte_identical(src, reference, tmp_path_factory, tmp_path):
