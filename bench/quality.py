@@ -169,10 +169,11 @@ def run_quantkit(src, out, method, group, calib_file, num_samples, seq_len):
     from quantkit.convert import ConvertOptions, convert
     from quantkit.match.recipe import parse_recipe
 
+    method, _, dtype = method.partition("@")  # "gptq@bfloat16": convert --compute-dtype bfloat16
     r = parse_recipe(recipe_yaml(method, group))
     t0 = time.perf_counter()
     convert(src, out, ConvertOptions(recipe=r, overwrite=True, dataset=str(calib_file), num_samples=num_samples,
-                                     seq_len=seq_len))
+                                     seq_len=seq_len, **({"compute_dtype": dtype} if dtype else {})))
     return time.perf_counter() - t0
 
 
@@ -380,7 +381,8 @@ def main():
     ap.add_argument("--methods", nargs="+", default=["rtn", "gptq", "awq"],
                     help="rtn, gptq or awq, with modifiers: -mse (RTN: scale_search mse; GPTQ: observer mse), "
                          "-aff / -affN (GPTQ: stats affinity, over every expert / the router's top N), "
-                         "-refit (GPTQ, INT4: refit_scales), -cdN (GPTQ, INT4: refine_sweeps N)")
+                         "-refit (GPTQ, INT4: refit_scales), -cdN (GPTQ, INT4: refine_sweeps N); "
+                         "@bfloat16 after any: convert --compute-dtype bfloat16")
     ap.add_argument("--fixture-steps", type=int, default=None,
                     help="train the fixture for this many steps instead of FixtureSpec's (a cheaper, less trained model)")
     ap.add_argument("--num-samples", type=int, default=64)

@@ -46,14 +46,15 @@ SCALES_FORMAT = "quantkit-kv-scales"
 
 def calibrate(model_dir: str | os.PathLike, *, dataset: str | os.PathLike | None = None,
               num_samples: int = DEFAULT_NUM_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, strategy: str = DEFAULT_STRATEGY,
-              seed: int = DEFAULT_SEED, dtype: torch.dtype | None = None, device: str | None = DEFAULT_DEVICE,
+              seed: int = DEFAULT_SEED, dtype: torch.dtype | str | None = None, device: str | None = DEFAULT_DEVICE,
               batch_tokens: int | None = None, activation_budget_bytes: int = DEFAULT_ACTIVATION_BUDGET,
               available_bytes: int | None = None, progress: Callable[[int, int], None] | None = None,
               log: Callable[[str], None] | None = None) -> CalibrationResult:
     """Calibrate FP8 KV-cache scales for the checkpoint in `model_dir` (see the module docstring).
     `progress(layer_idx, num_layers)` is called after each decoder layer; `log(line)` gets the device and its
     memory plan before the first. `device`: cpu, cuda, cuda:N or auto (None: the default); `dtype`: what the
-    layers compute in (None: float32 on the CPU, bfloat16 on a GPU); `available_bytes`: the device memory the
+    layers compute in, a torch dtype or auto, float32, bfloat16 (None, auto: float32 on the CPU, bfloat16 on a
+    GPU); `available_bytes`: the device memory the
     plan may use (None: what the GPU reports free); `batch_tokens`: tokens per forward call (None: sized to
     the layer, see `LayerExecutor.auto_batch_tokens`)."""
     if strategy not in STRATEGIES:

@@ -47,6 +47,10 @@ SeqLenOpt = Annotated[Optional[int], typer.Option(
 DeviceOpt = Annotated[str, typer.Option(
     help=f"Where calibration computes: {options.DEVICE_CHOICES} (auto: the first GPU torch sees, else the CPU; "
          "on a GPU the layer runs in bfloat16 and its peak memory is checked before any work).")]
+ComputeDtypeOpt = Annotated[str, typer.Option(
+    "--compute-dtype", help=f"What calibration's layers compute in: {'|'.join(options.COMPUTE_DTYPE_CHOICES)} (auto: "
+    "float32 on the CPU, bfloat16 on a GPU; bfloat16 on a CPU with bfloat16 instructions is ~2x faster in the "
+    "forward). Statistics and solves are float32 or wider either way.")]
 
 
 def _device(value: str) -> str:
@@ -55,6 +59,14 @@ def _device(value: str) -> str:
         return options.parse_device(value)
     except QuantkitError as e:
         raise typer.BadParameter(e.message, param_hint="--device") from None
+
+
+def _compute_dtype(value: str) -> str:
+    """--compute-dtype spelled right (a usage error otherwise)."""
+    try:
+        return options.parse_compute_dtype(value)
+    except QuantkitError as e:
+        raise typer.BadParameter(e.message, param_hint="--compute-dtype") from None
 
 
 def _print_json(doc) -> None:
@@ -91,6 +103,7 @@ def convert(
     seq_len: SeqLenOpt = None,
     kv_scales: Annotated[Optional[Path], typer.Option(help="FP8 KV-cache scales from `quantkit calibrate`.")] = None,
     device: DeviceOpt = options.DEVICE,
+    compute_dtype: ComputeDtypeOpt = options.COMPUTE_DTYPE,
     revision: RevisionOpt = None,
     tp: Annotated[Optional[int], typer.Option(min=1, help="Tensor-parallel size the output will be served at: W4AFP8 recipes are refused up front when vLLM cannot load them at it (default: checked at 1).")] = None,
     allow_unmatched: Annotated[bool, typer.Option("--allow-unmatched", help="Write the output even when the recipe's weight groups match no module of SRC (an error otherwise).")] = False,
@@ -102,7 +115,7 @@ def convert(
     if pair_out is not None and pair is None:
         raise typer.BadParameter("--pair-out needs --pair", param_hint="--pair-out")
     max_shard_bytes = _parse_size(max_shard_size)  # a usage error (exit 2) before anything else
-    device = _device(device)
+    device, compute_dtype = _device(device), _compute_dtype(compute_dtype)
     src_dir = _source(src, revision)
     from .read import prehash
 
@@ -114,7 +127,8 @@ def convert(
     opts = ConvertOptions(recipe=recipe, workers=workers, resume=resume and not overwrite, overwrite=overwrite,
                           max_shard_bytes=max_shard_bytes, dataset=dataset, num_samples=num_samples,
                           seq_len=seq_len, kv_scales=str(kv_scales) if kv_scales else None,
-                          source_id=None if Path(src).exists() else src, device=device, tp=tp,
+                          source_id=None if Path(src).exists() else src, device=device,
+                          compute_dtype=compute_dtype, tp=tp,
                           allow_unmatched=allow_unmatched)
     leader = os.environ.get("RANK", "0") in ("0", "")  # under torchrun only rank 0 shows progress and results
     with _progress("converting", enabled=leader) as prog:
@@ -182,18 +196,19 @@ def calibrate(
     seq_len: SeqLenOpt = None,
     strategy: Annotated[str, typer.Option(help="tensor (one scale per layer) or attn_head (one per KV head).")] = options.KV_STRATEGY,
     device: DeviceOpt = options.DEVICE,
+    compute_dtype: ComputeDtypeOpt = options.COMPUTE_DTYPE,
     revision: RevisionOpt = None,
     json_out: JsonOpt = False,
 ):
     """Measure FP8 KV-cache scales on what the engine caches (post-RoPE K, V; the MLA latent), layer by layer."""
-    device = _device(device)
+    device, compute_dtype = _device(device), _compute_dtype(compute_dtype)
     model_dir = _source(model, revision)
     from .calibrate import calibrate as run, write_scales
 
     with _progress("calibrating", enabled=True) as prog:
         task = prog.add_task("layers", total=None)
         res = run(model_dir, dataset=dataset, num_samples=num_samples or options.NUM_SAMPLES,
-                  seq_len=seq_len or options.SEQ_LEN, strategy=strategy, device=device,
+                  seq_len=seq_len or options.SEQ_LEN, strategy=strategy, device=device, dtype=compute_dtype,
                   progress=lambda i, n: prog.update(task, completed=i + 1, total=n),
                   log=lambda line: prog.console.print(f"note: {escape(line)}", soft_wrap=True))
     write_scales(res, output)

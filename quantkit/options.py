@@ -27,6 +27,10 @@ KV_STRATEGY = "tensor"
 # torch sees, else the CPU (calib/device.py resolves it; on the CPU nothing changes: float32, host memory)
 DEVICE = "auto"
 DEVICE_CHOICES = "cpu|cuda|cuda:N|auto"
+# what the layers compute in during calibration: "auto" is float32 on the CPU (bit for bit what quantkit always
+# did) and bfloat16 on a GPU; statistics, GPTQ solves and routers stay float32 (or wider) whatever is chosen
+COMPUTE_DTYPE = "auto"
+COMPUTE_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # verify's model-level metrics
 VERIFY_NUM_SAMPLES = 8
 VERIFY_SEQ_LEN = 128
@@ -54,6 +58,16 @@ def parse_device(spec: object) -> str:
     if head == "cuda" and sep and num.isdigit() and num.isascii():
         return f"cuda:{int(num)}"
     raise DeviceError(f"unknown device {spec!r}: expected {DEVICE_CHOICES}")
+
+
+def parse_compute_dtype(spec: object) -> str:
+    """The canonical spelling of a calibration compute dtype (COMPUTE_DTYPE_CHOICES; "fp32" and "bf16" are
+    accepted for float32 and bfloat16, case and blanks ignored); anything else is a DeviceError."""
+    s = str(spec).strip().lower() if spec is not None else ""
+    s = {"fp32": "float32", "bf16": "bfloat16"}.get(s, s)
+    if s in COMPUTE_DTYPE_CHOICES:
+        return s
+    raise DeviceError(f"unknown compute dtype {spec!r}: expected {'|'.join(COMPUTE_DTYPE_CHOICES)}")
 
 
 @dataclass(frozen=True)

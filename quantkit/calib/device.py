@@ -2,9 +2,11 @@
 
 `resolve_device(spec)`: "cpu", "cuda", "cuda:N" or "auto" (quantkit/options.py checks the spelling; "auto" is
 the first CUDA device torch sees, else the CPU) -> a torch.device, or a DeviceError saying why not (torch
-built without CUDA, no GPU visible, N out of range). `compute_dtype(device)`: what the layers compute in:
-float32 on the CPU (what quantkit always did, bit for bit), bfloat16 on a GPU (the checkpoints' own dtype;
-routers kept in float32 as `from_pretrained` keeps them, statistics and GPTQ solves in float32).
+built without CUDA, no GPU visible, N out of range). `compute_dtype(device, spec)`: what the layers compute in
+(`--compute-dtype`): "auto" is float32 on the CPU (what quantkit always did, bit for bit) and bfloat16 on a
+GPU (the checkpoints' own dtype); "float32" or "bfloat16" anywhere (bfloat16 on a CPU with bfloat16
+instructions, AVX512_BF16 or AMX, runs the layers' GEMMs ~2x faster: bench/README.md). Routers are kept in
+float32 as `from_pretrained` keeps them; statistics and GPTQ solves are float32 or wider whatever the choice.
 
 `MemoryPlan`: before any layer is read, the executor estimates for every decoder layer the peak bytes it
 will hold on the device (its weights in the compute dtype, the forward's temporaries, the pass's
@@ -49,8 +51,18 @@ def resolve_device(spec: str | torch.device | None = None) -> torch.device:
     return torch.device("cuda", index)
 
 
-def compute_dtype(device: torch.device) -> torch.dtype:
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def compute_dtype(device: torch.device, spec: str | torch.dtype | None = None) -> torch.dtype:
+    """What the layers compute in on `device`: `spec` a torch dtype (as it is), or one of
+    options.COMPUTE_DTYPE_CHOICES (None: options.COMPUTE_DTYPE); "auto" is float32 on the CPU, bfloat16 on a GPU."""
+    if isinstance(spec, torch.dtype):
+        return spec
+    s = options.parse_compute_dtype(options.COMPUTE_DTYPE if spec is None else spec)
+    if s == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _DTYPES[s]
 
 
 def available_bytes(device: torch.device) -> int | None:

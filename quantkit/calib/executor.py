@@ -167,12 +167,12 @@ class LayerStep:
 
 # ---- the executor -----------------------------------------------------------------------------------
 class LayerExecutor:
-    """`device`: cpu, cuda, cuda:N or auto (None: options.DEVICE); `dtype` (None: float32 on the CPU,
-    bfloat16 on a GPU). `batched_experts`: run routed experts with calib/moe.py's grouped forward (when
+    """`device`: cpu, cuda, cuda:N or auto (None: options.DEVICE); `dtype`: a torch dtype or a
+    `--compute-dtype` spelling (None, "auto": float32 on the CPU, bfloat16 on a GPU; calib/device.py). `batched_experts`: run routed experts with calib/moe.py's grouped forward (when
     `experts_implementation` is "eager", whose results it reproduces). `available_bytes`: the device memory
     the plan may use (None: the free memory a GPU reports; the CPU is not checked)."""
 
-    def __init__(self, model: str | Path | Checkpoint, *, dtype: torch.dtype | None = None,
+    def __init__(self, model: str | Path | Checkpoint, *, dtype: torch.dtype | str | None = None,
                  device: str | torch.device | None = None, batch_tokens: int | None = None,
                  activation_budget_bytes: int = DEFAULT_ACTIVATION_BUDGET, workdir: str | Path | None = None,
                  experts_implementation: str | None = DEFAULT_EXPERTS_IMPLEMENTATION, batched_experts: bool = True,
@@ -188,7 +188,7 @@ class LayerExecutor:
         self.config = build_config(self.ckpt.config)
         self.model = build_meta_model(self.config, experts_implementation if self.spec.experts else None)
         self.config = self.model.config
-        self.dtype = dtype if dtype is not None else compute_dtype(self.device)
+        self.dtype = compute_dtype(self.device, dtype)
         self.batched_experts = bool(batched_experts) and experts_implementation == "eager"
         self.available_bytes = available_bytes
         self.memory: MemoryPlan | None = None  # plan_memory(), before the first layer

@@ -18,7 +18,7 @@ from ..dist import World
 
 
 def calibrate_ranks(model_dir, world: World, *, dataset=None, num_samples: int, seq_len: int, strategy: str,
-                    device: str | None = None, log: Callable[[str], None] | None = None):
+                    device: str | None = None, log: Callable[[str], None] | None = None, dtype: str | None = None):
     """`calibrate(model_dir, dataset=..., num_samples=..., seq_len=..., strategy=..., device=...)` over the
     ranks of `world` (every rank calls it with the same arguments and gets the same CalibrationResult)."""
     from ..errors import CalibrationError
@@ -34,7 +34,7 @@ def calibrate_ranks(model_dir, world: World, *, dataset=None, num_samples: int, 
     def observe():
         if strategy not in STRATEGIES:
             raise CalibrationError(f"unknown KV-cache strategy {strategy!r}", hint="use --strategy tensor or attn_head")
-        ex = LayerExecutor(model_dir, device=device)
+        ex = LayerExecutor(model_dir, device=device, dtype=dtype)
         data = load_calibration_data(dataset, tokenizer=load_tokenizer(model_dir), vocab_size=ex.config.vocab_size,
                                      num_samples=num_samples, seq_len=seq_len, seed=DEFAULT_SEED)
         lengths = [len(s) for s in data.samples]

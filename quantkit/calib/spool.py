@@ -117,7 +117,7 @@ def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int
 
 
 def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: Callable[[int, int], None] | None = None,
-                   log: Callable[[str], None] = lambda m: None, dtype: torch.dtype | None = None,
+                   log: Callable[[str], None] = lambda m: None, dtype: torch.dtype | str | None = None,
                    device: str | torch.device | None = None, available_bytes: int | None = None,
                    world=None, pool: int = 0) -> dict | None:
     """Quantize every calibrated group of `recipe` layer by layer; write the spool; return its index

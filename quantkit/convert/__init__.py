@@ -89,6 +89,8 @@ class ConvertOptions:
     model_card: bool = True  # write README.md (quantkit/card.py; a README of the source is extended)
     # where calibration (GPTQ/AWQ, KV scales) computes: cpu, cuda, cuda:N or auto (calib/device.py)
     device: str = options.DEVICE
+    # what calibration's layers compute in: auto (float32 on the CPU, bfloat16 on a GPU), float32 or bfloat16
+    compute_dtype: str = options.COMPUTE_DTYPE
     # the tensor-parallel size the output will be served at: W4AFP8 recipes are refused up front when vLLM's
     # W4AFP8 MoE kernel cannot take the expert widths at it (engine/w4afp8.py); None: tp 1, with a note
     tp: int | None = None
@@ -192,9 +194,10 @@ def _job_kv(job: _Job, opts: ConvertOptions, w, split_calib: bool, calib_report:
     if job.want_kv and opts.kv_scales is None and split_calib:  # calibrated here: data parallel over the ranks
         with timeline.phase("kv"):
             return kv_scales(src, recipe, None, opts.dataset, opts.num_samples, opts.seq_len, device=opts.device,
-                             report=calib_report if w.leader else None, world=w)
+                             dtype=opts.compute_dtype, report=calib_report if w.leader else None, world=w)
     return w.broadcast(w.step(lambda: kv_scales(src, recipe, opts.kv_scales, opts.dataset, opts.num_samples,
-                                                opts.seq_len, device=opts.device, report=calib_report)
+                                                opts.seq_len, device=opts.device, dtype=opts.compute_dtype,
+                                                report=calib_report)
                               if job.want_kv and w.leader else None,
                               "reading the KV scales", "kv"))
 
@@ -212,15 +215,20 @@ def _kv_notes(src: Checkpoint, kv) -> list[str]:
     return notes
 
 
-def _identity(job: _Job, opts: ConvertOptions, data) -> dict:
-    """What makes an output this conversion's (a resume continues only an output with the same identity)."""
+def _identity(job: _Job, opts: ConvertOptions, data, calib_device=None) -> dict:
+    """What makes an output this conversion's (a resume continues only an output with the same identity).
+    `calib_device`: where calibration runs (None: nothing is calibrated); its compute dtype is part of it."""
+    from ..calib.device import compute_dtype
+
     src = job.src
     return {"tool_version": __version__, "recipe_sha256": job.recipe.sha256,
             "config_sha256": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
             "source": _source_fingerprint(src), "batch_bytes": opts.batch_bytes,
             "max_shard_bytes": opts.max_shard_bytes,
             "calibration": None if data is None else {k: data.describe()[k] for k in
-                                                      ("source", "sha256", "num_samples", "seq_len", "seed")}}
+                                                      ("source", "sha256", "num_samples", "seq_len", "seed")},
+            "compute_dtype": None if calib_device is None else
+            str(compute_dtype(calib_device, opts.compute_dtype)).replace("torch.", "")}
 
 
 def _stream(job: _Job, out: Path, opts: ConvertOptions, w, spool: Spool, done: dict, progress) -> tuple[dict, dict]:
@@ -267,10 +275,10 @@ def _calibrate(job: _Job, data, spool_dir: Path, log, opts: ConvertOptions, w, s
     calib/parallel.py; rank 0 writes the spool), or rank 0 alone while the others wait (a GPU job whose
     process group is gloo)."""
     if split_calib or w.size == 1:
-        return calibrated_pass(job.src, job.recipe, data, spool_dir, log, device=opts.device, report=calib_report,
-                               world=w)
+        return calibrated_pass(job.src, job.recipe, data, spool_dir, log, device=opts.device,
+                               dtype=opts.compute_dtype, report=calib_report, world=w)
     return w.broadcast(w.step(lambda: calibrated_pass(job.src, job.recipe, data, spool_dir, log, device=opts.device,
-                                                      report=calib_report)
+                                                      dtype=opts.compute_dtype, report=calib_report)
                               if w.leader else None, "calibrating", "solve"))
 
 
@@ -287,7 +295,8 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     t0 = time.perf_counter()
     job = _plan_job(src_dir, opts)
     src, recipe, notes, out = job.src, job.recipe, job.notes, Path(out_dir)
-    options.parse_device(opts.device)  # a misspelled device fails here, whatever the recipe
+    options.parse_device(opts.device)  # a misspelled device or dtype fails here, whatever the recipe
+    options.parse_compute_dtype(opts.compute_dtype)
     calib_device = None
     if job.calibrated or (job.want_kv and opts.kv_scales is None and opts.kv is None):
         from ..calib.device import resolve_device
@@ -300,8 +309,8 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
     if job.calibrated and calib_device.type != "cpu":  # a layer that cannot fit on the GPU: refused before any work
         from .calibrated import preflight
 
-        w.step(lambda: preflight(src, recipe, data, str(calib_device), w.size if w.backend == "nccl" else 1)
-               if w.leader else None, "planning device memory")
+        w.step(lambda: preflight(src, recipe, data, str(calib_device), w.size if w.backend == "nccl" else 1,
+                                 dtype=opts.compute_dtype) if w.leader else None, "planning device memory")
     calib_report: dict = {}  # the calibration's device and memory plan, for the result
     # Several ranks calibrate together (calib/parallel.py): on the CPU over gloo, on GPUs over NCCL (each rank
     # on its LOCAL_RANK's GPU). A GPU job whose process group is gloo (a GPU asked for while torch.distributed
@@ -314,7 +323,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
         if log:
             log(n)
 
-    identity = _identity(job, opts, data)
+    identity = _identity(job, opts, data, calib_device)
     if opts.overwrite and out.exists():
         o, sr = out.resolve(), src.root.resolve()
         if sr == o or sr.is_relative_to(o):

@@ -31,8 +31,9 @@ def calibration_data(src: Checkpoint, recipe: Recipe, dataset: str | None, num_s
 
 
 def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log, device: str | None = None,
-                    report: dict | None = None, world=None) -> Spool:
-    """GPTQ/AWQ layer by layer (quantkit.calib) on `device` (cpu, cuda, cuda:N, auto; None: the default),
+                    report: dict | None = None, world=None, dtype: str | None = None) -> Spool:
+    """GPTQ/AWQ layer by layer (quantkit.calib) on `device` (cpu, cuda, cuda:N, auto; None: the default) in
+    the compute dtype `dtype` (auto, float32, bfloat16; None: the default),
     spooled under the journal. A spool left by an interrupted run of the same identity is reused when it is
     complete, and continued from the last finished layer when it is not. `report` (a dict) receives the
     device and its memory plan (calib/device.py) of the pass that made the spool.
@@ -64,11 +65,11 @@ def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log,
                 + (f", over {w.size} ranks" if w.size > 1 else ""))
         if w.size == 1:
             index = run_calibrated(src.root, recipe, data.samples, spool_dir, log=log or (lambda m: None),
-                                   device=device, pool=data.pool)
+                                   device=device, dtype=dtype, pool=data.pool)
             write_json_atomic(done, index)
         else:
             index = run_calibrated(src.root, recipe, data.samples, spool_dir, log=log or (lambda m: None),
-                                   device=device, world=w, pool=data.pool)
+                                   device=device, dtype=dtype, world=w, pool=data.pool)
 
             def finish():
                 if w.leader:
@@ -91,13 +92,13 @@ def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log,
     return w.step(spool, "reading the calibration spool")
 
 
-def preflight(src: Checkpoint, recipe: Recipe, data, device: str, ranks: int = 1) -> None:
+def preflight(src: Checkpoint, recipe: Recipe, data, device: str, ranks: int = 1, dtype: str | None = None) -> None:
     """Plan the calibrated pass's device memory (calib/device.py) on `ranks` ranks before any work, so that a
     layer that cannot fit on the device stops the conversion before KV calibration or anything else runs."""
     from ..calib.executor import LayerExecutor
     from ..calib.layer import statistics_bytes
 
-    ex = LayerExecutor(src.root, device=device)
+    ex = LayerExecutor(src.root, device=device, dtype=dtype)
     lengths = [int(len(x)) for x in data.samples]
     ex.plan_memory(lengths, statistics=lambda i, layer: statistics_bytes(
         ex.ckpt, recipe, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths, ranks))
@@ -105,7 +106,7 @@ def preflight(src: Checkpoint, recipe: Recipe, data, device: str, ranks: int = 1
 
 def kv_scales(src: Checkpoint, recipe: Recipe, path: str | None, dataset: str | None = None,
               num_samples: int | None = None, seq_len: int | None = None, device: str | None = None,
-              report: dict | None = None, world=None) -> kvrules.KVScales:
+              report: dict | None = None, world=None, dtype: str | None = None) -> kvrules.KVScales:
     """The KV scales to ship, checked against the source model: from `path`, or calibrated now (recipe
     `kv_cache` section, on `device`) on the same data as the calibrated groups: the options first, then the
     recipe's calibration section, then the defaults. `report` (a dict) receives the calibration's device and
@@ -126,9 +127,10 @@ def kv_scales(src: Checkpoint, recipe: Recipe, path: str | None, dataset: str | 
         if world is not None and world.size > 1:
             from ..calib.kv_dist import calibrate_ranks
 
-            res = calibrate_ranks(str(src.root), world, **data, strategy=want, device=device)
+            res = calibrate_ranks(str(src.root), world, **data, strategy=want, device=device, dtype=dtype)
         else:
-            res = calibrate(str(src.root), **data, strategy=want, **({} if device is None else {"device": device}))
+            res = calibrate(str(src.root), **data, strategy=want, dtype=dtype,
+                            **({} if device is None else {"device": device}))
         if report is not None and getattr(res, "device", None) is not None:
             report.update(device=res.device, memory=res.memory)
         scales = {n: t.detach().cpu() for n, t in dict(res.scales).items()}

@@ -98,7 +98,8 @@ def convert_pair(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts, p
         kv_recipe = replace(kv_recipe, kv_cache=load_recipe("fp8-kv").kv_cache)
     if log:
         log("pair: KV-cache scales computed once, written to both checkpoints")
-    kv = kv_scales(src, kv_recipe, opts.kv_scales, opts.dataset, opts.num_samples, opts.seq_len, device=opts.device)
+    kv = kv_scales(src, kv_recipe, opts.kv_scales, opts.dataset, opts.num_samples, opts.seq_len, device=opts.device,
+                   dtype=opts.compute_dtype)
     total = 2 * src.total_bytes
 
     def half(offset):

@@ -82,8 +82,8 @@ def prepare_output(out: Path, identity: dict, *, overwrite: bool, resume: bool) 
                 raise OutputExists(f"{out} already holds a complete conversion",
                                    hint="pass --overwrite to convert again, or choose another directory")
             if m.get("identity") != identity:
-                raise ResumeMismatch(f"{out} holds an unfinished conversion of a different source, recipe or "
-                                     "quantkit version; refusing to mix them")
+                raise ResumeMismatch(f"{out} holds an unfinished conversion of a different source, recipe, "
+                                     "calibration or quantkit version; refusing to mix them")
             journal.mkdir(exist_ok=True)  # killed after _finalize removed it: every shard is redone
             done = {}
             for p in sorted(journal.glob("*.json")):

@@ -16,7 +16,7 @@ import torch
 
 from quantkit import options
 from quantkit.calib.data import CalibrationWarning, load_calibration_data
-from quantkit.calib.device import LayerMemory, make_plan, resolve_device
+from quantkit.calib.device import LayerMemory, compute_dtype, make_plan, resolve_device
 from quantkit.calib.executor import LayerExecutor
 from quantkit.calib.hessians import ExpertStats
 from quantkit.calib.layer import statistics_bytes
@@ -102,6 +102,69 @@ def test_cli_device_errors(tiny_models, tmp_path):
     assert doc["device"] is None and doc["device_memory"] is None  # nothing calibrated
     p = run("convert", src, tmp_path / "x", "--device", "tpu")
     assert p.returncode == 2 and not (tmp_path / "x").exists()
+
+
+# ---- --compute-dtype ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, want", [("auto", "auto"), (" BF16", "bfloat16"), ("bfloat16", "bfloat16"),
+                                        ("fp32", "float32"), ("Float32 ", "float32")])
+def test_parse_compute_dtype(spec, want):
+    assert options.parse_compute_dtype(spec) == want
+
+
+@pytest.mark.parametrize("spec", ["half", "float16", "fp8", "", "bfloat", "float64", None])
+def test_bad_compute_dtypes(spec):
+    with pytest.raises(DeviceError, match=re.escape("expected auto|float32|bfloat16")):
+        options.parse_compute_dtype(spec)
+
+
+def test_compute_dtype_by_device():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)  # only the device's type is read
+    assert compute_dtype(cpu) == compute_dtype(cpu, "auto") == torch.float32
+    assert compute_dtype(gpu) == compute_dtype(gpu, "auto") == torch.bfloat16
+    assert compute_dtype(cpu, "bf16") == compute_dtype(gpu, "bfloat16") == torch.bfloat16
+    assert compute_dtype(gpu, "float32") == torch.float32 and compute_dtype(cpu, torch.float16) == torch.float16
+    with pytest.raises(DeviceError):
+        compute_dtype(cpu, "int8")
+
+
+def test_cli_compute_dtype(tiny_models, tmp_path):
+    """bfloat16 layers on the CPU: reported, part of the output's identity (a float32 output is not continued
+    in bfloat16), a valid GPTQ checkpoint close to the float32 one; a misspelling is a usage error."""
+    src = tiny_models("qwen3_moe", experts=8)
+    common = ["--recipe", "int4-experts-gptq", "--num-samples", "4", "--seq-len", "32", "--json"]
+    p = run("convert", src, tmp_path / "x", *common, "--compute-dtype", "half")
+    assert p.returncode == 2 and "--compute-dtype" in p.stderr and not (tmp_path / "x").exists()
+    docs, idents = {}, {}
+    for dt in ("float32", "bf16"):
+        p = run("convert", src, tmp_path / dt, *common, "--compute-dtype", dt)
+        assert p.returncode == 0, p.stderr
+        docs[dt] = json.loads(p.stdout)
+        idents[dt] = json.loads((tmp_path / dt / "quantkit_manifest.json").read_text())["identity"]
+    assert docs["float32"]["device_memory"]["dtype"] == "float32"
+    assert docs["bf16"]["device_memory"]["dtype"] == "bfloat16"
+    assert idents["float32"]["compute_dtype"] == "float32" and idents["bf16"]["compute_dtype"] == "bfloat16"
+    assert {k: v for k, v in idents["float32"].items() if k != "compute_dtype"} == \
+        {k: v for k, v in idents["bf16"].items() if k != "compute_dtype"}
+    # a float32 output cut off before its end is not continued in bfloat16 (nothing is touched), only in float32
+    m = tmp_path / "float32" / "quantkit_manifest.json"
+    done = m.read_text()
+    m.write_text(json.dumps({"status": "in_progress", "identity": idents["float32"]}))
+    p = run("convert", src, tmp_path / "float32", *common, "--compute-dtype", "bfloat16")
+    assert p.returncode == 1 and "refusing to mix them" in p.stderr and "Traceback" not in p.stderr
+    p = run("convert", src, tmp_path / "float32", *common, "--compute-dtype", "auto")  # auto is float32 here
+    assert p.returncode == 0, p.stderr
+    assert m.read_text() == done
+    # the two checkpoints differ (the layers' rounding) and both verify against the source
+    a = {q.name: hashlib.sha256(q.read_bytes()).hexdigest() for q in sorted((tmp_path / "float32").glob("*.safetensors"))}
+    b = {q.name: hashlib.sha256(q.read_bytes()).hexdigest() for q in sorted((tmp_path / "bf16").glob("*.safetensors"))}
+    assert a.keys() == b.keys() and a != b
+    for dt in ("float32", "bf16"):
+        p = run("verify", tmp_path / dt, "--reference", src, "--json")
+        assert p.returncode == 0, p.stdout + p.stderr
+    p = run("calibrate", src, "-o", tmp_path / "kv.safetensors", "--num-samples", "2", "--seq-len", "16",
+            "--compute-dtype", "bfloat16", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["device_memory"]["dtype"] == "bfloat16"
 
 
 # ---- device="cpu" is the default, bit for bit ----------------------------------------------------------------

@@ -128,6 +128,20 @@ def test_gptq_dense_and_kv_byte_identical(src, dense_recipe, reference, tmp_path
     assert "model-kv-scales.safetensors" in got
 
 
+def test_bfloat16_layers_byte_identical(src, tmp_path):
+    """`--compute-dtype bfloat16` (the layers and activations in bfloat16, as on a GPU) on two ranks: the
+    same bytes as one process in bfloat16, and not float32's."""
+    outs = {}
+    for ranks, dtype in ((1, "bfloat16"), (2, "bfloat16"), (1, "float32")):
+        out = tmp_path / f"q{ranks}-{dtype}"
+        p = _convert(ranks, src, out, "int4-experts-gptq", "--compute-dtype", dtype)
+        assert p.returncode == 0, p.stderr[-3000:]
+        outs[ranks, dtype] = _files(out)
+    assert outs[2, "bfloat16"] == outs[1, "bfloat16"]
+    shards = [n for n in outs[1, "float32"] if n.endswith(".safetensors")]
+    assert shards and any(outs[1, "float32"][n] != outs[1, "bfloat16"][n] for n in shards)
+
+
 @pytest.mark.parametrize("recipe,ranks", [("int4-experts-awq", 3), ("int4-experts-gptq", 2)])
 def test_experts_only_byte_identical(src, reference, tmp_path, recipe, ranks):
     """Routed experts alone: AWQ, and GPTQ with its split forward (the statistics replayed on the owners

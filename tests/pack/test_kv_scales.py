@@ -172,13 +172,15 @@ def test_kv_recipe_calls_calibrate(src, tmp_path, monkeypatch):
         def __init__(self, s):
             self.scales = s
 
-    def fake_calibrate(model_dir, dataset=None, num_samples=128, seq_len=512, strategy="tensor", device=None):
-        calls.append((model_dir, dataset, num_samples, seq_len, strategy, device))
+    def fake_calibrate(model_dir, dataset=None, num_samples=128, seq_len=512, strategy="tensor", device=None,
+                       dtype=None):
+        calls.append((model_dir, dataset, num_samples, seq_len, strategy, device, dtype))
         return Result(scales())
 
     monkeypatch.setattr(qconvert, "_find_calibrate", lambda: fake_calibrate)
     convert(src, tmp_path / "q", ConvertOptions(recipe=parse_recipe(KV_RECIPE)))
-    assert calls == [(str(src), None, 8, 16, "tensor", options.DEVICE)]  # the convert's calibration device
+    # the convert's calibration device and compute dtype
+    assert calls == [(str(src), None, 8, 16, "tensor", options.DEVICE, options.COMPUTE_DTYPE)]
     m = json.loads((tmp_path / "q" / MANIFEST_NAME).read_text())
     assert m["kv_cache"]["origin"] == {"calibrate": {"dataset": None, "num_samples": 8, "seq_len": 16}}
 
