@@ -1,6 +1,7 @@
 """Benchmark `quantkit calibrate` (FP8 KV-cache scales) for memory and time, beside llm-compressor.
 
     .venv/bin/python bench/calibrate_kv.py [--layers 8] [--num-samples 32] [--seq-len 512]
+                                           [--compute-dtypes float32 [bfloat16]] [--peer-dtype float32]
                                            [--peer-python PATH] [--skip-peer] [--check]
 
 In one run, on one input (a random-weight BF16 qwen3_moe checkpoint: hidden 1024, 32 experts of width
@@ -8,14 +9,15 @@ In one run, on one input (a random-weight BF16 qwen3_moe checkpoint: hidden 1024
 bench/.cache/):
 
 1. quantkit: `calibrate(model, dataset=ids.jsonl, ...)` + `write_scales` in a fresh subprocess, with the
-   command's allocator settings (quantkit/allocator.py, applied before torch is imported); wall
+   command's allocator settings (quantkit/allocator.py, applied before torch is imported), once per
+   `--compute-dtypes` entry (`calibrate --compute-dtype`; the first is `quantkit` in the results); wall
    time (interpreter start and imports included) and peak RSS (kernel high-water mark of the process,
    and the RSS polled every 20 ms). Also the RSS of a subprocess that only imports the same modules,
    for the fixed cost of Python + torch + transformers.
 2. The bound the issue sets: two decoder layers' weights (in the compute dtype, float32) + the
    calibration activations (two copies of samples x seq_len x hidden, float32) + 500 MB.
 3. llm-compressor (peer venv, bench/.cache/peer-venv by default): `oneshot` with a recipe holding only
-   `kv_cache_scheme` (FP8, tensor), on the same model loaded in float32 and the same token rows, with its
+   `kv_cache_scheme` (FP8, tensor), on the same model loaded in float32 (`--peer-dtype`) and the same token rows, with its
    sequential pipeline; same measurements. Its scales are compared with ours layer by layer.
 
 Both tools see identical tokens: the shipped calibration set tokenized by quantkit's byte fallback (the
@@ -180,6 +182,7 @@ QUANTKIT_SCRIPT = textwrap.dedent("""
     import torch
     from quantkit.calibrate import calibrate, write_scales
     res = calibrate({model!r}, dataset={ids!r}, num_samples={n}, seq_len={t}, strategy="tensor", batch_tokens={bt},
+                    dtype={dtype!r},
                     progress=lambda i, n: print(f"layer {{i + 1}}/{{n}}", file=sys.stderr, flush=True))
     write_scales(res, {out!r})
     print(json.dumps(res.to_json()))
@@ -203,7 +206,7 @@ PEER_SCRIPT = textwrap.dedent("""
     from llmcompressor import oneshot
     rows = [json.loads(l)["input_ids"] for l in open({ids!r})]
     ds = Dataset.from_dict({{"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}})
-    model = AutoModelForCausalLM.from_pretrained({model!r}, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained({model!r}, dtype=torch.{peer_dtype})
     recipe = '''
     quant_stage:
       quant_modifiers:
@@ -242,6 +245,10 @@ def main():
     ap.add_argument("--batch-tokens", type=int, default=None,
                     help="quantkit tokens per forward call (default: sized to the layer by the executor)")
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--compute-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                    help="quantkit calibrate's --compute-dtype, one run each (the first is the headline)")
+    ap.add_argument("--peer-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the dtype llm-compressor's model is loaded in")
     ap.add_argument("--check", action="store_true", help="exit 1 if quantkit's peak RSS exceeds the bound")
     a = ap.parse_args()
 
@@ -251,7 +258,8 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     fmt = dict(repo=str(REPO), model=str(root), ids=str(ids), n=a.num_samples, t=a.seq_len,
-               out=str(work / "kv_scales.safetensors"), observer=a.peer_observer, bt=a.batch_tokens)
+               out=str(work / "kv_scales.safetensors"), observer=a.peer_observer, bt=a.batch_tokens,
+               dtype=a.compute_dtypes[0], peer_dtype=a.peer_dtype)
 
     h = ARCH["hidden_size"]
     layer_numel = sum(numel(s) for n, s in tensor_specs(1) if n.startswith("model.layers.0."))
@@ -264,10 +272,18 @@ def main():
     print(f"model: {root.name}: {disk_bytes / MB:.0f} MB on disk, {a.layers} layers of {layer_bytes / MB:.0f} MB "
           f"(float32); {tokens} calibration tokens", file=sys.stderr)
     base = run_measured([py, "-c", BASELINE_SCRIPT.format(**fmt)], work / "baseline.err", work / "baseline.out")
-    qk = run_measured([py, "-c", QUANTKIT_SCRIPT.format(**fmt)], work / "quantkit.err", work / "quantkit.out")
-    if qk["rc"] != 0:
-        raise SystemExit(f"quantkit failed, see {qk['log']}")
-    qk_res = json.loads((work / "quantkit.out").read_text())
+    by_dtype = {}
+    for dt in a.compute_dtypes:
+        r = run_measured([py, "-c", QUANTKIT_SCRIPT.format(**{**fmt, "dtype": dt})], work / f"quantkit-{dt}.err",
+                         work / f"quantkit-{dt}.out")
+        if r["rc"] != 0:
+            raise SystemExit(f"quantkit failed, see {r['log']}")
+        by_dtype[dt] = r
+        if len(a.compute_dtypes) > 1:
+            print(f"quantkit, --compute-dtype {dt}: {r['wall_s']} s wall ({r['cpu_s']} CPU s, load "
+                  f"{r['loadavg_1min']}), peak RSS {r['peak_rss_bytes'] / MB:.0f} MB", file=sys.stderr)
+    qk = by_dtype[a.compute_dtypes[0]]
+    qk_res = json.loads((work / f"quantkit-{a.compute_dtypes[0]}.out").read_text())
     ours = [[lk["k_scale"], lk["v_scale"]] for lk in qk_res["layers"]]
     result = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
@@ -278,7 +294,9 @@ def main():
                   "layer_weights": 2 * layer_bytes, "activations": act_bytes, "slack": SLACK},
         "quantkit": {**qk, "batch_tokens": a.batch_tokens or "auto", "seconds_reported": qk_res["seconds"],
                      "rss_vs_bound": round(qk["peak_rss_bytes"] / bound, 3),
-                     "import_baseline_rss_bytes": base["peak_rss_bytes"], "scales": ours},
+                     "import_baseline_rss_bytes": base["peak_rss_bytes"], "scales": ours,
+                     "compute_dtype": a.compute_dtypes[0]},
+        "quantkit_by_dtype": by_dtype,
     }
     print(f"quantkit: {qk['wall_s']} s wall ({qk['cpu_s']} CPU s, load {qk['loadavg_1min']}), "
           f"peak RSS {qk['peak_rss_bytes'] / MB:.0f} MB (imports + meta model alone: "
@@ -295,7 +313,7 @@ def main():
         else:
             peer = run_measured([str(a.peer_python), "-c", PEER_SCRIPT.format(**fmt)], work / "peer.err",
                                 work / "peer.out")
-            entry = {"version": why, "observer": a.peer_observer, **peer}
+            entry = {"version": why, "observer": a.peer_observer, "dtype": a.peer_dtype, **peer}
             if peer["rc"] == 0:
                 pj = json.loads((work / "peer.out").read_text().strip().splitlines()[-1])
                 theirs = pj["scales"]
@@ -303,12 +321,15 @@ def main():
                 entry.update(oneshot_seconds=round(pj["oneshot_seconds"], 2), scales=theirs,
                              rel_diff_layer0=max(rel[0]), rel_diff_max=max(max(r) for r in rel),
                              speedup_quantkit=round(peer["wall_s"] / qk["wall_s"], 2),
-                             cpu_ratio=round(peer["cpu_s"] / qk["cpu_s"], 2))
+                             cpu_ratio=round(peer["cpu_s"] / qk["cpu_s"], 2),
+                             quantkit_over_peer_wall={dt: round(r["wall_s"] / peer["wall_s"], 3)
+                                                      for dt, r in by_dtype.items()})
                 print(f"llm-compressor {why}: {peer['wall_s']} s wall (oneshot {entry['oneshot_seconds']} s, "
                       f"{peer['cpu_s']} CPU s, load {peer['loadavg_1min']}), "
                       f"peak RSS {peer['peak_rss_bytes'] / MB:.0f} MB; quantkit is {entry['speedup_quantkit']}x "
                       f"faster in wall time, {entry['cpu_ratio']}x in CPU time; scales differ by "
-                      f"{entry['rel_diff_layer0']:.2%} at layer 0, {entry['rel_diff_max']:.2%} at most",
+                      f"{entry['rel_diff_layer0']:.2%} at layer 0, {entry['rel_diff_max']:.2%} at most; "
+                      f"quantkit's wall / the peer's by compute dtype: {entry['quantkit_over_peer_wall']}",
                       file=sys.stderr)
             else:
                 print(f"llm-compressor failed (rc {peer['rc']}), see {peer['log']}", file=sys.stderr)

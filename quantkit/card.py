@@ -373,7 +373,9 @@ def _calibration_lines(facts: _Facts) -> list[str]:
     out = [f"Methods: {methods}.",
            f"Data: `{cal.get('source')}`, {cal.get('num_samples')} samples x {cal.get('seq_len')} tokens"
            + (f" ({cal['num_tokens']} tokens)" if isinstance(cal.get("num_tokens"), int) else "")
-           + (f", tokenizer `{cal['tokenizer']}`" if cal.get("tokenizer") else "") + "."]
+           + (f", tokenizer `{cal['tokenizer']}`" if cal.get("tokenizer") else "")
+           + (f", layers computed in {cal['compute_dtype']}" if cal.get("compute_dtype") in ("float32", "bfloat16")
+              else "") + "."]
     counts = [c for per in (cal.get("expert_tokens") or {}).values() for c in per if isinstance(c, int)]
     if counts:
         counts.sort()

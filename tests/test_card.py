@@ -142,7 +142,7 @@ def test_verify_report_and_calibration(out):
         if e.get("method") == "rtn":
             e["method"] = "gptq"
     m["calibration"] = {"source": "quantkit:default.jsonl", "num_samples": 16, "seq_len": 256, "num_tokens": 4096,
-                        "tokenizer": "bytes-mod-vocab",
+                        "tokenizer": "bytes-mod-vocab", "compute_dtype": "bfloat16",
                         "expert_tokens": {"model.layers.0.mlp.experts": [0, 3, 900, 1200],
                                           "model.layers.1.mlp.experts": [700, 800, 1000, 1100]},
                         "fallbacks": {f"model.layers.0.mlp.experts.{e}.{p}_proj": "rtn: too few tokens"
@@ -152,6 +152,7 @@ def test_verify_report_and_calibration(out):
     assert "gptq" in meta["tags"]
     assert "| top-1 agreement | 93.75% |" in body and "| mean next-token KL divergence | 0.0123 |" in body
     assert "7.25 -> 7.5" in body and "18.0 dB" in body and "| verify | passed |" in body
+    assert "tokenizer `bytes-mod-vocab`, layers computed in bfloat16." in body
     assert "16 samples x 256 tokens" in body and "min 0, median 900, max 1200; 1 saw none" in body
     assert "Starved experts (too few calibration tokens, fallback used): 2 (rtn: too few tokens: 2)" in body
     # an explicit report wins over verify.json

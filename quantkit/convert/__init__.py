@@ -364,7 +364,8 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
             kv_scheme = kv.config() if kv is not None else (job.fmt.kv_cache_scheme if job.source_kv else None)
             res = _finalize(src, job.fmt, out, recipe, job.plans, results, identity, t0, resumed=len(done),
                             notes=notes, kv=kv, kv_out=kv_out, kv_scheme=kv_scheme,
-                            calibration=None if data is None else data.describe(), source_id=opts.source_id,
+                            calibration=None if data is None else
+                            {**data.describe(), "compute_dtype": identity["compute_dtype"]}, source_id=opts.source_id,
                             model_card=opts.model_card)
             res.device, res.device_memory = calib_report.get("device"), calib_report.get("memory")
             return res

@@ -143,6 +143,9 @@ def test_cli_compute_dtype(tiny_models, tmp_path):
     assert docs["float32"]["device_memory"]["dtype"] == "float32"
     assert docs["bf16"]["device_memory"]["dtype"] == "bfloat16"
     assert idents["float32"]["compute_dtype"] == "float32" and idents["bf16"]["compute_dtype"] == "bfloat16"
+    man = json.loads((tmp_path / "bf16" / "quantkit_manifest.json").read_text())
+    assert man["calibration"]["compute_dtype"] == "bfloat16"
+    assert "layers computed in bfloat16" in (tmp_path / "bf16" / "README.md").read_text()
     assert {k: v for k, v in idents["float32"].items() if k != "compute_dtype"} == \
         {k: v for k, v in idents["bf16"].items() if k != "compute_dtype"}
     # a float32 output cut off before its end is not continued in bfloat16 (nothing is touched), only in float32
