@@ -65,7 +65,8 @@ from ..read.checkpoint import Checkpoint
 from ..read.tensors import TensorReader
 from . import moe
 from .activations import ActivationStore
-from .device import LayerMemory, MemoryPlan, available_bytes, compute_dtype, make_plan, peak_bytes, resolve_device
+from .device import (LayerMemory, MemoryPlan, available_bytes, bound_primitive_cache, compute_dtype, make_plan,
+                     peak_bytes, resolve_device)
 from .weights import bound_heap, load_layer_weights, release_memory, stored_modules
 
 # Legend: N = samples, B = samples in a batch, T = tokens per sample, D = hidden size,
@@ -189,6 +190,7 @@ class LayerExecutor:
         self.model = build_meta_model(self.config, experts_implementation if self.spec.experts else None)
         self.config = self.model.config
         self.dtype = compute_dtype(self.device, dtype)
+        bound_primitive_cache(self.device, self.dtype)
         self.batched_experts = bool(batched_experts) and experts_implementation == "eager"
         self.available_bytes = available_bytes
         self.memory: MemoryPlan | None = None  # plan_memory(), before the first layer

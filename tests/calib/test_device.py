@@ -127,6 +127,22 @@ def test_compute_dtype_by_device():
         compute_dtype(cpu, "int8")
 
 
+def test_onednn_cache_bounded_only_for_cpu_bfloat16():
+    from quantkit.calib.device import ONEDNN_CACHE_ENV, bound_primitive_cache
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    for dev, dt in ((cpu, torch.float32), (gpu, torch.bfloat16)):
+        env = {}
+        bound_primitive_cache(dev, dt, env)
+        assert env == {}
+    env = {}
+    bound_primitive_cache(cpu, torch.bfloat16, env)
+    assert env == {ONEDNN_CACHE_ENV: "16"}
+    env = {ONEDNN_CACHE_ENV: "1024"}  # the user's own setting stays
+    bound_primitive_cache(cpu, torch.bfloat16, env)
+    assert env == {ONEDNN_CACHE_ENV: "1024"}
+
+
 def test_cli_compute_dtype(tiny_models, tmp_path):
     """bfloat16 layers on the CPU: reported, part of the output's identity (a float32 output is not continued
     in bfloat16), a valid GPTQ checkpoint close to the float32 one; a misspelling is a usage error."""
