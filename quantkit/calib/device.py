@@ -66,19 +66,21 @@ def compute_dtype(device: torch.device, spec: str | torch.dtype | None = None) -
     return _DTYPES[s]
 
 
-# oneDNN (torch's CPU bfloat16 matmuls) keeps up to 1024 compiled primitives, one per GEMM shape it has seen:
-# the routed experts' row counts differ per expert and per layer, so in a bfloat16 pass on the CPU that cache
-# grew by ~60 MB per decoder layer (bench/calibrate_kv.py's model: peak RSS 1344 MB in bfloat16 against 942 MB
-# in float32) for no speed (1032 MB at 16 entries or at none, the same wall time)
-ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+# torch's CPU bfloat16 matmuls go through oneDNN, which keeps a compiled primitive per GEMM shape in two LRU
+# caches of 1024 entries (oneDNN's own, ONEDNN_PRIMITIVE_CACHE_CAPACITY, and torch's ideep layer's,
+# LRU_CACHE_CAPACITY). The routed experts' row counts differ per expert and per layer, so in a bfloat16 pass on
+# the CPU those caches grew the process by ~30-60 MB per decoder layer for no speed (bench/README.md).
+ONEDNN_CACHE_ENVS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 ONEDNN_CACHE_ENTRIES = 16
 
 
 def bound_primitive_cache(device: torch.device, dtype: torch.dtype, environ=os.environ) -> None:
-    """Before a CPU pass in a dtype other than float32: cap oneDNN's primitive cache (ONEDNN_CACHE_ENV, read
-    once, at oneDNN's first use in the process) unless the user set it. Nothing on a GPU or in float32."""
+    """Before a CPU pass in a dtype other than float32: cap both caches (ONEDNN_CACHE_ENVS, each read once, at
+    its first use in the process) to ONEDNN_CACHE_ENTRIES, each unless the user set it. Nothing on a GPU or in
+    float32 (float32 GEMMs do not go through oneDNN)."""
     if device.type == "cpu" and dtype != torch.float32:
-        environ.setdefault(ONEDNN_CACHE_ENV, str(ONEDNN_CACHE_ENTRIES))
+        for name in ONEDNN_CACHE_ENVS:
+            environ.setdefault(name, str(ONEDNN_CACHE_ENTRIES))
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -127,8 +127,8 @@ def test_compute_dtype_by_device():
         compute_dtype(cpu, "int8")
 
 
-def test_onednn_cache_bounded_only_for_cpu_bfloat16():
-    from quantkit.calib.device import ONEDNN_CACHE_ENV, bound_primitive_cache
+def test_onednn_caches_bounded_only_for_cpu_bfloat16():
+    from quantkit.calib.device import bound_primitive_cache
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     for dev, dt in ((cpu, torch.float32), (gpu, torch.bfloat16)):
@@ -137,10 +137,10 @@ def test_onednn_cache_bounded_only_for_cpu_bfloat16():
         assert env == {}
     env = {}
     bound_primitive_cache(cpu, torch.bfloat16, env)
-    assert env == {ONEDNN_CACHE_ENV: "16"}
-    env = {ONEDNN_CACHE_ENV: "1024"}  # the user's own setting stays
+    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
+    env = {"LRU_CACHE_CAPACITY": "1024"}  # the user's own setting stays
     bound_primitive_cache(cpu, torch.bfloat16, env)
-    assert env == {ONEDNN_CACHE_ENV: "1024"}
+    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "1024"}
 
 
 def test_cli_compute_dtype(tiny_models, tmp_path):
