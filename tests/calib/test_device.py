@@ -137,10 +137,10 @@ def test_onednn_caches_bounded_only_for_cpu_bfloat16():
         assert env == {}
     env = {}
     bound_primitive_cache(cpu, torch.bfloat16, env)
-    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
+    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY": "128"}
     env = {"LRU_CACHE_CAPACITY": "1024"}  # the user's own setting stays
     bound_primitive_cache(cpu, torch.bfloat16, env)
-    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "1024"}
+    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY": "1024"}
 
 
 def test_cli_compute_dtype(tiny_models, tmp_path):
