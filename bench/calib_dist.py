@@ -74,10 +74,10 @@ def _hashes(d: Path) -> dict[str, str]:
 
 
 def _run(n: int, src: Path, out: Path, data: Path, samples: int, seq_len: int, timeout: int,
-         torchrun_one: bool = False) -> dict:
+         torchrun_one: bool = False, extra: tuple[str, ...] = ()) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "QUANTKIT_DIST_TIMEOUT": str(timeout)}
     args = ["convert", str(src), str(out), "-r", RECIPE, "--dataset", str(data), "--num-samples", str(samples),
-            "--seq-len", str(seq_len), "--overwrite", "--json"]
+            "--seq-len", str(seq_len), "--overwrite", "--json", *extra]
     if n == 1 and not torchrun_one:
         cmd = [sys.executable, "-m", "quantkit", *args]
     else:

@@ -3,6 +3,7 @@ layers x 16/32/64 routed experts, one run each, side by side.
 
     .venv/bin/python bench/calib_growth.py                 # 16 x 256 calibration tokens
     .venv/bin/python bench/calib_growth.py --layers 2 4 --experts 16 32 --samples 8
+    .venv/bin/python bench/calib_growth.py --layers 2 8 --experts 64 --compute-dtypes float32 bfloat16
 
 The models are bench/calib_dist.py's bench MoE (qwen3_moe, hidden 512, experts of width 256, top-4, random
 BF16 weights) with the layer and expert counts varied; the calibration and the command are calib_dist.py's
@@ -35,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--compute-dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
+                    help="convert --compute-dtype, each model once per value")
     a = ap.parse_args(argv)
     work = CACHE / "calib-growth-work"
     shutil.rmtree(work, ignore_errors=True)
@@ -44,14 +47,16 @@ def main(argv=None) -> int:
     for e in a.experts:
         for n in a.layers:
             src = _source(n, e)
-            r = _run(1, src, work / "out", data, a.samples, a.seq_len, a.timeout)
-            r = {"layers": n, "experts": e, **r}
-            rows.append(r)
-            print(f"{n} layers x {e} experts: {r['wall_s']} s wall, {r['convert_s']} s convert, "
-                  f"peak RSS {r['peak_rss_bytes'] / 2 ** 20:.0f} MiB", file=sys.stderr)
-    base = min(rows, key=lambda r: r["layers"] * r["experts"])
-    unit = base["convert_s"] / (base["layers"] * base["experts"])
+            for dt in a.compute_dtypes:
+                r = _run(1, src, work / "out", data, a.samples, a.seq_len, a.timeout, extra=("--compute-dtype", dt))
+                r = {"layers": n, "experts": e, "compute_dtype": dt, **r}
+                rows.append(r)
+                print(f"{n} layers x {e} experts, {dt}: {r['wall_s']} s wall, {r['convert_s']} s convert, "
+                      f"peak RSS {r['peak_rss_bytes'] / 2 ** 20:.0f} MiB", file=sys.stderr)
     for r in rows:
+        same = [x for x in rows if x["compute_dtype"] == r["compute_dtype"]]
+        base = min(same, key=lambda x: x["layers"] * x["experts"])
+        unit = base["convert_s"] / (base["layers"] * base["experts"])
         r["convert_s_per_layer_expert"] = round(r["convert_s"] / (r["layers"] * r["experts"]), 4)
         r["vs_linear"] = round(r["convert_s"] / (unit * r["layers"] * r["experts"]), 3)
     doc = {"model": {"arch": "qwen3_moe", **{k: v for k, v in BENCH.items() if k != "experts"}}, "recipe": RECIPE,
@@ -61,10 +66,11 @@ def main(argv=None) -> int:
     (a.out / "calib_growth.json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = [f"GPTQ convert ({RECIPE}), one process, one thread; {a.samples} x {a.seq_len} tokens; hidden "
              f"{BENCH['hidden']}, experts of width {BENCH['moe_intermediate']}, top-{BENCH['num_experts_per_tok']}.", "",
-             "| layers | experts | wall (s) | convert (s) | convert s per layer x expert | vs linear from the smallest | peak RSS (MiB) |",
-             "|---|---|---|---|---|---|---|"]
+             "| layers | experts | compute dtype | wall (s) | convert (s) | convert s per layer x expert | "
+             "vs linear from the smallest | peak RSS (MiB) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['layers']} | {r['experts']} | {r['wall_s']} | {r['convert_s']} | "
+        lines.append(f"| {r['layers']} | {r['experts']} | {r['compute_dtype']} | {r['wall_s']} | {r['convert_s']} | "
                      f"{r['convert_s_per_layer_expert']} | {r['vs_linear']}x | {r['peak_rss_bytes'] / 2 ** 20:.0f} |")
     table = "\n".join(lines)
     (a.out / "calib_growth.md").write_text(table + "\n")
