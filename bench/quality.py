@@ -165,15 +165,21 @@ def evaluate(model_dir, eval_ids: torch.Tensor, ref: dict | None = None, src=Non
     return out, {"logprobs": lps, "nll": nll}
 
 
-def run_quantkit(src, out, method, group, calib_file, num_samples, seq_len):
-    from quantkit.convert import ConvertOptions, convert
+def method_options(method: str, group: int | str) -> dict:
+    """ConvertOptions fields for a method name: its recipe (`recipe_yaml`), and after an "@" the pass's
+    compute dtype ("gptq@bfloat16": `convert --compute-dtype bfloat16`; none: the default)."""
     from quantkit.match.recipe import parse_recipe
 
-    method, _, dtype = method.partition("@")  # "gptq@bfloat16": convert --compute-dtype bfloat16
-    r = parse_recipe(recipe_yaml(method, group))
+    name, _, dtype = method.partition("@")
+    return {"recipe": parse_recipe(recipe_yaml(name, group)), **({"compute_dtype": dtype} if dtype else {})}
+
+
+def run_quantkit(src, out, method, group, calib_file, num_samples, seq_len):
+    from quantkit.convert import ConvertOptions, convert
+
     t0 = time.perf_counter()
-    convert(src, out, ConvertOptions(recipe=r, overwrite=True, dataset=str(calib_file), num_samples=num_samples,
-                                     seq_len=seq_len, **({"compute_dtype": dtype} if dtype else {})))
+    convert(src, out, ConvertOptions(overwrite=True, dataset=str(calib_file), num_samples=num_samples,
+                                     seq_len=seq_len, **method_options(method, group)))
     return time.perf_counter() - t0
 
 

@@ -66,6 +66,11 @@ def compute_dtype(device: torch.device, spec: str | torch.dtype | None = None) -
     return _DTYPES[s]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float32", "bfloat16", ...: how plans, identities and manifests name a compute dtype."""
+    return str(dtype).replace("torch.", "")
+
+
 # torch's CPU bfloat16 matmuls go through oneDNN, which keeps a compiled primitive per GEMM shape in two LRU
 # caches of 1024 entries (oneDNN's own, ONEDNN_PRIMITIVE_CACHE_CAPACITY, and torch's ideep layer's,
 # LRU_CACHE_CAPACITY). The routed experts' row counts differ per expert and per layer, so in a bfloat16 pass on
@@ -183,5 +188,5 @@ def make_plan(device: torch.device, dtype: torch.dtype, layers: list[LayerMemory
             on_device = False
     if on_device:
         layers = [LayerMemory(m.layer, m.weights, m.forward, m.statistics, 2 * activation_bytes) for m in layers]
-    return MemoryPlan(str(device), str(dtype).replace("torch.", ""), available, activation_bytes,
+    return MemoryPlan(str(device), dtype_name(dtype), available, activation_bytes,
                       "device" if on_device else "host", layers)

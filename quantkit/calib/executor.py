@@ -169,8 +169,9 @@ class LayerStep:
 # ---- the executor -----------------------------------------------------------------------------------
 class LayerExecutor:
     """`device`: cpu, cuda, cuda:N or auto (None: options.DEVICE); `dtype`: a torch dtype or a
-    `--compute-dtype` spelling (None, "auto": float32 on the CPU, bfloat16 on a GPU; calib/device.py). `batched_experts`: run routed experts with calib/moe.py's grouped forward (when
-    `experts_implementation` is "eager", whose results it reproduces). `available_bytes`: the device memory
+    `--compute-dtype` spelling (None, "auto": float32 on the CPU, bfloat16 on a GPU; calib/device.py).
+    `batched_experts`: run routed experts with calib/moe.py's grouped forward (when `experts_implementation`
+    is "eager", whose results it reproduces). `available_bytes`: the device memory
     the plan may use (None: the free memory a GPU reports; the CPU is not checked)."""
 
     def __init__(self, model: str | Path | Checkpoint, *, dtype: torch.dtype | str | None = None,

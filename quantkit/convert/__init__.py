@@ -218,7 +218,7 @@ def _kv_notes(src: Checkpoint, kv) -> list[str]:
 def _identity(job: _Job, opts: ConvertOptions, data, calib_device=None) -> dict:
     """What makes an output this conversion's (a resume continues only an output with the same identity).
     `calib_device`: where calibration runs (None: nothing is calibrated); its compute dtype is part of it."""
-    from ..calib.device import compute_dtype
+    from ..calib.device import compute_dtype, dtype_name
 
     src = job.src
     return {"tool_version": __version__, "recipe_sha256": job.recipe.sha256,
@@ -228,7 +228,7 @@ def _identity(job: _Job, opts: ConvertOptions, data, calib_device=None) -> dict:
             "calibration": None if data is None else {k: data.describe()[k] for k in
                                                       ("source", "sha256", "num_samples", "seq_len", "seed")},
             "compute_dtype": None if calib_device is None else
-            str(compute_dtype(calib_device, opts.compute_dtype)).replace("torch.", "")}
+            dtype_name(compute_dtype(calib_device, opts.compute_dtype))}
 
 
 def _stream(job: _Job, out: Path, opts: ConvertOptions, w, spool: Spool, done: dict, progress) -> tuple[dict, dict]:
