@@ -16,7 +16,7 @@ group (routed experts only), timed as bench/quality.py times it: the whole call.
 the command's allocator settings (quantkit/allocator.py) before it imports torch, as `quantkit convert` does.
 
 A round runs, for each tree in turn, one fresh process (PYTHONPATH = the tree) that converts once with RTN
-(imports and first-touch costs, untimed), then each method in turn. `--repeat` rounds. The table gives
+and builds the calibration executor once (imports and first-touch costs, untimed), then each method in turn. `--repeat` rounds. The table gives
 every wall time, the CPU time of the fastest and the ratio of each method's fastest to the first method's
 (`--methods`, default gptq awq: the issue's target, AWQ within 2x of GPTQ). A method may name the pass's
 compute dtype after an `@` (`gptq@bfloat16`: `convert --compute-dtype bfloat16`; none: the default). `other` is the CPU (in cores)
@@ -93,24 +93,34 @@ def worker(a) -> int:
     import quantkit
     import torch
     from quantkit.convert import ConvertOptions, convert
-    from quantkit.match.recipe import parse_recipe
 
     sys.path.insert(0, str(HERE))
-    from quality import recipe_yaml
+    from quality import method_options
 
     work = Path(a.work)
 
     def run(method: str, group: int) -> dict:
-        name, _, dtype = method.partition("@")
         t0, c0, o0 = time.perf_counter(), time.process_time(), _cpu_total()
-        convert(a.model, work / f"out-{os.getpid()}-{name}-{dtype}-{group}", ConvertOptions(
-            recipe=parse_recipe(recipe_yaml(name, group)), overwrite=True, dataset=a.rows,
-            num_samples=a.num_samples, seq_len=a.seq_len, model_card=False, **({"compute_dtype": dtype} if dtype else {})))
+        convert(a.model, work / f"out-{os.getpid()}-{method.replace('@', '-')}-{group}", ConvertOptions(
+            overwrite=True, dataset=a.rows, num_samples=a.num_samples, seq_len=a.seq_len, model_card=False,
+            **method_options(method, group)))
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         return {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
                 "other_cores": round(max(0.0, _cpu_total() - o0 - cpu) / wall, 2)}
 
     run("rtn", a.groups[0])  # (RTN calibrates nothing: the dtype does not matter)
+    # ... nor imports the calibrated pass: its modules and the model's transformers modeling (the executor's
+    # meta model), ~2.5 s that would otherwise fall on the first method timed
+    import importlib
+
+    for mod in ("quantkit.calib.spool", "quantkit.calib.gptq_pass", "quantkit.calib.awq_pass"):
+        try:
+            importlib.import_module(mod)
+        except ImportError:  # an older tree
+            pass
+    from quantkit.calib.executor import LayerExecutor
+
+    LayerExecutor(a.model)
     out = {"quantkit": quantkit.__file__, "threads": torch.get_num_threads(),
            "runs": {f"g{g}": {m: run(m, g) for m in a.methods} for g in a.groups}}
     print(json.dumps(out), flush=True)
