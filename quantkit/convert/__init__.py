@@ -50,7 +50,7 @@ from ..read.tensors import TensorReader
 from ..write.output import output_lock, prepare_output
 from ..write.writer import copy_file_atomic, wait_durable, write_json_atomic
 from .calibrated import calibrated_pass, calibration_data, kv_scales, write_kv_scales
-from .run import ShardResult, Spool, run_shard, worker
+from .run import BatchBuffer, ShardResult, Spool, run_shard, worker
 from ..pack.names import Tensor
 
 __all__ = ["convert", "ConvertOptions", "ConvertResult", "MANIFEST_NAME", "JOURNAL_DIR", "DEFAULT_MAX_SHARD_BYTES",
@@ -436,10 +436,12 @@ def _cpu_count() -> int:
 def _run_shards(todo, src: Checkpoint, out: Path, opts: ConvertOptions, spool, record, progress, finished_bytes: int,
                 total: int) -> None:
     if opts.workers <= 1 or len(todo) <= 1:
+        batches = BatchBuffer()  # one work-batch buffer for every shard (dropped when this returns)
         for p in todo:
             base = finished_bytes
             res = run_shard(p, src.root / p.source, out,
-                            progress=(lambda r, b=base: progress(b + r, total)) if progress else None, spool=spool)
+                            progress=(lambda r, b=base: progress(b + r, total)) if progress else None, spool=spool,
+                            batches=batches)
             finished_bytes += src.shard(p.source).size
             record(res)
             if progress:

@@ -84,14 +84,36 @@ class _SpoolReader:
             f.close()
 
 
+class BatchBuffer:
+    """The memory of the work batches units read their weights into, reused from unit to unit and from
+    shard to shard (one per process that converts): a fresh allocation of a batch's size is a new mapping
+    whose pages the kernel zeroes at first touch, which cost FP4 RTN convert ~12% of its CPU time
+    (bench/README.md, `fp4_rtn.py`). Grown, never shrunk; it holds the largest batch until dropped."""
+
+    def __init__(self):
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def batch(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor of `shape`, valid until the next call: nothing written out may be a
+        view of it (the writer drains its queue later)."""
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        if self._buf.numel() < nbytes:
+            self._buf = torch.empty(0, dtype=torch.uint8)  # the old buffer goes before the new one comes
+            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buf[:nbytes].view(dtype).view(shape)
+
+
 class _Context:
     """What every handler needs: the source reader, the spool, the shard writer, the entries so far."""
 
-    def __init__(self, reader: TensorReader, own: str, spool: _SpoolReader, notes: Notes):
+    def __init__(self, reader: TensorReader, own: str, spool: _SpoolReader, notes: Notes,
+                 batches: BatchBuffer | None = None):
         self.r, self.own, self.sp, self.notes = reader, own, spool, notes
+        batches = batches or BatchBuffer()
         self.writer: ShardWriter | None = None
         self.entries: dict[str, dict] = {}
         self.schemes: dict[str, dict] = {}
+        self.batch = batches.batch
 
     def write(self, name: str, t: torch.Tensor, entry: dict) -> None:
         self.writer.write(name, t)
@@ -99,7 +121,8 @@ class _Context:
 
 
 def run_shard(plan: ShardPlan, src_path: Path, out_dir: Path, threads: int | None = None,
-              progress: Callable[[int], None] | None = None, spool: Spool = Spool()) -> ShardResult:
+              progress: Callable[[int], None] | None = None, spool: Spool = Spool(),
+              batches: BatchBuffer | None = None) -> ShardResult:
     if threads:
         torch.set_num_threads(threads)
     # sha256 of the source shard, computed while it is converted (hashlib releases the GIL): the pages
@@ -110,7 +133,7 @@ def run_shard(plan: ShardPlan, src_path: Path, out_dir: Path, threads: int | Non
     header = read_header(src_path)
     location = {n: src_path.name for n in header.tensors} | dict(plan.foreign)
     reader = TensorReader(src_path.parent, location, {src_path.name: header})
-    ctx = _Context(reader, src_path.name, _SpoolReader(spool), Notes())
+    ctx = _Context(reader, src_path.name, _SpoolReader(spool), Notes(), batches)
     outputs, entries, read, released = [], {}, 0, 0
     try:
         for out_name, units in plan.parts:
@@ -329,7 +352,7 @@ def _read_2d(ctx: _Context, ref, out: torch.Tensor) -> None:
 
 def _read_batch(u, ctx: _Context) -> torch.Tensor:
     n, k = u.items[0].shape
-    w = torch.empty((len(u.items), n, k), dtype=u.src_dtype)  # [B, N, K] in the source (or dequantized) dtype
+    w = ctx.batch((len(u.items), n, k), u.src_dtype)  # [B, N, K] in the source (or dequantized) dtype
     for b, it in enumerate(u.items):
         if it.source.expert is None and ctx.sp.has(it.source.tensor):
             w[b].copy_(ctx.sp.get(it.source.tensor))  # modified by the calibrated pass (AWQ folding)
@@ -374,8 +397,13 @@ def _mapped_views(u: RTNUnit, ctx: _Context) -> list[torch.Tensor] | None:
     return views
 
 
+_WORKER_BATCHES: BatchBuffer | None = None  # a worker process's, kept from one shard to the next
+
+
 def worker(args):
+    global _WORKER_BATCHES
     plan, src_path, out_dir, threads, spool = args
-    res = run_shard(plan, src_path, out_dir, threads, spool=spool)
+    _WORKER_BATCHES = _WORKER_BATCHES or BatchBuffer()
+    res = run_shard(plan, src_path, out_dir, threads, spool=spool, batches=_WORKER_BATCHES)
     wait_durable()  # this process's shards are on disk before the parent journals them
     return res

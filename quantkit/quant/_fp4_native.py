@@ -288,3 +288,26 @@ def fp4_pack_f32(w32, nv, gs, offs, pk, sc, sig, noise, noise0, unsure, bad):
         noise0[r] = n0
         unsure[r] = not sure
         bad[r] = not ok
+
+
+@njit(nogil=True)
+def absmax_bits16(u, out):
+    """u [B, M] uint16 (bf16 bit patterns) -> out [B] uint16: the largest |x| bit pattern of each row, which
+    is the bit pattern of max |x| (NaN patterns sort above Inf: the caller checks). An integer max: exact."""
+    for b in range(u.shape[0]):
+        m = np.uint16(0)
+        for j in range(u.shape[1]):
+            a = u[b, j] & np.uint16(0x7FFF)
+            m = a if a > m else m
+        out[b] = m
+
+
+@njit(nogil=True)
+def absmax_bits32(u, out):
+    """As absmax_bits16 for float32 rows [B, M] uint32."""
+    for b in range(u.shape[0]):
+        m = np.uint32(0)
+        for j in range(u.shape[1]):
+            a = u[b, j] & _ABS
+            m = a if a > m else m
+        out[b] = m

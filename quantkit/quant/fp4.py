@@ -167,10 +167,33 @@ def choose_global_scale(*weights: torch.Tensor) -> torch.Tensor:
         raise ValueError("choose_global_scale needs at least one weight")
     amax = None
     for w in weights:
-        wc = w.to(_stat_dtype(w))
-        m = torch.maximum(-wc.amin(dim=(-2, -1)), wc.amax(dim=(-2, -1))).clamp_(min=0)  # [...]
+        m = _matrix_amax(w)  # [...]
         amax = m if amax is None else torch.maximum(amax, m)
     return global_scale_from_amax(amax)
+
+
+_BITS = {torch.bfloat16: (torch.int16, 0x7F80, "absmax_bits16"),  # (bit-pattern dtype, Inf's pattern, kernel)
+         torch.float32: (torch.int32, 0x7F800000, "absmax_bits32")}
+
+
+def _matrix_amax(w: torch.Tensor) -> torch.Tensor:
+    """max |w| over each matrix of w [..., N, K] -> [...] in the statistics dtype. The fused path (a
+    contiguous bf16 / float32 CPU tensor, native kernels on) takes the max of the magnitudes' bit
+    patterns in one pass, which is max |w| exactly; a NaN anywhere sends it to torch's amin / amax."""
+    global _NATIVE
+    wc = w.to(_stat_dtype(w))
+    mod = _native_module()
+    spec = _BITS.get(wc.dtype)
+    if mod and spec and wc.device.type == "cpu" and wc.is_contiguous() and wc.numel() and wc.ndim >= 2:
+        ibits, inf_bits, fn = spec
+        bits = wc.view(ibits).reshape(-1, wc.shape[-2] * wc.shape[-1]).numpy()
+        out = torch.empty(bits.shape[0], dtype=ibits)
+        unsigned = out.numpy().view(bits.dtype.str.replace("i", "u"))
+        if not run_rows(getattr(mod, fn), bits.view(unsigned.dtype), (), (unsigned,)):
+            _NATIVE = False  # the kernel failed (run_rows warned): torch from now on, as _rtn_native
+        elif int(unsigned.max()) <= inf_bits:
+            return out.view(wc.dtype).reshape(wc.shape[:-2])
+    return torch.maximum(-wc.amin(dim=(-2, -1)), wc.amax(dim=(-2, -1))).clamp_(min=0)
 
 
 def _nvfp4_scale(amax_g: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:

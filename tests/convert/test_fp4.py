@@ -121,3 +121,43 @@ def test_fp4_sources_pass_through_or_requantize(tiny_models, tmp_path):
     convert(tmp_path / "nvfp4-experts", tmp_path / "nv2", ConvertOptions(recipe="nvfp4-experts"))
     nv2 = _tensors(tmp_path / "nv2")
     assert nv.keys() == nv2.keys() and all(torch.equal(nv[n].view(torch.uint8), nv2[n].view(torch.uint8)) for n in nv)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4-experts", "mxfp4-experts"])
+def test_every_module_is_its_own_rtn_though_units_share_one_batch_buffer(tiny_models, tmp_path, recipe):
+    """A shard's FP4 units are read into one reused buffer (convert/run.py `_Context.batch`): every expert
+    written must still be the torch-path RTN of its own source weight, byte for byte (an output that
+    aliased the buffer would hold a later unit's values by the time the writer drains it)."""
+    from quantkit.quant import fp4
+
+    src = tiny_models("qwen3_moe")
+    convert(src, tmp_path / "q", ConvertOptions(recipe=recipe))
+    sd, w = _tensors(tmp_path / "q"), _tensors(src)
+    modules = sorted(n.removesuffix(".weight_packed") for n in sd if n.endswith(".weight_packed"))
+    assert len({m.split(".layers.")[1].split(".")[0] for m in modules}) > 1  # several layers: several units
+    for m in modules:
+        x = w[m + ".weight"]
+        if recipe == "nvfp4-experts":
+            gate, up = (w[re.sub(r"(gate|up)_proj$", p, m) + ".weight"] for p in ("gate_proj", "up_proj")) \
+                if re.search(r"(gate|up)_proj$", m) else (x, x)
+            ref = fp4.rtn_nvfp4(x, fp4.choose_global_scale(gate, up), native=False)
+            assert torch.equal(sd[m + ".weight_global_scale"], ref.global_scale.reshape(1)), m
+        else:
+            ref = fp4.rtn_mxfp4(x, native=False)
+        assert torch.equal(sd[m + ".weight_packed"], ref.packed), m
+        assert torch.equal(sd[m + ".weight_scale"].view(torch.uint8), ref.scale.view(torch.uint8)), m
+
+
+def test_work_batches_reuse_one_buffer():
+    from quantkit.convert.run import BatchBuffer
+
+    buf = BatchBuffer()
+    a = buf.batch((2, 4, 8), torch.bfloat16)
+    assert a.shape == (2, 4, 8) and a.dtype == torch.bfloat16 and a.is_contiguous()
+    b = buf.batch((1, 4, 4), torch.float32)  # smaller: the same memory
+    assert b.shape == (1, 4, 4) and b.dtype == torch.float32 and b.data_ptr() == a.data_ptr()
+    c = buf.batch((3, 8, 8), torch.float32)  # larger: grown
+    assert c.shape == (3, 8, 8) and buf._buf.numel() == 3 * 8 * 8 * 4
+    c.fill_(1.5)
+    d = buf.batch((3, 8, 8), torch.float32)
+    assert d.data_ptr() == c.data_ptr() and torch.equal(d, torch.full((3, 8, 8), 1.5))

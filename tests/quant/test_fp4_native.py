@@ -165,6 +165,58 @@ def test_shared_and_tiny_global_scales():
         _assert_same(*_both(w, "nvfp4", torch.full((3, 1), value)), sums=False)
 
 
+def _amax_torch(w):
+    wc = w.to(fp4._stat_dtype(w))
+    return torch.maximum(-wc.amin(dim=(-2, -1)), wc.amax(dim=(-2, -1))).clamp_(min=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_global_amax_is_torchs(dtype, monkeypatch):
+    """The NVFP4 global scale's amax: one pass over the magnitudes' bit patterns (bf16 / float32) gives
+    torch's max(-amin, amax) exactly, Inf, -0 and subnormals included; NaN goes to torch's reduction."""
+    calls = []
+    mod = fp4._native_module()
+    for fn in ("absmax_bits16", "absmax_bits32"):
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda *a, _real=real, _fn=fn: (calls.append(_fn), _real(*a))[1])
+    g = torch.Generator().manual_seed(7)
+    for shape in [(16, 32), (3, 8, 64), (2, 3, 4, 16)]:
+        w = (torch.randn(shape, generator=g) * torch.logspace(-40, 30, shape[-1])).to(dtype)
+        flat = w.view(-1, shape[-2] * shape[-1])
+        flat[0] = -flat[0].abs()  # a matrix whose largest magnitude is negative
+        if flat.shape[0] > 2:
+            flat[1] = 0.0
+            flat[1, 3] = -0.0
+            flat[2, 5] = float("-inf")
+        got = fp4._matrix_amax(w)
+        assert got.dtype == _amax_torch(w).dtype and torch.equal(got, _amax_torch(w)), shape
+        n = len(calls)
+        assert torch.equal(fp4._matrix_amax(w.transpose(-1, -2)), _amax_torch(w))
+        assert len(calls) == n  # a transposed view: torch's reduction
+        assert torch.equal(fp4.choose_global_scale(w, w * 2), fp4.global_scale_from_amax(_amax_torch(w * 2)))
+    # the kernel of the statistics dtype (FP16 is widened to float32), except for the transposed views
+    assert set(calls) == {"absmax_bits16" if dtype == torch.bfloat16 else "absmax_bits32"}
+    w = torch.randn(3, 4, 16).to(dtype)
+    w[1, 2, 3] = float("nan")
+    got, want = fp4._matrix_amax(w), _amax_torch(w)
+    assert torch.equal(got.isnan(), want.isnan()) and bool(got[1].isnan()) and torch.equal(got[[0, 2]], want[[0, 2]])
+
+
+def test_global_amax_kernel_failure_falls_back(monkeypatch):
+    mod = fp4._native_module()
+
+    def broken(*a, **k):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(mod, "absmax_bits16", broken)
+    monkeypatch.setattr(fp4, "_NATIVE", mod)
+    monkeypatch.setattr(int4, "_NATIVE", int4._native_module())
+    w = torch.randn(2, 8, 32).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="fused RTN kernel unavailable"):
+        got = fp4._matrix_amax(w)
+    assert torch.equal(got, _amax_torch(w)) and fp4._NATIVE is False
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_non_finite_falls_back_to_torch_path(bad, fmt):
