@@ -8,7 +8,9 @@ mapped pages count as the process's resident memory until their mapping goes, so
 one mapping would end up wholly resident). FP8 weights are dequantized per tensor, in row strips
 (quant/fp8.py), straight into the batch; INT4 and FP4 weights re-quantized to FP4 are decoded one module
 at a time into it; RTN batches whose weights are plain views of the mapped shard
-are quantized in place by the fused kernel (no copy).
+are quantized in place by the fused kernel (no copy). The batch's memory is one buffer per converting
+process (`BatchBuffer`), reused by every unit of every shard: the largest batch stays allocated until
+the shards are done.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ path in quant/fp4.py (see its module docstring for where each step comes from):
 E2M1 rounding is the threshold count of `fp4.encode_e2m1` (ties to the even index, sign of x < 0).
 So packed bytes and scales are bit-identical to the torch path (tests/quant/test_fp4_native.py); the
 error sums are accumulated in float64 (the torch path sums rows in float32), so SQNR may differ in its
-last digits. The global scale is computed by the caller (torch), as it spans rows.
+last digits. The global scale spans rows: the caller computes it (fp4.choose_global_scale) from the
+amax that `absmax_bits16` / `absmax_bits32` take in one pass over the magnitudes' bit patterns.
 
 Fitted scales (`scale_search: mse`): per group, each candidate scale of fp4.NV_SEARCH / MX_SEARCH is
 tried as fp4._candidate_errors does, term by term in float32, and summed in float64. torch picks the first
