@@ -49,8 +49,9 @@ DeviceOpt = Annotated[str, typer.Option(
          "on a GPU the layer runs in bfloat16 and its peak memory is checked before any work).")]
 ComputeDtypeOpt = Annotated[str, typer.Option(
     "--compute-dtype", help=f"What calibration's layers compute in: {'|'.join(options.COMPUTE_DTYPE_CHOICES)} (auto: "
-    "float32 on the CPU, bfloat16 on a GPU; bfloat16 on a CPU with bfloat16 instructions is ~2x faster in the "
-    "forward). Statistics and solves are float32 or wider either way.")]
+    "float32 on the CPU, bfloat16 on a GPU; on a CPU with bfloat16 instructions bfloat16 speeds up forward-bound "
+    "passes such as KV scales, not GPTQ: docs/calibration.md). Statistics and solves are float32 or wider either "
+    "way.")]
 
 
 def _device(value: str) -> str:
@@ -405,6 +406,9 @@ def plan(
     measure: Annotated[bool, typer.Option(
         "--measure", help="With --calibration: measure this machine's rates for --device first (~1 min; a GPU "
                           "must be visible for cuda) and predict with them instead of the shipped table.")] = False,
+    compute_dtype: Annotated[str, typer.Option(
+        "--compute-dtype", help=f"With --calibration: what the layers compute in, as convert's "
+        f"({'|'.join(options.COMPUTE_DTYPE_CHOICES)}; auto: float32 on the CPU, bfloat16 on a GPU).")] = options.COMPUTE_DTYPE,
     pair: Annotated[Optional[str], typer.Option("--pair", help="Also plan the prefill pool of a prefill/decode pair "
                                                              "served with this recipe (fp8-prefill) beside --recipe's "
                                                              "decode pool, one FP8 KV cache for both.")] = None,
@@ -423,6 +427,10 @@ def plan(
     if measure and calibration is None:
         raise typer.BadParameter("--measure needs --calibration (it measures the rates the cost is predicted "
                                  "with)", param_hint="--measure")
+    compute_dtype = _compute_dtype(compute_dtype)
+    if compute_dtype != options.COMPUTE_DTYPE and calibration is None:
+        raise typer.BadParameter("--compute-dtype needs --calibration (it sets the calibrated pass's dtype)",
+                                 param_hint="--compute-dtype")
     target = model_or_config
     if model_or_config not in REFERENCE_CONFIGS and not Path(model_or_config).exists():
         target = str(_source(model_or_config, revision))
@@ -434,7 +442,7 @@ def plan(
         table = measure_throughput(device, log=lambda m: err.print(f"  {m}", highlight=False, soft_wrap=True))
     rep = run(target, recipe, gpu_memory_gib=gpu_memory_gib, gpus=gpus, context_len=context_len,
               activation_reserve_gib=activation_reserve_gib, tp=tp, calibration=calibration, device=device,
-              throughput=table)
+              throughput=table, compute_dtype=compute_dtype)
     pair_doc = None
     if pair is not None:
         from .plan.pair import plan_pair

@@ -127,7 +127,8 @@ def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *,
          gpu_memory_gib: float = options.PLAN_GPU_MEMORY_GIB, gpus: int = options.PLAN_GPUS,
          context_len: int = options.PLAN_CONTEXT_LEN, tp: int | None = None, activation_reserve_gib: float | None = None,
          kv_dtype: str | None = None, calibration: tuple[int, int] | None = None,
-         device: str = options.PLAN_COST_DEVICE, throughput=None) -> PlanReport:
+         device: str = options.PLAN_COST_DEVICE, throughput=None,
+         compute_dtype: str = options.COMPUTE_DTYPE) -> PlanReport:
     """Plan memory for `model_or_config` (config.json, checkpoint directory, or reference config name),
     optionally after `recipe`, served on `gpus` GPUs of `gpu_memory_gib` GiB with tensor parallelism
     `tp` (default: all GPUs; gpus/tp data-parallel replicas otherwise) at `context_len` tokens per request.
@@ -135,7 +136,8 @@ def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *,
     `calibration` (samples, tokens per sample): also predict the recipe's calibrated pass on `gpus` ranks of
     `device` ("cuda" or "cpu"): wall time by component, device memory and host RAM per rank
     (calibration.calibration_cost), with the rates of `throughput` (a calibration.Throughput, e.g.
-    measure.measure_throughput()'s; None: the shipped table's)."""
+    measure.measure_throughput()'s; None: the shipped table's), the layers computing in `compute_dtype`
+    (options.COMPUTE_DTYPE_CHOICES)."""
     tp = gpus if tp is None else tp
     if gpus < 1 or tp < 1 or gpus % tp:
         raise ConfigError(f"gpus={gpus} must be a positive multiple of tp={tp}",
@@ -247,7 +249,7 @@ def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *,
     if calibration is not None:
         cost = calibration_cost(model_or_config, rec, int(calibration[0]), int(calibration[1]), world_size=gpus,
                                 device=device, gpu_memory_gib=gpu_memory_gib if device == "cuda" else None,
-                                throughput=throughput)
+                                throughput=throughput, compute_dtype=compute_dtype)
     return PlanReport(
         model=src.label, model_type=spec.model_type, arch=spec.arch, source_format=spec.source_format,
         recipe=rec.name if rec else None, parameters=params, active_parameters=active,

@@ -53,7 +53,7 @@ class Throughput:
     kind: str  # "cpu" | "cuda"
     provenance: str  # "measured" | "assumed"
     source: str  # where the figures come from: the machine and date, or the published figures and factors
-    gemm_flops: float  # large GEMM in the compute dtype (cpu: float32, cuda: bfloat16)
+    gemm_flops: float  # large GEMM in the device's default compute dtype (cpu: float32, cuda: bfloat16)
     gemm_half_rows: float  # rows m at which a GEMM [m, k] x [k, n] reaches half of gemm_flops
     gram_flops: float  # x^T x over tokens in float32 (Hessian accumulation), large
     gram_half_rows: float
@@ -74,6 +74,9 @@ class Throughput:
     setup_s: float  # fixed: building the meta model, embedding, opening the checkpoint
     layer_s: float  # fixed per layer and pass: materializing, freeing (gc, malloc_trim), hooks
     threads: int = 0  # cpu: the threads the rates were measured with (the host's cores); 0: not thread-bound
+    # large GEMM in the device's other compute dtype (--compute-dtype; cpu: bfloat16, cuda: float32), at the
+    # same half rows; 0: not known (the default dtype's rate stands in, and the plan says so)
+    alt_gemm_flops: float = 0.0
     startup_s: float = 0.0  # once per job: a fresh process's first executor (modeling imports, first use)
     notes: tuple[str, ...] = ()
 
@@ -92,7 +95,7 @@ class Throughput:
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "Throughput":
         names = {f.name for f in fields(cls)}
-        missing = names - set(doc) - {"notes", "threads", "startup_s"}
+        missing = names - set(doc) - {"notes", "threads", "startup_s", "alt_gemm_flops"}
         if missing:
             raise ConfigError(f"throughput table lacks {sorted(missing)}")
         kw = {k: v for k, v in doc.items() if k in names}
@@ -111,8 +114,11 @@ CPU_MEASURED = Throughput(
     mem_bytes_per_s=3.931e+10, op_s=1.465e-06, read_bytes_per_s=9.733e+09, write_bytes_per_s=1.253e+09,
     fsync_s=0.0004504, module_s=0.000814, fake_quant_elems_per_s=9.689e+08, hash_bytes_per_s=1.589e+09,
     link_bytes_per_s=1.0e9, process_bytes=882868224, setup_s=0.08988, layer_s=0.0001401, threads=2,
-    startup_s=2.62,
+    startup_s=2.62, alt_gemm_flops=3.713e+11,
     notes=("link_bytes_per_s: assumed (gloo over loopback on one host), not measured",
+           "alt_gemm_flops (bfloat16 GEMMs, --compute-dtype bfloat16): gemm_flops x 2.18, the mean bfloat16 / "
+           "float32 ratio of measure_rates' GEMMs on the same VM kind (AVX512_BF16) on 2026-12-04; a CPU without "
+           "bfloat16 instructions runs them slower than float32: measure it (--measure)",
            "startup_s: measured 2026-12-04 by bench/calib_cost.py's measure_startup on the same VM (fastest of three "
            "fresh processes, one other job running)"),
 )
@@ -125,6 +131,7 @@ CUDA_ASSUMED = Throughput(
     source="assumed from NVIDIA H100/H200 SXM published peaks x stated efficiency factors (not measured)",
     gemm_flops=0.5 * 989e12,  # bf16 dense peak x 0.5: the executor's GEMMs are separate eager matmuls
     gemm_half_rows=256.0,  # a [m, 7168] x [7168, 4096] bf16 GEMM is launch/memory bound below a few hundred rows
+    alt_gemm_flops=0.7 * 67e12,  # float32 layers (--compute-dtype float32): fp32 peak x 0.7, as the Grams
     gram_flops=0.7 * 67e12,  # Hessians are float32 bmm (TF32 off, torch's default for matmul): fp32 peak x 0.7
     gram_half_rows=256.0,
     block_form_flops=0.1 * 67e12,  # AWQ's batched [m, 32] x [32, 32] float32 products: far from peak, x 0.1
@@ -153,7 +160,8 @@ THROUGHPUT: dict[str, Throughput] = {"cpu": CPU_MEASURED, "cuda": CUDA_ASSUMED}
 # The rates that grow with a process's threads (torch's intra-op parallelism over the host's cores); on a CPU
 # host, ranks share the table's threads (docs/cost.md, "Threads per rank": how it was checked).
 THREAD_SCALED = ("gemm_flops", "gram_flops", "block_form_flops", "chol_flops", "sweep_elems_per_s",
-                 "mem_bytes_per_s", "fake_quant_elems_per_s")
+                 "mem_bytes_per_s", "fake_quant_elems_per_s", "alt_gemm_flops")
+DEFAULT_DTYPE = {"cpu": "float32", "cuda": "bfloat16"}  # what gemm_flops is measured in (the "auto" dtype)
 DEVICE_KINDS = tuple(THROUGHPUT)
 
 
@@ -274,17 +282,26 @@ def _no_cuda_calls():
         torch.cuda.reset_peak_memory_stats = saved
 
 
-def build_executor(ckpt, device: str):
+def _compute_dtype(kind: str, spec: str | None) -> str:
+    """The dtype name a pass on device kind `kind` computes in, for --compute-dtype `spec` (None: auto)."""
+    import torch
+
+    from ..calib.device import compute_dtype, dtype_name
+
+    return dtype_name(compute_dtype(torch.device("cuda" if kind == "cuda" else "cpu"), spec))
+
+
+def build_executor(ckpt, device: str, dtype: str | None = None):
     """The LayerExecutor a calibrated pass on `device` ("cpu" or "cuda") builds, over `ckpt` (a checkpoint
-    or a virtual one), without touching a device: a CUDA executor is built on the CPU in bfloat16 and then
-    pointed at "cuda" (only its memory plan is used)."""
+    or a virtual one), without touching a device: a CUDA executor is built on the CPU and then pointed at
+    "cuda" (only its memory plan is used). `dtype`: its compute dtype (None: the device's default)."""
     import torch
 
     from ..calib.device import compute_dtype
     from ..calib.executor import LayerExecutor
 
     dev = torch.device("cuda" if device.startswith("cuda") else "cpu")
-    ex = LayerExecutor(ckpt, device="cpu", dtype=compute_dtype(dev))
+    ex = LayerExecutor(ckpt, device="cpu", dtype=compute_dtype(dev, dtype))
     ex.device = dev
     return ex
 
@@ -853,13 +870,17 @@ def _host_ram(c, plan, gq, passes_gq: bool, kind: str, ckpt, num_layers: int, he
 
 def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *, world_size: int = 1,
                      device: str = "cpu", gpu_memory_gib: float | None = None,
-                     throughput: Throughput | None = None, threads: float | None = None) -> CalibrationCost:
+                     throughput: Throughput | None = None, threads: float | None = None,
+                     compute_dtype: str | None = None) -> CalibrationCost:
     """Predict the calibrated pass of `recipe` (a name, path or Recipe) on `num_samples` x `seq_len` tokens
     for `model_or_config` (config.json, checkpoint directory, reference config name), on `world_size` ranks
     of `device` ("cpu" or "cuda"). `gpu_memory_gib`: the device memory each rank may use (cuda; None: not
     checked). `throughput`: the rates (None: THROUGHPUT[device kind]). `threads`: the threads each rank
     computes on, for a table that states its own (`Throughput.threads`: the cpu's); None: the ranks share the
-    table's threads on one host (torchrun gives each worker one thread when it starts several)."""
+    table's threads on one host (torchrun gives each worker one thread when it starts several).
+    `compute_dtype`: what the layers compute in (options.COMPUTE_DTYPE_CHOICES, as `convert --compute-dtype`;
+    None: "auto", the device's default): the forward's GEMMs then run at the table's rate for that dtype
+    (`alt_gemm_flops` for the device's other one) and its activations take that dtype's bytes."""
     from ..match.recipe import Recipe, load_recipe
     from .source import resolve, tensor_shapes_from_checkpoint
 
@@ -873,6 +894,10 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
         raise ConfigError(f"threads per rank must be positive, got {threads}")
     per_rank = (threads if threads is not None else table.threads / world_size) if table.threads else None
     c = table.for_threads(per_rank) if per_rank else table
+    dtype = _compute_dtype(kind, compute_dtype)
+    alt_unknown = dtype != DEFAULT_DTYPE.get(kind, dtype) and not c.alt_gemm_flops
+    if dtype != DEFAULT_DTYPE.get(kind, dtype) and c.alt_gemm_flops:
+        c = replace(c, gemm_flops=c.alt_gemm_flops)  # every GEMM of the layers' own computation
     rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     src = resolve(model_or_config)
     headers = tensor_shapes_from_checkpoint(src.checkpoint) if src.checkpoint is not None else None
@@ -881,7 +906,7 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
         (("kv_scales",) if rec.kv_cache is not None else ())
     out = CalibrationCost(model=src.label, recipe=rec.name, methods=methods, calibrated=bool(methods),
                           num_samples=num_samples, seq_len=seq_len, world_size=world_size, device=kind,
-                          dtype="float32" if kind == "cpu" else "bfloat16", layers=0, calibrated_layers=0)
+                          dtype=dtype, layers=0, calibrated_layers=0)
     out.constants = {"kind": c.kind, "provenance": c.provenance, "source": c.source, "values": table.to_json(),
                      "threads_per_rank": per_rank}
     if not methods:
@@ -890,7 +915,7 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
         return out
 
     ckpt = virtual_checkpoint(src.config, headers)
-    ex = build_executor(ckpt, kind)
+    ex = build_executor(ckpt, kind, dtype)
     import torch
 
     item = torch.empty((), dtype=ex.dtype).element_size()
@@ -971,6 +996,18 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     out.host_ram_bytes = sum(host.values())
 
     out.assumptions += _assumptions(c, g, kind, gq, kvb, passes_gq, passes_kv, per_rank)
+    if dtype != DEFAULT_DTYPE.get(kind, dtype):
+        out.assumptions.append(
+            f"layers computed in {dtype}: " + (f"no {dtype} GEMM rate in the {kind} table, its {DEFAULT_DTYPE[kind]} "
+                                               "rate stands in" if alt_unknown else
+                                               f"GEMMs at the table's {dtype} rate (alt_gemm_flops); Hessians, "
+                                               "solves and searches' float32 work as in the default dtype"))
+        if kind == "cpu" and passes_gq:
+            out.warnings.append(
+                "bfloat16 layers on the CPU with GPTQ/AWQ: on the bench MoE (hidden 512, experts of width 256) "
+                "int4-experts-gptq measured 1.15-1.2x float32's time, where this model predicts less (its solves "
+                "ran slower in a bfloat16 process and its small expert GEMMs gained nothing; bench/README.md): "
+                "bfloat16 pays off on the CPU for forward-bound passes (KV scales)")
     if c.provenance == "assumed":
         out.warnings.append(f"the {kind} throughput figures are assumptions, not measurements ({c.source})")
     return out

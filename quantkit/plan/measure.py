@@ -3,7 +3,8 @@
 bench/calib_cost.py measures them to check the model against real conversions (and to ship a new CPU row).
 
 What is measured, in the compute dtype of the device (float32 on the CPU, bfloat16 GEMMs on a GPU): GEMM FLOP/s
-at several row counts, fitted as peak * m / (m + half); the Hessians' Gram products likewise; AWQ's
+at several row counts, fitted as peak * m / (m + half), and the same GEMMs in the other dtype (their mean
+ratio to the first gives `alt_gemm_flops`, for --compute-dtype); the Hessians' Gram products likewise; AWQ's
 clip-search group errors; batched Cholesky + triangular inverse (quant.gptq._cholesky_inverse_upper); GPTQ's
 column sweep (the fixed seconds per column step and the in-block update rate); streaming element-wise
 bandwidth; one small tensor op; fsynced writes, page-cache reads, sha256; per-module emission; the process's
@@ -103,6 +104,18 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
     out["_gemm_points"] = [[m, round(r / 1e9, 2)] for m, r in pts]
     log(f"gemm: {[(m, round(r / 1e9, 1)) for m, r in pts]} GFLOP/s -> peak {out['gemm_flops'] / 1e9:.1f}, "
         f"half {out['gemm_half_rows']:.0f} rows")
+    # the same GEMMs in the device's other compute dtype (--compute-dtype): its peak at the same half rows
+    alt = torch.bfloat16 if dt == torch.float32 else torch.float32
+    ratios = []
+    for m, r in pts:
+        a = torch.randn(m, hidden, generator=g).to(dev, alt)
+        b = torch.randn(hidden, 2 * inter, generator=g).to(dev, alt)
+        t = _best(lambda: (torch.mm(a, b), _sync(dev)))
+        ratios.append(2 * m * hidden * 2 * inter / t / r)
+    out["alt_gemm_flops"] = out["gemm_flops"] * statistics.fmean(ratios)
+    out["_alt_gemm_ratios"] = [round(x, 3) for x in ratios]
+    log(f"gemm in {str(alt).replace('torch.', '')}: x{[round(x, 2) for x in ratios]} the default dtype's rate -> "
+        f"peak {out['alt_gemm_flops'] / 1e9:.1f} GFLOP/s")
 
     # Gram x^T x over m rows, batched over 8 experts, float32 (the Hessians)
     pts = []

@@ -197,6 +197,55 @@ def test_cuda_plan_and_fit(tmp_path):
     assert tight.device_memory["activations"] == "host"  # planned anyway, the activations off the device
 
 
+def test_compute_dtype_sets_the_forward_rate_and_the_activation_bytes(tmp_path):
+    """--compute-dtype as convert's: bfloat16 layers on the CPU take the table's bfloat16 GEMM rate
+    (alt_gemm_flops) and half the activation bytes; the solves do not change; float32 on a GPU takes its
+    float32 rate; a table without the other dtype's rate uses the default one's and says so."""
+    from dataclasses import replace
+
+    cfg = _config(tmp_path, 2)
+    f32, auto = _cost(cfg, 64, 256), _cost(cfg, 64, 256, compute_dtype="auto")
+    bf16 = _cost(cfg, 64, 256, compute_dtype="bf16")
+    assert (f32.dtype, auto.dtype, bf16.dtype) == ("float32", "float32", "bfloat16")
+    assert auto.seconds == f32.seconds
+    assert bf16.seconds["forward"] < f32.seconds["forward"]
+    assert bf16.seconds["gptq_solve"] == pytest.approx(f32.seconds["gptq_solve"])
+    assert bf16.device_memory["activation_bytes"] * 2 == f32.device_memory["activation_bytes"]
+    assert any("bfloat16" in a and "alt_gemm_flops" in a for a in bf16.assumptions)
+    assert not any("layers computed in" in a for a in f32.assumptions)
+    assert any("bfloat16 layers on the CPU with GPTQ" in w for w in bf16.warnings)
+    assert not any("bfloat16 layers" in w for w in f32.warnings)
+    kv = _cost(cfg, 64, 256, recipe="fp8-kv", compute_dtype="bfloat16")
+    assert kv.seconds["forward"] < _cost(cfg, 64, 256, recipe="fp8-kv").seconds["forward"]
+    assert not any("bfloat16 layers" in w for w in kv.warnings)
+    # without a bfloat16 rate: the float32 one stands in (only the bytes change), and the plan says so
+    plain = replace(THROUGHPUT["cpu"], alt_gemm_flops=0.0)
+    no_rate = _cost(cfg, 64, 256, compute_dtype="bfloat16", throughput=plain)
+    assert any("stands in" in a for a in no_rate.assumptions)
+    assert bf16.seconds["forward"] < no_rate.seconds["forward"] <= f32.seconds["forward"]
+    # a GPU in float32: the slower float32 rate, twice the bytes of its default bfloat16
+    g16 = _cost(cfg, 8, 64, device="cuda", gpu_memory_gib=80)
+    g32 = _cost(cfg, 8, 64, device="cuda", gpu_memory_gib=80, compute_dtype="float32")
+    assert (g16.dtype, g32.dtype) == ("bfloat16", "float32")
+    assert g32.seconds["forward"] > g16.seconds["forward"]
+    assert g32.device_memory["activation_bytes"] == 2 * g16.device_memory["activation_bytes"]
+    from quantkit.errors import DeviceError
+
+    with pytest.raises(DeviceError):
+        _cost(cfg, 8, 64, compute_dtype="float16")
+
+
+def test_cli_compute_dtype(tmp_path):
+    cfg = _config(tmp_path, 2)
+    base = ["plan", str(cfg), "--recipe", "int4-experts-gptq", "--device", "cpu", "--json"]
+    r = CliRunner().invoke(app, [*base, "--calibration", "16,128", "--compute-dtype", "bfloat16"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["calibration"]["dtype"] == "bfloat16"
+    for args in (["--calibration", "16,128", "--compute-dtype", "int8"], ["--compute-dtype", "bfloat16"]):
+        r = CliRunner().invoke(app, [*base, *args])
+        assert r.exit_code == 2, (args, r.output)
+
+
 def test_no_calibrated_group_says_so(tmp_path):
     cfg = _config(tmp_path, 2)
     c = _cost(cfg, recipe="int4-experts-rtn")
