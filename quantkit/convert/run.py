@@ -89,8 +89,10 @@ class _SpoolReader:
 class BatchBuffer:
     """The memory of the work batches units read their weights into, reused from unit to unit and from
     shard to shard (one per process that converts): a fresh allocation of a batch's size is a new mapping
-    whose pages the kernel zeroes at first touch, which cost FP4 RTN convert ~12% of its CPU time
-    (bench/README.md, `fp4_rtn.py`). Grown, never shrunk; it holds the largest batch until dropped."""
+    whose pages the kernel faults in and zeroes at first touch. In a library caller's process (no allocator
+    settings) that made an MXFP4 RTN convert ~1.2x slower; under the command's settings (quantkit/allocator.py)
+    the difference is within noise (bench/README.md, `fp4_rtn.py`). Grown, never shrunk; it holds the
+    largest batch until dropped."""
 
     def __init__(self):
         self._buf = torch.empty(0, dtype=torch.uint8)
