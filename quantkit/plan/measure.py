@@ -101,21 +101,10 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
         t = _best(lambda: (torch.mm(a, b), _sync(dev)))
         pts.append((m, 2 * m * hidden * 2 * inter / t))
     out["gemm_flops"], out["gemm_half_rows"] = _fit_half(pts)
+    pts_gemm = pts
     out["_gemm_points"] = [[m, round(r / 1e9, 2)] for m, r in pts]
     log(f"gemm: {[(m, round(r / 1e9, 1)) for m, r in pts]} GFLOP/s -> peak {out['gemm_flops'] / 1e9:.1f}, "
         f"half {out['gemm_half_rows']:.0f} rows")
-    # the same GEMMs in the device's other compute dtype (--compute-dtype): its peak at the same half rows
-    alt = torch.bfloat16 if dt == torch.float32 else torch.float32
-    ratios = []
-    for m, r in pts:
-        a = torch.randn(m, hidden, generator=g).to(dev, alt)
-        b = torch.randn(hidden, 2 * inter, generator=g).to(dev, alt)
-        t = _best(lambda: (torch.mm(a, b), _sync(dev)))
-        ratios.append(2 * m * hidden * 2 * inter / t / r)
-    out["alt_gemm_flops"] = out["gemm_flops"] * statistics.fmean(ratios)
-    out["_alt_gemm_ratios"] = [round(x, 3) for x in ratios]
-    log(f"gemm in {str(alt).replace('torch.', '')}: x{[round(x, 2) for x in ratios]} the default dtype's rate -> "
-        f"peak {out['alt_gemm_flops'] / 1e9:.1f} GFLOP/s")
 
     # Gram x^T x over m rows, batched over 8 experts, float32 (the Hessians)
     pts = []
@@ -283,6 +272,20 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
     finally:
         gc.unfreeze()
     log(f"process {out['process_bytes'] / 1e9:.2f} GB, per layer {out['layer_s'] * 1e3:.0f} ms")
+
+    # last (a CPU process's float32 work was seen to slow after bfloat16 work, docs/calibration.md): the GEMMs
+    # above in the device's other compute dtype (--compute-dtype), their mean ratio to the default's rate
+    alt = torch.bfloat16 if dt == torch.float32 else torch.float32
+    ratios = []
+    for m, r in pts_gemm:
+        a = torch.randn(m, hidden, generator=g).to(dev, alt)
+        b = torch.randn(hidden, 2 * inter, generator=g).to(dev, alt)
+        t = _best(lambda: (torch.mm(a, b), _sync(dev)))
+        ratios.append(2 * m * hidden * 2 * inter / t / r)
+    out["alt_gemm_flops"] = out["gemm_flops"] * statistics.fmean(ratios)
+    out["_alt_gemm_ratios"] = [round(x, 3) for x in ratios]
+    log(f"gemm in {str(alt).replace('torch.', '')}: x{[round(x, 2) for x in ratios]} the default dtype's rate -> "
+        f"peak {out['alt_gemm_flops'] / 1e9:.1f} GFLOP/s")
     return out
 
 

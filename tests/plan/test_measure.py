@@ -19,7 +19,8 @@ from quantkit.testing import tiny_config
 
 MEASURED = {"gemm_flops", "gemm_half_rows", "gram_flops", "gram_half_rows", "block_form_flops", "chol_flops",
             "sweep_col_s", "sweep_elems_per_s", "mem_bytes_per_s", "op_s", "read_bytes_per_s", "write_bytes_per_s",
-            "fsync_s", "module_s", "fake_quant_elems_per_s", "hash_bytes_per_s", "process_bytes", "layer_s"}
+            "fsync_s", "module_s", "fake_quant_elems_per_s", "hash_bytes_per_s", "process_bytes", "layer_s",
+            "alt_gemm_flops"}
 
 
 @pytest.fixture
