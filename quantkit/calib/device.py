@@ -5,7 +5,8 @@ the first CUDA device torch sees, else the CPU) -> a torch.device, or a DeviceEr
 built without CUDA, no GPU visible, N out of range). `compute_dtype(device, spec)`: what the layers compute in
 (`--compute-dtype`): "auto" is float32 on the CPU (what quantkit always did, bit for bit) and bfloat16 on a
 GPU (the checkpoints' own dtype); "float32" or "bfloat16" anywhere (bfloat16 on a CPU with bfloat16
-instructions, AVX512_BF16 or AMX, runs the layers' GEMMs ~2x faster: bench/README.md). Routers are kept in
+instructions, AVX512_BF16 or AMX, runs large GEMMs ~2x faster, which speeds up forward-bound passes such as
+KV scales; GPTQ on the CPU was measured slower in bfloat16: docs/calibration.md). Routers are kept in
 float32 as `from_pretrained` keeps them; statistics and GPTQ solves are float32 or wider whatever the choice.
 
 `MemoryPlan`: before any layer is read, the executor estimates for every decoder layer the peak bytes it

@@ -161,7 +161,6 @@ THROUGHPUT: dict[str, Throughput] = {"cpu": CPU_MEASURED, "cuda": CUDA_ASSUMED}
 # host, ranks share the table's threads (docs/cost.md, "Threads per rank": how it was checked).
 THREAD_SCALED = ("gemm_flops", "gram_flops", "block_form_flops", "chol_flops", "sweep_elems_per_s",
                  "mem_bytes_per_s", "fake_quant_elems_per_s", "alt_gemm_flops")
-DEFAULT_DTYPE = {"cpu": "float32", "cuda": "bfloat16"}  # what gemm_flops is measured in (the "auto" dtype)
 DEVICE_KINDS = tuple(THROUGHPUT)
 
 
@@ -894,9 +893,9 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
         raise ConfigError(f"threads per rank must be positive, got {threads}")
     per_rank = (threads if threads is not None else table.threads / world_size) if table.threads else None
     c = table.for_threads(per_rank) if per_rank else table
-    dtype = _compute_dtype(kind, compute_dtype)
-    alt_unknown = dtype != DEFAULT_DTYPE.get(kind, dtype) and not c.alt_gemm_flops
-    if dtype != DEFAULT_DTYPE.get(kind, dtype) and c.alt_gemm_flops:
+    dtype, default = _compute_dtype(kind, compute_dtype), _compute_dtype(kind, "auto")  # gemm_flops is default's
+    alt_unknown = dtype != default and not c.alt_gemm_flops
+    if dtype != default and c.alt_gemm_flops:
         c = replace(c, gemm_flops=c.alt_gemm_flops)  # every GEMM of the layers' own computation
     rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     src = resolve(model_or_config)
@@ -996,9 +995,9 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     out.host_ram_bytes = sum(host.values())
 
     out.assumptions += _assumptions(c, g, kind, gq, kvb, passes_gq, passes_kv, per_rank)
-    if dtype != DEFAULT_DTYPE.get(kind, dtype):
+    if dtype != default:
         out.assumptions.append(
-            f"layers computed in {dtype}: " + (f"no {dtype} GEMM rate in the {kind} table, its {DEFAULT_DTYPE[kind]} "
+            f"layers computed in {dtype}: " + (f"no {dtype} GEMM rate in the {kind} table, its {default} "
                                                "rate stands in" if alt_unknown else
                                                f"GEMMs at the table's {dtype} rate (alt_gemm_flops); Hessians, "
                                                "solves and searches' float32 work as in the default dtype"))
