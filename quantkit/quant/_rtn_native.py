@@ -12,6 +12,10 @@ so packed words, scales and zero points are bit-identical to the torch path (tes
 the error sums are accumulated in float64 (the torch path sums rows in float32), so SQNR may differ
 in its last digits.
 
+`mse_scales` is `choose_qparams_mse`'s clipping search the same way: per group, every candidate scale's
+codes and weighted error in one cache-resident loop (the torch path makes ~8 passes over the whole tensor
+per candidate). The candidates and codes are the torch path's; the error sums are float64.
+
 Import is lazy and optional: without numba (or with QUANTKIT_NATIVE=0) `rtn` uses the torch path.
 """
 
@@ -221,3 +225,80 @@ def rtn_pack_f32(w32, g, symmetric, scale_mode, pk, sc, zp, sig, noise, bad):
         sig[r] = s2
         noise[r] = n2
         bad[r] = not ok
+
+
+@njit(nogil=True, fastmath={"reassoc"})
+def _sum64(a):
+    """sum of a in float64; reassociation only (vectorized), no finite-math assumptions."""
+    acc = 0.0
+    for j in range(a.shape[0]):
+        acc += np.float64(a[j])
+    return acc
+
+
+@njit(nogil=True, inline="always")
+def _mse_group(x, o, g, wr, base, ratios, scale_mode, qmin, qmax, ebuf, tmp, tmpu):
+    """The clipped scale of group x[o:o+g] with the least weighted squared error (quant/int4.py
+    choose_qparams_mse): each candidate bf16(base * ratio) (1 where not above float32's tiny), codes
+    clamp(rint(w / s)), error ((q s - w)^2 * wr) per element in float32 (a branch-free loop), summed in
+    float64; the first of equal errors is kept."""
+    tiny = np.float32(1.1754943508222875e-38)
+    best_s = np.float32(1.0)
+    best_e = 0.0
+    for ri in range(ratios.shape[0]):
+        s = _round_scale(base * ratios[ri], scale_mode, tmp, tmpu)
+        if not (s > tiny):
+            s = np.float32(1.0)
+        for j in range(g):
+            v = x[o + j]
+            q = _rint(v / s)
+            q = qmin if q < qmin else q
+            q = qmax if q > qmax else q
+            d = q * s - v
+            ebuf[j] = d * d * wr[o + j]
+        e = _sum64(ebuf[:g])
+        if ri == 0 or e < best_e:
+            best_s, best_e = s, e
+    return best_s
+
+
+@njit(nogil=True)
+def _mse_rows(w, widx, wt, g, ratios, scale_mode, half, qmin, qmax, sc, bad):
+    half, qmin, qmax = np.float32(half), np.float32(qmin), np.float32(qmax)  # float32 arithmetic throughout
+    r_total, k = w.shape
+    tmp = np.empty(1, np.float32)
+    tmpu = tmp.view(np.uint32)
+    ebuf = np.empty(g, np.float32)
+    tiny = np.float32(1.1754943508222875e-38)
+    for r in range(r_total):
+        x = w[r]
+        wr = wt[widx[r]]
+        for gi in range(k // g):
+            o = gi * g
+            m = np.float32(0.0)
+            finite = True
+            for j in range(o, o + g):
+                a = abs(x[j])
+                finite = finite and a < np.float32(np.inf)  # False for Inf and NaN
+                m = a if a > m else m
+            if not finite:
+                bad[r] = True
+                sc[r, gi] = np.float32(1.0)
+                continue
+            base = _round_scale(m / half, scale_mode, tmp, tmpu)
+            if not (base > tiny):
+                base = np.float32(1.0)
+            sc[r, gi] = _mse_group(x, o, g, wr, base, ratios, scale_mode, qmin, qmax, ebuf, tmp, tmpu)
+
+
+@njit(nogil=True)
+def mse_scales(w, widx, wt, g, ratios, scale_mode, half, qmin, qmax, sc, bad):
+    """choose_qparams_mse's symmetric scales for float32 rows w [R, K] in groups of g: sc [R, G] float32;
+    each row r's errors weighted by wt[widx[r]] [K] (rows of ones where unweighted). bad[r]: the row holds
+    Inf or NaN (its scales are not set: the caller takes the torch path)."""
+    if g == 32:
+        _mse_rows(w, widx, wt, 32, ratios, scale_mode, half, qmin, qmax, sc, bad)
+    elif g == 128:
+        _mse_rows(w, widx, wt, 128, ratios, scale_mode, half, qmin, qmax, sc, bad)
+    else:
+        _mse_rows(w, widx, wt, g, ratios, scale_mode, half, qmin, qmax, sc, bad)

@@ -83,12 +83,21 @@ MSE_RATIOS = tuple(round(1.0 - 0.025 * i, 3) for i in range(17))  # clipping rat
 
 def choose_qparams_mse(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetric: bool = True,
                        scale_dtype: torch.dtype = torch.bfloat16, weight: torch.Tensor | None = None,
-                       ratios: tuple[float, ...] = MSE_RATIOS) -> QParams:
+                       ratios: tuple[float, ...] = MSE_RATIOS, native: bool = True) -> QParams:
     """Symmetric qparams per (row, group) that minimize the group's quantization error: the min/max scale
     times the best of `ratios` (clipping), each candidate rounded to `scale_dtype` as stored. `weight`
     [..., K] (broadcast over rows, e.g. the Hessian's diagonal per input column): the error is
     sum_k weight_k (w_k - q_k)^2, else unweighted. Ratio 1.0 is always tried first and kept on ties, so the
-    error is never above min/max's. Asymmetric schemes keep min/max."""
+    error is never above min/max's. Asymmetric schemes keep min/max.
+
+    On the CPU the search runs as one compiled pass per row when it can (quant/_rtn_native.py mse_scales:
+    bf16 or float32 scales, finite weights, `weight` None or one row of K per leading index or for all):
+    the same candidates and codes; its error sums are float64 where these are float32, so where two
+    candidates' errors agree to float32 rounding the other may be chosen. `native=False`: this torch path."""
+    if symmetric and native:
+        fast = _mse_native(w, num_bits, group_size, scale_dtype, weight, ratios)
+        if fast is not None:
+            return QParams(fast, None)
     base = choose_qparams(w, num_bits, group_size, symmetric, scale_dtype)
     if not symmetric:
         return base
@@ -108,6 +117,38 @@ def choose_qparams_mse(w: torch.Tensor, num_bits: int = 4, group_size: int | Non
             better = err < best_e
             best_s, best_e = torch.where(better, sc, best_s), torch.where(better, err, best_e)
     return QParams(best_s, None)
+
+
+def _mse_native(w: torch.Tensor, num_bits: int, group_size: int | None, scale_dtype: torch.dtype,
+                weight: torch.Tensor | None, ratios: tuple[float, ...]) -> torch.Tensor | None:
+    """choose_qparams_mse's scales [..., N, G] from the compiled search, or None where it does not apply
+    (not on the CPU, no kernel, another scale dtype, a weight of another shape, a non-finite weight)."""
+    k = w.shape[-1]
+    if (w.device.type != "cpu" or w.ndim < 2 or k == 0 or scale_dtype not in (torch.float32, torch.bfloat16)
+            or (weight is not None and (weight.device.type != "cpu"
+                                        or tuple(weight.shape) not in ((k,), (*w.shape[:-2], k))))):
+        return None
+    mod = _native_module()
+    if not mod:
+        return None
+    g = k if group_size is None else group_size
+    _grouped(w[..., :1, :], group_size)  # validates divisibility
+    rows = w.reshape(-1, k).float().contiguous()
+    if weight is None or weight.ndim == 1:  # one row of weights for every row
+        wt = (torch.ones(1, k) if weight is None else weight.float().reshape(1, k)).contiguous()
+        widx = torch.zeros(rows.shape[0], dtype=torch.int64)
+    else:  # one per leading index: row r of w [..., N, K] takes weight row r // N
+        wt = weight.float().reshape(-1, k).contiguous()
+        widx = torch.arange(rows.shape[0], dtype=torch.int64) // w.shape[-2]
+    qmin, qmax = qrange(num_bits)
+    sc = torch.empty(rows.shape[0], k // g, dtype=torch.float32)
+    bad = torch.zeros(rows.shape[0], dtype=torch.bool)
+    mode = mod.SCALE_F32 if scale_dtype == torch.float32 else mod.SCALE_BF16
+    consts = (widx.numpy(), wt.numpy(), g, torch.tensor(ratios, dtype=torch.float32).numpy(), mode,
+              float((qmax - qmin) / 2), float(qmin), float(qmax))
+    if not run_rows(mod.mse_scales, rows.numpy(), consts, (sc.numpy(), bad.numpy()), per_row=(0,)) or bad.any():
+        return None
+    return sc.reshape(*w.shape[:-1], k // g)
 
 
 def quantize(w: torch.Tensor, qp: QParams, num_bits: int = 4) -> torch.Tensor:
