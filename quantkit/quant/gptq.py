@@ -336,7 +336,8 @@ def refit_scales(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     `solve_dtype`. The new scales are rounded to `scale_dtype`, as stored; a row keeps its old ones unless
     every new one is positive and finite and the rounded new ones have a smaller error (compared through A
     and b: the error's constant w^T Hd w cancels). Returns (scales [E, N, G] float32, rows changed [E, N]
-    bool). Work per matrix: about N x K^2 multiply-adds (Z_n^T Hd, in chunks of REFIT_CHUNK_BYTES)."""
+    bool). Work per matrix: about N x K^2 multiply-adds for A (Z_n^T Hd, group by group, in chunks of
+    REFIT_CHUNK_BYTES) and one GEMM for b (Z_n^T (Hd w_n))."""
     e, n, k = w.shape
     g = scale.shape[-1]
     gs = k // g
@@ -350,12 +351,15 @@ def refit_scales(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
         hd = h[i].to(torch.float64)
         hd = (hd + torch.eye(k, dtype=torch.float64, device=dev) * (damp[i] * hd.diagonal().mean())).float()
         hg = hd.view(g, gs, k)
+        hw = torch.mm(w[i].float(), hd)  # [N, K]: Hd w_n per row (Hd symmetric), one GEMM
         for r0 in range(0, n, rows):
-            zr = q[i, r0:r0 + rows].float().view(-1, g, gs)  # [m, G, gs]
-            m = zr.shape[0]
-            y = torch.einsum("mgs,gsk->mgk", zr, hg)  # [m, G, K]: row g of Z_n^T Hd
-            a = torch.einsum("mgjs,mjs->mgj", y.view(m, g, g, gs), zr).to(solve_dtype)  # [m, G, G]
-            b = torch.einsum("mgk,mk->mg", y, w[i, r0:r0 + m].float()).to(solve_dtype)  # [m, G]
+            z = q[i, r0:r0 + rows].float()  # [m, K]
+            m = z.shape[0]
+            zg = z.view(m, g, gs)
+            # Z_n^T Hd for every row, group-major: y[c, m] = sum over group c's columns s of z_ms Hd[s, :]
+            y = torch.bmm(zg.transpose(0, 1), hg)  # [G, m, K]
+            a = (y.view(g, m, g, gs) * zg).sum(-1).transpose(0, 1).to(solve_dtype)  # [m, G, G]
+            b = (hw[r0:r0 + m] * z).view(m, g, gs).sum(-1).to(solve_dtype)  # [m, G]: Z_n^T (Hd w_n)
 
             def err(s):  # (w - Z s)^T Hd (w - Z s) - w^T Hd w
                 return torch.einsum("mg,mgj,mj->m", s, a, s) - 2 * (s * b).sum(-1)
