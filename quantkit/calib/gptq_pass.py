@@ -23,6 +23,7 @@ from ..quant.gptq import gptq, refine_codes, refit_scales
 from ..quant.int4 import QParams, dequantize, rtn, sqnr_db
 from .emit import LayerResult, emit, emit_tensors, source_dtype
 from .hessians import ExpertStats, LinearStats, coverage
+from .weights import reuse_heap
 
 
 def solve_dtype(device: torch.device) -> torch.dtype:
@@ -228,83 +229,86 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
     if alpha and heldout is not None:
         fit_ho = {e: {"gu": (heldout[e][0], stats.heldout_reference(e))} for e in range(E) if fitted[e]}
     src_dtype = source_dtype(ckpt, names.module(0, "gate") + ".weight")
-    for key, param, h in (("gu", experts.gate_up_proj, h_gu), ("down", experts.down_proj, h_down)):
-        k = param.shape[-1]
-        s = g.scheme.for_in_features(k)
-        parts = (("gate", slice(0, half)), ("up", slice(half, stats.P))) if key == "gu" else (("down", slice(None)),)
-        mine = [(i0, min(E, i0 + group)) for i0 in range(0, E, group) if owner[i0] == rank]
-        per = max(1, sweep_experts(k, param.shape[1], group, dev) // group)  # groups per sweep
-        for b0 in range(0, len(mine), per):
-            ids = [e for i0, i1 in mine[b0:b0 + per] for e in range(i0, i1)]
-            idx = torch.tensor(ids, device=param.device)
-            w = param.data.index_select(0, idx).float()  # [c, N, K]
-            hb = h[slot[ids[0]]:slot[ids[0]] + len(ids)]  # the owned experts' slots are consecutive, in expert order
-            # fitted experts: GPTQ quantizes the weights that fit the unquantized model (quant/gptq.py `fit`)
-            fit_rows = fitted[idx.cpu()]
-            fit = None
-            if fit_rows.any():
-                ab = (a_gu if key == "gu" else stats.a_down)[slot[ids[0]]:slot[ids[0]] + len(ids)]
-                fit = (ab, fit_rows.to(dev, torch.float32) * alpha)
-            r, grid = _solve(w, hb, s, factor_chunk=group, fit=fit, **kw)
-            q, qp = r.q, r.qparams
-            sel = use_rtn[idx.cpu()]
-            if sel.any():
-                sel = sel.to(dev)
-                if grid is not None:
-                    q[sel] = grid.rtn(w[sel], sel).to(dev)
-                else:
-                    rr = rtn(w[sel], s.num_bits, s.group_size, s.symmetric)
-                    q[sel] = rr.q.to(dev)
-                    qp.scale[sel] = rr.qparams.scale.to(dev)
-                    if qp.zero_point is not None:
-                        qp.zero_point[sel] = rr.qparams.zero_point.to(dev)
-            checks = None
-            if heldout is not None:
-                def retry(sub: list[int], factor: float):  # called within this iteration only
-                    fs = None if fit is None else (fit[0][sub], fit[1][sub])
-                    rs, _ = _solve(w[sub], hb[sub], s, factor_chunk=group, fit=fs, **{**kw, "damp": kw["damp"] * factor})
-                    return rs.q, rs.qparams, rs.damping
-                pairs = [fit_ho[e][key] if e in fit_ho else (heldout[e][0 if key == "gu" else 1], None) for e in ids]
-                checks = _heldout_check(w, q, qp, grid, s, parts, ids, use_rtn, [x for x, _ in pairs],
-                                        retry=retry if grid is None else None, refs=[xr for _, xr in pairs])
-            deq = dequantize(q, qp.scale, qp.zero_point) if grid is None else grid.dequantize(q)  # [c, N, K]
-            if key == "gu" and alpha:  # down_proj's statistics from the quantized gate/up, before write-back
-                for j, e in enumerate(ids):
-                    if not fitted[e]:
-                        continue
-                    hs, as_ = stats.down_statistics(e, deq[j], w[j], float(counts[slot[e]]))
-                    h_down[slot[e]] = hs
-                    stats.a_down[slot[e]] = as_
-                    if e in fit_ho:
-                        x_ho, xr_ho = fit_ho[e]["gu"]
-                        fit_ho[e]["down"] = (stats.down_inputs(x_ho, deq[j]), stats.down_inputs(xr_ho, w[j]))
-            sq = {kind: sqnr_db(w[:, rows], deq[:, rows], dim=(-2, -1)).tolist() for kind, rows in parts} \
-                if dev.type != "cpu" else None  # one transfer per chunk on a GPU, not one per expert
-            qh = q.cpu()  # emitted from the host (a no-op on the CPU)
-            sh, zh = qp.scale.cpu(), None if qp.zero_point is None else qp.zero_point.cpu()
-            damping, fb = r.damping.tolist(), r.fallback
-            for j, e in enumerate(ids):
-                meta = {"method": "gptq" if not use_rtn[e] else "rtn", "tokens": int(stats.counts[e]),
-                        "fallback": reasons[e] or fb[j], "damping": round(float(damping[j]), 6)}
-                if mode == "affinity":
-                    meta["affinity_tokens"] = int(stats.aff_counts[e])
-                if stats.pool_counts[e]:
-                    meta["pool_tokens"] = int(stats.pool_counts[e])  # of `tokens`, from the top-up pool
-                if fitted[e]:
-                    meta["fit_unquantized"] = alpha  # solved against the unquantized model's outputs
-                for kind, rows in parts:
-                    db = sq[kind][j] if sq is not None else float(sqnr_db(w[j, rows], deq[j, rows]))
-                    m = {**meta, "sqnr_db": round(db, 4)}
-                    if checks is not None and not use_rtn[e]:
-                        m.update(checks[j][kind])
+    # each solve batch allocates and frees the same 1-32 MiB temporaries (factorizations, sweeps, refits):
+    # served from the heap, not as fresh mappings faulted in again for every batch (weights.reuse_heap)
+    with reuse_heap():
+        for key, param, h in (("gu", experts.gate_up_proj, h_gu), ("down", experts.down_proj, h_down)):
+            k = param.shape[-1]
+            s = g.scheme.for_in_features(k)
+            parts = (("gate", slice(0, half)), ("up", slice(half, stats.P))) if key == "gu" else (("down", slice(None)),)
+            mine = [(i0, min(E, i0 + group)) for i0 in range(0, E, group) if owner[i0] == rank]
+            per = max(1, sweep_experts(k, param.shape[1], group, dev) // group)  # groups per sweep
+            for b0 in range(0, len(mine), per):
+                ids = [e for i0, i1 in mine[b0:b0 + per] for e in range(i0, i1)]
+                idx = torch.tensor(ids, device=param.device)
+                w = param.data.index_select(0, idx).float()  # [c, N, K]
+                hb = h[slot[ids[0]]:slot[ids[0]] + len(ids)]  # the owned experts' slots are consecutive, in expert order
+                # fitted experts: GPTQ quantizes the weights that fit the unquantized model (quant/gptq.py `fit`)
+                fit_rows = fitted[idx.cpu()]
+                fit = None
+                if fit_rows.any():
+                    ab = (a_gu if key == "gu" else stats.a_down)[slot[ids[0]]:slot[ids[0]] + len(ids)]
+                    fit = (ab, fit_rows.to(dev, torch.float32) * alpha)
+                r, grid = _solve(w, hb, s, factor_chunk=group, fit=fit, **kw)
+                q, qp = r.q, r.qparams
+                sel = use_rtn[idx.cpu()]
+                if sel.any():
+                    sel = sel.to(dev)
                     if grid is not None:
-                        mod = names.module(e, kind)
-                        emit_tensors(res, mod, grid.tensors(mod, j, rows, q[j, rows]), s, m)
-                        continue
-                    zp = None if zh is None else zh[j, rows]
-                    emit(res, names.module(e, kind), qh[j, rows], QParams(sh[j, rows], zp), s, src_dtype, m)
-            param.data.index_copy_(0, idx, deq.to(param.dtype))
-            del w, r, q, qp, deq
+                        q[sel] = grid.rtn(w[sel], sel).to(dev)
+                    else:
+                        rr = rtn(w[sel], s.num_bits, s.group_size, s.symmetric)
+                        q[sel] = rr.q.to(dev)
+                        qp.scale[sel] = rr.qparams.scale.to(dev)
+                        if qp.zero_point is not None:
+                            qp.zero_point[sel] = rr.qparams.zero_point.to(dev)
+                checks = None
+                if heldout is not None:
+                    def retry(sub: list[int], factor: float):  # called within this iteration only
+                        fs = None if fit is None else (fit[0][sub], fit[1][sub])
+                        rs, _ = _solve(w[sub], hb[sub], s, factor_chunk=group, fit=fs, **{**kw, "damp": kw["damp"] * factor})
+                        return rs.q, rs.qparams, rs.damping
+                    pairs = [fit_ho[e][key] if e in fit_ho else (heldout[e][0 if key == "gu" else 1], None) for e in ids]
+                    checks = _heldout_check(w, q, qp, grid, s, parts, ids, use_rtn, [x for x, _ in pairs],
+                                            retry=retry if grid is None else None, refs=[xr for _, xr in pairs])
+                deq = dequantize(q, qp.scale, qp.zero_point) if grid is None else grid.dequantize(q)  # [c, N, K]
+                if key == "gu" and alpha:  # down_proj's statistics from the quantized gate/up, before write-back
+                    for j, e in enumerate(ids):
+                        if not fitted[e]:
+                            continue
+                        hs, as_ = stats.down_statistics(e, deq[j], w[j], float(counts[slot[e]]))
+                        h_down[slot[e]] = hs
+                        stats.a_down[slot[e]] = as_
+                        if e in fit_ho:
+                            x_ho, xr_ho = fit_ho[e]["gu"]
+                            fit_ho[e]["down"] = (stats.down_inputs(x_ho, deq[j]), stats.down_inputs(xr_ho, w[j]))
+                sq = {kind: sqnr_db(w[:, rows], deq[:, rows], dim=(-2, -1)).tolist() for kind, rows in parts} \
+                    if dev.type != "cpu" else None  # one transfer per chunk on a GPU, not one per expert
+                qh = q.cpu()  # emitted from the host (a no-op on the CPU)
+                sh, zh = qp.scale.cpu(), None if qp.zero_point is None else qp.zero_point.cpu()
+                damping, fb = r.damping.tolist(), r.fallback
+                for j, e in enumerate(ids):
+                    meta = {"method": "gptq" if not use_rtn[e] else "rtn", "tokens": int(stats.counts[e]),
+                            "fallback": reasons[e] or fb[j], "damping": round(float(damping[j]), 6)}
+                    if mode == "affinity":
+                        meta["affinity_tokens"] = int(stats.aff_counts[e])
+                    if stats.pool_counts[e]:
+                        meta["pool_tokens"] = int(stats.pool_counts[e])  # of `tokens`, from the top-up pool
+                    if fitted[e]:
+                        meta["fit_unquantized"] = alpha  # solved against the unquantized model's outputs
+                    for kind, rows in parts:
+                        db = sq[kind][j] if sq is not None else float(sqnr_db(w[j, rows], deq[j, rows]))
+                        m = {**meta, "sqnr_db": round(db, 4)}
+                        if checks is not None and not use_rtn[e]:
+                            m.update(checks[j][kind])
+                        if grid is not None:
+                            mod = names.module(e, kind)
+                            emit_tensors(res, mod, grid.tensors(mod, j, rows, q[j, rows]), s, m)
+                            continue
+                        zp = None if zh is None else zh[j, rows]
+                        emit(res, names.module(e, kind), qh[j, rows], QParams(sh[j, rows], zp), s, src_dtype, m)
+                param.data.index_copy_(0, idx, deq.to(param.dtype))
+                del w, r, q, qp, deq
 
 
 # Where RTN beats GPTQ on an expert's held-out rows, the expert is solved again with its damping raised by
