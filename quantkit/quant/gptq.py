@@ -29,7 +29,8 @@ from typing import Callable
 
 import torch
 
-from .int4 import QParams, choose_qparams, choose_qparams_mse, optional_native, qrange
+from .int4 import (QParams, choose_qparams, choose_qparams_mse, native_available, optional_native, qrange,
+                   run_rows)
 
 
 @dataclass(frozen=True)
@@ -382,7 +383,7 @@ def _cd_native():
     global _CD_NATIVE
     if _CD_NATIVE is None:
         _CD_NATIVE = optional_native("_cd_native") or False
-    return _CD_NATIVE or None
+    return (_CD_NATIVE or None) if native_available() else None  # a kernel that failed turns them all off
 
 
 def _cd_block_torch(qt, gb, step, s_t, hd, delta, i1: int, qmin: int, qmax: int) -> None:
@@ -442,9 +443,12 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
             i2 = min(i1 + block_size, k)
             gb = gt[:, i1:i2].clone()  # [E, B, N], kept current inside the block
             delta = torch.empty_like(gb)  # change of the dequantized weights (the error moves by -delta)
-            if native is not None:  # the same column steps as one compiled loop (quant/_cd_native.py)
-                native.cd_block(*(t.numpy() for t in (qt, gb, step, s_t, hd, delta)), i1, float(qmin), float(qmax))
-            else:
+            # the same column steps as one compiled loop (quant/_cd_native.py), the experts split over the
+            # native threads (each expert's steps are its own)
+            if native is None or not run_rows(native.cd_block, qt.numpy(),
+                                              (*(t.numpy() for t in (gb, step, s_t, hd, delta)), i1, float(qmin),
+                                               float(qmax)), (), per_row=(0, 1, 2, 3, 4), min_rows=1):
+                native = None
                 _cd_block_torch(qt, gb, step, s_t, hd, delta, i1, qmin, qmax)
             if not last:  # G of every column, for the next sweep
                 gt.baddbmm_(hd[:, :, i1:i2], delta, alpha=-1)

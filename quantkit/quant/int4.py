@@ -310,14 +310,15 @@ def optional_native(module: str):
         return None
 
 
-def run_rows(fn, src, consts: tuple, arrays: tuple, per_row: tuple[int, ...] = ()) -> bool:
+def run_rows(fn, src, consts: tuple, arrays: tuple, per_row: tuple[int, ...] = (), min_rows: int = 64) -> bool:
     """Run a row kernel `fn(src, *consts, *arrays)` over rows src [R, ...] and outputs `arrays` [R, ...],
-    the rows split over the native thread count (rows are independent; the kernels release the GIL).
-    `per_row`: the positions in `consts` that hold one value per row (split with the rows). False when
-    the kernel failed (numba cannot compile here): the caller and the rest of the run use the torch path."""
+    the rows split over the native thread count (rows are independent; the kernels release the GIL), at
+    least `min_rows` rows per thread. `per_row`: the positions in `consts` that hold one value per row
+    (split with the rows). False when the kernel failed (numba cannot compile here): the caller and the
+    rest of the run use the torch path."""
     r = src.shape[0]
     split = set(per_row)
-    n_threads = max(1, min(_THREADS or torch.get_num_threads(), r // 64))
+    n_threads = max(1, min(_THREADS or torch.get_num_threads(), r // max(1, min_rows)))
 
     def part(a, b):
         return (src[a:b], *(c[a:b] if i in split else c for i, c in enumerate(consts)), *(x[a:b] for x in arrays))

@@ -317,6 +317,34 @@ def test_refine_codes_blocking_changes_nothing(cd_path):
     assert not torch.equal(runs[0][0], r.q)
 
 
+def test_refine_codes_threads_change_nothing(monkeypatch):
+    """The compiled loop splits the experts over the native threads: the codes are those of one thread, and a
+    kernel that fails (no compiler) hands the block to the torch ops with a warning."""
+    from quantkit.quant import gptq as gq
+    from quantkit.quant import int4
+
+    if gq._cd_native() is None:
+        pytest.skip("numba unavailable")
+    k, n = 64, 24
+    h = torch.stack([_hessian(k, 120, s) for s in range(5)]).float()
+    w = torch.randn(5, n, k, generator=torch.Generator().manual_seed(9)) * 0.05
+    r = gptq(w, h, 4, 32, True)
+    runs = []
+    for threads in (1, 2, 3):
+        with int4.native_threads(threads):
+            runs.append(gq.refine_codes(w, r.q, r.qparams.scale, h, r.damping, sweeps=2, block_size=16)[0])
+    assert not torch.equal(runs[0], r.q) and all(torch.equal(q, runs[0]) for q in runs[1:])
+
+    def broken(*a, **k):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(gq._cd_native(), "cd_block", broken)
+    monkeypatch.setattr(int4, "_NATIVE", int4._native_module())
+    with pytest.warns(UserWarning, match="kernel unavailable"):
+        q = gq.refine_codes(w, r.q, r.qparams.scale, h, r.damping, sweeps=2, block_size=16)[0]
+    assert (q != runs[0]).float().mean() <= 1e-3 and int4._NATIVE is False and gq._cd_native() is None
+
+
 def test_refine_codes_keeps_the_codes_of_unusable_scales(cd_path):
     """A row with a scale that is 0, negative, inf or NaN (never produced by the solves, but refine_codes is
     public) keeps its codes, the other rows are refined, and no code leaves the grid."""
