@@ -488,7 +488,8 @@ def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: 
                  refit: bool = False, refine: int = 0) -> tuple[float, float]:
     """(Cholesky seconds, sweep seconds) of GPTQ on matrices [(count, n_out, k_in, chunk)]: `count` of them,
     `chunk` in one column sweep. `refit` (options.refit_scales): each matrix's scales refitted after the
-    sweep, ~2 n_out k^2 flops in float32 (the products of codes and Hessian), counted as lazy-update GEMMs.
+    sweep, ~3 n_out k^2 flops in float32 (A's upper triangle from the codes and the Hessian, n_out k^2, and
+    Hd w, 2 n_out k^2), counted as lazy-update GEMMs.
     `refine` (options.refine_sweeps): that many coordinate-descent sweeps after the solve (and the refit),
     each a column sweep like GPTQ's whose block updates reach every column (n_out k^2 flops), plus the
     starting gradient (one n_out k^2 product)."""
@@ -508,7 +509,7 @@ def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: 
         sweep += count * (6 * k * k * 8 + 24 * n_out * k) / c.mem_bytes_per_s + count * 40 * c.op_s
         sweep += count * c.module_s  # emitting it (gate/up: two modules, counted at the call)
         if refit:
-            sweep += count * 2 * n_out * k * k / _rate(c.gram_flops, c.gram_half_rows, n_out)
+            sweep += count * 3 * n_out * k * k / _rate(c.gram_flops, c.gram_half_rows, n_out)
         if refine:
             gemm = count * n_out * k * k / _rate(c.gram_flops, c.gram_half_rows, n_out)
             sweep += refine * (chunks * k * c.sweep_col_s + count * n_out * k * (b / 2 + 4) / c.sweep_elems_per_s

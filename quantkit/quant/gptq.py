@@ -337,7 +337,8 @@ def refit_scales(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     `solve_dtype`. The new scales are rounded to `scale_dtype`, as stored; a row keeps its old ones unless
     every new one is positive and finite and the rounded new ones have a smaller error (compared through A
     and b: the error's constant w^T Hd w cancels). Returns (scales [E, N, G] float32, rows changed [E, N]
-    bool). Work per matrix: about N x K^2 multiply-adds for A (Z_n^T Hd, group by group, in chunks of
+    bool). Work per matrix: about N x K^2 / 2 multiply-adds for A (A is symmetric: its upper triangle of
+    G x G blocks, one GEMM per group over the columns from that group on, in chunks of rows of
     REFIT_CHUNK_BYTES) and one GEMM for b (Z_n^T (Hd w_n))."""
     e, n, k = w.shape
     g = scale.shape[-1]
@@ -348,18 +349,24 @@ def refit_scales(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     changed = torch.zeros(e, n, dtype=torch.bool, device=dev)
     rows = max(1, REFIT_CHUNK_BYTES // (g * k * 4))
     eye = torch.eye(g, dtype=solve_dtype, device=dev)
+    ybuf = torch.empty(min(rows, n) * k, device=dev)  # one group's products with Hd, reused
     for i in range(e):
         hd = h[i].to(torch.float64)
         hd = (hd + torch.eye(k, dtype=torch.float64, device=dev) * (damp[i] * hd.diagonal().mean())).float()
-        hg = hd.view(g, gs, k)
         hw = torch.mm(w[i].float(), hd)  # [N, K]: Hd w_n per row (Hd symmetric), one GEMM
         for r0 in range(0, n, rows):
             z = q[i, r0:r0 + rows].float()  # [m, K]
             m = z.shape[0]
             zg = z.view(m, g, gs)
-            # Z_n^T Hd for every row, group-major: y[c, m] = sum over group c's columns s of z_ms Hd[s, :]
-            y = torch.bmm(zg.transpose(0, 1), hg)  # [G, m, K]
-            a = (y.view(g, m, g, gs) * zg).sum(-1).transpose(0, 1).to(solve_dtype)  # [m, G, G]
+            # A's upper triangle of blocks, group by group (A is symmetric: half the products), mirrored:
+            # A[:, c, j] = sum over group j's columns t of (sum over group c's columns s of z_s Hd[s, t]) z_t
+            a = z.new_empty(m, g, g)
+            for c in range(g):
+                y = torch.mm(zg[:, c], hd[c * gs:(c + 1) * gs, c * gs:], out=ybuf[:m * (k - c * gs)].view(m, -1))
+                blk = y.view(m, g - c, gs).mul_(zg[:, c:]).sum(-1)  # [m, G - c]
+                a[:, c, c:] = blk
+                a[:, c + 1:, c] = blk[:, 1:]
+            a = a.to(solve_dtype)  # [m, G, G]
             b = (hw[r0:r0 + m] * z).view(m, g, gs).sum(-1).to(solve_dtype)  # [m, G]: Z_n^T (Hd w_n)
 
             def err(s):  # (w - Z s)^T Hd (w - Z s) - w^T Hd w
