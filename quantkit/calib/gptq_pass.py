@@ -171,22 +171,11 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
     float32, solved, dequantized and written back (true-sequential: the next layer sees quantized outputs)
     one sweep batch at a time, so besides the layer's Hessians only one batch's working set is ever in
     memory. With a distributed `par`, only the groups this rank owns are solved (their Hessians are the ones
-    it accumulated); the returned `WeightShare` sends them to the other ranks as they are written back, and
-    its `wait()` gives every rank the others' groups."""
-    if group is None:
-        group = expert_group_size(stats.E, stats.H, stats.I, stats.device)
-    share = WeightShare(experts, group, par)
-    try:
-        _gptq_experts(res, ckpt, names, experts, g, stats, group, par, share)
-    finally:
-        share.post_rest()  # every rank posts every broadcast, also when a solve failed here
-    return share
-
-
-def _gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: ExpertStats, group: int, par,
-                  share: WeightShare) -> None:
+    it accumulated); `share_expert_weights` then gives every rank the others' groups."""
     E = stats.E
     dev = stats.device
+    if group is None:
+        group = expert_group_size(E, stats.H, stats.I, dev)
     rank = par.rank if par is not None else 0
     owner = expert_owners(E, group, par)
     owned = torch.tensor([o == rank for o in owner], dtype=torch.bool)
@@ -319,7 +308,6 @@ def _gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats:
                         zp = None if zh is None else zh[j, rows]
                         emit(res, names.module(e, kind), qh[j, rows], QParams(sh[j, rows], zp), s, src_dtype, m)
                 param.data.index_copy_(0, idx, deq.to(param.dtype))
-                share.solved(param, [i0 for i0, _ in mine[b0:b0 + per]])
                 del w, r, q, qp, deq
 
 
@@ -417,52 +405,14 @@ def _heldout_check(w: torch.Tensor, q: torch.Tensor, qp: QParams, grid, s, parts
     return out
 
 
-class WeightShare:
-    """Distributed: every solve group's dequantized gate/up and down weights, broadcast from the rank that
-    solved it, so that every rank holds the quantized layer for the next forward. A no-op in one process.
-
-    The broadcasts follow one order on every rank (gate/up's groups, then down's, ascending) and are posted
-    as early as that order allows: a rank posts the others' groups (receives) up to its next own group not
-    yet solved, and its own as each solve batch writes them back (`solved`), so the transfers run on the
-    backend's threads while the rank solves its remaining groups. `wait()` posts what is left and completes
-    them all (its blocking time counted as "exchange"). On a failure mid-solve `post_rest()` still posts every
-    broadcast, so that the ranks' collectives stay in one order while the failure is reported."""
-
-    def __init__(self, experts, group: int, par):
-        self.par = par if par is not None and par.distributed else None
-        self.waits: list = []
-        if self.par is None:
-            return
-        E = experts.gate_up_proj.shape[0]
-        self.E, self.group = E, group
-        self.owner = expert_owners(E, group, par)
-        self.order = [(param, i0) for param in (experts.gate_up_proj, experts.down_proj)
-                      for i0 in range(0, E, group)]
-        self.ready: set[tuple[int, int]] = set()
-        self.next = 0
-
-    def solved(self, param, groups) -> None:
-        """This rank wrote back its groups starting at experts `groups` of `param`: post what is now ready."""
-        if self.par is None:
-            return
-        self.ready.update((id(param), i0) for i0 in groups)
-        self._post(False)
-
-    def post_rest(self) -> None:
-        if self.par is not None:
-            self._post(True)
-
-    def _post(self, rest: bool) -> None:
-        rank = self.par.rank
-        while self.next < len(self.order):
-            param, i0 = self.order[self.next]
-            if not rest and self.owner[i0] == rank and (id(param), i0) not in self.ready:
-                return
-            self.waits.append(self.par.broadcast_async(param.data[i0:min(self.E, i0 + self.group)], self.owner[i0]))
-            self.next += 1
-
-    def wait(self) -> None:
-        self.post_rest()
-        waits, self.waits = self.waits, []
-        for w in waits:
-            w()
+def share_expert_weights(experts, group: int, par) -> None:
+    """Distributed: every group's dequantized gate/up and down weights, broadcast from the rank that solved
+    it, so that every rank holds the quantized layer for the next forward. A no-op in one process."""
+    if par is None or not par.distributed:
+        return
+    E = experts.gate_up_proj.shape[0]
+    owner = expert_owners(E, group, par)
+    waits = [par.broadcast_async(param.data[i0:min(E, i0 + group)], owner[i0])
+             for param in (experts.gate_up_proj, experts.down_proj) for i0 in range(0, E, group)]
+    for wait in waits:  # posted at once: every rank sends its groups while it receives the others'
+        wait()

@@ -89,7 +89,7 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
 
     `reference` (GPTQ's fit_unquantized): the unquantized model's inputs to the routed experts for each
     forward call of the step (this rank's), in batch order (executor.forward_capture); required by such a group."""
-    from .gptq_pass import expert_group_size, expert_owners
+    from .gptq_pass import expert_group_size, expert_owners, share_expert_weights
     from .hessians import reduce_linear_stats
 
     idx, layer = step.index, step.layer
@@ -184,9 +184,9 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
             pass  # W4A4 RTN experts: convert quantizes the weights while streaming; their input scales below
         elif egroup is not None:
             if egroup.method == "gptq":
-                share = run(lambda: gptq_experts(res, ckpt, names, experts, egroup, stats, group, dist_par),
-                            f"quantizing the experts of decoder layer {idx}", "solve")
-                share.wait()  # the other ranks' groups (posted while the solves ran)
+                run(lambda: gptq_experts(res, ckpt, names, experts, egroup, stats, group, dist_par),
+                    f"quantizing the experts of decoder layer {idx}", "solve")
+                share_expert_weights(experts, group, dist_par)
             else:
                 # the block's recorded outputs are its unquantized response unless a dense group above just
                 # quantized a module inside it (a shared expert's down_proj): then it is measured again

@@ -251,7 +251,7 @@ RANKED = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
     import quantkit.calib.spool as spool
-    import quantkit.calib.gptq_pass as gp
+    import quantkit.calib.layer as lay
     from quantkit.cli import main
     from quantkit.errors import QuantkitError
     rank = int(os.environ["RANK"])
@@ -264,10 +264,10 @@ RANKED = textwrap.dedent("""
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(ckpt, recipe, step, *a, **k)
         spool.quantize_layer = quantize_layer
-    if rank == 1 and mode == "fail":  # inside the experts' solves, after rank 0 posted its first broadcasts
-        def solve(*a, **k):
+    if rank == 1 and mode == "fail":
+        def gptq_experts(*a, **k):
             raise QuantkitError("injected solver failure")
-        gp._solve = solve
+        lay.gptq_experts = gptq_experts
     main(sys.argv[1:])
 """)
 
@@ -315,8 +315,6 @@ def test_a_rank_killed_mid_fit_resumes_from_both_streams(src, reference, tmp_pat
 
 
 def test_a_rank_failing_mid_pass_stops_every_rank(src, tmp_path):
-    """Rank 1's solver fails while rank 0 solves and posts its weight broadcasts: both stop with the error (the
-    failing rank still posts its broadcasts, so the ranks' collectives stay in one order), none hangs."""
     p = _ranked(tmp_path, "fail", src, tmp_path / "q", "int4-experts-gptq")
     assert p.returncode != 0
     assert "injected solver failure" in p.stderr  # rank 1's own error
