@@ -151,14 +151,19 @@ def test_convert_output_identical_without_kernel(tmp_path):
             assert abs(m1["tensors"][name]["sqnr_db"] - e["sqnr_db"]) < 1e-3
 
 
-def test_kernel_failure_falls_back_to_torch_path(monkeypatch):
+def _break_kernel(monkeypatch, name: str) -> None:
+    """Make the compiled module's `name` raise, as a kernel that fails to compile would."""
     mod = int4._native_module()
 
     def broken(*a, **k):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(mod, "rtn_pack_bf16", broken)
+    monkeypatch.setattr(mod, name, broken)
     monkeypatch.setattr(int4, "_NATIVE", mod)
+
+
+def test_kernel_failure_falls_back_to_torch_path(monkeypatch):
+    _break_kernel(monkeypatch, "rtn_pack_bf16")
     w = torch.randn(4, 64).to(torch.bfloat16)
     with pytest.warns(UserWarning, match="fused RTN kernel unavailable"):
         fast = rtn(w, 4, 32, True, pack=True)
@@ -257,13 +262,7 @@ def test_mse_search_cases_it_hands_back():
 def test_mse_search_kernel_failure_falls_back(monkeypatch):
     from quantkit.quant.int4 import choose_qparams_mse
 
-    mod = int4._native_module()
-
-    def broken(*a, **k):
-        raise RuntimeError("no compiler here")
-
-    monkeypatch.setattr(mod, "mse_scales", broken)
-    monkeypatch.setattr(int4, "_NATIVE", mod)
+    _break_kernel(monkeypatch, "mse_scales")
     w = torch.randn(16, 64)
     with pytest.warns(UserWarning, match="fused RTN kernel unavailable"):
         got = choose_qparams_mse(w, 4, 32).scale
