@@ -171,7 +171,9 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
     float32, solved, dequantized and written back (true-sequential: the next layer sees quantized outputs)
     one sweep batch at a time, so besides the layer's Hessians only one batch's working set is ever in
     memory. With a distributed `par`, only the groups this rank owns are solved (their Hessians are the ones
-    it accumulated); `share_expert_weights` then gives every rank the others' groups."""
+    it accumulated); `share_expert_weights` then gives every rank the others' groups. Returns, in a
+    distributed pass on an INT4 grid, each owned group's codes and group parameters by (param name, first
+    expert): what `share_expert_weights` sends in place of the dequantized weights; else None."""
     E = stats.E
     dev = stats.device
     if group is None:
@@ -217,6 +219,7 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
     # fit_unquantized: the experts with routed (or affinity) statistics are fitted to the unquantized model's
     # outputs; their down_proj statistics are summed once their gate/up are quantized (below)
     alpha = float(g.options.fit_unquantized) if stats.a_gu is not None else 0.0
+    packed = {} if par is not None and par.distributed and not g.scheme.for_in_features(stats.H).fp4 else None
     fitted = owned & ~low & ~use_rtn if alpha else torch.zeros(E, dtype=torch.bool)
     # held-out rows of every owned expert, the down inputs from the unquantized gate/up (computed before
     # the gate/up solves write their results back; a fitted expert's come from its quantized gate/up, below)
@@ -308,7 +311,14 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                         zp = None if zh is None else zh[j, rows]
                         emit(res, names.module(e, kind), qh[j, rows], QParams(sh[j, rows], zp), s, src_dtype, m)
                 param.data.index_copy_(0, idx, deq.to(param.dtype))
+                if packed is not None:  # the codes travel instead (int8, a quarter of float32's bytes)
+                    j0 = 0
+                    for i0, i1 in mine[b0:b0 + per]:
+                        zp = None if qp.zero_point is None else qp.zero_point[j0:j0 + i1 - i0].to(torch.int32)
+                        packed[(key, i0)] = (q[j0:j0 + i1 - i0].to(torch.int8), qp.scale[j0:j0 + i1 - i0].float(), zp)
+                        j0 += i1 - i0
                 del w, r, q, qp, deq
+    return packed
 
 
 # Where RTN beats GPTQ on an expert's held-out rows, the expert is solved again with its damping raised by
@@ -405,14 +415,44 @@ def _heldout_check(w: torch.Tensor, q: torch.Tensor, qp: QParams, grid, s, parts
     return out
 
 
-def share_expert_weights(experts, group: int, par) -> None:
-    """Distributed: every group's dequantized gate/up and down weights, broadcast from the rank that solved
-    it, so that every rank holds the quantized layer for the next forward. A no-op in one process."""
+def share_expert_weights(experts, group: int, par, packed: dict | None = None, scheme=None) -> None:
+    """Distributed: every group's quantized gate/up and down weights, broadcast from the rank that solved it,
+    so that every rank holds the quantized layer for the next forward. A no-op in one process.
+
+    With `packed` (gptq_experts' codes and group parameters of this rank's groups; INT4 grids, `scheme` the
+    group's) the codes (int8), scales (float32) and zero points travel and each receiver dequantizes them
+    as the owner did (`dequantize`, elementwise: the same float32 values), about a third of the bytes of
+    the dequantized float32 weights; else (FP4 grids) the dequantized weights themselves."""
     if par is None or not par.distributed:
         return
     E = experts.gate_up_proj.shape[0]
     owner = expert_owners(E, group, par)
-    waits = [par.broadcast_async(param.data[i0:min(E, i0 + group)], owner[i0])
-             for param in (experts.gate_up_proj, experts.down_proj) for i0 in range(0, E, group)]
-    for wait in waits:  # posted at once: every rank sends its groups while it receives the others'
-        wait()
+    jobs = []
+    for key, param in (("gu", experts.gate_up_proj), ("down", experts.down_proj)):
+        for i0 in range(0, E, group):
+            i1 = min(E, i0 + group)
+            if packed is None:
+                jobs.append((None, [par.broadcast_async(param.data[i0:i1], owner[i0])]))
+                continue
+            if owner[i0] == par.rank:
+                parts = packed[(key, i0)]
+            else:
+                _, n, k = param.shape
+                s = scheme.for_in_features(k)
+                gs = s.group_size or k
+                shape = (i1 - i0, n, k // gs)
+                parts = (torch.empty(i1 - i0, n, k, dtype=torch.int8, device=param.device),
+                         torch.empty(shape, dtype=torch.float32, device=param.device),
+                         None if s.symmetric else torch.empty(shape, dtype=torch.int32, device=param.device))
+                jobs.append(((param, i0, parts), []))
+            waits = [par.broadcast_async(t, owner[i0]) for t in parts if t is not None]
+            if owner[i0] == par.rank:
+                jobs.append((None, waits))
+            else:
+                jobs[-1][1].extend(waits)
+    for recv, waits in jobs:  # posted at once: every rank sends its groups while it receives the others'
+        for wait in waits:
+            wait()
+        if recv is not None:
+            param, i0, (q, scale, zp) = recv
+            param.data[i0:i0 + q.shape[0]] = dequantize(q, scale, zp).to(param.dtype)

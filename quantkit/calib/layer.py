@@ -184,9 +184,9 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
             pass  # W4A4 RTN experts: convert quantizes the weights while streaming; their input scales below
         elif egroup is not None:
             if egroup.method == "gptq":
-                run(lambda: gptq_experts(res, ckpt, names, experts, egroup, stats, group, dist_par),
-                    f"quantizing the experts of decoder layer {idx}", "solve")
-                share_expert_weights(experts, group, dist_par)
+                packed = run(lambda: gptq_experts(res, ckpt, names, experts, egroup, stats, group, dist_par),
+                             f"quantizing the experts of decoder layer {idx}", "solve")
+                share_expert_weights(experts, group, dist_par, packed, egroup.scheme)
             else:
                 # the block's recorded outputs are its unquantized response unless a dense group above just
                 # quantized a module inside it (a shared expert's down_proj): then it is measured again

@@ -48,6 +48,18 @@ kv_cache: {strategy: tensor}
 """
 
 
+# asymmetric INT4 experts: the codes, scales and zero points travel between the ranks (share_expert_weights)
+ASYM_EXPERTS = """\
+name: asym-experts-gptq
+groups:
+  experts:
+    targets: ['re:.*\\.mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$']
+    method: gptq
+    scheme: {num_bits: 4, type: int, symmetric: false, strategy: group, group_size: 32}
+ignore: ['re:.*\\.mlp\\.gate$', 'lm_head']
+"""
+
+
 def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
 
@@ -162,6 +174,19 @@ def test_experts_only_byte_identical(src, reference, tmp_path, recipe, ranks):
         after = t["wait_after"]
         assert {"statistics", "solve", "forward"} <= set(after), after
         assert abs(sum(after.values()) - t["phases"]["wait"]) < 1e-4 * (len(after) + 1), (after, t["phases"])
+
+
+def test_asymmetric_experts_byte_identical(src, reference, tmp_path_factory, tmp_path):
+    """GPTQ on asymmetric INT4 experts, 2 ranks: the receivers dequantize the owners' codes, scales and zero
+    points to the weights the owners wrote back, so the next layers see the same inputs: the same bytes."""
+    recipe = tmp_path_factory.mktemp("recipe") / "asym-experts-gptq.yaml"
+    recipe.write_text(ASYM_EXPERTS)
+    out = tmp_path / "q"
+    p = _convert(2, src, out, recipe)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = _files(out)
+    assert got == reference(recipe)
+    assert any(b"weight_zero_point" in v for k, v in got.items() if k.endswith(".safetensors"))
 
 
 def test_starved_experts_all_token_fallback_byte_identical(src, reference, tmp_path_factory, tmp_path):

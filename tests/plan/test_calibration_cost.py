@@ -118,6 +118,9 @@ def test_world_size_splits_the_parallel_parts(tmp_path):
     # MoE inputs a rank receives: the other ranks' tokens, float32 hidden rows + top-2 indices and weights
     other = n * t - n * t // 2
     assert runs[2].communication_bytes["moe_inputs"] == 2 * other * (HIDDEN * 4 + 2 * 16)  # 2 layers
+    # the other rank's experts as INT4 codes (a byte each) and float32 scales per group of 32
+    codes = (EXPERTS // 2) * (2 * WIDTH * HIDDEN + HIDDEN * WIDTH) * (1 + 4 / 32)
+    assert runs[2].communication_bytes["expert_codes"] == pytest.approx(2 * codes)  # 2 layers
     # a rank plans the whole layer and every sample's slot, but only its own experts' Hessians: with
     # groups of 1 expert (8 experts, at least 8 groups) rank 0 of 4 owns experts 0 and 4
     for g, held in ((1, EXPERTS), (2, EXPERTS // 2), (4, EXPERTS // 4)):
