@@ -421,8 +421,8 @@ def share_expert_weights(experts, group: int, par, packed: dict | None = None, s
 
     With `packed` (gptq_experts' codes and group parameters of this rank's groups; INT4 grids, `scheme` the
     group's) the codes (int8), scales (float32) and zero points travel and each receiver dequantizes them
-    as the owner did (`dequantize`, elementwise: the same float32 values), about a third of the bytes of
-    the dequantized float32 weights; else (FP4 grids) the dequantized weights themselves."""
+    as the owner did (`dequantize`, elementwise: the same float32 values), 0.28x the bytes of the
+    dequantized float32 weights at group size 32; else (FP4 grids) the dequantized weights themselves."""
     if par is None or not par.distributed:
         return
     E = experts.gate_up_proj.shape[0]
