@@ -17,6 +17,7 @@ import torch
 
 from quantkit.quant import fp4, int4
 from harness import run_bounded
+from .helpers import break_kernel
 
 pytest.importorskip("numba")
 
@@ -202,20 +203,8 @@ def test_global_amax_is_torchs(dtype, monkeypatch):
     assert torch.equal(got.isnan(), want.isnan()) and bool(got[1].isnan()) and torch.equal(got[[0, 2]], want[[0, 2]])
 
 
-def _break_kernel(monkeypatch, name: str) -> None:
-    """Kernel `name` of the FP4 module raises as a kernel that cannot compile here would."""
-    mod = fp4._native_module()
-
-    def broken(*a, **k):
-        raise RuntimeError("no compiler here")
-
-    monkeypatch.setattr(mod, name, broken)
-    monkeypatch.setattr(fp4, "_NATIVE", mod)
-    monkeypatch.setattr(int4, "_NATIVE", int4._native_module())
-
-
 def test_global_amax_kernel_failure_falls_back(monkeypatch):
-    _break_kernel(monkeypatch, "absmax_bits16")
+    break_kernel(monkeypatch, fp4, "absmax_bits16")
     w = torch.randn(2, 8, 32).to(torch.bfloat16)
     with pytest.warns(UserWarning, match="fused RTN kernel unavailable"):
         got = fp4._matrix_amax(w)
@@ -267,7 +256,7 @@ def test_switch_off_with_environment():
 
 
 def test_kernel_failure_falls_back_to_torch_path(monkeypatch):
-    _break_kernel(monkeypatch, "fp4_pack_bf16")
+    break_kernel(monkeypatch, fp4, "fp4_pack_bf16")
     w = torch.randn(4, 64).to(torch.bfloat16)
     with pytest.warns(UserWarning, match="fused RTN kernel unavailable"):
         fast = fp4.rtn_nvfp4(w)

@@ -14,6 +14,7 @@ from quantkit.quant import int4
 from quantkit.quant.int4 import dequantize, rtn
 from quantkit.pack.int4 import pack_int4, unpack_int4
 from harness import run_bounded
+from .helpers import break_kernel
 
 pytest.importorskip("numba")
 
@@ -151,19 +152,8 @@ def test_convert_output_identical_without_kernel(tmp_path):
             assert abs(m1["tensors"][name]["sqnr_db"] - e["sqnr_db"]) < 1e-3
 
 
-def _break_kernel(monkeypatch, name: str) -> None:
-    """Make the compiled module's `name` raise, as a kernel that fails to compile would."""
-    mod = int4._native_module()
-
-    def broken(*a, **k):
-        raise RuntimeError("no compiler here")
-
-    monkeypatch.setattr(mod, name, broken)
-    monkeypatch.setattr(int4, "_NATIVE", mod)
-
-
 def test_kernel_failure_falls_back_to_torch_path(monkeypatch):
-    _break_kernel(monkeypatch, "rtn_pack_bf16")
+    break_kernel(monkeypatch, int4, "rtn_pack_bf16")
     w = torch.randn(4, 64).to(torch.bfloat16)
     with pytest.warns(UserWarning, match="fused RTN kernel unavailable"):
         fast = rtn(w, 4, 32, True, pack=True)
@@ -262,7 +252,7 @@ def test_mse_search_cases_it_hands_back():
 def test_mse_search_kernel_failure_falls_back(monkeypatch):
     from quantkit.quant.int4 import choose_qparams_mse
 
-    _break_kernel(monkeypatch, "mse_scales")
+    break_kernel(monkeypatch, int4, "mse_scales")
     w = torch.randn(16, 64)
     with pytest.warns(UserWarning, match="fused RTN kernel unavailable"):
         got = choose_qparams_mse(w, 4, 32).scale
