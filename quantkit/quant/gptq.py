@@ -321,8 +321,9 @@ def hessian_update(h: torch.Tensor | None, count: int, x: torch.Tensor) -> tuple
     return h, count
 
 
-# Bytes of the refit's per-chunk product [rows, G, K] (float32): rows of a matrix are refitted this many at a
-# time (Kimi K2's gate/up at g32: ~10 rows of 7168 columns per 64 MiB).
+# Bytes of the refit's per-chunk temporaries: per row one group's products with Hd (K float32) and its
+# G x G system (float32, then the solve's float64): rows of a matrix are refitted this many at a time
+# (Kimi K2's gate/up at g32: ~100 rows of 7168 columns per 64 MiB).
 REFIT_CHUNK_BYTES = 64 << 20
 
 
@@ -347,7 +348,7 @@ def refit_scales(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     damp = torch.as_tensor(damp, dtype=torch.float64, device=dev).expand(e)
     out = scale.float().clone()
     changed = torch.zeros(e, n, dtype=torch.bool, device=dev)
-    rows = max(1, REFIT_CHUNK_BYTES // (g * k * 4))
+    rows = max(1, REFIT_CHUNK_BYTES // ((k + 3 * g * g) * 4))
     eye = torch.eye(g, dtype=solve_dtype, device=dev)
     ybuf = torch.empty(min(rows, n) * k, device=dev)  # one group's products with Hd, reused
     for i in range(e):
