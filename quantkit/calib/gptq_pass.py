@@ -431,25 +431,20 @@ def share_expert_weights(experts, group: int, par, packed: dict | None = None, s
     for key, param in (("gu", experts.gate_up_proj), ("down", experts.down_proj)):
         for i0 in range(0, E, group):
             i1 = min(E, i0 + group)
+            recv = None  # (param, first expert, received parts) to dequantize once they arrive
             if packed is None:
-                jobs.append((None, [par.broadcast_async(param.data[i0:i1], owner[i0])]))
-                continue
-            if owner[i0] == par.rank:
+                parts = (param.data[i0:i1],)
+            elif owner[i0] == par.rank:
                 parts = packed[(key, i0)]
             else:
                 _, n, k = param.shape
                 s = scheme.for_in_features(k)
-                gs = s.group_size or k
-                shape = (i1 - i0, n, k // gs)
+                shape = (i1 - i0, n, k // (s.group_size or k))
                 parts = (torch.empty(i1 - i0, n, k, dtype=torch.int8, device=param.device),
                          torch.empty(shape, dtype=torch.float32, device=param.device),
                          None if s.symmetric else torch.empty(shape, dtype=torch.int32, device=param.device))
-                jobs.append(((param, i0, parts), []))
-            waits = [par.broadcast_async(t, owner[i0]) for t in parts if t is not None]
-            if owner[i0] == par.rank:
-                jobs.append((None, waits))
-            else:
-                jobs[-1][1].extend(waits)
+                recv = (param, i0, parts)
+            jobs.append((recv, [par.broadcast_async(t, owner[i0]) for t in parts if t is not None]))
     for recv, waits in jobs:  # posted at once: every rank sends its groups while it receives the others'
         for wait in waits:
             wait()
