@@ -60,9 +60,10 @@ def recipe_yaml(method: str, group: int | str) -> str:
     """`method` rtn, gptq or awq, with modifiers after dashes: "mse" (RTN: `scale_search: mse`, each group's
     clipping searched; GPTQ: `observer: mse`, each group's scale searched against the Hessian-weighted
     error), "aff" (GPTQ: `stats: affinity`, every token in every expert's Hessian weighted by the router's
-    affinity), "affN" (the same over the router's top-N experts per token), "refit" (GPTQ, INT4:
-    `refit_scales: true`, each row's group scales refitted to its codes) or "cdN" (GPTQ, INT4:
-    `refine_sweeps: N`, N coordinate-descent sweeps over the codes; "cd": one), "dampX" (GPTQ: `damp: X`),
+    affinity), "affN" (the same over the router's top-N experts per token; "affNk": N times the router's
+    top-k), "refit" (GPTQ, INT4: `refit_scales: true`, each row's group scales refitted to its codes) or
+    "cdN" (GPTQ, INT4: `refine_sweeps: N`, N coordinate-descent sweeps over the codes; "cd": one), "dampX"
+    (GPTQ: `damp: X`),
     "hoN" (GPTQ: `holdout: N`), "noact" (GPTQ: `actorder: false`), "balN" / "poolM" (GPTQ: `balance_tokens: N`,
     `balance_pool: M`; the pool comes from the rows `--calib-extra` adds), "fitP" (GPTQ: `fit_unquantized: P/100`):
     e.g. gptq-mse-aff-refit-cd2."""
@@ -91,7 +92,8 @@ def recipe_yaml(method: str, group: int | str) -> str:
             opts["fit_unquantized"] = str(int(m[3:]) / 100)
         elif m.startswith("cd") and base == "gptq":
             opts["refine_sweeps"] = m[2:] or "1"
-        elif m.startswith("aff") and base == "gptq" and (m == "aff" or m[3:].isdigit()):
+        elif m.startswith("aff") and base == "gptq" and (m == "aff" or m[3:].isdigit() or m[3:-1].isdigit()
+                                                         and m.endswith("k")):
             opts["stats"] = "affinity"
             if m != "aff":
                 opts["affinity_top_k"] = m[3:]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import CalibrationError
+from ..match.recipe import affinity_experts
 from . import moe
 
 # Legend: E = experts, T = tokens, H = hidden, I = expert intermediate, P = 2*I (gate+up rows)
@@ -48,10 +49,10 @@ class ExpertStats:
         the whole pass, in batch order and ascending token order within a batch) is left out of its Hessians
         and kept as a held-out row (`heldout_inputs`) for GPTQ's check against RTN; 0: none.
         `router` (GPTQ's `stats: affinity`): each expert's Hessians then sum, over every token among its
-        router's `affinity_top_k` preferred (None: every token), x x^T weighted by the router's affinity for
-        that pair (`moe.router_affinities`), the forward still following the router's real top-k; rows held
-        out of the routed tokens stay out (`aff_counts`: each expert's tokens in the affinity set, held-out rows
-        included, like `counts`).
+        router's `affinity_top_k` preferred (an integer, or "nk": n times the call's top-k; None: every
+        token), x x^T weighted by the router's affinity for that pair (`moe.router_affinities`), the forward
+        still following the router's real top-k; rows held out of the routed tokens stay out (`aff_counts`:
+        each expert's tokens in the affinity set, held-out rows included, like `counts`).
 
         `primary_tokens` (GPTQ's `balance_tokens`, with a top-up pool): the layer's rows after the first
         `primary_tokens` (in batch order; calib/spool.py puts the pool last) are the pool's. They count for
@@ -170,9 +171,13 @@ class ExpertStats:
         if self.need_h:
             aff = None
             if self.router is not None:
-                aff = moe.router_affinities(self.router, x, self.affinity_top_k)
+                aff = moe.router_affinities(self.router, x, self.affinity_k(idx.shape[1]))
                 self.aff_counts += aff.counts.cpu()
             self._add_grams(x, routing, prior, aff)
+
+    def affinity_k(self, top_k: int) -> int:
+        """The experts each token's row goes to in the affinity statistics of a call routed to `top_k`."""
+        return affinity_experts(self.affinity_top_k, top_k, self.E)
 
     def _add_grams(self, x: torch.Tensor, routing: "moe.Routing", prior: list[int],
                    aff: "moe.Routing | None" = None) -> None:
@@ -261,7 +266,7 @@ class ExpertStats:
         routing = moe.route(idx, wts, self.E)
         token, _ = routing.token_major()
         b = routing.bounds
-        aff = moe.router_affinities(self.router, x, self.affinity_top_k) if self.router is not None else None
+        aff = moe.router_affinities(self.router, x, self.affinity_k(idx.shape[1])) if self.router is not None else None
         if aff is not None:
             a_tok, a_w = aff.token_major()
             ab = aff.bounds

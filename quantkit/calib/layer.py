@@ -21,7 +21,7 @@ from torch import nn
 from .. import timeline
 from ..arch.layout import hf_moe_parts
 from ..errors import CalibrationError
-from ..match.recipe import Recipe, WeightGroup
+from ..match.recipe import Recipe, WeightGroup, affinity_experts
 from ..read.checkpoint import Checkpoint
 from .awq_pass import awq_steps
 from .emit import LayerResult, emit_expert_input_scales, emit_input_scale
@@ -269,7 +269,7 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
                 # (the busiest: twice the mean), and the unquantized model's hidden states (in and out)
                 total = sum(int(t) for t in lengths)
                 o = egroup.options
-                kk = min(e, o.affinity_top_k or e) if o.stats == "affinity" else k
+                kk = affinity_experts(o.affinity_top_k, k, e) if o.stats == "affinity" else k
                 per_expert = 2 * total * kk // e
                 citem = torch.empty((), dtype=compute_dtype).element_size()
                 out["fit"] = (held * (h * h + i * i) * 4 + 2 * total * h * 4 + total * kk * held // e * 12

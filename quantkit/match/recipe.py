@@ -297,12 +297,13 @@ class GPTQOptions(_Calibrated):
     lazy-update block size; `holdout` k: every k-th token routed to an expert is held out of its Hessian, and
     each expert module keeps GPTQ's result only where its output error on those tokens is no larger than
     RTN's (0: off, every token in the Hessian and no check). `stats: affinity`: each expert's Hessians sum
-    x x^T over the tokens among the router's `affinity_top_k` preferred experts for it (null: every token),
-    weighted by the router's affinity (softmax, or sigmoid for noaux_tc routers), the forward still following
-    the router's top-k (calib/hessians.py); the routed tokens held out stay out. `refit_scales` (symmetric
-    INT4): after the sweep each row's group scales are the least-squares ones for its codes under the damped
-    Hessian (quant/gptq.py refit_scales); `refine_sweeps` n (symmetric INT4): then n coordinate-descent sweeps
-    over the codes under those scales (quant/gptq.py refine_codes). `balance_tokens` n (routed experts): every
+    x x^T over the tokens among the router's `affinity_top_k` preferred experts for it (an integer, or "nk":
+    n times the router's top-k; null: every token; `affinity_experts`), weighted by the router's affinity
+    (softmax, or sigmoid for noaux_tc routers), the forward still following the router's top-k
+    (calib/hessians.py); the routed tokens held out stay out. `refit_scales` (symmetric INT4): after the
+    sweep each row's group scales are the least-squares ones for its codes under the damped Hessian
+    (quant/gptq.py refit_scales); `refine_sweeps` n (symmetric INT4): then n coordinate-descent sweeps over
+    the codes under those scales (quant/gptq.py refine_codes). `balance_tokens` n (routed experts): every
     expert that the calibration samples route fewer than n tokens to is topped up from a pool of
     `balance_pool` further samples of the same dataset (null: as many as the calibration's), forwarded
     after them: the pool's tokens enter an expert's statistics, in order, until it has n routed tokens
@@ -317,7 +318,7 @@ class GPTQOptions(_Calibrated):
     block_size: int = 128
     holdout: int = 8
     observer: str = "minmax"  # or "mse": each group's scale searched against the Hessian-weighted error (INT4, FP4)
-    affinity_top_k: int | None = None
+    affinity_top_k: int | str | None = None  # experts per token, or "nk": n times the router's top-k
     refit_scales: bool = False  # symmetric INT4: each row's group scales refitted to its codes after the sweep
     refine_sweeps: int = 0  # symmetric INT4: coordinate-descent sweeps over the codes after the solve (0: none)
     balance_tokens: int | None = None  # routed experts: top up every expert to this many routed tokens
@@ -340,6 +341,11 @@ class GPTQOptions(_Calibrated):
             raise RecipeError(f"options.holdout must be 0 (off) or at least 2, got {self.holdout!r}")
         if self.balance_pool is not None and self.balance_tokens is None:
             raise RecipeError("options.balance_pool sizes the pool of balance_tokens, which is not set")
+        k = self.affinity_top_k
+        if k is not None and (isinstance(k, bool) or not (isinstance(k, int) and k > 0 or isinstance(k, str)
+                                                          and _AFFINITY_K.fullmatch(k))):
+            raise RecipeError(f"options.affinity_top_k must be a positive integer or \"nk\" (n times the router's "
+                              f"top-k, e.g. 2k), got {k!r}")
         if self.affinity_top_k is not None and self.stats != "affinity":
             raise RecipeError(f"options.affinity_top_k applies to stats: affinity (stats is {self.stats!r})")
 
@@ -360,6 +366,19 @@ class AWQOptions(_Calibrated):
             raise RecipeError("options.stats: affinity weights GPTQ's Hessians; AWQ takes routed or all")
 
 
+_AFFINITY_K = re.compile(r"[1-9][0-9]*k")
+
+
+def affinity_experts(affinity_top_k: int | str | None, top_k: int, num_experts: int) -> int:
+    """How many experts each token's row goes to under `stats: affinity`: `affinity_top_k` experts (an
+    integer), n times the router's `top_k` ("nk"), or every expert (None); at most `num_experts`."""
+    if affinity_top_k is None:
+        return num_experts
+    if isinstance(affinity_top_k, str):
+        return min(num_experts, int(affinity_top_k[:-1]) * top_k)
+    return min(num_experts, affinity_top_k)
+
+
 OPTIONS = {"rtn": RTNOptions, "gptq": GPTQOptions, "awq": AWQOptions}
 _POSITIVE = ("block_size", "sample_tokens", "n_grid", "grid_stride", "min_tokens", "affinity_top_k", "balance_tokens",
              "balance_pool")
@@ -373,6 +392,8 @@ def parse_options(method: str, raw: dict, where: str):
     _check_keys(where, raw, set(known))
     for key, v in raw.items():
         want = known[key].type
+        if key == "affinity_top_k":  # an integer or "nk" (GPTQOptions checks which)
+            continue
         if "bool" in want and not isinstance(v, bool):
             raise RecipeError(f"{where}.{key} must be true or false, got {v!r}")
         if "int" in want and "bool" not in want and (v is not None or "None" not in want) and (

@@ -41,6 +41,7 @@ from typing import Any, Mapping
 
 from ..arch.layout import ATTN, EXPERTS, ROUTER_MODULES
 from ..errors import ConfigError
+from ..match.recipe import affinity_experts
 
 GIB = 1 << 30
 
@@ -791,7 +792,7 @@ def _pass_row(row: dict, comm: dict, held: dict, ctx: _PassContext, idx: int, la
         groups = math.ceil(s.experts / group)
         owned = min(s.experts, math.ceil(groups / g) * group)  # the busiest rank's experts
         o = egroup.options
-        per_token = min(o.affinity_top_k or s.experts, s.experts) if o.stats == "affinity" else None
+        per_token = affinity_experts(o.affinity_top_k, s.top_k, s.experts) if o.stats == "affinity" else None
         # the Grams of the calibration samples (a top-up pool adds a few rows per starved expert: not counted)
         row["hessians"] += _hessians(c, s, ctx.stats_batches, owned, hidden, per_token)
         sweep = [_sweep_experts(kk, nn, group, kind) for nn, kk in ((s.p, s.h), (s.h, s.i))]

@@ -13,6 +13,7 @@ from quantkit.calib.executor import LayerExecutor
 from quantkit.calib.hessians import ExpertStats
 from quantkit.calib.spool import run_calibrated
 from quantkit.errors import RecipeError
+from quantkit.match.recipe import affinity_experts
 from quantkit.testing import make_tiny_model
 
 from calib.test_passes import recipe
@@ -120,6 +121,15 @@ def test_affinity_pass_records_its_tokens_and_changes_the_solve(tmp_path):
         assert aff["modules"][name.format(e)]["tokens"] == routed["modules"][name.format(e)]["tokens"]
         assert "affinity_tokens" not in routed["modules"][name.format(e)]
     assert sum(top3["modules"][name.format(e)]["affinity_tokens"] for e in range(8)) == 3 * total
+    # "nk": n times the router's top-k (2 here), the same statistics and solves as the integer it stands for
+    twice = run_calibrated(src, recipe("gptq", holdout=0, stats="affinity", affinity_top_k="2k"), data.samples,
+                           tmp_path / "d")
+    top4 = run_calibrated(src, recipe("gptq", holdout=0, stats="affinity", affinity_top_k=4), data.samples,
+                          tmp_path / "e")
+    for e in range(8):
+        a, b = twice["modules"][name.format(e)], top4["modules"][name.format(e)]
+        assert (a["affinity_tokens"], a["sqnr_db"]) == (b["affinity_tokens"], b["sqnr_db"])
+    assert sum(twice["modules"][name.format(e)]["affinity_tokens"] for e in range(8)) == 4 * total
     sq = [(routed["modules"][name.format(e)]["sqnr_db"], aff["modules"][name.format(e)]["sqnr_db"])
           for e in range(8)]
     assert any(a != b for a, b in sq)  # other Hessians, other solves
@@ -128,7 +138,8 @@ def test_affinity_pass_records_its_tokens_and_changes_the_solve(tmp_path):
 def test_affinity_options():
     assert recipe("gptq", stats="affinity").groups[0].options.stats == "affinity"
     assert recipe("gptq", stats="affinity", affinity_top_k=4).groups[0].options.affinity_top_k == 4
-    for bad in (0, -1):
+    assert recipe("gptq", stats="affinity", affinity_top_k="2k").groups[0].options.affinity_top_k == "2k"
+    for bad in (0, -1, "0k", "k", "2K", "2.5k", "'2 k'", "true", 1.5):
         with pytest.raises(RecipeError, match="affinity_top_k"):
             recipe("gptq", stats="affinity", affinity_top_k=bad)
     with pytest.raises(RecipeError, match="affinity"):
@@ -137,6 +148,15 @@ def test_affinity_options():
         recipe("gptq", affinity_top_k=4)
     with pytest.raises(RecipeError, match="stats"):
         recipe("gptq", stats="weighted")
+
+
+def test_affinity_experts_resolves_multiples_of_the_routers_top_k():
+    assert affinity_experts(None, 8, 384) == 384  # every expert
+    assert affinity_experts(16, 8, 384) == 16
+    assert affinity_experts(16, 2, 8) == 8  # at most the experts there are
+    assert affinity_experts("2k", 8, 384) == 16  # Kimi K2: top-8 of 384
+    assert affinity_experts("2k", 4, 32) == 8
+    assert affinity_experts("3k", 4, 8) == 8
 
 
 def test_all_expert_affinities_are_in_token_order_and_skip_the_sort():

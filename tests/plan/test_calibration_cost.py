@@ -326,6 +326,8 @@ def test_affinity_statistics_cost_grows_with_the_experts_each_token_feeds(tmp_pa
     assert plain.seconds["hessians"] < top4.seconds["hessians"] < every.seconds["hessians"]
     more = cost("      stats: affinity\n      affinity_top_k: 16\n")  # more than the 8 experts there are
     assert more.seconds["hessians"] == every.seconds["hessians"]
+    twice = cost("      stats: affinity\n      affinity_top_k: 2k\n")  # twice the router's top-2
+    assert twice.seconds["hessians"] == top4.seconds["hessians"]
     for k in ("forward", "gptq_solve"):
         assert plain.seconds[k] == top4.seconds[k] == every.seconds[k], k
 
