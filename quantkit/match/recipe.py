@@ -366,7 +366,7 @@ class AWQOptions(_Calibrated):
             raise RecipeError("options.stats: affinity weights GPTQ's Hessians; AWQ takes routed or all")
 
 
-_AFFINITY_K = re.compile(r"[1-9][0-9]*k")
+_AFFINITY_K = re.compile(r"[1-9][0-9]{0,5}k")  # n up to 999999: a bounded integer
 
 
 def affinity_experts(affinity_top_k: int | str | None, top_k: int, num_experts: int) -> int:

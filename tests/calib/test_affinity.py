@@ -139,7 +139,7 @@ def test_affinity_options():
     assert recipe("gptq", stats="affinity").groups[0].options.stats == "affinity"
     assert recipe("gptq", stats="affinity", affinity_top_k=4).groups[0].options.affinity_top_k == 4
     assert recipe("gptq", stats="affinity", affinity_top_k="2k").groups[0].options.affinity_top_k == "2k"
-    for bad in (0, -1, "0k", "k", "2K", "2.5k", "'2 k'", "true", 1.5):
+    for bad in (0, -1, "0k", "k", "2K", "2.5k", "'2 k'", "true", 1.5, "9" * 5000 + "k"):
         with pytest.raises(RecipeError, match="affinity_top_k"):
             recipe("gptq", stats="affinity", affinity_top_k=bad)
     with pytest.raises(RecipeError, match="affinity"):
