@@ -380,7 +380,7 @@ def affinity_experts(affinity_top_k: int | str | None, top_k: int, num_experts: 
 
 
 OPTIONS = {"rtn": RTNOptions, "gptq": GPTQOptions, "awq": AWQOptions}
-_POSITIVE = ("block_size", "sample_tokens", "n_grid", "grid_stride", "min_tokens", "affinity_top_k", "balance_tokens",
+_POSITIVE = ("block_size", "sample_tokens", "n_grid", "grid_stride", "min_tokens", "balance_tokens",
              "balance_pool")
 
 
