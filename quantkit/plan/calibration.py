@@ -663,8 +663,8 @@ def _communication(s: _LayerShape, egroup, dense, gq: _Batches, g: int, item: in
     sampled rows and the block's outputs for them); dense targets' partial Hessians sent to their owners;
     the dequantized weights broadcast by their owners (GPTQ's routed experts on an INT4 grid: their codes,
     one byte each, and float32 scales and zero points per group instead; AWQ: every parameter of the layer,
-    from rank 0, and the per-expert search results from the ranks that ran them). The packed results do not travel: each rank
-    writes what it solved to the spool. GPTQ's fit_unquantized: every batch's unquantized-model MoE inputs too."""
+    from rank 0, and the per-expert search results from the ranks that ran them). The packed results do not
+    travel: each rank writes what it solved to the spool. GPTQ's fit_unquantized: every batch's unquantized-model MoE inputs too."""
     out: dict[str, float] = {}
     others = sum(gq.all_batches) - gq.rank_tokens
     if egroup is not None and egroup.method == "gptq":
@@ -677,7 +677,8 @@ def _communication(s: _LayerShape, egroup, dense, gq: _Batches, g: int, item: in
         else:  # codes (int8) and per-group scales (float32), zero points too when asymmetric
             per_group = 4 * (1 if sch.symmetric else 2)
             out["expert_codes"] = (s.experts - owned) * sum(
-                rows * k * (1 + per_group / (sch.for_in_features(k).group_size or k)) for rows, k in ((s.p, s.h), (s.h, s.i)))
+                rows * k * (1 + per_group / (sch.for_in_features(k).group_size or k))
+                for rows, k in ((s.p, s.h), (s.h, s.i)))
     elif egroup is not None and egroup.method == "rtn":  # NVFP4 W4A4 input amax: gathered maxima only
         out["input_amax"] = s.experts * 3 * 8 * (g - 1) / g
     elif egroup is not None:
