@@ -346,7 +346,7 @@ class GPTQOptions(_Calibrated):
                                                           and _AFFINITY_K.fullmatch(k))):
             raise RecipeError(f"options.affinity_top_k must be a positive integer or \"nk\" (n times the router's "
                               f"top-k, e.g. 2k), got {k!r}")
-        if self.affinity_top_k is not None and self.stats != "affinity":
+        if k is not None and self.stats != "affinity":
             raise RecipeError(f"options.affinity_top_k applies to stats: affinity (stats is {self.stats!r})")
 
 
@@ -392,11 +392,10 @@ def parse_options(method: str, raw: dict, where: str):
     _check_keys(where, raw, set(known))
     for key, v in raw.items():
         want = known[key].type
-        if key == "affinity_top_k":  # an integer or "nk" (GPTQOptions checks which)
-            continue
         if "bool" in want and not isinstance(v, bool):
             raise RecipeError(f"{where}.{key} must be true or false, got {v!r}")
-        if "int" in want and "bool" not in want and (v is not None or "None" not in want) and (
+        # an integer field that also takes a string (affinity_top_k: 16 or "2k") is checked by its dataclass
+        if "int" in want and "bool" not in want and "str" not in want and (v is not None or "None" not in want) and (
                 isinstance(v, bool) or not isinstance(v, int) or (key in _POSITIVE and v <= 0)):
             raise RecipeError(f"{where}.{key} must be a positive integer, got {v!r}")
         if key == "fit_unquantized" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
