@@ -1,11 +1,11 @@
-"""The in-block part of GPTQ's code refinement (`quant.gptq.refine_codes`) as one compiled loop (numba,
-compiled once and cached on disk, as quant/_rtn_native.py): per expert and column of a block, every row's
-code moves to the grid point nearest its parabola's vertex, and the block's later columns of the gradient
-take the change (a rank-1 update per column). The torch path does the same in ~8 tensor ops per column,
-whose dispatch cost dominates at the shapes of a solve batch; here they are plain loops over contiguous
-rows. Same operations in the same order per element (float32: the vertex, its rounding half to even,
-the clamp, the change times the scale; the update g - h * d), so the codes agree with the torch path's
-up to the rounding of a multiply-add where the compiler contracts one (a tie then may round the other way).
+"""GPTQ's code refinement (`quant.gptq.refine_codes`) as one compiled loop (numba, compiled once and cached
+on disk, as quant/_rtn_native.py): each row runs all its coordinate-descent sweeps on its own, its gradient
+row in cache, and a code that moves updates the gradient with one multiply-add per column (none for the codes
+that stay). The torch path sweeps every row of a block of columns at once, ~8 tensor ops per column plus a
+GEMM per block, whose costs do not shrink when few codes move. Same float32 operations per code (the
+vertex, its rounding half to even, the clamp, the change times the scale); the gradient's updates are summed
+in another order than the torch path's GEMMs, so a rounding tie may go the other way (about one code in a
+thousand, tests/quant/test_gptq.py).
 
 Import is lazy and optional: without numba (or with QUANTKIT_NATIVE=0) the torch path runs.
 """
@@ -18,22 +18,35 @@ from ._rtn_native import njit
 
 
 @njit(nogil=True, error_model="numpy")
-def cd_block(qt, gb, step, s_t, hd, delta, i1, qmin, qmax):
-    """One block of columns i1 .. i1 + B of a coordinate-descent sweep, in place. qt, step, s_t [E, K, N]
-    float32 (codes, Hd_jj s_j, scales, transposed: a column is a contiguous row); gb [E, B, N] the block's
-    gradient rows (Hd E^T), kept current; hd [E, K, K] the damped Hessians; delta [E, B, N] out: each column's
-    change of the dequantized weights."""
-    e_n, b_n, n_n = gb.shape
-    for e in range(e_n):
-        for i in range(b_n):
-            j = i1 + i
-            for n in range(n_n):
-                old = qt[e, j, n]
-                v = np.round(old + gb[e, i, n] / step[e, j, n])
-                v = qmin if v < qmin else (qmax if v > qmax else v)
-                delta[e, i, n] = (v - old) * s_t[e, j, n]
-                qt[e, j, n] = v
-            for ii in range(i + 1, b_n):
-                h = hd[e, i1 + ii, j]
-                for n in range(n_n):
-                    gb[e, ii, n] -= h * delta[e, i, n]
+def cd_rows(q, ex, g, scale, diag, hdt, gs, sweeps, qmin, qmax):
+    """Whole sweeps of coordinate descent, one row at a time, in place: rows are independent (the Hessian
+    couples the columns of a row only), so each row runs all its sweeps with its gradient row in cache. For
+    R rows of experts ex [R] (int64): q [R, K] float32 codes, g [R, K] float32 the row's gradient Hd e_n (kept
+    current), scale [R, G] float32 its group scales (0: a row to leave as it is); diag [E, K] the damped
+    Hessians' diagonals and hdt [E, K, K] the damped Hessians transposed (hdt[e, j] = column j of Hd). A code
+    that moves by d (in weight units) updates the row's gradient by -d Hd[:, j]: K multiply-adds per moved
+    code, none for the codes that stay; the last sweep updates only the columns still ahead."""
+    r_n, k_n = q.shape
+    lo, hi = np.float32(qmin), np.float32(qmax)
+    kn = np.uint64(k_n)  # unsigned indices: no negative-index wraparound, so the update loop vectorizes
+    for r in range(r_n):
+        e = ex[r]
+        qr, gr, sr, dr = q[r], g[r], scale[r], diag[e]
+        for sweep in range(sweeps):
+            last = sweep == sweeps - 1
+            for gi in range(k_n // gs):
+                s = sr[gi]
+                for j in range(gi * gs, (gi + 1) * gs):
+                    step = dr[j] * s  # Hd_jj s_j, the curvature of the error in code units (float32)
+                    if not step > 0:
+                        continue
+                    old = qr[j]
+                    v = np.round(old + gr[j] / step)  # the grid point nearest the vertex of this weight's parabola
+                    v = lo if v < lo else (hi if v > hi else v)
+                    if v == old:
+                        continue
+                    d = np.float32((v - old) * s)
+                    qr[j] = v
+                    hr = hdt[e, j]
+                    for t in range(np.uint64(j + 1) if last else np.uint64(0), kn):
+                        gr[t] -= hr[t] * d

@@ -323,7 +323,8 @@ def hessian_update(h: torch.Tensor | None, count: int, x: torch.Tensor) -> tuple
 
 # Bytes of the refit's per-chunk temporaries: per row one group's products with Hd (K float32) and its
 # G x G system (float32, then the solve's float64): rows of a matrix are refitted this many at a time
-# (Kimi K2's gate/up at g32: ~100 rows of 7168 columns per 64 MiB).
+# (Kimi K2's gate/up at g32: ~100 rows of 7168 columns per 64 MiB), or as many whole matrices as fit (the
+# bench MoE: a solve batch's 8 experts of [512, 512] at once, 16 batched GEMMs instead of 128).
 REFIT_CHUNK_BYTES = 64 << 20
 
 
@@ -339,8 +340,8 @@ def refit_scales(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     every new one is positive and finite and the rounded new ones have a smaller error (compared through A
     and b: the error's constant w^T Hd w cancels). Returns (scales [E, N, G] float32, rows changed [E, N]
     bool). Work per matrix: about N x K^2 / 2 multiply-adds for A (A is symmetric: its upper triangle of
-    G x G blocks, one GEMM per group over the columns from that group on, in chunks of rows of
-    REFIT_CHUNK_BYTES) and one GEMM for b (Z_n^T (Hd w_n))."""
+    G x G blocks, one batched GEMM per group over the columns from that group on, in chunks of rows of
+    REFIT_CHUNK_BYTES, several whole matrices per chunk where they fit) and one GEMM for b (Z_n^T (Hd w_n))."""
     e, n, k = w.shape
     g = scale.shape[-1]
     gs = k // g
@@ -348,38 +349,45 @@ def refit_scales(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     damp = torch.as_tensor(damp, dtype=torch.float64, device=dev).expand(e)
     out = scale.float().clone()
     changed = torch.zeros(e, n, dtype=torch.bool, device=dev)
-    rows = max(1, REFIT_CHUNK_BYTES // ((k + 3 * g * g) * 4))
+    per = (k + 3 * g * g) * 4  # bytes per row of a chunk
+    rows = max(1, REFIT_CHUNK_BYTES // per)  # rows of one matrix at a time, or of several whole matrices
+    ec = max(1, min(e, rows // n)) if rows >= n else 1
+    rows = min(rows, n)
     eye = torch.eye(g, dtype=solve_dtype, device=dev)
-    ybuf = torch.empty(min(rows, n) * k, device=dev)  # one group's products with Hd, reused
-    for i in range(e):
-        hd = h[i].to(torch.float64)
-        hd = (hd + torch.eye(k, dtype=torch.float64, device=dev) * (damp[i] * hd.diagonal().mean())).float()
-        hw = torch.mm(w[i].float(), hd)  # [N, K]: Hd w_n per row (Hd symmetric), one GEMM
+    ybuf = torch.empty(ec * rows * k, device=dev)  # one group's products with Hd, reused
+    for e0 in range(0, e, ec):
+        e1 = min(e, e0 + ec)
+        c_n = e1 - e0
+        hd = h[e0:e1].float().clone()
+        d64 = h[e0:e1].diagonal(dim1=-2, dim2=-1).to(torch.float64)  # the damping in float64, on the diagonal only
+        hd.diagonal(dim1=-2, dim2=-1).copy_(d64 + (damp[e0:e1] * d64.mean(-1))[:, None])
+        hw = torch.bmm(w[e0:e1].float(), hd)  # [c, N, K]: Hd w_n per row (Hd symmetric), one GEMM per matrix
         for r0 in range(0, n, rows):
-            z = q[i, r0:r0 + rows].float()  # [m, K]
-            m = z.shape[0]
-            zg = z.view(m, g, gs)
+            z = q[e0:e1, r0:r0 + rows].float()  # [c, m, K]
+            m = z.shape[1]
+            zg = z.view(c_n, m, g, gs)
             # A's upper triangle of blocks, group by group (A is symmetric: half the products), mirrored:
             # A[:, c, j] = sum over group j's columns t of (sum over group c's columns s of z_s Hd[s, t]) z_t
-            a = z.new_empty(m, g, g)
+            a = z.new_empty(c_n, m, g, g)
             for c in range(g):
-                y = torch.mm(zg[:, c], hd[c * gs:(c + 1) * gs, c * gs:], out=ybuf[:m * (k - c * gs)].view(m, -1))
-                blk = y.view(m, g - c, gs).mul_(zg[:, c:]).sum(-1)  # [m, G - c]
-                a[:, c, c:] = blk
-                a[:, c + 1:, c] = blk[:, 1:]
-            a = a.to(solve_dtype)  # [m, G, G]
-            b = (hw[r0:r0 + m] * z).view(m, g, gs).sum(-1).to(solve_dtype)  # [m, G]: Z_n^T (Hd w_n)
+                y = torch.bmm(zg[:, :, c], hd[:, c * gs:(c + 1) * gs, c * gs:],
+                              out=ybuf[:c_n * m * (k - c * gs)].view(c_n, m, -1))
+                blk = y.view(c_n, m, g - c, gs).mul_(zg[:, :, c:]).sum(-1)  # [c, m, G - c]
+                a[:, :, c, c:] = blk
+                a[:, :, c + 1:, c] = blk[..., 1:]
+            a = a.to(solve_dtype)  # [c, m, G, G]
+            b = (hw[:, r0:r0 + m] * z).view(c_n, m, g, gs).sum(-1).to(solve_dtype)  # [c, m, G]: Z_n^T (Hd w_n)
 
             def err(s):  # (w - Z s)^T Hd (w - Z s) - w^T Hd w
-                return torch.einsum("mg,mgj,mj->m", s, a, s) - 2 * (s * b).sum(-1)
+                return torch.einsum("cmg,cmgj,cmj->cm", s, a, s) - 2 * (s * b).sum(-1)
 
             # a group whose codes are all 0 leaves its column of A empty: a vanishing ridge keeps A invertible
             ridge = a.diagonal(dim1=-2, dim2=-1).mean(-1).clamp(min=1e-30) * 1e-9
-            s_new = torch.linalg.solve(a + ridge[:, None, None] * eye, b).to(scale_dtype).to(solve_dtype)
-            s_old = out[i, r0:r0 + m].to(solve_dtype)
+            s_new = torch.linalg.solve(a + ridge[..., None, None] * eye, b).to(scale_dtype).to(solve_dtype)
+            s_old = out[e0:e1, r0:r0 + m].to(solve_dtype)
             ok = torch.isfinite(s_new).all(-1) & (s_new > 0).all(-1) & (err(s_new) < err(s_old))
-            out[i, r0:r0 + m] = torch.where(ok[:, None], s_new.float(), out[i, r0:r0 + m])
-            changed[i, r0:r0 + m] = ok
+            out[e0:e1, r0:r0 + m] = torch.where(ok[..., None], s_new.float(), out[e0:e1, r0:r0 + m])
+            changed[e0:e1, r0:r0 + m] = ok
     return out, changed
 
 
@@ -395,7 +403,9 @@ def _cd_native():
 
 
 def _cd_block_torch(qt, gb, step, s_t, hd, delta, i1: int, qmin: int, qmax: int) -> None:
-    """quant/_cd_native.py's cd_block in torch ops, one column of every row and expert at a time."""
+    """One block of columns i1 .. i1 + B of a coordinate-descent sweep over every row and expert, in place: qt,
+    step, s_t [E, K, N] (codes, Hd_jj s_j, scales, transposed), gb [E, B, N] the block's gradient rows (Hd E^T),
+    kept current; delta [E, B, N] out: each column's change of the dequantized weights."""
     b = gb.shape[1]
     for i in range(b):
         j = i1 + i
@@ -406,6 +416,56 @@ def _cd_block_torch(qt, gb, step, s_t, hd, delta, i1: int, qmin: int, qmax: int)
         old.copy_(new)
         if i + 1 < b:
             gb[:, i + 1:].addcmul_(hd[:, j + 1:i1 + b, j, None], d[:, None, :], value=-1)
+
+
+def _refine_blocks(w, q, scale, hd, diag, dead, sweeps: int, block_size: int, qmin: int, qmax: int) -> torch.Tensor:
+    """refine_codes' sweeps in torch ops, on the transposed layout [E, K, N] (a column of every row is a
+    contiguous row), in blocks of columns: in-block rank-1 updates, one GEMM for the rest, G = Hd E^T kept
+    current. q [E, N, K] float32 codes, scale [E, N, G] (unusable rows' 0). Returns the codes [E, N, K]."""
+    e, n, k = w.shape
+    s_t = scale.transpose(1, 2).repeat_interleave(k // scale.shape[-1], dim=1)  # [E, K, N]: each weight's scale
+    qt = q.transpose(1, 2).contiguous()  # [E, K, N]
+    et = torch.empty_like(qt).copy_(w.transpose(1, 2)).masked_fill_(dead[:, :, None], 0.0).addcmul_(qt, s_t, value=-1)
+    gt = torch.bmm(hd, et)  # [E, K, N] = Hd E^T
+    del et
+    step = diag[:, :, None] * s_t  # [E, K, N]: Hd_jj s_j, the curvature of the error in code units
+    step.masked_fill_(~(step > 0), float("inf"))  # a row without usable scales: its codes stay
+    for sweep in range(sweeps):
+        last = sweep == sweeps - 1
+        for i1 in range(0, k, block_size):
+            i2 = min(i1 + block_size, k)
+            gb = gt[:, i1:i2].clone()  # [E, B, N], kept current inside the block
+            delta = torch.empty_like(gb)  # change of the dequantized weights (the error moves by -delta)
+            _cd_block_torch(qt, gb, step, s_t, hd, delta, i1, qmin, qmax)
+            if not last:  # G of every column, for the next sweep
+                gt.baddbmm_(hd[:, :, i1:i2], delta, alpha=-1)
+            elif i2 < k:  # the last sweep: only the columns it has still to visit
+                gt[:, i2:].baddbmm_(hd[:, i2:, i1:i2], delta, alpha=-1)
+    return qt.transpose(1, 2)
+
+
+def _refine_rows(native, w, q, scale, hd, diag, dead, sweeps: int, qmin: int, qmax: int) -> bool:
+    """refine_codes' sweeps by the compiled row loop (quant/_cd_native.py cd_rows) on q [E, N, K] float32 (in
+    place), the rows split over the native threads. False when the kernel failed."""
+    e, n, k = q.shape
+    gs = k // scale.shape[-1]
+    err = _row_errors(w, q, scale, dead)
+    g = torch.bmm(err, hd.transpose(1, 2))  # [E, N, K]: row n holds Hd e_n
+    del err
+    ex = torch.arange(e).repeat_interleave(n)
+    hdt = hd.transpose(1, 2).contiguous()  # hdt[e, j] = column j of Hd, contiguous
+    if not run_rows(native.cd_rows, q.view(e * n, k).numpy(),
+                    (ex.numpy(), g.view(e * n, k).numpy(), scale.reshape(e * n, -1).contiguous().numpy(),
+                     diag.contiguous().numpy(), hdt.numpy(), gs, int(sweeps), float(qmin), float(qmax)), (),
+                    per_row=(0, 1, 2), min_rows=16):
+        return False  # numba could not compile the kernel: nothing ran
+    return True
+
+
+def _row_errors(w, q, scale, dead) -> torch.Tensor:
+    """w - q s [E, N, K] (float32), the never-seen inputs' weights taken as 0."""
+    s = scale.repeat_interleave(w.shape[-1] // scale.shape[-1], dim=-1)
+    return torch.empty_like(q).copy_(w).masked_fill_(dead[:, None, :], 0.0).addcmul_(q, s, value=-1)
 
 
 def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch.Tensor,
@@ -422,9 +482,10 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     columns still ahead of it). Inputs never seen (H_jj == 0) are treated as GPTQ treats them: diagonal 1,
     weight 0; a row with a scale that is not positive and finite keeps its codes. Returns (codes [E, N, K]
     int8, with `with_error` the Hessian-weighted error [E] after the sweeps in float64, else None). Work per
-    sweep: about N x K^2 multiply-adds, like GPTQ's sweep."""
+    sweep: about N x K^2 multiply-adds, like GPTQ's sweep, in the column-blocked torch form; the compiled form
+    (quant/_cd_native.py cd_rows) runs each row's sweeps on its own and pays K multiply-adds per code that
+    moves, plus one GEMM for the rows' starting gradients."""
     e, n, k = w.shape
-    gs = k // scale.shape[-1]
     qmin, qmax = qrange(num_bits)
     damp = torch.as_tensor(damp, dtype=torch.float32, device=w.device).expand(e)
     dead = torch.diagonal(h, dim1=-2, dim2=-1) == 0
@@ -433,37 +494,13 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     diag.masked_fill_(dead, 1.0)
     diag.add_((damp * diag.mean(-1))[:, None])
     usable = ((scale > 0) & scale.isfinite()).all(-1)  # [E, N]: rows whose every scale can be refined against
-    s_t = scale.float().masked_fill(~usable[..., None], 0.0)
-    s_t = s_t.transpose(1, 2).repeat_interleave(gs, dim=1)  # [E, K, N]: each weight's scale
-    qt = q.transpose(1, 2).contiguous().float()  # [E, K, N]
-
-    def error_t():  # [E, K, N]: w - q s, transposed, never-seen inputs' weights 0
-        return torch.empty_like(qt).copy_(w.transpose(1, 2)).masked_fill_(dead[:, :, None], 0.0).addcmul_(
-            qt, s_t, value=-1)
-
-    gt = torch.bmm(hd, error_t())  # [E, K, N] = Hd E^T, kept current
-    step = diag[:, :, None] * s_t  # [E, K, N]: Hd_jj s_j, the curvature of the error in code units
-    step.masked_fill_(~(step > 0), float("inf"))  # a row without usable scales: its codes stay
-    native = _cd_native() if qt.device.type == "cpu" else None
-    for sweep in range(sweeps):
-        last = sweep == sweeps - 1
-        for i1 in range(0, k, block_size):
-            i2 = min(i1 + block_size, k)
-            gb = gt[:, i1:i2].clone()  # [E, B, N], kept current inside the block
-            delta = torch.empty_like(gb)  # change of the dequantized weights (the error moves by -delta)
-            # the same column steps as one compiled loop (quant/_cd_native.py), the experts split over the
-            # native threads (each expert's steps are its own)
-            if native is None or not run_rows(native.cd_block, qt.numpy(),
-                                              (*(t.numpy() for t in (gb, step, s_t, hd, delta)), i1, float(qmin),
-                                               float(qmax)), (), per_row=(0, 1, 2, 3, 4), min_rows=1):
-                native = None
-                _cd_block_torch(qt, gb, step, s_t, hd, delta, i1, qmin, qmax)
-            if not last:  # G of every column, for the next sweep
-                gt.baddbmm_(hd[:, :, i1:i2], delta, alpha=-1)
-            elif i2 < k:  # the last sweep: only the columns it has still to visit
-                gt[:, i2:].baddbmm_(hd[:, i2:, i1:i2], delta, alpha=-1)
+    sc = scale.float().masked_fill(~usable[..., None], 0.0)  # [E, N, G]
+    codes = q.float()  # [E, N, K]
+    native = _cd_native() if w.device.type == "cpu" else None
+    if native is None or not _refine_rows(native, w, codes, sc, hd, diag, dead, sweeps, qmin, qmax):
+        codes = _refine_blocks(w, codes, sc, hd, diag, dead, sweeps, block_size, qmin, qmax)
     err = None
     if with_error:
-        et = error_t()
-        err = (et * torch.bmm(hd, et)).flatten(1).sum(-1, dtype=torch.float64)
-    return qt.transpose(1, 2).to(torch.int8).contiguous(), err
+        et = _row_errors(w, codes, sc, dead)
+        err = (et * torch.bmm(et, hd.transpose(1, 2))).flatten(1).sum(-1, dtype=torch.float64)
+    return codes.to(torch.int8), err

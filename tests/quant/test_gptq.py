@@ -195,8 +195,8 @@ def _hessian(k, n, seed):
 def test_refit_scales_solve_each_rows_least_squares(group, monkeypatch):
     """Each row's refitted scales are the least-squares ones for its fixed codes under the damped Hessian
     (computed here per row from an explicit [K, G] code matrix and a Cholesky factor), rounded to bf16; a
-    row keeps its scales where the rounded new ones are not better; no row's error grows; the chunking of
-    rows changes nothing."""
+    row keeps its scales where the rounded new ones are not better; no row's error grows; the chunking (both
+    matrices at once, one at a time, one row at a time) changes nothing."""
     from quantkit.quant import gptq as gq
 
     k, n = 128, 24
@@ -204,9 +204,10 @@ def test_refit_scales_solve_each_rows_least_squares(group, monkeypatch):
     w = torch.randn(2, n, k, generator=torch.Generator().manual_seed(3)) * 0.05
     r = gptq(w, h, 4, group, True, damp=0.01)
     scale, changed = gq.refit_scales(w, r.q, r.qparams.scale, h, r.damping)
-    monkeypatch.setattr(gq, "REFIT_CHUNK_BYTES", 1)  # one row at a time
-    scale1, changed1 = gq.refit_scales(w, r.q, r.qparams.scale, h, r.damping)
-    assert torch.equal(scale, scale1) and torch.equal(changed, changed1)
+    for chunk in (1, (k + 3 * (k // group) ** 2) * 4 * n):  # one row at a time; one whole matrix at a time
+        monkeypatch.setattr(gq, "REFIT_CHUNK_BYTES", chunk)
+        scale1, changed1 = gq.refit_scales(w, r.q, r.qparams.scale, h, r.damping)
+        assert torch.equal(scale, scale1) and torch.equal(changed, changed1)
     assert changed.any() and torch.equal(r.q, r.q)  # codes untouched (refit returns scales only)
     assert torch.equal(scale, scale.bfloat16().float())
     g = k // group
@@ -318,8 +319,8 @@ def test_refine_codes_blocking_changes_nothing(cd_path):
 
 
 def test_refine_codes_threads_change_nothing(monkeypatch):
-    """The compiled loop splits the experts over the native threads: the codes are those of one thread, and a
-    kernel that fails (no compiler) hands the block to the torch ops with a warning."""
+    """The compiled loop splits the rows over the native threads: the codes are those of one thread, and a
+    kernel that fails (no compiler) hands the sweeps to the torch ops with a warning."""
     from quantkit.quant import gptq as gq
     from quantkit.quant import int4
 
@@ -338,7 +339,7 @@ def test_refine_codes_threads_change_nothing(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(gq._cd_native(), "cd_block", broken)
+    monkeypatch.setattr(gq._cd_native(), "cd_rows", broken)
     monkeypatch.setattr(int4, "_NATIVE", int4._native_module())
     with pytest.warns(UserWarning, match="kernel unavailable"):
         q = gq.refine_codes(w, r.q, r.qparams.scale, h, r.damping, sweeps=2, block_size=16)[0]
