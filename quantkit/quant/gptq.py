@@ -503,4 +503,4 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     if with_error:
         et = _row_errors(w, codes, sc, dead)
         err = (et * torch.bmm(et, hd.transpose(1, 2))).flatten(1).sum(-1, dtype=torch.float64)
-    return codes.to(torch.int8), err
+    return codes.to(torch.int8).contiguous(), err
