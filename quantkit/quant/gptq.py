@@ -481,11 +481,11 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     the torch path (GPUs, QUANTKIT_NATIVE=0) works on the transposed layout [E, K, N] with G = Hd E^T kept
     current (blocks of `block_size` columns: in-block rank-1 updates, one GEMM for the rest; the last sweep
     updates only the columns still ahead of it). Inputs never seen (H_jj == 0) are treated as GPTQ treats
-    them: diagonal 1, weight 0; a row with a scale that is not positive and finite keeps its codes. Returns (codes [E, N, K]
-    int8, with `with_error` the Hessian-weighted error [E] after the sweeps in float64, else None). Work per
-    sweep: about N x K^2 multiply-adds in the torch form, like GPTQ's sweep; in the compiled form K
-    multiply-adds per code that moves (after GPTQ a few percent per sweep), plus in both one GEMM for the
-    starting gradients."""
+    them: diagonal 1, weight 0; a row with a scale that is not positive and finite keeps its codes. Returns
+    (codes [E, N, K] int8, with `with_error` the Hessian-weighted error [E] after the sweeps in float64,
+    else None). Work per sweep: about N x K^2 multiply-adds in the torch form, like GPTQ's sweep; in the
+    compiled form K multiply-adds per code that moves (after GPTQ a few percent per sweep), plus in both one
+    GEMM for the starting gradients."""
     e, n, k = w.shape
     qmin, qmax = qrange(num_bits)
     damp = torch.as_tensor(damp, dtype=torch.float32, device=w.device).expand(e)
