@@ -41,9 +41,9 @@ DatasetOpt = Annotated[Optional[str], typer.Option(
     help="Calibration data: .jsonl/.json/.txt/.parquet, a save_to_disk folder or a hub dataset id (default: the "
          "recipe's, then the shipped set).")]
 NumSamplesOpt = Annotated[Optional[int], typer.Option(
-    min=1, help=f"Calibration samples (default: the recipe's, then {options.NUM_SAMPLES}).")]
+    min=1, max=options.MAX_NUM_SAMPLES, help=f"Calibration samples (default: the recipe's, then {options.NUM_SAMPLES}).")]
 SeqLenOpt = Annotated[Optional[int], typer.Option(
-    min=1, help=f"Tokens per calibration sample (default: the recipe's, then {options.SEQ_LEN}).")]
+    min=1, max=options.MAX_SEQ_LEN, help=f"Tokens per calibration sample (default: the recipe's, then {options.SEQ_LEN}).")]
 DeviceOpt = Annotated[str, typer.Option(
     help=f"Where calibration computes: {options.DEVICE_CHOICES} (auto: the first GPU torch sees, else the CPU; "
          "on a GPU the layer runs in bfloat16 and its peak memory is checked before any work).")]
@@ -177,13 +177,14 @@ def inspect(
     from rich.table import Table
 
     q = rep["quantization"]
-    err.print(f"{rep['path']}: {rep['model_type']}, {rep['shards']} shard(s), {rep['tensors']} tensors, "
+    shown = lambda v: escape(str(v)[:80])  # noqa: E731  config and manifest strings are the checkpoint's, not markup
+    err.print(f"{shown(rep['path'])}: {shown(rep['model_type'])}, {rep['shards']} shard(s), {rep['tensors']} tensors, "
               f"{rep['total_bytes'] / 1e6:.2f} MB; quantization: "
-              f"{(q['quant_method'] + ' / ' + str(q['format'])) if q else 'none'}"
-              + (f"; manifest: {rep['manifest_status']}" if rep["manifest_status"] else ""))
+              f"{(shown(q['quant_method']) + ' / ' + shown(q['format'])) if q else 'none'}"
+              + (f"; manifest: {shown(rep['manifest_status'])}" if rep["manifest_status"] else ""), soft_wrap=True)
     t = Table("scheme", "modules", "tensors", "bytes", "share")
     for label, s in rep["schemes"].items():
-        t.add_row(label, str(s["modules"] or ""), str(s["tensors"]), f"{s['bytes']:,}",
+        t.add_row(escape(label), str(s["modules"] or ""), str(s["tensors"]), f"{s['bytes']:,}",
                   f"{100 * s['bytes'] / max(rep['total_bytes'], 1):.1f}%")
     Console().print(t)
 
@@ -268,8 +269,8 @@ def verify(
     reference: Annotated[Optional[str], typer.Option(help="The source checkpoint (directory or hub id), for the "
                                                           "numeric checks.")] = None,
     dataset: Annotated[Optional[str], typer.Option(help="Token data for the model-level metrics.")] = None,
-    num_samples: Annotated[int, typer.Option(min=1, help="Samples for the model-level metrics.")] = options.VERIFY_NUM_SAMPLES,
-    seq_len: Annotated[int, typer.Option(min=2, help="Tokens per sample.")] = options.VERIFY_SEQ_LEN,
+    num_samples: Annotated[int, typer.Option(min=1, max=options.MAX_NUM_SAMPLES, help="Samples for the model-level metrics.")] = options.VERIFY_NUM_SAMPLES,
+    seq_len: Annotated[int, typer.Option(min=2, max=options.MAX_SEQ_LEN, help="Tokens per sample.")] = options.VERIFY_SEQ_LEN,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = options.VERIFY_DEVICE,
     kernels: Annotated[str, typer.Option(help="torch, or triton to also check the runtime's INT4 GEMM.")] = options.VERIFY_KERNELS,
     engine: Annotated[Optional[str], typer.Option(help="vllm: also check the rules vLLM applies when it loads "

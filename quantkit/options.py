@@ -22,6 +22,8 @@ INT4_GROUP_SIZE = 32
 # calibration data (GPTQ/AWQ and KV scales): a recipe's `calibration` section overrides these
 NUM_SAMPLES = 128
 SEQ_LEN = 512
+MAX_NUM_SAMPLES = 1 << 20  # bounds on what a recipe or option may ask for (real runs use hundreds to thousands)
+MAX_SEQ_LEN = 1 << 20
 KV_STRATEGY = "tensor"
 # where calibration computes (`calibrate`, the calibrated pass of `convert`): "auto" is the first CUDA device
 # torch sees, else the CPU (calib/device.py resolves it; on the CPU nothing changes: float32, host memory)

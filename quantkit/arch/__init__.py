@@ -134,7 +134,8 @@ MAX_HEADS = 1 << 12
 
 def text_config(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
     """(the text model's config, its tensor-name prefix): the config itself and "" unless it is a wrapper."""
-    w = WRAPPERS.get(config.get("model_type")) if isinstance(config, Mapping) else None
+    mt = config.get("model_type") if isinstance(config, Mapping) else None
+    w = WRAPPERS.get(mt) if isinstance(mt, str) else None
     if w is None:
         return config, ""
     inner = config.get(w.text_key)
@@ -246,11 +247,13 @@ def _get(cfg: Mapping, key: str, default: Any = ...) -> Any:
     v = cfg.get(key, default)
     if v is ... or (v is None and default is ...):
         raise ConfigError(f"config.json has no {key!r}", hint="pass the model's own config.json (as on the hub)")
-    return v
+    return default if v is None else v  # null stands for the default, as transformers' configs read it
 
 
 def _int(cfg: Mapping, key: str, default: Any = ..., upper: int | None = None) -> int:
     v = _get(cfg, key, default)
+    if v is None and default is None:
+        return None
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         raise ConfigError(f"config.json {key!r} must be a non-negative integer, got {str(v)[:40]}")
     if upper is not None and v > upper:
@@ -258,6 +261,17 @@ def _int(cfg: Mapping, key: str, default: Any = ..., upper: int | None = None) -
                         hint="the config.json is corrupt or does not belong to these shards")
         e.field, e.value = key, v
         raise e
+    return v
+
+
+def _int_list(cfg: Mapping, key: str, upper: int) -> list[int]:
+    """A list of layer indices (e.g. qwen3_moe's mlp_only_layers); null or absent is empty."""
+    v = cfg.get(key)
+    if v is None:
+        return []
+    if not isinstance(v, list) or any(not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < upper
+                                       for x in v):
+        raise ConfigError(f"config.json {key!r} must list layer indices below {upper}, got {str(v)[:40]}")
     return v
 
 
@@ -281,12 +295,12 @@ def _indexer_types(cfg: Mapping, n: int) -> list[str]:
     t = cfg.get("indexer_types")
     if t is None and cfg.get("index_topk_pattern") is not None:
         p = cfg["index_topk_pattern"]
-        t = [{"F": "full", "S": "shared"}.get(c) for c in p] if isinstance(p, str) else list(p)
+        t = [{"F": "full", "S": "shared"}.get(c) for c in p] if isinstance(p, str) else p
     if t is None:
-        freq = max(int(cfg.get("index_topk_freq", 1)), 1)
-        off = int(cfg.get("index_skip_topk_offset", 2))
+        freq = max(_int(cfg, "index_topk_freq", 1), 1)
+        off = _int(cfg, "index_skip_topk_offset", 2)
         t = ["full" if max(i - off + 1, 0) % freq == 0 else "shared" for i in range(n)]
-    if not isinstance(t, list) or len(t) < n or any(x not in ("full", "shared") for x in t):
+    if not isinstance(t, list) or len(t) < n or any(not isinstance(x, str) or x not in ("full", "shared") for x in t):
         raise ConfigError(f"config.json indexer_types must list 'full'/'shared' for all {n} layers")
     return list(t)
 
@@ -296,10 +310,14 @@ def parse_config(config: Mapping[str, Any]) -> ModelSpec:
     (the error's `field` names the key)."""
     if not isinstance(config, Mapping):
         raise ConfigError("config.json must be a JSON object")
-    model_type = str(config.get("model_type", ""))
+    model_type = config.get("model_type") or ""
+    if not isinstance(model_type, str):
+        raise ConfigError(f"config.json 'model_type' must be a string, got {str(model_type)[:40]}")
     cfg, prefix = text_config(config)
     arch = family(config)
     quant = config.get("quantization_config") or cfg.get("quantization_config")
+    if quant is not None and not isinstance(quant, Mapping):
+        raise ConfigError("config.json quantization_config must be an object")
 
     D, L = _int(cfg, "hidden_size", upper=MAX_HIDDEN), _int(cfg, "num_hidden_layers", upper=MAX_LAYERS)
     V, H = _int(cfg, "vocab_size", upper=MAX_VOCAB), _int(cfg, "num_attention_heads", upper=MAX_HEADS)
@@ -328,7 +346,7 @@ def parse_config(config: Mapping[str, Any]) -> ModelSpec:
                 raise ConfigError(f"config.json mlp_layer_types must list 'dense'/'sparse' for all {L} layers")
             moe = tuple(t == "sparse" for t in types[:L]) + (True,) * mtp  # the MTP layer is an MoE layer
         else:
-            freq = max(int(cfg.get("moe_layer_freq", 1) or 1), 1)
+            freq = max(_int(cfg, "moe_layer_freq", 1) or 1, 1)
             moe = tuple(i >= first_dense and i % freq == 0 for i in range(n_all))
         moe_common = dict(moe=moe, intermediate_size=_int(cfg, "intermediate_size"),
                           moe_intermediate_size=_int(cfg, "moe_intermediate_size"), num_experts=E,
@@ -344,7 +362,7 @@ def parse_config(config: Mapping[str, Any]) -> ModelSpec:
             return ModelSpec(**common, **moe_common, attention="gqa", num_kv_heads=kv_heads, head_dim=head_dim,
                              qkv_bias=bias, qk_norm=bool(cfg.get("use_qk_norm", False)))
         nope, rope = _int(cfg, "qk_nope_head_dim"), _int(cfg, "qk_rope_head_dim")
-        mla = dict(attention="mla", num_kv_heads=1, head_dim=nope + rope, q_lora_rank=cfg.get("q_lora_rank"),
+        mla = dict(attention="mla", num_kv_heads=1, head_dim=nope + rope, q_lora_rank=_int(cfg, "q_lora_rank", None, upper=MAX_HIDDEN) or None,
                    kv_lora_rank=_int(cfg, "kv_lora_rank"), qk_rope_head_dim=rope, qk_nope_head_dim=nope,
                    v_head_dim=_int(cfg, "v_head_dim"), qkv_bias=bias, o_bias=bias)
         if arch == "glm_moe_dsa":
@@ -361,7 +379,7 @@ def parse_config(config: Mapping[str, Any]) -> ModelSpec:
     if arch == "qwen3_moe":
         E = _int(cfg, "num_experts" if cfg.get("num_experts") is not None else "num_local_experts", upper=MAX_EXPERTS)
         step = max(_int(cfg, "decoder_sparse_step", 1), 1)
-        only = set(cfg.get("mlp_only_layers") or [])
+        only = set(_int_list(cfg, "mlp_only_layers", MAX_LAYERS))
         moe = tuple(i not in only and E > 0 and (i + 1) % step == 0 for i in range(L))
         bias = bool(cfg.get("attention_bias", False))
         return ModelSpec(**common, **gqa, moe=moe, intermediate_size=_int(cfg, "intermediate_size"),
@@ -490,7 +508,11 @@ def validate(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
     """Hold a checkpoint's config.json against its tensors before anything is built from it: parse it and
     `check_tensors` (ConfigMismatch names the field and the tensor). A value beyond the sanity bounds is
     reported against the tensors too when they show the real one. A model type the registry does not know
-    is not checked (None): model-free conversions stream any architecture."""
+    is not checked (None): model-free conversions stream any architecture (a model_type that is not a string
+    is refused: the output's config.json would carry it to every loader)."""
+    mt = config.get("model_type") if isinstance(config, Mapping) else None
+    if mt is not None and not isinstance(mt, str):
+        raise ConfigError(f"config.json 'model_type' must be a string, got {str(mt)[:40]}")
     try:
         family(config)
     except ConfigError:

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .. import options
 from ..write.writer import sha256_file
 from ..errors import DatasetError, DatasetNotFound
 
@@ -342,9 +343,11 @@ def load_calibration_data(dataset: str | os.PathLike | None = None, *, tokenizer
     fallback (then `vocab_size` is required and a CalibrationWarning says so). `pool_samples`: that many
     further full-length samples of the same data (none of the calibration samples) appended as the top-up
     pool (GPTQOptions.balance_tokens), fewer with a warning when the data holds fewer."""
-    if num_samples <= 0 or seq_len <= 0:
-        raise DatasetError(f"num_samples and seq_len must be positive (got {num_samples}, {seq_len})",
-                           hint="pass --num-samples N and --seq-len L greater than 0")
+    if (not all(isinstance(v, int) and not isinstance(v, bool) for v in (num_samples, seq_len))
+            or not (0 < num_samples <= options.MAX_NUM_SAMPLES and 0 < seq_len <= options.MAX_SEQ_LEN)):
+        raise DatasetError(f"num_samples and seq_len must be positive integers (got {str(num_samples)[:20]}, "
+                           f"{str(seq_len)[:20]})", hint=f"pass --num-samples N (at most {options.MAX_NUM_SAMPLES}) "
+                           f"and --seq-len L (at most {options.MAX_SEQ_LEN}) greater than 0")
     src = read_rows(dataset)
     rows = src.rows
     if not rows:

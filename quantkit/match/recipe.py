@@ -101,6 +101,10 @@ class Scheme:
     scale_search: str | None = None
 
     def __post_init__(self):
+        if not isinstance(self.symmetric, bool):
+            raise RecipeError(f"scheme.symmetric must be true or false, got {str(self.symmetric)[:40]}")
+        if not isinstance(self.num_bits, int) or isinstance(self.num_bits, bool):
+            raise RecipeError(f"scheme.num_bits must be 4 or 8, got {str(self.num_bits)[:40]}")
         if self.type not in ("int", "float"):
             raise RecipeError(f"scheme.type must be 'int' or 'float', got {self.type!r}")
         if self.strategy not in STRATEGIES:
@@ -443,8 +447,12 @@ class CalibrationSpec:
     seq_len: int = options.SEQ_LEN
 
     def __post_init__(self):
-        if self.num_samples <= 0 or self.seq_len <= 0:
-            raise RecipeError("calibration.num_samples and seq_len must be positive")
+        for key, top in (("num_samples", options.MAX_NUM_SAMPLES), ("seq_len", options.MAX_SEQ_LEN)):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= top:
+                raise RecipeError(f"calibration.{key} must be an integer from 1 to {top}, got {str(v)[:40]}")
+        if self.dataset is not None and not isinstance(self.dataset, str):
+            raise RecipeError(f"calibration.dataset must be a path or a hub dataset id, got {str(self.dataset)[:40]}")
 
 
 @dataclass(frozen=True)
@@ -579,7 +587,7 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
     _check_keys("recipe", d, {"name", "description", "groups", "ignore", "kv_cache", "calibration", "version"})
     groups = []
     raw_groups = d.get("groups") or {}
-    _check_keys("groups", raw_groups, set(raw_groups))
+    _check_keys("groups", raw_groups, set(raw_groups) if isinstance(raw_groups, dict) else set())
     scheme_keys = {f.name for f in fields(Scheme)}
     for gname, g in raw_groups.items():
         _check_keys(f"groups.{gname}", g, {"targets", "scheme", "method", "options"})
@@ -591,6 +599,9 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
         sd = g.get("scheme") or {}
         _check_keys(f"groups.{gname}.scheme", sd, scheme_keys)
         if "block_structure" in sd and sd["block_structure"] is not None:
+            if not isinstance(sd["block_structure"], list):
+                raise RecipeError(f"groups.{gname}.block_structure must be two positive ints, got "
+                                  f"{str(sd['block_structure'])[:40]}")
             sd = {**sd, "block_structure": tuple(sd["block_structure"])}
         try:
             scheme = Scheme(**sd)

@@ -39,6 +39,23 @@ class Group:
     input_activations: dict | None
 
 
+def group_problem(name: Any, g: Any) -> str | None:
+    """What makes one `config_groups` entry unreadable (hostile input), or None: it must be an object whose
+    `targets` is a list of strings, whose `weights` and `input_activations` are objects or absent, and whose
+    `format` is a string or absent."""
+    where = f"quantization_config.config_groups.{str(name)[:40]}"
+    if not isinstance(g, Mapping):
+        return f"{where} must be an object"
+    targets = g.get("targets") or []
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        return f"{where}: targets must be a list of strings"
+    if any(g.get(k) is not None and not isinstance(g.get(k), Mapping) for k in ("weights", "input_activations")):
+        return f"{where}: weights and input_activations must be objects"
+    if g.get("format") is not None and not isinstance(g.get("format"), str):
+        return f"{where}: format must be a string"
+    return None
+
+
 def config_groups(qc: Mapping | None, error: type[QuantkitError] = ConfigError, *,
                   lenient: bool = False) -> list[Group]:
     """The config groups of a `quantization_config` (hostile input), in the config's order: each an object
@@ -53,23 +70,12 @@ def config_groups(qc: Mapping | None, error: type[QuantkitError] = ConfigError, 
         raise error("quantization_config.config_groups must be an object")
     top, out = qc.get("format"), []
     for name, g in raw.items():
-        where = f"quantization_config.config_groups.{str(name)[:40]}"
-        problem = None
-        if not isinstance(g, Mapping):
-            problem = f"{where} must be an object"
-        else:
-            targets = g.get("targets") or []
-            if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-                problem = f"{where}: targets must be a list of strings"
-            elif any(g.get(k) is not None and not isinstance(g.get(k), Mapping)
-                     for k in ("weights", "input_activations")):
-                problem = f"{where}: weights and input_activations must be objects"
-            elif g.get("format") is not None and not isinstance(g.get("format"), str):
-                problem = f"{where}: format must be a string"
+        problem = group_problem(name, g)
         if problem is not None:
             if lenient:
                 continue
             raise error(problem)
+        targets = g.get("targets") or []
         fmt = g.get("format") or top
         out.append(Group(str(name), fmt if isinstance(fmt, str) else None, tuple(targets),
                          dict(g["weights"]) if g.get("weights") else None,

@@ -27,6 +27,7 @@ from .. import options
 from ..arch import SUPPORTED_MODEL_TYPES, ModelSpec, parse_config, validate
 from ..errors import ConfigError
 from ..match.recipe import Recipe, load_recipe
+from ..read.sources import detect_format
 from .calibration import THROUGHPUT, CalibrationCost, Throughput, calibration_cost
 from .kv import KV_DTYPES, KVLayout, kv_layout
 from .render import render
@@ -153,6 +154,8 @@ def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *,
     # a checkpoint's config.json is held against its tensors (arch.validate) before anything is computed
     spec = (validate(src.config, {n: sh for n, (sh, _) in headers.items()}) if headers else None) \
         or parse_config(src.config)
+    if spec.quantization and spec.quantization.get("quant_method") in ("fp8", "compressed-tensors"):
+        detect_format({"quantization_config": dict(spec.quantization)})  # what the sizing reads, checked first
     rec = load_recipe(recipe) if isinstance(recipe, (str, Path)) else recipe
     kv_sel = _kv_dtype(kv_dtype, rec, "mla" if spec.attention == "mla" else "gqa")
     assumptions: list[str] = []

@@ -26,7 +26,7 @@ from ..pack.targets import matches as _target_matches
 from ..pack import checks
 from ..pack import kv as kvrules
 from ..pack import fp4 as fp4pack
-from ..pack.config import targeting, weights_label
+from ..pack.config import group_problem, targeting, weights_label
 from ..pack.names import FLOAT_FORMATS, PACKED_FORMATS, Format, Tensor
 from ..pack.int4 import dequantize_module
 from ..pack.layout import FP4_SUFFIXES, INPUT_SCALE, INT4_SUFFIXES
@@ -114,16 +114,20 @@ def _config_groups(qc: dict | None, problems: Listing, judge: "Judge",
         problems.add("quantization_config.config_groups is missing or empty")
         raw = {}
     for gname, g in raw.items():
-        where = f"quantization_config.config_groups.{gname}"
-        if not isinstance(g, dict) or not isinstance(g.get("targets"), list) or not isinstance(g.get("weights"), dict):
-            problems.add(f"{where} must hold `targets` (a list) and `weights` (an object)")
+        where = f"quantization_config.config_groups.{str(gname)[:40]}"
+        problem = group_problem(gname, g)
+        if problem is None and (not isinstance(g.get("targets"), list) or not isinstance(g.get("weights"), dict)):
+            problem = f"{where} must hold `targets` (a list) and `weights` (an object)"
+        if problem is not None:
+            problems.add(problem)
             continue
         w = g["weights"]
         ok = True
         fmt = g.get("format", top_format) if top_format == "mixed-precision" else top_format
+        fmt = fmt if isinstance(fmt, str) else str(fmt)[:40]  # a non-string format was reported above
         kind = PACKED_FORMATS.get(fmt) or ("fp8" if fmt in FLOAT_FORMATS else None)
-        targets = tuple(t for t in g["targets"] if isinstance(t, str))
-        acts = g.get("input_activations") if isinstance(g.get("input_activations"), dict) else None
+        targets = tuple(g["targets"])
+        acts = g.get("input_activations")
         if kind is None:
             # another format (e.g. dense, int-quantized): nothing here to check, but it still takes part in
             # the precedence, and a quantized module it targets is reported
@@ -133,10 +137,11 @@ def _config_groups(qc: dict | None, problems: Listing, judge: "Judge",
         if problem:
             problems.add(f"{where}.weights: {problem} (format {fmt})")
             ok = False
-        err = judge.args_error(w)
-        if err:
-            problems.add(f"{where}.weights: compressed-tensors rejects it: {err}")
-            ok = False
+        for key, args in (("weights", w), ("input_activations", acts)):
+            err = judge.args_error(args) if args else None
+            if err:
+                problems.add(f"{where}.{key}: compressed-tensors rejects it: {err}")
+                ok = False
         groups.append(_Group(gname, targets, w, ok, kind, str(fmt), acts))
     return groups, ignore
 
