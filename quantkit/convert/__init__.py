@@ -49,6 +49,7 @@ from ..read.sources import SourceFormat, detect_format, scan, validate as valida
 from ..read.tensors import TensorReader
 from ..write.output import output_lock, prepare_output
 from ..write.writer import copy_file_atomic, wait_durable, write_json_atomic
+from .journal import trusted as trusted_records
 from .calibrated import calibrated_pass, calibration_data, kv_scales, write_kv_scales
 from .run import BatchBuffer, ShardResult, Spool, run_shard, worker
 from ..pack.names import Tensor
@@ -335,6 +336,8 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
         def prepare():  # rank 0 holds OUT's lock for the whole job; the other ranks write into it under it
             held.enter_context(output_lock(out))
             found = prepare_output(out, identity, overwrite=opts.overwrite, resume=opts.resume)
+            found = trusted_records(found, job.plans, {p.source: src.shard(p.source).size for p in job.plans}, out,
+                                    src.info, log)
             write_json_atomic(out / MANIFEST_NAME, {"status": "in_progress", "identity": identity}, durable=False)
             return found
 

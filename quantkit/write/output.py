@@ -8,6 +8,7 @@ import contextlib
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from ..errors import OutputBusy, OutputExists, QuantkitError, ResumeMismatch
 from ..pack.manifest import JOURNAL_DIR, MANIFEST_NAME
@@ -26,10 +27,17 @@ def _only_own_debris(out: Path) -> bool:
     return True
 
 
-def _finished(out: Path, o: dict) -> bool:
-    """A journaled output shard is still the one the journal describes (size, then sha256)."""
-    p = out / o["name"]
-    return p.is_file() and p.stat().st_size == o["size"] and sha256_file(p) == o["sha256"]
+def _finished(out: Path, o: Any) -> bool:
+    """A journaled output shard (hostile: the journal is whatever OUT holds) names a plain file in OUT that is
+    still the one the journal describes (size, then sha256)."""
+    if not isinstance(o, dict):
+        return False
+    name, size, digest = o.get("name"), o.get("size"), o.get("sha256")
+    if (not isinstance(name, str) or not name.endswith(".safetensors") or Path(name).name != name
+            or name.startswith(".") or "\0" in name or type(size) is not int or not isinstance(digest, str)):
+        return False
+    p = out / name
+    return p.is_file() and not p.is_symlink() and p.stat().st_size == size and sha256_file(p) == digest
 
 
 @contextlib.contextmanager
@@ -91,8 +99,11 @@ def prepare_output(out: Path, identity: dict, *, overwrite: bool, resume: bool) 
                     rec = read_json_file(p, p.name, ResumeMismatch)
                 except QuantkitError:
                     continue  # a torn journal entry: redo that shard
-                outs = rec.get("outputs") or []
-                if outs and all(_finished(out, o) for o in outs):
+                # a record is kept only if its output shards are still on disk as it says; convert then
+                # holds every field against its plan of that shard (convert/journal.py) before trusting it
+                outs = rec.get("outputs") if isinstance(rec, dict) else None
+                if (isinstance(outs, list) and outs and p.name == f"{rec.get('source')}.json"
+                        and all(_finished(out, o) for o in outs)):
                     done[rec["source"]] = rec
             return done
         elif not (resume and _only_own_debris(out)):

@@ -282,3 +282,63 @@ def test_two_clean_runs_and_workers_are_byte_identical(cli, src18, reference, tm
     r = cli.convert(src18, tmp_path / "b", "--workers", "2")
     assert r.rc == 0, r.stderr
     assert tree(tmp_path / "b") == tree(ref_out)
+
+
+# ---- hostile journal records ------------------------------------------------------------------------
+SHARD = "model-00004-of-00018.safetensors"  # quantized experts only
+
+
+def _first_tensor(rec):
+    return sorted(rec["tensors"])[0]
+
+
+# name: (edit of SHARD's journal record, caught when held against the plan: a note says so)
+JOURNAL_EDITS = {
+    "source_missing": (lambda r: r.pop("source"), False),
+    "source_list": (lambda r: r.update(source=[SHARD]), False),
+    "source_unknown": (lambda r: r.update(source="nope.safetensors"), False),
+    "source_another_shard": (lambda r: r.update(source="model-00005-of-00018.safetensors"), False),
+    "outputs_string": (lambda r: r.update(outputs="x"), False),
+    "outputs_numbers": (lambda r: r.update(outputs=[1, 2]), False),
+    "outputs_empty": (lambda r: r.update(outputs=[]), False),
+    "outputs_escape": (lambda r: r["outputs"][0].update(name="../" + SHARD), False),
+    "outputs_size_string": (lambda r: r["outputs"][0].update(size=str(r["outputs"][0]["size"])), False),
+    "tensors_null": (lambda r: r.update(tensors=None), True),
+    "tensors_string": (lambda r: r.update(tensors="x"), True),
+    "tensors_number": (lambda r: r.update(tensors=5), True),
+    "tensors_list": (lambda r: r.update(tensors=[]), True),
+    "tensors_missing": (lambda r: r.pop("tensors"), True),
+    "tensors_empty": (lambda r: r.update(tensors={}), True),  # once finished "complete" without them
+    "tensor_dropped": (lambda r: r["tensors"].pop(_first_tensor(r)), True),
+    "tensor_added": (lambda r: r["tensors"].update({"model.extra.weight": {"shape": [1], "dtype": "bfloat16",
+                                                                           "shard": SHARD}}), True),
+    "tensor_shape": (lambda r: r["tensors"][_first_tensor(r)].update(shape=[1, 2, 3]), True),
+    "tensor_shard": (lambda r: r["tensors"][_first_tensor(r)].update(shard="model-00003-of-00018.safetensors"), True),
+    "tensor_entry_string": (lambda r: r["tensors"].update({_first_tensor(r): "x"}), True),
+    "scheme_undefined": (lambda r: r.update(schemes={}), True),
+    "schemes_string": (lambda r: r.update(schemes="x"), True),
+    "schemes_number": (lambda r: r.update(schemes=5), True),
+    "notes_number": (lambda r: r.update(notes=5), True),
+    "source_size": (lambda r: r.update(source_size=r["source_size"] + 1), True),
+    "bytes_read_string": (lambda r: r.update(bytes_read="x"), True),
+}
+
+
+@pytest.mark.parametrize("case", list(JOURNAL_EDITS))
+def test_resume_holds_each_journal_record_against_the_plan(cli, src18, reference, tmp_path, case):
+    """A journal record that does not describe its shard as the plan writes it (a field missing, of the
+    wrong type, naming other files or tensors) is never trusted: that shard is converted again, the four
+    intact records are kept, and the output equals the uninterrupted run's byte for byte."""
+    edit, noted = JOURNAL_EDITS[case]
+    out = tmp_path / "out"
+    _interrupted(cli, src18, reference[1], out)
+    p = out / JOURNAL_DIR / f"{SHARD}.json"
+    rec = json.loads(p.read_text())
+    assert all("scheme" in e for e in rec["tensors"].values())
+    edit(rec)
+    p.write_text(json.dumps(rec))
+    r = cli.convert(src18, out, "--json")
+    assert r.rc == 0 and "internal error" not in r.stderr, r.stderr
+    assert json.loads(r.stdout)["shards_resumed"] == 4
+    assert ("is not trusted" in r.stderr) == noted, r.stderr
+    assert tree(out) == tree(reference[0])
