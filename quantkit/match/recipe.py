@@ -69,6 +69,9 @@ def fused_rows_ok(module: str, rows_of: Callable[[str], int | None], block_rows:
     return True
 
 
+MAX_GROUP_SIZE = 1 << 20  # wider than any model's in_features (a larger group is a channel)
+
+
 @dataclass(frozen=True)
 class Scheme:
     """How one weight is quantized (compressed-tensors QuantizationArgs terms):
@@ -118,8 +121,10 @@ class Scheme:
             if self.strategy == "group":
                 if self.group_size is None:
                     object.__setattr__(self, "group_size", options.INT4_GROUP_SIZE)
-                if not isinstance(self.group_size, int) or self.group_size <= 0 or self.group_size % 8:
-                    raise RecipeError(f"group_size must be a positive multiple of 8, got {self.group_size!r}")
+                if (not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size <= 0
+                        or self.group_size % 8 or self.group_size > MAX_GROUP_SIZE):
+                    raise RecipeError(f"group_size must be a positive multiple of 8 up to {MAX_GROUP_SIZE}, got "
+                                      f"{str(self.group_size)[:40]}")
             elif self.strategy == "channel":
                 object.__setattr__(self, "group_size", None)
             else:
@@ -172,7 +177,8 @@ class Scheme:
                                   if self.scale_search in ("amax", "mse") else
                                   f"scale_search must be amax or mse, got {self.scale_search!r}")
         fb = self.fallback
-        if fb is not None and fb != "channel" and not (isinstance(fb, int) and fb > 0 and fb % 8 == 0):
+        if fb is not None and fb != "channel" and not (isinstance(fb, int) and not isinstance(fb, bool) and
+                                                       0 < fb <= MAX_GROUP_SIZE and fb % 8 == 0):
             raise RecipeError(f"scheme.fallback must be 'channel' or a group size, got {fb!r}")
 
     @property
@@ -386,6 +392,9 @@ def affinity_experts(affinity_top_k: int | str | None, top_k: int, num_experts: 
 OPTIONS = {"rtn": RTNOptions, "gptq": GPTQOptions, "awq": AWQOptions}
 _POSITIVE = ("block_size", "sample_tokens", "n_grid", "grid_stride", "min_tokens", "balance_tokens",
              "balance_pool")
+# integer options past these are no setting anyone means (n_grid: scale candidates AWQ evaluates one by one)
+_INT_MAX = {"n_grid": 1000, "balance_pool": options.MAX_NUM_SAMPLES}
+_INT_MAX_DEFAULT = 1 << 31
 
 
 def parse_options(method: str, raw: dict, where: str):
@@ -402,6 +411,9 @@ def parse_options(method: str, raw: dict, where: str):
         if "int" in want and "bool" not in want and "str" not in want and (v is not None or "None" not in want) and (
                 isinstance(v, bool) or not isinstance(v, int) or (key in _POSITIVE and v <= 0)):
             raise RecipeError(f"{where}.{key} must be a positive integer, got {v!r}")
+        top = _INT_MAX.get(key, _INT_MAX_DEFAULT)
+        if isinstance(v, int) and not isinstance(v, bool) and v > top:
+            raise RecipeError(f"{where}.{key} must be at most {top}, got {str(v)[:40]}")
         if key == "fit_unquantized" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
             raise RecipeError(f"{where}.{key} must be a number in [0, 1] (0: off), got {v!r}")
         if key != "fit_unquantized" and want == "float" and (
@@ -609,6 +621,11 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
             raise RecipeError(f"groups.{gname}.{e.message}") from None
         except TypeError as e:
             raise RecipeError(f"groups.{gname}.scheme: {e}") from None
+        if sd.get("block_structure") is not None and scheme.strategy != "block":  # would reach config.json
+            raise RecipeError(f"groups.{gname}.scheme.block_structure applies to FP8 block schemes (strategy block)")
+        if sd.get("group_size") is not None and scheme.group_size is None:
+            raise RecipeError(f"groups.{gname}.scheme.group_size applies to group schemes, not strategy "
+                              f"{scheme.strategy}")
         if method == "awq" and scheme.type != "int":
             raise RecipeError(f"groups.{gname}: method awq applies to INT4 schemes only")
         if method == "gptq" and scheme.type != "int" and not scheme.fp4:

@@ -125,6 +125,15 @@ RECIPE_CASES = {
     "seq_len_huge": (_G + "calibration: {seq_len: 100000000000000000000}\n", "seq_len"),
     "dataset_list": (_G + "calibration: {dataset: [1]}\n", "dataset"),
     "dataset_object": (_G + "calibration: {dataset: {a: 1}}\n", "dataset"),
+    # values that were accepted and would have reached config.json, or a loop without end
+    "block_structure_on_int4": (_G + "    scheme: {block_structure: [1]}\n", "block_structure"),
+    "group_size_on_fp8_block": (_G + "    scheme: {type: float, num_bits: 8, strategy: block, group_size: 7}\n",
+                                "group_size"),
+    "group_size_huge": (_G + "    scheme: {group_size: 1180591620717411303424}\n", "group_size"),
+    "fallback_huge": (_G + "    scheme: {fallback: 1180591620717411303424}\n", "fallback"),
+    "awq_n_grid_huge": (_G + "    method: awq\n    options: {n_grid: 1180591620717411303424}\n", "n_grid"),
+    "gptq_balance_pool_huge": (_G + "    method: gptq\n    options: {balance_tokens: 8, balance_pool: 100000000000}\n",
+                               "balance_pool"),
 }
 
 
