@@ -88,6 +88,44 @@ def fits_unquantized(recipe: Recipe) -> bool:
     return any(g.method == "gptq" and g.options.fit_unquantized for g in recipe.groups)
 
 
+_LAYER_STEM = re.compile(r"layer-\d{5}(?:-rank\d{1,6}-of-\d{1,6})?")
+# a module's metadata from the pass goes into its manifest entries: the types of the keys the reports read;
+# the keys that describe the stored tensor are convert's own, never the spool's
+_MODULE_META = {"scheme": str, "method": str, "tokens": int, "fallback": (str, type(None)), "damping": (int, float),
+                "heldout": dict, "input_scale": dict, "sqnr_db": (int, float)}
+_NOT_META = {"shape", "dtype", "shard"}
+
+
+def index_problem(index, spool: Path) -> str | None:
+    """What makes the finished spool's index (index.json, hostile: it lies in OUT) or a layer record it names
+    unusable, or None: its layers must be spool stems whose `.json` and `.safetensors` exist in `spool`, each
+    `.json` listing tensor names; its modules' metadata must have the types the manifest entries take."""
+    if not isinstance(index, dict):
+        return "the index is not an object"
+    layers, modules, overrides = index.get("layers"), index.get("modules"), index.get("overrides", [])
+    if not isinstance(layers, list) or not all(isinstance(n, str) and _LAYER_STEM.fullmatch(n) for n in layers):
+        return "its layers are not spool file names"
+    if not isinstance(overrides, list) or not all(isinstance(n, str) for n in overrides):
+        return "its overrides are not tensor names"
+    if not isinstance(modules, dict):
+        return "its modules are not an object"
+    for m, meta in modules.items():
+        if not isinstance(meta, dict) or any(k in _NOT_META or k in _MODULE_META and (
+                not isinstance(v, _MODULE_META[k]) or isinstance(v, bool)) for k, v in meta.items()):
+            return f"the metadata of {str(m)[:120]} has fields of the wrong type"
+    for n in layers:
+        if not (spool / f"{n}.safetensors").is_file():
+            return f"{n}.safetensors is missing"
+        try:
+            rec = json.loads((spool / f"{n}.json").read_text())
+        except (OSError, ValueError):
+            return f"{n}.json is missing or not JSON"
+        if not isinstance(rec, dict) or not all(isinstance(rec.get(k), list) and all(isinstance(x, str) for x in rec[k])
+                                                for k in ("tensors", "overrides")):
+            return f"{n}.json does not list its tensors"
+    return None
+
+
 def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int, dtype: torch.dtype,
                    batch_tokens: int, rank: int = 0, size: int = 1, reference: bool = False):
     """The progress record of an interrupted pass over the same samples, if whole and consistent (anything

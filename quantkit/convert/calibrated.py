@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from ..arch import text_config
-from ..errors import CalibrationNeeded, KVScalesError
+from ..errors import CalibrationNeeded, KVScalesError, QuantkitError
 from ..match.recipe import CalibrationSpec, Recipe
 from ..pack import kv as kvrules
 from ..read.checkpoint import Checkpoint, read_json_file
@@ -41,7 +41,7 @@ def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log,
     `world` (quantkit.dist.World; None: one process): under torchrun every rank calls this; the pass runs
     data and expert parallel over the ranks (calib/parallel.py), rank 0 writes the spool, and every rank
     returns the same Spool. Failures on any rank are raised on every rank (World.step)."""
-    from ..calib.spool import PROGRESS_NAME, run_calibrated
+    from ..calib.spool import PROGRESS_NAME, index_problem, run_calibrated
     from ..dist import World
 
     w = world if world is not None else World()
@@ -49,7 +49,18 @@ def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log,
 
     def look():  # rank 0: the finished spool's index, or None (an unusable partial spool removed)
         if done.is_file():
-            return read_json_file(done, "calibration spool index")
+            try:
+                index = read_json_file(done, "calibration spool index")
+            except QuantkitError as e:
+                problem = e.message
+            else:
+                problem = index_problem(index, spool_dir)
+                if problem is None:
+                    return index
+            if log:
+                log(f"resume: the finished calibration spool is not usable ({problem}); calibrating again")
+            shutil.rmtree(spool_dir)
+            return None
         if spool_dir.exists() and not (spool_dir / PROGRESS_NAME).is_file():
             shutil.rmtree(spool_dir)
         return None

@@ -151,3 +151,56 @@ def test_calibration_resumes_at_the_interrupted_layer(src, calib, tmp_path, monk
         convert(src, tmp_path / "q", opts)
         assert calls == [0, 1]
         assert _tree(tmp_path / "q") == _tree(tmp_path / "ref")
+
+
+INDEX_DAMAGE = {
+    "not_object": lambda ix, sp: [1],
+    "layer_outside": lambda ix, sp: {**ix, "layers": ["../../outside"]},
+    "layers_string": lambda ix, sp: {**ix, "layers": "layer-00000"},
+    "layer_json_missing": lambda ix, sp: (sp / f"{ix['layers'][0]}.json").unlink() or ix,
+    "layer_json_tensors_string": lambda ix, sp: (sp / f"{ix['layers'][0]}.json").write_text(
+        json.dumps({"tensors": "x", "overrides": []})) and ix,
+    "modules_list": lambda ix, sp: {**ix, "modules": []},
+    "module_meta_string": lambda ix, sp: {**ix, "modules": {m: "x" for m in ix["modules"]}},
+    "module_meta_shape": lambda ix, sp: {**ix, "modules": {m: {**v, "shape": [1]} for m, v in ix["modules"].items()}},
+    "module_tokens_string": lambda ix, sp: {**ix, "modules": {m: {**v, "tokens": "many"}
+                                                              for m, v in ix["modules"].items()}},
+}
+
+
+def test_a_finished_spool_is_checked_before_it_is_used(src, calib, tmp_path, monkeypatch):
+    """A conversion that dies after its calibrated pass finished keeps the spool (index.json); a resume
+    uses it as it is (nothing calibrated again) when it holds up, and calibrates again, with a note, when
+    the index or a layer record it names is damaged or names files outside the spool: never a crash, and
+    the output equals an uninterrupted conversion's."""
+    import quantkit.calib.spool as cq
+    import quantkit.convert as cv
+
+    path, _ = calib
+    opts = ConvertOptions(recipe="int4-experts-gptq", dataset=str(path))
+    convert(src, tmp_path / "ref", opts)
+    real_q, real_stream = cq.quantize_layer, cv._stream
+    calls = []
+
+    def counted(ckpt, recipe_, step, log=lambda m: None):
+        calls.append(step.index)
+        return real_q(ckpt, recipe_, step, log)
+
+    def dies(*a, **kw):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(cq, "quantize_layer", counted)
+    spool = tmp_path / "q" / ".quantkit-journal" / "calib"
+    for damage in [None, *INDEX_DAMAGE]:
+        monkeypatch.setattr(cv, "_stream", dies)
+        with pytest.raises(RuntimeError, match="killed"):
+            convert(src, tmp_path / "q", ConvertOptions(recipe="int4-experts-gptq", dataset=str(path), overwrite=True))
+        index = json.loads((spool / "index.json").read_text())
+        if damage is not None:
+            (spool / "index.json").write_text(json.dumps(INDEX_DAMAGE[damage](index, spool)))
+        monkeypatch.setattr(cv, "_stream", real_stream)
+        calls[:], lines = [], []
+        convert(src, tmp_path / "q", opts, log=lines.append)
+        assert calls == ([] if damage is None else [0, 1]), damage
+        assert any("calibration spool is not usable" in ln for ln in lines) == (damage is not None), (damage, lines)
+        assert _tree(tmp_path / "q") == _tree(tmp_path / "ref"), damage
