@@ -362,8 +362,8 @@ def parse_config(config: Mapping[str, Any]) -> ModelSpec:
             return ModelSpec(**common, **moe_common, attention="gqa", num_kv_heads=kv_heads, head_dim=head_dim,
                              qkv_bias=bias, qk_norm=bool(cfg.get("use_qk_norm", False)))
         nope, rope = _int(cfg, "qk_nope_head_dim"), _int(cfg, "qk_rope_head_dim")
-        mla = dict(attention="mla", num_kv_heads=1, head_dim=nope + rope, q_lora_rank=_int(cfg, "q_lora_rank", None, upper=MAX_HIDDEN) or None,
-                   kv_lora_rank=_int(cfg, "kv_lora_rank"), qk_rope_head_dim=rope, qk_nope_head_dim=nope,
+        mla = dict(attention="mla", num_kv_heads=1, head_dim=nope + rope,
+                   q_lora_rank=_int(cfg, "q_lora_rank", None, upper=MAX_HIDDEN) or None, kv_lora_rank=_int(cfg, "kv_lora_rank"), qk_rope_head_dim=rope, qk_nope_head_dim=nope,
                    v_head_dim=_int(cfg, "v_head_dim"), qkv_bias=bias, o_bias=bias)
         if arch == "glm_moe_dsa":
             if not mla["q_lora_rank"]:

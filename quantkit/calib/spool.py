@@ -21,6 +21,7 @@ import torch
 from .. import timeline
 from ..errors import CalibrationError
 from ..match.recipe import Recipe
+from ..pack.manifest import entry_fields_ok
 from ..write.writer import fsync_path, write_json_atomic, write_safetensors
 from .layer import quantize_layer, statistics_bytes
 
@@ -89,10 +90,8 @@ def fits_unquantized(recipe: Recipe) -> bool:
 
 
 _LAYER_STEM = re.compile(r"layer-\d{5}(?:-rank\d{1,6}-of-\d{1,6})?")
-# a module's metadata from the pass goes into its manifest entries: the types of the keys the reports read;
-# the keys that describe the stored tensor are convert's own, never the spool's
-_MODULE_META = {"scheme": str, "method": str, "tokens": int, "fallback": (str, type(None)), "damping": (int, float),
-                "heldout": dict, "input_scale": dict, "sqnr_db": (int, float)}
+# a module's metadata from the pass goes into its manifest entries (pack/manifest.ENTRY_FIELDS); the keys that
+# describe the stored tensor are convert's own, never the spool's
 _NOT_META = {"shape", "dtype", "shard"}
 
 
@@ -110,8 +109,7 @@ def index_problem(index, spool: Path) -> str | None:
     if not isinstance(modules, dict):
         return "its modules are not an object"
     for m, meta in modules.items():
-        if not isinstance(meta, dict) or any(k in _NOT_META or k in _MODULE_META and (
-                not isinstance(v, _MODULE_META[k]) or isinstance(v, bool)) for k, v in meta.items()):
+        if not isinstance(meta, dict) or _NOT_META & set(meta) or not entry_fields_ok(meta):
             return f"the metadata of {str(m)[:120]} has fields of the wrong type"
     for n in layers:
         if not (spool / f"{n}.safetensors").is_file():

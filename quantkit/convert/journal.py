@@ -13,13 +13,10 @@ from typing import Any
 
 from ..errors import QuantkitError
 from ..match.shards import ShardPlan
-from ..pack.manifest import dtype_name
+from ..pack.manifest import dtype_name, entry_fields_ok
 from ..read.safetensors import TensorInfo, read_header
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-# optional fields of a tensor entry that the manifest's reports read, and the types they must have
-_OPTIONAL = {"method": str, "group": str, "source_tensor": str, "tokens": int, "fallback": str, "input_scale": dict,
-             "modified_by": str}
 
 
 def _is_int(v: Any) -> bool:
@@ -59,7 +56,8 @@ def record_problem(rec: Mapping, plan: ShardPlan, source_size: int, out: Path,
         if problem:
             return problem
     outputs, tensors = rec.get("outputs"), rec.get("tensors")
-    if [o.get("name") for o in outputs] != [name for name, _ in plan.parts]:
+    if not isinstance(outputs, list) or [o.get("name") if isinstance(o, Mapping) else None for o in outputs] != [
+            name for name, _ in plan.parts]:
         return "its output shards are not the ones the plan writes"
     if not isinstance(tensors, Mapping):
         return "tensors is not an object"
@@ -79,8 +77,7 @@ def record_problem(rec: Mapping, plan: ShardPlan, source_size: int, out: Path,
                 return f"its entry for {n[:120]} does not describe that tensor in {part}"
             if "scheme" in e and e["scheme"] not in schemes:
                 return f"its entry for {n[:120]} names a scheme the record does not define"
-            if any(k in e and e[k] is not None and not isinstance(e[k], t) for k, t in _OPTIONAL.items()) \
-                    or ("scheme" in e and not isinstance(e.get("method"), str)):
+            if not entry_fields_ok(e) or ("scheme" in e and not isinstance(e.get("method"), str)):
                 return f"its entry for {n[:120]} has fields of the wrong type"
         seen += len(want)
     if len(tensors) != seen:

@@ -35,6 +35,19 @@ def tensor_entry(shape, dtype, **meta) -> dict:
     return {"shape": list(shape), "dtype": dtype_name(dtype), **meta}
 
 
+# The types of a tensor entry's metadata that convert's finishing step and the reports read (null allowed):
+# what a resume holds the journal's entries and the calibration spool's module metadata to.
+ENTRY_FIELDS = {"scheme": str, "method": str, "group": str, "source_tensor": str, "tokens": int, "fallback": str,
+                "damping": (int, float), "heldout": dict, "input_scale": dict, "sqnr_db": (int, float),
+                "modified_by": str}
+
+
+def entry_fields_ok(e: dict) -> bool:
+    """Whether the fields of `e` that ENTRY_FIELDS names have their types (a bool is no number)."""
+    return not any(k in e and e[k] is not None and (not isinstance(e[k], t) or type(e[k]) is bool)
+                   for k, t in ENTRY_FIELDS.items())
+
+
 def module_entry(scheme_label: str, method: str, group: str, source_tensor: str, sqnr: float, *,
                  expert: int | None = None, rows: tuple[int, int] | None = None, encoding: str | None = None) -> dict:
     """The metadata every tensor of one quantized module carries."""
