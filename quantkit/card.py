@@ -173,27 +173,32 @@ class _Facts:
     """What the manifest and config say, tallied once for the metadata and the body."""
 
     def __init__(self, manifest: dict, config: dict):
-        self.manifest, self.config = manifest, config
+        notes = manifest.get("notes")
+        self.manifest = {**manifest, **{k: _obj(manifest.get(k)) for k in ("recipe", "tool", "quantization_config")},
+                         "notes": notes if isinstance(notes, list) else []}
+        self.config = config
         text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
         self.cfg = {**config, **text}  # multimodal wrappers keep the language model's keys in text_config
-        tensors = manifest.get("tensors") or {}
         self.schemes: dict[str, dict] = {}  # label -> {modules: set, methods: Counter, bytes: int}
         self.kept_bytes: Counter = Counter()  # dtype -> bytes of tensors stored as in the source
         self.kv_bytes = 0
-        for name, e in tensors.items():
+        shown = lambda v: v if isinstance(v, str) else "?"  # noqa: E731
+        for name, e in _obj(manifest.get("tensors")).items():
+            if not isinstance(e, dict):
+                continue
             size = _nbytes(e)
             if e.get("kv_cache"):
                 self.kv_bytes += size
             elif "scheme" in e:
-                s = self.schemes.setdefault(e["scheme"], {"modules": {}, "bytes": 0})
-                s["modules"][name.rsplit(".", 1)[0]] = e.get("method", "?")
+                s = self.schemes.setdefault(shown(e["scheme"]), {"modules": {}, "bytes": 0})
+                s["modules"][name.rsplit(".", 1)[0]] = shown(e.get("method"))
                 s["bytes"] += size
             else:
-                self.kept_bytes[e.get("dtype", "?")] += size
+                self.kept_bytes[shown(e.get("dtype"))] += size
         self.methods = Counter(m for s in self.schemes.values() for m in s["modules"].values())
-        self.kv = manifest.get("kv_cache")
-        self.calibration = manifest.get("calibration")
-        self.summary = manifest.get("summary") or {}
+        self.kv = manifest.get("kv_cache") if isinstance(manifest.get("kv_cache"), dict) else None
+        self.calibration = manifest.get("calibration") if isinstance(manifest.get("calibration"), dict) else None
+        self.summary = _obj(manifest.get("summary"))
 
     @property
     def moe(self) -> bool:
@@ -210,10 +215,19 @@ class _Facts:
 
 
 def _nbytes(e: dict) -> int:
+    shape = e.get("shape")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        return 0
     n = 1
-    for d in e.get("shape") or []:
-        n *= int(d)
+    for d in shape:
+        n *= d
     return n * _DTYPE_BYTES.get(str(e.get("dtype")), 0)
+
+
+def _obj(x: Any) -> dict:
+    """`x` when it is an object, else an empty one: the manifest is read as hostile input, and the card
+    describes what it can instead of failing on a field of the wrong type."""
+    return x if isinstance(x, dict) else {}
 
 
 # --- metadata --------------------------------------------------------------------------------------
@@ -361,7 +375,7 @@ def card_section(facts: _Facts, out: Path, base: str | None, report: dict | None
 
 
 def _kv_flag(facts: _Facts) -> str:
-    origin = (facts.kv or {}).get("origin") or {}
+    origin = _obj((facts.kv or {}).get("origin"))
     return f" --kv-scales {Path(origin['file']).name}" if isinstance(origin.get("file"), str) else ""
 
 
@@ -376,12 +390,13 @@ def _calibration_lines(facts: _Facts) -> list[str]:
            + (f", tokenizer `{cal['tokenizer']}`" if cal.get("tokenizer") else "")
            + (f", layers computed in {cal['compute_dtype']}" if cal.get("compute_dtype") in ("float32", "bfloat16")
               else "") + "."]
-    counts = [c for per in (cal.get("expert_tokens") or {}).values() for c in per if isinstance(c, int)]
+    counts = [c for per in _obj(cal.get("expert_tokens")).values() if isinstance(per, list) for c in per
+              if type(c) is int]
     if counts:
         counts.sort()
         out.append(f"Routed experts: {len(counts)}, calibration tokens per expert min {counts[0]}, median "
                    f"{counts[len(counts) // 2]}, max {counts[-1]}; {sum(c == 0 for c in counts)} saw none.")
-    fallbacks = cal.get("fallbacks") or {}
+    fallbacks = _obj(cal.get("fallbacks"))
     experts = defaultdict(set)  # reason -> experts (a module's parent when it is an expert's projection)
     for module, reason in fallbacks.items():
         experts[str(reason)].add(expert_module(module))
@@ -392,7 +407,7 @@ def _calibration_lines(facts: _Facts) -> list[str]:
                    "per module in the manifest's `calibration.fallbacks`.")
     elif not cal.get("input_scale_fallbacks"):
         out.append("Starved experts: none (every expert saw enough calibration tokens).")
-    inputs = cal.get("input_scale_fallbacks") or {}
+    inputs = _obj(cal.get("input_scale_fallbacks"))
     if inputs:  # NVFP4 W4A4 (calib/emit.py): experts no token reached take their layer's largest input amax
         n = len({expert_module(mod) for mod in inputs})
         out.append(f"NVFP4 input scales: {n} expert(s) saw no calibration token and use their layer's largest "
@@ -404,7 +419,7 @@ def _kv_lines(facts: _Facts) -> list[str]:
     kv = facts.kv
     if not kv:
         return ["No KV-cache scales: engines cache K/V in the model dtype (or compute FP8 scales themselves)."]
-    origin = kv.get("origin") or {}
+    origin = _obj(kv.get("origin"))
     if isinstance(origin.get("calibrate"), dict):
         c = origin["calibrate"]
         where = f"calibrated by convert on `{c.get('dataset')}` ({c.get('num_samples')} x {c.get('seq_len')} tokens)"

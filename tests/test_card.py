@@ -203,3 +203,38 @@ def test_engine_run_in_the_card(out):
         **report, "engine_run": {"status": "cannot_run", "engine": "vllm 0.32.0", "platform": "CpuPlatform",
                                  "line": line}}))
     assert f"Run in vllm 0.32.0 (CpuPlatform): {line}" in body
+
+
+def _first_packed(m):
+    return next(n for n in m["tensors"] if n.endswith(".weight_packed"))
+
+
+# a manifest is hostile input: a field of the wrong type leaves that part of the card out, never a crash
+HOSTILE_MANIFEST = {
+    "kv_cache_string": lambda m: m.update(kv_cache="x"),
+    "kv_origin_string": lambda m: m["kv_cache"].update(origin="x"),
+    "notes_number": lambda m: m.update(notes=-1),
+    "recipe_list": lambda m: m.update(recipe=[1]),
+    "tool_string": lambda m: m.update(tool="x"),
+    "quantization_config_list": lambda m: m.update(quantization_config=[]),
+    "summary_list": lambda m: m.update(summary=[1]),
+    "tensors_list": lambda m: m.update(tensors=[1]),
+    "tensor_entry_string": lambda m: m["tensors"].update({_first_packed(m): "x"}),
+    "scheme_null": lambda m: m["tensors"][_first_packed(m)].update(scheme=None),
+    "scheme_list": lambda m: m["tensors"][_first_packed(m)].update(scheme=[]),
+    "shape_string": lambda m: m["tensors"][_first_packed(m)].update(shape="ab"),
+    "dtype_list": lambda m: m["tensors"][_first_packed(m)].update(dtype=[]),
+    "calibration_fields": lambda m: m.update(calibration={"expert_tokens": [1], "fallbacks": "x",
+                                                          "input_scale_fallbacks": [2]}),
+    "expert_tokens_strings": lambda m: m.update(calibration={"expert_tokens": {"l0": "abc"}}),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_MANIFEST))
+def test_card_of_a_hostile_manifest(out, case):
+    d = out("qkv")
+    m = json.loads((d / "quantkit_manifest.json").read_text())
+    HOSTILE_MANIFEST[case](m)
+    path = write_model_card(d, manifest=m)
+    meta, body = front_matter(path)
+    assert "quantkit" in meta["tags"] and START in body
