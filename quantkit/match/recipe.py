@@ -597,6 +597,9 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
     except yaml.YAMLError as e:
         raise RecipeError(f"recipe is not valid YAML: {str(e).splitlines()[0]}") from None
     _check_keys("recipe", d, {"name", "description", "groups", "ignore", "kv_cache", "calibration", "version"})
+    for key in ("name", "description"):  # both go into the manifest and the model card
+        if d.get(key) is not None and not isinstance(d[key], str):
+            raise RecipeError(f"recipe {key} must be a string, got {type(d[key]).__name__}")
     groups = []
     raw_groups = d.get("groups") or {}
     _check_keys("groups", raw_groups, set(raw_groups) if isinstance(raw_groups, dict) else set())
@@ -630,7 +633,7 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
             raise RecipeError(f"groups.{gname}: method awq applies to INT4 schemes only")
         if method == "gptq" and scheme.type != "int" and not scheme.fp4:
             raise RecipeError(f"groups.{gname}: method gptq applies to INT4 and FP4 schemes")
-        opts = parse_options(method, g.get("options") or {}, f"groups.{gname}.options")
+        opts = parse_options(method, {} if g.get("options") is None else g["options"], f"groups.{gname}.options")
         for key in ("refit_scales", "refine_sweeps"):
             if getattr(opts, key, False) and (scheme.type != "int" or not scheme.symmetric):
                 raise RecipeError(f"groups.{gname}.options.{key} applies to symmetric INT4 schemes "
@@ -655,5 +658,5 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
         _check_keys("calibration", cal, {"dataset", "num_samples", "seq_len"})
         cal = CalibrationSpec(**cal)
     return Recipe(name=str(d.get("name") or default_name), groups=tuple(groups),
-                  ignore=_str_list("ignore", d.get("ignore") or []), kv_cache=kv, calibration=cal,
-                  description=str(d.get("description", "")), text=text)
+                  ignore=_str_list("ignore", [] if d.get("ignore") is None else d["ignore"]), kv_cache=kv,
+                  calibration=cal, description=d.get("description") or "", text=text)

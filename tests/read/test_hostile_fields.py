@@ -132,6 +132,11 @@ RECIPE_CASES = {
     "group_size_huge": (_G + "    scheme: {group_size: 1180591620717411303424}\n", "group_size"),
     "fallback_huge": (_G + "    scheme: {fallback: 1180591620717411303424}\n", "fallback"),
     "awq_n_grid_huge": (_G + "    method: awq\n    options: {n_grid: 1180591620717411303424}\n", "n_grid"),
+    "name_list": ("name: [1]\n" + _G, "name"),
+    "description_object": ("description: {a: 1}\n" + _G, "description"),
+    "options_zero": (_G + "    method: gptq\n    options: 0\n", "options"),
+    "ignore_zero": (_G + "ignore: 0\n", "ignore"),
+    "ignore_object": (_G + "ignore: {}\n", "ignore"),
     "gptq_balance_pool_huge": (_G + "    method: gptq\n    options: {balance_tokens: 8, balance_pool: 100000000000}\n",
                                "balance_pool"),
 }
