@@ -124,6 +124,10 @@ def support_hint(command: str) -> str:
     return (f"the runner supports model_type {', '.join(model_types('runner'))}; run other models with "
             "transformers or an inference engine")
 
+# The hint of a config.json field of the wrong type or shape: transformers' own config classes never write one.
+FIELD_HINT = ("transformers writes this field as the model's config class defines it: this config.json was edited "
+              "or is corrupt; compare it with the model's own on the hub")
+
 # Sane bounds on what a config may claim (the largest real values are orders of magnitude below).
 MAX_LAYERS = 1024
 MAX_HIDDEN = 1 << 17
@@ -255,7 +259,7 @@ def _int(cfg: Mapping, key: str, default: Any = ..., upper: int | None = None) -
     if v is None and default is None:
         return None
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ConfigError(f"config.json {key!r} must be a non-negative integer, got {str(v)[:40]}")
+        raise ConfigError(f"config.json {key!r} must be a non-negative integer, got {str(v)[:40]}", hint=FIELD_HINT)
     if upper is not None and v > upper:
         e = ConfigError(f"config.json {key!r} = {v} is beyond any real model (at most {upper})",
                         hint="the config.json is corrupt or does not belong to these shards")
@@ -271,7 +275,8 @@ def _int_list(cfg: Mapping, key: str, upper: int) -> list[int]:
         return []
     if not isinstance(v, list) or any(not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < upper
                                        for x in v):
-        raise ConfigError(f"config.json {key!r} must list layer indices below {upper}, got {str(v)[:40]}")
+        raise ConfigError(f"config.json {key!r} must list layer indices below {upper}, got {str(v)[:40]}",
+                          hint=FIELD_HINT)
     return v
 
 
@@ -280,7 +285,7 @@ def _num(cfg: Mapping, key: str, default: float) -> float:
     if v is None:
         return default
     if not isinstance(v, (int, float)) or isinstance(v, bool):
-        raise ConfigError(f"config.json {key!r} must be a number, got {str(v)[:40]}")
+        raise ConfigError(f"config.json {key!r} must be a number, got {str(v)[:40]}", hint=FIELD_HINT)
     return float(v)
 
 
@@ -301,7 +306,7 @@ def _indexer_types(cfg: Mapping, n: int) -> list[str]:
         off = _int(cfg, "index_skip_topk_offset", 2)
         t = ["full" if max(i - off + 1, 0) % freq == 0 else "shared" for i in range(n)]
     if not isinstance(t, list) or len(t) < n or any(not isinstance(x, str) or x not in ("full", "shared") for x in t):
-        raise ConfigError(f"config.json indexer_types must list 'full'/'shared' for all {n} layers")
+        raise ConfigError(f"config.json indexer_types must list 'full'/'shared' for all {n} layers", hint=FIELD_HINT)
     return list(t)
 
 
@@ -312,12 +317,12 @@ def parse_config(config: Mapping[str, Any]) -> ModelSpec:
         raise ConfigError("config.json must be a JSON object")
     model_type = config.get("model_type") or ""
     if not isinstance(model_type, str):
-        raise ConfigError(f"config.json 'model_type' must be a string, got {str(model_type)[:40]}")
+        raise ConfigError(f"config.json 'model_type' must be a string, got {str(model_type)[:40]}", hint=FIELD_HINT)
     cfg, prefix = text_config(config)
     arch = family(config)
     quant = config.get("quantization_config") or cfg.get("quantization_config")
     if quant is not None and not isinstance(quant, Mapping):
-        raise ConfigError("config.json quantization_config must be an object")
+        raise ConfigError("config.json quantization_config must be an object", hint=FIELD_HINT)
 
     D, L = _int(cfg, "hidden_size", upper=MAX_HIDDEN), _int(cfg, "num_hidden_layers", upper=MAX_LAYERS)
     V, H = _int(cfg, "vocab_size", upper=MAX_VOCAB), _int(cfg, "num_attention_heads", upper=MAX_HEADS)
@@ -327,7 +332,8 @@ def parse_config(config: Mapping[str, Any]) -> ModelSpec:
     kv_heads = _int(cfg, "num_key_value_heads", H, upper=MAX_HEADS) or H
     head_dim = cfg.get("head_dim") or D // H
     if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
-        raise ConfigError(f"config.json 'head_dim' must be a positive integer, got {str(head_dim)[:40]}")
+        raise ConfigError(f"config.json 'head_dim' must be a positive integer, got {str(head_dim)[:40]}",
+                          hint=FIELD_HINT)
     mtp = _int(cfg, "num_nextn_predict_layers", 0, upper=MAX_LAYERS) \
         if arch in ("deepseek_v3", "glm4_moe", "glm_moe_dsa") else 0
     n_all = L + mtp
@@ -343,7 +349,8 @@ def parse_config(config: Mapping[str, Any]) -> ModelSpec:
             n_dense = min(first_dense, L)
             types = cfg.get("mlp_layer_types") or ["dense"] * n_dense + ["sparse"] * (L - n_dense)
             if not isinstance(types, list) or len(types) < L:
-                raise ConfigError(f"config.json mlp_layer_types must list 'dense'/'sparse' for all {L} layers")
+                raise ConfigError(f"config.json mlp_layer_types must list 'dense'/'sparse' for all {L} layers",
+                                  hint=FIELD_HINT)
             moe = tuple(t == "sparse" for t in types[:L]) + (True,) * mtp  # the MTP layer is an MoE layer
         else:
             freq = max(_int(cfg, "moe_layer_freq", 1) or 1, 1)
@@ -363,7 +370,8 @@ def parse_config(config: Mapping[str, Any]) -> ModelSpec:
                              qkv_bias=bias, qk_norm=bool(cfg.get("use_qk_norm", False)))
         nope, rope = _int(cfg, "qk_nope_head_dim"), _int(cfg, "qk_rope_head_dim")
         mla = dict(attention="mla", num_kv_heads=1, head_dim=nope + rope,
-                   q_lora_rank=_int(cfg, "q_lora_rank", None, upper=MAX_HIDDEN) or None, kv_lora_rank=_int(cfg, "kv_lora_rank"), qk_rope_head_dim=rope, qk_nope_head_dim=nope,
+                   q_lora_rank=_int(cfg, "q_lora_rank", None, upper=MAX_HIDDEN) or None,
+                   kv_lora_rank=_int(cfg, "kv_lora_rank"), qk_rope_head_dim=rope, qk_nope_head_dim=nope,
                    v_head_dim=_int(cfg, "v_head_dim"), qkv_bias=bias, o_bias=bias)
         if arch == "glm_moe_dsa":
             if not mla["q_lora_rank"]:
@@ -512,7 +520,7 @@ def validate(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -
     is refused: the output's config.json would carry it to every loader)."""
     mt = config.get("model_type") if isinstance(config, Mapping) else None
     if mt is not None and not isinstance(mt, str):
-        raise ConfigError(f"config.json 'model_type' must be a string, got {str(mt)[:40]}")
+        raise ConfigError(f"config.json 'model_type' must be a string, got {str(mt)[:40]}", hint=FIELD_HINT)
     try:
         family(config)
     except ConfigError:

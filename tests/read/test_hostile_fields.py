@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from quantkit import errors as E
-from quantkit.arch import parse_config
+from quantkit.arch import FIELD_HINT, parse_config
 from quantkit.calib.data import load_calibration_data
 from quantkit.convert import ConvertOptions, convert
 from quantkit.match.recipe import parse_recipe
@@ -76,12 +76,13 @@ def test_config_field_of_the_wrong_type_is_named(cli, broken, tmp_path, case):  
     with pytest.raises(E.ConfigError) as ei:
         parse_config(cfg)
     assert words in ei.value.message and "\n" not in ei.value.message
+    assert ei.value.hint == FIELD_HINT  # the field is wrong, not the file's JSON
     # every command that reads the config says the same, as one line
     with pytest.raises(E.ConfigError, match=words):
         plan(src / "config.json", recipe="int4-experts-rtn")
     with pytest.raises(E.ConfigError, match=words):
         convert(src, tmp_path / "lib", ConvertOptions(recipe="int4-experts-rtn"))
-    line = assert_clean_failure(cli.convert(src, tmp_path / "out", "--json"), tmp_path / "out")
+    line = assert_clean_failure(cli.convert(src, tmp_path / "out", "--json"), tmp_path / "out", FIELD_HINT)
     assert words in line and "internal error" not in line
     for argv in (("plan", src, "--recipe", "int4-experts-rtn"), ("plan", src / "config.json", "--json")):
         assert words in _one_error_line(cli.run(*argv))
