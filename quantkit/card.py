@@ -224,6 +224,19 @@ def _nbytes(e: dict) -> int:
     return n * _DTYPE_BYTES.get(str(e.get("dtype")), 0)
 
 
+def _line(x: Any, n: int = 300, code: bool = False) -> str:
+    """A manifest string as one line of the card (a newline would end its list item), cut to `n` characters;
+    `code`: it goes inside a code span, which a backtick would close (made a quote)."""
+    s = str(x).replace("`", "'") if code else str(x)
+    return " ".join(s.split())[:n]
+
+
+def _fence(text: str) -> str:
+    """A code fence longer than any run of backticks in `text`, so that the text cannot close it."""
+    runs = re.findall(r"`+", text)
+    return "`" * max(3, 1 + max((len(r) for r in runs), default=0))
+
+
 def _obj(x: Any) -> dict:
     """`x` when it is an object, else an empty one: the manifest is read as hostile input, and the card
     describes what it can instead of failing on a field of the wrong type."""
@@ -312,8 +325,8 @@ def _num(x: Any, fmt: str) -> str:
 def card_section(facts: _Facts, out: Path, base: str | None, report: dict | None, model_ref: str,
                  mla_kv_caveat: str | None, title: bool = True) -> str:
     m, lines = facts.manifest, []
-    recipe = (m.get("recipe") or {}).get("name", "?")
-    version = (m.get("tool") or {}).get("version", __version__)
+    recipe = _line(m["recipe"].get("name", "?"), 80, code=True)
+    version = _line(m["tool"].get("version", __version__), 40, code=True)
     src = (f"[{base}](https://huggingface.co/{base})" if base and "/" in base else f"`{base}`" if base
            else "the source model")
     fmt = (facts.manifest.get("quantization_config") or {}).get("format")
@@ -323,7 +336,7 @@ def card_section(facts: _Facts, out: Path, base: str | None, report: dict | None
     lines += ["## Quantization (quantkit)", "",
               f"{src} converted with quantkit {version}, recipe `{recipe}`, into the "
               f"[compressed-tensors](https://github.com/neuralmagic/compressed-tensors) format"
-              + (f" (`{fmt}`)" if fmt else "") + ". `quantkit_manifest.json` records every tensor: its scheme, "
+              + (f" (`{_line(fmt, 60, code=True)}`)" if fmt else "") + ". `quantkit_manifest.json` records every tensor: its scheme, "
               "method, source tensor and error.", ""]
 
     lines += ["### What was quantized", "", "| scheme | what | modules | method | bytes |", "|---|---|---|---|---|"]
@@ -361,7 +374,7 @@ def card_section(facts: _Facts, out: Path, base: str | None, report: dict | None
                   "`--trust-remote-code` for its config or tokenizer. Review that code first: quantkit never ran it."]
     notes = [n for n in m.get("notes") or [] if isinstance(n, str)]
     if notes:
-        lines += ["", "Conversion notes:", ""] + [f"- {n}" for n in notes[:10]]
+        lines += ["", "Conversion notes:", ""] + [f"- {_line(n)}" for n in notes[:10]]
         if len(notes) > 10:
             lines.append(f"- ... and {len(notes) - 10} more (see `quantkit_manifest.json`)")
 
@@ -369,7 +382,8 @@ def card_section(facts: _Facts, out: Path, base: str | None, report: dict | None
               f"quantkit convert {base or 'SOURCE'} {OUT_NAME} --recipe {recipe}" + _kv_flag(facts), "```"]
     text = (m.get("recipe") or {}).get("text")
     if isinstance(text, str) and text.strip():
-        lines += ["", "<details><summary>recipe</summary>", "", "```yaml", text.rstrip(), "```", "", "</details>"]
+        fence = _fence(text)
+        lines += ["", "<details><summary>recipe</summary>", "", f"{fence}yaml", text.rstrip(), fence, "", "</details>"]
     lines += [END, ""]
     return "\n".join(lines)
 

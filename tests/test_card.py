@@ -238,3 +238,18 @@ def test_card_of_a_hostile_manifest(out, case):
     path = write_model_card(d, manifest=m)
     meta, body = front_matter(path)
     assert "quantkit" in meta["tags"] and START in body
+
+
+def test_manifest_strings_cannot_break_out_of_their_place_in_the_card(out):
+    """A note with a newline stays one list item; a recipe name with a backtick stays one code span; a recipe
+    text holding a fence does not end the card's fence (the generated section still closes where it should)."""
+    d = out("q")
+    m = json.loads((d / "quantkit_manifest.json").read_text())
+    m["notes"] = ["first line\n\n# Injected heading"]
+    m["recipe"] = {**m["recipe"], "name": "r`\n## x", "text": "name: r\n```\n# Injected\n````\n"}
+    _, body = front_matter(write_model_card(d, manifest=m))
+    lines = body.splitlines()
+    assert "# Injected heading" not in lines and "## x" not in lines and "# Injected" in lines
+    assert "- first line # Injected heading" in lines
+    fence = next(ln for ln in lines if ln.endswith("yaml") and ln.startswith("`"))
+    assert fence == "`````yaml" and lines[lines.index("# Injected") + 2] == "`````"
