@@ -336,8 +336,8 @@ def card_section(facts: _Facts, out: Path, base: str | None, report: dict | None
     lines += ["## Quantization (quantkit)", "",
               f"{src} converted with quantkit {version}, recipe `{recipe}`, into the "
               f"[compressed-tensors](https://github.com/neuralmagic/compressed-tensors) format"
-              + (f" (`{_line(fmt, 60, code=True)}`)" if fmt else "") + ". `quantkit_manifest.json` records every tensor: its scheme, "
-              "method, source tensor and error.", ""]
+              + (f" (`{_line(fmt, 60, code=True)}`)" if fmt else "")
+              + ". `quantkit_manifest.json` records every tensor: its scheme, method, source tensor and error.", ""]
 
     lines += ["### What was quantized", "", "| scheme | what | modules | method | bytes |", "|---|---|---|---|---|"]
     for label, s in sorted(facts.schemes.items(), key=lambda kv: -len(kv[1]["modules"])):

@@ -41,9 +41,11 @@ DatasetOpt = Annotated[Optional[str], typer.Option(
     help="Calibration data: .jsonl/.json/.txt/.parquet, a save_to_disk folder or a hub dataset id (default: the "
          "recipe's, then the shipped set).")]
 NumSamplesOpt = Annotated[Optional[int], typer.Option(
-    min=1, max=options.MAX_NUM_SAMPLES, help=f"Calibration samples (default: the recipe's, then {options.NUM_SAMPLES}).")]
+    min=1, max=options.MAX_NUM_SAMPLES,
+    help=f"Calibration samples (default: the recipe's, then {options.NUM_SAMPLES}).")]
 SeqLenOpt = Annotated[Optional[int], typer.Option(
-    min=1, max=options.MAX_SEQ_LEN, help=f"Tokens per calibration sample (default: the recipe's, then {options.SEQ_LEN}).")]
+    min=1, max=options.MAX_SEQ_LEN,
+    help=f"Tokens per calibration sample (default: the recipe's, then {options.SEQ_LEN}).")]
 DeviceOpt = Annotated[str, typer.Option(
     help=f"Where calibration computes: {options.DEVICE_CHOICES} (auto: the first GPU torch sees, else the CPU; "
          "on a GPU the layer runs in bfloat16 and its peak memory is checked before any work).")]
