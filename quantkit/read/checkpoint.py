@@ -173,9 +173,15 @@ def _shard_names(root: Path) -> list[str]:
     raise CheckpointNotFound(f"{root} holds no *.safetensors weights")
 
 
+def plain_shard_name(name: str) -> bool:
+    """Whether `name` is a plain `.safetensors` file name (no directory part, no leading dot, no "..", no
+    character outside [A-Za-z0-9._+-], at most MAX_NAME_BYTES): what a shard of any directory may be called."""
+    return (_SAFE_NAME.fullmatch(name) is not None and not name.startswith(".") and ".." not in name
+            and len(name.encode()) <= MAX_NAME_BYTES)
+
+
 def _safe_shard_name(root: Path, name: str) -> str:
-    if (not _SAFE_NAME.fullmatch(name) or name.startswith(".") or ".." in name
-            or len(name.encode()) > MAX_NAME_BYTES):
+    if not plain_shard_name(name):
         raise UnsafeShardName(f"{INDEX_NAME} names shard {_short(name)}, which is not a plain file name in the "
                               "checkpoint directory")
     _check_link(root, root / name)

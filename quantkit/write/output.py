@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import OutputBusy, OutputExists, QuantkitError, ResumeMismatch
 from ..pack.manifest import JOURNAL_DIR, MANIFEST_NAME
-from ..read.checkpoint import read_json_file, read_manifest
+from ..read.checkpoint import plain_shard_name, read_json_file, read_manifest
 from .writer import sha256_file
 
 
@@ -33,8 +33,7 @@ def _finished(out: Path, o: Any) -> bool:
     if not isinstance(o, dict):
         return False
     name, size, digest = o.get("name"), o.get("size"), o.get("sha256")
-    if (not isinstance(name, str) or not name.endswith(".safetensors") or Path(name).name != name
-            or name.startswith(".") or "\0" in name or type(size) is not int or not isinstance(digest, str)):
+    if not isinstance(name, str) or not plain_shard_name(name) or type(size) is not int or not isinstance(digest, str):
         return False
     p = out / name
     return p.is_file() and not p.is_symlink() and p.stat().st_size == size and sha256_file(p) == digest
