@@ -58,6 +58,9 @@ def pass_batch_tokens(batch_tokens: int, lengths: list[int]) -> int:
     return tokens
 
 
+_LAYER_STEM = re.compile(r"layer-(\d{5})(?:-rank(\d{1,6})-of-(\d{1,6}))?")  # what layer_name gives; fullmatch
+
+
 def layer_name(layer: int, rank: int = 0, size: int = 1) -> str:
     """The spool files' stem of layer `layer`'s results solved by rank `rank` of a world of `size`."""
     return f"layer-{layer:05d}" if size == 1 else f"layer-{layer:05d}-rank{rank}-of-{size}"
@@ -65,7 +68,7 @@ def layer_name(layer: int, rank: int = 0, size: int = 1) -> str:
 
 def _is_layer_name(name: str, size: int, below: int) -> bool:
     """Whether `name` is a spool stem `layer_name` gives for a layer before `below` in a world of `size`."""
-    m = re.fullmatch(r"layer-(\d{5})(?:-rank(\d+)-of-(\d+))?", name)
+    m = _LAYER_STEM.fullmatch(name)
     if m is None or int(m[1]) >= below:
         return False
     return m[2] is None if size == 1 else (m[2] is not None and name == layer_name(int(m[1]), int(m[2]), size)
@@ -89,7 +92,6 @@ def fits_unquantized(recipe: Recipe) -> bool:
     return any(g.method == "gptq" and g.options.fit_unquantized for g in recipe.groups)
 
 
-_LAYER_STEM = re.compile(r"layer-\d{5}(?:-rank\d{1,6}-of-\d{1,6})?")
 # a module's metadata from the pass goes into its manifest entries (pack/manifest.ENTRY_FIELDS); the keys that
 # describe the stored tensor are convert's own, never the spool's
 _NOT_META = {"shape", "dtype", "shard"}
