@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import json
 import math
 import re
 import types
@@ -215,15 +216,26 @@ def _load(path: Path, dev: torch.device, dtype: torch.dtype = torch.bfloat16):
 
 def transformers_cannot_load(q_dir: Path) -> bool:
     """transformers 5.24 decompresses routed experts stored per expert through a path that knows
-    `weight_packed` + `weight_scale` (+ `weight_shape`) only: NVFP4 experts lose their global scale there;
-    and a KV-scales-only config (no weight groups) stops its MoE expert converter.
+    `weight_packed` + `weight_scale` (+ `weight_shape`) of one scheme only: NVFP4 experts lose their global
+    scale there, asymmetric INT4 experts (`weight_zero_point`) and experts whose projections use different
+    schemes (a group-size fallback on down_proj) stop its converter; and a KV-scales-only config (no weight
+    groups) stops its MoE expert converter.
     Such checkpoints are measured as the reference model with quantkit's dequantized weights (which the
     format stage has proven equal, bit for bit, to compressed-tensors' own decompression)."""
+    from ..read.sources import detect_format, scan
+
     ck = Checkpoint.open(q_dir)
     qc = ck.quantization_config or {}
     if qc and not qc.get("config_groups"):
         return True  # KV scales only: transformers' MoE expert converter indexes config_groups[0]
-    return any(n.endswith(Tensor.GLOBAL_SCALE.dotted) and is_routed_expert(n) for n in ck.location)
+    unread = (Tensor.GLOBAL_SCALE.dotted, Tensor.ZERO_POINT.dotted)
+    if any(n.endswith(unread) and is_routed_expert(n) for n in ck.location):
+        return True
+    if not qc:
+        return False
+    schemes = {json.dumps(sw.weights, sort_keys=True, default=str)
+               for m, sw in scan(ck, detect_format(ck.config)).items() if is_routed_expert(m)}
+    return len(schemes) > 1
 
 
 def load_dequantized(ref_dir: Path, q_dir: Path, dev: torch.device, dtype: torch.dtype = torch.bfloat16):
@@ -426,8 +438,9 @@ def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: 
                 raise ReferenceModelError("no routed-expert block of the model takes the W4AFP8 experts")
             q16 = load_dequantized(ref_dir, q_dir, dev)
         elif transformers_cannot_load(q_dir):
-            say("numerics: transformers cannot load this checkpoint as written (NVFP4 routed experts, or a "
-                "config with KV scales only): the reference model with quantkit's dequantized weights")
+            say("numerics: transformers cannot load this checkpoint as written (NVFP4 or asymmetric routed experts, "
+                "experts in more than one scheme, or a config with KV scales only): the reference model with "
+                "quantkit's dequantized weights")
             qnt = load_dequantized(ref_dir, q_dir, dev)
         else:
             qnt = _load(q_dir, dev)
