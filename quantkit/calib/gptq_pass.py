@@ -65,8 +65,8 @@ class _FP4Grid:
 
 def _solve(w: torch.Tensor, h: torch.Tensor, s, refit: bool = False, refine: int = 0, **kw):
     """GPTQ of w [c, N, K]: (result, FP4 grid or None). INT4 chooses its group parameters in the sweep;
-    `refit` (options.refit_scales, symmetric INT4): then its group scales are refitted to the codes
-    (quant/gptq.py refit_scales); `refine` (options.refine_sweeps, symmetric INT4): then that many
+    `refit` (options.refit_scales, INT4): then its group scales are refitted to the codes and zero points
+    (quant/gptq.py refit_scales); `refine` (options.refine_sweeps, INT4): then that many
     coordinate-descent sweeps move the codes under the final scales (quant/gptq.py refine_codes). With `fit`
     (quant/gptq.py gptq) both work on the fitted weights the solve quantized; an FP4 grid's scales are chosen
     from the weights as they are."""
@@ -74,10 +74,13 @@ def _solve(w: torch.Tensor, h: torch.Tensor, s, refit: bool = False, refine: int
     if not s.fp4:
         r = gptq(w, h, s.num_bits, s.group_size, s.symmetric, **kw)
         wt = w if r.target is None else r.target
+        zp = r.qparams.zero_point
         if refit:
-            r.qparams.scale.copy_(refit_scales(wt, r.q, r.qparams.scale, h, r.damping, solve_dtype=kw["solve_dtype"])[0])
+            r.qparams.scale.copy_(refit_scales(wt, r.q, r.qparams.scale, h, r.damping, solve_dtype=kw["solve_dtype"],
+                                               zero_point=zp)[0])
         if refine:
-            r.q.copy_(refine_codes(wt, r.q, r.qparams.scale, h, r.damping, num_bits=s.num_bits, sweeps=refine)[0])
+            r.q.copy_(refine_codes(wt, r.q, r.qparams.scale, h, r.damping, num_bits=s.num_bits, sweeps=refine,
+                                   zero_point=zp)[0])
         return r, None
     weight = torch.diagonal(h, dim1=-2, dim2=-1).float() if kw.get("observer") == "mse" else None
     grid = _FP4Grid(s, w, weight)

@@ -170,10 +170,10 @@ class Scheme:
                                   f"{W4AFP8_GROUP_SIZE}, symmetric, no fallback: the only form vLLM loads "
                                   f"(CompressedTensorsW4A8Fp8MoEMethod)")
         if self.scale_search is not None:
-            int4 = self.type == "int" and self.num_bits == 4 and self.symmetric
+            int4 = self.type == "int" and self.num_bits == 4
             if self.scale_search not in ("amax", "mse") or not (self.fp4 or int4):
-                raise RecipeError("scale_search is amax or mse, for FP4 schemes and symmetric INT4 (RTN), not "
-                                  f"{self.type}{self.num_bits}{'' if self.symmetric else ' asymmetric'}"
+                raise RecipeError("scale_search is amax or mse, for FP4 and INT4 schemes (RTN), not "
+                                  f"{self.type}{self.num_bits}"
                                   if self.scale_search in ("amax", "mse") else
                                   f"scale_search must be amax or mse, got {self.scale_search!r}")
         fb = self.fallback
@@ -310,9 +310,9 @@ class GPTQOptions(_Calibrated):
     x x^T over the tokens among the router's `affinity_top_k` preferred experts for it (an integer, or "nk":
     n times the router's top-k; null: every token; `affinity_experts`), weighted by the router's affinity
     (softmax, or sigmoid for noaux_tc routers), the forward still following the router's top-k
-    (calib/hessians.py); the routed tokens held out stay out. `refit_scales` (symmetric INT4): after the
-    sweep each row's group scales are the least-squares ones for its codes under the damped Hessian
-    (quant/gptq.py refit_scales); `refine_sweeps` n (symmetric INT4): then n coordinate-descent sweeps over
+    (calib/hessians.py); the routed tokens held out stay out. `refit_scales` (INT4): after the sweep each
+    row's group scales are the least-squares ones for its codes (and zero points) under the damped Hessian
+    (quant/gptq.py refit_scales); `refine_sweeps` n (INT4): then n coordinate-descent sweeps over
     the codes under those scales (quant/gptq.py refine_codes). `balance_tokens` n (routed experts): every
     expert that the calibration samples route fewer than n tokens to is topped up from a pool of
     `balance_pool` further samples of the same dataset (null: as many as the calibration's), forwarded
@@ -329,8 +329,8 @@ class GPTQOptions(_Calibrated):
     holdout: int = 8
     observer: str = "minmax"  # or "mse": each group's scale searched against the Hessian-weighted error (INT4, FP4)
     affinity_top_k: int | str | None = None  # experts per token, or "nk": n times the router's top-k
-    refit_scales: bool = False  # symmetric INT4: each row's group scales refitted to its codes after the sweep
-    refine_sweeps: int = 0  # symmetric INT4: coordinate-descent sweeps over the codes after the solve (0: none)
+    refit_scales: bool = False  # INT4: each row's group scales refitted to its codes after the sweep
+    refine_sweeps: int = 0  # INT4: coordinate-descent sweeps over the codes after the solve (0: none)
     balance_tokens: int | None = None  # routed experts: top up every expert to this many routed tokens
     balance_pool: int | None = None  # samples in the top-up pool (null: the calibration's num_samples)
     fit_unquantized: float = 0.0  # routed experts: weight of the correction toward the unquantized model's outputs
@@ -635,8 +635,8 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
             raise RecipeError(f"groups.{gname}: method gptq applies to INT4 and FP4 schemes")
         opts = parse_options(method, {} if g.get("options") is None else g["options"], f"groups.{gname}.options")
         for key in ("refit_scales", "refine_sweeps"):
-            if getattr(opts, key, False) and (scheme.type != "int" or not scheme.symmetric):
-                raise RecipeError(f"groups.{gname}.options.{key} applies to symmetric INT4 schemes "
+            if getattr(opts, key, False) and scheme.type != "int":
+                raise RecipeError(f"groups.{gname}.options.{key} applies to INT4 schemes "
                                   f"(the scales of FP4 grids are fixed before the solve)")
         groups.append(WeightGroup(str(gname), _str_list(f"groups.{gname}.targets", g["targets"]), scheme,
                                   method, opts))

@@ -167,8 +167,8 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
     the result's q then holds that grid's codes and its qparams the given scales. `solve_dtype`: what the
     Hessian is factorized in (float64 on the CPU; float32 on a GPU, where float64 is slow). `factor_chunk`:
     factorize that many matrices at a time (bounds the solve-dtype temporaries; the column sweep then runs
-    over all of them at once). `observer` "mse" (INT4, symmetric): each group's scale is the clipping of its
-    min/max scale with the least error weighted by the Hessian's diagonal (quant/int4.py choose_qparams_mse).
+    over all of them at once). `observer` "mse" (INT4): each group's scale (and zero point) is the clipping of its
+    min/max range with the least error weighted by the Hessian's diagonal (quant/int4.py choose_qparams_mse).
     Every tensor lives on w's device.
 
     `fit` (a [E, K, K], alpha [E]): the solve fits each matrix to another model's outputs (calib/gptq_pass.py,
@@ -330,9 +330,11 @@ REFIT_CHUNK_BYTES = 64 << 20
 
 def refit_scales(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch.Tensor,
                  damp: torch.Tensor | float = 0.01, *, scale_dtype: torch.dtype = torch.bfloat16,
-                 solve_dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric group scales refitted to fixed codes. For each row w_n [K] of w [E, N, K], with its codes z_n
-    (q [E, N, K], integers) and G group scales (scale [E, N, G]): the scales s minimizing the Hessian-weighted
+                 solve_dtype: torch.dtype = torch.float64,
+                 zero_point: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group scales refitted to fixed codes. For each row w_n [K] of w [E, N, K], with its codes z_n (q [E, N, K],
+    integers, less their group's `zero_point` [E, N, G] when the scheme is asymmetric: the zero points stay as
+    they are) and G group scales (scale [E, N, G]): the scales s minimizing the Hessian-weighted
     error (w_n - Z_n s)^T Hd (w_n - Z_n s), Z_n [K, G] holding each group's codes in its own column and
     Hd = H + damp * mean(diag H) I (h [E, K, K]; `damp` per matrix [E] or one float, as the solve used it):
     the G x G normal equations A s = b, A = Z_n^T Hd Z_n, b = Z_n^T Hd w_n, formed in float32 and solved in
@@ -366,6 +368,8 @@ def refit_scales(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
             z = q[e0:e1, r0:r0 + rows].float()  # [c, m, K]
             m = z.shape[1]
             zg = z.view(c_n, m, g, gs)
+            if zero_point is not None:
+                zg.sub_(zero_point[e0:e1, r0:r0 + rows, :, None].float())
             # A's upper triangle of blocks, group by group (A is symmetric: half the products), mirrored:
             # A[:, c, j] = sum over group j's columns t of (sum over group c's columns s of z_s Hd[s, t]) z_t
             a = z.new_empty(c_n, m, g, g)
@@ -418,16 +422,16 @@ def _cd_block_torch(qt, gb, step, s_t, hd, delta, i1: int, qmin: int, qmax: int)
             gb[:, i + 1:].addcmul_(hd[:, j + 1:i1 + b, j, None], d[:, None, :], value=-1)
 
 
-def _refine_blocks(w, q, scale, hd, diag, dead, sweeps: int, block_size: int, qmin: int, qmax: int) -> torch.Tensor:
+def _refine_blocks(w, q, scale, zp, hd, diag, dead, sweeps: int, block_size: int, qmin: int,
+                   qmax: int) -> torch.Tensor:
     """refine_codes' sweeps in torch ops, on the transposed layout [E, K, N] (a column of every row is a
     contiguous row), in blocks of columns: in-block rank-1 updates, one GEMM for the rest, G = Hd E^T kept
-    current. q [E, N, K] float32 codes, scale [E, N, G] (unusable rows' 0). Returns the codes [E, N, K]."""
+    current. q [E, N, K] float32 codes, scale [E, N, G] (unusable rows' 0), zp [E, N, G] or None. Returns the
+    codes [E, N, K]."""
     e, n, k = w.shape
     s_t = scale.transpose(1, 2).repeat_interleave(k // scale.shape[-1], dim=1)  # [E, K, N]: each weight's scale
     qt = q.transpose(1, 2).contiguous()  # [E, K, N]
-    et = torch.empty_like(qt).copy_(w.transpose(1, 2)).masked_fill_(dead[:, :, None], 0.0).addcmul_(qt, s_t, value=-1)
-    gt = torch.bmm(hd, et)  # [E, K, N] = Hd E^T
-    del et
+    gt = torch.bmm(hd, _row_errors(w, q, scale, zp, dead).transpose(1, 2))  # [E, K, N] = Hd E^T
     step = diag[:, :, None] * s_t  # [E, K, N]: Hd_jj s_j, the curvature of the error in code units
     step.masked_fill_(~(step > 0), float("inf"))  # a row without usable scales: its codes stay
     for sweep in range(sweeps):
@@ -444,12 +448,12 @@ def _refine_blocks(w, q, scale, hd, diag, dead, sweeps: int, block_size: int, qm
     return qt.transpose(1, 2)
 
 
-def _refine_rows(native, w, q, scale, hd, diag, dead, sweeps: int, qmin: int, qmax: int) -> bool:
+def _refine_rows(native, w, q, scale, zp, hd, diag, dead, sweeps: int, qmin: int, qmax: int) -> bool:
     """refine_codes' sweeps by the compiled row loop (quant/_cd_native.py cd_rows) on q [E, N, K] float32 (in
     place), the rows split over the native threads. False when the kernel failed."""
     e, n, k = q.shape
     gs = k // scale.shape[-1]
-    err = _row_errors(w, q, scale, dead)
+    err = _row_errors(w, q, scale, zp, dead)
     g = torch.bmm(err, hd.transpose(1, 2))  # [E, N, K]: row n holds Hd e_n
     del err
     ex = torch.arange(e).repeat_interleave(n)
@@ -462,18 +466,22 @@ def _refine_rows(native, w, q, scale, hd, diag, dead, sweeps: int, qmin: int, qm
     return True
 
 
-def _row_errors(w, q, scale, dead) -> torch.Tensor:
-    """w - q s [E, N, K] (float32), the never-seen inputs' weights taken as 0."""
-    s = scale.repeat_interleave(w.shape[-1] // scale.shape[-1], dim=-1)
-    return torch.empty_like(q).copy_(w).masked_fill_(dead[:, None, :], 0.0).addcmul_(q, s, value=-1)
+def _row_errors(w, q, scale, zp, dead) -> torch.Tensor:
+    """w - (q - zp) s [E, N, K] (float32), the never-seen inputs' weights taken as 0."""
+    gs = w.shape[-1] // scale.shape[-1]
+    s = scale.repeat_interleave(gs, dim=-1)
+    c = q if zp is None else q - zp.float().repeat_interleave(gs, dim=-1)
+    return torch.empty_like(q).copy_(w).masked_fill_(dead[:, None, :], 0.0).addcmul_(c, s, value=-1)
 
 
 def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch.Tensor,
                  damp: torch.Tensor | float = 0.01, *, num_bits: int = 4, sweeps: int = 1,
-                 block_size: int = 128, with_error: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Cyclic coordinate descent on symmetric integer codes with fixed group scales: every weight, column by
-    column, moves to the grid point that minimizes the Hessian-weighted error (w_n - q_n s)^T Hd (w_n - q_n s)
-    of its row with all other weights held (Hd = H + damp * mean(diag H) I, as the solve used it). Along one
+                 block_size: int = 128, with_error: bool = False,
+                 zero_point: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Cyclic coordinate descent on integer codes with fixed group scales (and, asymmetric, fixed `zero_point`
+    [E, N, G]: q_n s below stands for (q_n - zp) s, and a code moves within [qmin, qmax] as stored): every
+    weight, column by column, moves to the grid point that minimizes the Hessian-weighted error
+    (w_n - q_n s)^T Hd (w_n - q_n s) of its row with all other weights held (Hd = H + damp * mean(diag H) I, as the solve used it). Along one
     coordinate the error is a parabola with its vertex at q_nj s_j + (Hd e_n)_j / Hd_jj (e_n = w_n - q_n s),
     so the nearest grid point to the vertex is the exact minimizer and no sweep can raise the error. GPTQ
     pushes each column's error onto later columns only; a sweep also corrects earlier columns against the
@@ -498,10 +506,10 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     sc = scale.float().masked_fill(~usable[..., None], 0.0)  # [E, N, G]
     codes = q.float()  # [E, N, K]
     native = _cd_native() if w.device.type == "cpu" else None
-    if native is None or not _refine_rows(native, w, codes, sc, hd, diag, dead, sweeps, qmin, qmax):
-        codes = _refine_blocks(w, codes, sc, hd, diag, dead, sweeps, block_size, qmin, qmax)
+    if native is None or not _refine_rows(native, w, codes, sc, zero_point, hd, diag, dead, sweeps, qmin, qmax):
+        codes = _refine_blocks(w, codes, sc, zero_point, hd, diag, dead, sweeps, block_size, qmin, qmax)
     err = None
     if with_error:
-        et = _row_errors(w, codes, sc, dead)
+        et = _row_errors(w, codes, sc, zero_point, dead)
         err = (et * torch.bmm(et, hd.transpose(1, 2))).flatten(1).sum(-1, dtype=torch.float64)
     return codes.to(torch.int8).contiguous(), err

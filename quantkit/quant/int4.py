@@ -84,11 +84,13 @@ MSE_RATIOS = tuple(round(1.0 - 0.025 * i, 3) for i in range(17))  # clipping rat
 def choose_qparams_mse(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetric: bool = True,
                        scale_dtype: torch.dtype = torch.bfloat16, weight: torch.Tensor | None = None,
                        ratios: tuple[float, ...] = MSE_RATIOS, native: bool = True) -> QParams:
-    """Symmetric qparams per (row, group) that minimize the group's quantization error: the min/max scale
-    times the best of `ratios` (clipping), each candidate rounded to `scale_dtype` as stored. `weight`
-    [..., K] (broadcast over rows, e.g. the Hessian's diagonal per input column): the error is
+    """Qparams per (row, group) that minimize the group's quantization error: the min/max range times the
+    best of `ratios` (clipping), each candidate's scale rounded to `scale_dtype` as stored. Symmetric: the
+    scale is absmax * r / 7.5 (INT4); asymmetric: the range [min * r, max * r] (0 kept inside, as min/max
+    keeps it) with its own scale and zero point, as `choose_qparams` derives them. `weight` [..., K]
+    (broadcast over rows, e.g. the Hessian's diagonal per input column): the error is
     sum_k weight_k (w_k - q_k)^2, else unweighted. Ratio 1.0 is always tried first and kept on ties, so the
-    error is never above min/max's. Asymmetric schemes keep min/max.
+    error is never above min/max's.
 
     On the CPU the search runs as one compiled pass per row when it can (quant/_rtn_native.py mse_scales:
     bf16 or float32 scales, finite weights, `weight` None or one row of K per leading index or for all):
@@ -98,9 +100,9 @@ def choose_qparams_mse(w: torch.Tensor, num_bits: int = 4, group_size: int | Non
         fast = _mse_native(w, num_bits, group_size, scale_dtype, weight, ratios)
         if fast is not None:
             return QParams(fast, None)
-    base = choose_qparams(w, num_bits, group_size, symmetric, scale_dtype)
     if not symmetric:
-        return base
+        return _mse_asymmetric(w, num_bits, group_size, scale_dtype, weight, ratios)
+    base = choose_qparams(w, num_bits, group_size, symmetric, scale_dtype)
     wg = _grouped(w.float(), group_size)  # [..., N, G, g]
     wt = None if weight is None else _grouped(weight.float().unsqueeze(-2), group_size)  # [..., 1, G, g]
     qmin, qmax = qrange(num_bits)
@@ -117,6 +119,32 @@ def choose_qparams_mse(w: torch.Tensor, num_bits: int = 4, group_size: int | Non
             better = err < best_e
             best_s, best_e = torch.where(better, sc, best_s), torch.where(better, err, best_e)
     return QParams(best_s, None)
+
+
+def _mse_asymmetric(w: torch.Tensor, num_bits: int, group_size: int | None, scale_dtype: torch.dtype,
+                    weight: torch.Tensor | None, ratios: tuple[float, ...]) -> QParams:
+    """choose_qparams_mse for asymmetric schemes (torch ops): each candidate clips the group's range
+    [min, max] (0 inside) to [min * r, max * r], its scale and zero point derived as choose_qparams does."""
+    wg = _grouped(w.float(), group_size)  # [..., N, G, g]
+    wt = None if weight is None else _grouped(weight.float().unsqueeze(-2), group_size)  # [..., 1, G, g]
+    qmin, qmax = qrange(num_bits)
+    tiny = torch.finfo(torch.float32).tiny
+    lo = _reduce_last(wg, torch.minimum).clamp(max=0.0)
+    hi = _reduce_last(wg, torch.maximum).clamp(min=0.0)
+    best = None
+    for r in ratios:
+        sc = ((hi - lo) * r / (qmax - qmin)).to(scale_dtype).float()
+        sc = torch.where(sc > tiny, sc, torch.ones_like(sc))
+        zp = (qmin - torch.round(lo * r / sc)).clamp(qmin, qmax)
+        d = (wg / sc.unsqueeze(-1)).round_().add_(zp.unsqueeze(-1)).clamp_(qmin, qmax).sub_(zp.unsqueeze(-1))
+        d = d.mul_(sc.unsqueeze(-1)).sub_(wg).square_()
+        err = (d if wt is None else d.mul_(wt)).sum(-1)  # [..., N, G]
+        if best is None:
+            best = [sc, zp, err]
+        else:
+            better = err < best[2]
+            best = [torch.where(better, new, old) for new, old in zip((sc, zp, err), best)]
+    return QParams(best[0], best[1].to(torch.int32))
 
 
 def _mse_native(w: torch.Tensor, num_bits: int, group_size: int | None, scale_dtype: torch.dtype,
@@ -193,7 +221,7 @@ def rtn(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetr
     bf16/float32 rows on CPU, bf16/float32 scales, all values finite); native=False forces this torch
     path, which is the definition the kernel is tested against.
 
-    `scale_search` "mse" (symmetric only): every group's clipping searched for the least squared error
+    `scale_search` "mse": every group's clipping searched for the least squared error
     (`choose_qparams_mse`, never above min/max's error); the torch path runs (the kernel is min/max)."""
     *lead, n, k = w.shape
     rows = w.reshape(-1, k)
@@ -201,8 +229,8 @@ def rtn(w: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetr
     _grouped(rows[:1], group_size)  # validates divisibility before any work
     if pack and num_bits not in (4, 8):
         raise ValueError("pack=True needs num_bits 4 or 8")
-    if scale_search not in ("amax", "mse") or (scale_search == "mse" and not symmetric):
-        raise ValueError(f"scale_search must be amax, or mse with a symmetric scheme, got {scale_search!r}")
+    if scale_search not in ("amax", "mse"):
+        raise ValueError(f"scale_search must be amax or mse, got {scale_search!r}")
     res = (_rtn_native(rows, group_size or k, symmetric, scale_dtype)
            if pack and native and num_bits == 4 and scale_search == "amax" else None)
     out, scale, zp, sig, noise = res or _rtn_rows(rows, num_bits, group_size, symmetric, scale_dtype, pack,

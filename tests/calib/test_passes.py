@@ -282,10 +282,10 @@ def test_refit_scales_option():
     for bad in ('"yes"', "1", "[true]"):
         with pytest.raises(RecipeError, match="refit_scales"):
             recipe("gptq", refit_scales=bad)
-    with pytest.raises(RecipeError, match="refit_scales applies to symmetric INT4"):
-        parse_recipe(f"groups:\n  experts:\n    targets: {TARGETS}\n    method: gptq\n"
-                     "    scheme: {group_size: 32, symmetric: false}\n    options: {refit_scales: true}\n")
-    with pytest.raises(RecipeError, match="refit_scales applies to symmetric INT4"):
+    asym = parse_recipe(f"groups:\n  experts:\n    targets: {TARGETS}\n    method: gptq\n"
+                        "    scheme: {group_size: 32, symmetric: false}\n    options: {refit_scales: true}\n")
+    assert asym.groups[0].options.refit_scales and not asym.groups[0].scheme.symmetric
+    with pytest.raises(RecipeError, match="refit_scales applies to INT4"):
         parse_recipe(f"groups:\n  experts:\n    targets: {TARGETS}\n    method: gptq\n"
                      "    scheme: {num_bits: 4, type: float, symmetric: true, strategy: tensor_group, group_size: 16}\n"
                      "    options: {refit_scales: true}\n")
@@ -315,11 +315,13 @@ def test_refine_sweeps_option():
     for bad in ('"2"', "true", "-1", "9", "1.5", "[1]"):
         with pytest.raises(RecipeError, match="refine_sweeps"):
             recipe("gptq", refine_sweeps=bad)
-    for scheme in ("{group_size: 32, symmetric: false}",
-                   "{num_bits: 4, type: float, symmetric: true, strategy: tensor_group, group_size: 16}"):
-        with pytest.raises(RecipeError, match="refine_sweeps applies to symmetric INT4"):
-            parse_recipe(f"groups:\n  experts:\n    targets: {TARGETS}\n    method: gptq\n"
-                         f"    scheme: {scheme}\n    options: {{refine_sweeps: 1}}\n")
+    asym = parse_recipe(f"groups:\n  experts:\n    targets: {TARGETS}\n    method: gptq\n"
+                        "    scheme: {group_size: 32, symmetric: false}\n    options: {refine_sweeps: 1}\n")
+    assert asym.groups[0].options.refine_sweeps == 1
+    with pytest.raises(RecipeError, match="refine_sweeps applies to INT4"):
+        parse_recipe(f"groups:\n  experts:\n    targets: {TARGETS}\n    method: gptq\n"
+                     "    scheme: {num_bits: 4, type: float, symmetric: true, strategy: tensor_group, group_size: 16}\n"
+                     "    options: {refine_sweeps: 1}\n")
     with pytest.raises(RecipeError, match="refine_sweeps"):
         recipe("awq", refine_sweeps="1")
 

@@ -182,7 +182,7 @@ def _recipe(scheme: str, targets=r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj
 @pytest.mark.parametrize("scheme", [
     "{group_size: 64}", "{group_size: 128, symmetric: false}", "{strategy: channel}",
     "{strategy: channel, symmetric: false}", "{group_size: 32, symmetric: false}",
-    "{group_size: 32, scale_search: mse}",
+    "{group_size: 32, scale_search: mse}", "{group_size: 32, symmetric: false, scale_search: mse}",
 ])
 def test_schemes_match_judge(tiny_models, tmp_path, scheme):
     src = tiny_models("qwen3_moe", moe_intermediate=128)

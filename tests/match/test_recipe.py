@@ -61,9 +61,9 @@ def test_default_int4_scheme():
     ("[1, 2", "YAML"),
     ("- a\n- b", "mapping"),
     ("groups: {e: {targets: [x]}}\nkv_cache: {strategy: head}", "kv_cache.strategy"),
-    ("groups: {e: {targets: [x], scheme: {symmetric: false, scale_search: mse}}}", "symmetric INT4"),
+    ("groups: {e: {targets: [x], scheme: {num_bits: 8, scale_search: mse}}}", "FP4 and INT4"),
     ("groups: {e: {targets: [x], scheme: {type: float, num_bits: 8, strategy: channel, scale_search: mse}}}",
-     "symmetric INT4"),
+     "FP4 and INT4"),
     ("groups: {e: {targets: [x], scheme: {scale_search: best}}}", "amax or mse"),
 ])
 def test_recipe_errors_are_helpful(text, msg):
@@ -74,6 +74,8 @@ def test_recipe_errors_are_helpful(text, msg):
 def test_int4_scale_search_accepted():
     g = parse_recipe("groups: {e: {targets: [x], scheme: {group_size: 32, scale_search: mse}}}").groups[0]
     assert g.scheme.scale_search == "mse"
+    g = parse_recipe("groups: {e: {targets: [x], scheme: {symmetric: false, scale_search: mse}}}").groups[0]
+    assert g.scheme.scale_search == "mse" and not g.scheme.symmetric
 
 
 def test_unknown_recipe_name_lists_shipped():

@@ -59,15 +59,16 @@ def test_fitted_nvfp4_gains_on_the_15_level_grid():
     assert gain > 2.0
 
 
-def test_scale_search_is_an_fp4_and_symmetric_int4_option():
+def test_scale_search_is_an_fp4_and_int4_option():
     from quantkit.errors import RecipeError
     from quantkit.match.recipe import Scheme
 
     assert Scheme(4, "float", True, "tensor_group", scale_search="mse").scale_search == "mse"
     assert Scheme(4, "int", True, "group", 32, scale_search="mse").scale_search == "mse"  # RTN's clipping search
-    with pytest.raises(RecipeError, match="symmetric INT4"):
-        Scheme(4, "int", False, "group", 32, scale_search="mse")
-    with pytest.raises(RecipeError, match="symmetric INT4"):
+    assert Scheme(4, "int", False, "group", 32, scale_search="mse").scale_search == "mse"  # and its range's
+    with pytest.raises(RecipeError, match="FP4 and INT4"):
+        Scheme(8, "int", True, "group", 32, scale_search="mse")
+    with pytest.raises(RecipeError, match="FP4 and INT4"):
         Scheme(8, "float", True, "channel", scale_search="mse")
     with pytest.raises(RecipeError, match="amax or mse"):
         Scheme(4, "float", True, "group", scale_search="best")

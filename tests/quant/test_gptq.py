@@ -184,6 +184,37 @@ def test_mse_observer_never_worse_than_minmax_and_used_by_gptq():
     assert torch.equal(r0.qparams.scale, choose_qparams(w, 4, 32).scale)
 
 
+def test_mse_observer_asymmetric():
+    """Asymmetric choose_qparams_mse: per group its (weighted) error is at most min/max's (ratio 1 is min/max:
+    the same scales and zero points), lower in sum on heavy-tailed weights; GPTQ with observer mse and
+    act-order stores exactly those static scales and zero points (before, asymmetric schemes silently kept
+    min/max)."""
+    from quantkit.quant.int4 import _grouped, choose_qparams, choose_qparams_mse, dequantize, quantize
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(4, 3, 16, 64, generator=g)
+    w = z[0] / (z[1:].square().sum(0) / 3).sqrt() * 0.02 + 0.004  # heavy tails, off-centre
+    wt = torch.rand(3, 64, generator=g) + 0.1
+
+    def err(qp):
+        d = (dequantize(quantize(w, qp), qp.scale, qp.zero_point) - w).square() * wt[:, None, :]
+        return _grouped(d, 32).sum(-1)
+
+    mm = choose_qparams(w, 4, 32, False)
+    one = choose_qparams_mse(w, 4, 32, False, ratios=(1.0,))
+    assert torch.equal(one.scale, mm.scale) and torch.equal(one.zero_point, mm.zero_point)
+    mse = choose_qparams_mse(w, 4, 32, False, weight=wt)
+    assert mse.zero_point.dtype == torch.int32 and int(mse.zero_point.min()) >= -8 and int(mse.zero_point.max()) <= 7
+    e_mm, e_mse = err(mm), err(mse)
+    assert (e_mse <= e_mm).all()
+    assert e_mse.sum() < 0.97 * e_mm.sum()
+    x = torch.randn(256, 64, generator=g)
+    h = (x.T @ x / 256).expand(3, 64, 64).clone()
+    r = gptq(w, h, 4, 32, False, actorder=True, observer="mse")
+    want = choose_qparams_mse(w, 4, 32, False, weight=torch.diagonal(h, dim1=-2, dim2=-1))
+    assert torch.equal(r.qparams.scale, want.scale) and torch.equal(r.qparams.zero_point, want.zero_point)
+
+
 def _hessian(k, n, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, k, generator=g, dtype=torch.float64) @ (torch.randn(k, k, generator=g, dtype=torch.float64)
@@ -191,22 +222,25 @@ def _hessian(k, n, seed):
     return 2 * x.T @ x / n
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("group", [32, 64])
-def test_refit_scales_solve_each_rows_least_squares(group, monkeypatch):
-    """Each row's refitted scales are the least-squares ones for its fixed codes under the damped Hessian
-    (computed here per row from an explicit [K, G] code matrix and a Cholesky factor), rounded to bf16; a
-    row keeps its scales where the rounded new ones are not better; no row's error grows; the chunking (both
-    matrices at once, one at a time, one row at a time) changes nothing."""
+def test_refit_scales_solve_each_rows_least_squares(group, symmetric, monkeypatch):
+    """Each row's refitted scales are the least-squares ones for its fixed codes (less their zero points,
+    asymmetric) under the damped Hessian (computed here per row from an explicit [K, G] code matrix and a
+    Cholesky factor), rounded to bf16; a row keeps its scales where the rounded new ones are not better; no
+    row's error grows; the chunking (both matrices at once, one at a time, one row at a time) changes nothing."""
     from quantkit.quant import gptq as gq
 
     k, n = 128, 24
     h = torch.stack([_hessian(k, 200, 1), _hessian(k, 150, 2)]).float()
-    w = torch.randn(2, n, k, generator=torch.Generator().manual_seed(3)) * 0.05
-    r = gptq(w, h, 4, group, True, damp=0.01)
-    scale, changed = gq.refit_scales(w, r.q, r.qparams.scale, h, r.damping)
+    w = torch.randn(2, n, k, generator=torch.Generator().manual_seed(3)) * 0.05 + (0 if symmetric else 0.02)
+    r = gptq(w, h, 4, group, symmetric, damp=0.01)
+    zp = r.qparams.zero_point
+    assert (zp is None) == symmetric
+    scale, changed = gq.refit_scales(w, r.q, r.qparams.scale, h, r.damping, zero_point=zp)
     for chunk in (1, (k + 3 * (k // group) ** 2) * 4 * n):  # one row at a time; one whole matrix at a time
         monkeypatch.setattr(gq, "REFIT_CHUNK_BYTES", chunk)
-        scale1, changed1 = gq.refit_scales(w, r.q, r.qparams.scale, h, r.damping)
+        scale1, changed1 = gq.refit_scales(w, r.q, r.qparams.scale, h, r.damping, zero_point=zp)
         assert torch.equal(scale, scale1) and torch.equal(changed, changed1)
     assert changed.any() and torch.equal(r.q, r.q)  # codes untouched (refit returns scales only)
     assert torch.equal(scale, scale.bfloat16().float())
@@ -217,7 +251,8 @@ def test_refit_scales_solve_each_rows_least_squares(group, monkeypatch):
         for row in range(n):
             z = torch.zeros(k, g, dtype=torch.float64)
             for j in range(g):
-                z[j * group:(j + 1) * group, j] = r.q[e, row, j * group:(j + 1) * group].double()
+                z[j * group:(j + 1) * group, j] = r.q[e, row, j * group:(j + 1) * group].double() - (
+                    0 if symmetric else int(zp[e, row, j]))
             wv = w[e, row].double()
 
             def err(s):
@@ -233,9 +268,10 @@ def test_refit_scales_solve_each_rows_least_squares(group, monkeypatch):
                 assert err(best.float().bfloat16().double()) >= err(old) * (1 - 1e-6) or not (best > 0).all()
 
 
-def _damped_error(w, q, scale, h, damp):
+def _damped_error(w, q, scale, h, damp, zp=None):
     """(w - q s)^T Hd (w - q s) summed over rows, per matrix, in float64 from scratch: Hd = H + damp *
-    mean(diag H) I with never-seen inputs (H_jj == 0) taken as 1 and their weights as 0, as GPTQ treats them."""
+    mean(diag H) I with never-seen inputs (H_jj == 0) taken as 1 and their weights as 0, as GPTQ treats them.
+    zp: asymmetric zero points [E, N, G] (q s is then (q - zp) s)."""
     out = []
     for e in range(w.shape[0]):
         hd = h[e].double().clone()
@@ -243,7 +279,7 @@ def _damped_error(w, q, scale, h, damp):
         dead = d == 0
         d.masked_fill_(dead, 1.0)
         d += float(damp[e]) * d.mean()
-        err = w[e].double().masked_fill(dead, 0.0) - dequantize(q[e], scale[e]).double()
+        err = w[e].double().masked_fill(dead, 0.0) - dequantize(q[e], scale[e], None if zp is None else zp[e]).double()
         out.append(float(torch.einsum("nk,kl,nl->", err, hd, err)))
     return torch.tensor(out, dtype=torch.float64)
 
@@ -261,44 +297,49 @@ def cd_path(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("actorder", [False, True])
-def test_refine_codes_descends_to_a_coordinate_minimum(actorder, cd_path):
-    """Coordinate descent on GPTQ's codes: each sweep's error (recomputed here from scratch) is no higher than
-    the one before, the first is lower than GPTQ's, the reported error is the recomputed one, the codes stay in
-    range; repeated until nothing moves, no single code can move by one step and lower its row's error (checked
-    here code by code, for every weight)."""
+def test_refine_codes_descends_to_a_coordinate_minimum(actorder, symmetric, cd_path):
+    """Coordinate descent on GPTQ's codes (asymmetric: under fixed zero points, the stored codes in [-8, 7]):
+    each sweep's error (recomputed here from scratch) is no higher than the one before, the first is lower than
+    GPTQ's, the reported error is the recomputed one, the codes stay in range; repeated until nothing moves,
+    no single code can move by one step and lower its row's error (checked here code by code, for every
+    weight)."""
     from quantkit.quant.gptq import refine_codes
 
     k, n = 64, 12
     h = torch.stack([_hessian(k, 100, 4), _hessian(k, 90, 5)]).float()
     h[1, 5, :] = h[1, :, 5] = 0  # an input never seen
-    w = torch.randn(2, n, k, generator=torch.Generator().manual_seed(6)) * 0.05
-    r = gptq(w, h, 4, 16, True, damp=0.01, actorder=actorder)
-    scale, damp = r.qparams.scale, r.damping
-    prev = _damped_error(w, r.q, scale, h, damp)
+    w = torch.randn(2, n, k, generator=torch.Generator().manual_seed(6)) * 0.05 + (0 if symmetric else 0.03)
+    r = gptq(w, h, 4, 16, symmetric, damp=0.01, actorder=actorder)
+    scale, damp, zp = r.qparams.scale, r.damping, r.qparams.zero_point
+    if not symmetric:
+        assert zp.abs().max() > 0  # off-centre groups: zero points that matter
+    prev = _damped_error(w, r.q, scale, h, damp, zp)
     q = r.q
     for sweep in range(40):
-        q2, err = refine_codes(w, q, scale, h, damp, sweeps=1, block_size=16, with_error=True)
-        mine = _damped_error(w, q2, scale, h, damp)
+        q2, err = refine_codes(w, q, scale, h, damp, sweeps=1, block_size=16, with_error=True, zero_point=zp)
+        mine = _damped_error(w, q2, scale, h, damp, zp)
         assert torch.allclose(err, mine, rtol=1e-5)
         assert bool((mine <= prev * (1 + 1e-6)).all())
         if sweep == 0:
             assert bool((mine < prev).all())
         assert q2.dtype == torch.int8 and int(q2.min()) >= -8 and int(q2.max()) <= 7
-        assert not q2[1, :, 5].any()  # the dead input's weights quantize to 0
+        dead_q = q2[1, :, 5] if zp is None else q2[1, :, 5] - zp[1, :, 5 // 16]
+        assert not dead_q.any()  # the dead input's weights quantize to 0
         if torch.equal(q2, q):
             break
         q, prev = q2, mine
     else:
         raise AssertionError("coordinate descent did not settle in 40 sweeps")
-    base = _damped_error(w, q, scale, h, damp)
+    base = _damped_error(w, q, scale, h, damp, zp)
     for e in range(2):
         for j in range(k):
             for step in (-1, 1):
                 moved = q.clone()
                 moved[e, :, j] = (moved[e, :, j] + step).clamp(-8, 7)
-                assert _damped_error(w[e:e + 1], moved[e:e + 1], scale[e:e + 1], h[e:e + 1], damp[e:e + 1])[0] \
-                    >= base[e] * (1 - 1e-6)
+                assert _damped_error(w[e:e + 1], moved[e:e + 1], scale[e:e + 1], h[e:e + 1], damp[e:e + 1],
+                                     None if zp is None else zp[e:e + 1])[0] >= base[e] * (1 - 1e-6)
 
 
 def test_refine_codes_blocking_changes_nothing(cd_path):

@@ -86,23 +86,25 @@ def test_rtn_rejects_indivisible_group():
         rtn(torch.randn(4, 48), 4, 32)
 
 
-def test_rtn_mse_is_the_searched_definition_and_never_worse():
-    """rtn(scale_search="mse") equals quantize(w, choose_qparams_mse(w)) exactly, with error <= min/max's per
-    matrix; asymmetric schemes refuse it."""
-    import pytest as _pytest
-
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_rtn_mse_is_the_searched_definition_and_never_worse(symmetric):
+    """rtn(scale_search="mse") equals quantize(w, choose_qparams_mse(w)) exactly (scales and, asymmetric, zero
+    points), with error <= min/max's per matrix and lower in some; packed or not, the same parameters."""
     from quantkit.quant.int4 import choose_qparams_mse, quantize, rtn
 
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(3, 40, 128, generator=g) * torch.rand(3, 40, 1, generator=g)).to(torch.bfloat16)
     w[0, 0, :32] = 0  # an all-zero group
     w[1, 2, 5] = 40.0  # an outlier that clipping would ruin
-    res = rtn(w, 4, 32, True, torch.bfloat16, scale_search="mse")
-    qp = choose_qparams_mse(w, 4, 32, True, torch.bfloat16)
+    res = rtn(w, 4, 32, symmetric, torch.bfloat16, scale_search="mse")
+    qp = choose_qparams_mse(w, 4, 32, symmetric, torch.bfloat16)
     assert torch.equal(res.q, quantize(w, qp)) and torch.equal(res.qparams.scale, qp.scale)
-    base = rtn(w, 4, 32, True, torch.bfloat16)
+    assert (qp.zero_point is None) == symmetric
+    if not symmetric:
+        assert torch.equal(res.qparams.zero_point, qp.zero_point)
+    base = rtn(w, 4, 32, symmetric, torch.bfloat16)
     assert bool((res.noise <= base.noise * (1 + 1e-6)).all()) and bool((res.noise < base.noise).any())
-    packed = rtn(w, 4, 32, True, torch.bfloat16, pack=True, scale_search="mse")
+    packed = rtn(w, 4, 32, symmetric, torch.bfloat16, pack=True, scale_search="mse")
     assert torch.equal(packed.qparams.scale, qp.scale) and torch.equal(packed.noise, res.noise)
-    with _pytest.raises(ValueError, match="symmetric"):
-        rtn(w, 4, 32, False, torch.bfloat16, scale_search="mse")
+    with pytest.raises(ValueError, match="amax or mse"):
+        rtn(w, 4, 32, symmetric, torch.bfloat16, scale_search="best")
