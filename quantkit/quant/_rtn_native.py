@@ -12,9 +12,10 @@ so packed words, scales and zero points are bit-identical to the torch path (tes
 the error sums are accumulated in float64 (the torch path sums rows in float32), so SQNR may differ
 in its last digits.
 
-`mse_scales` is `choose_qparams_mse`'s clipping search the same way: per group, every candidate scale's
-codes and weighted error in one cache-resident loop (the torch path makes ~8 passes over the whole tensor
-per candidate). The candidates and codes are the torch path's; the error sums are float64.
+`mse_scales` (symmetric) and `mse_qparams_asym` (asymmetric: scales and zero points) are
+`choose_qparams_mse`'s clipping search the same way: per group, every candidate's codes and weighted error
+in one cache-resident loop (the torch path makes ~8 passes over the whole tensor per candidate). The
+candidates and codes are the torch path's; the error sums are float64.
 
 Import is lazy and optional: without numba (or with QUANTKIT_NATIVE=0) `rtn` uses the torch path.
 """
@@ -302,3 +303,77 @@ def mse_scales(w, widx, wt, g, ratios, scale_mode, half, qmin, qmax, sc, bad):
         _mse_rows(w, widx, wt, 128, ratios, scale_mode, half, qmin, qmax, sc, bad)
     else:
         _mse_rows(w, widx, wt, g, ratios, scale_mode, half, qmin, qmax, sc, bad)
+
+
+@njit(nogil=True, inline="always")
+def _mse_group_asym(x, o, g, wr, lo, hi, ratios, scale_mode, qmin, qmax, span, ebuf, tmp, tmpu, out):
+    """The asymmetric clipping of group x[o:o+g] with the least weighted squared error (quant/int4.py
+    _mse_asymmetric): each candidate range [lo r, hi r] gives s = stored((hi - lo) r / span) (1 where not
+    above float32's tiny) and zp = clamp(qmin - rint(lo r / s)); codes clamp(rint(w / s) + zp), error
+    (((q - zp) s - w)^2 * wr) per element in float32, summed in float64; the first of equal errors is kept.
+    out[0], out[1]: the chosen scale and zero point."""
+    tiny = np.float32(1.1754943508222875e-38)
+    best_e = 0.0
+    for ri in range(ratios.shape[0]):
+        r = ratios[ri]
+        s = _round_scale((hi - lo) * r / span, scale_mode, tmp, tmpu)
+        if not (s > tiny):
+            s = np.float32(1.0)
+        z = qmin - _rint(lo * r / s)
+        z = qmin if z < qmin else z
+        z = qmax if z > qmax else z
+        for j in range(g):
+            v = x[o + j]
+            q = _rint(v / s) + z
+            q = qmin if q < qmin else q
+            q = qmax if q > qmax else q
+            d = (q - z) * s - v
+            ebuf[j] = d * d * wr[o + j]
+        e = _sum64(ebuf[:g])
+        if ri == 0 or e < best_e:
+            out[0], out[1], best_e = s, z, e
+
+
+@njit(nogil=True)
+def _mse_rows_asym(w, widx, wt, g, ratios, scale_mode, qmin, qmax, sc, zp, bad):
+    qmin, qmax = np.float32(qmin), np.float32(qmax)  # float32 arithmetic throughout
+    span = qmax - qmin
+    r_total, k = w.shape
+    tmp = np.empty(1, np.float32)
+    tmpu = tmp.view(np.uint32)
+    ebuf = np.empty(g, np.float32)
+    out = np.empty(2, np.float32)
+    for r in range(r_total):
+        x = w[r]
+        wr = wt[widx[r]]
+        for gi in range(k // g):
+            o = gi * g
+            lo = np.float32(0.0)
+            hi = np.float32(0.0)
+            finite = True
+            for j in range(o, o + g):
+                v = x[j]
+                finite = finite and abs(v) < np.float32(np.inf)  # False for Inf and NaN
+                lo = v if v < lo else lo
+                hi = v if v > hi else hi
+            if not finite:
+                bad[r] = True
+                sc[r, gi] = np.float32(1.0)
+                zp[r, gi] = 0
+                continue
+            _mse_group_asym(x, o, g, wr, lo, hi, ratios, scale_mode, qmin, qmax, span, ebuf, tmp, tmpu, out)
+            sc[r, gi] = out[0]
+            zp[r, gi] = np.int32(out[1])
+
+
+@njit(nogil=True)
+def mse_qparams_asym(w, widx, wt, g, ratios, scale_mode, qmin, qmax, sc, zp, bad):
+    """choose_qparams_mse's asymmetric scales sc [R, G] float32 and zero points zp [R, G] int32 for float32
+    rows w [R, K] in groups of g, as `mse_scales` for symmetric ones (weights wt[widx[r]], bad[r] for a row
+    holding Inf or NaN: the caller takes the torch path)."""
+    if g == 32:
+        _mse_rows_asym(w, widx, wt, 32, ratios, scale_mode, qmin, qmax, sc, zp, bad)
+    elif g == 128:
+        _mse_rows_asym(w, widx, wt, 128, ratios, scale_mode, qmin, qmax, sc, zp, bad)
+    else:
+        _mse_rows_asym(w, widx, wt, g, ratios, scale_mode, qmin, qmax, sc, zp, bad)

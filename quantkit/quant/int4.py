@@ -96,10 +96,10 @@ def choose_qparams_mse(w: torch.Tensor, num_bits: int = 4, group_size: int | Non
     bf16 or float32 scales, finite weights, `weight` None or one row of K per leading index or for all):
     the same candidates and codes; its error sums are float64 where these are float32, so where two
     candidates' errors agree to float32 rounding the other may be chosen. `native=False`: this torch path."""
-    if symmetric and native:
-        fast = _mse_native(w, num_bits, group_size, scale_dtype, weight, ratios)
+    if native:
+        fast = _mse_native(w, num_bits, group_size, scale_dtype, weight, ratios, symmetric)
         if fast is not None:
-            return QParams(fast, None)
+            return fast
     if not symmetric:
         return _mse_asymmetric(w, num_bits, group_size, scale_dtype, weight, ratios)
     base = choose_qparams(w, num_bits, group_size, symmetric, scale_dtype)
@@ -148,9 +148,10 @@ def _mse_asymmetric(w: torch.Tensor, num_bits: int, group_size: int | None, scal
 
 
 def _mse_native(w: torch.Tensor, num_bits: int, group_size: int | None, scale_dtype: torch.dtype,
-                weight: torch.Tensor | None, ratios: tuple[float, ...]) -> torch.Tensor | None:
-    """choose_qparams_mse's scales [..., N, G] from the compiled search, or None where it does not apply
-    (not on the CPU, no kernel, another scale dtype, a weight of another shape, a non-finite weight)."""
+                weight: torch.Tensor | None, ratios: tuple[float, ...], symmetric: bool = True) -> QParams | None:
+    """choose_qparams_mse's qparams (scales [..., N, G], asymmetric also zero points) from the compiled search,
+    or None where it does not apply (not on the CPU, no kernel, another scale dtype, a weight of another
+    shape, a non-finite weight)."""
     k = w.shape[-1]
     if (w.device.type != "cpu" or w.ndim < 2 or k == 0 or scale_dtype not in (torch.float32, torch.bfloat16)
             or (weight is not None and (weight.device.type != "cpu"
@@ -172,11 +173,19 @@ def _mse_native(w: torch.Tensor, num_bits: int, group_size: int | None, scale_dt
     sc = torch.empty(rows.shape[0], k // g, dtype=torch.float32)
     bad = torch.zeros(rows.shape[0], dtype=torch.bool)
     mode = mod.SCALE_F32 if scale_dtype == torch.float32 else mod.SCALE_BF16
-    consts = (widx.numpy(), wt.numpy(), g, torch.tensor(ratios, dtype=torch.float32).numpy(), mode,
-              float((qmax - qmin) / 2), float(qmin), float(qmax))
-    if not run_rows(mod.mse_scales, rows.numpy(), consts, (sc.numpy(), bad.numpy()), per_row=(0,)) or bad.any():
+    ratios_np = torch.tensor(ratios, dtype=torch.float32).numpy()
+    if symmetric:
+        consts = (widx.numpy(), wt.numpy(), g, ratios_np, mode, float((qmax - qmin) / 2), float(qmin), float(qmax))
+        outs, zp = (sc.numpy(), bad.numpy()), None
+        fn = mod.mse_scales
+    else:
+        zp = torch.empty(rows.shape[0], k // g, dtype=torch.int32)
+        consts = (widx.numpy(), wt.numpy(), g, ratios_np, mode, float(qmin), float(qmax))
+        outs, fn = (sc.numpy(), zp.numpy(), bad.numpy()), mod.mse_qparams_asym
+    if not run_rows(fn, rows.numpy(), consts, outs, per_row=(0,)) or bad.any():
         return None
-    return sc.reshape(*w.shape[:-1], k // g)
+    shape = (*w.shape[:-1], k // g)
+    return QParams(sc.reshape(shape), None if zp is None else zp.reshape(shape))
 
 
 def quantize(w: torch.Tensor, qp: QParams, num_bits: int = 4) -> torch.Tensor:

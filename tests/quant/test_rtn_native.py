@@ -163,46 +163,55 @@ def test_kernel_failure_falls_back_to_torch_path(monkeypatch):
 
 # --- choose_qparams_mse: the compiled clipping search against its torch path ---
 
-def _group_errors(w, scale, group_size, weight, num_bits=4):
-    """Each group's weighted squared error under `scale` [..., N, G], in float64 (an independent sum)."""
+def _group_errors(w, scale, group_size, weight, num_bits=4, zp=None):
+    """Each group's weighted squared error under `scale` [..., N, G] (and zero points zp), in float64 (an
+    independent sum)."""
     from quantkit.quant.int4 import _grouped, qrange
 
     qmin, qmax = qrange(num_bits)
     wg = _grouped(w.double(), group_size)
     s = scale.double().unsqueeze(-1)
-    d = ((wg / s).round().clamp(qmin, qmax) * s - wg).square()
+    z = 0 if zp is None else zp.double().unsqueeze(-1)
+    d = (((wg / s).round() + z).clamp(qmin, qmax).sub(z) * s - wg).square()
     if weight is not None:
         d = d * _grouped(weight.double().unsqueeze(-2), group_size)
     return d.sum(-1)
 
 
-def _assert_mse_agrees(w, group_size, weight, scale_dtype=torch.bfloat16, num_bits=4):
-    """The compiled search ran and chose torch's scale in every group, except where the two choices' errors
-    are equal to float32 rounding (the sums differ: float64 there, float32 here)."""
+def _assert_mse_agrees(w, group_size, weight, scale_dtype=torch.bfloat16, num_bits=4, symmetric=True):
+    """The compiled search ran and chose torch's scale (and zero point) in every group, except where the two
+    choices' errors are equal to float32 rounding (the sums differ: float64 there, float32 here)."""
     from quantkit.quant.int4 import _mse_native, choose_qparams_mse, MSE_RATIOS
 
-    assert _mse_native(w, num_bits, group_size, scale_dtype, weight, MSE_RATIOS) is not None
-    fast = choose_qparams_mse(w, num_bits, group_size, True, scale_dtype, weight=weight).scale
-    ref = choose_qparams_mse(w, num_bits, group_size, True, scale_dtype, weight=weight, native=False).scale
-    assert fast.shape == ref.shape and fast.dtype == ref.dtype
-    differ = fast != ref
+    assert _mse_native(w, num_bits, group_size, scale_dtype, weight, MSE_RATIOS, symmetric) is not None
+    fast = choose_qparams_mse(w, num_bits, group_size, symmetric, scale_dtype, weight=weight)
+    ref = choose_qparams_mse(w, num_bits, group_size, symmetric, scale_dtype, weight=weight, native=False)
+    assert fast.scale.shape == ref.scale.shape and fast.scale.dtype == ref.scale.dtype
+    assert (fast.zero_point is None) == (ref.zero_point is None) == symmetric
+    differ = fast.scale != ref.scale
+    if not symmetric:
+        assert fast.zero_point.dtype == ref.zero_point.dtype == torch.int32
+        differ |= fast.zero_point != ref.zero_point
     if differ.any():
-        ef, er = _group_errors(w, fast, group_size, weight, num_bits), _group_errors(w, ref, group_size, weight, num_bits)
+        ef = _group_errors(w, fast.scale, group_size, weight, num_bits, fast.zero_point)
+        er = _group_errors(w, ref.scale, group_size, weight, num_bits, ref.zero_point)
         assert torch.allclose(ef[differ], er[differ], rtol=1e-5, atol=0), "a different scale with a different error"
     assert differ.float().mean() < 1e-3
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group_size", [32, 64, 128, None])
-def test_mse_search_matches_torch_path(group_size, scale_dtype):
+def test_mse_search_matches_torch_path(group_size, scale_dtype, symmetric):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(3, 40, 256, generator=g) * torch.rand(3, 40, 1, generator=g)
     w[0, :, ::7] *= 6.0  # heavy tails: clipping pays off in many groups
     w[1, 3, :64] = 0.0  # all-zero groups: scale 1
+    w[2, :20] += 0.5 * w[2, :20].abs().amax(-1, keepdim=True)  # off-centre rows: zero points away from the middle
     diag = torch.rand(3, 256, generator=g) + 0.05
-    _assert_mse_agrees(w, group_size, diag, scale_dtype)  # one weight row per expert (GPTQ's Hessian diagonal)
-    _assert_mse_agrees(w, group_size, diag[0], scale_dtype)  # one for every row
-    _assert_mse_agrees(w[1], group_size, None, scale_dtype)  # unweighted, 2-D
+    _assert_mse_agrees(w, group_size, diag, scale_dtype, symmetric=symmetric)  # one weight row per expert
+    _assert_mse_agrees(w, group_size, diag[0], scale_dtype, symmetric=symmetric)  # one for every row
+    _assert_mse_agrees(w[1], group_size, None, scale_dtype, symmetric=symmetric)  # unweighted, 2-D
 
 
 def test_mse_search_8_bit_and_odd_width():
@@ -212,30 +221,35 @@ def test_mse_search_8_bit_and_odd_width():
     _assert_mse_agrees(w[:, :48], None, torch.rand(48, generator=g))  # per channel, width 48
 
 
-def test_mse_search_gptq_scales_match_torch_path(monkeypatch):
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("actorder", [True, False])
+def test_mse_search_gptq_scales_match_torch_path(monkeypatch, actorder, symmetric):
     """GPTQ with `observer: mse` (its scale picks through the compiled search) gives the same result as
-    with the torch search."""
+    with the torch search: static groups picked up front (act-order) and groups picked in the sweep."""
     from quantkit.quant import gptq as G
 
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(4, 64, 128, generator=g)
+    w = torch.randn(4, 64, 128, generator=g) + (0 if symmetric else 0.3)
     x = torch.randn(4, 512, 128, generator=g)
     h = torch.bmm(x.transpose(1, 2), x) / 256
-    fast = G.gptq(w, h, 4, 32, actorder=True, observer="mse")
+    fast = G.gptq(w, h, 4, 32, symmetric, actorder=actorder, observer="mse")
     monkeypatch.setattr(G, "choose_qparams_mse", lambda *a, **k: int4.choose_qparams_mse(*a, **k, native=False))
-    ref = G.gptq(w, h, 4, 32, actorder=True, observer="mse")
+    ref = G.gptq(w, h, 4, 32, symmetric, actorder=actorder, observer="mse")
     assert torch.equal(fast.qparams.scale, ref.qparams.scale) and torch.equal(fast.q, ref.q)
+    if not symmetric:
+        assert torch.equal(fast.qparams.zero_point, ref.qparams.zero_point)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_mse_search_non_finite_takes_torch_path(bad):
+def test_mse_search_non_finite_takes_torch_path(bad, symmetric):
     from quantkit.quant.int4 import _mse_native, choose_qparams_mse, MSE_RATIOS
 
     w = torch.randn(8, 64)
     w[5, 9] = bad
-    assert _mse_native(w, 4, 32, torch.bfloat16, None, MSE_RATIOS) is None
-    got = choose_qparams_mse(w, 4, 32).scale
-    ref = choose_qparams_mse(w, 4, 32, native=False).scale
+    assert _mse_native(w, 4, 32, torch.bfloat16, None, MSE_RATIOS, symmetric) is None
+    got = choose_qparams_mse(w, 4, 32, symmetric).scale
+    ref = choose_qparams_mse(w, 4, 32, symmetric, native=False).scale
     assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num())
 
 
@@ -249,11 +263,15 @@ def test_mse_search_cases_it_hands_back():
         _mse_native(w, 4, 48, torch.bfloat16, None, MSE_RATIOS)
 
 
-def test_mse_search_kernel_failure_falls_back(monkeypatch):
+@pytest.mark.parametrize("kernel, symmetric", [("mse_scales", True), ("mse_qparams_asym", False)])
+def test_mse_search_kernel_failure_falls_back(monkeypatch, kernel, symmetric):
     from quantkit.quant.int4 import choose_qparams_mse
 
-    break_kernel(monkeypatch, int4, "mse_scales")
+    break_kernel(monkeypatch, int4, kernel)
     w = torch.randn(16, 64)
     with pytest.warns(UserWarning, match="fused RTN kernel unavailable"):
-        got = choose_qparams_mse(w, 4, 32).scale
-    assert torch.equal(got, choose_qparams_mse(w, 4, 32, native=False).scale) and int4._NATIVE is False
+        got = choose_qparams_mse(w, 4, 32, symmetric)
+    ref = choose_qparams_mse(w, 4, 32, symmetric, native=False)
+    assert torch.equal(got.scale, ref.scale) and int4._NATIVE is False
+    if not symmetric:
+        assert torch.equal(got.zero_point, ref.zero_point)
