@@ -1,16 +1,20 @@
 """Quality of INT4 expert quantization on *trained* tiny MoEs (bench/fixture.py): held-out perplexity and
 mean next-token KL(bf16 || quantized) for BF16, RTN, GPTQ and AWQ (and their variants) at group 32 and 128,
 all through the real pipeline (`quantkit convert` with a recipe, then transformers loading the written
-checkpoint).
+checkpoint; outputs transformers cannot load as written, asymmetric or NVFP4 experts, as `verify` measures
+them: the BF16 model with quantkit's dequantized weights).
 
 Optionally, side by side on the same model, the same calibration token ids and the same targets (the routed
 experts), the peers run in a separate venv (`--peer-python`, bench/setup_peers.sh): llm-compressor's
 `oneshot` GPTQ (W4A16, same group size; `llmc` with its default moe_calibrate_all_experts, `llmc-routed`
-without it) and auto-round's default W4A16 recipe (`autoround`).
+without it) and auto-round's default W4A16 recipe (`autoround`; `autoround-asym`: the same with sym=False, its
+zero points; auto-round 0.15.1 cannot export those to compressed-tensors, so its result after quantize() is
+written as the source with each module's weights dequantized from its own codes, fp16 scales and zero points).
 
     python bench/quality.py [--fixtures default skewed] [--groups 32 128] [--methods rtn gptq gptq-mse-aff]
                             [--num-samples 64] [--eval-windows 2048] [--fp4 nvfp4 mxfp4]
-                            [--peer-python bench/.cache/peer-venv/bin/python --peers llmc llmc-routed autoround]
+                            [--peer-python bench/.cache/peer-venv/bin/python --peers llmc llmc-routed autoround
+                             autoround-asym]
 
 Fixtures: `default` (8 experts, top-2) and `skewed` (32 experts, top-4, trained without a balancing loss;
 expert width 64, so no group 128), `skewed128` (the same with expert width 128).
@@ -63,7 +67,7 @@ def recipe_yaml(method: str, group: int | str) -> str:
     affinity), "affN" (the same over the router's top-N experts per token; "affNk": N times the router's
     top-k), "refit" (GPTQ, INT4: `refit_scales: true`, each row's group scales refitted to its codes) or
     "cdN" (GPTQ, INT4: `refine_sweeps: N`, N coordinate-descent sweeps over the codes; "cd": one), "dampX"
-    (GPTQ: `damp: X`),
+    (GPTQ: `damp: X`), "asym" (an asymmetric scheme: a zero point per group),
     "hoN" (GPTQ: `holdout: N`), "noact" (GPTQ: `actorder: false`), "balN" / "poolM" (GPTQ: `balance_tokens: N`,
     `balance_pool: M`; the pool comes from the rows `--calib-extra` adds), "fitP" (GPTQ: `fit_unquantized: P/100`):
     e.g. gptq-mse-aff-refit-cd2."""
@@ -71,8 +75,11 @@ def recipe_yaml(method: str, group: int | str) -> str:
     gptq = {"damp": "0.01", "actorder": "true", "block_size": "128"}
     opts = {"gptq": gptq, "awq": {"n_grid": "20"}, "rtn": {}}[base]
     search = None
+    symmetric = "true"
     for m in mods:
-        if m == "mse" and base == "gptq":
+        if m == "asym":
+            symmetric = "false"
+        elif m == "mse" and base == "gptq":
             opts["observer"] = "mse"
         elif m == "mse" and base == "rtn":
             search = "mse"
@@ -100,7 +107,7 @@ def recipe_yaml(method: str, group: int | str) -> str:
         else:
             raise SystemExit(f"unknown method {method!r}")
     opts = ("    options: {" + ", ".join(f"{k}: {v}" for k, v in opts.items()) + "}\n") if opts else ""
-    scheme = FP4_SCHEMES.get(str(group)) or (f"{{num_bits: 4, type: int, symmetric: true, strategy: group, "
+    scheme = FP4_SCHEMES.get(str(group)) or (f"{{num_bits: 4, type: int, symmetric: {symmetric}, strategy: group, "
                                              f"group_size: {group}}}")
     if search:
         scheme = scheme[:-1] + f", scale_search: {search}}}"
@@ -222,6 +229,7 @@ PEER_AUTOROUND = textwrap.dedent("""
     from transformers import AutoModelForCausalLM
     from auto_round import AutoRound
     src, out, calib, group, seq_len = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    sym = sys.argv[6:] != ["asym"]
     data = [torch.tensor([json.loads(l)["input_ids"][:seq_len]]) for l in open(calib)]
 
     class ByteIds:  # the fixture is byte-level and ships no tokenizer: the calibration data are ids already
@@ -231,16 +239,45 @@ PEER_AUTOROUND = textwrap.dedent("""
 
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-    ar = AutoRound(model, tokenizer=ByteIds(), scheme="W4A16", group_size=group, sym=True, dataset=data,
+    ar = AutoRound(model, tokenizer=ByteIds(), scheme="W4A16", group_size=group, sym=sym, dataset=data,
                    nsamples=len(data), seqlen=seq_len, device_map="cpu",
                    layer_config={"self_attn": {"bits": 16}, "lm_head": {"bits": 16}})
-    ar.quantize_and_save(out, format="llm_compressor")
-    import pathlib, shutil  # it writes into a subfolder named after the scheme (out/model-w4g128/)
-    made = next(p.parent for p in pathlib.Path(out).rglob("config.json"))
-    if made != pathlib.Path(out):
-        for f in made.iterdir():
-            shutil.move(str(f), out)
-        made.rmdir()
+    import pathlib, shutil
+    if sym:
+        ar.quantize_and_save(out, format="llm_compressor")
+        # it writes into a subfolder named after the scheme (out/model-w4g128/)
+        made = next(p.parent for p in pathlib.Path(out).rglob("config.json"))
+        if made != pathlib.Path(out):
+            for f in made.iterdir():
+                shutil.move(str(f), out)
+            made.rmdir()
+    else:
+        # auto-round 0.15.1's compressed-tensors export stops on asymmetric zero points ("Tensor must be
+        # quantized to torch.int8 before packing"), so its result is written as it stands after quantize():
+        # each module's codes q = round(w / scale) (its weight is q * scale in bf16) against its own fp16
+        # scales, with the unsigned code q + zp checked to lie in [0, 15]; the source's shards are copied
+        # with those weights, dequantized in float32, in place of the routed experts'
+        from safetensors.torch import load_file, save_file
+        qmodel, _ = ar.quantize()
+        deq = {}
+        for name, mod in qmodel.named_modules():
+            if hasattr(mod, "scale") and hasattr(mod, "zp"):
+                w, sc = mod.weight.detach().float(), mod.scale.detach().float()
+                n_, k_ = w.shape
+                q = (w.view(n_, sc.shape[1], -1) / sc[..., None]).round()
+                u = q + mod.zp.detach().float().reshape(n_, -1)[..., None]
+                assert bool(((u >= 0) & (u <= 15)).all()), name
+                deq[name + ".weight"] = (q * sc[..., None]).reshape(n_, k_)
+        assert deq, "no quantized module"
+        pathlib.Path(out).mkdir(parents=True, exist_ok=True)
+        for f in pathlib.Path(src).iterdir():
+            if f.suffix == ".safetensors":
+                t = load_file(str(f))
+                t.update({k: v for k, v in deq.items() if k in t})
+                save_file(t, str(pathlib.Path(out) / f.name), metadata={"format": "pt"})
+            else:
+                shutil.copy(f, out)
+        print(f"{len(deq)} modules dequantized", file=sys.stderr)
 """) + _REPORT
 
 # llm-compressor's NVFP4 weights-only preset (its NVFP4 examples' QuantizationModifier: min-max scales,
@@ -266,7 +303,8 @@ PEER_NVFP4 = textwrap.dedent("""
 # the peers beside each INT4 group: (tool, method label, script, extra argument)
 PEERS = {"llmc": ("llm-compressor", "gptq", PEER, "all"),  # its default: every expert sees every token
          "llmc-routed": ("llm-compressor", "gptq-routed", PEER, "routed"),
-         "autoround": ("auto-round", "autoround", PEER_AUTOROUND, None)}
+         "autoround": ("auto-round", "autoround", PEER_AUTOROUND, None),
+         "autoround-asym": ("auto-round", "autoround-asym", PEER_AUTOROUND, "asym")}  # its recipe, sym=False
 
 
 def run_child(cmd: list[str]) -> dict | None:
