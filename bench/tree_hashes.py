@@ -121,6 +121,7 @@ def _cases(src: dict[str, Path], work: Path):
     # searched scales, affinity statistics, refitted scales, sweeps, the held-out check; and the fit
     yield "qwen3-gptq-plus", [["convert", src["qwen3_moe"], "{out}", "--recipe", "int4-experts-gptq-plus", *CAL16]]
     yield "deepseek-gptq-fit", [["convert", src["deepseek_v3"], "{out}", "--recipe", "int4-experts-gptq-fit", *CAL16]]
+    yield "deepseek-gptq-asym", [["convert", src["deepseek_v3"], "{out}", "--recipe", "int4-experts-gptq-asym", *CAL16]]
     yield "mixtral-rtn", [["convert", src["mixtral"], "{out}", "--recipe", "int4-experts-rtn"]]
     yield "mixtral-gptq", [["convert", src["mixtral"], "{out}", "--recipe", "int4-experts-gptq", *CAL]]
     yield "mixtral-asym", [["convert", src["mixtral"], "{out}", "--recipe", str(src["asym-recipe"])]]

@@ -253,42 +253,56 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
     groups = k // gs
     scale = torch.empty(e, n, groups, device=dev)
     zp = None if symmetric else torch.empty(e, n, groups, dtype=torch.int32, device=dev)
+    # Qt holds each column's codes less its zero point during the sweep (asymmetric: clamped to [qmin - z,
+    # qmax - z], the same integers as clamp(round(w / s) + z) - z), the zero points added block by block
     Qt = torch.empty(e, k, n, device=dev)
-    cur_s = cur_z = None
+    cur_s = cur_lo = cur_hi = None
     if static is not None:  # [E, G, N]: a visited column's scales (and zero points) are one row per expert
-        ar = torch.arange(e, device=dev)
+        ar = torch.arange(e, device=dev)[:, None]
         s_rows = static.scale.transpose(1, 2).contiguous()
-        z_rows = None if static.zero_point is None else static.zero_point.transpose(1, 2).contiguous()
+        z_rows = None if static.zero_point is None else static.zero_point.transpose(1, 2).float()
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
         W1 = Wt[:, i1:i2]  # [E, B, N], a view: the sweep updates Wt in place
         Err1 = torch.empty_like(W1)
         Hinv1 = U[:, i1:i2, i1:i2]  # [E, B, B]
+        z_blk = None
+        if static is not None:  # the block's columns' scales (and code bounds), gathered once per block
+            g_blk = group_of[:, i1:i2]  # [E, B]
+            s_blk = s_rows[ar, g_blk]  # [E, B, N]
+            if z_rows is not None:
+                z_blk = z_rows[ar, g_blk]
+                lo_blk, hi_blk = qmin - z_blk, qmax - z_blk
         for i in range(i2 - i1):
             col = i1 + i
             if static is None and col % gs == 0:  # group params from the already-updated weights
-                qp = pick(W1[:, i:i + gs].transpose(1, 2).contiguous(), slice(col, col + gs))
-                cur_s, cur_z = qp.scale[..., 0], None if qp.zero_point is None else qp.zero_point[..., 0]
+                qp = pick(Wt[:, col:col + gs].transpose(1, 2).contiguous(), slice(col, col + gs))
+                cur_s = qp.scale[..., 0]
                 scale[:, :, col // gs] = cur_s
                 if zp is not None:
-                    zp[:, :, col // gs] = cur_z
+                    zp[:, :, col // gs] = qp.zero_point[..., 0]
+                    z = qp.zero_point[..., 0].float()
+                    cur_lo, cur_hi = qmin - z, qmax - z
             if static is not None:
-                gidx = group_of[:, col]  # [E]
-                cur_s = s_rows[ar, gidx]
-                cur_z = None if z_rows is None else z_rows[ar, gidx]
+                cur_s = s_blk[:, i]
+                if z_blk is not None:
+                    cur_lo, cur_hi = lo_blk[:, i], hi_blk[:, i]
             wcol = W1[:, i]  # [E, N]
             if quantize_column is not None:
                 q, deq = quantize_column(wcol, cur_s)
                 Qt[:, col] = q.float()
             else:
                 q = torch.div(wcol, cur_s, out=Qt[:, col]).round_()  # the codes, written in place
-                if cur_z is not None:
-                    q.add_(cur_z)
-                q.clamp_(qmin, qmax)
-                deq = (q - cur_z) * cur_s if cur_z is not None else q * cur_s
+                q = q.clamp_(qmin, qmax) if cur_lo is None else q.clamp_(cur_lo, cur_hi)
+                deq = q * cur_s
             err = torch.sub(wcol, deq, out=Err1[:, i]).div_(Ud[:, col, None])  # [E, N]
             if i + 1 < i2 - i1:  # push the error onto the block's later columns
                 W1[:, i + 1:].addcmul_(Hinv1[:, i, i + 1:, None], err[:, None, :], value=-1)
+        if z_blk is not None:
+            Qt[:, i1:i2].add_(z_blk)
+        elif zp is not None and static is None:  # groups picked in the sweep: the natural column order
+            cols = torch.arange(i1, i2, device=dev) // gs
+            Qt[:, i1:i2].add_(zp.index_select(-1, cols).transpose(1, 2))
         if i2 < k:  # lazy batch update of all later columns
             Wt[:, i2:].baddbmm_(U[:, i1:i2, i2:].transpose(1, 2), Err1, alpha=-1)
 

@@ -215,6 +215,29 @@ def test_mse_observer_asymmetric():
     assert torch.equal(r.qparams.scale, want.scale) and torch.equal(r.qparams.zero_point, want.zero_point)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("observer", ["minmax", "mse"])
+def test_channel_scales_without_actorder_see_the_whole_row(observer, symmetric):
+    """Per-channel GPTQ without act-order picks each row's scale (and zero point) when the sweep reaches column
+    0, from the whole row: with blocks narrower than the row it used to see the first block's columns only
+    (min/max: a scale that clips the rest of the row; mse: a shape error)."""
+    from quantkit.quant.int4 import choose_qparams, choose_qparams_mse
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(2, 16, 96, generator=g) * 0.05
+    w[:, :, 80:] *= 4.0  # the row's largest weights lie beyond the first block
+    x = torch.randn(2, 200, 96, generator=g)
+    h = torch.bmm(x.transpose(1, 2), x) / 200
+    r = gptq(w, h, 4, None, symmetric, block_size=32, observer=observer)
+    want = (choose_qparams_mse(w, 4, None, symmetric, weight=torch.diagonal(h, dim1=-2, dim2=-1))
+            if observer == "mse" else choose_qparams(w, 4, None, symmetric))
+    assert torch.equal(r.qparams.scale, want.scale)
+    if not symmetric:
+        assert torch.equal(r.qparams.zero_point, want.zero_point)
+    wide = gptq(w, h, 4, None, symmetric, block_size=96, observer=observer)  # one block: the row was always whole
+    assert torch.equal(wide.qparams.scale, r.qparams.scale)
+
+
 def _hessian(k, n, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, k, generator=g, dtype=torch.float64) @ (torch.randn(k, k, generator=g, dtype=torch.float64)
