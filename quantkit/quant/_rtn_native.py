@@ -12,8 +12,7 @@ so packed words, scales and zero points are bit-identical to the torch path (tes
 the error sums are accumulated in float64 (the torch path sums rows in float32), so SQNR may differ
 in its last digits.
 
-`mse_scales` (symmetric) and `mse_qparams_asym` (asymmetric: scales and zero points) are
-`choose_qparams_mse`'s clipping search the same way: per group, every candidate's codes and weighted error
+`mse_scales` (symmetric, or asymmetric: scales and zero points) is `choose_qparams_mse`'s clipping search the same way: per group, every candidate's codes and weighted error
 in one cache-resident loop (the torch path makes ~8 passes over the whole tensor per candidate). The
 candidates and codes are the torch path's; the error sums are float64.
 
@@ -264,45 +263,62 @@ def _mse_group(x, o, g, wr, base, ratios, scale_mode, qmin, qmax, ebuf, tmp, tmp
 
 
 @njit(nogil=True)
-def _mse_rows(w, widx, wt, g, ratios, scale_mode, half, qmin, qmax, sc, bad):
+def _mse_rows(w, widx, wt, g, ratios, scale_mode, half, qmin, qmax, symmetric, sc, zp, bad):
+    """The clipping search of every group of rows w [R, K]: symmetric (`_mse_group`, from the group's absmax)
+    into sc, or asymmetric (`_mse_group_asym`, from its range with 0 inside) into sc and zp."""
     half, qmin, qmax = np.float32(half), np.float32(qmin), np.float32(qmax)  # float32 arithmetic throughout
+    span = qmax - qmin
     r_total, k = w.shape
     tmp = np.empty(1, np.float32)
     tmpu = tmp.view(np.uint32)
     ebuf = np.empty(g, np.float32)
+    out = np.empty(2, np.float32)
     tiny = np.float32(1.1754943508222875e-38)
     for r in range(r_total):
         x = w[r]
         wr = wt[widx[r]]
         for gi in range(k // g):
             o = gi * g
-            m = np.float32(0.0)
+            m = lo = hi = np.float32(0.0)
             finite = True
-            for j in range(o, o + g):
-                a = abs(x[j])
-                finite = finite and a < np.float32(np.inf)  # False for Inf and NaN
-                m = a if a > m else m
+            if symmetric:
+                for j in range(o, o + g):
+                    a = abs(x[j])
+                    finite = finite and a < np.float32(np.inf)  # False for Inf and NaN
+                    m = a if a > m else m
+            else:
+                for j in range(o, o + g):
+                    v = x[j]
+                    finite = finite and abs(v) < np.float32(np.inf)
+                    lo = v if v < lo else lo
+                    hi = v if v > hi else hi
             if not finite:
                 bad[r] = True
                 sc[r, gi] = np.float32(1.0)
                 continue
-            base = _round_scale(m / half, scale_mode, tmp, tmpu)
-            if not (base > tiny):
-                base = np.float32(1.0)
-            sc[r, gi] = _mse_group(x, o, g, wr, base, ratios, scale_mode, qmin, qmax, ebuf, tmp, tmpu)
+            if symmetric:
+                base = _round_scale(m / half, scale_mode, tmp, tmpu)
+                if not (base > tiny):
+                    base = np.float32(1.0)
+                sc[r, gi] = _mse_group(x, o, g, wr, base, ratios, scale_mode, qmin, qmax, ebuf, tmp, tmpu)
+            else:
+                _mse_group_asym(x, o, g, wr, lo, hi, ratios, scale_mode, qmin, qmax, span, ebuf, tmp, tmpu, out)
+                sc[r, gi] = out[0]
+                zp[r, gi] = np.int32(out[1])
 
 
 @njit(nogil=True)
-def mse_scales(w, widx, wt, g, ratios, scale_mode, half, qmin, qmax, sc, bad):
-    """choose_qparams_mse's symmetric scales for float32 rows w [R, K] in groups of g: sc [R, G] float32;
-    each row r's errors weighted by wt[widx[r]] [K] (rows of ones where unweighted). bad[r]: the row holds
-    Inf or NaN (its scales are not set: the caller takes the torch path)."""
+def mse_scales(w, widx, wt, g, ratios, scale_mode, half, qmin, qmax, symmetric, sc, zp, bad):
+    """choose_qparams_mse's scales sc [R, G] float32 (and, not `symmetric`, zero points zp [R, G] int32; a
+    symmetric search leaves zp as it is) for float32 rows w [R, K] in groups of g; each row r's errors weighted
+    by wt[widx[r]] [K] (rows of ones where unweighted). bad[r]: the row holds Inf or NaN (its scales are not
+    set: the caller takes the torch path)."""
     if g == 32:
-        _mse_rows(w, widx, wt, 32, ratios, scale_mode, half, qmin, qmax, sc, bad)
+        _mse_rows(w, widx, wt, 32, ratios, scale_mode, half, qmin, qmax, symmetric, sc, zp, bad)
     elif g == 128:
-        _mse_rows(w, widx, wt, 128, ratios, scale_mode, half, qmin, qmax, sc, bad)
+        _mse_rows(w, widx, wt, 128, ratios, scale_mode, half, qmin, qmax, symmetric, sc, zp, bad)
     else:
-        _mse_rows(w, widx, wt, g, ratios, scale_mode, half, qmin, qmax, sc, bad)
+        _mse_rows(w, widx, wt, g, ratios, scale_mode, half, qmin, qmax, symmetric, sc, zp, bad)
 
 
 @njit(nogil=True, inline="always")
@@ -332,48 +348,3 @@ def _mse_group_asym(x, o, g, wr, lo, hi, ratios, scale_mode, qmin, qmax, span, e
         e = _sum64(ebuf[:g])
         if ri == 0 or e < best_e:
             out[0], out[1], best_e = s, z, e
-
-
-@njit(nogil=True)
-def _mse_rows_asym(w, widx, wt, g, ratios, scale_mode, qmin, qmax, sc, zp, bad):
-    qmin, qmax = np.float32(qmin), np.float32(qmax)  # float32 arithmetic throughout
-    span = qmax - qmin
-    r_total, k = w.shape
-    tmp = np.empty(1, np.float32)
-    tmpu = tmp.view(np.uint32)
-    ebuf = np.empty(g, np.float32)
-    out = np.empty(2, np.float32)
-    for r in range(r_total):
-        x = w[r]
-        wr = wt[widx[r]]
-        for gi in range(k // g):
-            o = gi * g
-            lo = np.float32(0.0)
-            hi = np.float32(0.0)
-            finite = True
-            for j in range(o, o + g):
-                v = x[j]
-                finite = finite and abs(v) < np.float32(np.inf)  # False for Inf and NaN
-                lo = v if v < lo else lo
-                hi = v if v > hi else hi
-            if not finite:
-                bad[r] = True
-                sc[r, gi] = np.float32(1.0)
-                zp[r, gi] = 0
-                continue
-            _mse_group_asym(x, o, g, wr, lo, hi, ratios, scale_mode, qmin, qmax, span, ebuf, tmp, tmpu, out)
-            sc[r, gi] = out[0]
-            zp[r, gi] = np.int32(out[1])
-
-
-@njit(nogil=True)
-def mse_qparams_asym(w, widx, wt, g, ratios, scale_mode, qmin, qmax, sc, zp, bad):
-    """choose_qparams_mse's asymmetric scales sc [R, G] float32 and zero points zp [R, G] int32 for float32
-    rows w [R, K] in groups of g, as `mse_scales` for symmetric ones (weights wt[widx[r]], bad[r] for a row
-    holding Inf or NaN: the caller takes the torch path)."""
-    if g == 32:
-        _mse_rows_asym(w, widx, wt, 32, ratios, scale_mode, qmin, qmax, sc, zp, bad)
-    elif g == 128:
-        _mse_rows_asym(w, widx, wt, 128, ratios, scale_mode, qmin, qmax, sc, zp, bad)
-    else:
-        _mse_rows_asym(w, widx, wt, g, ratios, scale_mode, qmin, qmax, sc, zp, bad)

@@ -173,19 +173,14 @@ def _mse_native(w: torch.Tensor, num_bits: int, group_size: int | None, scale_dt
     sc = torch.empty(rows.shape[0], k // g, dtype=torch.float32)
     bad = torch.zeros(rows.shape[0], dtype=torch.bool)
     mode = mod.SCALE_F32 if scale_dtype == torch.float32 else mod.SCALE_BF16
-    ratios_np = torch.tensor(ratios, dtype=torch.float32).numpy()
-    if symmetric:
-        consts = (widx.numpy(), wt.numpy(), g, ratios_np, mode, float((qmax - qmin) / 2), float(qmin), float(qmax))
-        outs, zp = (sc.numpy(), bad.numpy()), None
-        fn = mod.mse_scales
-    else:
-        zp = torch.empty(rows.shape[0], k // g, dtype=torch.int32)
-        consts = (widx.numpy(), wt.numpy(), g, ratios_np, mode, float(qmin), float(qmax))
-        outs, fn = (sc.numpy(), zp.numpy(), bad.numpy()), mod.mse_qparams_asym
-    if not run_rows(fn, rows.numpy(), consts, outs, per_row=(0,)) or bad.any():
+    zp = torch.zeros(rows.shape[0], k // g, dtype=torch.int32)  # written by asymmetric searches only
+    consts = (widx.numpy(), wt.numpy(), g, torch.tensor(ratios, dtype=torch.float32).numpy(), mode,
+              float((qmax - qmin) / 2), float(qmin), float(qmax), bool(symmetric))
+    if not run_rows(mod.mse_scales, rows.numpy(), consts, (sc.numpy(), zp.numpy(), bad.numpy()),
+                    per_row=(0,)) or bad.any():
         return None
     shape = (*w.shape[:-1], k // g)
-    return QParams(sc.reshape(shape), None if zp is None else zp.reshape(shape))
+    return QParams(sc.reshape(shape), None if symmetric else zp.reshape(shape))
 
 
 def quantize(w: torch.Tensor, qp: QParams, num_bits: int = 4) -> torch.Tensor:
