@@ -445,7 +445,10 @@ def _refine_blocks(w, q, scale, zp, hd, diag, dead, sweeps: int, block_size: int
     e, n, k = w.shape
     s_t = scale.transpose(1, 2).repeat_interleave(k // scale.shape[-1], dim=1)  # [E, K, N]: each weight's scale
     qt = q.transpose(1, 2).contiguous()  # [E, K, N]
-    gt = torch.bmm(hd, _row_errors(w, q, scale, zp, dead).transpose(1, 2))  # [E, K, N] = Hd E^T
+    ct = qt if zp is None else qt - zp.transpose(1, 2).float().repeat_interleave(k // scale.shape[-1], dim=1)
+    et = torch.empty_like(qt).copy_(w.transpose(1, 2)).masked_fill_(dead[:, :, None], 0.0).addcmul_(ct, s_t, value=-1)
+    gt = torch.bmm(hd, et)  # [E, K, N] = Hd E^T
+    del et, ct
     step = diag[:, :, None] * s_t  # [E, K, N]: Hd_jj s_j, the curvature of the error in code units
     step.masked_fill_(~(step > 0), float("inf"))  # a row without usable scales: its codes stay
     for sweep in range(sweeps):
