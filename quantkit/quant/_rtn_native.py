@@ -324,7 +324,7 @@ def mse_scales(w, widx, wt, g, ratios, scale_mode, half, qmin, qmax, symmetric, 
 @njit(nogil=True, inline="always")
 def _mse_group_asym(x, o, g, wr, lo, hi, ratios, scale_mode, qmin, qmax, span, ebuf, tmp, tmpu, out):
     """The asymmetric clipping of group x[o:o+g] with the least weighted squared error (quant/int4.py
-    _mse_asymmetric): each candidate range [lo r, hi r] gives s = stored((hi - lo) r / span) (1 where not
+    choose_qparams_mse): each candidate range [lo r, hi r] gives s = stored((hi - lo) r / span) (1 where not
     above float32's tiny) and zp = clamp(qmin - rint(lo r / s)); codes clamp(rint(w / s) + zp), error
     (((q - zp) s - w)^2 * wr) per element in float32, summed in float64; the first of equal errors is kept.
     out[0], out[1]: the chosen scale and zero point."""

@@ -100,51 +100,34 @@ def choose_qparams_mse(w: torch.Tensor, num_bits: int = 4, group_size: int | Non
         fast = _mse_native(w, num_bits, group_size, scale_dtype, weight, ratios, symmetric)
         if fast is not None:
             return fast
-    if not symmetric:
-        return _mse_asymmetric(w, num_bits, group_size, scale_dtype, weight, ratios)
-    base = choose_qparams(w, num_bits, group_size, symmetric, scale_dtype)
     wg = _grouped(w.float(), group_size)  # [..., N, G, g]
     wt = None if weight is None else _grouped(weight.float().unsqueeze(-2), group_size)  # [..., 1, G, g]
     qmin, qmax = qrange(num_bits)
     tiny = torch.finfo(torch.float32).tiny
-    best_s, best_e = None, None
+    if symmetric:
+        base = choose_qparams(w, num_bits, group_size, symmetric, scale_dtype).scale
+    else:  # the group's range, 0 inside
+        lo = _reduce_last(wg, torch.minimum).clamp(max=0.0)
+        hi = _reduce_last(wg, torch.maximum).clamp(min=0.0)
+    best = None  # [scale, zero point or None, error], per group
     for r in ratios:
-        sc = (base.scale * r).to(scale_dtype).float()
+        sc = (base * r if symmetric else (hi - lo) * r / (qmax - qmin)).to(scale_dtype).float()
         sc = torch.where(sc > tiny, sc, torch.ones_like(sc))
-        d = (wg / sc.unsqueeze(-1)).round_().clamp_(qmin, qmax).mul_(sc.unsqueeze(-1)).sub_(wg).square_()
-        err = (d if wt is None else d.mul_(wt)).sum(-1)  # [..., N, G]
-        if best_s is None:
-            best_s, best_e = sc, err
+        q = (wg / sc.unsqueeze(-1)).round_()
+        if symmetric:
+            zp = None
+            q.clamp_(qmin, qmax)
         else:
-            better = err < best_e
-            best_s, best_e = torch.where(better, sc, best_s), torch.where(better, err, best_e)
-    return QParams(best_s, None)
-
-
-def _mse_asymmetric(w: torch.Tensor, num_bits: int, group_size: int | None, scale_dtype: torch.dtype,
-                    weight: torch.Tensor | None, ratios: tuple[float, ...]) -> QParams:
-    """choose_qparams_mse for asymmetric schemes (torch ops): each candidate clips the group's range
-    [min, max] (0 inside) to [min * r, max * r], its scale and zero point derived as choose_qparams does."""
-    wg = _grouped(w.float(), group_size)  # [..., N, G, g]
-    wt = None if weight is None else _grouped(weight.float().unsqueeze(-2), group_size)  # [..., 1, G, g]
-    qmin, qmax = qrange(num_bits)
-    tiny = torch.finfo(torch.float32).tiny
-    lo = _reduce_last(wg, torch.minimum).clamp(max=0.0)
-    hi = _reduce_last(wg, torch.maximum).clamp(min=0.0)
-    best = None
-    for r in ratios:
-        sc = ((hi - lo) * r / (qmax - qmin)).to(scale_dtype).float()
-        sc = torch.where(sc > tiny, sc, torch.ones_like(sc))
-        zp = (qmin - torch.round(lo * r / sc)).clamp(qmin, qmax)
-        d = (wg / sc.unsqueeze(-1)).round_().add_(zp.unsqueeze(-1)).clamp_(qmin, qmax).sub_(zp.unsqueeze(-1))
-        d = d.mul_(sc.unsqueeze(-1)).sub_(wg).square_()
+            zp = (qmin - torch.round(lo * r / sc)).clamp(qmin, qmax)
+            q.add_(zp.unsqueeze(-1)).clamp_(qmin, qmax).sub_(zp.unsqueeze(-1))
+        d = q.mul_(sc.unsqueeze(-1)).sub_(wg).square_()
         err = (d if wt is None else d.mul_(wt)).sum(-1)  # [..., N, G]
         if best is None:
             best = [sc, zp, err]
         else:
             better = err < best[2]
-            best = [torch.where(better, new, old) for new, old in zip((sc, zp, err), best)]
-    return QParams(best[0], best[1].to(torch.int32))
+            best = [None if new is None else torch.where(better, new, old) for new, old in zip((sc, zp, err), best)]
+    return QParams(best[0], None if symmetric else best[1].to(torch.int32))
 
 
 def _mse_native(w: torch.Tensor, num_bits: int, group_size: int | None, scale_dtype: torch.dtype,
