@@ -9,6 +9,12 @@ MAX_LISTED = 100  # mismatches / problems listed in full; the rest are counted
 SQNR_CAP_DB = 300.0  # an exact match (inf dB) is reported as this, so the report stays valid JSON
 
 
+def capped_db(db: float) -> float:
+    """An SQNR as verify reports and compares it: an exact match (inf) or an all-zero weight reproduced as zero
+    (0/0, nan) is SQNR_CAP_DB, an all-zero reference alone -SQNR_CAP_DB."""
+    return SQNR_CAP_DB if math.isnan(db) else max(-SQNR_CAP_DB, min(SQNR_CAP_DB, db))
+
+
 @dataclass
 class Check:
     """One pass/fail decision. ok is None when the check was skipped (detail says why)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,7 @@ from ..quant.int4 import sqnr_db
 from ..read.checkpoint import Checkpoint
 from ..read.sources import SourceFormatError, detect_format, scan
 from ..read.tensors import TensorReader
-from .common import SQNR_CAP_DB, Listing
+from .common import Listing, capped_db
 
 KERNEL_MODULES = 4  # modules the kernel check runs the INT4 GEMM on
 # FP8 scales are float32 (docs/format.md); a module passed through from a compressed-tensors source keeps
@@ -412,12 +411,11 @@ def _measure(m: str, entry: dict, mtable: dict, mine: torch.Tensor, ref_reader: 
     if tuple(ref.shape) != (n, k):
         problems.add(f"{m}: the reference weight is {list(ref.shape)}, {says} {[n, k]}")
         return
-    db = float(sqnr_db(ref, mine))
-    # exact (inf) or an all-zero reference and weight (nan) -> the cap; all-zero reference only -> -cap
-    sqnr[m] = SQNR_CAP_DB if math.isnan(db) else max(-SQNR_CAP_DB, min(SQNR_CAP_DB, db))
+    db = capped_db(float(sqnr_db(ref, mine)))
+    sqnr[m] = db
     recorded = entry.get("sqnr_db")
-    if isinstance(recorded, (int, float)) and not isinstance(recorded, bool):
-        drift.append((m, db, float(recorded)))
+    if isinstance(recorded, (int, float)) and not isinstance(recorded, bool):  # the manifest's nan / inf alike
+        drift.append((m, db, capped_db(float(recorded))))
 
 
 def _check_fp8_module(m: str, ck: Checkpoint, groups: list[_Group], ignore: list[str], mtable: dict,
