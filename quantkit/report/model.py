@@ -11,6 +11,7 @@ from ..arch import layer_index
 from ..arch.layout import ATTN, EXPERT
 from ..errors import ConfigError
 from ..pack.manifest import MANIFEST_NAME
+from ..verify.common import SQNR_CAP_DB  # an exact module has infinite SQNR: reports and verify cap it alike
 
 VERIFY_NAME = "verify.json"  # picked up from the output directory when no verify JSON is passed
 DEFAULT_OUTPUT_NAME = "quantkit_report.html"
@@ -31,7 +32,6 @@ MAX_VERIFY_LAYERS = 100_000  # verify.json's per-layer rows drawn
 MAX_FALLBACK_ROWS = 1000  # one row per expert; the rest are counted (all of them are in the manifest)
 MAX_METRICS = 100  # verify's metrics / generation entries shown (it writes ~10)
 ANNOTATE_CELLS = 256  # heatmaps up to this many cells print their values in the cells
-SQNR_CAP_DB = 300.0  # an exact module has infinite SQNR; verify caps at the same value
 FIG_WIDTH_IN = 10.0
 
 # Colours shared by figures and their legends.
