@@ -55,7 +55,8 @@ CANNOT_RUN = (
     (r"No WNA16 MoE backend supports", "INT4 routed experts (W4A16)",
      "no INT4 MoE kernel for this CPU (vLLM's CPU kernel CPUExpertsInt4 needs AMX; zentorch's "
      "ZentorchExpertsInt4 is chosen only on an AMD CPU with AVX-512 with zentorch installed, runs its BF16 "
-     "matmuls with AVX-512 BF16, and takes softmax top-k routing only, not DeepSeek's grouped sigmoid)"),
+     "matmuls with AVX-512 BF16, and takes softmax top-k routing only, not DeepSeek's grouped sigmoid; both "
+     "take symmetric INT4 only, so experts with zero points have no CPU kernel)"),
     # v1/attention/backends/cpu_attn.py _get_attn_isa (seen)
     (r"FP8 KV cache on CPU requires", "an FP8 KV cache", None),
     (r"FP8 KV cache requires head_size divisible by 32", "an FP8 KV cache", None),

