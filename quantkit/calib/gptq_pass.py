@@ -90,10 +90,21 @@ def _solve(w: torch.Tensor, h: torch.Tensor, s, refit: bool = False, refine: int
 def gptq_dense(res: LayerResult, ckpt, disk: str, mod: nn.Linear, g: WeightGroup, st: LinearStats):
     w = mod.weight.detach().float()
     s = g.scheme.for_in_features(w.shape[1])
-    r, grid = _solve(w[None], st.hessian()[None], s, damp=g.options.damp, actorder=g.options.actorder,
+    h = st.hessian()[None]
+    r, grid = _solve(w[None], h, s, damp=g.options.damp, actorder=g.options.actorder,
                      block_size=g.options.block_size, refit=g.options.refit_scales, refine=g.options.refine_sweeps,
                      **({"observer": g.options.observer} if g.options.observer != "minmax" else {}))
     meta = {"method": "gptq", "tokens": st.count, "damping": round(float(r.damping[0]), 6), "fallback": r.fallback[0]}
+    if bool(_unseen(h)[0]):  # as for the experts: GPTQ would zero every weight
+        meta.update(method="rtn", fallback=UNSEEN)
+        if grid is not None:
+            r.q[0] = grid.rtn(w[None], slice(None))[0].to(r.q.device)
+        else:
+            rr = rtn(w[None], s.num_bits, s.group_size, s.symmetric)
+            r.q[0] = rr.q[0].to(r.q.device)
+            r.qparams.scale[0] = rr.qparams.scale[0].to(r.q.device)
+            if r.qparams.zero_point is not None:
+                r.qparams.zero_point[0] = rr.qparams.zero_point[0].to(r.q.device)
     if grid is None:
         deq = dequantize(r.q[0], r.qparams.scale[0], None if r.qparams.zero_point is None else r.qparams.zero_point[0])
         emit(res, disk, r.q[0].cpu(), QParams(r.qparams.scale[0].cpu(), None if r.qparams.zero_point is None
@@ -104,6 +115,14 @@ def gptq_dense(res: LayerResult, ckpt, disk: str, mod: nn.Linear, g: WeightGroup
         emit_tensors(res, disk, grid.tensors(disk, 0, slice(None), r.q[0]), s,
                      {**meta, "sqnr_db": round(float(sqnr_db(w, deq)), 4)})
     mod.weight.data.copy_(deq.to(mod.weight.dtype))
+
+
+UNSEEN = "no input seen (all-zero Hessian): RTN"
+
+
+def _unseen(h: torch.Tensor) -> torch.Tensor:
+    """[E] bool for Hessians h [E, K, K]: the matrices none of whose inputs was ever nonzero (diagonal all 0)."""
+    return (torch.diagonal(h, dim1=-2, dim2=-1) == 0).all(-1)
 
 
 def _all_token_down_hessians(stats: ExpertStats, ids: torch.Tensor) -> torch.Tensor:
@@ -257,7 +276,12 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                     fit = (ab, fit_rows.to(dev, torch.float32) * alpha)
                 r, grid = _solve(w, hb, s, factor_chunk=group, fit=fit, **kw)
                 q, qp = r.q, r.qparams
-                sel = use_rtn[idx.cpu()]
+                # a matrix none of whose inputs was seen (e.g. down_proj behind an all-zero up_proj): GPTQ would
+                # zero every weight (never-seen inputs' weights are dropped); RTN keeps them
+                unseen = _unseen(hb).cpu()
+                rtn_now = use_rtn.clone()
+                rtn_now[idx.cpu()[unseen]] = True
+                sel = rtn_now[idx.cpu()]
                 if sel.any():
                     sel = sel.to(dev)
                     if grid is not None:
@@ -275,7 +299,7 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                         rs, _ = _solve(w[sub], hb[sub], s, factor_chunk=group, fit=fs, **{**kw, "damp": kw["damp"] * factor})
                         return rs.q, rs.qparams, rs.damping
                     pairs = [fit_ho[e][key] if e in fit_ho else (heldout[e][0 if key == "gu" else 1], None) for e in ids]
-                    checks = _heldout_check(w, q, qp, grid, s, parts, ids, use_rtn, [x for x, _ in pairs],
+                    checks = _heldout_check(w, q, qp, grid, s, parts, ids, rtn_now, [x for x, _ in pairs],
                                             retry=retry if grid is None else None, refs=[xr for _, xr in pairs])
                 deq = dequantize(q, qp.scale, qp.zero_point) if grid is None else grid.dequantize(q)  # [c, N, K]
                 if key == "gu" and alpha:  # down_proj's statistics from the quantized gate/up, before write-back
@@ -294,8 +318,9 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                 sh, zh = qp.scale.cpu(), None if qp.zero_point is None else qp.zero_point.cpu()
                 damping, fb = r.damping.tolist(), r.fallback
                 for j, e in enumerate(ids):
-                    meta = {"method": "gptq" if not use_rtn[e] else "rtn", "tokens": int(stats.counts[e]),
-                            "fallback": reasons[e] or fb[j], "damping": round(float(damping[j]), 6)}
+                    meta = {"method": "gptq" if not rtn_now[e] else "rtn", "tokens": int(stats.counts[e]),
+                            "fallback": reasons[e] or (UNSEEN if unseen[j] else fb[j]),
+                            "damping": round(float(damping[j]), 6)}
                     if mode == "affinity":
                         meta["affinity_tokens"] = int(stats.aff_counts[e])
                     if stats.pool_counts[e]:
@@ -305,7 +330,7 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                     for kind, rows in parts:
                         db = sq[kind][j] if sq is not None else float(sqnr_db(w[j, rows], deq[j, rows]))
                         m = {**meta, "sqnr_db": round(db, 4)}
-                        if checks is not None and not use_rtn[e]:
+                        if checks is not None and not rtn_now[e]:
                             m.update(checks[j][kind])
                         if grid is not None:
                             mod = names.module(e, kind)

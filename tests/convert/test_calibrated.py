@@ -112,6 +112,70 @@ def test_asymmetric_fitted_recipe_is_judged_and_beats_asymmetric_rtn(src, calib,
     assert rep.passed, [c for c in rep.checks if c.ok is False]
 
 
+def _zero(src, names):
+    """Set the source tensors `names` to zero in place."""
+    from safetensors.torch import load_file, save_file
+
+    from quantkit.read.checkpoint import Checkpoint
+
+    ck = Checkpoint.open(src)
+    for name in names:
+        shard = src / ck.location[name]
+        t = load_file(str(shard))
+        t[name] = torch.zeros_like(t[name])
+        save_file(t, str(shard), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("scheme", ["{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}",
+                                    "{num_bits: 4, type: int, symmetric: false, strategy: group, group_size: 32}",
+                                    "{num_bits: 4, type: float, symmetric: true, strategy: tensor_group}"])
+def test_a_matrix_whose_inputs_were_never_seen_keeps_its_rtn_weights(calib, tmp_path, scheme):
+    """Expert 3 of layer 1 has an all-zero up_proj, so its down_proj never sees a nonzero input; layer 0's
+    v_proj is all zero, so its o_proj never does. GPTQ drops the weights of inputs never seen, which for such
+    a matrix is every weight: it is quantized by RTN instead (the same codes as an RTN conversion), says so in
+    the manifest, and verify passes (its weight SQNR was 0 dB)."""
+    from quantkit.match.recipe import parse_recipe
+
+    from convert.test_convert import read_all
+
+    src = make_tiny_model("qwen3_moe", tmp_path / "src")
+    _zero(src, ["model.layers.1.mlp.experts.3.up_proj.weight", "model.layers.0.self_attn.v_proj.weight"])
+    experts, attn = json.dumps([r"re:.*mlp\.experts\..*"]), json.dumps([r"re:.*self_attn\.o_proj$"])
+    ignore = json.dumps([r"re:.*\.mlp\.gate$", "lm_head"])
+
+    def recipe(method):
+        opts = "    options: {actorder: true, observer: mse}\n" if method == "gptq" else ""
+        group = f"    method: {method}\n    scheme: {scheme}\n{opts}"
+        return parse_recipe(f"name: t-{method}\ngroups:\n  experts:\n    targets: {experts}\n{group}"
+                            f"  attn:\n    targets: {attn}\n{group}ignore: {ignore}\n")
+
+    convert(src, tmp_path / "q", ConvertOptions(recipe=recipe("gptq"), dataset=str(calib[0])))
+    convert(src, tmp_path / "rtn", ConvertOptions(recipe=recipe("rtn")))
+    if "type: int" in scheme:  # (the FP4 outputs' judge: tests/convert/test_fp4.py)
+        check_against_judge(tmp_path / "q")
+    mine, rtn_, src_sd = read_all(tmp_path / "q"), read_all(tmp_path / "rtn"), read_all(src)
+    m = json.loads((tmp_path / "q" / MANIFEST_NAME).read_text())["tensors"]
+    unseen = ["model.layers.1.mlp.experts.3.down_proj", "model.layers.0.self_attn.o_proj"]
+    for mod in unseen:
+        names = [n for n in mine if n.startswith(mod + ".")]
+        if "type: int" in scheme:
+            assert names and all(torch.equal(mine[n], rtn_[n]) for n in names), mod
+        else:  # the solve's FP4 grid is its own (the global scale from float32 weights): RTN's codes on it
+            from quantkit.quant import fp4
+
+            eff = fp4.effective_scale_nvfp4(mine[mod + ".weight_scale"], mine[mod + ".weight_global_scale"])
+            codes = fp4.quantize_fp4(src_sd[mod + ".weight"].float(), eff)
+            assert torch.equal(mine[mod + ".weight_packed"], fp4.pack_fp4(codes)), mod
+        e = m[mod + ".weight_packed"]
+        assert e["method"] == "rtn" and e["fallback"] == "no input seen (all-zero Hessian): RTN", e
+        assert e["sqnr_db"] > 10
+    # the other matrices of that expert and layer are solved as usual (the held-out check may keep RTN's codes)
+    for mod in ("model.layers.1.mlp.experts.3.gate_proj", "model.layers.1.self_attn.o_proj"):
+        assert m[mod + ".weight_packed"]["fallback"] is None
+    rep = verify(tmp_path / "q", reference=src, num_samples=4, seq_len=32)
+    assert rep.passed, [c for c in rep.checks if c.ok is False]
+
+
 def test_experts_without_tokens_convert_and_are_reported(tmp_path):
     src = make_tiny_model("qwen3_moe", tmp_path / "src", experts=16)
     data = tmp_path / "tiny.jsonl"
