@@ -87,6 +87,20 @@ def _solve(w: torch.Tensor, h: torch.Tensor, s, refit: bool = False, refine: int
     return gptq(w, h, 4, s.group_size, True, static_scale=grid.eff, quantize_column=fp4.quantize_column, **kw), grid
 
 
+def _rtn_into(q: torch.Tensor, qp: QParams, grid, w: torch.Tensor, s, sel: torch.Tensor) -> None:
+    """Replace the solve's codes (and INT4 group parameters) of the matrices `sel` [c] (bool, on q's device)
+    of a batch w [c, N, K] by RTN's: on the solve's FP4 grid, or INT4 RTN of the scheme `s`."""
+    dev = q.device
+    if grid is not None:
+        q[sel] = grid.rtn(w[sel], sel).to(dev)
+        return
+    rr = rtn(w[sel], s.num_bits, s.group_size, s.symmetric)
+    q[sel] = rr.q.to(dev)
+    qp.scale[sel] = rr.qparams.scale.to(dev)
+    if qp.zero_point is not None:
+        qp.zero_point[sel] = rr.qparams.zero_point.to(dev)
+
+
 def gptq_dense(res: LayerResult, ckpt, disk: str, mod: nn.Linear, g: WeightGroup, st: LinearStats):
     w = mod.weight.detach().float()
     s = g.scheme.for_in_features(w.shape[1])
@@ -97,14 +111,7 @@ def gptq_dense(res: LayerResult, ckpt, disk: str, mod: nn.Linear, g: WeightGroup
     meta = {"method": "gptq", "tokens": st.count, "damping": round(float(r.damping[0]), 6), "fallback": r.fallback[0]}
     if bool(_unseen(h)[0]):  # as for the experts: GPTQ would zero every weight
         meta.update(method="rtn", fallback=UNSEEN)
-        if grid is not None:
-            r.q[0] = grid.rtn(w[None], slice(None))[0].to(r.q.device)
-        else:
-            rr = rtn(w[None], s.num_bits, s.group_size, s.symmetric)
-            r.q[0] = rr.q[0].to(r.q.device)
-            r.qparams.scale[0] = rr.qparams.scale[0].to(r.q.device)
-            if r.qparams.zero_point is not None:
-                r.qparams.zero_point[0] = rr.qparams.zero_point[0].to(r.q.device)
+        _rtn_into(r.q, r.qparams, grid, w[None], s, torch.ones(1, dtype=torch.bool, device=r.q.device))
     if grid is None:
         deq = dequantize(r.q[0], r.qparams.scale[0], None if r.qparams.zero_point is None else r.qparams.zero_point[0])
         emit(res, disk, r.q[0].cpu(), QParams(r.qparams.scale[0].cpu(), None if r.qparams.zero_point is None
@@ -283,15 +290,7 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                 rtn_now[idx.cpu()[unseen]] = True
                 sel = rtn_now[idx.cpu()]
                 if sel.any():
-                    sel = sel.to(dev)
-                    if grid is not None:
-                        q[sel] = grid.rtn(w[sel], sel).to(dev)
-                    else:
-                        rr = rtn(w[sel], s.num_bits, s.group_size, s.symmetric)
-                        q[sel] = rr.q.to(dev)
-                        qp.scale[sel] = rr.qparams.scale.to(dev)
-                        if qp.zero_point is not None:
-                            qp.zero_point[sel] = rr.qparams.zero_point.to(dev)
+                    _rtn_into(q, qp, grid, w, s, sel.to(dev))
                 checks = None
                 if heldout is not None:
                     def retry(sub: list[int], factor: float):  # called within this iteration only
