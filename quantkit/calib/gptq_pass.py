@@ -324,7 +324,7 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                         meta["affinity_tokens"] = int(stats.aff_counts[e])
                     if stats.pool_counts[e]:
                         meta["pool_tokens"] = int(stats.pool_counts[e])  # of `tokens`, from the top-up pool
-                    if fitted[e]:
+                    if fitted[e] and not unseen[j]:
                         meta["fit_unquantized"] = alpha  # solved against the unquantized model's outputs
                     for kind, rows in parts:
                         db = sq[kind][j] if sq is not None else float(sqnr_db(w[j, rows], deq[j, rows]))

@@ -126,14 +126,16 @@ def _zero(src, names):
         save_file(t, str(shard), metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("scheme", ["{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}",
-                                    "{num_bits: 4, type: int, symmetric: false, strategy: group, group_size: 32}",
-                                    "{num_bits: 4, type: float, symmetric: true, strategy: tensor_group}"])
-def test_a_matrix_whose_inputs_were_never_seen_keeps_its_rtn_weights(calib, tmp_path, scheme):
+@pytest.mark.parametrize("scheme, fit", [
+    ("{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}", False),
+    ("{num_bits: 4, type: int, symmetric: false, strategy: group, group_size: 32}", True),
+    ("{num_bits: 4, type: float, symmetric: true, strategy: tensor_group}", False)])
+def test_a_matrix_whose_inputs_were_never_seen_keeps_its_rtn_weights(calib, tmp_path, scheme, fit):
     """Expert 3 of layer 1 has an all-zero up_proj, so its down_proj never sees a nonzero input; layer 0's
     v_proj is all zero, so its o_proj never does. GPTQ drops the weights of inputs never seen, which for such
     a matrix is every weight: it is quantized by RTN instead (the same codes as an RTN conversion), says so in
-    the manifest, and verify passes (its weight SQNR was 0 dB)."""
+    the manifest (under fit_unquantized, without the fit it did not get), and verify passes (its weight SQNR
+    was 0 dB)."""
     from quantkit.match.recipe import parse_recipe
 
     from convert.test_convert import read_all
@@ -144,10 +146,13 @@ def test_a_matrix_whose_inputs_were_never_seen_keeps_its_rtn_weights(calib, tmp_
     ignore = json.dumps([r"re:.*\.mlp\.gate$", "lm_head"])
 
     def recipe(method):
-        opts = "    options: {actorder: true, observer: mse}\n" if method == "gptq" else ""
-        group = f"    method: {method}\n    scheme: {scheme}\n{opts}"
-        return parse_recipe(f"name: t-{method}\ngroups:\n  experts:\n    targets: {experts}\n{group}"
-                            f"  attn:\n    targets: {attn}\n{group}ignore: {ignore}\n")
+        def group(extra=""):
+            opts = f"    options: {{actorder: true, observer: mse{extra}}}\n" if method == "gptq" else ""
+            return f"    method: {method}\n    scheme: {scheme}\n{opts}"
+
+        return parse_recipe(f"name: t-{method}\ngroups:\n  experts:\n    targets: {experts}\n"
+                            f"{group(', fit_unquantized: 0.5' if fit else '')}"
+                            f"  attn:\n    targets: {attn}\n{group()}ignore: {ignore}\n")
 
     convert(src, tmp_path / "q", ConvertOptions(recipe=recipe("gptq"), dataset=str(calib[0])))
     convert(src, tmp_path / "rtn", ConvertOptions(recipe=recipe("rtn")))
@@ -168,10 +173,11 @@ def test_a_matrix_whose_inputs_were_never_seen_keeps_its_rtn_weights(calib, tmp_
             assert torch.equal(mine[mod + ".weight_packed"], fp4.pack_fp4(codes)), mod
         e = m[mod + ".weight_packed"]
         assert e["method"] == "rtn" and e["fallback"] == "no input seen (all-zero Hessian): RTN", e
-        assert e["sqnr_db"] > 10
+        assert e["sqnr_db"] > 10 and "fit_unquantized" not in e
     # the other matrices of that expert and layer are solved as usual (the held-out check may keep RTN's codes)
     for mod in ("model.layers.1.mlp.experts.3.gate_proj", "model.layers.1.self_attn.o_proj"):
         assert m[mod + ".weight_packed"]["fallback"] is None
+    assert m["model.layers.1.mlp.experts.3.gate_proj.weight_packed"].get("fit_unquantized") == (0.5 if fit else None)
     rep = verify(tmp_path / "q", reference=src, num_samples=4, seq_len=32)
     assert rep.passed, [c for c in rep.checks if c.ok is False]
 
