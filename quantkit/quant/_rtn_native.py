@@ -12,9 +12,10 @@ so packed words, scales and zero points are bit-identical to the torch path (tes
 the error sums are accumulated in float64 (the torch path sums rows in float32), so SQNR may differ
 in its last digits.
 
-`mse_scales` (symmetric, or asymmetric: scales and zero points) is `choose_qparams_mse`'s clipping search the same way: per group, every candidate's codes and weighted error
-in one cache-resident loop (the torch path makes ~8 passes over the whole tensor per candidate). The
-candidates and codes are the torch path's; the error sums are float64.
+`mse_scales` (symmetric, or asymmetric: scales and zero points) is `choose_qparams_mse`'s clipping search
+the same way: per group, every candidate's codes and weighted error in one cache-resident loop (the torch
+path makes ~8 passes over the whole tensor per candidate). The candidates and codes are the torch path's;
+the error sums are float64.
 
 Import is lazy and optional: without numba (or with QUANTKIT_NATIVE=0) `rtn` uses the torch path.
 """

@@ -496,21 +496,20 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
                  block_size: int = 128, with_error: bool = False,
                  zero_point: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Cyclic coordinate descent on integer codes with fixed group scales (and, asymmetric, fixed `zero_point`
-    [E, N, G]: q_n s below stands for (q_n - zp) s, and a code moves within [qmin, qmax] as stored): every
-    weight, column by column, moves to the grid point that minimizes the Hessian-weighted error
-    (w_n - q_n s)^T Hd (w_n - q_n s) of its row with all other weights held (Hd = H + damp * mean(diag H) I, as the solve used it). Along one
-    coordinate the error is a parabola with its vertex at q_nj s_j + (Hd e_n)_j / Hd_jj (e_n = w_n - q_n s),
-    so the nearest grid point to the vertex is the exact minimizer and no sweep can raise the error. GPTQ
-    pushes each column's error onto later columns only; a sweep also corrects earlier columns against the
-    final later ones. On the CPU each row runs its sweeps in one compiled loop (quant/_cd_native.py cd_rows);
-    the torch path (GPUs, QUANTKIT_NATIVE=0) works on the transposed layout [E, K, N] with G = Hd E^T kept
-    current (blocks of `block_size` columns: in-block rank-1 updates, one GEMM for the rest; the last sweep
-    updates only the columns still ahead of it). Inputs never seen (H_jj == 0) are treated as GPTQ treats
-    them: diagonal 1, weight 0; a row with a scale that is not positive and finite keeps its codes. Returns
-    (codes [E, N, K] int8, with `with_error` the Hessian-weighted error [E] after the sweeps in float64,
-    else None). Work per sweep: about N x K^2 multiply-adds in the torch form, like GPTQ's sweep; in the
-    compiled form K multiply-adds per code that moves (after GPTQ a few percent per sweep), plus in both one
-    GEMM for the starting gradients."""
+    [E, N, G]: q_n s below stands for (q_n - zp) s, and a code moves within [qmin, qmax] as stored): every weight,
+    column by column, moves to the grid point that minimizes the Hessian-weighted error
+    (w_n - q_n s)^T Hd (w_n - q_n s) of its row with all other weights held (Hd = H + damp * mean(diag H) I, as the
+    solve used it). Along one coordinate the error is a parabola with its vertex at q_nj s_j + (Hd e_n)_j / Hd_jj
+    (e_n = w_n - q_n s), so the nearest grid point to the vertex is the exact minimizer and no sweep can raise the
+    error. GPTQ pushes each column's error onto later columns only; a sweep also corrects earlier columns against
+    the final later ones. On the CPU each row runs its sweeps in one compiled loop (quant/_cd_native.py cd_rows);
+    the torch path (GPUs, QUANTKIT_NATIVE=0) works on the transposed layout [E, K, N] with G = Hd E^T kept current
+    (blocks of `block_size` columns: in-block rank-1 updates, one GEMM for the rest; the last sweep updates only the
+    columns still ahead of it). Inputs never seen (H_jj == 0) are treated as GPTQ treats them: diagonal 1, weight 0;
+    a row with a scale that is not positive and finite keeps its codes. Returns (codes [E, N, K] int8, with
+    `with_error` the Hessian-weighted error [E] after the sweeps in float64, else None). Work per sweep: about
+    N x K^2 multiply-adds in the torch form, like GPTQ's sweep; in the compiled form K multiply-adds per code that
+    moves (after GPTQ a few percent per sweep), plus in both one GEMM for the starting gradients."""
     e, n, k = w.shape
     qmin, qmax = qrange(num_bits)
     damp = torch.as_tensor(damp, dtype=torch.float32, device=w.device).expand(e)
