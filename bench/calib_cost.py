@@ -34,7 +34,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -50,6 +49,7 @@ import torch  # noqa: E402
 
 from quantkit.plan.calibration import THROUGHPUT, Throughput, calibration_cost  # noqa: E402
 from quantkit.plan.measure import machine_label, measure_rates  # noqa: E402
+from scratch import scratch_dir  # noqa: E402
 
 BENCH = dict(hidden=512, experts=32, moe_intermediate=256, vocab=4096, num_attention_heads=8,
              num_key_value_heads=4, head_dim=64, num_experts_per_tok=4, intermediate_size=1024)
@@ -153,8 +153,7 @@ def main(argv=None) -> int:
         a.threads, CLOCK = 1, time.process_time
     if a.threads:
         torch.set_num_threads(a.threads)
-    work = Path(a.workdir or tempfile.mkdtemp(prefix="qk-calib-cost-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = scratch_dir("qk-calib-cost-", a.workdir)
 
     def log(m):
         print(f"calib_cost: {m}", file=sys.stderr, flush=True)

@@ -33,7 +33,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from quantkit.pack.int4 import dequantize_module  # noqa: E402
 from quantkit.quant.int4 import sqnr_db  # noqa: E402
 from quantkit.read.safetensors import SafetensorsFile  # noqa: E402
 from quantkit.testing import make_tiny_model, read_json  # noqa: E402
+from scratch import scratch_dir  # noqa: E402
 
 BENCH = dict(hidden=1024, experts=32, moe_intermediate=512, vocab=4096, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64, num_experts_per_tok=4)
@@ -154,8 +154,7 @@ def main(argv=None) -> int:
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("calib_cuda: --device cuda needs torch with CUDA", file=sys.stderr)
         return 1
-    work = Path(a.workdir or tempfile.mkdtemp(prefix="qk-calib-cuda-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = scratch_dir("qk-calib-cuda-", a.workdir)
     t0 = time.perf_counter()
     src = build(work, a.layers, a.small)
     vocab = (SMALL if a.small else BENCH)["vocab"]

@@ -32,9 +32,10 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from scratch import scratch_dir  # bench/ is sys.path[0] when a script runs
 
 HERE = Path(__file__).resolve().parent
 
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
     if a.worker:
         return worker(a)
 
-    work = Path(tempfile.mkdtemp(prefix="qk-calib-passes-"))
+    work = scratch_dir("qk-calib-passes-")
     src, rows, what = model_and_rows(a.random, a.num_samples, a.seq_len, work, a.bench_moe)
     trees = [str(Path(t).resolve()) for t in a.trees]
     print(f"model: {what}\n{a.num_samples} x {a.seq_len} tokens; trees: {', '.join(trees)}", flush=True)

@@ -16,7 +16,6 @@ import copy
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality import FIXTURES, get_fixture, heldout_windows, windows  # noqa: E402
+from scratch import scratch_dir  # noqa: E402
 
 
 @torch.no_grad()
@@ -61,7 +61,7 @@ def main():
     src = Path(fx["model_dir"])
     train, held = torch.load(fx["train_tokens"]), torch.load(fx["heldout_tokens"])
     ev = heldout_windows(held, 128, a.windows, seed=1)
-    work = Path(tempfile.mkdtemp(prefix="qk-anatomy-"))
+    work = scratch_dir("qk-anatomy-")
     calib = work / "calib.jsonl"
     calib.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in windows(train, 128, 64, seed=2)))
     out = work / "q"

@@ -38,7 +38,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from dataclasses import replace
@@ -49,6 +48,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fixture import SKEWED, SKEWED128, FixtureSpec, get_fixture  # noqa: E402
+from scratch import scratch_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -450,7 +450,7 @@ def main():
     if a.calib_extra and a.peer_python:
         ap.error("--calib-extra gives quantkit a larger file to draw from: the peers would read all of it")
 
-    work = Path(tempfile.mkdtemp(prefix="qk-quality-"))
+    work = scratch_dir("qk-quality-")
     per = {name: run_fixture(name, a, work) for name in a.fixtures}
     doc = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
            "settings": vars(a), "fixtures": per}

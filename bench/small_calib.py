@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from scratch import scratch_dir  # bench/ is sys.path[0] when a script runs
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -63,7 +64,7 @@ def main():
     from quantkit.testing import make_tiny_model, quiet_transformers
 
     quiet_transformers()
-    work = Path(tempfile.mkdtemp(prefix="qk-small-calib-"))
+    work = scratch_dir("qk-small-calib-")
     rows = []
     for arch in a.archs:
         for seed in a.seeds:

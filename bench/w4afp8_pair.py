@@ -26,7 +26,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fixture import WIDE, get_fixture  # noqa: E402
 from quality import windows  # noqa: E402
+from scratch import scratch_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -62,8 +62,7 @@ def main():
     fx = get_fixture(WIDE)
     src = Path(fx["model_dir"])
     train, held = torch.load(fx["train_tokens"]), torch.load(fx["heldout_tokens"])
-    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="qk-w4afp8-pair-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = scratch_dir("qk-w4afp8-pair-", a.work)
     calib = work / "calib.jsonl"
     calib.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n"
                              for r in windows(train, a.seq_len, a.calib_samples, seed=2)))
