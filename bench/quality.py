@@ -69,8 +69,8 @@ def recipe_yaml(method: str, group: int | str) -> str:
     "cdN" (GPTQ, INT4: `refine_sweeps: N`, N coordinate-descent sweeps over the codes; "cd": one), "dampX"
     (GPTQ: `damp: X`), "asym" (an asymmetric scheme: a zero point per group),
     "hoN" (GPTQ: `holdout: N`), "noact" (GPTQ: `actorder: false`), "balN" / "poolM" (GPTQ: `balance_tokens: N`,
-    `balance_pool: M`; the pool comes from the rows `--calib-extra` adds), "fitP" (GPTQ: `fit_unquantized: P/100`):
-    e.g. gptq-mse-aff-refit-cd2."""
+    `balance_pool: M`; the pool comes from the rows `--calib-extra` adds), "fitP" (GPTQ: `fit_unquantized: P/100`),
+    "fdP" (GPTQ: `fit_down: P/100`): e.g. gptq-mse-aff-refit-cd2."""
     base, *mods = method.split("-")
     gptq = {"damp": "0.01", "actorder": "true", "block_size": "128"}
     opts = {"gptq": gptq, "awq": {"n_grid": "20"}, "rtn": {}}[base]
@@ -97,6 +97,8 @@ def recipe_yaml(method: str, group: int | str) -> str:
             opts["balance_pool"] = m[4:]
         elif m.startswith("fit") and m[3:].isdigit() and base == "gptq":
             opts["fit_unquantized"] = str(int(m[3:]) / 100)
+        elif m.startswith("fd") and m[2:].isdigit() and base == "gptq":
+            opts["fit_down"] = str(int(m[2:]) / 100)
         elif m.startswith("cd") and base == "gptq":
             opts["refine_sweeps"] = m[2:] or "1"
         elif m.startswith("aff") and base == "gptq" and (m == "aff" or m[3:].isdigit() or m[3:-1].isdigit()

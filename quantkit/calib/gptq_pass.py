@@ -246,20 +246,23 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
         kw["observer"] = g.options.observer
     half = stats.P // 2
     # fit_unquantized: the experts with routed (or affinity) statistics are fitted to the unquantized model's
-    # outputs; their down_proj statistics are summed once their gate/up are quantized (below)
-    alpha = float(g.options.fit_unquantized) if stats.a_gu is not None else 0.0
+    # outputs; fit_down: their down_proj alone, to the unquantized gate/up's outputs. Either way down_proj's
+    # statistics are summed once gate/up are quantized (below). The weight of each kind's correction:
+    alpha = {"gu": float(g.options.fit_unquantized) if stats.a_gu is not None else 0.0,
+             "down": float(g.options.fit_unquantized or g.options.fit_down) if stats.defer_down else 0.0}
     packed = {} if par is not None and par.distributed and not g.scheme.for_in_features(stats.H).fp4 else None
-    fitted = owned & ~low & ~use_rtn if alpha else torch.zeros(E, dtype=torch.bool)
+    fitted = owned & ~low & ~use_rtn if alpha["down"] else torch.zeros(E, dtype=torch.bool)
     # held-out rows of every owned expert, the down inputs from the unquantized gate/up (computed before
     # the gate/up solves write their results back; a fitted expert's come from its quantized gate/up, below)
     heldout = ({e: stats.heldout_inputs(e, down=not bool(fitted[e])) for e in range(E) if owned[e]}
                if stats.holdout else None)
-    a_gu = stats.a_gu.mul_((2.0 / counts)[:, None, None]) if alpha else None
-    # the fitted experts' held-out rows, per kind: (inputs, the unquantized model's inputs); down's are
-    # those of the quantized and of the unquantized gate/up, set once gate/up are quantized
+    a_gu = stats.a_gu.mul_((2.0 / counts)[:, None, None]) if alpha["gu"] else None
+    # the fitted experts' held-out rows, per kind: (inputs, the unquantized model's inputs or None: the
+    # same); down's are those of the quantized and of the unquantized gate/up, set once gate/up are quantized
     fit_ho: dict[int, dict] = {}
-    if alpha and heldout is not None:
-        fit_ho = {e: {"gu": (heldout[e][0], stats.heldout_reference(e))} for e in range(E) if fitted[e]}
+    if alpha["down"] and heldout is not None:
+        fit_ho = {e: {"gu": (heldout[e][0], stats.heldout_reference(e) if alpha["gu"] else None)}
+                  for e in range(E) if fitted[e]}
     src_dtype = source_dtype(ckpt, names.module(0, "gate") + ".weight")
     # each solve batch allocates and frees the same 1-32 MiB temporaries (factorizations, sweeps, refits):
     # served from the heap, not as fresh mappings faulted in again for every batch (weights.reuse_heap)
@@ -278,9 +281,9 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                 # fitted experts: GPTQ quantizes the weights that fit the unquantized model (quant/gptq.py `fit`)
                 fit_rows = fitted[idx.cpu()]
                 fit = None
-                if fit_rows.any():
+                if fit_rows.any() and alpha[key]:
                     ab = (a_gu if key == "gu" else stats.a_down)[slot[ids[0]]:slot[ids[0]] + len(ids)]
-                    fit = (ab, fit_rows.to(dev, torch.float32) * alpha)
+                    fit = (ab, fit_rows.to(dev, torch.float32) * alpha[key])
                 r, grid = _solve(w, hb, s, factor_chunk=group, fit=fit, **kw)
                 q, qp = r.q, r.qparams
                 # a matrix none of whose inputs was seen (e.g. down_proj behind an all-zero up_proj): GPTQ would
@@ -301,7 +304,8 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                     checks = _heldout_check(w, q, qp, grid, s, parts, ids, rtn_now, [x for x, _ in pairs],
                                             retry=retry if grid is None else None, refs=[xr for _, xr in pairs])
                 deq = dequantize(q, qp.scale, qp.zero_point) if grid is None else grid.dequantize(q)  # [c, N, K]
-                if key == "gu" and alpha:  # down_proj's statistics from the quantized gate/up, before write-back
+                if key == "gu" and alpha["down"]:  # down_proj's statistics from the quantized gate/up, before
+                    # they are written back
                     for j, e in enumerate(ids):
                         if not fitted[e]:
                             continue
@@ -310,7 +314,8 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                         stats.a_down[slot[e]] = as_
                         if e in fit_ho:
                             x_ho, xr_ho = fit_ho[e]["gu"]
-                            fit_ho[e]["down"] = (stats.down_inputs(x_ho, deq[j]), stats.down_inputs(xr_ho, w[j]))
+                            fit_ho[e]["down"] = (stats.down_inputs(x_ho, deq[j]),
+                                                 stats.down_inputs(x_ho if xr_ho is None else xr_ho, w[j]))
                 sq = {kind: sqnr_db(w[:, rows], deq[:, rows], dim=(-2, -1)).tolist() for kind, rows in parts} \
                     if dev.type != "cpu" else None  # one transfer per chunk on a GPU, not one per expert
                 qh = q.cpu()  # emitted from the host (a no-op on the CPU)
@@ -324,8 +329,8 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
                         meta["affinity_tokens"] = int(stats.aff_counts[e])
                     if stats.pool_counts[e]:
                         meta["pool_tokens"] = int(stats.pool_counts[e])  # of `tokens`, from the top-up pool
-                    if fitted[e] and not unseen[j]:
-                        meta["fit_unquantized"] = alpha  # solved against the unquantized model's outputs
+                    if fitted[e] and not unseen[j] and alpha[key]:  # solved against the unquantized outputs
+                        meta["fit_unquantized" if g.options.fit_unquantized else "fit_down"] = alpha[key]
                     for kind, rows in parts:
                         db = sq[kind][j] if sq is not None else float(sqnr_db(w[j, rows], deq[j, rows]))
                         m = {**meta, "sqnr_db": round(db, 4)}

@@ -41,7 +41,8 @@ class ExpertStats:
     def __init__(self, experts: nn.Module, need_hessians: bool, sample_tokens: int, block: nn.Module | None = None,
                  par=None, owned: torch.Tensor | None = None, holdout: int = 0, router: nn.Module | None = None,
                  affinity_top_k: int | None = None, primary_tokens: int | None = None,
-                 balance_tokens: int | None = None, reference: list[torch.Tensor] | None = None):
+                 balance_tokens: int | None = None, reference: list[torch.Tensor] | None = None,
+                 fit_down: bool = False):
         """`block`: the MoE block around `experts`; when given, its outputs for the sampled tokens are kept
         too (`block_outputs`: the unquantized block's response AWQ's norm-scale search measures against).
         `par`: the pass's Parallel (None: one process); `owned` [E] bool: the experts whose Hessians this
@@ -66,7 +67,10 @@ class ExpertStats:
         then also sums the cross-Gram X_ref^T X of its rows (`a_gu`, weighted like its Hessian), keeps each
         call's inputs and the rows each expert took (`rows_of`), and its held-out rows' reference inputs;
         its down_proj statistics are not summed in the forward but after its gate/up are quantized
-        (`down_statistics`), from the quantized gate/up's outputs."""
+        (`down_statistics`), from the quantized gate/up's outputs. `fit_down` (GPTQ's fit_down): the same for
+        down_proj alone, without a reference: each call's inputs and the rows each expert took are kept, and
+        down_proj's statistics, taken after gate/up are quantized, cross the quantized gate/up's outputs
+        with the unquantized gate/up's for the same inputs."""
         self.experts = experts
         e, p, h = experts.gate_up_proj.shape
         self.E, self.P, self.H, self.I = e, p, h, experts.down_proj.shape[-1]
@@ -106,8 +110,11 @@ class ExpertStats:
         self._records: list[list] = []  # distributed: [x, idx, weights, block output, x_ref] of each own call
         self.reference = reference if need_hessians else None
         self.a_gu = torch.zeros(n, h, h, device=dev) if self.reference is not None else None
-        self.a_down = torch.zeros(n, self.I, self.I, device=dev) if self.reference is not None else None
-        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # fit_unquantized: (x, x_ref) of every call
+        # down_proj's statistics wait for the quantized gate/up (fit_unquantized or fit_down)
+        self.defer_down = need_hessians and (self.reference is not None or fit_down)
+        self.a_down = torch.zeros(n, self.I, self.I, device=dev) if self.defer_down else None
+        # (x, x_ref or None) of every call: fit_unquantized's two streams, fit_down's one
+        self.kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.rows_of: list[list[tuple]] = [[] for _ in range(n)]  # by slot: (call, rows, weights or None)
         self.ho_ref: list[list[torch.Tensor]] = [[] for _ in range(n)]  # held-out rows' reference inputs
         self.handle = experts.register_forward_pre_hook(self._hook)
@@ -137,7 +144,7 @@ class ExpertStats:
         if self.par is not None:  # reduce() replays it in batch order
             self._records.append([x.clone(), idx.clone(), wts.clone(), None, x_ref])
             return
-        if x_ref is not None:
+        if self.defer_down:
             self.kept.append((x.clone(), x_ref))
         self._observe(x, idx, wts, routing, h_all=True)
 
@@ -152,6 +159,9 @@ class ExpertStats:
             if p < n:
                 if p:  # a batch across the boundary: its calibration rows first (they advance _seen)
                     self._observe(x[:p], idx[:p], wts[:p], moe.route(idx[:p], wts[:p], self.E), h_all)
+                    if self.defer_down:  # the pool's rows as a call of their own: what _top_up's indices address
+                        call_x, call_ref = self.kept[-1]
+                        self.kept.append((call_x[p:], None if call_ref is None else call_ref[p:]))
                 self._seen += n - p
                 self._top_up(x[p:], idx[p:], wts[p:])
                 return
@@ -237,24 +247,26 @@ class ExpertStats:
                   bufs: tuple) -> None:
         """h_gu[j] += X^T X and h_down[j] += D^T D for expert e's rows `rows_e` of x (X [n, H], D its down
         inputs), each row scaled by the square root of its weight in `w_e` (None: 1) after D is computed.
-        fit_unquantized: a_gu[j] += X_ref^T X instead of the down Gram (X_ref the same rows of the unquantized
-        model's inputs, scaled alike), the rows recorded for `down_statistics`."""
+        fit_unquantized: a_gu[j] += X_ref^T X (X_ref the same rows of the unquantized model's inputs, scaled
+        alike). fit_unquantized or fit_down: the rows are recorded for `down_statistics` instead of the down
+        Gram."""
         ws_x, ws_gu, g_gu, g_down, silu = bufs
         xe = ws_x[:rows_e.numel()]
         torch.index_select(x, 0, rows_e, out=xe)  # [n, H]
-        fit = self.a_gu is not None  # the cross-Gram now, down_proj's statistics after gate/up are quantized
-        other = (self.kept[-1][1].index_select(0, rows_e) if fit
-                 else self.down_inputs_one(e, xe, out=ws_gu[:rows_e.numel()], silu=silu))  # X_ref or D
+        xr = self.kept[-1][1].index_select(0, rows_e) if self.a_gu is not None else None  # X_ref
+        d = None if self.defer_down else self.down_inputs_one(e, xe, out=ws_gu[:rows_e.numel()], silu=silu)
         if w_e is not None:
             r = w_e.sqrt()[:, None]
-            xe.mul_(r)
-            other.mul_(r)
+            for t in (xe, xr, d):
+                if t is not None:
+                    t.mul_(r)
         self.h_gu[j] += torch.mm(xe.T, xe, out=g_gu)
-        if fit:
-            self.a_gu[j] += torch.mm(other.T, xe, out=g_gu)
+        if xr is not None:
+            self.a_gu[j] += torch.mm(xr.T, xe, out=g_gu)
+        if d is None:
             self.rows_of[j].append((len(self.kept) - 1, rows_e, w_e))
         else:
-            self.h_down[j] += torch.mm(other.T, other, out=g_down)
+            self.h_down[j] += torch.mm(d.T, d, out=g_down)
 
     def _top_up(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> None:
         """Rows of the top-up pool. While an expert has fewer than `balance` routed rows, each pool row counts
@@ -292,10 +304,11 @@ class ExpertStats:
 
     def down_statistics(self, e: int, gate_up: torch.Tensor, gate_up_ref: torch.Tensor,
                         count: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """fit_unquantized: expert e's down_proj Hessian D^T D and cross-Gram D_ref^T D, each 2/count-scaled,
-        over the rows its gate/up statistics took (weighted alike): D the down inputs its quantized gate/up
-        `gate_up` [P, H] produce from the quantized model's inputs, D_ref those its unquantized gate/up
-        `gate_up_ref` produce from the unquantized model's."""
+        """fit_unquantized or fit_down: expert e's down_proj Hessian D^T D and cross-Gram D_ref^T D, each
+        2/count-scaled, over the rows its gate/up statistics took (weighted alike): D the down inputs its
+        quantized gate/up `gate_up` [P, H] produce from the quantized model's inputs, D_ref those its
+        unquantized gate/up `gate_up_ref` produce from the unquantized model's (fit_unquantized) or from the
+        same inputs (fit_down)."""
         j = int(self.slot[e])
         parts = self.rows_of[j]
         scale = 2.0 / max(count, 1.0)
@@ -304,7 +317,8 @@ class ExpertStats:
             return z, z.clone()
         # every call's rows at once: two products and two Grams per expert
         x = torch.cat([self.kept[call][0].index_select(0, rows) for call, rows, _ in parts])
-        xr = torch.cat([self.kept[call][1].index_select(0, rows) for call, rows, _ in parts])
+        xr = (torch.cat([self.kept[call][1].index_select(0, rows) for call, rows, _ in parts])
+              if self.a_gu is not None else x)
         d, dr = self.down_inputs(x, gate_up), self.down_inputs(xr, gate_up_ref)
         if parts[0][2] is not None:
             r = torch.cat([w for _, _, w in parts]).sqrt()[:, None]
@@ -414,7 +428,7 @@ class ExpertStats:
                 par.broadcast_(y[:take], src)
                 self.y_samples.append(y[:take].clone())
             routing = own_routing.pop(b, None) or moe.route(idx, None, self.E)
-            if xr is not None:
+            if self.defer_down:
                 self.kept.append((x, xr))
             if self.need_h:
                 self._observe(x, idx, wts, routing, h_all=need_all and par.rank == h_all_owner)

@@ -101,9 +101,10 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
     dist_par = par if par is not None and par.distributed else None
     fit = egroup is not None and egroup.method == "gptq" and bool(egroup.options.fit_unquantized)
     for disk, (_, g) in dense.items():
-        if g.method == "gptq" and g.options.fit_unquantized:
-            raise CalibrationError(f"{disk}: fit_unquantized applies to routed experts only",
-                                   hint="give the dense modules a group of their own without it")
+        for key in ("fit_unquantized", "fit_down"):
+            if g.method == "gptq" and getattr(g.options, key):
+                raise CalibrationError(f"{disk}: {key} applies to routed experts only",
+                                       hint="give the dense modules a group of their own without it")
     if fit and reference is None:
         raise CalibrationError(f"decoder layer {idx}: fit_unquantized needs the unquantized model's stream, "
                                "which this pass does not carry")
@@ -147,7 +148,8 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
                             affinity_top_k=getattr(egroup.options, "affinity_top_k", None),
                             primary_tokens=primary_tokens if egroup.method == "gptq" else None,
                             balance_tokens=getattr(egroup.options, "balance_tokens", None),
-                            reference=reference if fit else None)
+                            reference=reference if fit else None,
+                            fit_down=egroup.method == "gptq" and bool(egroup.options.fit_down))
     lstats = {d: LinearStats(m, dist_par) for d, (m, g) in dense.items() if g.method != "rtn"}
     dense_owner = {d: (par.dense_owner(i) if par is not None else 0) for i, d in enumerate(dense)}
     # GPTQ of the routed experts alone changes nothing the layer computes before them: the statistics pass
@@ -263,17 +265,21 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
                 # from the statistics forward, and two other batches' (the one being added, the next in flight)
                 own = -(-sum(int(t) for t in lengths) // int(ranks))
                 out["replay"] = (own + 2 * tokens) * (h * 4 + k * 12)
-            if egroup.options.fit_unquantized:
-                # the cross-Grams, both streams' expert inputs of every call (kept for down_proj's statistics),
-                # the rows each expert took, one expert's rows of both streams with their gate/up products
-                # (the busiest: twice the mean), and the unquantized model's hidden states (in and out)
+            o = egroup.options
+            if o.fit_unquantized or o.fit_down:
+                # the cross-Grams (fit_down: down_proj's only), the expert inputs of every call (kept for down_proj's
+                # statistics; fit_unquantized: both streams'), the rows each expert took, one expert's rows
+                # (fit_unquantized: of both streams) with both gate/up products (the busiest: twice the mean), and
+                # fit_unquantized's unquantized-model hidden states (in and out)
                 total = sum(int(t) for t in lengths)
-                o = egroup.options
+                streams = 2 if o.fit_unquantized else 1
                 kk = affinity_experts(o.affinity_top_k, k, e) if o.stats == "affinity" else k
                 per_expert = 2 * total * kk // e
                 citem = torch.empty((), dtype=compute_dtype).element_size()
-                out["fit"] = (held * (h * h + i * i) * 4 + 2 * total * h * 4 + total * kk * held // e * 12
-                              + 2 * per_expert * (h + p) * 4 + 2 * total * h * citem)
+                grams = held * (h * h + i * i) if o.fit_unquantized else held * i * i
+                out["fit"] = (grams * 4 + streams * total * h * 4 + total * kk * held // e * 12
+                              + per_expert * (streams * h + 2 * p) * 4
+                              + (2 * total * h * citem if o.fit_unquantized else 0))
             solve = 0
             for n_out, k_in in ((p, h), (h, i)):
                 # one group factorized at a time (~5 solve-dtype copies of its Hessians), several swept at once

@@ -321,7 +321,12 @@ class GPTQOptions(_Calibrated):
     each expert is fitted to what the unquantized model computes for the same tokens, not to its own
     weights on the quantized model's inputs: GPTQ of W + a W (A - H) H_damped^-1 under H, A the cross-Gram of
     the unquantized model's inputs with the quantized model's, down_proj's statistics taken after gate/up
-    are quantized (asymmetric calibration, docs/calibration.md); 0: off."""
+    are quantized (asymmetric calibration, docs/calibration.md); 0: off. `fit_down` a in (0, 1] (routed
+    experts): each expert's down_proj alone is fitted to what the unquantized gate/up give it for the same
+    inputs: GPTQ of W + a W (A - H) H_damped^-1 with H the Gram of the quantized gate/up's outputs and A their
+    cross-Gram with the unquantized gate/up's, so down_proj undoes part of its expert's gate/up error; no
+    second stream is carried (docs/calibration.md); 0: off. It replaces fit_unquantized, which fits down_proj
+    alike, so the two are not combined."""
 
     damp: float = 0.01
     actorder: bool = False
@@ -334,12 +339,17 @@ class GPTQOptions(_Calibrated):
     balance_tokens: int | None = None  # routed experts: top up every expert to this many routed tokens
     balance_pool: int | None = None  # samples in the top-up pool (null: the calibration's num_samples)
     fit_unquantized: float = 0.0  # routed experts: weight of the correction toward the unquantized model's outputs
+    fit_down: float = 0.0  # routed experts: weight of down_proj's correction toward the unquantized gate/up's outputs
 
     def __post_init__(self):
         super().__post_init__()
-        a = self.fit_unquantized
-        if not 0.0 <= a <= 1.0:  # NaN too
-            raise RecipeError(f"options.fit_unquantized must be a number in [0, 1] (0: off), got {a!r}")
+        for key in _FIT_OPTIONS:
+            a = getattr(self, key)
+            if not 0.0 <= a <= 1.0:  # NaN too
+                raise RecipeError(f"options.{key} must be a number in [0, 1] (0: off), got {a!r}")
+        if self.fit_unquantized and self.fit_down:
+            raise RecipeError("options.fit_unquantized and options.fit_down cannot be combined (fit_unquantized "
+                              "already fits down_proj, to the unquantized model's own down inputs)")
         if self.fit_unquantized and self.balance_tokens is not None:
             raise RecipeError("options.fit_unquantized and options.balance_tokens cannot be combined (the top-up pool "
                               "has no unquantized-model stream)")
@@ -376,6 +386,7 @@ class AWQOptions(_Calibrated):
             raise RecipeError("options.stats: affinity weights GPTQ's Hessians; AWQ takes routed or all")
 
 
+_FIT_OPTIONS = ("fit_unquantized", "fit_down")  # floats in [0, 1], 0 meaning off
 _AFFINITY_K = re.compile(r"[1-9][0-9]{0,5}k")  # n up to 999999: a bounded integer
 
 
@@ -414,9 +425,9 @@ def parse_options(method: str, raw: dict, where: str):
         top = _INT_MAX.get(key, _INT_MAX_DEFAULT)
         if isinstance(v, int) and not isinstance(v, bool) and v > top:
             raise RecipeError(f"{where}.{key} must be at most {top}, got {str(v)[:40]}")
-        if key == "fit_unquantized" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
+        if key in _FIT_OPTIONS and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
             raise RecipeError(f"{where}.{key} must be a number in [0, 1] (0: off), got {v!r}")
-        if key != "fit_unquantized" and want == "float" and (
+        if key not in _FIT_OPTIONS and want == "float" and (
                 isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1):
             raise RecipeError(f"{where}.{key} must be a number in (0, 1), got {v!r}")
         if want == "str" and not isinstance(v, str):

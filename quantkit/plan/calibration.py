@@ -462,13 +462,14 @@ def _hessians(c: Throughput, s: _LayerShape, batches: list[int], owned: int, hid
 
 
 def _fit_unquantized(c: Throughput, s: _LayerShape, batches: list[int], owned: int, hidden: int,
-                     per_token: int | None = None) -> tuple[float, float]:
+                     per_token: int | None = None, down_only: bool = False) -> tuple[float, float]:
     """(statistics seconds, solve seconds) GPTQ's fit_unquantized adds to one layer (its reference stream's
     forward is counted with the forwards): per owned expert and batch the cross-Gram of its rows with the
     unquantized model's (one more h x h Gram), then after the gate/up solves the down inputs of both streams
     (one more gate/up product than the statistics forward computes) and two i x i Grams; per matrix the
     fitted target: W (A - H) and two products with the solve's own inverse factor (~3 n_out k^2
-    multiply-adds, float32; quant/gptq.py `fit`)."""
+    multiply-adds, float32; quant/gptq.py `fit`). `down_only` (fit_down): no reference stream, no gate/up
+    cross-Gram, down_proj's target only."""
     h, e = s.h or hidden, s.experts
     if not e or not owned:
         return 0.0, 0.0
@@ -477,11 +478,12 @@ def _fit_unquantized(c: Throughput, s: _LayerShape, batches: list[int], owned: i
     for per_call in batches:
         rows = per_call * k / e
         routed = rows * owned
-        stats += 2 * routed * (h * h + s.i * s.i) / _rate(c.gram_flops, c.gram_half_rows, rows)
+        stats += 2 * routed * ((0 if down_only else h * h) + s.i * s.i) / _rate(c.gram_flops, c.gram_half_rows,
+                                                                                 rows)
         stats += 2 * routed * h * s.p / _rate(c.gemm_flops, c.gemm_half_rows, rows)
-        stats += routed * (2 * h + s.p) * 4 / c.mem_bytes_per_s
+        stats += routed * ((1 if down_only else 2) * h + s.p) * 4 / c.mem_bytes_per_s
     solve = sum(owned * 6 * n_out * kk * kk / _rate(c.gram_flops, c.gram_half_rows, n_out)
-                for n_out, kk in ((s.p, h), (h, s.i)))
+                for n_out, kk in ((s.p, h), (h, s.i))[1 if down_only else 0:])
     return stats, solve
 
 
@@ -811,8 +813,9 @@ def _pass_row(row: dict, comm: dict, held: dict, ctx: _PassContext, idx: int, la
         ch, sw = _gptq_solves(c, [(owned, s.p, s.h, sweep[0]), (owned, s.h, s.i, sweep[1])],
                               egroup.options.block_size, egroup.options.refit_scales, egroup.options.refine_sweeps)
         row["gptq_solve"] += ch + sw + owned * c.module_s  # gate and up: one matrix, two modules
-        if o.fit_unquantized:
-            fs, fsol = _fit_unquantized(c, s, ctx.stats_batches, owned, hidden, per_token)
+        if o.fit_unquantized or o.fit_down:
+            fs, fsol = _fit_unquantized(c, s, ctx.stats_batches, owned, hidden, per_token,
+                                        down_only=not o.fit_unquantized)
             row["hessians"] += fs
             row["gptq_solve"] += fsol
     elif egroup is not None and egroup.method == "awq":

@@ -101,8 +101,11 @@ def test_top_up_against_an_independent_computation(tmp_path, affinity):
         balance = int(st0.counts.float().median()) + 1  # about half the experts are topped up
         st = ExpertStats(experts, need_hessians=True, sample_tokens=64, holdout=4, primary_tokens=primary,
                          balance_tokens=balance, router=router if affinity else None)
+        # fit_down: down_proj's statistics from the rows kept, the pool's included (one batch straddles it)
+        fd = ExpertStats(experts, need_hessians=True, sample_tokens=64, holdout=4, primary_tokens=primary,
+                         balance_tokens=balance, router=router if affinity else None, fit_down=True)
         step.observe(stop_at=experts)
-        st.remove(), grab.remove()
+        st.remove(), fd.remove(), grab.remove()
         step.forward()
         assert len(calls) == 6  # 3 batches, observed twice
         h_gu, h_down, counts, pool = _reference(experts, router if affinity else None, calls[3:], primary, balance, 4)
@@ -112,6 +115,12 @@ def test_top_up_against_an_independent_computation(tmp_path, affinity):
         assert bool((counts[pool > 0] <= balance).all()) and bool((counts == balance).any())  # never past it
         torch.testing.assert_close(st.h_gu.double(), h_gu, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(st.h_down.double(), h_down, rtol=1e-4, atol=1e-5)
+        assert torch.equal(fd.h_gu, st.h_gu) and torch.equal(fd.counts, st.counts)
+        for e in range(8):  # the unquantized gate/up on both sides, count 2: the unscaled sums
+            w = experts.gate_up_proj[e].detach()
+            hd, ad = fd.down_statistics(e, w, w, 2.0)
+            torch.testing.assert_close(hd.double(), h_down[e], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(ad, hd, rtol=0, atol=0)
         assert st.total == primary and st0.total == primary and plain.total == sum(lengths)
         # without a pool to read, the calibration rows' statistics are the plain ones over those rows
         assert torch.equal(st0.pool_counts, torch.zeros(8, dtype=torch.long))

@@ -291,3 +291,125 @@ def test_a_distributed_record_names_each_ranks_stream(tmp_path):
     assert _read_progress(*args, 0, 2, reference=False) is None  # a plain pass does not take a fitting record
     (spool / "progress.json").write_text(json.dumps({**rec, "reference": "../reference-00001-rank0-of-2.bin"}))
     assert _read_progress(*args, 0, 2, reference=True) is None
+
+
+# `fit_down`: each expert's down_proj alone fitted to the outputs of its unquantized gate/up, on the same inputs
+
+
+@pytest.mark.parametrize("affinity", [False, True])
+def test_fit_down_statistics_against_an_independent_computation(tmp_path, affinity):
+    """No second stream: gate/up's Hessians are plain GPTQ's, no gate/up cross-Gram is summed, down_proj's
+    Grams wait for the quantized gate/up and then cross its outputs with the unquantized gate/up's on the
+    same rows (the float64 reference with the quantized model's own inputs as the "other" stream)."""
+    path = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=1)
+    ex = LayerExecutor(path, batch_tokens=80)
+    for step in ex.layers(_samples()):
+        experts = next(m for m in step.layer.modules() if moe.is_routed_experts(m))
+        router = step.layer.mlp.gate
+        calls = []
+        grab = experts.register_forward_pre_hook(lambda m, a: calls.append((a[0].detach().float().reshape(
+            -1, a[0].shape[-1]).clone(), a[1].detach().clone())))
+        st = ExpertStats(experts, need_hessians=True, sample_tokens=64, holdout=4,
+                         router=router if affinity else None, fit_down=True)
+        step.observe(stop_at=experts)
+        st.remove(), grab.remove()
+        assert len(calls) == 2 and st.a_gu is None and st.defer_down
+        assert not st.h_down.any()  # nothing summed in the forward
+        assert all(torch.equal(k[0], c[0]) and k[1] is None for k, c in zip(st.kept, calls))
+        quantized = experts.gate_up_proj.detach().float() * 0.9 + 0.01
+        h_gu, _, h_down, a_down, _ = _reference(experts, router if affinity else None, calls,
+                                                [c[0] for c in calls], 4, quantized)
+        torch.testing.assert_close(st.h_gu.double(), h_gu, rtol=1e-4, atol=1e-4)
+        counts = st.aff_counts if affinity else st.counts
+        for e in range(8):
+            hd, ad = st.down_statistics(e, quantized[e], experts.gate_up_proj[e].detach(), float(counts[e]))
+            scale = 2.0 / max(float(counts[e]), 1.0)
+            torch.testing.assert_close(hd.double(), h_down[e] * scale, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(ad.double(), a_down[e] * scale, rtol=1e-4, atol=1e-5)
+            assert not torch.allclose(ad, hd)
+        step.forward()
+    ex.final.close()
+
+
+def test_fit_down_pass_against_plain_gptq_and_fit_unquantized(tmp_path):
+    """Layer 0's inputs are the embeddings in both models, so there fit_unquantized fits gate/up to their own
+    weights and down_proj to the unquantized gate/up's outputs on the same inputs: what fit_down does, byte
+    for byte, without the second stream. Against plain GPTQ, layer 0's gate/up are the same and its
+    down_proj are not; the manifest records fit_down on down_proj only; no stream file is ever written."""
+    src = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=2)
+    samples = _samples(6, 48)
+    plain = run_calibrated(src, recipe("gptq"), samples, tmp_path / "a")
+    down = run_calibrated(src, recipe("gptq", fit_down=0.5), samples, tmp_path / "b")
+    both = run_calibrated(src, recipe("gptq", fit_unquantized=0.5), samples, tmp_path / "c")
+    wa, wb, wc = (spool_weights(tmp_path / d, i) for d, i in (("a", plain), ("b", down), ("c", both)))
+    assert sorted(wa) == sorted(wb) == sorted(wc) and len(wa) == 2 * 8 * 3
+    layer0 = [n for n in wa if ".layers.0." in n]
+    assert all(torch.equal(wb[n], wc[n]) for n in layer0)
+    assert all(torch.equal(wa[n], wb[n]) for n in layer0 if "down_proj" not in n)
+    assert sum(not torch.equal(wa[n], wb[n]) for n in layer0 if "down_proj" in n) >= 4
+    # layer 1: fit_unquantized also undoes layer 0's error in gate/up's inputs, fit_down does not
+    assert sum(not torch.equal(wb[n], wc[n]) for n in wa if ".layers.1." in n and "gate_proj" in n) >= 4
+    mods = down["modules"]
+    assert all(m.get("fit_down") == 0.5 for n, m in mods.items() if n.endswith("down_proj"))
+    assert not any("fit_down" in m for n, m in mods.items() if not n.endswith("down_proj"))
+    assert not any("fit_unquantized" in m for m in mods.values())
+    assert mods["model.layers.1.mlp.experts.0.down_proj"]["heldout"]["tokens"] > 0
+    assert not list((tmp_path / "b").glob("reference-*"))
+    # experts whose statistics come from every token (min_tokens fallback) are solved as plain GPTQ
+    low = run_calibrated(src, recipe("gptq", fit_down=0.5, min_tokens=100000), samples, tmp_path / "d")
+    low_plain = run_calibrated(src, recipe("gptq", min_tokens=100000), samples, tmp_path / "e")
+    assert not any("fit_down" in m for m in low["modules"].values())
+    wd, we = spool_weights(tmp_path / "d", low), spool_weights(tmp_path / "e", low_plain)
+    assert all(torch.equal(wd[n], we[n]) for n in wd)
+
+
+def test_fit_down_runs_where_fit_unquantized_is_refused(tmp_path):
+    """GLM-5's DeepSeek sparse attention refuses a second stream; fit_down carries none, so it runs there.
+    (Without the held-out check, which on so few tokens keeps RTN for most experts of both runs.)"""
+    dsa = make_tiny_model("glm_moe_dsa", tmp_path / "dsa", layers=2, experts=8)
+    samples = _samples(4, 40)
+    plain = run_calibrated(dsa, recipe("gptq", holdout=0), samples, tmp_path / "a")
+    down = run_calibrated(dsa, recipe("gptq", holdout=0, fit_down=0.5), samples, tmp_path / "b")
+    wa, wb = spool_weights(tmp_path / "a", plain), spool_weights(tmp_path / "b", down)
+    assert sorted(wa) == sorted(wb)
+    downs = [n for n in wa if "experts" in n and "down_proj" in n]
+    assert downs and sum(not torch.equal(wa[n], wb[n]) for n in downs) >= len(downs) // 2
+    assert any(m.get("fit_down") == 0.5 for m in down["modules"].values())
+
+
+def test_fit_down_options_and_where_it_is_refused(tmp_path):
+    assert recipe("gptq", fit_down=0.5).groups[0].options.fit_down == 0.5
+    assert recipe("gptq", fit_down=1).groups[0].options.fit_down == 1.0
+    assert recipe("gptq").groups[0].options.fit_down == 0.0
+    for bad in (-0.1, 1.5, "true", '"0.5"', ".nan", "[1]"):
+        with pytest.raises(RecipeError, match="fit_down"):
+            recipe("gptq", fit_down=bad)
+    with pytest.raises(RecipeError, match="fit_down"):
+        recipe("awq", fit_down=0.5)
+    with pytest.raises(RecipeError, match="cannot be combined"):
+        recipe("gptq", fit_down=0.5, fit_unquantized=0.5)
+    src = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=1)
+    wide = parse_recipe(f"groups:\n  all:\n    targets: {TARGETS[:-1]}, 're:.*self_attn\\.o_proj$']\n"
+                        "    method: gptq\n    scheme: {group_size: 32}\n    options: {fit_down: 0.5}\n")
+    with pytest.raises(CalibrationError, match="fit_down applies to routed experts only"):
+        run_calibrated(src, wide, _samples(2, 32), tmp_path / "w")
+
+
+def test_fit_down_memory_is_planned(tmp_path):
+    """What fit_down holds beyond plain GPTQ: down_proj's cross-Grams and the expert inputs of every call
+    (float32), one stream only: less than fit_unquantized."""
+    path = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=1)
+    ex = LayerExecutor(path)
+    layer = ex.load_layer(0)
+    lengths = [40] * 4
+    args = (0, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths)
+    plain = statistics_bytes(ex.ckpt, recipe("gptq"), *args)
+    down = statistics_bytes(ex.ckpt, recipe("gptq", fit_down=0.5), *args)
+    both = statistics_bytes(ex.ckpt, recipe("gptq", fit_unquantized=0.5), *args)
+    assert {k: v for k, v in down.items() if k != "fit"} == plain
+    st = ExpertStats(layer.mlp.experts, need_hessians=True, sample_tokens=64, fit_down=True)
+    assert st.a_gu is None
+    grams = st.a_down.numel() * st.a_down.element_size()
+    st.remove()
+    assert grams + 160 * ex.hidden_size * 4 <= down["fit"] < both["fit"]
+    ex.free_layer(0)

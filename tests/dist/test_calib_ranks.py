@@ -234,6 +234,17 @@ def test_fit_unquantized_byte_identical(src, reference, tmp_path):
     assert _files(out) == reference("int4-experts-gptq-fit")
 
 
+def test_fit_down_byte_identical(src, reference, tmp_path):
+    """`int4-experts-gptq-asym` (fit_down): every rank keeps the replayed batches' expert inputs for its owned
+    experts' down_proj statistics, and 2 ranks write the single process's bytes."""
+    out = tmp_path / "q"
+    p = _convert(2, src, out, "int4-experts-gptq-asym")
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = _files(out)
+    assert got == reference("int4-experts-gptq-asym")
+    assert b'"fit_down": 0.5' in got["quantkit_manifest.json"]
+
+
 def test_balance_top_up_byte_identical(src, reference, tmp_path_factory, tmp_path):
     """GPTQ with `balance_tokens`: the top-up pool's batches are replayed in batch order after the calibration
     samples' on every rank, so each owner tops up its experts from the same rows, and 2 ranks write the

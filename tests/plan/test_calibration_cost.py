@@ -414,6 +414,18 @@ def test_fit_unquantized_cost_is_a_forward_and_the_fits(tmp_path):
     assert fit.seconds["hessians"] < 2.5 * plain.seconds["hessians"]
 
 
+def test_fit_down_cost_is_the_down_fit_alone(tmp_path):
+    """`fit_down`: no second stream (no extra forward, nothing saved, nothing sent), down_proj's statistics
+    from both gate/ups and its fitted target only: more than plain GPTQ, less than fit_unquantized."""
+    cost = _gptq_cost_with(tmp_path)
+    plain, down, both = cost(""), cost("      fit_down: 0.5\n"), cost("      fit_unquantized: 0.5\n")
+    for k in ("forward", "write_spool"):
+        assert down.seconds[k] == plain.seconds[k], k
+    for k in ("hessians", "gptq_solve"):
+        assert plain.seconds[k] < down.seconds[k] < both.seconds[k], k
+    assert down.communication_bytes == plain.communication_bytes
+
+
 def test_fit_unquantized_rows_travel_under_torchrun(tmp_path):
     """On 2 ranks a fitting pass also receives the other rank's batches' unquantized-model MoE inputs (float32
     hidden rows), beside the quantized ones."""
