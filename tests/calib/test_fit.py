@@ -66,7 +66,13 @@ def _reference(experts, router, calls, refs, holdout, quantized_gu):
 
 
 @pytest.mark.parametrize("affinity", [False, True])
-def test_fit_statistics_against_an_independent_computation(tmp_path, affinity):
+@pytest.mark.parametrize("mode", ["fit_unquantized", "fit_down"])
+def test_fit_statistics_against_an_independent_computation(tmp_path, affinity, mode):
+    """fit_unquantized: gate/up's cross-Grams with a stream unlike the quantized one, down_proj's statistics
+    from the quantized gate/up against the unquantized gate/up on that stream, its held-out rows. fit_down: no
+    second stream, gate/up's Hessians only (plain GPTQ's), nothing of down_proj's summed in the forward, then
+    its statistics against the unquantized gate/up on the same rows (the reference with the quantized
+    model's inputs as the other stream)."""
     path = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=1)
     ex = LayerExecutor(path, batch_tokens=80)  # 2 calls of 2 samples
     for step in ex.layers(_samples()):
@@ -75,30 +81,41 @@ def test_fit_statistics_against_an_independent_computation(tmp_path, affinity):
         calls = []
         grab = experts.register_forward_pre_hook(lambda m, a: calls.append((a[0].detach().float().reshape(
             -1, a[0].shape[-1]).clone(), a[1].detach().clone())))
-        _, seen = ex.forward_capture(step.layer, step.inputs, experts)
-        assert len(seen) == 2 and all(s.shape == (80, ex.hidden_size) for s in seen)
-        g = torch.Generator().manual_seed(1)
-        refs = [s + 0.05 * torch.randn(s.shape, generator=g) for s in seen]  # a stream unlike the quantized one
+        refs = None
+        if mode == "fit_unquantized":
+            _, seen = ex.forward_capture(step.layer, step.inputs, experts)
+            assert len(seen) == 2 and all(s.shape == (80, ex.hidden_size) for s in seen)
+            g = torch.Generator().manual_seed(1)
+            refs = [s + 0.05 * torch.randn(s.shape, generator=g) for s in seen]  # unlike the quantized stream
         st = ExpertStats(experts, need_hessians=True, sample_tokens=64, holdout=4,
-                         router=router if affinity else None, reference=list(refs))
+                         router=router if affinity else None, reference=None if refs is None else list(refs),
+                         fit_down=mode == "fit_down")
         step.observe(stop_at=experts)
         st.remove(), grab.remove()
-        assert len(calls) == 4  # forward_capture's, then the statistics'
-        calls = calls[2:]
-        assert all(torch.equal(c[0], s) for c, s in zip(calls, seen))  # the same rows in both forwards
+        if mode == "fit_unquantized":
+            assert len(calls) == 4  # forward_capture's, then the statistics'
+            calls = calls[2:]
+            assert all(torch.equal(c[0], s) for c, s in zip(calls, seen))  # the same rows in both forwards
+        else:
+            assert len(calls) == 2 and st.a_gu is None and not st.h_down.any()
+            assert all(torch.equal(k[0], c[0]) and k[1] is None for k, c in zip(st.kept, calls))
+            refs = [c[0] for c in calls]
         quantized = experts.gate_up_proj.detach().float() * 0.9 + 0.01  # any other gate/up weights
         h_gu, a_gu, h_down, a_down, held_ref = _reference(experts, router if affinity else None, calls, refs, 4,
                                                           quantized)
         torch.testing.assert_close(st.h_gu.double(), h_gu, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(st.a_gu.double(), a_gu, rtol=1e-4, atol=1e-4)
-        assert not torch.equal(st.a_gu, st.h_gu)
+        if mode == "fit_unquantized":
+            torch.testing.assert_close(st.a_gu.double(), a_gu, rtol=1e-4, atol=1e-4)
+            assert not torch.equal(st.a_gu, st.h_gu)
         counts = st.aff_counts if affinity else st.counts
         for e in range(8):
             hd, ad = st.down_statistics(e, quantized[e], experts.gate_up_proj[e].detach(), float(counts[e]))
             scale = 2.0 / max(float(counts[e]), 1.0)
             torch.testing.assert_close(hd.double(), h_down[e] * scale, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(ad.double(), a_down[e] * scale, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(st.heldout_reference(e).double(), held_ref[e])
+            assert not torch.allclose(ad, hd)
+            if mode == "fit_unquantized":
+                torch.testing.assert_close(st.heldout_reference(e).double(), held_ref[e])
         assert sum(len(r) for r in held_ref) > 0
         step.forward()
     ex.final.close()
@@ -210,32 +227,39 @@ def test_fit_resumes_with_the_unquantized_stream(tmp_path, monkeypatch):
     assert run_calibrated(src, r, samples, tmp_path / "g") == ref and calls == [0, 1, 2]
 
 
-def test_fit_options_and_where_it_is_refused(tmp_path):
-    assert recipe("gptq", fit_unquantized=0.5).groups[0].options.fit_unquantized == 0.5
-    assert recipe("gptq", fit_unquantized=1).groups[0].options.fit_unquantized == 1.0
-    assert recipe("gptq", fit_unquantized=0).groups[0].options.fit_unquantized == 0.0
-    assert recipe("gptq").groups[0].options.fit_unquantized == 0.0
+@pytest.mark.parametrize("key", ["fit_unquantized", "fit_down"])
+def test_fit_options_and_where_they_are_refused(tmp_path, key):
+    assert getattr(recipe("gptq", **{key: 0.5}).groups[0].options, key) == 0.5
+    assert getattr(recipe("gptq", **{key: 1}).groups[0].options, key) == 1.0
+    assert getattr(recipe("gptq", **{key: 0}).groups[0].options, key) == 0.0
+    assert getattr(recipe("gptq").groups[0].options, key) == 0.0
     for bad in (-0.1, 1.5, "true", '"0.5"', ".nan", "[1]"):
-        with pytest.raises(RecipeError, match="fit_unquantized"):
-            recipe("gptq", fit_unquantized=bad)
-    with pytest.raises(RecipeError, match="fit_unquantized"):
-        recipe("awq", fit_unquantized=0.5)
-    with pytest.raises(RecipeError, match="balance_tokens"):
-        recipe("gptq", fit_unquantized=0.5, balance_tokens=16)
+        with pytest.raises(RecipeError, match=key):
+            recipe("gptq", **{key: bad})
+    with pytest.raises(RecipeError, match=key):
+        recipe("awq", **{key: 0.5})
+    with pytest.raises(RecipeError, match="cannot be combined"):
+        recipe("gptq", fit_down=0.5, fit_unquantized=0.5)
     src = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=1)
     wide = parse_recipe(f"groups:\n  all:\n    targets: {TARGETS[:-1]}, 're:.*self_attn\\.o_proj$']\n"
-                        "    method: gptq\n    scheme: {group_size: 32}\n    options: {fit_unquantized: 0.5}\n")
-    with pytest.raises(CalibrationError, match="routed experts only"):
+                        f"    method: gptq\n    scheme: {{group_size: 32}}\n    options: {{{key}: 0.5}}\n")
+    with pytest.raises(CalibrationError, match=f"{key} applies to routed experts only"):
         run_calibrated(src, wide, _samples(2, 32), tmp_path / "w")
-    dsa = make_tiny_model("glm_moe_dsa", tmp_path / "dsa", layers=2)
-    with pytest.raises(CalibrationError, match="sparse attention"):
-        run_calibrated(dsa, recipe("gptq", fit_unquantized=0.5), _samples(2, 32), tmp_path / "d")
+    if key == "fit_unquantized":  # the second stream: no pool, no sparse attention (fit_down: both run)
+        with pytest.raises(RecipeError, match="balance_tokens"):
+            recipe("gptq", fit_unquantized=0.5, balance_tokens=16)
+        dsa = make_tiny_model("glm_moe_dsa", tmp_path / "dsa", layers=2)
+        with pytest.raises(CalibrationError, match="sparse attention"):
+            run_calibrated(dsa, recipe("gptq", fit_unquantized=0.5), _samples(2, 32), tmp_path / "d")
+    else:
+        assert recipe("gptq", fit_down=0.5, balance_tokens=16).groups[0].options.balance_tokens == 16
 
 
 def test_fit_memory_is_planned(tmp_path):
     """The memory plan counts what the fit holds beyond plain GPTQ: at least the cross-Grams (exactly the
     Hessians' size), both streams' expert inputs of every call (float32) and the unquantized model's hidden
-    states entering and leaving the layer."""
+    states entering and leaving the layer. fit_down: down_proj's cross-Grams and one stream's expert inputs,
+    less than that."""
     path = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=1)
     ex = LayerExecutor(path)
     layer = ex.load_layer(0)
@@ -248,6 +272,13 @@ def test_fit_memory_is_planned(tmp_path):
     grams = sum(t.numel() * t.element_size() for t in (st.a_gu, st.a_down))
     st.remove()
     assert fit["fit"] >= grams + 2 * 160 * ex.hidden_size * 4 + 2 * 160 * ex.hidden_size * ex.dtype.itemsize
+    down = statistics_bytes(ex.ckpt, recipe("gptq", fit_down=0.5), *args)
+    assert {k: v for k, v in down.items() if k != "fit"} == plain
+    st = ExpertStats(layer.mlp.experts, need_hessians=True, sample_tokens=64, fit_down=True)
+    assert st.a_gu is None
+    grams = st.a_down.numel() * st.a_down.element_size()
+    st.remove()
+    assert grams + 160 * ex.hidden_size * 4 <= down["fit"] < fit["fit"]
     ex.free_layer(0)
 
 
@@ -296,41 +327,6 @@ def test_a_distributed_record_names_each_ranks_stream(tmp_path):
 # `fit_down`: each expert's down_proj alone fitted to the outputs of its unquantized gate/up, on the same inputs
 
 
-@pytest.mark.parametrize("affinity", [False, True])
-def test_fit_down_statistics_against_an_independent_computation(tmp_path, affinity):
-    """No second stream: gate/up's Hessians are plain GPTQ's, no gate/up cross-Gram is summed, down_proj's
-    Grams wait for the quantized gate/up and then cross its outputs with the unquantized gate/up's on the
-    same rows (the float64 reference with the quantized model's own inputs as the "other" stream)."""
-    path = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=1)
-    ex = LayerExecutor(path, batch_tokens=80)
-    for step in ex.layers(_samples()):
-        experts = next(m for m in step.layer.modules() if moe.is_routed_experts(m))
-        router = step.layer.mlp.gate
-        calls = []
-        grab = experts.register_forward_pre_hook(lambda m, a: calls.append((a[0].detach().float().reshape(
-            -1, a[0].shape[-1]).clone(), a[1].detach().clone())))
-        st = ExpertStats(experts, need_hessians=True, sample_tokens=64, holdout=4,
-                         router=router if affinity else None, fit_down=True)
-        step.observe(stop_at=experts)
-        st.remove(), grab.remove()
-        assert len(calls) == 2 and st.a_gu is None and st.defer_down
-        assert not st.h_down.any()  # nothing summed in the forward
-        assert all(torch.equal(k[0], c[0]) and k[1] is None for k, c in zip(st.kept, calls))
-        quantized = experts.gate_up_proj.detach().float() * 0.9 + 0.01
-        h_gu, _, h_down, a_down, _ = _reference(experts, router if affinity else None, calls,
-                                                [c[0] for c in calls], 4, quantized)
-        torch.testing.assert_close(st.h_gu.double(), h_gu, rtol=1e-4, atol=1e-4)
-        counts = st.aff_counts if affinity else st.counts
-        for e in range(8):
-            hd, ad = st.down_statistics(e, quantized[e], experts.gate_up_proj[e].detach(), float(counts[e]))
-            scale = 2.0 / max(float(counts[e]), 1.0)
-            torch.testing.assert_close(hd.double(), h_down[e] * scale, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(ad.double(), a_down[e] * scale, rtol=1e-4, atol=1e-5)
-            assert not torch.allclose(ad, hd)
-        step.forward()
-    ex.final.close()
-
-
 def test_fit_down_pass_against_plain_gptq_and_fit_unquantized(tmp_path):
     """Layer 0's inputs are the embeddings in both models, so there fit_unquantized fits gate/up to their own
     weights and down_proj to the unquantized gate/up's outputs on the same inputs: what fit_down does, byte
@@ -375,41 +371,3 @@ def test_fit_down_runs_where_fit_unquantized_is_refused(tmp_path):
     downs = [n for n in wa if "experts" in n and "down_proj" in n]
     assert downs and sum(not torch.equal(wa[n], wb[n]) for n in downs) >= len(downs) // 2
     assert any(m.get("fit_down") == 0.5 for m in down["modules"].values())
-
-
-def test_fit_down_options_and_where_it_is_refused(tmp_path):
-    assert recipe("gptq", fit_down=0.5).groups[0].options.fit_down == 0.5
-    assert recipe("gptq", fit_down=1).groups[0].options.fit_down == 1.0
-    assert recipe("gptq").groups[0].options.fit_down == 0.0
-    for bad in (-0.1, 1.5, "true", '"0.5"', ".nan", "[1]"):
-        with pytest.raises(RecipeError, match="fit_down"):
-            recipe("gptq", fit_down=bad)
-    with pytest.raises(RecipeError, match="fit_down"):
-        recipe("awq", fit_down=0.5)
-    with pytest.raises(RecipeError, match="cannot be combined"):
-        recipe("gptq", fit_down=0.5, fit_unquantized=0.5)
-    src = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=1)
-    wide = parse_recipe(f"groups:\n  all:\n    targets: {TARGETS[:-1]}, 're:.*self_attn\\.o_proj$']\n"
-                        "    method: gptq\n    scheme: {group_size: 32}\n    options: {fit_down: 0.5}\n")
-    with pytest.raises(CalibrationError, match="fit_down applies to routed experts only"):
-        run_calibrated(src, wide, _samples(2, 32), tmp_path / "w")
-
-
-def test_fit_down_memory_is_planned(tmp_path):
-    """What fit_down holds beyond plain GPTQ: down_proj's cross-Grams and the expert inputs of every call
-    (float32), one stream only: less than fit_unquantized."""
-    path = make_tiny_model("qwen3_moe", tmp_path / "src", experts=8, layers=1)
-    ex = LayerExecutor(path)
-    layer = ex.load_layer(0)
-    lengths = [40] * 4
-    args = (0, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths)
-    plain = statistics_bytes(ex.ckpt, recipe("gptq"), *args)
-    down = statistics_bytes(ex.ckpt, recipe("gptq", fit_down=0.5), *args)
-    both = statistics_bytes(ex.ckpt, recipe("gptq", fit_unquantized=0.5), *args)
-    assert {k: v for k, v in down.items() if k != "fit"} == plain
-    st = ExpertStats(layer.mlp.experts, need_hessians=True, sample_tokens=64, fit_down=True)
-    assert st.a_gu is None
-    grams = st.a_down.numel() * st.a_down.element_size()
-    st.remove()
-    assert grams + 160 * ex.hidden_size * 4 <= down["fit"] < both["fit"]
-    ex.free_layer(0)
