@@ -2,7 +2,8 @@
 tokens (asymmetric calibration). Its statistics are held against a float64 computation written here from the
 experts' inputs, the unquantized model's inputs and the routing; its target against a least-squares solve;
 the pass against plain GPTQ where the two must agree (layer 0, whose inputs are the same in both models) and
-where they must not."""
+where they must not. `fit_down` (down_proj alone, to its unquantized gate/up on the same inputs, no second
+stream) against the same computation, plain GPTQ and fit_unquantized's layer 0."""
 
 import json
 
