@@ -38,10 +38,16 @@ def token_stream(vocab: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def logprobs(model_dir, ids: torch.Tensor) -> torch.Tensor:
+def logprobs(model_dir, ids: torch.Tensor, src=None) -> torch.Tensor:
+    """Next-token log-probabilities; an output transformers cannot load as written (asymmetric or NVFP4
+    experts) is measured as the source model `src` with its dequantized weights, as quality.py does."""
     from quantkit.testing import load_model
+    from quantkit.verify.numerics import load_dequantized, transformers_cannot_load
 
-    model = load_model(model_dir, torch.float32).eval()
+    if src is not None and transformers_cannot_load(Path(model_dir)):
+        model = load_dequantized(Path(src), Path(model_dir), torch.device("cpu"), torch.float32).eval()
+    else:
+        model = load_model(model_dir, torch.float32).eval()
     return torch.cat([F.log_softmax(model(ids[i:i + 16]).logits.float()[:, :-1], -1) for i in range(0, len(ids), 16)])
 
 
@@ -96,7 +102,7 @@ def main():
                     convert(src, out, ConvertOptions(recipe=recipe, overwrite=True, dataset=str(calib),
                                                      num_samples=len(rows_c), seq_len=a.seq_len, model_card=False))
                     secs = time.perf_counter() - t0
-                    lp = logprobs(out, eval_ids)
+                    lp = logprobs(out, eval_ids, src)
                     kl = float((ref.exp() * (ref - lp)).sum(-1).mean())
                     kls[recipe] = kl
                     methods = {}
