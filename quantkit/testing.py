@@ -15,6 +15,23 @@ from .tiny import (ARCHS, KIMI_K25_PREFIX, kimi_int4_grid, make_tiny_kimi_k25, m
 
 
 # ---- making block-FP8 checkpoints (tests, benchmarks) ---------------------------------------------
+def zero_tensors(model_dir, names) -> None:
+    """Set the tensors `names` of the checkpoint in `model_dir` to zero in place (their shards rewritten)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from .read.checkpoint import Checkpoint
+
+    model_dir = Path(model_dir)
+    ck = Checkpoint.open(model_dir)
+    for name in names:
+        shard = model_dir / ck.location[name]
+        t = load_file(str(shard))
+        t[name] = torch.zeros_like(t[name])
+        save_file(t, str(shard), metadata={"format": "pt"})
+
+
 def _release_fp8_module(module: str) -> bool:
     """Which Linears the DeepSeek-V3 / Kimi-K2 releases store in FP8: all but the router, the embeddings
     and lm_head (norms are 1-D and never quantized)."""

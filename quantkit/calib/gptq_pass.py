@@ -372,8 +372,9 @@ def _heldout_check(w: torch.Tensor, q: torch.Tensor, qp: QParams, grid, s, parts
     `heldout` {tokens, gptq, rtn, `retries` [{damping, error}] where retried, `kept`: solve, rtn or retry},
     errors relative to ||X W^T||^2, and `damping` where a retried solve was kept.
 
-    `refs` (fit_unquantized): per expert, the unquantized model's inputs X_ref for the same held-out rows (None:
-    X): the error of a candidate D is then ||X_ref W^T - X D^T||^2, relative to ||X_ref W^T||^2."""
+    `refs` (fit_unquantized, or fit_down for down_proj): per expert, the inputs the unquantized model (fit_down:
+    the unquantized gate/up) gives the matrix for the same held-out rows, X_ref (None: X): the error of a
+    candidate D is then ||X_ref W^T - X D^T||^2, relative to ||X_ref W^T||^2."""
     dev = w.device
     if grid is None:
         rr = rtn(w, s.num_bits, s.group_size, s.symmetric)

@@ -325,8 +325,8 @@ class GPTQOptions(_Calibrated):
     experts): each expert's down_proj alone is fitted to what the unquantized gate/up give it for the same
     inputs: GPTQ of W + a W (A - H) H_damped^-1 with H the Gram of the quantized gate/up's outputs and A their
     cross-Gram with the unquantized gate/up's, so down_proj undoes part of its expert's gate/up error; no
-    second stream is carried (docs/calibration.md); 0: off. It replaces fit_unquantized, which fits down_proj
-    alike, so the two are not combined."""
+    second stream is carried (docs/calibration.md); 0: off. fit_unquantized already fits down_proj (to the
+    unquantized model's own down inputs), so the two are not combined."""
 
     damp: float = 0.01
     actorder: bool = False

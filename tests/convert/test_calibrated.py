@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from quantkit.convert import MANIFEST_NAME, ConvertOptions, convert
 from quantkit.match.recipe import load_recipe
-from quantkit.testing import load_model, make_tiny_model
+from quantkit.testing import load_model, make_tiny_model, zero_tensors
 from quantkit.verify import verify
 
 from convert.test_convert import check_against_judge
@@ -112,20 +112,6 @@ def test_asymmetric_fitted_recipe_is_judged_and_beats_asymmetric_rtn(src, calib,
     assert rep.passed, [c for c in rep.checks if c.ok is False]
 
 
-def _zero(src, names):
-    """Set the source tensors `names` to zero in place."""
-    from safetensors.torch import load_file, save_file
-
-    from quantkit.read.checkpoint import Checkpoint
-
-    ck = Checkpoint.open(src)
-    for name in names:
-        shard = src / ck.location[name]
-        t = load_file(str(shard))
-        t[name] = torch.zeros_like(t[name])
-        save_file(t, str(shard), metadata={"format": "pt"})
-
-
 @pytest.mark.parametrize("scheme, fit", [
     ("{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}", False),
     ("{num_bits: 4, type: int, symmetric: false, strategy: group, group_size: 32}", True),
@@ -141,7 +127,7 @@ def test_a_matrix_whose_inputs_were_never_seen_keeps_its_rtn_weights(calib, tmp_
     from convert.test_convert import read_all
 
     src = make_tiny_model("qwen3_moe", tmp_path / "src")
-    _zero(src, ["model.layers.1.mlp.experts.3.up_proj.weight", "model.layers.0.self_attn.v_proj.weight"])
+    zero_tensors(src, ["model.layers.1.mlp.experts.3.up_proj.weight", "model.layers.0.self_attn.v_proj.weight"])
     experts, attn = json.dumps([r"re:.*mlp\.experts\..*"]), json.dumps([r"re:.*self_attn\.o_proj$"])
     ignore = json.dumps([r"re:.*\.mlp\.gate$", "lm_head"])
 
