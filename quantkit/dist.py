@@ -83,9 +83,18 @@ class World:
         docstring). `what` names the step in the error the other ranks raise. `phase` (quantkit/timeline.py)
         is what the time inside `fn` counts as; the check after it counts as "wait" (and, in the timeline's
         "wait_after", as a wait after `phase`: the step the slowest rank was still in)."""
+        return self._step(fn, what, phase, False)
+
+    def step_all(self, fn: Callable[[], T], what: str, phase: str | None = None) -> list[T]:
+        """`step`, returning every rank's result of `fn` in rank order: the results travel with the check
+        (one collective, not two). They must be small picklable objects."""
+        return self._step(fn, what, phase, True)
+
+    def _step(self, fn, what, phase, share):
         with timeline.phase(phase) if phase else contextlib.nullcontext():
             if self.size == 1:
-                return fn()
+                val = fn()
+                return [val] if share else val
             err: BaseException | None = None
             try:
                 val = fn()
@@ -93,15 +102,15 @@ class World:
                 err, val = e, None
         report = None if err is None else (type(err).__name__, getattr(err, "message", None) or str(err))
         with timeline.phase("wait", after=phase or "step"):
-            reports = self.all_gather(report)
-        failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
+            reports = self.all_gather((report, val if share and err is None else None))
+        failed = [(r, rep) for r, (rep, _) in enumerate(reports) if rep is not None]
         if failed:
             if err is not None:
                 raise err
             r, (kind, msg) = failed[0]
             raise RankFailed(f"rank {r} failed while {what}: {kind}: {msg}",
                              hint="the error above from that rank says what to fix; every rank stopped with it")
-        return val
+        return [v for _, v in reports] if share else val
 
     def agree(self, work: dict) -> None:
         """Refuse to go on unless every rank was given the same `work` (a JSON-able description: source

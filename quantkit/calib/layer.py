@@ -177,7 +177,8 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
                 if dense_owner[disk] == rank and g.method != "rtn":
                     gptq_dense(res, ckpt, disk, mod, g, lstats[disk])
 
-        run(dense_solves, f"quantizing the dense modules of decoder layer {idx}", "solve")
+        if any(g.method != "rtn" for _, g in dense.values()):  # the same on every rank: a step only if any
+            run(dense_solves, f"quantizing the dense modules of decoder layer {idx}", "solve")
         if dist_par is not None:
             for disk, (mod, g) in dense.items():
                 if g.method != "rtn":

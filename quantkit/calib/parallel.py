@@ -89,6 +89,10 @@ class Parallel:
         rank is raised on every rank."""
         return self.world.step(fn, what, phase)
 
+    def step_all(self, fn: Callable[[], T], what: str, phase: str | None = None) -> list[T]:
+        """World.step_all: `step`, returning every rank's result in rank order (sent with the check)."""
+        return self.world.step_all(fn, what, phase)
+
     # ---- ownership ---------------------------------------------------------------------------------------
     def group_owner(self, group: int) -> int:
         return group % self.size

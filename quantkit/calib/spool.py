@@ -307,8 +307,7 @@ def _layer_loop(ex, par, ckpt, recipe, inputs, start, index, ref, lengths, dtype
                            **({"primary_tokens": primary} if primary is not None else {}),
                            **({"reference": seen} if seen is not None else {}))
         del seen
-        # true-sequential: the next layer calibrates on this layer's quantized output
-        par.step(step.forward, f"forwarding decoder layer {step.index}", "forward")
+        nxt = step.index + 1 if step.index + 1 < ex.num_layers else None
 
         def write_layer():  # each rank its own part of the layer (what it solved): one file, made durable
             if not (r.tensors or r.overrides):
@@ -324,9 +323,20 @@ def _layer_loop(ex, par, ckpt, recipe, inputs, start, index, ref, lengths, dtype
             fsync_path(spool / f"{name}.json")
             return name, meta
 
-        written = par.step(write_layer, f"writing decoder layer {step.index} to the calibration spool", "write")
-        with timeline.phase("exchange"):
-            parts = [p for p in (par.world.all_gather(written) if par.distributed else [written]) if p is not None]
+        def finish_layer():  # what needs no other rank: one step, so the ranks align once here, not thrice
+            # true-sequential: the next layer calibrates on this layer's quantized output
+            step.forward()
+            with timeline.phase("write"):
+                written = write_layer()
+                if nxt is not None:
+                    step.outputs.save_samples(spool / activations_name(nxt, par.rank, par.size), par.samples())
+                    if ref is not None:
+                        ref.store.save_samples(spool / reference_name(nxt, par.rank, par.size), par.samples())
+            return written
+
+        # every rank's part of the layer, written, with the check (one collective)
+        parts = [p for p in par.step_all(finish_layer, f"forwarding decoder layer {step.index} and saving "
+                                                       "its results", "forward") if p is not None]
         for name, meta in parts:  # in rank order, then the input scales: the same index whatever the world size
             index["layers"].append(name)
             index["modules"].update(meta["modules"])
@@ -334,16 +344,7 @@ def _layer_loop(ex, par, ckpt, recipe, inputs, start, index, ref, lengths, dtype
             for module, extra in meta["input_scales"].items():
                 index["modules"].setdefault(module, {}).update(extra)
         index["overrides"].extend(sorted(o for _, meta in parts for o in meta["overrides"]))
-        if step.index + 1 < ex.num_layers:
-            nxt = step.index + 1
-            par.step(lambda: step.outputs.save_samples(spool / activations_name(nxt, par.rank, par.size),
-                                                       par.samples()),
-                     f"saving the inputs of decoder layer {nxt}", "write")
-            if ref is not None:
-                par.step(lambda: ref.store.save_samples(spool / reference_name(nxt, par.rank, par.size),
-                                                        par.samples()),
-                         f"saving the unquantized model's inputs of decoder layer {nxt}", "write")
-
+        if nxt is not None:
             def record():  # every rank's activations are durable: the record may name them
                 if par.rank != par.size - 1:  # the last rank: rank 0 has more to write (index, AWQ's results)
                     return

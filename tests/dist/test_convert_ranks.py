@@ -138,3 +138,38 @@ def test_every_rank_leaves_the_process_group(tmp_path, how):
     for r in (0, 1):
         assert f"rank {r} left: initialized=False" in p.stdout
     assert "terminate called" not in p.stderr
+
+
+STEP_ALL = textwrap.dedent("""
+    import sys
+    from quantkit import dist as qdist
+    from quantkit.errors import RankFailed
+    w = qdist.world()
+    print(f"rank {w.rank} got {w.step_all(lambda: {'rank': w.rank, 'sq': w.rank * w.rank}, 'squaring')}", flush=True)
+    def fail():
+        if w.rank == int(sys.argv[1]):
+            raise ValueError("injected")
+        return w.rank
+    try:
+        w.step_all(fail, "failing on purpose")
+    except RankFailed as e:
+        print(f"rank {w.rank} RankFailed: {e}", flush=True)
+    except ValueError as e:
+        print(f"rank {w.rank} own error: {e}", flush=True)
+    qdist.shutdown()
+""")
+
+
+def test_step_all_gives_every_rank_the_results_and_the_failure(tmp_path):
+    """World.step_all: every rank's result in rank order on every rank (sent with the check); a rank's failure
+    raised there as its own error and on the others as RankFailed naming it and the step."""
+    script = tmp_path / "step_all.py"
+    script.write_text(STEP_ALL)
+    p = _torchrun(3, 1, script=script)
+    assert p.returncode == 0, p.stderr[-3000:]
+    want = "[{'rank': 0, 'sq': 0}, {'rank': 1, 'sq': 1}, {'rank': 2, 'sq': 4}]"
+    for r in (0, 1, 2):
+        assert f"rank {r} got {want}" in p.stdout, p.stdout
+    assert "rank 1 own error: injected" in p.stdout
+    for r in (0, 2):
+        assert f"rank {r} RankFailed: rank 1 failed while failing on purpose: ValueError: injected" in p.stdout
