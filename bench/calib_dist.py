@@ -103,10 +103,19 @@ PASS_PHASES = ("load", "forward", "statistics", "solve", "exchange", "wait", "wr
 
 
 def _pass_seconds(ranks: list[dict], key: str = "phases", phases: tuple[str, ...] = PASS_PHASES) -> float | None:
-    """The pass's own time: the slowest rank's sum of `phases` (wall, or main-thread CPU with phases_cpu)."""
+    """The pass's own time: the slowest rank's sum of `phases` (wall, or main-thread CPU with phases_cpu). A
+    rank's waits at checks that followed a step outside `phases` (`wait_after`: e.g. rank 1 waiting at the end
+    for rank 0 to convert the larger shard, `stream`) are that step's, not the pass's: left out of the wall."""
     if not ranks:
         return None
-    return round(max(sum((r.get(key) or {}).get(p, 0.0) for p in phases) for r in ranks), 3)
+
+    def own(r: dict) -> float:
+        t = sum((r.get(key) or {}).get(p, 0.0) for p in phases)
+        if key == "phases" and "wait" in phases:
+            t -= sum(v for k, v in (r.get("wait_after") or {}).items() if k not in phases)
+        return t
+
+    return round(max(own(r) for r in ranks), 3)
 
 
 def _median(xs: list[float]) -> float | None:
@@ -232,7 +241,7 @@ def main(argv=None) -> int:
                      f"{'-' if r['plan_error'] is None else format(r['plan_error'], '+.0%')} | {rss} | {same} "
                      f"({len(hashes[r['world_size']])} files) |")
     lines += ["", "pass: the slowest rank's time in the calibrated pass's own phases (timeline: "
-              + ", ".join(PASS_PHASES) + "); set-up + pass: the same with the `setup` phase (the executor, the "
+              + ", ".join(PASS_PHASES) + "; its waits after steps outside them, e.g. `stream`, left out); set-up + pass: the same with the `setup` phase (the executor, the "
               "modeling imports); plan: `quantkit plan --calibration`'s total for that world size with one thread per "
               "rank (calibration_cost(..., threads=1)), set-up included; per rank and phase, wall / CPU seconds "
               "(last round), and the rank's wait split by the step whose check it waited at:",
