@@ -122,7 +122,7 @@ def convert(
     src_dir = _source(src, revision)
     from .read import prehash
 
-    prehash.start(src_dir)  # the source shards' sha256, computed while the next import runs
+    prehash.start(src_dir, *dist.launched())  # this rank's source shards' sha256, while the next import runs
     from .convert import ConvertOptions, convert as run
 
     gc.freeze()  # the imported modules' objects are permanent: collections scan only what convert makes

@@ -27,7 +27,7 @@ import json
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from . import timeline
 from .errors import DistributedError, RankFailed, RanksDisagree
@@ -129,17 +129,34 @@ class World:
                                          "on a shared filesystem")
 
     def split(self, items: list[T], weight: Callable[[T], int]) -> list[T]:
-        """This rank's share of `items`: the heaviest first, each to the least loaded rank (ties: the lower
-        rank). Deterministic for a given world size; the union over ranks is `items`."""
+        """This rank's share of `items` (`balance` of their weights). Deterministic for a given world size; the
+        union over ranks is `items`."""
         if self.size == 1:
             return list(items)
-        load = [0] * self.size
-        owner: dict[int, int] = {}
-        for i in sorted(range(len(items)), key=lambda i: (-weight(items[i]), i)):
-            r = min(range(self.size), key=lambda r: (load[r], r))
-            owner[i] = r
-            load[r] += weight(items[i])
-        return [x for i, x in enumerate(items) if owner[i] == self.rank]
+        owner = balance([weight(x) for x in items], self.size)
+        return [x for x, r in zip(items, owner) if r == self.rank]
+
+
+def balance(weights: Sequence[int], size: int) -> list[int]:
+    """The rank of each item: the heaviest first, each to the least loaded rank (ties: the earlier item, the
+    lower rank). Deterministic for a given world size: every rank computes the same assignment."""
+    load = [0] * size
+    owner = [0] * len(weights)
+    for i in sorted(range(len(weights)), key=lambda i: (-int(weights[i]), i)):
+        r = min(range(size), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += int(weights[i])
+    return owner
+
+
+def launched() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) as the launcher set them, read before the job is joined (`world()` checks them
+    then); (0, 1) when they are absent or not a valid pair."""
+    try:
+        size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    except DistributedError:
+        return 0, 1
+    return (rank, size) if size > 1 and 0 <= rank < size else (0, 1)
 
 
 def _digest(work: dict) -> str:

@@ -32,7 +32,7 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 from .. import timeline
-from ..dist import World
+from ..dist import World, balance
 from .activations import batch_plan
 
 T = TypeVar("T")
@@ -40,14 +40,8 @@ T = TypeVar("T")
 
 def assign_batches(tokens: Sequence[int], size: int) -> list[int]:
     """The rank that forwards each batch: the heaviest first, each to the least loaded rank (ties: the lower
-    batch, the lower rank). Deterministic for a given world size."""
-    load = [0] * size
-    owner = [0] * len(tokens)
-    for b in sorted(range(len(tokens)), key=lambda b: (-int(tokens[b]), b)):
-        r = min(range(size), key=lambda r: (load[r], r))
-        owner[b] = r
-        load[r] += int(tokens[b])
-    return owner
+    batch, the lower rank; dist.balance). Deterministic for a given world size."""
+    return balance(tokens, size)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

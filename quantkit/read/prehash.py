@@ -36,14 +36,24 @@ def _hash_file(path: str) -> str:
     return h.hexdigest()
 
 
-def start(src_dir: str | os.PathLike) -> None:
+def start(src_dir: str | os.PathLike, rank: int = 0, size: int = 1) -> None:
     """Hash every `*.safetensors` directly in `src_dir` (regular files only), in name order, on one
-    daemon thread. Best effort: anything odd is left for convert to hash (and to report)."""
+    daemon thread. Best effort: anything odd is left for convert to hash (and to report).
+
+    Rank `rank` of `size` (a torchrun job) hashes only the shards it will convert: convert gives each rank its
+    share by `dist.balance` of the shard sizes in name order, computed here the same way, so no shard is
+    hashed by two ranks (on a node of 8 ranks, not 8 times its checkpoint's bytes). Where the shares differ
+    after all (a resumed job's remaining shards, a stray file), convert hashes what it lacks itself."""
     try:
-        names = sorted(e.name for e in os.scandir(src_dir)
-                       if e.name.endswith(".safetensors") and e.is_file(follow_symlinks=False))
+        entries = sorted((e.name, e.stat(follow_symlinks=False).st_size) for e in os.scandir(src_dir)
+                         if e.name.endswith(".safetensors") and e.is_file(follow_symlinks=False))
     except OSError:
         return
+    names = [n for n, _ in entries]
+    if size > 1:
+        from ..dist import balance
+
+        names = [n for (n, _), r in zip(entries, balance([b for _, b in entries], size)) if r == rank]
     todo = []
     with _lock:
         for name in names:

@@ -3,6 +3,7 @@ background writer keeps order, bounds what it holds, and hands its failures to t
 
 import errno
 import hashlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +126,46 @@ def test_prehash_matches_and_notices_changes(tmp_path):
     time.sleep(0.05)
     p.write_bytes(b"b" * 100_001)  # changed after hashing began: hashed again
     assert prehash.sha256(p) == hashlib.sha256(b"b" * 100_001).hexdigest()
+
+
+def test_prehash_on_a_rank_hashes_its_own_shards_only(tmp_path, monkeypatch):
+    """Under torchrun each rank hashes in the background exactly the source shards convert will give it
+    (World.split by shard size), so no shard is hashed by two ranks; the digests are the files'."""
+    from quantkit import dist
+    from quantkit.read.checkpoint import Checkpoint
+    from quantkit.testing import make_tiny_model
+
+    src = make_tiny_model("qwen3_moe", tmp_path / "src", max_shard_size="100KB")
+    shards = list(Checkpoint.open(src).shards)
+    assert len(shards) >= 6 and len({s.size for s in shards}) > 1  # unequal sizes: the split is not trivial
+    seen: list[set[str]] = []
+    for rank in range(3):
+        monkeypatch.setattr(prehash, "_jobs", {})
+        prehash.start(src, rank, 3)
+        jobs = dict(prehash._jobs)
+        mine = {Path(p).name for p in jobs}
+        assert mine == {s.name for s in dist.World(rank=rank, size=3).split(shards, lambda s: s.size)}
+        for p, (_, fut) in jobs.items():
+            assert fut.result(timeout=60) == hashlib.sha256(Path(p).read_bytes()).hexdigest()
+        seen.append(mine)
+    assert set().union(*seen) == {s.name for s in shards} and sum(map(len, seen)) == len(shards)
+    monkeypatch.setattr(prehash, "_jobs", {})
+    prehash.start(src)  # one process: every shard
+    assert {Path(p).name for p in prehash._jobs} == {s.name for s in shards}
+
+
+@pytest.mark.parametrize("env, want", [({"RANK": "1", "WORLD_SIZE": "3"}, (1, 3)), ({}, (0, 1)),
+                                       ({"RANK": "0", "WORLD_SIZE": "1"}, (0, 1)),
+                                       ({"RANK": "5", "WORLD_SIZE": "2"}, (0, 1)),
+                                       ({"RANK": "x", "WORLD_SIZE": "2"}, (0, 1))])
+def test_launched_reads_the_launchers_rank(monkeypatch, env, want):
+    from quantkit import dist
+
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert dist.launched() == want
 
 
 def test_shards_fsynced_before_index_and_manifest(tmp_path, monkeypatch):
