@@ -241,7 +241,8 @@ def main(argv=None) -> int:
                      f"{'-' if r['plan_error'] is None else format(r['plan_error'], '+.0%')} | {rss} | {same} "
                      f"({len(hashes[r['world_size']])} files) |")
     lines += ["", "pass: the slowest rank's time in the calibrated pass's own phases (timeline: "
-              + ", ".join(PASS_PHASES) + "; its waits after steps outside them, e.g. `stream`, left out); set-up + pass: the same with the `setup` phase (the executor, the "
+              + ", ".join(PASS_PHASES) + "; its waits after steps outside them, e.g. `stream`, left out); "
+              "set-up + pass: the same with the `setup` phase (the executor, the "
               "modeling imports); plan: `quantkit plan --calibration`'s total for that world size with one thread per "
               "rank (calibration_cost(..., threads=1)), set-up included; per rank and phase, wall / CPU seconds "
               "(last round), and the rank's wait split by the step whose check it waited at:",
