@@ -14,9 +14,10 @@ from .tiny import (ARCHS, KIMI_K25_PREFIX, kimi_int4_grid, make_tiny_kimi_k25, m
                    tiny_config, wrap_kimi_k25)
 
 
-# ---- making block-FP8 checkpoints (tests, benchmarks) ---------------------------------------------
+# ---- editing a checkpoint's tensors in place (tests) ---------------------------------------------
 def zero_tensors(model_dir, names) -> None:
-    """Set the tensors `names` of the checkpoint in `model_dir` to zero in place (their shards rewritten)."""
+    """Set the tensors `names` of the checkpoint in `model_dir` to zero in place (each shard holding any of
+    them rewritten once)."""
     from pathlib import Path
 
     from safetensors.torch import load_file, save_file
@@ -25,13 +26,17 @@ def zero_tensors(model_dir, names) -> None:
 
     model_dir = Path(model_dir)
     ck = Checkpoint.open(model_dir)
+    by_shard: dict[str, list[str]] = {}
     for name in names:
-        shard = model_dir / ck.location[name]
-        t = load_file(str(shard))
-        t[name] = torch.zeros_like(t[name])
-        save_file(t, str(shard), metadata={"format": "pt"})
+        by_shard.setdefault(ck.location[name], []).append(name)
+    for shard, held in by_shard.items():
+        t = load_file(str(model_dir / shard))
+        for name in held:
+            t[name] = torch.zeros_like(t[name])
+        save_file(t, str(model_dir / shard), metadata={"format": "pt"})
 
 
+# ---- making block-FP8 checkpoints (tests, benchmarks) ---------------------------------------------
 def _release_fp8_module(module: str) -> bool:
     """Which Linears the DeepSeek-V3 / Kimi-K2 releases store in FP8: all but the router, the embeddings
     and lm_head (norms are 1-D and never quantized)."""
