@@ -20,7 +20,8 @@ wall time (process start and imports included), the conversion's own `seconds` (
 the pass's own time from the timeline (`pass`: the slowest rank's load, forward, statistics, solve, exchange,
 wait and write phases; quantkit/timeline.py), each rank's phases in wall and CPU seconds,
 the speed-up of both against world size 1, whether every output file is byte-identical to world size 1's,
-and `quantkit plan --calibration`'s prediction of the pass for that world size on one thread per rank.
+and `quantkit plan --calibration`'s prediction of the pass for that world size on one thread per rank (with
+`--measure`, also with rates measured here for each world size as its ranks compute: plan --measure --gpus N).
 Run it on a quiet machine with at least as many cores as the largest world size: the ranks share the cores.
 
 Writes bench/results/calib_dist.json and bench/results/calib_dist.md (or under --out).
@@ -160,6 +161,9 @@ def main(argv=None) -> int:
                     help="rounds: every configuration (and the peer) once per round; medians reported")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--measure", action="store_true",
+                    help="also predict with rates measured here before the rounds, for each world size as its ranks "
+                         "compute (plan --measure --gpus N: one thread each, N - 1 neighbours alongside)")
     ap.add_argument("--peer-python", type=Path, default=None,
                     help="python of a venv with llmcompressor (bench/setup_peers.sh): also its `oneshot` GPTQ (W4A16, "
                          "group 32, bench/quality.py's script) on the same model and tokens, one thread, after the ranks")
@@ -173,6 +177,13 @@ def main(argv=None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     data = _dataset(work / "tokens.jsonl", a.samples, a.seq_len, BENCH["vocab"])
+    tables = {}
+    if a.measure:
+        from quantkit.plan.measure import measure_throughput
+
+        for n in ranks:
+            print(f"measuring the rates of one of {n} rank(s), one thread each", file=sys.stderr)
+            tables[n] = measure_throughput("cpu", ranks=n, threads=1, source="bench/calib_dist.py --measure")
     runs: dict[int, list[dict]] = {n: [] for n in ranks}
     peers: list[dict] = []
     hashes: dict[int, dict[str, str]] = {}
@@ -210,6 +221,13 @@ def main(argv=None) -> int:
         r["plan_pass_s"] = round(plan.total_seconds, 3)
         r["plan_error"] = (round(plan.total_seconds / r["setup_pass_s"] - 1, 3) if r.get("setup_pass_s")
                            else None)
+        if tables:
+            m = calibration_cost(str(src), RECIPE, a.samples, a.seq_len, world_size=r["world_size"], device="cpu",
+                                 throughput=tables[r["world_size"]])
+            r["plan_measured_s"] = round(m.total_seconds, 3)
+            r["plan_measured_error"] = (round(m.total_seconds / r["setup_pass_s"] - 1, 3) if r.get("setup_pass_s")
+                                        else None)
+            r["measured_table"] = tables[r["world_size"]].to_json()
         r["speedup_wall"] = round(base["wall_s"] / r["wall_s"], 3)
         r["speedup_convert"] = (round(base["convert_s"] / r["convert_s"], 3)
                                 if base["convert_s"] and r["convert_s"] else None)
@@ -240,6 +258,12 @@ def main(argv=None) -> int:
                      f"{r['speedup_convert']}x | {r['speedup_pass']}x | {r['setup_pass_s']}, {r['plan_pass_s']}, "
                      f"{'-' if r['plan_error'] is None else format(r['plan_error'], '+.0%')} | {rss} | {same} "
                      f"({len(hashes[r['world_size']])} files) |")
+    if tables:
+        lines += ["", "Plan with rates measured here before the rounds (plan --measure --gpus N, one thread per rank, "
+                      "N - 1 neighbours computing alongside): "
+                  + "; ".join(f"world size {r['world_size']} {r['plan_measured_s']} s against {r['setup_pass_s']} s, "
+                              + ("-" if r["plan_measured_error"] is None else format(r["plan_measured_error"], "+.0%"))
+                              for r in rows) + "."]
     lines += ["", "pass: the slowest rank's time in the calibrated pass's own phases (timeline: "
               + ", ".join(PASS_PHASES) + "; its waits after steps outside them, e.g. `stream`, left out); "
               "set-up + pass: the same with the `setup` phase (the executor, the "

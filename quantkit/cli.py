@@ -408,7 +408,9 @@ def plan(
              "processes).")] = options.PLAN_COST_DEVICE,
     measure: Annotated[bool, typer.Option(
         "--measure", help="With --calibration: measure this machine's rates for --device first (~1 min; a GPU "
-                          "must be visible for cuda) and predict with them instead of the shipped table.")] = False,
+                          "must be visible for cuda) and predict with them instead of the shipped table; with "
+                          "--device cpu, as one of --gpus ranks sharing this host (the others computing "
+                          "alongside).")] = False,
     compute_dtype: Annotated[str, typer.Option(
         "--compute-dtype", help=f"With --calibration: what the layers compute in, as convert's "
         f"({'|'.join(options.COMPUTE_DTYPE_CHOICES)}; auto: float32 on the CPU, bfloat16 on a GPU).")] = options.COMPUTE_DTYPE,
@@ -442,7 +444,8 @@ def plan(
         from .plan.measure import measure_throughput
 
         err.print(f"measuring this machine's {device} rates for the cost model ...", highlight=False)
-        table = measure_throughput(device, log=lambda m: err.print(f"  {m}", highlight=False, soft_wrap=True))
+        table = measure_throughput(device, ranks=gpus if device == "cpu" else 1,
+                                   log=lambda m: err.print(f"  {m}", highlight=False, soft_wrap=True))
     rep = run(target, recipe, gpu_memory_gib=gpu_memory_gib, gpus=gpus, context_len=context_len,
               activation_reserve_gib=activation_reserve_gib, tp=tp, calibration=calibration, device=device,
               throughput=table, compute_dtype=compute_dtype)

@@ -75,6 +75,9 @@ class Throughput:
     setup_s: float  # fixed: building the meta model, embedding, opening the checkpoint
     layer_s: float  # fixed per layer and pass: materializing, freeing (gc, malloc_trim), hooks
     threads: int = 0  # cpu: the threads the rates were measured with (the host's cores); 0: not thread-bound
+    # cpu: the processes that computed at once on the host while the rates were measured, each on `threads`
+    # (`plan --measure --gpus G`: this one and G - 1 neighbours); the host's threads are threads x ranks
+    ranks: int = 1
     # large GEMM in the device's other compute dtype (--compute-dtype; cpu: bfloat16, cuda: float32), at the
     # same half rows; 0: not known (the default dtype's rate stands in, and the plan says so)
     alt_gemm_flops: float = 0.0
@@ -96,7 +99,7 @@ class Throughput:
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "Throughput":
         names = {f.name for f in fields(cls)}
-        missing = names - set(doc) - {"notes", "threads", "startup_s", "alt_gemm_flops"}
+        missing = names - set(doc) - {"notes", "threads", "ranks", "startup_s", "alt_gemm_flops"}
         if missing:
             raise ConfigError(f"throughput table lacks {sorted(missing)}")
         kw = {k: v for k, v in doc.items() if k in names}
@@ -900,7 +903,9 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     of `device` ("cpu" or "cuda"). `gpu_memory_gib`: the device memory each rank may use (cuda; None: not
     checked). `throughput`: the rates (None: THROUGHPUT[device kind]). `threads`: the threads each rank
     computes on, for a table that states its own (`Throughput.threads`: the cpu's); None: the ranks share the
-    table's threads on one host (torchrun gives each worker one thread when it starts several).
+    host's threads (the table's threads x its ranks) on one host (torchrun gives each worker one thread when it
+    starts several). A table measured as one of G ranks (`ranks` G) predicts a world of G best: other world
+    sizes scale its rates by the threads alone, and the result says so.
     `compute_dtype`: what the layers compute in (options.COMPUTE_DTYPE_CHOICES, as `convert --compute-dtype`;
     None: "auto", the device's default): the forward's GEMMs then run at the table's rate for that dtype
     (`alt_gemm_flops` for the device's other one) and its activations take that dtype's bytes."""
@@ -915,7 +920,8 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     table = throughput or throughput_for(kind)
     if threads is not None and not threads > 0:
         raise ConfigError(f"threads per rank must be positive, got {threads}")
-    per_rank = (threads if threads is not None else table.threads / world_size) if table.threads else None
+    host_threads = table.threads * table.ranks  # the host's, as the table was measured
+    per_rank = (threads if threads is not None else host_threads / world_size) if table.threads else None
     c = table.for_threads(per_rank) if per_rank else table
     dtype, default = _compute_dtype(kind, compute_dtype), _compute_dtype(kind, "auto")  # gemm_flops is default's
     alt_unknown = dtype != default and not c.alt_gemm_flops
@@ -1033,6 +1039,9 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
                 "bfloat16 pays off on the CPU for forward-bound passes (KV scales)")
     if c.provenance == "assumed":
         out.warnings.append(f"the {kind} throughput figures are assumptions, not measurements ({c.source})")
+    if table.ranks > 1 and table.ranks != g:
+        out.warnings.append(f"the {kind} rates were measured as one of {table.ranks} ranks sharing the host, for "
+                            f"a world of {g} they are scaled by the threads alone (measure with --gpus {g})")
     return out
 
 
@@ -1057,6 +1066,8 @@ def _code(dtype) -> str:
 def _assumptions(c: Throughput, g: int, kind: str, gq: _Batches, kvb: list[int], passes_gq: bool,
                  passes_kv: bool, per_rank: float | None = None) -> list[str]:
     a = [f"throughput: {c.kind} figures {c.provenance} ({c.source})"
+         + (f"; measured as one of {c.ranks} ranks computing at once, on {c.threads} threads each"
+            if c.ranks > 1 else "")
          + (f"; each rank computes on {per_rank:g} of the table's {c.threads} threads: the multi-threaded rates "
             f"({', '.join(THREAD_SCALED)}) scaled by {per_rank:g}/{c.threads}" if per_rank and per_rank != c.threads
             else ""),

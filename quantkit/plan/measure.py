@@ -11,17 +11,27 @@ bandwidth; one small tensor op; fsynced writes, page-cache reads, sha256; per-mo
 RSS after the imports; gc + malloc_trim per layer. Not measured, taken from the shipped table and said so
 in the table's notes: the link between ranks, the fixed set-up of a pass and a fresh process's start-up
 (bench/calib_cost.py measures the last two on its bench model). About 30-60 s on a 2-core CPU.
+
+For a world of G CPU ranks on one host (`--gpus G --device cpu`) the rates are measured as a rank sees
+them: on its share of the host's threads, while G - 1 neighbour processes compute alongside on theirs
+(`neighbours`: float32 GEMMs and element-wise streams, what a pass mostly computes). Two processes on two
+cores need not each run at one process's speed alone: they share caches, memory bandwidth and, on a VM,
+whatever the host gives its vCPUs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
 import math
 import os
 import platform
+import select
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -289,31 +299,101 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
     return out
 
 
-def machine_label(device: str) -> str:
-    """The processor, core and thread counts and torch version (and the GPU's name for cuda) of this machine."""
+# A neighbour rank: float32 GEMMs of the bench shapes and an element-wise stream, on its threads, until its
+# parent closes its stdin or is gone. It says "ready" once its buffers exist and it has run one round.
+_NEIGHBOUR = """
+import os, select, sys, torch
+torch.set_num_threads(int(sys.argv[1]))
+parent = os.getppid()
+a = torch.randn(8, 512, 512)
+x, y = torch.randn(8 << 20), torch.randn(8 << 20)
+z = torch.empty_like(x)
+ready = False
+while os.getppid() == parent and not select.select([sys.stdin], [], [], 0)[0]:
+    for _ in range(4):
+        torch.bmm(a, a)
+    torch.add(x, y, out=z)
+    if not ready:
+        print("ready", flush=True)
+        ready = True
+"""
+
+
+@contextlib.contextmanager
+def neighbours(n: int, threads: int, timeout: float = 120.0):
+    """`n` processes computing alongside this one (_NEIGHBOUR), each on `threads` threads, from when every one
+    of them has started its work until the block ends; yields their Popen objects. They stop when the block
+    ends (stdin closed, then killed if still there after 5 s) or when this process is gone."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    procs: list[subprocess.Popen] = []
+    try:
+        for _ in range(n):
+            procs.append(subprocess.Popen([sys.executable, "-c", _NEIGHBOUR, str(threads)], env=env, text=True,
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            left = deadline - time.monotonic()
+            line = p.stdout.readline() if left > 0 and select.select([p.stdout], [], [], left)[0] else ""
+            if line.strip() != "ready":
+                raise RuntimeError(f"a neighbour process did not start within {timeout:g} s (exit {p.poll()})")
+        yield procs
+    finally:
+        for p in procs:
+            with contextlib.suppress(OSError):
+                p.stdin.close()
+        for p in procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+
+
+def machine_label(device: str, threads: int | None = None) -> str:
+    """The processor, core and thread counts (None: torch's) and torch version (and the GPU's name for cuda)."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads" + (f", {torch.cuda.get_device_name()}" if kind == "cuda" else ""))
+            f"{threads or torch.get_num_threads()} threads"
+            + (f", {torch.cuda.get_device_name()}" if kind == "cuda" else ""))
 
 
-def measure_throughput(device: str = "cpu", *, log=None, workdir: str | Path | None = None,
-                       source: str = "quantkit plan --measure") -> Throughput:
+def measure_throughput(device: str = "cpu", *, ranks: int = 1, threads: int | None = None, log=None,
+                       workdir: str | Path | None = None, source: str = "quantkit plan --measure") -> Throughput:
     """A Throughput table for `device` ("cpu", or "cuda" where a GPU is visible) measured here: the shipped
     table's row with every measured field replaced (see the module's docstring for what is not measured).
+    `ranks` (cpu): measured as one of that many ranks sharing this host: on `threads` threads (None: this
+    process's threads // ranks, at least 1) while ranks - 1 neighbours compute alongside, each on as many.
     `log(message)`: progress, one line per measurement."""
+    from ..errors import ConfigError
+
     kind = "cuda" if str(device).startswith("cuda") else "cpu"
     if kind == "cuda" and not torch.cuda.is_available():
-        from ..errors import ConfigError
-
         raise ConfigError("measuring a GPU's throughput needs one here (torch sees no CUDA device)",
                           hint="run it on the GPU machine, or drop --measure to use the assumed figures")
+    if ranks < 1 or (threads is not None and threads < 1):
+        raise ConfigError(f"ranks and threads must be positive, got {ranks} and {threads}")
+    log = log or (lambda m: None)
+    shared = kind == "cpu" and ranks > 1
+    prev = torch.get_num_threads()
+    per_rank = (threads or max(1, prev // ranks)) if kind == "cpu" else 0
     load0 = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="quantkit-measure-", dir=workdir) as tmp:
-        rates = measure_rates(device, HIDDEN, INTER, Path(tmp), log or (lambda m: None))
+    torch.set_num_threads(per_rank or prev)
+    try:
+        with contextlib.ExitStack() as stack:
+            if shared:
+                log(f"starting {ranks - 1} neighbour process(es) on {per_rank} thread(s) each: the rates of one of "
+                    f"{ranks} ranks sharing this host")
+                stack.enter_context(neighbours(ranks - 1, per_rank))
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="quantkit-measure-", dir=workdir))
+            rates = measure_rates(device, HIDDEN, INTER, Path(tmp), log)
+    finally:
+        torch.set_num_threads(prev)
     base = THROUGHPUT[kind]
     return replace(base, provenance="measured",
-                   source=f"{source}, {machine_label(device)}, {time.strftime('%Y-%m-%d', time.gmtime())}, "
-                          f"load average {load0:.1f} at the start",
+                   source=f"{source}, {machine_label(device, per_rank or prev)}, "
+                          f"{time.strftime('%Y-%m-%d', time.gmtime())}, load average {load0:.1f} at the start"
+                          + (f", as one of {ranks} ranks computing at once" if shared else ""),
                    notes=("link_bytes_per_s, setup_s, startup_s: the shipped table's, not measured here",),
-                   threads=torch.get_num_threads() if kind == "cpu" else 0,
+                   threads=per_rank, ranks=ranks if shared else 1,
                    **{k: v for k, v in rates.items() if not k.startswith("_")})

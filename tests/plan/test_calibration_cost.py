@@ -162,6 +162,30 @@ def test_ranks_on_one_host_share_its_threads(tmp_path):
         _cost(cfg, 64, 64, 1, threads=0)
 
 
+def test_a_table_measured_as_one_of_several_ranks(tmp_path):
+    """A cpu table measured as one of G ranks sharing the host (`ranks` G, `threads` each: plan --measure
+    --gpus G) holds a rank's own rates: a world of G computes at them unscaled; another world size shares the
+    host's threads (threads x ranks) and is scaled by the threads alone, with a warning that says so."""
+    from dataclasses import replace
+
+    from quantkit.plan.calibration import THROUGHPUT, Throughput
+
+    cfg = _config(tmp_path, 2)
+    per = replace(THROUGHPUT["cpu"].for_threads(1), threads=1, ranks=2)  # 2 ranks of 1 thread on a 2-thread host
+    two = _cost(cfg, 64, 64, 2, throughput=per)
+    assert two.constants["threads_per_rank"] == 1
+    assert two.seconds == _cost(cfg, 64, 64, 2, throughput=replace(per, threads=0)).seconds  # not scaled
+    assert not any("measured as one of" in w for w in two.warnings)
+    assert any("measured as one of 2 ranks" in a for a in two.assumptions)
+    one = _cost(cfg, 64, 64, 1, throughput=per)
+    assert one.constants["threads_per_rank"] == 2
+    assert one.seconds == _cost(cfg, 64, 64, 1, throughput=replace(per.for_threads(2), threads=0)).seconds
+    assert any("measured as one of 2 ranks" in w and "--gpus 1" in w for w in one.warnings)
+    four = _cost(cfg, 64, 64, 4, throughput=per)
+    assert four.constants["threads_per_rank"] == 0.5 and any("--gpus 4" in w for w in four.warnings)
+    assert Throughput.from_json(per.to_json()) == per
+
+
 def test_device_memory_is_the_executors_plan(tiny, tmp_path):
     """The cost model plans a config.json alone (tensors enumerated, nothing read); the executor plans the
     real checkpoint. Their plans agree, and the parts that can be written out independently are checked."""
@@ -397,8 +421,9 @@ def test_a_fresh_process_pays_startup_once(tmp_path):
         assert {k: v for k, v in with_it.seconds.items() if k != "fixed"} == \
             {k: v for k, v in without.seconds.items() if k != "fixed"}
     doc = c.to_json()
-    del doc["startup_s"], doc["threads"]
-    assert Throughput.from_json(doc).startup_s == 0.0 and Throughput.from_json(doc).threads == 0
+    del doc["startup_s"], doc["threads"], doc["ranks"]
+    old = Throughput.from_json(doc)  # a table written before these fields
+    assert old.startup_s == 0.0 and old.threads == 0 and old.ranks == 1
 
 
 def test_fit_unquantized_cost_is_a_forward_and_the_fits(tmp_path):

@@ -83,3 +83,68 @@ def test_cli_measure_cuda_without_a_gpu(tmp_path):
     r = CliRunner().invoke(app, ["plan", str(_config(tmp_path)), "--recipe", "int4-experts-gptq", "--calibration",
                                  "8,64", "--device", "cuda", "--measure"])
     assert r.exit_code == 1 and isinstance(r.exception, ConfigError) and "needs one here" in str(r.exception)
+
+
+def test_measured_as_one_of_several_ranks(small):
+    """--gpus G on the cpu: the rates are measured on this rank's share of the threads while G - 1 neighbours
+    compute alongside; the table says so (threads, ranks, source) and torch's threads are restored after."""
+    before = torch.get_num_threads()
+    lines = []
+    t = measure.measure_throughput("cpu", ranks=2, log=lines.append)
+    assert torch.get_num_threads() == before
+    assert t.ranks == 2 and t.threads == max(1, before // 2)
+    assert "as one of 2 ranks" in t.source and f"{t.threads} threads" in t.source
+    assert any("1 neighbour" in m for m in lines)
+    assert Throughput.from_json(t.to_json()) == t
+    one = measure.measure_throughput("cpu", threads=1)
+    assert one.ranks == 1 and one.threads == 1 and "as one of" not in one.source
+    with pytest.raises(ConfigError):
+        measure.measure_throughput("cpu", ranks=0)
+
+
+def test_neighbours_compute_alongside_and_stop():
+    """The neighbours run (and have started their work) inside the block and are gone after it, also when the
+    block raises; a neighbour whose parent is killed stops by itself."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    with measure.neighbours(2, 1) as procs:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+    assert all(p.returncode is not None for p in procs)
+    with pytest.raises(KeyError):
+        with measure.neighbours(1, 1) as procs:
+            raise KeyError("boom")
+    assert procs[0].returncode is not None
+    # the parent SIGKILLed: no one closes the neighbour's stdin, it sees its parent gone
+    code = ("import sys, time\nfrom quantkit.plan import measure\n"
+            "with measure.neighbours(1, 1) as ps:\n    print(ps[0].pid, flush=True)\n    time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{pid}/stat") as fh:  # reaped by init once it exits: a zombie counts as gone
+            if fh.read().split(") ")[-1].startswith("Z"):
+                break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the neighbour outlived its killed parent by 30 s")
+
+
+def test_cli_measure_for_several_cpu_ranks(small, tmp_path):
+    r = CliRunner().invoke(app, ["plan", str(_config(tmp_path)), "--recipe", "int4-experts-gptq", "--calibration",
+                                 "8,64", "--device", "cpu", "--gpus", "2", "--measure", "--json"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout[r.stdout.index("{"):])["calibration"]
+    assert got["world_size"] == 2 and got["constants"]["values"]["ranks"] == 2
+    assert got["constants"]["threads_per_rank"] == got["constants"]["values"]["threads"]
+    assert not any("measured as one of" in w for w in got["warnings"])
