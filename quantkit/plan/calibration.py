@@ -534,6 +534,26 @@ def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: 
     return chol, sweep
 
 
+def _heldout_check(c: Throughput, s: _LayerShape, tokens: int, owned: int, holdout: int, fit: tuple[bool, bool]):
+    """GPTQ's held-out check (calib/gptq_pass._heldout_check) of the `owned` experts of the busiest rank, after
+    their solves: every `holdout`-th row routed to an expert (of `tokens` calibration tokens, balanced routing)
+    was kept out of its Hessians; per expert and matrix one product of those rows with W, W - D (GPTQ's) and
+    W - D (RTN's, computed for the matrix), the squares of each part summed in float64. `fit` (gate/up, down):
+    the matrix is checked against the unquantized model's outputs, one more product. Retries (an INT4 expert
+    that RTN beats is solved again at higher damping, calib/gptq_pass.RETRY_DAMPING) depend on the data and
+    are not counted."""
+    rows = tokens * s.top_k / s.experts / holdout
+    sec = 0.0
+    for (n_out, k), ref in zip(((s.p, s.h), (s.h, s.i)), fit):
+        flops = 2 * rows * k * n_out * (3 + int(ref))
+        sec += owned * flops / _rate(c.gram_flops, c.gram_half_rows, rows)  # float32 whatever the layers' dtype
+        # RTN's codes and both dequantizations, the three candidates side by side, then per part the product's
+        # columns in float64, squared and summed
+        stream = (8 * n_out * k * 4 + 6 * n_out * k * 4 + rows * 3 * n_out * (4 + 3 * 8)) * owned
+        sec += stream / c.mem_bytes_per_s + owned * 30 * c.op_s
+    return sec
+
+
 def awq_candidates(n_grid: int, stride: int) -> tuple[int, int]:
     """Candidates of AWQ's scale searches per round (quant.awq.grid_coarse, grid_refine): s = 1 and every
     stride-th grid point, then up to 2 (stride - 1) neighbours of the best (fewer at the grid's ends)."""
@@ -816,6 +836,9 @@ def _pass_row(row: dict, comm: dict, held: dict, ctx: _PassContext, idx: int, la
         ch, sw = _gptq_solves(c, [(owned, s.p, s.h, sweep[0]), (owned, s.h, s.i, sweep[1])],
                               egroup.options.block_size, egroup.options.refit_scales, egroup.options.refine_sweeps)
         row["gptq_solve"] += ch + sw + owned * c.module_s  # gate and up: one matrix, two modules
+        if o.holdout >= 2:
+            row["gptq_solve"] += _heldout_check(c, s, sum(ctx.stats_batches), owned, o.holdout,
+                                                (bool(o.fit_unquantized), bool(o.fit_unquantized or o.fit_down)))
         if o.fit_unquantized or o.fit_down:
             fs, fsol = _fit_unquantized(c, s, ctx.stats_batches, owned, hidden, per_token,
                                         down_only=not o.fit_unquantized)

@@ -94,8 +94,16 @@ def test_monotone_in_samples_tokens_and_layers(tmp_path):
         assert other.total_seconds > base.total_seconds
         for k in ("forward", "hessians", "write_spool"):
             assert other.seconds[k] > base.seconds[k], k
-    # the solves depend on the shapes only, not on the tokens; twice the layers, twice the solves
-    assert more_n.seconds["gptq_solve"] == pytest.approx(base.seconds["gptq_solve"])
+    # the solves depend on the shapes only, not on the tokens (the held-out check's products do: holdout 0
+    # leaves it out); twice the layers, twice the solves
+    import quantkit
+
+    off = tmp_path / "off.yaml"
+    off.write_text((Path(quantkit.__file__).parent / "data" / "recipes" / "int4-experts-gptq.yaml").read_text()
+                   .replace("      block_size: 128\n", "      block_size: 128\n      holdout: 0\n"))
+    assert _cost(cfg2, 16, 64, recipe=str(off)).seconds["gptq_solve"] == \
+        pytest.approx(_cost(cfg2, 8, 64, recipe=str(off)).seconds["gptq_solve"])
+    assert more_n.seconds["gptq_solve"] > base.seconds["gptq_solve"]
     assert more_l.seconds["gptq_solve"] == pytest.approx(2 * base.seconds["gptq_solve"])
     assert (base.layers, more_l.layers, more_l.calibrated_layers) == (2, 4, 4)
     # the attention grows with T^2: a longer sample costs more than more samples of the same total tokens
@@ -437,6 +445,31 @@ def test_fit_unquantized_cost_is_a_forward_and_the_fits(tmp_path):
         assert fit.seconds[k] == fit1.seconds[k], k
     assert fit.seconds["forward"] < 2 * plain.seconds["forward"]  # plain: a whole and a split forward per layer
     assert fit.seconds["hessians"] < 2.5 * plain.seconds["hessians"]
+
+
+def test_heldout_check_costs_its_products(tmp_path):
+    """GPTQ's held-out check (`holdout` k, default 8): after the solves, per owned expert and matrix, a product
+    of its held-out rows with W and both candidates' errors, RTN's codes and the float64 sums. Only the solve
+    pays it; off (0) it is gone; with fewer rows held out (16) the products shrink and the per-matrix work
+    stays, so it costs less but more than half; fit_down adds down_proj's reference product."""
+    import quantkit
+
+    text = (Path(quantkit.__file__).parent / "data" / "recipes" / "int4-experts-gptq.yaml").read_text()
+    cfg = _config(tmp_path, 2)
+
+    def cost(name, extra):
+        p = tmp_path / f"{name}.yaml"
+        p.write_text(text.replace("      block_size: 128\n", "      block_size: 128\n" + extra))
+        return _cost(cfg, n=64, recipe=str(p))
+
+    off, k8, k16 = cost("off", "      holdout: 0\n"), cost("k8", ""), cost("k16", "      holdout: 16\n")
+    for k in off.seconds:
+        if k != "gptq_solve":
+            assert off.seconds[k] == k8.seconds[k] == k16.seconds[k], k
+    c8, c16 = k8.seconds["gptq_solve"] - off.seconds["gptq_solve"], k16.seconds["gptq_solve"] - off.seconds["gptq_solve"]
+    assert 0 < c16 < c8 < 2 * c16
+    fit_off, fit8 = cost("fit_off", "      holdout: 0\n      fit_down: 0.5\n"), cost("fit8", "      fit_down: 0.5\n")
+    assert fit8.seconds["gptq_solve"] - fit_off.seconds["gptq_solve"] > c8
 
 
 def test_fit_down_cost_is_the_down_fit_alone(tmp_path):
