@@ -181,9 +181,11 @@ def main(argv=None) -> int:
     if a.measure:
         from quantkit.plan.measure import measure_throughput
 
+        config = json.loads((src / "config.json").read_text())
         for n in ranks:
             print(f"measuring the rates of one of {n} rank(s), one thread each", file=sys.stderr)
-            tables[n] = measure_throughput("cpu", ranks=n, threads=1, source="bench/calib_dist.py --measure")
+            tables[n] = measure_throughput("cpu", ranks=n, threads=1, config=config,
+                                           source="bench/calib_dist.py --measure")
     runs: dict[int, list[dict]] = {n: [] for n in ranks}
     peers: list[dict] = []
     hashes: dict[int, dict[str, str]] = {}

@@ -444,7 +444,9 @@ def plan(
         from .plan.measure import measure_throughput
 
         err.print(f"measuring this machine's {device} rates for the cost model ...", highlight=False)
-        table = measure_throughput(device, ranks=gpus if device == "cpu" else 1,
+        from .plan.source import resolve
+
+        table = measure_throughput(device, ranks=gpus if device == "cpu" else 1, config=resolve(target).config,
                                    log=lambda m: err.print(f"  {m}", highlight=False, soft_wrap=True))
     rep = run(target, recipe, gpu_memory_gib=gpu_memory_gib, gpus=gpus, context_len=context_len,
               activation_reserve_gib=activation_reserve_gib, tp=tp, calibration=calibration, device=device,

@@ -10,7 +10,8 @@ column sweep (the fixed seconds per column step and the in-block update rate); s
 bandwidth; one small tensor op; fsynced writes, page-cache reads, sha256; per-module emission; the process's
 RSS after the imports; gc + malloc_trim per layer. Not measured, taken from the shipped table and said so
 in the table's notes: the link between ranks, the fixed set-up of a pass and a fresh process's start-up
-(bench/calib_cost.py measures the last two on its bench model). About 30-60 s on a 2-core CPU.
+(bench/calib_cost.py measures the last two on its bench model; given the model's config, the start-up is
+measured too: `measure_startup`). About 30-60 s on a 2-core CPU.
 
 For a world of G CPU ranks on one host (`--gpus G --device cpu`) the rates are measured as a rank sees
 them: on its share of the host's threads, while G - 1 neighbour processes compute alongside on theirs
@@ -353,6 +354,58 @@ def neighbours(n: int, threads: int, timeout: float = 120.0):
             p.stdout.close()
 
 
+# A fresh process's start-up (`Throughput.startup_s`): after what `quantkit convert` has imported when convert()
+# starts, the first meta model of the config (transformers' modeling imports, first use) cold minus warm.
+_STARTUP_PROBE = """
+import json, sys, time
+import quantkit.cli, quantkit.convert
+config = json.loads(open(sys.argv[1]).read())
+times = []
+for _ in range(2):
+    t0 = time.perf_counter()
+    from quantkit.arch import arch_for
+    from quantkit.calib.executor import DEFAULT_EXPERTS_IMPLEMENTATION, build_config, build_meta_model
+    build_meta_model(build_config(config), DEFAULT_EXPERTS_IMPLEMENTATION if arch_for(config, "calibrate").experts
+                     else None)
+    times.append(time.perf_counter() - t0)
+print(times[0] - times[1])
+"""
+
+
+def measure_startup(config: dict, ranks: int = 1, threads: int = 1, rounds: int = 2, timeout: float = 300.0) -> float:
+    """What a fresh `quantkit convert` process pays once before its first layer for a model of `config`
+    (config.json's dict): transformers' modeling imports and the first meta model, cold minus warm, after
+    what the CLI imports. `ranks` > 1: that many fresh processes at once, on `threads` threads each, as torchrun
+    starts them (they import side by side); the slowest counts. The fastest of `rounds` rounds."""
+    from ..errors import ConfigError
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    best = float("inf")
+    with tempfile.TemporaryDirectory(prefix="quantkit-startup-") as tmp:
+        cfg = Path(tmp) / "config.json"
+        cfg.write_text(json.dumps(config))
+        for _ in range(rounds):
+            procs = [subprocess.Popen([sys.executable, "-c", _STARTUP_PROBE, str(cfg)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(ranks)]
+            outs = []
+            try:
+                for p in procs:
+                    out, err = p.communicate(timeout=timeout)
+                    if p.returncode != 0:
+                        tail = (err.strip().splitlines() or ["no message"])[-1]
+                        raise ConfigError(f"the start-up probe failed (exit {p.returncode}): {tail[:300]}")
+                    outs.append(float(out.strip().splitlines()[-1]))
+            except subprocess.TimeoutExpired:
+                raise ConfigError(f"the start-up probe took over {timeout:g} s") from None
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+            best = min(best, max(outs))
+    return max(0.0, best)
+
+
 def machine_label(device: str, threads: int | None = None) -> str:
     """The processor, core and thread counts (None: torch's) and torch version (and the GPU's name for cuda)."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
@@ -361,13 +414,15 @@ def machine_label(device: str, threads: int | None = None) -> str:
             + (f", {torch.cuda.get_device_name()}" if kind == "cuda" else ""))
 
 
-def measure_throughput(device: str = "cpu", *, ranks: int = 1, threads: int | None = None, log=None,
-                       workdir: str | Path | None = None, source: str = "quantkit plan --measure") -> Throughput:
+def measure_throughput(device: str = "cpu", *, ranks: int = 1, threads: int | None = None, config: dict | None = None,
+                       log=None, workdir: str | Path | None = None,
+                       source: str = "quantkit plan --measure") -> Throughput:
     """A Throughput table for `device` ("cpu", or "cuda" where a GPU is visible) measured here: the shipped
     table's row with every measured field replaced (see the module's docstring for what is not measured).
     `ranks` (cpu): measured as one of that many ranks sharing this host: on `threads` threads (None: this
     process's threads // ranks, at least 1) while ranks - 1 neighbours compute alongside, each on as many.
-    `log(message)`: progress, one line per measurement."""
+    `config` (config.json's dict; cpu): also a fresh process's start-up for that model (`measure_startup`, with
+    `ranks` processes starting at once). `log(message)`: progress, one line per measurement."""
     from ..errors import ConfigError
 
     kind = "cuda" if str(device).startswith("cuda") else "cpu"
@@ -392,11 +447,16 @@ def measure_throughput(device: str = "cpu", *, ranks: int = 1, threads: int | No
             rates = measure_rates(device, HIDDEN, INTER, Path(tmp), log)
     finally:
         torch.set_num_threads(prev)
+    measured_startup = config is not None and kind == "cpu"
+    if measured_startup:
+        rates["startup_s"] = measure_startup(config, ranks, per_rank)
+        log(f"start-up of a fresh process ({ranks} at once): {rates['startup_s']:.2f} s")
     base = THROUGHPUT[kind]
     return replace(base, provenance="measured",
                    source=f"{source}, {machine_label(device, per_rank or prev)}, "
                           f"{time.strftime('%Y-%m-%d', time.gmtime())}, load average {load0:.1f} at the start"
                           + (f", as one of {ranks} ranks computing at once" if shared else ""),
-                   notes=("link_bytes_per_s, setup_s, startup_s: the shipped table's, not measured here",),
+                   notes=(("link_bytes_per_s, setup_s: the shipped table's, not measured here",) if measured_startup
+                          else ("link_bytes_per_s, setup_s, startup_s: the shipped table's, not measured here",)),
                    threads=per_rank, ranks=ranks if shared else 1,
                    **{k: v for k, v in rates.items() if not k.startswith("_")})

@@ -59,7 +59,8 @@ def test_measured_table(small):
 
 def test_cli_measure(small, tmp_path):
     cfg = _config(tmp_path)
-    base = ["plan", str(cfg), "--recipe", "int4-experts-gptq", "--calibration", "8,64", "--device", "cpu", "--json"]
+    base = ["plan", str(cfg), "--recipe", "int4-experts-gptq", "--calibration", "8,64", "--device", "cpu", "--gpus",
+            "1", "--json"]  # one rank (the default is 8: seven neighbours and eight start-up probes at once)
     r = CliRunner().invoke(app, base)
     assert r.exit_code == 0, r.output
     shipped = json.loads(r.stdout)["calibration"]
@@ -71,6 +72,10 @@ def test_cli_measure(small, tmp_path):
     assert shipped["constants"]["provenance"] == "measured" and shipped["constants"]["source"] != k["source"]
     assert got["total_seconds"] > 0 and got["total_seconds"] != shipped["total_seconds"]
     assert got["constants"]["values"]["gemm_flops"] != shipped["constants"]["values"]["gemm_flops"]
+    # the model's start-up measured in a fresh process (the modeling imports), no longer the shipped figure
+    v = got["constants"]["values"]
+    assert 0 < v["startup_s"] < 60 and v["startup_s"] != shipped["constants"]["values"]["startup_s"]
+    assert not any("startup_s" in n for n in v["notes"])
 
 
 def test_cli_measure_needs_calibration(tmp_path):
@@ -140,11 +145,26 @@ def test_neighbours_compute_alongside_and_stop():
         pytest.fail("the neighbour outlived its killed parent by 30 s")
 
 
-def test_cli_measure_for_several_cpu_ranks(small, tmp_path):
+def test_cli_measure_for_several_cpu_ranks(small, tmp_path, monkeypatch):
+    calls = []
+
+    def startup(config, ranks=1, threads=1, **kw):  # the probe itself runs in test_cli_measure
+        calls.append((config["model_type"], ranks, threads))
+        return 1.25
+
+    monkeypatch.setattr(measure, "measure_startup", startup)
     r = CliRunner().invoke(app, ["plan", str(_config(tmp_path)), "--recipe", "int4-experts-gptq", "--calibration",
                                  "8,64", "--device", "cpu", "--gpus", "2", "--measure", "--json"])
     assert r.exit_code == 0, r.output
     got = json.loads(r.stdout[r.stdout.index("{"):])["calibration"]
     assert got["world_size"] == 2 and got["constants"]["values"]["ranks"] == 2
+    assert calls == [("qwen3_moe", 2, max(1, torch.get_num_threads() // 2))]  # two fresh processes at once
+    assert got["constants"]["values"]["startup_s"] == 1.25
     assert got["constants"]["threads_per_rank"] == got["constants"]["values"]["threads"]
     assert not any("measured as one of" in w for w in got["warnings"])
+
+
+def test_startup_probe_failure_is_a_named_error():
+    """A config the probe cannot build fails with the probe's own last line, not a traceback or a hang."""
+    with pytest.raises(ConfigError, match="start-up probe failed.*not_a_model"):
+        measure.measure_startup({"model_type": "not_a_model"}, rounds=1)
