@@ -107,24 +107,24 @@ class Throughput:
         return cls(**kw)
 
 
-# Measured by `python bench/calib_cost.py` (it prints this row to paste here). This one: a 2-core AMD EPYC
-# VM with nothing else running, wall seconds, both threads (docs/cost.md has its check).
+# Measured by `python bench/calib_cost.py` (it prints this row to paste here). This one: a 2-vCPU Intel Xeon
+# (Sapphire Rapids) VM, wall seconds, both threads (docs/cost.md has its check). The row before it (an AMD EPYC
+# VM, 2026-12-03) predicted +18% / +36% / +16% for GPTQ / AWQ / KV scales on this VM.
 CPU_MEASURED = Throughput(
     kind="cpu", provenance="measured",
-    source="bench/calib_cost.py, AMD EPYC VM, 2 CPUs, torch 2.13.0+cpu, 2 threads, 2026-12-03, wall seconds "
-           "(load average 0.4 at the start; tree 0239980 and later: AWQ's clip search in float32)",
-    gemm_flops=1.703e+11, gemm_half_rows=31.62, gram_flops=1.704e+11, gram_half_rows=4.532,
-    block_form_flops=9.636e+10, chol_flops=1.532e+10, sweep_col_s=5.72e-05, sweep_elems_per_s=2.867e+09,
-    mem_bytes_per_s=3.931e+10, op_s=1.465e-06, read_bytes_per_s=9.733e+09, write_bytes_per_s=1.253e+09,
-    fsync_s=0.0004504, module_s=0.000814, fake_quant_elems_per_s=9.689e+08, hash_bytes_per_s=1.589e+09,
-    link_bytes_per_s=1.0e9, process_bytes=882868224, setup_s=0.08988, layer_s=0.0001401, threads=2,
-    startup_s=2.62, alt_gemm_flops=3.713e+11,
+    source="bench/calib_cost.py, Intel Xeon (Sapphire Rapids) VM, 2 CPUs, torch 2.13.0+cpu, 2 threads, 2026-12-06, "
+           "wall seconds (load average 1.1 at the start; tree f349231: GEMMs in nn.Linear's layout, held-out check)",
+    gemm_flops=3.281e+11, gemm_half_rows=42.17, gram_flops=3.194e+11, gram_half_rows=1.778,
+    block_form_flops=1.197e+11, chol_flops=3.037e+10, sweep_col_s=3.275e-05, sweep_elems_per_s=3.98e+09,
+    mem_bytes_per_s=3.203e+10, op_s=1.156e-06, read_bytes_per_s=6.187e+09, write_bytes_per_s=1.191e+09,
+    fsync_s=0.0001286, module_s=0.001077, fake_quant_elems_per_s=1.178e+09, hash_bytes_per_s=1.372e+09,
+    link_bytes_per_s=1.0e9, process_bytes=912769024, setup_s=0.06704, layer_s=5.177e-05, threads=2,
+    startup_s=2.281, alt_gemm_flops=1.342e+12,
     notes=("link_bytes_per_s: assumed (gloo over loopback on one host), not measured",
-           "alt_gemm_flops (bfloat16 GEMMs, --compute-dtype bfloat16): gemm_flops x 2.18, the mean bfloat16 / "
-           "float32 ratio of measure_rates' GEMMs on the same VM kind (AVX512_BF16) on 2026-12-04; a CPU without "
+           "alt_gemm_flops (bfloat16 GEMMs, --compute-dtype bfloat16): measured on this VM (AMX); a CPU without "
            "bfloat16 instructions runs them slower than float32: measure it (--measure)",
-           "startup_s: measured 2026-12-04 by bench/calib_cost.py's measure_startup on the same VM (fastest of three "
-           "fresh processes, one other job running)"),
+           "startup_s: measured by bench/calib_cost.py's measure_startup in the same run (fastest of three fresh "
+           "processes)"),
 )
 
 # Assumed: one NVIDIA H100/H200 SXM GPU. Published dense peaks (NVIDIA H100/H200 SXM datasheets, without
