@@ -339,7 +339,12 @@ def neighbours(n: int, threads: int, timeout: float = 120.0):
             left = deadline - time.monotonic()
             line = p.stdout.readline() if left > 0 and select.select([p.stdout], [], [], left)[0] else ""
             if line.strip() != "ready":
-                raise RuntimeError(f"a neighbour process did not start within {timeout:g} s (exit {p.poll()})")
+                from ..errors import QuantkitError
+
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=2)  # its exit status, where it is ending
+                raise QuantkitError(f"a neighbour process for the measurement did not start within {timeout:g} s "
+                                    f"(exit {p.returncode})", hint="measure with --gpus 1, or drop --measure")
         yield procs
     finally:
         for p in procs:
@@ -391,10 +396,13 @@ def measure_startup(config: dict, ranks: int = 1, threads: int = 1, rounds: int 
             try:
                 for p in procs:
                     out, err = p.communicate(timeout=timeout)
-                    if p.returncode != 0:
-                        tail = (err.strip().splitlines() or ["no message"])[-1]
-                        raise ConfigError(f"the start-up probe failed (exit {p.returncode}): {tail[:300]}")
-                    outs.append(float(out.strip().splitlines()[-1]))
+                    tail = (err.strip().splitlines() or ["no message"])[-1]
+                    try:
+                        if p.returncode != 0:
+                            raise ValueError
+                        outs.append(float(out.strip().splitlines()[-1]))
+                    except (ValueError, IndexError):
+                        raise ConfigError(f"the start-up probe failed (exit {p.returncode}): {tail[:300]}") from None
             except subprocess.TimeoutExpired:
                 raise ConfigError(f"the start-up probe took over {timeout:g} s") from None
             finally:

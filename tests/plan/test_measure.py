@@ -123,6 +123,16 @@ def test_neighbours_compute_alongside_and_stop():
         with measure.neighbours(1, 1) as procs:
             raise KeyError("boom")
     assert procs[0].returncode is not None
+    # a neighbour that dies before its work starts: a named error at once, not a wait for the timeout
+    from quantkit.errors import QuantkitError
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(measure, "_NEIGHBOUR", "import sys; sys.exit(3)")
+        t0 = time.monotonic()
+        with pytest.raises(QuantkitError, match="did not start.*exit 3"):
+            with measure.neighbours(1, 1, timeout=60):
+                pass
+        assert time.monotonic() - t0 < 30
     # the parent SIGKILLed: no one closes the neighbour's stdin, it sees its parent gone
     code = ("import sys, time\nfrom quantkit.plan import measure\n"
             "with measure.neighbours(1, 1) as ps:\n    print(ps[0].pid, flush=True)\n    time.sleep(60)\n")
