@@ -18,7 +18,7 @@ under torchrun too); world size n > 1 is
 on the CPU). Each run writes a fresh output directory (--overwrite). Reported per world size: the command's
 wall time (process start and imports included), the conversion's own `seconds` (rank 0's ConvertResult) and
 the pass's own time from the timeline (`pass`: the slowest rank's load, forward, statistics, solve, exchange,
-wait and write phases; quantkit/timeline.py), each rank's phases in wall and CPU seconds,
+wait, write and kv phases; quantkit/timeline.py), each rank's phases in wall and CPU seconds,
 the speed-up of both against world size 1, whether every output file is byte-identical to world size 1's,
 and `quantkit plan --calibration`'s prediction of the pass for that world size on one thread per rank (with
 `--measure`, also with rates measured here for each world size as its ranks compute: plan --measure --gpus N).
@@ -98,9 +98,10 @@ def _run(n: int, src: Path, out: Path, data: Path, samples: int, seq_len: int, t
             "pass_cpu_s": _pass_seconds(ranks, "phases_cpu"), "timeline": ranks}
 
 
-# The calibrated pass's own phases (quantkit/timeline.py): what ranks can divide. Left out: `setup` (the model
-# skeleton, the plan: every rank pays it), `stream` (the RTN shard conversion after the pass) and `kv`.
-PASS_PHASES = ("load", "forward", "statistics", "solve", "exchange", "wait", "write")
+# The calibrated pass's own phases (quantkit/timeline.py): what ranks can divide, KV-scale calibration (`kv`,
+# data parallel: --recipe fp8-kv) included. Left out: `setup` (the model skeleton, the plan: every rank pays
+# it) and `stream` (the RTN shard conversion after the pass).
+PASS_PHASES = ("load", "forward", "statistics", "solve", "exchange", "wait", "write", "kv")
 
 
 def _pass_seconds(ranks: list[dict], key: str = "phases", phases: tuple[str, ...] = PASS_PHASES) -> float | None:
