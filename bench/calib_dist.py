@@ -248,7 +248,7 @@ def main(argv=None) -> int:
            "repeat": a.repeat, "runs": rows, "files": len(hashes[1])}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "calib_dist.json").write_text(json.dumps(doc, indent=1) + "\n")
-    lines = [f"GPTQ convert ({RECIPE}) of the bench MoE: qwen3_moe, {a.layers} layers, {BENCH['experts']} experts, "
+    lines = [f"Calibrated convert ({RECIPE}) of the bench MoE: qwen3_moe, {a.layers} layers, {BENCH['experts']} experts, "
              f"hidden {BENCH['hidden']}; {a.samples} x {a.seq_len} calibration tokens; one thread per rank, gloo; "
              f"{os.cpu_count()} CPUs.", "",
              "| world size | wall (s) | convert (s) | pass (s) | speed-up (wall) | speed-up (convert) | speed-up (pass) "

@@ -473,8 +473,8 @@ def routed_batches(x: torch.Tensor, idx: torch.Tensor, num_experts: int, width: 
     to each expert (idx [T, k], the router's top-k indices), gathered and zero-padded to the chunk's longest
     list, so that per-expert products are one batched matmul. With `weights` [T, k] (the router's top-k
     weights), each item also carries the weight of each gathered token for that expert: (ids, tokens, mask,
-    weights [e, t], 0 on padding). `only` (bool [num_experts]): just those experts; `max_experts`: at most
-    that many per chunk."""
+    weights [e, t], 0 on padding). `only` (bool [num_experts]): just those experts, each in the chunk and at the
+    padded length it has among all experts (routed_blocks); `max_experts`: at most that many per chunk."""
     yield from routed_blocks(x, moe.route(idx, weights, num_experts), width, budget, weights=weights is not None,
                              only=only, max_experts=max_experts)
 
@@ -487,14 +487,19 @@ def routed_blocks(x: torch.Tensor, routing: "moe.Routing", width: int, budget: i
     busiest first (ties: the lower id), and a chunk ends where an expert has fewer than PAD_RATIO of its
     first expert's tokens, so that padding is at most a quarter of any chunk's rows: routing is skewed (the
     bench MoE's busiest expert gets 2-3x the mean), and padding every expert of a layer to the busiest one
-    doubled the rows every batched product works on. On x's device."""
+    doubled the rows every batched product works on. On x's device.
+
+    `only` (bool [E]): just those experts, but chunked and padded as among all of them. A rank that runs the
+    searches of some experts (AWQ, several ranks) then gives each the very operands one process gives it: a
+    product's reduction over a differently padded token axis is blocked differently by BLAS, which changed
+    bytes (the bench MoE's AWQ on 2 ranks). Chunks with none of them are skipped."""
     token, slot_w = routing.token_major()
     if weights:
         slot_w = slot_w.float()
     counts = routing.counts.cpu()
     starts = routing.bounds
-    present = (counts > 0) if only is None else (counts > 0) & only.cpu()
-    present = present.nonzero().flatten()
+    wanted = None if only is None else only.cpu()
+    present = (counts > 0).nonzero().flatten()
     present = present[torch.sort(counts[present], descending=True, stable=True).indices]
     dev = x.device
     i = 0
@@ -508,6 +513,11 @@ def routed_blocks(x: torch.Tensor, routing: "moe.Routing", width: int, budget: i
                 break
             j += 1
         ids = present[i:j]
+        if wanted is not None:
+            ids = ids[wanted[ids]]
+            if not len(ids):
+                i = j
+                continue
         xs = torch.zeros(len(ids), longest, width, device=dev)
         mask = torch.zeros(len(ids), longest, device=dev)
         ws = torch.zeros(len(ids), longest, device=dev) if weights else None

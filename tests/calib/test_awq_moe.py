@@ -163,6 +163,29 @@ def test_routed_batches_only_some_experts():
         assert torch.equal(xs[:c], every[i][:c])
 
 
+def test_routed_batches_give_a_subset_the_operands_of_the_whole():
+    """A rank that searches some experts (`only`, AWQ's per-expert searches split over ranks) gets each of
+    them padded to the length it has among all experts, so the products over its tokens (Grams, means, the
+    clip rows picked by stride) are the very same operations as on one rank: a different padded length
+    changes a BLAS reduction's blocking and the bytes (seen on the bench MoE on 2 ranks). Here the busiest
+    expert of the block the subset's experts share is left out of the subset."""
+    gen = torch.Generator().manual_seed(3)
+    t, e, h = 52, 6, 4
+    x = torch.randn(t, h, generator=gen)
+    # expert 3 takes every token's first slot (alone in its chunk); the others share one chunk, padded to
+    # expert 4's 12 tokens, the busiest of them (0, 1, 2 and 5 have 10 each)
+    second = torch.tensor([4] * 12 + [0] * 10 + [1] * 10 + [2] * 10 + [5] * 10)
+    idx = torch.stack([torch.full((t,), 3), second[torch.randperm(t, generator=gen)]], 1)
+    only = torch.tensor([True, True, True, False, False, True])
+    every = {int(i): (xs[r], ws[r]) for ids, xs, _, ws in routed_batches(x, idx, e, h, weights=torch.ones(t, 2))
+             for r, i in enumerate(ids)}
+    some = {int(i): (xs[r], ws[r]) for ids, xs, _, ws in routed_batches(x, idx, e, h, weights=torch.ones(t, 2),
+                                                                        only=only) for r, i in enumerate(ids)}
+    assert sorted(some) == [0, 1, 2, 5]
+    for i, (xs, ws) in some.items():
+        assert xs.shape == every[i][0].shape and torch.equal(xs, every[i][0]) and torch.equal(ws, every[i][1]), i
+
+
 def test_awq_in_chunks_of_experts_gives_the_same_bytes(tmp_path, monkeypatch):
     # every whole-layer step of AWQ is per expert: one expert per chunk (and per searched block) must give
     # exactly what one chunk of every expert gives
