@@ -302,9 +302,8 @@ def search_owners(tokens: list[int], size: int) -> list[int]:
     return owner
 
 
-def _share_search_results(par, owner: list[int], tensors: list[torch.Tensor], labels: list[str]) -> None:
-    """Every rank's per-expert search results on every rank: rank r broadcasts the rows (experts) it owns of
-    each tensor (in place), and the labels through an object collective."""
+def _share_rows(par, owner: list[int], tensors: list[torch.Tensor]) -> None:
+    """Rank r broadcasts the rows (experts) it owns of each tensor [E, ...] to every rank (in place)."""
     for r in range(par.size):
         rows = torch.tensor([e for e, o in enumerate(owner) if o == r], dtype=torch.long)
         if not len(rows):
@@ -313,6 +312,12 @@ def _share_search_results(par, owner: list[int], tensors: list[torch.Tensor], la
             buf = t[rows.to(t.device)].contiguous()
             par.broadcast_(buf, r)
             t[rows.to(t.device)] = buf
+
+
+def _share_search_results(par, owner: list[int], tensors: list[torch.Tensor], labels: list[str]) -> None:
+    """Every rank's per-expert search results on every rank: the rows each rank owns of each tensor (in place),
+    and the labels through an object collective."""
+    _share_rows(par, owner, tensors)
     everyone = par.world.all_gather(labels)
     for e, o in enumerate(owner):
         labels[e] = everyone[o][e]
@@ -337,9 +342,10 @@ def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, 
     between the ranks (a collective: every rank calls it) until the last `next()`, which quantizes and emits
     (rank 0). Distributed (`par`, calib/parallel.py; every rank holds the same samples and the same layer):
     the candidates of each round of (1) are split over the ranks and their losses exchanged (two more
-    yields), the per-expert searches (2) and (3) are split too (`search_owners`); rank 0 quantizes and emits
-    every expert (the caller then broadcasts the layer from it). Every candidate and every expert's search
-    sees the same operands whatever the world size."""
+    yields), the per-expert searches (2) and (3) are split too (`search_owners`), and each rank quantizes and
+    emits the experts it searched, then sends their quantized weights to every rank (the last yield; the
+    caller broadcasts the rest of the layer from rank 0). Every candidate, every expert's search and its
+    quantization sees the same operands whatever the world size."""
     n_grid = g.options.n_grid
     do_clip = g.options.clip
     do_down = g.options.scale_down
@@ -448,16 +454,20 @@ def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, 
         del ref, hq, q_dn
     if mine is not None:
         yield lambda: _share_search_results(par, owner, [s2, a2, clip_gu, clip_dn], clipped)
-        if not leader:
-            return
+    # (4) quantize and emit: each rank the experts whose searches it ran (one process: every expert), then every
+    # rank gets the others' quantized weights (the last exchange). Every step is per expert: the same bytes
+    # whatever the chunks (the SQNR on the CPU one expert at a time, as GPTQ's)
     # to report SQNR against the original weights: effective weight = stored / (what was folded into it)
     unfold = {"gu": torch.cat([torch.ones(E, half, 1, device=dev), s2[:, :, None]], 1) / s1,
               "down": 1.0 / s2[:, None, :]}
     src_dtype = source_dtype(ckpt, names.module(0, "gate") + ".weight")
     a2 = a2.tolist()
+    todo = [e for e in range(E) if mine is None or bool(mine[e])]
     for key, s, clip, param in (("gu", s_gu, clip_gu, experts.gate_up_proj), ("down", s_dn, clip_dn, experts.down_proj)):
         parts = (("gate", slice(0, half)), ("up", slice(half, P))) if key == "gu" else (("down", slice(None)),)
-        for c in _expert_chunks(E, param[0].numel()):  # the experts a chunk at a time: every step is per expert
+        for c in _expert_chunks(len(todo), param[0].numel()):  # a chunk of this rank's experts at a time
+            ids = todo[c]
+            c = torch.tensor(ids, device=dev) if mine is not None else slice(ids[0], ids[-1] + 1)
             if key == "gu":
                 w = gu[c].to(torch.float32, copy=True)
                 w[:, half:, :] /= s2[c, :, None]  # up rows / s
@@ -467,12 +477,15 @@ def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, 
             q = quantize(w, qp, s.num_bits)
             del w
             deq = dequantize(q, qp.scale, qp.zero_point)
-            sq = {kind: sqnr_db(original[key][c, rows],
-                                deq[:, rows] * unfold[key][c, rows if key == "gu" else slice(None)],
-                                dim=(-2, -1)).tolist() for kind, rows in parts}
+            eff = {kind: deq[:, rows] * unfold[key][c, rows if key == "gu" else slice(None)] for kind, rows in parts}
+            sq = ({kind: sqnr_db(original[key][c, rows], eff[kind], dim=(-2, -1)).tolist() for kind, rows in parts}
+                  if dev.type != "cpu" else  # one transfer per chunk on a GPU, not one per expert
+                  {kind: [float(sqnr_db(original[key][e, rows], eff[kind][j])) for j, e in enumerate(ids)]
+                   for kind, rows in parts})
+            del eff
             qh, sh = q.cpu(), qp.scale.cpu()  # emitted from the host (no-ops on the CPU)
             zh = None if qp.zero_point is None else qp.zero_point.cpu()
-            for j, e in enumerate(range(c.start, c.stop)):
+            for j, e in enumerate(ids):
                 meta = {"method": "awq", "tokens": int(stats.counts[e]), "fallback": reasons[e],
                         "awq_alpha": round(a1, 3), "awq_down_alpha": round(float(a2[e]), 3),
                         "awq_clip": clipped[e] or "none"}
@@ -481,5 +494,7 @@ def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, 
                     emit(res, names.module(e, kind), qh[j, rows], QParams(sh[j, rows], zp), s, src_dtype,
                          {**meta, "sqnr_db": round(sq[kind][j], 4),
                           "sqnr_domain": "original weights (AWQ scales unfolded)"})
-            param.data[c].copy_(deq)
+            param.data[c] = deq.to(param.dtype)
             del q, deq
+    if mine is not None:
+        yield lambda: _share_rows(par, owner, [experts.gate_up_proj.data, experts.down_proj.data])

@@ -78,7 +78,7 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
 
     `par` (calib/parallel.py; None: one process): the statistics forward runs this rank's batches, the
     statistics are reduced to their owners in batch order, each owner solves its dense modules and expert
-    groups (AWQ: the per-expert searches split, rank 0 quantizes), the dequantized weights are broadcast to every rank, and
+    groups (AWQ: the per-expert searches split, each rank quantizes the experts it searched), the dequantized weights are broadcast to every rank, and
     each rank returns its own part of the result (the packed tensors, overrides and metadata of what it solved;
     rank 0 also the input scales), which it writes to the spool itself.
     Every local phase runs under World.step, so that a failure on one rank stops every rank.
@@ -210,9 +210,12 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
                 while share is not None:  # an exchange between the ranks, then the next step
                     share()
                     share = run(awq_step, f"AWQ for the experts of decoder layer {idx}", "solve")
-                if dist_par is not None:  # AWQ changed the norm, the router, the shared and routed experts
+                if dist_par is not None:  # AWQ changed the norm, the router and the shared expert (the same
+                    # fold on every rank; rank 0's, to be sure); the routed experts came from their owners above
+                    routed = {id(experts.gate_up_proj), id(experts.down_proj)}
                     for _, p in sorted(layer.named_parameters()):
-                        dist_par.broadcast_(p.data, 0)
+                        if id(p) not in routed:
+                            dist_par.broadcast_(p.data, 0)
     if rank == 0:  # the input scales are the same on every rank (reduced above): rank 0 records them
         if act_amax is not None:
             emit_expert_input_scales(res, names, act_amax, idx)

@@ -698,8 +698,9 @@ def _communication(s: _LayerShape, egroup, dense, gq: _Batches, g: int, item: in
     inputs (float32 rows, routing indices and weights) broadcast by the rank that forwarded it (AWQ: the
     sampled rows and the block's outputs for them); dense targets' partial Hessians sent to their owners;
     the dequantized weights broadcast by their owners (GPTQ's routed experts on an INT4 grid: their codes,
-    one byte each, and float32 scales and zero points per group instead; AWQ: every parameter of the layer,
-    from rank 0, and the per-expert search results from the ranks that ran them). The packed results do not
+    one byte each, and float32 scales and zero points per group instead; AWQ: the routed experts' from the
+    ranks that searched and quantized them, the rest of the layer from rank 0, and the per-expert search
+    results from the ranks that ran them). The packed results do not
     travel: each rank writes what it solved to the spool. GPTQ's fit_unquantized: every batch's unquantized-model MoE inputs too."""
     out: dict[str, float] = {}
     others = sum(gq.all_batches) - gq.rank_tokens
@@ -719,7 +720,8 @@ def _communication(s: _LayerShape, egroup, dense, gq: _Batches, g: int, item: in
         out["input_amax"] = s.experts * 3 * 8 * (g - 1) / g
     elif egroup is not None:
         out["moe_inputs"] = s_tok * (g - 1) / g * (2 * hidden * 4 + s.top_k * 16)
-        out["dequantized_weights"] = s.elements * item
+        routed = s.experts * (s.p * s.h + s.h * s.i)
+        out["dequantized_weights"] = (s.elements - routed + routed * (g - 1) / g) * item
         gs = egroup.scheme.group_size or s.h  # the other ranks' search results: down scales, clip ratios
         out["search_results"] = s.experts * (g - 1) / g * (s.i + 1 + (s.p * s.h + s.h * s.i) / gs) * 4
     if dense:
@@ -849,7 +851,7 @@ def _pass_row(row: dict, comm: dict, held: dict, ctx: _PassContext, idx: int, la
         s_tok = min(int(o.sample_tokens), num_samples * seq_len)
         sch = egroup.scheme
         # the norm-scale candidates of each round and the per-expert searches (awq_pass.search_owners:
-        # about E / g each) are split over the ranks; rank 0 quantizes and emits every expert
+        # about E / g each) are split over the ranks, and each rank quantizes and emits the experts it searched
         parts = _awq_search_parts(c, s, s_tok, o.n_grid, o.grid_stride, o.clip, o.scale_down, s.experts,
                                   sch.group_size or s.h, sch.group_size or s.i)
         share = math.ceil(s.experts / g) / s.experts
@@ -858,8 +860,8 @@ def _pass_row(row: dict, comm: dict, held: dict, ctx: _PassContext, idx: int, la
         cands, mine, sub = sum(rounds), sum(math.ceil(r / g) for r in rounds), min(512, s_tok)
         norm_share = ((mine * sub + math.ceil(3 / g) * s_tok) / (cands * sub + 3 * s_tok)
                       if s_tok > sub else mine / cands)
-        row["awq_search"] += (norm_share * parts["norm"] + parts["rtn"]
-                              + share * (parts["down"] + parts["clip"] + parts["choice"]))
+        row["awq_search"] += (norm_share * parts["norm"]
+                              + share * (parts["down"] + parts["clip"] + parts["choice"] + parts["rtn"]))
         row["awq_search"] += s_tok * hidden * 4 * 2 / c.mem_bytes_per_s  # the samples and block outputs
     if dense:
         dshapes = [(1, m.out_features, m.in_features, 1) for m, _ in dense.values()]
@@ -870,10 +872,14 @@ def _pass_row(row: dict, comm: dict, held: dict, ctx: _PassContext, idx: int, la
         refine = max((getattr(grp.options, "refine_sweeps", 0) for _, grp in dense.values()), default=0)
         ch, sw = _gptq_solves(c, mine, 128, refit, refine)
         row["gptq_solve"] += ch + sw
-    # the spool: the layer's packed results (each rank writes what it solved: the busiest rank's expert groups;
-    # AWQ's rank 0 emits every expert) and the next layer's inputs (every rank its own samples')
-    written = 1.0 if g == 1 or (egroup is not None and egroup.method == "awq") else (
-        owned / s.experts if owned else 1 / g)
+    # the spool: the layer's packed results (each rank writes what it solved: the busiest rank's expert groups,
+    # AWQ's about E / g experts) and the next layer's inputs (every rank its own samples')
+    if g == 1:
+        written = 1.0
+    elif egroup is not None and egroup.method == "awq":
+        written = math.ceil(s.experts / g) / s.experts if s.experts else 1 / g
+    else:
+        written = owned / s.experts if owned else 1 / g
     held[idx] = int(packed * written)
     row["write_spool"] += (held[idx] + gq.rank_tokens * hidden * item) / c.write_bytes_per_s + 5 * c.fsync_s
     if g > 1:
@@ -902,7 +908,7 @@ def _host_ram(c, plan, gq, passes_gq: bool, kind: str, ckpt, num_layers: int, he
     from ..arch import layer_index
 
     host = {"process": c.process_bytes}
-    # a layer's packed results before the spool write: a rank holds those it solved (AWQ's rank 0 all of them)
+    # a layer's packed results before the spool write: a rank holds those it solved
     host["layer_results"] = max(held.values(), default=0)
     # the activations in host memory: two copies, each up to the budget kept in RAM (a memory map above it);
     # a rank writes only its own samples' rows of every-sample stores (untouched pages are not resident)

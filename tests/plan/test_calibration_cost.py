@@ -110,6 +110,21 @@ def test_monotone_in_samples_tokens_and_layers(tmp_path):
     assert more_t.seconds["forward"] > more_n.seconds["forward"]
 
 
+def test_awq_world_size_splits_the_searches_and_the_quantization(tmp_path):
+    """AWQ on G ranks: the per-expert searches and the quantization of those experts are each rank's share,
+    so is the spool it writes; a rank receives the routed experts of the other ranks (dequantized) and the
+    rest of the layer from rank 0."""
+    cfg = _config(tmp_path, 2)
+    runs = {g: _cost(cfg, 64, 64, g, recipe="int4-experts-awq", threads=2) for g in (1, 2, 4)}
+    for a, b in ((1, 2), (2, 4)):
+        assert runs[b].seconds["awq_search"] < runs[a].seconds["awq_search"]
+        assert runs[b].seconds["write_spool"] < runs[a].seconds["write_spool"]
+    routed = EXPERTS * (2 * WIDTH * HIDDEN + HIDDEN * WIDTH) * 4  # float32 layers
+    got = {g: runs[g].communication_bytes["dequantized_weights"] for g in (2, 4)}
+    assert got[4] - got[2] == pytest.approx(2 * routed * (3 / 4 - 1 / 2))  # 2 layers
+    assert got[2] > 2 * routed / 2  # and more: the norm, the router and attention from rank 0
+
+
 def test_world_size_splits_the_parallel_parts(tmp_path):
     """Every rank on the same threads (one host per rank): the work splits."""
     cfg = _config(tmp_path, 2)
