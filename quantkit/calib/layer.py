@@ -78,9 +78,10 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
 
     `par` (calib/parallel.py; None: one process): the statistics forward runs this rank's batches, the
     statistics are reduced to their owners in batch order, each owner solves its dense modules and expert
-    groups (AWQ: the per-expert searches split, each rank quantizes the experts it searched), the dequantized weights are broadcast to every rank, and
-    each rank returns its own part of the result (the packed tensors, overrides and metadata of what it solved;
-    rank 0 also the input scales), which it writes to the spool itself.
+    groups (AWQ: the per-expert searches split, each rank quantizes the experts it searched), the dequantized
+    weights are broadcast to every rank, and each rank returns its own part of the result (the packed tensors,
+    overrides and metadata of what it solved; rank 0 also the input scales), which it writes to the spool
+    itself.
     Every local phase runs under World.step, so that a failure on one rank stops every rank.
 
     `primary_tokens`: the step's inputs end with a top-up pool (GPTQOptions.balance_tokens) after this many
