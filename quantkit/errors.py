@@ -255,6 +255,13 @@ class DeviceError(QuantkitError):
     hint = "use --device cpu, cuda, cuda:N (N: a visible GPU) or auto (the first GPU when torch sees one, else cpu)"
 
 
+class MeasurementError(QuantkitError):
+    """`plan --measure` could not measure this machine: a helper process (a neighbour rank, a start-up probe)
+    did not start, failed or printed nothing."""
+
+    hint = "run the plan without --measure (the shipped table), or with --gpus 1 (no neighbour processes)"
+
+
 class DeviceMemoryError(DeviceError):
     """A decoder layer's calibration does not fit in the device's free memory (found before any work)."""
 

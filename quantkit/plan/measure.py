@@ -339,12 +339,12 @@ def neighbours(n: int, threads: int, timeout: float = 120.0):
             left = deadline - time.monotonic()
             line = p.stdout.readline() if left > 0 and select.select([p.stdout], [], [], left)[0] else ""
             if line.strip() != "ready":
-                from ..errors import QuantkitError
+                from ..errors import MeasurementError
 
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(timeout=2)  # its exit status, where it is ending
-                raise QuantkitError(f"a neighbour process for the measurement did not start within {timeout:g} s "
-                                    f"(exit {p.returncode})", hint="measure with --gpus 1, or drop --measure")
+                raise MeasurementError(f"a neighbour process for the measurement did not start within {timeout:g} s "
+                                       f"(exit {p.returncode})")
         yield procs
     finally:
         for p in procs:
@@ -382,7 +382,7 @@ def measure_startup(config: dict, ranks: int = 1, threads: int = 1, rounds: int 
     (config.json's dict): transformers' modeling imports and the first meta model, cold minus warm, after
     what the CLI imports. `ranks` > 1: that many fresh processes at once, on `threads` threads each, as torchrun
     starts them (they import side by side); the slowest counts. The fastest of `rounds` rounds."""
-    from ..errors import ConfigError
+    from ..errors import MeasurementError
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     best = float("inf")
@@ -402,9 +402,10 @@ def measure_startup(config: dict, ranks: int = 1, threads: int = 1, rounds: int 
                             raise ValueError
                         outs.append(float(out.strip().splitlines()[-1]))
                     except (ValueError, IndexError):
-                        raise ConfigError(f"the start-up probe failed (exit {p.returncode}): {tail[:300]}") from None
+                        raise MeasurementError(f"the start-up probe failed (exit {p.returncode}): {tail[:300]}") \
+                            from None
             except subprocess.TimeoutExpired:
-                raise ConfigError(f"the start-up probe took over {timeout:g} s") from None
+                raise MeasurementError(f"the start-up probe took over {timeout:g} s") from None
             finally:
                 for p in procs:
                     if p.poll() is None:

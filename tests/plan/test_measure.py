@@ -124,12 +124,12 @@ def test_neighbours_compute_alongside_and_stop():
             raise KeyError("boom")
     assert procs[0].returncode is not None
     # a neighbour that dies before its work starts: a named error at once, not a wait for the timeout
-    from quantkit.errors import QuantkitError
+    from quantkit.errors import MeasurementError
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(measure, "_NEIGHBOUR", "import sys; sys.exit(3)")
         t0 = time.monotonic()
-        with pytest.raises(QuantkitError, match="did not start.*exit 3"):
+        with pytest.raises(MeasurementError, match="did not start.*exit 3"):
             with measure.neighbours(1, 1, timeout=60):
                 pass
         assert time.monotonic() - t0 < 30
@@ -176,5 +176,7 @@ def test_cli_measure_for_several_cpu_ranks(small, tmp_path, monkeypatch):
 
 def test_startup_probe_failure_is_a_named_error():
     """A config the probe cannot build fails with the probe's own last line, not a traceback or a hang."""
-    with pytest.raises(ConfigError, match="start-up probe failed.*not_a_model"):
+    from quantkit.errors import MeasurementError
+
+    with pytest.raises(MeasurementError, match="start-up probe failed.*not_a_model"):
         measure.measure_startup({"model_type": "not_a_model"}, rounds=1)
