@@ -339,8 +339,8 @@ def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, 
 
     A generator, so that a distributed caller can keep the collectives out of its failure-propagating steps:
     each `next()` runs a step and, in a distributed pass, yields the function that exchanges its results
-    between the ranks (a collective: every rank calls it) until the last `next()`, which quantizes and emits
-    (rank 0). Distributed (`par`, calib/parallel.py; every rank holds the same samples and the same layer):
+    between the ranks (a collective: every rank calls it); the last `next()` ends it (one process: the only
+    `next()` runs every step, quantizing and emitting included). Distributed (`par`, calib/parallel.py; every rank holds the same samples and the same layer):
     the candidates of each round of (1) are split over the ranks and their losses exchanged (two more
     yields), the per-expert searches (2) and (3) are split too (`search_owners`), and each rank quantizes and
     emits the experts it searched, then sends their quantized weights to every rank (the last yield; the
