@@ -96,13 +96,9 @@ def test_monotone_in_samples_tokens_and_layers(tmp_path):
             assert other.seconds[k] > base.seconds[k], k
     # the solves depend on the shapes only, not on the tokens (the held-out check's products do: holdout 0
     # leaves it out); twice the layers, twice the solves
-    import quantkit
-
-    off = tmp_path / "off.yaml"
-    off.write_text((Path(quantkit.__file__).parent / "data" / "recipes" / "int4-experts-gptq.yaml").read_text()
-                   .replace("      block_size: 128\n", "      block_size: 128\n      holdout: 0\n"))
-    assert _cost(cfg2, 16, 64, recipe=str(off)).seconds["gptq_solve"] == \
-        pytest.approx(_cost(cfg2, 8, 64, recipe=str(off)).seconds["gptq_solve"])
+    off = _gptq_cost_with(tmp_path)  # the same 2-layer config as cfg2
+    assert off("      holdout: 0\n", n=16).seconds["gptq_solve"] == \
+        pytest.approx(off("      holdout: 0\n", n=8).seconds["gptq_solve"])
     assert more_n.seconds["gptq_solve"] > base.seconds["gptq_solve"]
     assert more_l.seconds["gptq_solve"] == pytest.approx(2 * base.seconds["gptq_solve"])
     assert (base.layers, more_l.layers, more_l.calibrated_layers) == (2, 4, 4)
@@ -350,17 +346,19 @@ def test_plan_library_entry(tmp_path):
 
 
 def _gptq_cost_with(tmp_path):
-    """cost(extra): the 2-layer config's calibration cost under the shipped int4-experts-gptq recipe with the
-    option lines `extra` added."""
+    """cost(extra, **kw): the 2-layer config's calibration cost (`_cost`'s keywords: n, t, g, threads) under the
+    shipped int4-experts-gptq recipe with the option lines `extra` added."""
+    import hashlib
+
     import quantkit
 
     text = (Path(quantkit.__file__).parent / "data" / "recipes" / "int4-experts-gptq.yaml").read_text()
     cfg = _config(tmp_path, 2)
 
-    def cost(extra):
-        p = tmp_path / f"r{len(extra)}.yaml"
+    def cost(extra, **kw):
+        p = tmp_path / f"r{hashlib.sha256(extra.encode()).hexdigest()[:12]}.yaml"  # one file per recipe
         p.write_text(text.replace("      block_size: 128\n", "      block_size: 128\n" + extra))
-        return _cost(cfg, recipe=str(p))
+        return _cost(cfg, recipe=str(p), **kw)
     return cost
 
 
@@ -467,23 +465,18 @@ def test_heldout_check_costs_its_products(tmp_path):
     of its held-out rows with W and both candidates' errors, RTN's codes and the float64 sums. Only the solve
     pays it; off (0) it is gone; with fewer rows held out (16) the products shrink and the per-matrix work
     stays, so it costs less but more than half; fit_down adds down_proj's reference product."""
-    import quantkit
+    with_ = _gptq_cost_with(tmp_path)
 
-    text = (Path(quantkit.__file__).parent / "data" / "recipes" / "int4-experts-gptq.yaml").read_text()
-    cfg = _config(tmp_path, 2)
+    def cost(extra):
+        return with_(extra, n=64)
 
-    def cost(name, extra):
-        p = tmp_path / f"{name}.yaml"
-        p.write_text(text.replace("      block_size: 128\n", "      block_size: 128\n" + extra))
-        return _cost(cfg, n=64, recipe=str(p))
-
-    off, k8, k16 = cost("off", "      holdout: 0\n"), cost("k8", ""), cost("k16", "      holdout: 16\n")
+    off, k8, k16 = cost("      holdout: 0\n"), cost(""), cost("      holdout: 16\n")
     for k in off.seconds:
         if k != "gptq_solve":
             assert off.seconds[k] == k8.seconds[k] == k16.seconds[k], k
     c8, c16 = k8.seconds["gptq_solve"] - off.seconds["gptq_solve"], k16.seconds["gptq_solve"] - off.seconds["gptq_solve"]
     assert 0 < c16 < c8 < 2 * c16
-    fit_off, fit8 = cost("fit_off", "      holdout: 0\n      fit_down: 0.5\n"), cost("fit8", "      fit_down: 0.5\n")
+    fit_off, fit8 = cost("      holdout: 0\n      fit_down: 0.5\n"), cost("      fit_down: 0.5\n")
     assert fit8.seconds["gptq_solve"] - fit_off.seconds["gptq_solve"] > c8
 
 
@@ -504,12 +497,8 @@ def test_fit_unquantized_rows_travel_under_torchrun(tmp_path):
     hidden rows), beside the quantized ones."""
     cfg = _config(tmp_path, 2)
     n, t = 64, 64
-    rec = tmp_path / "fit.yaml"
-    import quantkit
-
-    text = (Path(quantkit.__file__).parent / "data" / "recipes" / "int4-experts-gptq.yaml").read_text()
-    rec.write_text(text.replace("      block_size: 128\n", "      block_size: 128\n      fit_unquantized: 0.5\n"))
-    plain, fit = _cost(cfg, n, t, 2, threads=2), _cost(cfg, n, t, 2, threads=2, recipe=str(rec))
+    plain = _cost(cfg, n, t, 2, threads=2)
+    fit = _gptq_cost_with(tmp_path)("      fit_unquantized: 0.5\n", n=n, t=t, g=2, threads=2)
     other = n * t - n * t // 2
     assert "reference_inputs" not in plain.communication_bytes
     assert fit.communication_bytes["reference_inputs"] == 2 * other * HIDDEN * 4  # 2 layers
