@@ -5,6 +5,7 @@ standard library's own sources (present on every machine), byte-level (vocab 256
     python bench/fixture.py --wide     # the 256-wide variant (hidden and expert width 256) for W4AFP8
     python bench/fixture.py --skewed   # 32 experts, top-4, skewed routing: expert coverage matters
     python bench/fixture.py --skewed128  # the same with expert width 128 (group 128 fits)
+    python bench/fixture.py --normtopk   # norm_topk_prob true (llama.cpp's routing), 1200 steps: the GGUF export's
 
 The model is cached under bench/.cache/fixture-<hash>/ (a normal transformers checkpoint + the token
 splits as .pt files); the hash covers every training setting, so changing one retrains.
@@ -45,10 +46,14 @@ class FixtureSpec:
     corpus_bytes: int = 6_000_000
     seed: int = 0
     threads: int = 2
+    norm_topk: bool = False  # Qwen3-MoE's norm_topk_prob (its config class defaults to false; releases set true)
 
     @property
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        d = asdict(self)
+        if not d["norm_topk"]:  # the fixtures trained before the field existed keep their key
+            del d["norm_topk"]
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
 # vLLM's W4AFP8 MoE kernels need hidden and expert widths that are multiples of 256 (docs/engine.md rule W2):
@@ -62,6 +67,9 @@ SKEWED = FixtureSpec(experts=32, top_k=4, moe_intermediate=64, steps=1600)
 # ... and with experts as wide as the first fixture's, so that group 128 divides the down projection's input
 # (width 64 admits no g128: every tool refuses it)
 SKEWED128 = replace(SKEWED, moe_intermediate=128)
+# llama.cpp's qwen3moe graph always renormalizes the top-k routing weights, as the released Qwen3-MoE configs ask
+# (norm_topk_prob: true): the fixture the GGUF export is measured on (bench/gguf_export.py), trained half as long
+NORMTOPK = FixtureSpec(norm_topk=True, steps=1200)
 
 
 def stdlib_corpus(limit: int) -> tuple[bytes, bytes]:
@@ -89,7 +97,7 @@ def config_for(spec: FixtureSpec):
         num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, head_dim=spec.hidden // spec.heads,
         moe_intermediate_size=spec.moe_intermediate, num_experts=spec.experts, num_experts_per_tok=spec.top_k,
         decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=spec.seq_len, tie_word_embeddings=False,
-        router_aux_loss_coef=0.01, output_router_logits=False)
+        router_aux_loss_coef=0.01, output_router_logits=False, norm_topk_prob=spec.norm_topk)
 
 
 def get_fixture(spec: FixtureSpec = FixtureSpec(), log=print) -> dict:
@@ -172,8 +180,10 @@ def main():
     ap.add_argument("--wide", action="store_true", help="the 256-wide fixture (W4AFP8's width rule)")
     ap.add_argument("--skewed", action="store_true", help="the 32-expert top-4 fixture with skewed routing")
     ap.add_argument("--skewed128", action="store_true", help="the same with expert width 128")
+    ap.add_argument("--normtopk", action="store_true", help="norm_topk_prob true, as llama.cpp routes (GGUF export)")
     a = ap.parse_args()
-    spec = WIDE if a.wide else SKEWED if a.skewed else SKEWED128 if a.skewed128 else FixtureSpec()
+    spec = (WIDE if a.wide else SKEWED if a.skewed else SKEWED128 if a.skewed128 else NORMTOPK if a.normtopk
+            else FixtureSpec())
     if a.steps is not None:
         spec = replace(spec, steps=a.steps)
     fx = get_fixture(spec)

@@ -276,13 +276,15 @@ def verify(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = options.VERIFY_DEVICE,
     kernels: Annotated[str, typer.Option(help="torch, or triton to also check the runtime's INT4 GEMM.")] = options.VERIFY_KERNELS,
     engine: Annotated[Optional[str], typer.Option(help="vllm: also check the rules vLLM applies when it loads "
-                                                       "the checkpoint (no vLLM needed).")] = None,
+                                                       "the checkpoint (no vLLM needed); llama.cpp: with --run, run "
+                                                       "a GGUF from quantkit export in llama.cpp.")] = None,
     tp: Annotated[int, typer.Option(min=1, help="Tensor parallelism the engine rules are checked at.")] = options.VERIFY_TP,
     run_engine: Annotated[bool, typer.Option("--run", help="With --engine vllm: also run QMODEL in vLLM and measure it "
                                                            "there (perplexity, top-1, greedy agreement against the "
-                                                           "reference; the KV scales vLLM holds). Exit 3 when this "
-                                                           "vLLM build cannot run it on this machine.")] = False,
-    engine_python: Annotated[Optional[Path], typer.Option(help="The python (or venv directory) vLLM is installed in, "
+                                                           "reference; the KV scales vLLM holds); with --engine "
+                                                           "llama.cpp, run the GGUF QMODEL in llama.cpp (KL too). Exit "
+                                                           "3 when the engine cannot run it on this machine.")] = False,
+    engine_python: Annotated[Optional[Path], typer.Option(help="The python (or venv directory) vLLM / llama-cpp-python is installed in, "
                                                                "for --run (default: this one).")] = None,
     engine_timeout: Annotated[int, typer.Option(min=1, help="Seconds --run may take in vLLM.")] = 3600,
     engine_kv_cache_dtype: Annotated[str, typer.Option(help="vLLM's --kv-cache-dtype for --run (served: as the model "
@@ -295,6 +297,10 @@ def verify(
                                                               "unless both share the source and the KV scales bit for "
                                                               "bit; with --reference, measured as served (FP8 prefill "
                                                               "into the KV cache, decode reading it).")] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option(help="With a GGUF: the quantkit checkpoint it was exported "
+                                                            "from; the reference is then that checkpoint as "
+                                                            "transformers runs it, and KL(source || checkpoint) is "
+                                                            "reported beside KL(checkpoint || llama.cpp).")] = None,
     revision: RevisionOpt = None,
     json_out: JsonOpt = False,
     thresholds: Thresholds = Thresholds(),
@@ -305,8 +311,19 @@ def verify(
 
     if device not in ("cpu", "cuda") or kernels not in ("torch", "triton"):
         raise typer.BadParameter("--device is cpu or cuda; --kernels is torch or triton")
+    if engine not in (None, "vllm", "llama.cpp"):
+        raise typer.BadParameter("--engine is vllm or llama.cpp", param_hint="--engine")
+    if qmodel.is_file() or qmodel.suffix == ".gguf":
+        return _verify_gguf(qmodel, reference, revision, checkpoint, engine, run_engine, dataset, num_samples, seq_len,
+                            device, engine_python, engine_timeout, thresholds, json_out)
+    if engine == "llama.cpp":
+        raise typer.BadParameter("--engine llama.cpp runs a GGUF: pass the .gguf written by quantkit export",
+                                 param_hint="--engine")
+    if checkpoint is not None:
+        raise typer.BadParameter("--checkpoint goes with a GGUF (the checkpoint it was exported from)",
+                                 param_hint="--checkpoint")
     if run_engine and engine != "vllm":
-        raise typer.BadParameter("--run needs --engine vllm", param_hint="--run")
+        raise typer.BadParameter("--run needs --engine vllm or llama.cpp", param_hint="--run")
     ref = _source(reference, revision) if reference is not None else None
     engine_run = ({"python": engine_python, "timeout": engine_timeout, "kv_cache_dtype": engine_kv_cache_dtype}
                   if run_engine else None)
@@ -334,6 +351,70 @@ def verify(
 
         err.print(rep.engine_run["line"], soft_wrap=True, markup=False)
         raise typer.Exit(EXIT_CANNOT_RUN)
+
+
+def _verify_gguf(gguf: Path, reference, revision, checkpoint, engine, run_engine, dataset, num_samples, seq_len,
+                 device, engine_python, engine_timeout, thresholds, json_out) -> None:
+    """verify OUT.gguf --engine llama.cpp --run --reference SRC [--checkpoint QMODEL]."""
+    from .engine.llamacpp_run import run_gguf
+
+    if engine != "llama.cpp" or not run_engine or reference is None:
+        raise typer.BadParameter("a GGUF is verified by running it: --engine llama.cpp --run --reference SRC",
+                                 param_hint="QMODEL")
+    doc = run_gguf(gguf, _source(reference, revision), checkpoint, dataset=dataset, num_samples=num_samples,
+                   seq_len=seq_len, device=device, python=engine_python, timeout=engine_timeout, thresholds=thresholds,
+                   say=lambda step: err.print(f"  {step}"))
+    if json_out:
+        _print_json(doc)
+    else:
+        for c in doc["checks"]:
+            mark = "[green]ok[/]" if c["ok"] else ("[yellow]skipped[/]" if c["ok"] is None else "[red]FAILED[/]")
+            err.print(f"{mark} {c['name']}: {escape(c['detail'])}")
+    if not doc["passed"]:
+        err.print(f"[red]error:[/] verification failed: {', '.join(c['name'] for c in doc['checks'] if c['ok'] is False)}")
+        raise typer.Exit(1)
+    if doc["engine_run"].get("status") == "cannot_run":
+        from .engine.vllm_run import EXIT_CANNOT_RUN
+
+        err.print(doc["engine_run"]["line"], soft_wrap=True, markup=False)
+        raise typer.Exit(EXIT_CANNOT_RUN)
+
+
+@app.command("export")
+def export_gguf(
+    qmodel: Annotated[Path, typer.Argument(help="A checkpoint written by quantkit convert (or a compressed-tensors "
+                                                "one quantkit reads).")],
+    out: Annotated[Path, typer.Argument(help="The GGUF to write (a name ending in .gguf).")],
+    split_max_size: Annotated[Optional[str], typer.Option(help="Split into llama.cpp's NAME-0000N-of-0000M.gguf "
+                                                               "files of at most this size (e.g. 50GB).")] = None,
+    fp8: Annotated[str, typer.Option(help="FP8 modules (no GGUF type holds them) decoded to bf16 (one rounding, as "
+                                          "the releases' fp8_cast_bf16) or f32 (exact).")] = "bf16",
+    pre_tokenizer: Annotated[Optional[str], typer.Option(help="llama.cpp's pre-tokenizer name for text prompts "
+                                                              "(qwen2, deepseek-v3, glm4, kimi-k2, ...; default: "
+                                                              "default).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output.")] = False,
+    json_out: JsonOpt = False,
+):
+    """Write QMODEL as a GGUF that llama.cpp runs: routed experts keep their codes and scales (INT4 -> Q4_0 / Q4_1,
+    INT8 -> Q8_0, MXFP4 -> MXFP4), nothing re-quantized. Exit 1 with one line when llama.cpp cannot represent it."""
+    from .export import ExportOptions, export
+
+    opts = ExportOptions(split_max_size=_parse_size(split_max_size) if split_max_size else 0, fp8=fp8,
+                         pre_tokenizer=pre_tokenizer, overwrite=overwrite)
+    res = export(qmodel, out, opts, say=lambda s: err.print(f"  {escape(s)}") if not json_out else None)
+    if json_out:
+        _print_json(res)
+        return
+    err.print(f"wrote {', '.join(res['output'])} ({res['bytes_written'] / 1e6:.1f} MB, {res['tensors']} tensors, "
+              f"{res['seconds']:.1f} s)")
+    for k, v in res["experts"].items():
+        err.print(f"  experts: {escape(k)} ({v} tensors)")
+    sc = res["scales"]
+    if sc["changed"] or sc["q4_1_min_rounded"]:
+        err.print(f"  fp16 scales: {sc['changed']} of {sc['scales']} changed, {sc['q4_1_min_rounded']} Q4_1 minimums "
+                  f"rounded (worst relative change {sc['worst_relative_change']:.2g})")
+    for n in res["notes"]:
+        err.print(f"  note: {escape(n)}", soft_wrap=True)
 
 
 def _save_verify(qmodel: Path, doc: dict, reference: str | None) -> None:

@@ -325,3 +325,15 @@ class EngineError(QuantkitError):
     which `verify --run` reports as a finding)."""
 
     hint = "check the engine's environment: --engine-python PATH must be the python vLLM is installed in"
+
+
+# --- export (GGUF for llama.cpp) ---------------------------------------------------------------------
+class ExportError(QuantkitError):
+    hint = "quantkit export QMODEL OUT.gguf takes a checkpoint written by quantkit convert (or a compressed-tensors one)"
+
+
+class NotRepresentable(ExportError):
+    """The checkpoint holds something llama.cpp would compute differently (or cannot store): refused, never a GGUF
+    that loads and computes something else."""
+
+    hint = "docs/export.md lists what llama.cpp can run exactly; re-convert with a recipe it can (int4-experts-*, mxfp4-experts)"

@@ -1,0 +1,498 @@
+"""`quantkit export QMODEL OUT.gguf`: a quantkit output (or any compressed-tensors checkpoint quantkit reads) as a
+GGUF that llama.cpp runs, experts keeping their codes and scales (docs/export.md).
+
+Two passes over the checkpoint's headers and one over its data:
+1. plan: every tensor's GGUF name, GGML type and shape from the headers (and the few-byte `weight_shape`s),
+   with what llama.cpp cannot represent refused by name before a byte is written;
+2. write: GGUF header, metadata and tensor table (gguf-py's GGUFWriter, split into llama.cpp's
+   `-0000N-of-0000M.gguf` files past `split_max_size`), then the tensors in order, an expert stack one expert at
+   a time: resident memory stays within one expert's arrays plus the mapped pages being read.
+
+Routed experts: INT4 symmetric (group 32k or channel) -> Q4_0, asymmetric -> Q4_1 (m = -(8 + z) s rounded to fp16:
+counted), INT8 symmetric -> Q8_0, MXFP4 -> MXFP4 bit for bit, BF16 -> BF16. Other modules keep their dtype; FP8
+modules are decoded (BF16 by default, F32 exact); norms, routers, biases F32 as llama.cpp needs. Output files
+appear only when complete (written under a hidden temporary name, fsynced, renamed).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..arch import layer_index, parse_config, text_config
+from ..errors import ExportError, NotRepresentable, OutputExists
+from ..pack.int4 import unpack_ints, unpack_zero_point
+from ..read.checkpoint import Checkpoint
+from ..read.sources import StoredWeight, detect_format, scan, validate
+from ..read.tensors import TensorReader
+from . import blocks
+from .llama_arch import GGUF_ARCH, mixtral_permute, refusals, write_hparams, yarn_betas
+from .vocab import write_vocab
+
+EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                    r"(gate_proj|up_proj|down_proj|w1|w3|w2)$")
+ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+FUSED_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+F32_NAMES = ("ffn_gate_inp", "exp_probs_b", "indexer.proj")
+W4A8_NOTE = ("llama.cpp multiplies Q4_0 / Q4_1 / MXFP4 / Q8_0 weights with activations quantized to 8 bits "
+             "(Q8_0 / Q8_1): what it serves is close to W4A8, not the checkpoint's W4A16")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    split_max_size: int = 0  # bytes per GGUF file (0: one file)
+    fp8: str = "bf16"  # FP8 modules decoded to: bf16 (one rounding, as the releases' fp8_cast_bf16) | f32 (exact)
+    pre_tokenizer: str | None = None  # llama.cpp's pre-tokenizer name (default: "default")
+    overwrite: bool = False
+
+
+@dataclass
+class Item:
+    """One GGUF tensor: numpy-order logical shape, GGML type, bytes, and how to produce them."""
+
+    name: str
+    qtype: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    nbytes: int
+    chunks: Callable[[], Iterator[np.ndarray]]
+    source: str  # what it was made from (the report)
+
+
+@dataclass
+class Plan:
+    arch: str
+    items: list[Item] = field(default_factory=list)
+    dropped: dict[str, int] = field(default_factory=dict)
+    experts: dict[str, int] = field(default_factory=dict)  # "Q4_0 <- INT4 g32 symmetric" -> expert tensors
+    counts: blocks.Inexact = field(default_factory=blocks.Inexact)
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:  # pragma: no cover - a dependency
+        raise ExportError("the gguf package is not installed", hint="pip install 'gguf>=0.17'") from None
+    return gguf
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+    return t.contiguous().numpy()
+
+
+# ---- what each stored module becomes ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Encoding:
+    qtype: str  # GGML type name
+    k: int  # in_features
+    label: str
+
+
+def _int_arg(w: dict, key: str, default=None):
+    v = w.get(key, default)
+    return v if v is None or (type(v) is int and v > 0) else None
+
+
+def encoding_of(sw: StoredWeight, reader: TensorReader, fp8: str) -> Encoding:
+    """The GGML type a stored module is written as; NotRepresentable when GGUF has no exact type for it."""
+    w = sw.weights or {}
+    n, k = sw.shape
+    if sw.encoding == "int4":
+        t = dict(sw.tensors)
+        shape = reader.get(t["weight_shape"]).reshape(-1).tolist() if "weight_shape" in t else [n, k]
+        if len(shape) != 2 or int(shape[0]) != n or not 0 < int(shape[1]) <= k:
+            raise ExportError(f"{sw.module}: weight_shape {shape} does not match its packed rows ({n} x <= {k})")
+        k = int(shape[1])
+        bits = int(w.get("num_bits", 4))
+        if "weight_g_idx" in t:
+            raise NotRepresentable(f"{sw.module}: INT4 with actorder 'group' (weight_g_idx): a GGML block needs its "
+                                   "columns in order")
+        strategy, group = w.get("strategy"), _int_arg(w, "group_size")
+        if strategy == "channel":
+            group = k
+        if strategy not in ("group", "channel") or not group or group % blocks.QK or k % group:
+            raise NotRepresentable(f"{sw.module}: INT{bits} {strategy} group {w.get('group_size')} over {k} columns: "
+                                   f"GGML blocks are {blocks.QK} columns, so a group must be a multiple of {blocks.QK}")
+        sym = w.get("symmetric", True) is not False
+        label = f"INT{bits} {'channel' if strategy == 'channel' else f'g{group}'} {'symmetric' if sym else 'asymmetric'}"
+        if bits == 4:
+            return Encoding("Q4_0" if sym else "Q4_1", k, label)
+        if bits == 8 and sym:
+            return Encoding("Q8_0", k, label)
+        raise NotRepresentable(f"{sw.module}: {label}: no exact GGML type (Q8_0 is symmetric)")
+    if sw.encoding == "mxfp4":
+        if k % blocks.QK:
+            raise NotRepresentable(f"{sw.module}: MXFP4 over {k} columns is not whole GGML blocks of {blocks.QK}")
+        return Encoding("MXFP4", k, "MXFP4")
+    if sw.encoding == "nvfp4":
+        raise NotRepresentable(f"{sw.module}: NVFP4: GGML's NVFP4 keeps the per-tensor global scale in a separate "
+                               "tensor that llama.cpp 0.3.36's MoE graphs read for qwen3moe only; not exported",
+                               hint="export an MXFP4 (mxfp4-experts) or INT4 conversion of the same source")
+    if sw.encoding in ("fp8", "fp8-block"):
+        return Encoding("F32" if fp8 == "f32" else "BF16", k, f"FP8 decoded to {fp8.upper()}")
+    raise NotRepresentable(f"{sw.module}: stored as {sw.encoding}: no GGML type")  # pragma: no cover
+
+
+def module_bytes(reader: TensorReader, sw: StoredWeight, enc: Encoding, counts: blocks.Inexact,
+                 rows: list[int] | None = None) -> np.ndarray:
+    """One stored module as the rows of GGML blocks (or floats) of `enc`, rows reordered by `rows`."""
+    t = dict(sw.tensors)
+    if enc.qtype in ("Q4_0", "Q4_1", "Q8_0"):
+        packed = reader.get(t["weight_packed"])
+        scale = reader.get(t["weight_scale"]).float().numpy()
+        n = packed.shape[0]
+        r = slice(None) if rows is None else rows
+        if enc.qtype == "Q8_0":
+            q = unpack_ints(packed, enc.k, 8).numpy()
+            return blocks.q8_0(q[r], scale[r], counts)
+        u = blocks.int4_nibbles(packed.numpy(), enc.k)
+        if enc.qtype == "Q4_0":
+            return blocks.q4_0(u[r], scale[r], counts)
+        z = unpack_zero_point(reader.get(t["weight_zero_point"]), n).numpy()
+        return blocks.q4_1(u[r], scale[r], z[r], counts)
+    if enc.qtype == "MXFP4":
+        e = reader.get(t["weight_scale"]).view(torch.uint8).numpy()
+        if (e == 255).any():
+            raise NotRepresentable(f"{sw.module}: an E8M0 scale of 255 (NaN in MX): GGML's MXFP4 has no NaN")
+        codes = blocks.fp4_codes(reader.get(t["weight_packed"]).numpy())
+        return blocks.mxfp4(codes if rows is None else codes[rows], e if rows is None else e[rows])
+    w = reader.decode(sw, torch.float32 if enc.qtype == "F32" else torch.bfloat16)
+    return _np(w if rows is None else w[rows])
+
+
+# ---- the plan --------------------------------------------------------------------------------------------
+def _dense_type(gguf, name: str, dtype: torch.dtype, ndim: int):
+    Q = gguf.GGMLQuantizationType
+    if ndim <= 1 or name.endswith("norm.weight") or not name.endswith(".weight") or any(f in name for f in F32_NAMES):
+        return Q.F32
+    return {torch.bfloat16: Q.BF16, torch.float16: Q.F16}.get(dtype, Q.F32)
+
+
+def _cast(t: torch.Tensor, qtype, gguf) -> np.ndarray:
+    Q = gguf.GGMLQuantizationType
+    if qtype == Q.F32:
+        return t.float().numpy()
+    if qtype == Q.F16:
+        return t.to(torch.float16).numpy()
+    return _np(t.to(torch.bfloat16))
+
+
+def _bytes_per_row(gguf, qtype, k: int) -> int:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return k // block * size
+
+
+def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> tuple[Plan, object, object]:
+    gguf = _gguf()
+    from ..calib.executor import build_config
+
+    config = ck.config
+    spec = parse_config(config)
+    if spec.arch not in GGUF_ARCH:
+        raise NotRepresentable(f"model_type {spec.model_type}: not exported to GGUF (exported: qwen3_moe, mixtral, "
+                               "deepseek_v3 / kimi_k2 / kimi_k25, glm4_moe, glm_moe_dsa)")
+    cfg = build_config(config)
+    why = refusals(spec.arch, cfg, spec)
+    if why:
+        raise NotRepresentable(f"llama.cpp would compute this model differently from transformers: {why[0]}")
+    fmt = detect_format(config)
+    stored = scan(ck, fmt)
+    validate(ck, stored)
+    plan = Plan(arch=spec.arch)
+    Q = gguf.GGMLQuantizationType
+    tmap = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, GGUF_ARCH[spec.arch]), spec.num_layers)
+    prefix = spec.prefix
+    L = spec.num_layers
+
+    # tensors -> modules (a stored module's companions travel with it)
+    owner = {src: m for m, sw in stored.items() for _, src in sw.tensors}
+    dense: dict[str, str] = {}  # text-model tensor name -> checkpoint tensor name
+    for name in sorted(ck.location):
+        if name in owner:
+            continue
+        if prefix and not name.startswith(prefix):
+            plan.dropped["not the text model (vision tower, projector)"] = plan.dropped.get(
+                "not the text model (vision tower, projector)", 0) + 1
+            continue
+        dense[name[len(prefix):]] = name
+    modules: dict[str, StoredWeight] = {m[len(prefix):]: sw for m, sw in stored.items()
+                                        if not prefix or m.startswith(prefix)}
+    if prefix and len(modules) != len(stored):
+        plan.dropped["not the text model (vision tower, projector)"] = plan.dropped.get(
+            "not the text model (vision tower, projector)", 0) + len(stored) - len(modules)
+
+    def mtp(name: str) -> bool:
+        li = layer_index(name)
+        return li is not None and li >= L
+
+    experts: dict[tuple[int, str], dict[int, tuple[str, object]]] = {}
+    singles: list[tuple[str, object]] = []  # (module or tensor name, StoredWeight | checkpoint tensor name)
+    for m, sw in modules.items():
+        if mtp(m):
+            plan.dropped["MTP layers (llama.cpp's main graph does not run them)"] = plan.dropped.get(
+                "MTP layers (llama.cpp's main graph does not run them)", 0) + 1
+            continue
+        mm = EXPERT.match(m)
+        if mm:
+            experts.setdefault((int(mm[1]), ROLE[mm[3]]), {})[int(mm[2])] = (m, sw)
+        else:
+            singles.append((m, sw))
+    for t, src in dense.items():
+        if mtp(t):
+            plan.dropped["MTP layers (llama.cpp's main graph does not run them)"] = plan.dropped.get(
+                "MTP layers (llama.cpp's main graph does not run them)", 0) + 1
+            continue
+        if t.endswith("rotary_emb.inv_freq"):
+            continue
+        if FUSED_EXPERTS.match(t):
+            raise NotRepresentable(f"{t}: experts stored fused; export reads per-expert tensors (as quantkit writes)")
+        m, _, suffix = t.rpartition(".")
+        mm = EXPERT.match(m)
+        if mm and suffix == "weight":
+            experts.setdefault((int(mm[1]), ROLE[mm[3]]), {})[int(mm[2])] = (m, src)
+        elif mm:
+            raise NotRepresentable(f"{t}: a routed expert's {suffix}: llama.cpp's experts take weights only")
+        else:
+            singles.append((t, src))
+
+    # routed experts: one [E, N, K] tensor per layer and projection, of one type
+    counts = plan.counts
+    for (li, role), by_e in sorted(experts.items()):
+        E = spec.num_experts
+        if sorted(by_e) != list(range(E)):
+            raise ExportError(f"layer {li} {role}: experts {sorted(by_e)[:8]}... present, config says {E}")
+        encs = []
+        for e in range(E):
+            m, s = by_e[e]
+            if isinstance(s, StoredWeight):
+                encs.append((encoding_of(s, reader, options.fp8), tuple(s.shape)))
+            else:
+                info = reader.info(s)
+                qt = _dense_type(gguf, "x.weight", info.dtype, 2)
+                encs.append((Encoding(qt.name, info.shape[1], str(info.dtype).replace("torch.", "")),
+                             tuple(info.shape)))
+        kinds = {(en.qtype, en.k, shp[0]) for en, shp in encs}
+        if len(kinds) != 1:
+            raise NotRepresentable(f"layer {li} {role}: the experts differ in type or shape ({sorted(kinds)[:3]}): GGUF "
+                                   "stores a layer's experts as one tensor of one type")
+        en0, (n0, _) = encs[0]
+        qtype = getattr(Q, en0.qtype)
+        per = n0 * _bytes_per_row(gguf, qtype, en0.k)
+        name = f"blk.{li}.ffn_{role}_exps.weight"
+        label = f"{en0.qtype} <- {en0.label}"
+        plan.experts[label] = plan.experts.get(label, 0) + 1
+
+        def chunks(by_e=by_e, encs=encs, qtype=qtype):
+            for e in range(len(by_e)):
+                m, s = by_e[e]
+                if isinstance(s, StoredWeight):
+                    yield module_bytes(reader, s, encs[e][0], counts)
+                else:
+                    yield _cast(reader.get(s), qtype, gguf)
+
+        plan.items.append(Item(name, qtype, (E, n0, en0.k), E * per, chunks, label))
+
+    # everything else
+    heads, kv_heads = spec.num_heads, spec.num_kv_heads
+    for m, s in sorted(singles, key=lambda x: _order(x[0])):
+        is_stored = isinstance(s, StoredWeight)
+        tname = f"{m}.weight" if is_stored else m
+        if tname.endswith(".e_score_correction_bias"):
+            gname = f"blk.{layer_index(tname)}.exp_probs_b.bias"
+        else:
+            gname = tmap.get_name(tname, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            raise NotRepresentable(f"{prefix}{tname}: no llama.cpp tensor for it in {GGUF_ARCH[spec.arch].lower()}")
+        rows = None
+        if spec.arch == "mixtral" and re.search(r"\.self_attn\.[qk]_proj\.(weight|bias)$", tname):
+            n_out = s.shape[0] if is_stored else reader.info(s).shape[0]
+            rows = mixtral_permute(n_out, heads if ".q_proj." in tname else kv_heads)
+        if tname.endswith("kv_b_proj.weight"):
+            plan.items += _kv_b_items(gname, s, reader, spec, gguf, options)
+            continue
+        if is_stored:
+            enc = encoding_of(s, reader, options.fp8)
+            if gname.endswith("norm.weight") or any(f in gname for f in F32_NAMES):
+                enc = Encoding("F32", enc.k, f"{enc.label}, decoded to F32")
+            qtype = getattr(Q, enc.qtype)
+            n = s.shape[0]
+            if enc.qtype == "F32" and s.encoding not in ("fp8", "fp8-block"):
+                def chunks(s=s, rows=rows):
+                    w = reader.decode(s, torch.float32)
+                    yield (w if rows is None else w[rows]).numpy()
+            else:
+                def chunks(s=s, enc=enc, rows=rows):
+                    yield module_bytes(reader, s, enc, counts, rows)
+            plan.items.append(Item(gname, qtype, (n, enc.k), n * _bytes_per_row(gguf, qtype, enc.k), chunks,
+                                   f"{enc.qtype} <- {enc.label}"))
+        else:
+            info = reader.info(s)
+            qtype = _dense_type(gguf, gname, info.dtype, len(info.shape))
+            shape = tuple(info.shape)
+            nel = int(np.prod(shape)) if shape else 1
+
+            def chunks(s=s, qtype=qtype, rows=rows):
+                t = reader.get(s)
+                yield _cast(t if rows is None else t[rows], qtype, gguf)
+
+            plan.items.append(Item(gname, qtype, shape, nel * _bytes_per_row(gguf, qtype, 1), chunks,
+                                   f"{qtype.name} <- {str(info.dtype).replace('torch.', '')}"))
+    return plan, spec, cfg
+
+
+def _order(name: str) -> tuple:
+    li = layer_index(name)
+    return (-1 if li is None and "embed" in name else (li if li is not None else 1 << 30), name)
+
+
+def _kv_b_items(gname: str, s, reader: TensorReader, spec, gguf, options: ExportOptions) -> list[Item]:
+    """MLA's kv_b_proj [H (nope + v), kv_lora] as llama.cpp's attn_k_b [H, kv_lora, nope] (transposed) and attn_v_b
+    [H, v, kv_lora] (conversion/deepseek.py). A stored (quantized) kv_b is decoded to F32: a transpose does not
+    keep GGML blocks."""
+    Q = gguf.GGMLQuantizationType
+    H, nope, v, r = spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim, spec.kv_lora_rank
+    if isinstance(s, StoredWeight):
+        qtype = Q.F32
+        load = lambda: reader.decode(s, torch.float32)  # noqa: E731
+        src = f"F32 <- {s.encoding} decoded"
+    else:
+        info = reader.info(s)
+        qtype = _dense_type(gguf, "x.weight", info.dtype, 2)
+        load = lambda: reader.get(s)  # noqa: E731
+        src = f"{qtype.name} <- {str(info.dtype).replace('torch.', '')}"
+    base = gname[: -len("attn_kv_b.weight")]
+
+    def part(which):
+        w = load().reshape(H, nope + v, r)
+        k_b, v_b = w[:, :nope], w[:, nope:]
+        yield _cast((k_b.transpose(1, 2) if which == "k" else v_b).contiguous(), qtype, gguf)
+
+    es = _bytes_per_row(gguf, qtype, 1)
+    return [Item(base + "attn_k_b.weight", qtype, (H, r, nope), H * r * nope * es, lambda: part("k"), src),
+            Item(base + "attn_v_b.weight", qtype, (H, v, r), H * v * r * es, lambda: part("v"), src)]
+
+
+# ---- writing ---------------------------------------------------------------------------------------------
+def _write_item(w, item: Item) -> int:
+    """The next tensor of GGUFWriter `w`, from the item's chunks (gguf's write_tensor_data, a chunk at a time)."""
+    from gguf.gguf_writer import WriterState
+
+    fid = next(i for i, t in enumerate(w.tensors) if t)
+    fout = w.fout[fid]
+    name = next(iter(w.tensors[fid]))
+    if name != item.name:  # pragma: no cover - the plan's order is the writer's
+        raise ExportError(f"internal: writing {item.name} where {name} is next")
+    ti = w.tensors[fid].pop(name)
+    w.write_padding(fout, fout.tell())
+    n = 0
+    for c in item.chunks():
+        c = np.ascontiguousarray(c)
+        fout.write(memoryview(c).cast("B"))
+        n += c.nbytes
+    if n != ti.nbytes:
+        raise ExportError(f"internal: {item.name} produced {n} bytes, planned {ti.nbytes}")
+    w.write_padding(fout, n)
+    w.state = WriterState.WEIGHTS
+    return n
+
+
+def export(qmodel, out, options: ExportOptions = ExportOptions(), say: Callable[[str], None] = lambda s: None) -> dict:
+    """Write `out` (a .gguf path; with a split size, `out`'s stem + -0000N-of-0000M.gguf). Returns the report."""
+    gguf = _gguf()
+    import psutil
+
+    t0 = time.perf_counter()
+    qmodel, out = Path(qmodel), Path(out)
+    if out.suffix != ".gguf":
+        raise ExportError(f"{out}: the output is a file name ending in .gguf", hint="e.g. quantkit export ./q ./model.gguf")
+    if options.fp8 not in ("bf16", "f32"):
+        raise ExportError(f"--fp8 {options.fp8!r}: bf16 or f32")
+    if not (options.split_max_size == 0 or 1 << 20 <= options.split_max_size):
+        raise ExportError("--split-max-size must be at least 1MB")
+    ck = Checkpoint.open(qmodel)
+    manifest = qmodel / "quantkit_manifest.json"
+    reader = TensorReader.of(ck)
+    try:
+        plan, spec, cfg = build_plan(ck, reader, options)
+        arch_name = gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, GGUF_ARCH[spec.arch])]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name}.partial"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        w = gguf.GGUFWriter(tmp / out.name, arch=arch_name, split_max_size=options.split_max_size)
+        w.add_name(qmodel.resolve().name)
+        w.add_type("model")
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        vocab_rows = next(i.shape[0] for i in plan.items if i.name == "token_embd.weight")
+        hp = write_hparams(w, spec.arch, cfg, spec, vocab_rows)
+        voc = write_vocab(w, qmodel, vocab_rows, cfg, options.pre_tokenizer)
+        w.add_string("quantkit.source", qmodel.resolve().name)
+        w.add_string("quantkit.experts", "; ".join(f"{k} x{v}" for k, v in sorted(plan.experts.items())) or "none")
+        if manifest.is_file():
+            import hashlib
+
+            w.add_string("quantkit.manifest_sha256", hashlib.sha256(manifest.read_bytes()).hexdigest())
+        for it in plan.items:
+            w.add_tensor_info(it.name, it.shape, np.dtype(np.float32), it.nbytes, raw_dtype=it.qtype)
+        names = w.format_shard_names(tmp / out.name)
+        if not options.overwrite:
+            for p in names:
+                if (out.parent / p.name).exists():
+                    raise OutputExists(f"{out.parent / p.name} exists", hint="pass --overwrite to replace it")
+        w.write_header_to_file(path=tmp / out.name)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        total, peak = 0, 0
+        proc = psutil.Process()
+        for i, it in enumerate(plan.items):
+            total += _write_item(w, it)
+            if i % 16 == 0 or "_exps" in it.name:
+                peak = max(peak, proc.memory_info().rss)
+                say(f"{i + 1}/{len(plan.items)} {it.name} ({it.qtype.name})")
+        w.close()
+        for p in names:
+            fd = os.open(p, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        files = []
+        for p in names:
+            os.replace(p, out.parent / p.name)
+            files.append(str(out.parent / p.name))
+        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        tmp_dir = out.parent / f".{out.name}.partial"
+        if tmp_dir.exists():
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    finally:
+        reader.release()
+    peak = max(peak, proc.memory_info().rss)
+    types: dict[str, int] = {}
+    for it in plan.items:
+        types[it.qtype.name] = types.get(it.qtype.name, 0) + it.nbytes
+    notes = [W4A8_NOTE] if any(k in types for k in ("Q4_0", "Q4_1", "MXFP4", "Q8_0")) else []
+    betas = yarn_betas(cfg)
+    if betas:
+        notes.append(f"YaRN beta_fast {betas[0]:g} / beta_slow {betas[1]:g}: llama.cpp reads no beta from the GGUF and "
+                     "uses 32 / 1; run it with --yarn-beta-fast / --yarn-beta-slow (verify --engine llama.cpp does)")
+    if voc["tokenizer"].startswith("placeholder"):
+        notes.append("no BPE tokenizer: placeholder tokens; feed token ids (text is not tokenized as transformers "
+                     "would)")
+    elif voc["pre_tokenizer"] == "default":
+        notes.append("pre-tokenizer 'default': text splits as llama.cpp's default regex; name the model's with "
+                     "--pre-tokenizer (e.g. qwen2, deepseek-v3, glm4, kimi-k2) for text prompts")
+    return {"output": files, "architecture": arch_name, "seconds": round(time.perf_counter() - t0, 3),
+            "bytes_written": sum(os.path.getsize(f) for f in files), "tensor_bytes": total,
+            "tensors": len(plan.items), "bytes_by_type": types, "experts": plan.experts,
+            "scales": plan.counts.to_json(), "dropped": plan.dropped, "hparams": hp, "vocab": voc,
+            "yarn_betas": list(betas) if betas else None, "notes": notes, "peak_rss_bytes": peak}

@@ -1,0 +1,125 @@
+"""The tokenizer keys of an exported GGUF (`tokenizer.ggml.*`), from the checkpoint's tokenizer.json.
+
+llama.cpp takes the token list's length as the vocabulary: it must equal the embedding's rows exactly, every
+token distinct. A BPE tokenizer.json gives tokens, merges, special tokens and types; ids the tokenizer does not
+use (transformers pads embeddings) become `[PAD<i>]` (unused). Without a tokenizer, or with one llama.cpp's
+BPE loader cannot take (WordLevel, Unigram), the GGUF gets distinct placeholder tokens: token ids fed to the
+engine are exact, text is not tokenized as transformers would (the report says so).
+
+The pre-tokenizer (llama.cpp's regex set for splitting text) is named, never guessed: `default` unless the
+caller names one llama.cpp knows (e.g. qwen2, deepseek-v3, glm4, kimi-k2); an unknown name fails at load.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..errors import ExportError, NotRepresentable
+
+MAX_TOKENIZER_BYTES = 256 << 20
+PRE_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+
+
+def _read_json(path: Path, what: str):
+    if not path.is_file():
+        return None
+    if path.stat().st_size > MAX_TOKENIZER_BYTES:
+        raise ExportError(f"{path.name} is {path.stat().st_size} bytes: larger than any tokenizer ({what})")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ExportError(f"{path.name} is not valid JSON: {str(e)[:120]}") from None
+
+
+def placeholder(rows: int) -> tuple[list[str], list[int], list[str]]:
+    return [f"<t{i}>" for i in range(rows)], [NORMAL] * rows, ["<t0> <t1>"]
+
+
+def bpe_vocab(tok: dict, rows: int) -> tuple[list[str], list[int], list[str]] | None:
+    """tokens, types, merges of a BPE tokenizer.json padded to `rows`; None when it is not a BPE tokenizer."""
+    model = tok.get("model") if isinstance(tok, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        return None
+    vocab, merges = model.get("vocab"), model.get("merges")
+    if not isinstance(vocab, dict) or not isinstance(merges, list):
+        raise ExportError("tokenizer.json: a BPE model needs a vocab object and a merges list")
+    tokens: list[str | None] = [None] * rows
+    types = [UNUSED] * rows
+
+    def put(text, i, kind):
+        if not isinstance(text, str) or type(i) is not int or i < 0:
+            raise ExportError(f"tokenizer.json: token {str(text)[:40]!r} has id {str(i)[:20]}, not a non-negative "
+                              "integer")
+        if i >= rows:
+            raise NotRepresentable(f"tokenizer.json has token id {i}, beyond the embedding's {rows} rows: llama.cpp "
+                                   "takes the token list as the vocabulary")
+        tokens[i], types[i] = text, kind
+
+    for text, i in vocab.items():
+        put(text, i, NORMAL)
+    for a in tok.get("added_tokens") or []:
+        if isinstance(a, dict):
+            put(a.get("content"), a.get("id"), CONTROL if a.get("special") else USER_DEFINED)
+    seen = set()
+    for i, t in enumerate(tokens):
+        if t is None:
+            t = tokens[i] = f"[PAD{i}]"
+        if t in seen:
+            raise NotRepresentable(f"tokenizer.json names token {t[:40]!r} twice: llama.cpp needs distinct tokens")
+        seen.add(t)
+    out_merges = []
+    for m in merges:
+        if isinstance(m, str):
+            out_merges.append(m)
+        elif isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m):
+            out_merges.append(f"{m[0]} {m[1]}")
+        else:
+            raise ExportError("tokenizer.json: a merge is neither 'a b' nor ['a', 'b']")
+    return tokens, types, out_merges or ["<t0> <t1>"]
+
+
+def chat_template(root: Path) -> str | None:
+    p = root / "chat_template.jinja"
+    if p.is_file() and p.stat().st_size < (16 << 20):
+        return p.read_text(encoding="utf-8", errors="replace")
+    cfg = _read_json(root / "tokenizer_config.json", "tokenizer_config.json")
+    t = cfg.get("chat_template") if isinstance(cfg, dict) else None
+    return t if isinstance(t, str) else None
+
+
+def write_vocab(w, root: Path, rows: int, text_cfg, pre: str | None) -> dict:
+    """tokenizer.ggml.* onto GGUFWriter `w`; returns what was written, for the report."""
+    if pre is not None and not PRE_NAME.match(pre):
+        raise ExportError(f"--pre-tokenizer {pre[:40]!r} is not a llama.cpp pre-tokenizer name (e.g. qwen2, glm4)")
+    tok = _read_json(root / "tokenizer.json", "tokenizer.json")
+    got = bpe_vocab(tok, rows) if tok is not None else None
+    if got is None:
+        tokens, types, merges = placeholder(rows)
+        kind = ("placeholder (no tokenizer.json)" if tok is None
+                else "placeholder (tokenizer.json is not BPE, which llama.cpp's gpt2 vocabulary needs)")
+    else:
+        tokens, types, merges = got
+        kind = "BPE from tokenizer.json"
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre or "default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    ids = {}
+    for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
+                     ("pad_token_id", w.add_pad_token_id)):
+        v = getattr(text_cfg, key, None)
+        if isinstance(v, list):
+            v = v[0] if v else None
+        if type(v) is int and 0 <= v < rows:
+            add(v)
+            ids[key] = v
+    w.add_add_bos_token(False)  # token ids are passed as given
+    tmpl = chat_template(root)
+    if tmpl:
+        w.add_chat_template(tmpl)
+    return {"tokenizer": kind, "tokens": rows, "pre_tokenizer": pre or "default", "special": ids,
+            "chat_template": bool(tmpl)}
