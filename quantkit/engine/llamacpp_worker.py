@@ -22,6 +22,9 @@ def _last_error(log_path: str | None) -> str:
         return ""
     with open(log_path, errors="replace") as f:
         lines = [ln.strip() for ln in f.read()[-20000:].splitlines() if ln.strip()]
+    for ln in lines:  # llama.cpp's loader says why first ("llama_model_load: error loading model: ...")
+        if "error loading model" in ln:
+            return ln[:400]
     for ln in reversed(lines):
         if "error" in ln.lower() or "failed" in ln.lower():
             return ln[:400]

@@ -416,8 +416,8 @@ def export(qmodel, out, options: ExportOptions = ExportOptions(), say: Callable[
         raise ExportError(f"{out}: the output is a file name ending in .gguf", hint="e.g. quantkit export ./q ./model.gguf")
     if options.fp8 not in ("bf16", "f32"):
         raise ExportError(f"--fp8 {options.fp8!r}: bf16 or f32")
-    if not (options.split_max_size == 0 or 1 << 20 <= options.split_max_size):
-        raise ExportError("--split-max-size must be at least 1MB")
+    if type(options.split_max_size) is not int or options.split_max_size < 0:
+        raise ExportError(f"split_max_size must be a byte count >= 0, got {options.split_max_size!r}")
     ck = Checkpoint.open(qmodel)
     manifest = qmodel / "quantkit_manifest.json"
     reader = TensorReader.of(ck)
@@ -485,6 +485,10 @@ def export(qmodel, out, options: ExportOptions = ExportOptions(), say: Callable[
     if betas:
         notes.append(f"YaRN beta_fast {betas[0]:g} / beta_slow {betas[1]:g}: llama.cpp reads no beta from the GGUF and "
                      "uses 32 / 1; run it with --yarn-beta-fast / --yarn-beta-slow (verify --engine llama.cpp does)")
+    eps = float(getattr(cfg, "rms_norm_eps", 1e-6) or 1e-6)
+    if spec.arch == "glm_moe_dsa" and eps != 1e-6:
+        notes.append(f"GLM-5's q_a / kv_a latent norms use eps 1e-6 in transformers; llama.cpp's glm-dsa uses "
+                     f"rms_norm_eps ({eps:g}) for them, and eps 0 for the indexer's key norm")
     if voc["tokenizer"].startswith("placeholder"):
         notes.append("no BPE tokenizer: placeholder tokens; feed token ids (text is not tokenized as transformers "
                      "would)")
