@@ -157,8 +157,9 @@ def test_a_hanging_worker_is_ended_with_its_children(exported, tmp_path):
     assert time.monotonic() - t0 < 60
     pid = int(pidfile.read_text())
     time.sleep(0.2)
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    stat = Path(f"/proc/{pid}/stat")
+    # gone, or a zombie waiting for this machine's init to reap it: no longer running either way
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def test_gguf_inputs_that_are_not_ggufs(tmp_path, tiny_models):
