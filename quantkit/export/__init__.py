@@ -154,17 +154,17 @@ def module_bytes(reader: TensorReader, sw: StoredWeight, enc: Encoding, counts: 
         if enc.qtype == "Q8_0":
             q = unpack_ints(packed, enc.k, 8).numpy()
             return blocks.q8_0(q[r], scale[r], counts)
-        u = blocks.int4_nibbles(packed.numpy(), enc.k)
         if enc.qtype == "Q4_0":
-            return blocks.q4_0(u[r], scale[r], counts)
+            return blocks.q4_0_packed(packed.numpy()[r], enc.k, scale[r], counts)
+        u = blocks.int4_nibbles(packed.numpy(), enc.k)
         z = unpack_zero_point(reader.get(t["weight_zero_point"]), n).numpy()
         return blocks.q4_1(u[r], scale[r], z[r], counts)
     if enc.qtype == "MXFP4":
         e = reader.get(t["weight_scale"]).view(torch.uint8).numpy()
         if (e == 255).any():
             raise NotRepresentable(f"{sw.module}: an E8M0 scale of 255 (NaN in MX): GGML's MXFP4 has no NaN")
-        codes = blocks.fp4_codes(reader.get(t["weight_packed"]).numpy())
-        return blocks.mxfp4(codes if rows is None else codes[rows], e if rows is None else e[rows])
+        packed = reader.get(t["weight_packed"]).numpy()
+        return blocks.mxfp4_packed(packed if rows is None else packed[rows], e if rows is None else e[rows])
     w = reader.decode(sw, torch.float32 if enc.qtype == "F32" else torch.bfloat16)
     return _np(w if rows is None else w[rows])
 

@@ -19,6 +19,7 @@ FP4 bytes, element 2j in the low nibble of byte j; the E2M1 code (sign << 3 | in
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,24 +58,25 @@ class Inexact:
                 "q4_1_min_rounded": self.minimum, "worst_relative_change": self.worst_rel, "examples": self.where}
 
 
-def _to_fp16(s: np.ndarray, counts: Inexact, *, what: str = "changed") -> np.ndarray:
-    """float32 scales -> fp16, counting the ones that do not survive. Overflow (|s| > 65504) is refused."""
+def _to_fp16(s: np.ndarray, counts: Inexact, *, what: str = "changed", reps: int = 1) -> np.ndarray:
+    """float32 scales -> fp16, counting (`reps` times each: the GGML blocks that repeat a group's scale) the ones
+    that do not survive. Overflow (|s| > 65504) is refused."""
     s = np.asarray(s, dtype=np.float32)
-    big = np.abs(s) > FP16_MAX
-    if big.any():
-        raise ValueError(f"{int(big.sum())} scale(s) exceed fp16's range (largest {float(np.abs(s).max()):.4g})")
+    a = np.abs(s)
+    if s.size and float(a.max()) > FP16_MAX:
+        raise ValueError(f"{int((a > FP16_MAX).sum())} scale(s) exceed fp16's range (largest {float(a.max()):.4g})")
     h = s.astype(np.float16)
     back = h.astype(np.float32)
     diff = back != s
-    nz = s != 0
+    changed = int(np.count_nonzero(diff))
     if what == "changed":
-        counts.total += s.size
-        counts.subnormal += int((nz & (np.abs(s) < FP16_MIN_NORMAL)).sum())
-        counts.changed += int(diff.sum())
+        counts.total += s.size * reps
+        counts.subnormal += (int(np.count_nonzero(a < FP16_MIN_NORMAL)) - int(np.count_nonzero(a == 0))) * reps
+        counts.changed += changed * reps
     else:
-        counts.minimum += int(diff.sum())
-    if diff.any():
-        rel = np.abs(back[diff] - s[diff]) / np.maximum(np.abs(s[diff]), np.float32(1e-38))
+        counts.minimum += changed * reps
+    if changed:
+        rel = np.abs(back[diff] - s[diff]) / np.maximum(a[diff], np.float32(1e-38))
         counts.worst_rel = max(counts.worst_rel, float(rel.max()))
     return h
 
@@ -112,6 +114,16 @@ def _per_block(scale: np.ndarray, k: int, block: int) -> np.ndarray:
     return np.repeat(scale, (k // g) // block, axis=-1)
 
 
+def _block_scales(scale: np.ndarray, k: int, counts: Inexact) -> np.ndarray:
+    """A group's scale as fp16 for each GGML block of it (converted once per group, counted per block)."""
+    g = scale.shape[-1]
+    if k % g or (k // g) % QK:
+        raise ValueError(f"group size {k}/{g} is not a multiple of the GGML block {QK}")
+    reps = (k // g) // QK
+    d = _to_fp16(scale, counts, reps=reps)
+    return d if reps == 1 else np.repeat(d, reps, axis=-1)
+
+
 def _assemble(parts: list[np.ndarray]) -> np.ndarray:
     """[..., B, w_i] uint8 pieces -> [..., B * sum(w_i)] (each block's fields in order)."""
     out = np.concatenate(parts, axis=-1)
@@ -120,8 +132,7 @@ def _assemble(parts: list[np.ndarray]) -> np.ndarray:
 
 def q4_0(u: np.ndarray, scale: np.ndarray, counts: Inexact) -> np.ndarray:
     """Symmetric INT4: u = q + 8 uint8 [..., N, K], scale float32 [..., N, G] -> Q4_0 bytes."""
-    k = u.shape[-1]
-    d = _to_fp16(_per_block(scale, k, QK), counts)
+    d = _block_scales(scale, u.shape[-1], counts)
     return _assemble([d.view(np.uint8).reshape(d.shape + (2,)), _pairs(u, QK)])
 
 
@@ -139,9 +150,38 @@ def q4_1(u: np.ndarray, scale: np.ndarray, zero: np.ndarray, counts: Inexact) ->
 def q8_0(q: np.ndarray, scale: np.ndarray, counts: Inexact) -> np.ndarray:
     """Symmetric INT8: q int8 [..., N, K], scale [..., N, G] -> Q8_0 bytes."""
     k = q.shape[-1]
-    d = _to_fp16(_per_block(scale, k, QK), counts)
+    d = _block_scales(scale, k, counts)
     v = q.astype(np.int8).view(np.uint8).reshape(q.shape[:-1] + (k // QK, QK))
     return _assemble([d.view(np.uint8).reshape(d.shape + (2,)), v])
+
+
+def _native():
+    """quantkit/export/_blocks_native.py, or None (no numba, QUANTKIT_NATIVE=0): the numpy definitions here."""
+    if os.environ.get("QUANTKIT_NATIVE", "1") == "0":
+        return None
+    try:
+        from . import _blocks_native
+    except Exception:  # noqa: BLE001 - no numba, or it cannot compile here
+        return None
+    return _blocks_native
+
+
+def q4_0_packed(packed: np.ndarray, k: int, scale: np.ndarray, counts: Inexact) -> np.ndarray:
+    """`q4_0` from compressed-tensors' INT4 words int32 [..., N, ceil(K/8)] directly (the fused kernel when K fills
+    the words; the same bytes)."""
+    nat = _native()
+    if nat is None or packed.shape[-1] * 8 != k:
+        return q4_0(int4_nibbles(packed, k), scale, counts)
+    d = _block_scales(scale, k, counts)
+    return nat.q4_0(packed, d.view(np.uint16))
+
+
+def mxfp4_packed(packed: np.ndarray, e8m0: np.ndarray) -> np.ndarray:
+    """`mxfp4` from compressed-tensors' FP4 bytes uint8 [..., N, K/2] directly (the fused kernel; the same bytes)."""
+    nat = _native()
+    if nat is None:
+        return mxfp4(fp4_codes(packed), e8m0)
+    return nat.mxfp4(packed, np.asarray(e8m0, dtype=np.uint8))
 
 
 def mxfp4(codes: np.ndarray, e8m0: np.ndarray) -> np.ndarray:

@@ -112,3 +112,23 @@ def test_nvfp4_blocks_with_unit_global_scale():
 def test_group_not_a_block_multiple_is_refused():
     with pytest.raises(ValueError, match="multiple of the GGML block"):
         B.q4_0(np.zeros((2, 64), np.uint8), np.ones((2, 4), np.float32), B.Inexact())  # group 16
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_fused_kernel_is_the_definition(monkeypatch, native):
+    """The numba kernels (quantkit/export/_blocks_native.py) write the bytes the numpy definitions write; with
+    QUANTKIT_NATIVE=0 the definitions run."""
+    monkeypatch.setenv("QUANTKIT_NATIVE", native)
+    rng = np.random.default_rng(5)
+    q = torch.from_numpy(rng.integers(-8, 8, (3, 40, 256))).to(torch.int8)
+    s = torch.from_numpy(rng.uniform(1e-3, 1e-2, (3, 40, 4))).float().to(torch.bfloat16)
+    packed = pack_int4(q).numpy()
+    c1, c2 = B.Inexact(), B.Inexact()
+    assert np.array_equal(B.q4_0_packed(packed, 256, s.float().numpy(), c1),
+                          B.q4_0(B.int4_nibbles(packed, 256), s.float().numpy(), c2))
+    assert c1 == c2
+    codes = torch.from_numpy(rng.integers(0, 16, (3, 40, 256))).to(torch.uint8)
+    e = rng.integers(0, 255, (3, 40, 8)).astype(np.uint8)
+    fp4 = pack_fp4(codes).numpy()
+    assert np.array_equal(B.mxfp4_packed(fp4, e), B.mxfp4(B.fp4_codes(fp4), e))
+    assert (B._native() is None) == (native == "0")
