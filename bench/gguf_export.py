@@ -15,7 +15,9 @@ MXFP4 experts, on random token ids.
 `release`: a synthetic Kimi K2.5-style release (the multimodal wrapper, a deepseek_v3 text model at Kimi K2's widths:
 hidden 7168, expert width 2048, 64 heads, MLA ranks 1536 / 512; `--experts` routed experts per layer (48), 3 layers,
 one dense; routed experts INT4 g32 symmetric as random words and bf16 scales, everything else random BF16), cached in
-bench/.cache/. Measured in one run: `cat` of its shards (page cache warm, fastest of 3), `quantkit export --json` as a
+bench/.cache/. Measured in one run: `cat` of its shards (page cache warm, fastest of 3), the same `cat` followed by an
+fsync of its output (the durability export gives: its files are fsynced before they are renamed into place),
+`quantkit export --json` as a
 subprocess (wall, peak RSS of the process tree, polled, and the kernel's high-water mark), and bit-exactness of every
 routed expert (gguf-py's dequantization of the GGUF == quantkit's decode of the release). Results:
 bench/results/gguf_export.json.
@@ -190,6 +192,7 @@ def release(args) -> None:
     size = sum(f.stat().st_size for f in files)
     out_dir = HERE / ".cache" / "gguf-out"
     cat = time_cat(files, 3)
+    cat_sync = time_cat_durable(files, 3)
     runs = []
     for _ in range(args.repeat):
         settle(out_dir)
@@ -205,16 +208,43 @@ def release(args) -> None:
     bound = layer_experts + (512 << 20)
     exact = check_exact(src, out_dir / "k25.gguf")
     res = {"machine": machine(), "source_bytes": size, "shards": len(files), "experts_per_layer": args.experts,
-           "cat": cat, "export": {k: best[k] for k in ("wall_s", "cpu_s", "peak_rss_bytes", "ru_maxrss_bytes",
+           "cat": cat, "cat_fsync": cat_sync, "export": {k: best[k] for k in ("wall_s", "cpu_s", "peak_rss_bytes", "ru_maxrss_bytes",
                                                        "other_cpu_s")},
            "runs_wall_s": [r["wall_s"] for r in runs], "export_report_seconds": doc["seconds"],
            "gguf_bytes": doc["bytes_written"], "time_vs_cat": round(best["wall_s"] / cat["wall_s"], 3),
+           "time_vs_cat_fsync": round(best["wall_s"] / cat_sync["wall_s"], 3),
            "rss_bound_bytes": bound, "rss_vs_bound": round(max(best["peak_rss_bytes"], best["ru_maxrss_bytes"]) / bound,
                                                            3),
            "exact": exact}
     print(json.dumps(res, indent=2))
     _save("release", res)
     settle(out_dir)
+
+
+def time_cat_durable(files, runs: int) -> dict:
+    """`cat shards > one file` then fsync of that file, timed together: the copy with the durability export gives
+    its output (fsynced before it is renamed into place). Fastest of `runs`, after an untimed warm-up."""
+    import os
+    import subprocess
+
+    from convert_rtn import CACHE, settle
+
+    dst = CACHE / "cat-out.bin"
+    times = []
+    try:
+        for k in range(runs + 1):
+            dst.unlink(missing_ok=True)
+            settle()
+            with open(dst, "wb") as out:
+                t0 = time.perf_counter()
+                subprocess.run(["cat", *map(str, files)], stdout=out, check=True)
+                os.fsync(out.fileno())
+                dt = time.perf_counter() - t0
+            if k:
+                times.append(round(dt, 3))
+    finally:
+        dst.unlink(missing_ok=True)
+    return {"cmd": f"cat <{len(files)} shards> > {dst}; fsync", "runs_s": times, "wall_s": min(times)}
 
 
 def check_exact(src: Path, gguf_path: Path) -> dict:

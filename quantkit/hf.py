@@ -45,3 +45,21 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
 def read_json(path: str | os.PathLike) -> dict:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def build_config(config: dict):
+    """A transformers config object from a config.json dict: the model_type's own config class
+    (aliases resolved), without remote code (`auto_map` dropped) and without `quantization_config`
+    (quantized sources are dequantized on load by the calibration executor). A multimodal wrapper (Kimi
+    K2.5's `kimi_k25`) is built as its text model, from its `text_config` (arch.WRAPPERS). What the calibration
+    executor builds its layers from, and what `export` reads llama.cpp's hyper-parameters from."""
+    import transformers
+
+    from .arch import arch_for, text_config
+
+    spec = arch_for(config, "calibrate")
+    text, _ = text_config(config)
+    cfg = {k: v for k, v in text.items()
+           if k not in ("model_type", "auto_map", "quantization_config", "architectures", "transformers_version")
+           and not k.startswith("_")}
+    return transformers.CONFIG_MAPPING[spec.model_type](**cfg)

@@ -61,6 +61,7 @@ from .. import timeline
 from ..arch import arch_for, text_config, validate
 from ..arch.layout import HF_BLOCK, POST_ATTN_NORM, top_level
 from ..errors import CalibrationError, UnsupportedArchitecture, UnsupportedWeights
+from ..hf import build_config  # noqa: F401 (the executor's config object; plan/measure.py imports it from here)
 from ..read.checkpoint import Checkpoint
 from ..read.tensors import TensorReader
 from . import moe
@@ -81,21 +82,6 @@ DEFAULT_ACTIVATION_BUDGET = 4 << 30  # bytes of one activation copy kept in RAM;
 # memory bound on CPU for no gain in speed there. With "eager" the executor installs quantkit's batched
 # expert forward (calib/moe.py), bit-identical to it and bounded by moe.DEFAULT_BUDGET bytes of temporaries.
 DEFAULT_EXPERTS_IMPLEMENTATION = "eager"
-
-
-def build_config(config: dict):
-    """A transformers config object from a config.json dict: the model_type's own config class
-    (aliases resolved), without remote code (`auto_map` dropped) and without `quantization_config`
-    (quantized sources are dequantized on load by `load_layer_weights`). A multimodal wrapper (Kimi
-    K2.5's `kimi_k25`) is built as its text model, from its `text_config` (arch.WRAPPERS)."""
-    import transformers
-
-    spec = arch_for(config, "calibrate")
-    text, _ = text_config(config)
-    cfg = {k: v for k, v in text.items()
-           if k not in ("model_type", "auto_map", "quantization_config", "architectures", "transformers_version")
-           and not k.startswith("_")}
-    return transformers.CONFIG_MAPPING[spec.model_type](**cfg)
 
 
 def build_meta_model(config, experts_implementation: str | None = None) -> nn.Module:

@@ -54,6 +54,14 @@ class ExportOptions:
     overwrite: bool = False
 
 
+@dataclass(frozen=True)
+class Copy:
+    """A chunk that is a checkpoint tensor's bytes as they are: copied file to file (copy_file_range), never
+    through this process's memory."""
+
+    tensor: str
+
+
 @dataclass
 class Item:
     """One GGUF tensor: numpy-order logical shape, GGML type, bytes, and how to produce them."""
@@ -186,6 +194,11 @@ def _cast(t: torch.Tensor, qtype, gguf) -> np.ndarray:
     return _np(t.to(torch.bfloat16))
 
 
+def _same_type(dtype: torch.dtype, qtype, gguf) -> bool:
+    Q = gguf.GGMLQuantizationType
+    return {torch.bfloat16: Q.BF16, torch.float16: Q.F16, torch.float32: Q.F32}.get(dtype) == qtype
+
+
 def _bytes_per_row(gguf, qtype, k: int) -> int:
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     return k // block * size
@@ -193,7 +206,7 @@ def _bytes_per_row(gguf, qtype, k: int) -> int:
 
 def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> tuple[Plan, object, object]:
     gguf = _gguf()
-    from ..calib.executor import build_config
+    from ..hf import build_config
 
     config = ck.config
     spec = parse_config(config)
@@ -291,13 +304,16 @@ def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> 
         label = f"{en0.qtype} <- {en0.label}"
         plan.experts[label] = plan.experts.get(label, 0) + 1
 
-        def chunks(by_e=by_e, encs=encs, qtype=qtype):
-            for e in range(len(by_e)):
-                m, s = by_e[e]
-                if isinstance(s, StoredWeight):
-                    yield module_bytes(reader, s, encs[e][0], counts)
-                else:
-                    yield _cast(reader.get(s), qtype, gguf)
+        def one(e, by_e=by_e, encs=encs, qtype=qtype):
+            m, s = by_e[e]
+            if isinstance(s, StoredWeight):
+                return module_bytes(reader, s, encs[e][0], counts)
+            if _same_type(reader.info(s).dtype, qtype, gguf):
+                return Copy(s)
+            return _cast(reader.get(s), qtype, gguf)
+
+        def chunks(one=one, n=len(by_e)):
+            yield from _ahead(one, n)
 
         plan.items.append(Item(name, qtype, (E, n0, en0.k), E * per, chunks, label))
 
@@ -340,13 +356,43 @@ def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> 
             shape = tuple(info.shape)
             nel = int(np.prod(shape)) if shape else 1
 
-            def chunks(s=s, qtype=qtype, rows=rows):
+            def chunks(s=s, qtype=qtype, rows=rows, dtype=info.dtype):
+                if rows is None and _same_type(dtype, qtype, gguf):
+                    yield Copy(s)
+                    return
                 t = reader.get(s)
                 yield _cast(t if rows is None else t[rows], qtype, gguf)
 
             plan.items.append(Item(gname, qtype, shape, nel * _bytes_per_row(gguf, qtype, 1), chunks,
                                    f"{qtype.name} <- {str(info.dtype).replace('torch.', '')}"))
     return plan, spec, cfg
+
+
+AHEAD = 2  # experts read and converted ahead of the one being written
+
+
+def _ahead(make: Callable[[int], object], n: int) -> Iterator[object]:
+    """make(0), ..., make(n - 1), each computed on a helper thread while the caller writes the ones before (reads,
+    the kernel and writes all release the GIL): a stack's reading and converting overlap its writing."""
+    if n <= 1:
+        yield from (make(i) for i in range(n))
+        return
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="quantkit-export") as pool:
+        pending = deque(pool.submit(make, i) for i in range(min(AHEAD, n)))
+        nxt = len(pending)
+        try:
+            while pending:
+                out = pending.popleft().result()
+                if nxt < n:
+                    pending.append(pool.submit(make, nxt))
+                    nxt += 1
+                yield out
+        finally:
+            for f in pending:
+                f.cancel()
 
 
 def _order(name: str) -> tuple:
@@ -382,7 +428,31 @@ def _kv_b_items(gname: str, s, reader: TensorReader, spec, gguf, options: Export
 
 
 # ---- writing ---------------------------------------------------------------------------------------------
-def _write_item(w, item: Item) -> int:
+WRITEBACK_BYTES = 32 << 20
+
+
+def _copy_range(reader: TensorReader, name: str, fout) -> int:
+    """Tensor `name`'s bytes from its shard to `fout` at its position, in the kernel (as cat copies)."""
+    shard = reader.location[name]
+    h = reader.header(shard)
+    info = h.tensors[name]
+    fout.flush()
+    pos, done = fout.tell(), 0
+    fd = reader._fd(shard)
+    while done < info.nbytes:
+        try:
+            n = os.copy_file_range(fd, fout.fileno(), info.nbytes - done, h.data_start + info.begin + done, pos + done)
+        except OSError:  # a file system without it: read and write
+            n = os.pwrite(fout.fileno(), os.pread(fd, min(64 << 20, info.nbytes - done),
+                                                  h.data_start + info.begin + done), pos + done)
+        if n <= 0:
+            raise ExportError(f"{name}: short copy at byte {done}: the shard changed on disk")
+        done += n
+    fout.seek(pos + done)
+    return done
+
+
+def _write_item(w, item: Item, reader: TensorReader) -> int:
     """The next tensor of GGUFWriter `w`, from the item's chunks (gguf's write_tensor_data, a chunk at a time)."""
     from gguf.gguf_writer import WriterState
 
@@ -395,6 +465,9 @@ def _write_item(w, item: Item) -> int:
     w.write_padding(fout, fout.tell())
     n = 0
     for c in item.chunks():
+        if isinstance(c, Copy):
+            n += _copy_range(reader, c.tensor, fout)
+            continue
         c = np.ascontiguousarray(c)
         fout.write(memoryview(c).cast("B"))
         n += c.nbytes
@@ -402,6 +475,9 @@ def _write_item(w, item: Item) -> int:
         raise ExportError(f"internal: {item.name} produced {n} bytes, planned {ti.nbytes}")
     w.write_padding(fout, n)
     w.state = WriterState.WEIGHTS
+    if n >= WRITEBACK_BYTES:  # start writing this tensor back now (not waiting), so the final fsync has little left
+        fout.flush()
+        os.posix_fadvise(fout.fileno(), fout.tell() - n, n, os.POSIX_FADV_DONTNEED)
     return n
 
 
@@ -420,7 +496,8 @@ def export(qmodel, out, options: ExportOptions = ExportOptions(), say: Callable[
         raise ExportError(f"split_max_size must be a byte count >= 0, got {options.split_max_size!r}")
     ck = Checkpoint.open(qmodel)
     manifest = qmodel / "quantkit_manifest.json"
-    reader = TensorReader.of(ck)
+    # positioned reads: each tensor read once into fresh memory (no mapping grows the resident set past a tensor)
+    reader = TensorReader.of(ck, mapped=False)
     try:
         plan, spec, cfg = build_plan(ck, reader, options)
         arch_name = gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, GGUF_ARCH[spec.arch])]
@@ -455,7 +532,7 @@ def export(qmodel, out, options: ExportOptions = ExportOptions(), say: Callable[
         total, peak = 0, 0
         proc = psutil.Process()
         for i, it in enumerate(plan.items):
-            total += _write_item(w, it)
+            total += _write_item(w, it, reader)
             if i % 16 == 0 or "_exps" in it.name:
                 peak = max(peak, proc.memory_info().rss)
                 say(f"{i + 1}/{len(plan.items)} {it.name} ({it.qtype.name})")
