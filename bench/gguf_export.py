@@ -88,7 +88,7 @@ def quality(args) -> None:
                                                       seq_len=256))
             conv_s = time.perf_counter() - t0
             res = export(q, tmp / f"{recipe}.gguf")
-            row = {"convert_s": round(conv_s, 1), "export_s": res["seconds"], "experts": res["experts"],
+            row = {"convert_s": round(conv_s, 1), "export_s": res["seconds"], "experts": res["expert_types"],
                    **_row(fx["model_dir"], q, tmp / f"{recipe}.gguf", ev, 16, 256)}
             out["fixture"][recipe] = row
             print(json.dumps({"fixture": recipe, **row}), flush=True)

@@ -407,7 +407,7 @@ def export_gguf(
         return
     err.print(f"wrote {', '.join(res['output'])} ({res['bytes_written'] / 1e6:.1f} MB, {res['tensors']} tensors, "
               f"{res['seconds']:.1f} s)")
-    for k, v in res["experts"].items():
+    for k, v in res["expert_types"].items():
         err.print(f"  experts: {escape(k)} ({v} tensors)")
     sc = res["scales"]
     if sc["changed"] or sc["q4_1_min_rounded"]:

@@ -30,10 +30,10 @@ import torch
 
 from ..errors import EngineError
 from ..verify.common import Check, finite
+from .compare import generation_check, greedy_continuations
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 DEFAULT_TIMEOUT_S = 1800
-MAX_PROMPTS = 4
 MAX_LOGIT_BYTES = 2 << 30  # the engine's float32 logits kept at once (samples x positions x vocab)
 
 
@@ -74,18 +74,7 @@ def reference_logprobs(ref_dir: Path, ckpt_dir: Path | None, samples: list[torch
         say("reference: the source in transformers (float32)")
         model = _load(ref_dir, dev, torch.float32)
     out["ref"] = logprobs(model)
-    out["prompts"], out["continuations"] = [], []
-    if gen_tokens > 0:
-        from transformers import GenerationConfig
-
-        cfg = GenerationConfig(do_sample=False, max_new_tokens=gen_tokens, min_new_tokens=gen_tokens,
-                               eos_token_id=None, pad_token_id=0)
-        with torch.no_grad():
-            for s in samples[:MAX_PROMPTS]:
-                p = s[: max(1, min(32, s.numel() // 2))].reshape(1, -1).to(dev)
-                full = model.generate(p, attention_mask=torch.ones_like(p), generation_config=cfg)
-                out["prompts"].append(p[0].tolist())
-                out["continuations"].append(full[0, p.shape[1]:].tolist())
+    out["prompts"], out["continuations"] = greedy_continuations(model, samples, gen_tokens, dev)
     del model
     return out
 
@@ -253,20 +242,9 @@ def run(gguf: Path, ref_dir: Path, ckpt_dir: Path | None, samples: list[torch.Te
     checks.append(_limit("engine_top1_agreement", top1, thresholds.min_top1, upper=False,
                          what=f"llama.cpp's next-token top-1 vs {what}'s over {n} positions"))
     if ref["continuations"]:
-        tf = [sum(a == b for a, b in zip(f, c)) / max(1, len(c)) for f, c in zip(forced, ref["continuations"])]
-        prefix = []
-        for g, c in zip(generated, ref["continuations"]):
-            k = 0
-            while k < min(len(g), len(c)) and g[k] == c[k]:
-                k += 1
-            prefix.append(k / max(1, len(c)))
-        doc["generation"] = {"tokens": gen_tokens, "prompts": len(tf), "agreement": sum(tf) / len(tf),
-                             "matching_prefix": sum(prefix) / len(prefix)}
-        checks.append(_limit("engine_generation_agreement", doc["generation"]["agreement"],
-                             thresholds.min_generation_agreement, upper=False,
-                             what=f"{len(tf)} prompts x {gen_tokens} greedy tokens, llama.cpp teacher-forced on the "
-                                  f"reference's continuation; free-running matching prefix "
-                                  f"{doc['generation']['matching_prefix']:.2f}"))
+        doc["generation"], check = generation_check("llama.cpp", forced, generated, ref["continuations"], gen_tokens,
+                                                    thresholds.min_generation_agreement)
+        checks.append(check)
     return doc, checks
 
 

