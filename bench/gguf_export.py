@@ -211,7 +211,7 @@ def release(args) -> None:
            "cat": cat, "cat_fsync": cat_sync, "export": {k: best[k] for k in ("wall_s", "cpu_s", "peak_rss_bytes", "ru_maxrss_bytes",
                                                        "other_cpu_s")},
            "runs_wall_s": [r["wall_s"] for r in runs], "export_report_seconds": doc["seconds"],
-           "gguf_bytes": doc["bytes_written"], "time_vs_cat": round(best["wall_s"] / cat["wall_s"], 3),
+           "gguf_bytes": doc["bytes_written"], "scales": doc["scales"], "time_vs_cat": round(best["wall_s"] / cat["wall_s"], 3),
            "time_vs_cat_fsync": round(best["wall_s"] / cat_sync["wall_s"], 3),
            "rss_bound_bytes": bound, "rss_vs_bound": round(max(best["peak_rss_bytes"], best["ru_maxrss_bytes"]) / bound,
                                                            3),
