@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import tempfile
 import time
@@ -31,6 +30,7 @@ import torch
 from ..errors import EngineError
 from ..verify.common import Check, finite
 from .compare import generation_check, greedy_continuations
+from .worker import kill_group, locate_python, read_result
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 DEFAULT_TIMEOUT_S = 1800
@@ -84,14 +84,6 @@ def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
     return (p_log.exp() * (p_log - q_log)).sum(-1)
 
 
-def _kill_group(p: subprocess.Popen) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    p.wait()
-
-
 def run_worker(python: str, request: dict, tmp: Path, timeout: int, say) -> dict:
     req, res = tmp / "request.json", tmp / "result.json"
     req.write_text(json.dumps(request))
@@ -106,23 +98,18 @@ def run_worker(python: str, request: dict, tmp: Path, timeout: int, say) -> dict
         try:
             p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(p)
+            kill_group(p)
             raise EngineError(f"llama.cpp did not finish within {timeout} s",
                               hint="raise --engine-timeout, or use fewer --num-samples") from None
         except BaseException:
-            _kill_group(p)
+            kill_group(p)
             raise
     tail = log.read_text(errors="replace")[-3000:]
     if not res.is_file():
         last = [ln for ln in tail.splitlines() if ln.strip()][-1:] or ["no output"]
         raise EngineError(f"the llama.cpp worker exited with code {p.returncode} without a result: {last[0][:300]}",
                           hint="is llama-cpp-python installed for that Python? try `PY -c 'import llama_cpp'`")
-    try:
-        out = json.loads(res.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise EngineError("the llama.cpp worker's result is not JSON") from None
-    if not isinstance(out, dict) or out.get("status") not in ("ok", "cannot_run", "error"):
-        raise EngineError("the llama.cpp worker's result has no valid status")
+    out = read_result(res, "llama.cpp")
     out["log_tail"] = tail[-1500:]
     return out
 
@@ -161,8 +148,6 @@ def run(gguf: Path, ref_dir: Path, ckpt_dir: Path | None, samples: list[torch.Te
         gen_tokens: int, thresholds, *, python=None, timeout: int = DEFAULT_TIMEOUT_S, say=lambda _s: None
         ) -> tuple[dict, list[Check]]:
     """Run the GGUF in llama.cpp and compare with the reference. Returns (the engine_run document, its checks)."""
-    from .vllm_run import locate_python
-
     py = locate_python(python)
     files = gguf_files(gguf)
     meta = _gguf_meta(files[0])

@@ -25,7 +25,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from ..read.checkpoint import Checkpoint
 from ..read.tensors import TensorReader
 from ..verify.common import Check, finite
 from .compare import generation_check, greedy_continuations
+from .worker import kill_group, locate_python, read_result  # noqa: F401 (locate_python: the CLI's and tests' name)
 from ..pack.names import Format, Tensor
 
 EXIT_CANNOT_RUN = 3  # `verify --run`: every check passed, but this vLLM build cannot run the checkpoint here
@@ -84,19 +84,6 @@ CANNOT_RUN = (
     # v1/attention/backends/cpu_mla*.py: the CPU MLA kernels take the DeepSeek latent only
     (r"(?i)mla|kv_lora_rank|576", "MLA attention", None),
 )
-
-
-def locate_python(python: str | os.PathLike | None) -> str:
-    """The engine's Python: the path given (a file, or a venv directory), else this interpreter."""
-    if python is None:
-        return sys.executable
-    p = Path(python)
-    if p.is_dir():
-        p = p / "bin" / "python"
-    if not p.is_file() or not os.access(p, os.X_OK):
-        raise EngineError(f"--engine-python {str(python)!r} is not an executable Python",
-                          hint="pass the python of the environment vLLM is installed in, e.g. VENV/bin/python")
-    return str(p)
 
 
 def checkpoint_schemes(ck: Checkpoint) -> list[str]:
@@ -261,19 +248,25 @@ def run_worker(python: str, request: dict, timeout: int, say) -> dict:
         log = Path(tmp) / "engine.log"
         say(f"engine: starting vLLM under {python}")
         t0 = time.perf_counter()
-        try:
-            with open(log, "w") as lf:
-                p = subprocess.run([python, str(WORKER), str(req), str(res)], stdout=lf, stderr=subprocess.STDOUT,
-                                   env=env, timeout=timeout, check=False)
-        except subprocess.TimeoutExpired:
-            raise EngineError(f"vLLM did not finish within {timeout} s",
-                              hint="raise --engine-timeout, or use fewer --num-samples") from None
+        with open(log, "w") as lf:
+            # its own process group: a time-out ends the worker and every process it started
+            p = subprocess.Popen([python, str(WORKER), str(req), str(res)], stdout=lf, stderr=subprocess.STDOUT,
+                                 env=env, start_new_session=True)
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                kill_group(p)
+                raise EngineError(f"vLLM did not finish within {timeout} s",
+                                  hint="raise --engine-timeout, or use fewer --num-samples") from None
+            except BaseException:
+                kill_group(p)
+                raise
         tail = log.read_text(errors="replace")[-3000:]
         if not res.is_file():
             last = [ln for ln in tail.splitlines() if ln.strip()][-1:] or ["no output"]
             raise EngineError(f"the vLLM worker exited with code {p.returncode} without a result: {last[0][:300]}",
                               hint="is vLLM installed for that Python? try `PY -c 'import vllm'`")
-        out = json.loads(res.read_text())
+        out = read_result(res, "vLLM")
         out["wall_seconds"] = round(time.perf_counter() - t0, 1)
         out["log_tail"] = tail[-1500:]
         return out
@@ -329,7 +322,7 @@ def run(qmodel: Path, ref_dir: Path | None, samples: list[torch.Tensor], dev: to
             checks.append(_kv_check(kv))
         return doc, checks
 
-    per = res.get("samples") or []
+    per = _samples(res.get("samples"), len(samples))
     nll_e, n_e = sum(p["nll"] for p in per), sum(p["targets"] for p in per)
     ppl_e = math.exp(nll_e / n_e) if n_e and nll_e / n_e < 700 else float("inf")
     doc["perplexity_engine"] = finite(ppl_e)
@@ -356,6 +349,19 @@ def run(qmodel: Path, ref_dir: Path | None, samples: list[torch.Tensor], dev: to
     if kv is not None and (kv["layers"] or declared):
         checks.append(_kv_check(kv))
     return doc, checks
+
+
+def _samples(per, n: int) -> list[dict]:
+    """The worker's per-sample results, checked: one per sample, finite NLL, a positive count of positions."""
+    def ok(p):
+        return (isinstance(p, dict) and isinstance(p.get("nll"), (int, float)) and not isinstance(p["nll"], bool)
+                and math.isfinite(p["nll"]) and type(p.get("targets")) is int and p["targets"] > 0
+                and isinstance(p.get("top1"), list))
+
+    if not isinstance(per, list) or len(per) != n or not all(ok(p) for p in per):
+        raise EngineError(f"vLLM returned {len(per) if isinstance(per, list) else 'no'} well-formed sample results "
+                          f"for {n} samples (each needs a finite nll, a positive count of positions and top-1 ids)")
+    return per
 
 
 def _kv_check(kv: dict) -> Check:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..arch import fused_experts, layer_index, parse_config, text_config
+from ..arch import fused_experts, layer_index, parse_config
 from ..arch.layout import ATTN, EXPERT_PROJ, KV_B, ROUTER_BIAS, expert_role
 from ..arch.layout import K as K_PROJ, Q as Q_PROJ
 from ..errors import ExportError, NotRepresentable, OutputExists

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import NotRepresentable
 
 # quantkit arch (registry key) -> gguf.MODEL_ARCH member name
 GGUF_ARCH = {"qwen3_moe": "QWEN3MOE", "mixtral": "LLAMA", "deepseek_v3": "DEEPSEEK2", "glm4_moe": "GLM4_MOE",

@@ -18,7 +18,7 @@ from quantkit.export import ExportOptions, export
 
 REQUIRE = os.environ.get("QUANTKIT_REQUIRE_LLAMACPP") == "1"
 try:
-    import llama_cpp  # noqa: F401
+    import llama_cpp  # noqa: F401 (only whether it imports)
 
     HAVE = True
 except ImportError:

@@ -155,6 +155,27 @@ def test_missing_engine_python_is_a_named_error(qwen_int4_kv, tmp_path):
         verify(out, engine="vllm", engine_run={"python": tmp_path / "nope"})
 
 
+@pytest.mark.parametrize("result,match", [
+    ('{"status": "ok", "samples": []}', "0 well-formed sample results"),  # success over nothing
+    ('{"status": "ok", "samples": [{"nll": NaN, "targets": 15, "top1": []}]}', "well-formed"),
+    ('{"status": "ok", "samples": [{"nll": 1.0, "targets": 0, "top1": []}]}', "well-formed"),
+    ("[1, 2", "not JSON"),
+    ('{"status": 7}', "no valid status"),
+])
+def test_worker_answers_are_checked(qwen_int4_kv, tmp_path, result, match):
+    """What the vLLM worker returns is input: a claimed success over no positions, a NaN, malformed JSON fail by
+    name instead of passing."""
+    from quantkit.errors import EngineError
+
+    src, out = qwen_int4_kv
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ncat > \"$3\" <<'EOF'\n{result}\nEOF\n")
+    fake.chmod(0o755)
+    with pytest.raises(EngineError, match=match):
+        verify(out, reference=src, num_samples=1, seq_len=16, generation_tokens=0, engine="vllm",
+               engine_run={"python": fake, "timeout": 60})
+
+
 def test_cannot_run_lines():
     cpu = {"vendor": "AuthenticAMD", "avx512f": False, "amx_tile": False}
     scheme, line = cannot_run_line("NotImplementedError: No WNA16 MoE backend supports the deployment "
