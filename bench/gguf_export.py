@@ -5,8 +5,8 @@ small an INT4 release exports.
     .venv/bin/python bench/gguf_export.py release   # a Kimi K2.5-style INT4 release at Kimi K2's widths: time, RSS
 
 `quality`: the trained fixture with llama.cpp's routing (bench/fixture.py --normtopk: qwen3_moe, norm_topk_prob true,
-byte-level, 1200 steps) converted with int4-experts-rtn, int4-experts-gptq (calibrated on 64 x 256 training bytes) and
-mxfp4-experts, each exported and run by llama.cpp on 16 x 256 held-out bytes: KL(source || checkpoint) from
+byte-level, 1200 steps) converted with int4-experts-rtn, int4-experts-gptq (calibrated on 64 x 256 training bytes),
+mxfp4-experts and nvfp4-experts, each exported and run by llama.cpp on 16 x 256 held-out bytes: KL(source || checkpoint) from
 transformers, KL(checkpoint || llama.cpp), their ratio (target <= 0.25), perplexities of the checkpoint in transformers
 and in llama.cpp (target within 2%). Then every architecture's tiny random model (quantkit.tiny, llama.cpp-compatible
 settings: see tests/engine/test_llamacpp_run.py) with RTN, GPTQ (16 x 64 tokens of the shipped calibration set) and
@@ -280,7 +280,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     q = sub.add_parser("quality")
-    q.add_argument("--recipes", nargs="+", default=["int4-experts-rtn", "int4-experts-gptq", "mxfp4-experts"])
+    q.add_argument("--recipes", nargs="+", default=["int4-experts-rtn", "int4-experts-gptq", "mxfp4-experts", "nvfp4-experts"])
     r = sub.add_parser("release")
     r.add_argument("--experts", type=int, default=48)
     r.add_argument("--repeat", type=int, default=2)

@@ -396,7 +396,7 @@ def export_gguf(
     json_out: JsonOpt = False,
 ):
     """Write QMODEL as a GGUF that llama.cpp runs: routed experts keep their codes and scales (INT4 -> Q4_0 / Q4_1,
-    INT8 -> Q8_0, MXFP4 -> MXFP4), nothing re-quantized. Exit 1 with one line when llama.cpp cannot represent it."""
+    INT8 -> Q8_0, MXFP4 -> MXFP4, qwen3_moe's NVFP4 -> NVFP4), nothing re-quantized. Exit 1 with one line when llama.cpp cannot represent it."""
     from .export import ExportOptions, export
 
     opts = ExportOptions(split_max_size=_parse_size(split_max_size) if split_max_size else 0, fp8=fp8,

@@ -9,7 +9,8 @@ Two passes over the checkpoint's headers and one over its data:
    a time: resident memory stays within one expert's arrays plus the mapped pages being read.
 
 Routed experts: INT4 symmetric (group 32k or channel) -> Q4_0, asymmetric -> Q4_1 (m = -(8 + z) s rounded to fp16:
-counted), INT8 symmetric -> Q8_0, MXFP4 -> MXFP4 bit for bit, BF16 -> BF16. Other modules keep their dtype; FP8
+counted), INT8 symmetric -> Q8_0, MXFP4 -> MXFP4 bit for bit, NVFP4 -> NVFP4 + each expert's global scale as a
+`.scale` tensor (qwen3_moe, whose llama.cpp graph applies it), BF16 -> BF16. Other modules keep their dtype; FP8
 modules are decoded (BF16 by default, F32 exact); norms, routers, biases F32 as llama.cpp needs. Output files
 appear only when complete (written under a hidden temporary name, fsynced, renamed).
 """
@@ -108,8 +109,16 @@ def _int_arg(w: dict, key: str, default=None):
     return v if v is None or (type(v) is int and v > 0) else None
 
 
-def encoding_of(sw: StoredWeight, reader: TensorReader, fp8: str) -> Encoding:
-    """The GGML type a stored module is written as; NotRepresentable when GGUF has no exact type for it."""
+# llama.cpp 0.3.36 graphs that multiply a routed expert's output by its `.scale` tensor (NVFP4's global scale):
+# build_moe_ffn receives the scales only where the graph passes them (src/models/qwen3moe.cpp); elsewhere the loader
+# would read them and the graph ignore them
+NVFP4_EXPERT_ARCHS = ("qwen3_moe",)
+
+
+def encoding_of(sw: StoredWeight, reader: TensorReader, fp8: str, nvfp4: str | None = None) -> Encoding:
+    """The GGML type a stored module is written as; NotRepresentable when GGUF has no exact type for it. `nvfp4`:
+    why NVFP4 cannot be written here (None: a routed expert of an architecture whose llama.cpp graph applies the
+    global scale)."""
     w = sw.weights or {}
     n, k = sw.shape
     if sw.encoding == "int4":
@@ -140,9 +149,13 @@ def encoding_of(sw: StoredWeight, reader: TensorReader, fp8: str) -> Encoding:
             raise NotRepresentable(f"{sw.module}: MXFP4 over {k} columns is not whole GGML blocks of {blocks.QK}")
         return Encoding("MXFP4", k, "MXFP4")
     if sw.encoding == "nvfp4":
-        raise NotRepresentable(f"{sw.module}: NVFP4: GGML's NVFP4 keeps the per-tensor global scale in a separate "
-                               "tensor that llama.cpp 0.3.36's MoE graphs read for qwen3moe only; not exported",
-                               hint="export an MXFP4 (mxfp4-experts) or INT4 conversion of the same source")
+        if nvfp4 is not None:
+            raise NotRepresentable(f"{sw.module}: NVFP4: {nvfp4}",
+                                   hint="export an MXFP4 (mxfp4-experts) or INT4 conversion of the same source")
+        if k % blocks.QK_NVFP4:
+            raise NotRepresentable(f"{sw.module}: NVFP4 over {k} columns is not whole GGML superblocks of "
+                                   f"{blocks.QK_NVFP4}")
+        return Encoding("NVFP4", k, "NVFP4 (global scale as the expert's .scale)")
     if sw.encoding in ("fp8", "fp8-block"):
         return Encoding("F32" if fp8 == "f32" else "BF16", k, f"FP8 decoded to {fp8.upper()}")
     raise NotRepresentable(f"{sw.module}: stored as {sw.encoding}: no GGML type")  # pragma: no cover
@@ -165,6 +178,13 @@ def module_bytes(reader: TensorReader, sw: StoredWeight, enc: Encoding, counts: 
         u = blocks.int4_nibbles(packed.numpy(), enc.k)
         z = unpack_zero_point(reader.get(t[Tensor.ZERO_POINT]), n).numpy()
         return blocks.q4_1(u[r], scale[r], z[r], counts)
+    if enc.qtype == "NVFP4":
+        sc = reader.get(t[Tensor.SCALE]).view(torch.uint8).numpy()
+        if ((sc & 0x80) | ((sc & 0x7F) == 0x7F)).any():
+            raise NotRepresentable(f"{sw.module}: an NVFP4 group scale that is negative or NaN: GGML's UE4M3 is "
+                                   "unsigned")
+        codes = blocks.fp4_codes(reader.get(t[Tensor.PACKED]).numpy())
+        return blocks.nvfp4(codes if rows is None else codes[rows], sc if rows is None else sc[rows])
     if enc.qtype == "MXFP4":
         e = reader.get(t[Tensor.SCALE]).view(torch.uint8).numpy()
         if (e == 255).any():
@@ -277,6 +297,9 @@ def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> 
 
     # routed experts: one [E, N, K] tensor per layer and projection, of one type
     counts = plan.counts
+    nvfp4_why = None if spec.arch in NVFP4_EXPERT_ARCHS else (
+        f"GGML's NVFP4 keeps the global scale in a separate .scale tensor, which llama.cpp 0.3.36's "
+        f"{GGUF_ARCH[spec.arch].lower()} graph does not apply (only {', '.join(NVFP4_EXPERT_ARCHS)}'s does)")
     for (li, role), by_e in sorted(experts.items()):
         E = spec.num_experts
         if sorted(by_e) != list(range(E)):
@@ -285,7 +308,7 @@ def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> 
         for e in range(E):
             m, s = by_e[e]
             if isinstance(s, StoredWeight):
-                encs.append((encoding_of(s, reader, options.fp8), tuple(s.shape)))
+                encs.append((encoding_of(s, reader, options.fp8, nvfp4_why), tuple(s.shape)))
             else:
                 info = reader.info(s)
                 qt = _dense_type(gguf, "x.weight", info.dtype, 2)
@@ -314,6 +337,16 @@ def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> 
             yield from _ahead(one, n)
 
         plan.items.append(Item(name, qtype, (E, n0, en0.k), E * per, chunks, label))
+        if en0.qtype == "NVFP4":  # each expert's global scale: llama.cpp multiplies the expert's output by it
+            def scales(by_e=by_e):
+                g = [reader.get(dict(by_e[e][1].tensors)[Tensor.GLOBAL_SCALE]).float().reshape(-1) for e in range(E)]
+                inv = 1.0 / torch.cat(g)  # compressed-tensors divides by the global scale; llama.cpp multiplies
+                if not bool(torch.isfinite(inv).all()) or not bool((inv > 0).all()):
+                    raise NotRepresentable(f"layer {li} {role}: an NVFP4 global scale that is not finite and positive")
+                yield inv.numpy()
+
+            plan.items.append(Item(f"blk.{li}.ffn_{role}_exps.scale", Q.F32, (E,), 4 * E, scales,
+                                   "F32 <- 1 / weight_global_scale"))
 
     # everything else
     heads, kv_heads = spec.num_heads, spec.num_kv_heads
@@ -335,7 +368,8 @@ def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> 
             plan.items += _kv_b_items(gname, s, reader, spec, gguf, options)
             continue
         if is_stored:
-            enc = encoding_of(s, reader, options.fp8)
+            enc = encoding_of(s, reader, options.fp8, "llama.cpp 0.3.36 applies NVFP4's global scale to routed experts "
+                                                         "only")
             if gname.endswith("norm.weight") or any(f in gname for f in F32_NAMES):
                 enc = Encoding("F32", enc.k, f"{enc.label}, decoded to F32")
             qtype = getattr(Q, enc.qtype)

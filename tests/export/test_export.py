@@ -133,6 +133,24 @@ def test_qwen3_experts_equal_compressed_tensors_through_transformers(converted):
                               ex.down_proj.detach().float().numpy())
 
 
+def test_nvfp4_experts_with_their_global_scales(converted):
+    """qwen3_moe's NVFP4 experts: GGML NVFP4 blocks (the codes and E4M3 group scales as stored) and a per-expert F32
+    `.scale` = 1 / weight_global_scale, which llama.cpp's qwen3moe graph multiplies into each expert's output; their
+    product is compressed-tensors' decode up to the rounding of a multiplication by the reciprocal (1 ulp)."""
+    src, q, d = converted("qwen3_moe", "nvfp4-experts")
+    res = export(q, d / "nv.gguf")
+    tensors, _ = _gguf_tensors(d / "nv.gguf")
+    want = _expert_decode(q)
+    for (li, role), w in want.items():
+        t = tensors[f"blk.{li}.ffn_{role}_exps.weight"]
+        assert t.tensor_type.name == "NVFP4"
+        scale = _deq(tensors[f"blk.{li}.ffn_{role}_exps.scale"]).reshape(-1, 1, 1)
+        got = _deq(t) * scale
+        assert np.allclose(got, w, rtol=2 * np.finfo(np.float32).eps, atol=0), (li, role)
+        assert not np.array_equal(_deq(t), w)  # the blocks alone are off by the global scale: the .scale matters
+    assert list(res["expert_types"]) == ["NVFP4 <- NVFP4 (global scale as the expert's .scale)"]
+
+
 def test_kv_b_split_and_mixtral_permutation(converted):
     src, q, d = converted("deepseek_v3")
     export(q, d / "ds.gguf")
@@ -177,8 +195,8 @@ def test_refusals_name_the_cause(tiny_models, converted, tmp_path):
         export(tmp_path / "q", tmp_path / "x.gguf")
     with pytest.raises(NotRepresentable, match="indexer head size 32"):
         export(tiny_models("glm_moe_dsa"), tmp_path / "x.gguf")
-    src, q, d = converted("qwen3_moe", "nvfp4-experts")
-    with pytest.raises(NotRepresentable, match="NVFP4"):
+    src, q, d = converted("deepseek_v3", "nvfp4-experts")  # llama.cpp's deepseek2 graph ignores the global scale
+    with pytest.raises(NotRepresentable, match="NVFP4: .*deepseek2 graph does not apply"):
         export(q, tmp_path / "x.gguf")
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*partial"))
 
