@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +29,8 @@ import torch
 from ..errors import EngineError
 from ..verify.common import Check, finite
 from .compare import generation_check, greedy_continuations
-from .worker import kill_group, locate_python, read_result
+from . import worker
+from .worker import locate_python
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 DEFAULT_TIMEOUT_S = 1800
@@ -91,27 +91,8 @@ def run_worker(python: str, request: dict, tmp: Path, timeout: int, say) -> dict
     env = {**os.environ, "QUANTKIT_ENGINE_LOG": str(log)}
     env.pop("PYTHONPATH", None)
     say(f"engine: starting llama.cpp under {python}")
-    with open(log, "w") as lf:
-        # its own process group: a time-out ends the worker and anything it started
-        p = subprocess.Popen([python, str(WORKER), str(req), str(res)], stdout=lf, stderr=subprocess.STDOUT, env=env,
-                             start_new_session=True)
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_group(p)
-            raise EngineError(f"llama.cpp did not finish within {timeout} s",
-                              hint="raise --engine-timeout, or use fewer --num-samples") from None
-        except BaseException:
-            kill_group(p)
-            raise
-    tail = log.read_text(errors="replace")[-3000:]
-    if not res.is_file():
-        last = [ln for ln in tail.splitlines() if ln.strip()][-1:] or ["no output"]
-        raise EngineError(f"the llama.cpp worker exited with code {p.returncode} without a result: {last[0][:300]}",
-                          hint="is llama-cpp-python installed for that Python? try `PY -c 'import llama_cpp'`")
-    out = read_result(res, "llama.cpp")
-    out["log_tail"] = tail[-1500:]
-    return out
+    return worker.run_worker(python, WORKER, req, res, log, env, timeout, "llama.cpp",
+                             "is llama-cpp-python installed for that Python? try `PY -c 'import llama_cpp'`")
 
 
 def _engine_logits(res: dict, tmp: Path, samples: list[torch.Tensor], vocab: int) -> list[torch.Tensor]:

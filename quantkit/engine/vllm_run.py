@@ -24,7 +24,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -40,7 +39,8 @@ from ..read.checkpoint import Checkpoint
 from ..read.tensors import TensorReader
 from ..verify.common import Check, finite
 from .compare import generation_check, greedy_continuations
-from .worker import kill_group, locate_python, read_result  # noqa: F401 (locate_python: the CLI's and tests' name)
+from . import worker
+from .worker import locate_python  # noqa: F401 (the CLI's and tests' name)
 from ..pack.names import Format, Tensor
 
 EXIT_CANNOT_RUN = 3  # `verify --run`: every check passed, but this vLLM build cannot run the checkpoint here
@@ -248,27 +248,9 @@ def run_worker(python: str, request: dict, timeout: int, say) -> dict:
         log = Path(tmp) / "engine.log"
         say(f"engine: starting vLLM under {python}")
         t0 = time.perf_counter()
-        with open(log, "w") as lf:
-            # its own process group: a time-out ends the worker and every process it started
-            p = subprocess.Popen([python, str(WORKER), str(req), str(res)], stdout=lf, stderr=subprocess.STDOUT,
-                                 env=env, start_new_session=True)
-            try:
-                p.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                kill_group(p)
-                raise EngineError(f"vLLM did not finish within {timeout} s",
-                                  hint="raise --engine-timeout, or use fewer --num-samples") from None
-            except BaseException:
-                kill_group(p)
-                raise
-        tail = log.read_text(errors="replace")[-3000:]
-        if not res.is_file():
-            last = [ln for ln in tail.splitlines() if ln.strip()][-1:] or ["no output"]
-            raise EngineError(f"the vLLM worker exited with code {p.returncode} without a result: {last[0][:300]}",
-                              hint="is vLLM installed for that Python? try `PY -c 'import vllm'`")
-        out = read_result(res, "vLLM")
+        out = worker.run_worker(python, WORKER, req, res, log, env, timeout, "vLLM",
+                                "is vLLM installed for that Python? try `PY -c 'import vllm'`")
         out["wall_seconds"] = round(time.perf_counter() - t0, 1)
-        out["log_tail"] = tail[-1500:]
         return out
 
 

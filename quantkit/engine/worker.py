@@ -45,3 +45,30 @@ def read_result(path: Path, engine: str) -> dict:
     if not isinstance(out, dict) or out.get("status") not in ("ok", "cannot_run", "error"):
         raise EngineError(f"the {engine} worker's result has no valid status")
     return out
+
+
+def run_worker(python: str, worker: Path, request: Path, result: Path, log: Path, env: dict, timeout: int,
+               engine: str, install_hint: str) -> dict:
+    """Start `python worker REQUEST RESULT` in a session of its own (a time-out ends it and every process it
+    started), its output to `log`; return its result (read_result) with `log_tail`. EngineError when it times out
+    or leaves no result."""
+    with open(log, "w") as lf:
+        p = subprocess.Popen([python, str(worker), str(request), str(result)], stdout=lf, stderr=subprocess.STDOUT,
+                             env=env, start_new_session=True)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(p)
+            raise EngineError(f"{engine} did not finish within {timeout} s",
+                              hint="raise --engine-timeout, or use fewer --num-samples") from None
+        except BaseException:
+            kill_group(p)
+            raise
+    tail = log.read_text(errors="replace")[-3000:]
+    if not result.is_file():
+        last = [ln for ln in tail.splitlines() if ln.strip()][-1:] or ["no output"]
+        raise EngineError(f"the {engine} worker exited with code {p.returncode} without a result: {last[0][:300]}",
+                          hint=install_hint)
+    out = read_result(result, engine)
+    out["log_tail"] = tail[-1500:]
+    return out
