@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,8 @@ from . import blocks
 from .llama_arch import GGUF_ARCH, mixtral_permute, refusals, write_hparams, yarn_betas
 from .vocab import write_vocab
 
+NOT_TEXT = "not the text model (vision tower, projector)"
+MTP = "MTP layers (llama.cpp's main graph does not run them)"
 F32_NAMES = ("ffn_gate_inp", "exp_probs_b", "indexer.proj")
 W4A8_NOTE = ("llama.cpp multiplies Q4_0 / Q4_1 / MXFP4 / Q8_0 weights with activations quantized to 8 bits "
              "(Q8_0 / Q8_1): what it serves is close to W4A8, not the checkpoint's W4A16")
@@ -77,7 +80,7 @@ class Item:
 class Plan:
     arch: str
     items: list[Item] = field(default_factory=list)
-    dropped: dict[str, int] = field(default_factory=dict)
+    dropped: Counter = field(default_factory=Counter)  # why -> tensors or modules not exported
     experts: dict[str, int] = field(default_factory=dict)  # "Q4_0 <- INT4 g32 symmetric" -> expert tensors
     counts: blocks.Inexact = field(default_factory=blocks.Inexact)
 
@@ -200,7 +203,7 @@ def _dense_type(gguf, name: str, dtype: torch.dtype, ndim: int):
     Q = gguf.GGMLQuantizationType
     if ndim <= 1 or name.endswith("norm.weight") or not name.endswith(".weight") or any(f in name for f in F32_NAMES):
         return Q.F32
-    return {torch.bfloat16: Q.BF16, torch.float16: Q.F16}.get(dtype, Q.F32)
+    return _ggml_of(dtype, gguf) or Q.F32
 
 
 def _cast(t: torch.Tensor, qtype, gguf) -> np.ndarray:
@@ -212,9 +215,14 @@ def _cast(t: torch.Tensor, qtype, gguf) -> np.ndarray:
     return _np(t.to(torch.bfloat16))
 
 
-def _same_type(dtype: torch.dtype, qtype, gguf) -> bool:
+def _ggml_of(dtype: torch.dtype, gguf):
+    """The GGML type that holds a torch float dtype's bytes as they are, or None."""
     Q = gguf.GGMLQuantizationType
-    return {torch.bfloat16: Q.BF16, torch.float16: Q.F16, torch.float32: Q.F32}.get(dtype) == qtype
+    return {torch.bfloat16: Q.BF16, torch.float16: Q.F16, torch.float32: Q.F32}.get(dtype)
+
+
+def _same_type(dtype: torch.dtype, qtype, gguf) -> bool:
+    return _ggml_of(dtype, gguf) == qtype
 
 
 def _bytes_per_row(gguf, qtype, k: int) -> int:
@@ -251,15 +259,13 @@ def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> 
         if name in owner:
             continue
         if prefix and not name.startswith(prefix):
-            plan.dropped["not the text model (vision tower, projector)"] = plan.dropped.get(
-                "not the text model (vision tower, projector)", 0) + 1
+            plan.dropped[NOT_TEXT] += 1
             continue
         dense[name[len(prefix):]] = name
     modules: dict[str, StoredWeight] = {m[len(prefix):]: sw for m, sw in stored.items()
                                         if not prefix or m.startswith(prefix)}
     if prefix and len(modules) != len(stored):
-        plan.dropped["not the text model (vision tower, projector)"] = plan.dropped.get(
-            "not the text model (vision tower, projector)", 0) + len(stored) - len(modules)
+        plan.dropped[NOT_TEXT] += len(stored) - len(modules)
 
     def mtp(name: str) -> bool:
         li = layer_index(name)
@@ -269,8 +275,7 @@ def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> 
     singles: list[tuple[str, object]] = []  # (module or tensor name, StoredWeight | checkpoint tensor name)
     for m, sw in modules.items():
         if mtp(m):
-            plan.dropped["MTP layers (llama.cpp's main graph does not run them)"] = plan.dropped.get(
-                "MTP layers (llama.cpp's main graph does not run them)", 0) + 1
+            plan.dropped[MTP] += 1
             continue
         ex = _expert(m)
         if ex:
@@ -279,8 +284,7 @@ def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> 
             singles.append((m, sw))
     for t, src in dense.items():
         if mtp(t):
-            plan.dropped["MTP layers (llama.cpp's main graph does not run them)"] = plan.dropped.get(
-                "MTP layers (llama.cpp's main graph does not run them)", 0) + 1
+            plan.dropped[MTP] += 1
             continue
         if t.endswith("rotary_emb.inv_freq"):
             continue
@@ -618,5 +622,5 @@ def export(qmodel, out, options: ExportOptions = ExportOptions(), say: Callable[
     return {"output": files, "architecture": arch_name, "seconds": round(time.perf_counter() - t0, 3),
             "bytes_written": sum(os.path.getsize(f) for f in files), "tensor_bytes": total,
             "tensors": len(plan.items), "bytes_by_type": types, "expert_types": plan.experts,
-            "scales": plan.counts.to_json(), "dropped": plan.dropped, "hparams": hp, "vocab": voc,
+            "scales": plan.counts.to_json(), "dropped": dict(plan.dropped), "hparams": hp, "vocab": voc,
             "yarn_betas": list(betas) if betas else None, "notes": notes, "peak_rss_bytes": peak}
