@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -586,7 +587,7 @@ def _parse_size(s: str) -> int:
         value = float(num)
     except ValueError:
         value = -1
-    if unit not in units or value <= 0:
+    if unit not in units or not math.isfinite(value) or value <= 0 or value * units[unit] > 2**62:
         raise typer.BadParameter(f"cannot parse size {s!r}; use e.g. 500MB or 5GB")
     return int(value * units[unit])
 

@@ -267,3 +267,14 @@ def test_cli_one_line(converted, tiny_models, tmp_path):
                           str(tmp_path / "g.gguf")], capture_output=True, text=True)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.splitlines()[0].startswith("error: llama.cpp would compute this model differently")
+
+
+@pytest.mark.parametrize("size", ["nanGB", "infGB", "1e30TB", "0", "-5MB"])
+def test_cli_split_size_that_is_no_size(converted, tmp_path, size):
+    """--split-max-size (and convert's --max-shard-size, the same parser) of NaN, inf, absurd or non-positive sizes:
+    a usage error in one line, never an internal error."""
+    src, q, d = converted("qwen3_moe")
+    p = subprocess.run([sys.executable, "-m", "quantkit", "export", str(q), str(tmp_path / "c.gguf"),
+                        "--split-max-size", size], capture_output=True, text=True)
+    assert p.returncode == 2 and "internal error" not in p.stderr and "cannot parse size" in p.stderr
+    assert not (tmp_path / "c.gguf").exists()
