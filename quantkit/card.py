@@ -22,7 +22,6 @@ present, what `verify` measured (`verify.json` in OUT, or a report passed in), a
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tempfile
@@ -36,6 +35,7 @@ from . import __version__
 from .arch.layout import expert_module
 from .errors import QuantkitError
 from .pack.manifest import MANIFEST_NAME as MANIFEST
+from .read.files import parse_json, read_text
 
 README = "README.md"
 VERIFY_JSON = "verify.json"
@@ -116,12 +116,7 @@ def write_model_card(out_dir: str | os.PathLike, src_dir: str | os.PathLike | No
 
 # --- reading ---------------------------------------------------------------------------------------
 def _read_json(path: Path, what: str) -> dict:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelCardError(f"{what} not found: {path}") from None
-    except (ValueError, UnicodeError) as e:
-        raise ModelCardError(f"{path} is not valid JSON: {str(e)[:120]}") from None
+    doc = parse_json(read_text(path, what, ModelCardError, 64 << 20), str(path), ModelCardError)
     if not isinstance(doc, dict):
         raise ModelCardError(f"{path} must hold a JSON object")
     return doc

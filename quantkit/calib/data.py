@@ -22,7 +22,6 @@ the vocabulary size, with a warning: fine for exercising the pipeline, meaningle
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import warnings
@@ -36,10 +35,12 @@ import torch
 from .. import options
 from ..write.writer import sha256_file
 from ..errors import DatasetError, DatasetNotFound
+from ..read.files import parse_json, read_text
 
 DEFAULT_DATASET_NAME = "default.jsonl"
 DEFAULT_SEED = 0
 SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
+MAX_DATASET_BYTES = 4 << 30  # a local dataset file is read whole: larger ones belong in a saved dataset folder
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
@@ -141,7 +142,7 @@ def read_rows(dataset: str | os.PathLike | None) -> Rows:
     p = Path(dataset)
     if p.is_dir():
         return _read_saved_dataset(p)
-    if p.is_file():
+    if p.is_file() or os.path.lexists(p):  # a FIFO or device too: refused by name when read
         suffix = p.suffix.lower()
         if suffix == ".jsonl":
             rows = _read_jsonl(p)
@@ -162,30 +163,22 @@ def read_rows(dataset: str | os.PathLike | None) -> Rows:
 
 
 def _read_text(p: Path) -> str:
-    try:
-        return p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    """A regular file of UTF-8 text, at most MAX_DATASET_BYTES (read/files.py: a FIFO or /dev/zero refused)."""
+    return read_text(p, "dataset file", DatasetError, MAX_DATASET_BYTES,
+                     hint=f"a dataset file is UTF-8 text of at most {MAX_DATASET_BYTES >> 30} GiB")
 
 
 def _read_jsonl(p: Path) -> list:
     rows = []
+    hint = "a .jsonl file holds one JSON object per line"
     for n, line in enumerate(_read_text(p).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise DatasetError(f"{p}:{n}: not valid JSON ({e.msg})",
-                               hint="a .jsonl file holds one JSON object per line") from None
+        if line.strip():  # bounded nesting and integers, no lone surrogates (read/files.py)
+            rows.append(parse_json(line, f"{p}:{n}", DatasetError, hint=hint))
     return rows
 
 
 def _read_json(p: Path) -> list:
-    try:
-        doc = json.loads(_read_text(p))
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    doc = parse_json(_read_text(p), str(p), DatasetError)
     if isinstance(doc, dict) and isinstance(doc.get("data"), list):
         doc = doc["data"]
     if not isinstance(doc, list):
@@ -319,11 +312,12 @@ def _pretokenized(rows: list, where: str, vocab_size: int | None, seq_len: int) 
         if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
             raise DatasetError(f"{where}: row {i} has no non-empty integer `input_ids` list, but other rows do",
                                hint="either every row is pre-tokenized (`input_ids`) or none is")
-        t = torch.tensor(ids, dtype=torch.long)
-        if int(t.min()) < 0 or (vocab_size is not None and int(t.max()) >= vocab_size):
-            raise DatasetError(f"{where}: row {i} holds token ids outside [0, {vocab_size})",
+        top = vocab_size if vocab_size is not None else 1 << 63  # checked before torch sees them: no overflow
+        if min(ids) < 0 or max(ids) >= top:
+            bad = next(t for t in ids if not 0 <= t < top)
+            raise DatasetError(f"{where}: row {i} holds token id {str(bad)[:24]}, outside [0, {vocab_size or top})",
                                hint="the rows were tokenized for a model with another vocabulary")
-        out.append(t[:seq_len])
+        out.append(torch.tensor(ids[:seq_len], dtype=torch.long))
     return out
 
 

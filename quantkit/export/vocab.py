@@ -12,10 +12,11 @@ caller names one llama.cpp knows (e.g. qwen2, deepseek-v3, glm4, kimi-k2); an un
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from pathlib import Path
 
+from ..read.files import parse_json, read_bytes, read_text
 from ..errors import ExportError, NotRepresentable
 
 MAX_TOKENIZER_BYTES = 256 << 20
@@ -24,14 +25,10 @@ NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 
 
 def _read_json(path: Path, what: str):
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    if path.stat().st_size > MAX_TOKENIZER_BYTES:
-        raise ExportError(f"{path.name} is {path.stat().st_size} bytes: larger than any tokenizer ({what})")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ExportError(f"{path.name} is not valid JSON: {str(e)[:120]}") from None
+    text = read_text(path, path.name, ExportError, MAX_TOKENIZER_BYTES)
+    return parse_json(text, path.name, ExportError)
 
 
 def placeholder(rows: int) -> tuple[list[str], list[int], list[str]]:
@@ -83,8 +80,8 @@ def bpe_vocab(tok: dict, rows: int) -> tuple[list[str], list[int], list[str]] | 
 
 def chat_template(root: Path) -> str | None:
     p = root / "chat_template.jinja"
-    if p.is_file() and p.stat().st_size < (16 << 20):
-        return p.read_text(encoding="utf-8", errors="replace")
+    if os.path.lexists(p):
+        return read_bytes(p, p.name, ExportError, 16 << 20).decode("utf-8", errors="replace")
     cfg = _read_json(root / "tokenizer_config.json", "tokenizer_config.json")
     t = cfg.get("chat_template") if isinstance(cfg, dict) else None
     return t if isinstance(t, str) else None

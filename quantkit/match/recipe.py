@@ -28,6 +28,7 @@ than MAX_MATCH_NAME characters are not matched against patterns (a RecipeError).
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -44,6 +45,7 @@ from ..pack.kv import STRATEGIES as KV_STRATEGIES
 from ..pack.kv import kv_cache_scheme
 from ..arch.layout import FUSED_LINEARS
 from ..pack.names import Format
+from ..read.files import read_text
 from ..pack.targets import (MAX_CHOICES, MAX_MATCH_NAME, MAX_PATTERN_CHARS, MAX_UNBOUNDED,  # noqa: F401
                             check_regex, matches)
 
@@ -537,17 +539,11 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     """A recipe from a YAML path, or the name of a shipped recipe (e.g. `int4-experts-rtn`)."""
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or p.exists():
-        if not p.is_file():
+        if not os.path.lexists(p):
             raise RecipeError(f"recipe file {_short(str(p))} does not exist")
-        with open(p, "rb") as f:
-            data = f.read(MAX_RECIPE_BYTES + 1)  # never more: a 100 MB file is refused, not read
-        if len(data) > MAX_RECIPE_BYTES:
-            raise RecipeError(f"recipe file {_short(str(p))} is over the {MAX_RECIPE_BYTES}-byte limit",
-                              hint="recipes are a few KB of YAML; see docs/recipes.md")
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise RecipeError(f"recipe file {_short(str(p))} is not UTF-8 text (byte {e.start})") from None
+        # a regular file of at most MAX_RECIPE_BYTES (a FIFO or /dev/zero refused, a 100 MB file never read)
+        text = read_text(p, f"recipe file {_short(str(p))}", RecipeError, MAX_RECIPE_BYTES,
+                         hint="recipes are a few KB of UTF-8 YAML; see docs/recipes.md")
     else:
         res = resources.files("quantkit") / "data" / "recipes" / f"{name_or_path}.yaml"
         if not res.is_file():

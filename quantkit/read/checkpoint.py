@@ -10,7 +10,6 @@ never opened. Errors quote hostile names cut short and escaped, so each stays on
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from pathlib import Path
 from ..errors import (CheckpointNotFound, ConfigError, ConfigMissing, DuplicateKey, DuplicateTensor, IndexError_,
                       MissingShard, UnsafeCheckpoint, UnsafeShardName)
 from ..pack.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
+from .files import MAX_INT_DIGITS, parse_json, read_bytes
 from .safetensors import Header, TensorInfo, _short, _unique_keys, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -30,27 +30,21 @@ MAX_NAME_BYTES = 255  # longer names fail in the OS (ENAMETOOLONG) rather than h
 
 
 def read_json_file(path: Path, what: str, error=ConfigError, unique_keys: bool = False,
-                   limit: int = MAX_JSON_BYTES, hint: str | None = None) -> dict:
-    """Read a JSON object from `path`, raising `error` (one line) for anything else. `unique_keys`: a
+                   limit: int = MAX_JSON_BYTES, hint: str | None = None, int_digits: int = MAX_INT_DIGITS) -> dict:
+    """Read a JSON object from the regular file `path` (read/files.py: no FIFO or device, at most `limit`
+    bytes, bounded nesting and integers), raising `error` (one line) for anything else. `unique_keys`: a
     repeated key in any object is an error too (for files whose readers must agree, like the index).
     `hint`: the hint of every error raised here (default: `error`'s own, which speaks of config.json)."""
     try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise error(f"{what} not found: {path}", hint=hint) from None
-    if size > limit:
-        raise error(f"{what} is {size} bytes, over the {limit}-byte limit", hint=hint)
+        text = read_bytes(path, what, error, limit, hint).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{what} is not valid JSON: UnicodeDecodeError: {str(e)[:120]}", hint=hint) from None
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f, object_pairs_hook=_unique_keys if unique_keys else None)
         # lone surrogates ("\ud800") parse but cannot be written back as UTF-8 (config.json is rewritten)
-        json.dumps(doc, ensure_ascii=False).encode("utf-8")
+        doc = parse_json(text, what, error, hint, object_pairs_hook=_unique_keys if unique_keys else None,
+                         int_digits=int_digits)
     except DuplicateKey as e:
         raise error(f"{what}: {e.message}", hint=hint) from None
-    # ValueError covers JSONDecodeError and integers longer than Python converts (4300 digits)
-    except (UnicodeError, ValueError, RecursionError) as e:
-        raise error(f"{what} is not valid JSON: {type(e).__name__}: {str(e)[:120]}".replace("\n", " "),
-                    hint=hint) from None
     if not isinstance(doc, dict):
         raise error(f"{what} must hold a JSON object, got {type(doc).__name__}", hint=hint)
     return doc

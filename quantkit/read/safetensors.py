@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,15 +157,21 @@ def parse_header_bytes(raw: bytes, file_size: int, where: str = "<bytes>") -> He
 def read_header(path: str | os.PathLike) -> Header:
     """Read and validate the header of one .safetensors file (reads only the header bytes)."""
     path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    where = path.name if path.name.isprintable() else repr(path.name)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO must not block
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise HeaderError(f"{where} is not a regular file (a FIFO, device or directory)")
+    os.set_blocking(fd, True)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) == 8:
             (n,) = struct.unpack("<Q", head)
             if n <= MAX_HEADER_BYTES and 8 + n <= size:
                 head += f.read(n)
         # a file name is hostile too: keep messages on one line
-        h = parse_header_bytes(head, size, where=path.name if path.name.isprintable() else repr(path.name))
+        h = parse_header_bytes(head, size, where=where)
     return Header(path, h.tensors, h.metadata, h.data_start, h.file_size)
 
 

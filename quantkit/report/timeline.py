@@ -30,7 +30,8 @@ COLOURS = {"setup": "#7f7f7f", "load": "#bcbd22", "forward": "#1f77b4", "statist
 
 
 def _seconds(x, where: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 or x > 1e9:
+    if (isinstance(x, bool) or not isinstance(x, (int, float)) or (isinstance(x, int) and not 0 <= x <= 10**9)
+            or not math.isfinite(x) or x < 0 or x > 1e9):  # an int range first: math.isfinite(10**400) raises
         raise ConfigError(f"timeline: {where} is not a number of seconds ({str(x)[:40]!r})", hint=HINT)
     return float(x)
 
