@@ -27,6 +27,8 @@ MAX_WEIGHT = 65504.0  # float16's largest finite number: the largest decoded wei
 KINDS = ("int4", "fp8", "nvfp4", "mxfp4")
 FP4_MAX = 6.0  # the largest E2M1 magnitude
 INT4_SCALE_DTYPES = (torch.bfloat16, torch.float16)
+# weight_shape: convert writes int64; compressed-tensors decodes any integer dtype (torch.Size over its values)
+SHAPE_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 E8M0_NAN = 255
 
 
@@ -85,9 +87,11 @@ def header_problems(module: str, infos: Mapping, kind: str, weights: dict, schem
                    INPUT_SCALE: f" ({group} quantizes input activations to NVFP4: their static global scale)"}
             out.append(f"{module}.{suffix}: missing{why.get(suffix, '')}")
             continue
-        dtypes = INT4_SCALE_DTYPES if suffix == "weight_scale" and kind == "int4" else (w[0],)
+        dtypes = (INT4_SCALE_DTYPES if suffix == "weight_scale" and kind == "int4"
+                  else SHAPE_DTYPES if suffix == "weight_shape" else (w[0],))
         if i.dtype not in dtypes:
-            what = "bfloat16 or float16" if suffix == "weight_scale" and kind == "int4" else _dt(w[0])
+            what = ("bfloat16 or float16" if suffix == "weight_scale" and kind == "int4"
+                    else "an integer dtype" if suffix == "weight_shape" else _dt(w[0]))
             out.append(f"{module}.{suffix}: dtype {_dt(i.dtype)}, expected {what}")
     ws, packed = infos.get("weight_shape"), infos.get("weight_packed")
     if kind != "int4" and ws is not None:
