@@ -24,6 +24,7 @@ import atexit
 import contextlib
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -188,10 +189,7 @@ def world(device: str | None = None) -> World:
     if on_cuda:  # rank r of a node computes on its GPU LOCAL_RANK ("cuda" and "auto" resolve to it)
         torch.cuda.set_device(local)
     if not dist.is_initialized():
-        try:
-            timeout = timedelta(seconds=float(os.environ.get("QUANTKIT_DIST_TIMEOUT", DEFAULT_TIMEOUT_S)))
-        except ValueError:
-            raise DistributedError("QUANTKIT_DIST_TIMEOUT must be a number of seconds") from None
+        timeout = timedelta(seconds=dist_timeout_s())
         try:
             dist.init_process_group(backend=backend, timeout=timeout)
         except Exception as e:  # rendezvous failures: the launcher's environment is wrong or a peer is missing
@@ -202,6 +200,27 @@ def world(device: str | None = None) -> World:
     _WORLD = World(rank=rank, size=size, local_rank=local, backend=backend)
     atexit.register(shutdown)  # scripts that join the world without the CLI leave it too
     return _WORLD
+
+
+MAX_TIMEOUT_S = 7 * 86400  # a collective step that waits a week is a hung job, not a slow one
+
+
+def dist_timeout_s() -> float:
+    """QUANTKIT_DIST_TIMEOUT (seconds, default DEFAULT_TIMEOUT_S): a finite number in (0, MAX_TIMEOUT_S]. NaN,
+    infinity, 0 or a negative time would make every collective step wait forever or fail at once (and an
+    infinite timedelta overflows), so they are refused by name before the job is joined."""
+    v = os.environ.get("QUANTKIT_DIST_TIMEOUT", "")
+    if v.strip() == "":
+        return float(DEFAULT_TIMEOUT_S)
+    try:
+        t = float(v)
+    except ValueError:
+        t = math.nan
+    if not (math.isfinite(t) and 0 < t <= MAX_TIMEOUT_S):
+        raise DistributedError(f"QUANTKIT_DIST_TIMEOUT={v[:20]!r} is not a number of seconds in (0, {MAX_TIMEOUT_S}]",
+                               hint="unset it (default: %d s) or give the seconds one collective step may wait"
+                                    % DEFAULT_TIMEOUT_S)
+    return t
 
 
 def _env_int(name: str, default: int) -> int:
