@@ -640,6 +640,11 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
             raise RecipeError(f"groups.{gname}: method awq applies to INT4 schemes only")
         if method == "gptq" and scheme.type != "int" and not scheme.fp4:
             raise RecipeError(f"groups.{gname}: method gptq applies to INT4 and FP4 schemes")
+        if scheme.scale_search == "mse" and method != "rtn":  # the calibrated methods choose their own scales
+            raise RecipeError(f"groups.{gname}.scheme.scale_search: mse is RTN's scale search; method {method} "
+                              "would ignore it",
+                              hint="drop scale_search (GPTQ searches with options.observer: mse; AWQ with its "
+                                   "clipping grid), or use method rtn")
         opts = parse_options(method, {} if g.get("options") is None else g["options"], f"groups.{gname}.options")
         for key in ("refit_scales", "refine_sweeps"):
             if getattr(opts, key, False) and scheme.type != "int":

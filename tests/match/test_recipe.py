@@ -177,3 +177,21 @@ def test_recipe_that_matches_nothing_is_an_error_unless_allowed(tiny_models, tmp
     assert not (tmp_path / "o").exists()  # refused before anything is written
     res = convert(src, tmp_path / "o2", ConvertOptions(recipe=r, allow_unmatched=True))
     assert res.tensors_quantized == 0
+
+
+@pytest.mark.parametrize("method,scheme", [
+    ("gptq", "{num_bits: 4, type: int, strategy: group, group_size: 32, scale_search: mse}"),
+    ("awq", "{num_bits: 4, type: int, strategy: group, group_size: 32, scale_search: mse}"),
+    ("gptq", "{num_bits: 4, type: float, strategy: tensor_group, group_size: 16, scale_search: mse}"),
+    ("gptq", "{num_bits: 4, type: float, strategy: group, group_size: 32, scale_search: mse}"),
+])
+def test_scale_search_mse_with_a_method_that_ignores_it_is_refused(method, scheme):
+    """docs/recipes.md: `scale_search` is RTN's; GPTQ and AWQ choose their own scales, so a recipe asking for
+    both would silently not get what it asked for."""
+    text = f"name: t\ngroups:\n  g:\n    targets: ['re:.*experts.*']\n    scheme: {scheme}\n    method: {method}\n"
+    with pytest.raises(RecipeError, match=f"scale_search: mse is RTN's scale search; method {method}"):
+        parse_recipe(text)
+    rtn = parse_recipe(text.replace(f"method: {method}", "method: rtn"))  # the same scheme under RTN is fine
+    assert rtn.groups[0].scheme.scale_search == "mse"
+    amax = parse_recipe(text.replace("scale_search: mse", "scale_search: amax"))  # amax is what they do anyway
+    assert amax.groups[0].method == method
