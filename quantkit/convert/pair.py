@@ -8,7 +8,7 @@ and the same tensors are written into both; each manifest then records the other
 
     "pair": {"role": "decode" | "prefill", "partner": <the partner directory, relative to this one>,
              "partner_manifest_sha256": sha256 of the partner's manifest without its "pair" section
-                                        (canonical JSON, pack/config.py canonical_json),
+                                        (canonical JSON, pack/manifest.py manifest_digest),
              "kv_shard_sha256": sha256 of model-kv-scales.safetensors (the same bytes in both),
              "kv_cache_scheme": the config's kv_cache_scheme (the same in both)}
 
@@ -21,7 +21,6 @@ calibration once. Under torchrun, --pair is refused (run it on one process).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, replace
@@ -31,26 +30,19 @@ from typing import Callable
 from ..errors import ConfigError, PairMismatch, RecipeError
 from ..match.recipe import Recipe, load_recipe
 from ..pack import kv as kvrules
-from ..pack.config import canonical_json
-from ..pack.manifest import MANIFEST_NAME
+from ..pack.manifest import MANIFEST_NAME, PAIR_KEY, manifest_digest
 from ..read.checkpoint import Checkpoint
 from ..write.writer import write_json_atomic
 
-__all__ = ["convert_pair", "PairResult", "PAIR_RECIPES", "prefill_dir", "manifest_digest", "PAIR_KEY"]
+__all__ = ["convert_pair", "PairResult", "PAIR_RECIPES", "prefill_dir"]
 
 PAIR_RECIPES = ("fp8-prefill",)  # what --pair accepts by name (any recipe path works too)
-PAIR_KEY = "pair"
 
 
 def prefill_dir(out: str | os.PathLike) -> Path:
     """The prefill checkpoint's default directory: OUT-prefill beside OUT."""
     o = Path(out)
     return o.with_name(o.name + "-prefill")
-
-
-def manifest_digest(manifest: dict) -> str:
-    """sha256 of a manifest without its pair section (what the partner records)."""
-    return hashlib.sha256(canonical_json({k: v for k, v in manifest.items() if k != PAIR_KEY}).encode()).hexdigest()
 
 
 @dataclass

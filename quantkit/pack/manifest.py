@@ -16,13 +16,17 @@ a passed-through one {scheme, method: passthrough, reason}.
 
 from __future__ import annotations
 
+import hashlib
+
 from ..arch.layout import EXPERT
+from .config import canonical_json
 
 MANIFEST_NAME = "quantkit_manifest.json"
 JOURNAL_DIR = ".quantkit-journal"  # only while converting: per-shard records, the calibration spool
 # ~530 bytes per tensor: a Kimi K2 manifest (~200k tensors) is ~110 MB, beyond the limit on config files
 MAX_MANIFEST_BYTES = 1 << 30
 FORMAT_VERSION = 1
+PAIR_KEY = "pair"  # one half of a prefill/decode pair (convert/pair.py): its record of the other
 _EXPERT_MODULE = EXPERT  # groups: prefix, expert, proj
 
 
@@ -84,3 +88,8 @@ def expert_report(tensors: dict[str, dict]) -> dict:
     if input_fallbacks:
         out["input_scale_fallbacks"] = dict(sorted(input_fallbacks.items()))
     return out
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of a manifest without its pair section (what the partner records)."""
+    return hashlib.sha256(canonical_json({k: v for k, v in manifest.items() if k != PAIR_KEY}).encode()).hexdigest()

@@ -29,10 +29,9 @@ from typing import Callable
 
 import torch
 
-from ..convert.pair import PAIR_KEY, manifest_digest
 from ..errors import PairMismatch
 from ..pack import kv as kvrules
-from ..pack.manifest import MANIFEST_NAME
+from ..pack.manifest import MANIFEST_NAME, PAIR_KEY, manifest_digest
 from ..read.safetensors import SafetensorsFile
 
 __all__ = ["check_pair", "pair_metrics"]

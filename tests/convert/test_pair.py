@@ -16,9 +16,10 @@ import torch
 
 from quantkit.cli import main
 from quantkit.convert import ConvertOptions
-from quantkit.convert.pair import convert_pair, manifest_digest
+from quantkit.convert.pair import convert_pair
 from quantkit.errors import PairMismatch
 from quantkit.pack import kv as kvrules
+from quantkit.pack.manifest import manifest_digest
 from quantkit.read.safetensors import SafetensorsFile
 from quantkit.verify import verify
 from quantkit.verify.pair import check_pair
