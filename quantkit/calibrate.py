@@ -28,6 +28,7 @@ from . import __version__, options
 from .errors import CalibrationError, KVScalesError
 from .calib.data import DEFAULT_SEED, load_calibration_data, load_tokenizer
 from .calib.executor import DEFAULT_ACTIVATION_BUDGET, LayerExecutor
+from .arch import check_expert_shapes, validate as validate_config
 from .read.sources import validate as validate_sources
 # the result's types live in calib/kv_scales.py (calib/kv_dist.py builds them too); re-exported here
 from .calib.kv_scales import CalibrationResult, LayerKV, kv_result, observer_bytes, peak_rss_bytes  # noqa: F401
@@ -64,7 +65,10 @@ def calibrate(model_dir: str | os.PathLike, *, dataset: str | os.PathLike | None
                        activation_budget_bytes=activation_budget_bytes, available_bytes=available_bytes)
     # a compressed-tensors / FP8 source is checked as convert checks it (finite, plausible scales, shapes that
     # agree) before its decoded weights are trusted for calibration (read/sources.py, pack/checks.py)
-    validate_sources(ex.ckpt, ex.stored)
+    logical = validate_sources(ex.ckpt, ex.stored)
+    spec = validate_config(ex.ckpt.config, {n: ex.ckpt.info(n).shape for n in ex.ckpt.location})
+    if spec is not None:  # packed experts' logical shapes against config.json, as convert holds them
+        check_expert_shapes(spec, {m + ".weight": nk for m, nk in logical.items()})
     data = load_calibration_data(dataset, tokenizer=load_tokenizer(model_dir), vocab_size=ex.config.vocab_size,
                                  num_samples=num_samples, seq_len=seq_len, seed=seed)
     lengths = [len(s) for s in data.samples]

@@ -227,13 +227,13 @@ def calibrate(
 
 def _kv_use_notes(model_dir) -> None:
     """Say which calibrated KV scales vLLM does not use for this model (MLA v_scale; DSA's fp8_ds_mla cache)."""
-    import json
-
     from .engine.vllm_config import kv_scale_use_notes
+    from .errors import QuantkitError
+    from .read.checkpoint import read_json_file
 
     try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
+        config = read_json_file(Path(model_dir) / "config.json", "config.json")
+    except QuantkitError:
         return
     for n in kv_scale_use_notes(config if isinstance(config, dict) else {}):
         err.print(f"note: {n}", soft_wrap=True, markup=False)

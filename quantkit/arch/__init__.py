@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import ConfigError, ConfigMismatch, UnsupportedArchitecture
 from .layout import MIXTRAL_EXPERTS, QWEN_EXPERTS, ExpertNames  # noqa: F401 (the module names: arch/layout.py)
+from .layout import expert_parts, expert_role
 
 
 # ---- the registry ------------------------------------------------------------------------------------
@@ -670,6 +671,7 @@ def check_tensors(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]]) -> Non
         if count != spec.num_experts or (ids and len(ids) != count):
             _mismatch(key, spec.num_experts, f"{p}model.layers.{layer}.*.experts.*", None,
                       f"layer {layer} stores {count if not ids or len(ids) == count else len(ids)} routed experts")
+    check_expert_shapes(spec, {n: s for n, s in shapes.items() if n.endswith(".weight")})
     q_dim = spec.head_dim if spec.attention == "gqa" else spec.qk_nope_head_dim + spec.qk_rope_head_dim
     rows = {"q_proj": ("num_attention_heads", spec.num_heads, spec.num_heads * q_dim)}
     if spec.attention == "gqa":
@@ -679,6 +681,27 @@ def check_tensors(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]]) -> Non
                      and n.endswith(f".self_attn.{proj}.weight") and len(shapes[n]) == 2), None)
         if name is not None and shapes[name][0] != want:
             _mismatch(field_, value, name, shapes[name], f"{shapes[name][0]} output rows, {want} implied")
+
+
+def check_expert_shapes(spec: ModelSpec, weights: Mapping[str, tuple[int, ...]]) -> None:
+    """Each routed expert's weight (module + ".weight" -> [out, in]; a packed module's logical shape, as
+    read/sources.py decodes it from its headers and weight_shape) against the config: gate/up [width, hidden],
+    down [hidden, width]. ConfigMismatch names the field and the tensor: a config that disagrees with the
+    experts it ships would be copied into the output and refused by every engine that loads it."""
+    p = spec.prefix
+    ex = _expert_rx(p)
+    width_field = "intermediate_size" if spec.arch in ("mixtral", "olmoe") else "moe_intermediate_size"
+    h, w = spec.hidden_size, spec.moe_intermediate_size
+    for name, shape in weights.items():
+        parts = expert_parts(name[: -len(".weight")]) if name.endswith(".weight") and ex.match(name) else None
+        role = expert_role(parts[2]) if parts else None
+        if role is None or len(shape) != 2:
+            continue
+        want = (h, w) if role == "down" else (w, h)
+        if tuple(shape) != want:
+            hidden_off = shape[0 if role == "down" else 1] != h
+            field_, value = ("hidden_size", h) if hidden_off else (width_field, w)
+            _mismatch(field_, value, name, shape, f"shape {list(shape)}, the config implies {list(want)}")
 
 
 def _mismatch(field_: str, value, tensor: str, shape, detail: str | None = None):

@@ -31,7 +31,7 @@ import torch
 
 from .. import __version__, options
 from ..arch import text_config
-from ..arch import validate as validate_config
+from ..arch import check_expert_shapes, validate as validate_config
 from ..card import write_model_card
 from .. import timeline
 from ..dist import world
@@ -156,10 +156,12 @@ def _plan_job(src_dir, opts: ConvertOptions) -> _Job:
     config, a recipe matching nothing, a W4AFP8 shape vLLM refuses and a bad group size all fail here."""
     recipe = opts.recipe if isinstance(opts.recipe, Recipe) else load_recipe(opts.recipe)
     src = Checkpoint.open(src_dir)
-    validate_config(src.config, {n: src.info(n).shape for n in src.location})  # hostile configs stop here
+    spec = validate_config(src.config, {n: src.info(n).shape for n in src.location})  # hostile configs stop here
     fmt = detect_format(src.config)
     stored = scan(src, fmt)
-    validate_sources(src, stored)  # every quantized module against its scheme (scales read, packed data not)
+    logical = validate_sources(src, stored)  # every quantized module against its scheme (scales read, packed not)
+    if spec is not None:  # packed experts' logical shapes against config.json, as dense ones were above
+        check_expert_shapes(spec, {m + ".weight": nk for m, nk in logical.items()})
     want_kv = opts.kv is not None or opts.kv_scales is not None or recipe.kv_cache is not None
     source_kv = frozenset(n for n in src.location if kvrules.KV_SCALE.match(n))
     companions = frozenset(t for sw in stored.values() for _, t in sw.tensors[1:])

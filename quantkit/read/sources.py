@@ -281,28 +281,31 @@ def _scheme(w: dict):
     return _SCHEMES[key]
 
 
-def validate(ck: Checkpoint, stored: dict[str, StoredWeight]) -> None:
+def validate(ck: Checkpoint, stored: dict[str, StoredWeight]) -> dict[str, tuple[int, int]]:
     """Every module the source stores quantized (passed through or re-quantized alike) against its scheme,
     by the rules verify holds outputs to (pack/checks.py): INT4 weight_shape positive and agreeing with the
     packed data, every tensor the shape its scheme implies, group sizes dividing in_features; scales finite,
     positive and plausible, NVFP4 global scales finite and positive, no E8M0 255. Reads only the small
     tensors (scales, weight_shape, g_idx), one shard's mapping at a time. Raises SourceTensorError naming
-    the tensor and the rule."""
+    the tensor and the rule. -> each module's logical weight shape [out, in] (INT4: what weight_shape holds),
+    for the caller to hold against config.json (arch.check_expert_shapes)."""
     from .tensors import TensorReader
 
     by_shard: dict[str, list[StoredWeight]] = {}
     for sw in stored.values():
         by_shard.setdefault(ck.location[sw.primary], []).append(sw)
+    shapes: dict[str, tuple[int, int]] = {}
     with TensorReader.of(ck) as r:
         for shard in sorted(by_shard):
             for sw in sorted(by_shard[shard], key=lambda x: x.module):
-                found = _module_problems(r, sw)
+                found = _module_problems(r, sw, shapes)
                 if found:
                     raise SourceTensorError(one_line(found[0]))
             r.release()
+    return shapes
 
 
-def _module_problems(r, sw: StoredWeight) -> list[str]:
+def _module_problems(r, sw: StoredWeight, shapes: dict[str, tuple[int, int]]) -> list[str]:
     m, local = sw.module, dict(sw.tensors)
     if sw.encoding in ("fp8", "fp8-block"):
         suffix = Tensor.RELEASE_SCALE if sw.encoding == "fp8-block" else Tensor.SCALE
@@ -318,6 +321,7 @@ def _module_problems(r, sw: StoredWeight) -> list[str]:
         n, k = (int(v) for v in r.get(local[Tensor.SHAPE]).tolist())
     else:
         n, k = sw.shape
+    shapes[m] = (n, k)
     found = checks.shape_problems(m, infos, sw.encoding, sw.weights, scheme, group, sw.label, n, k)
     if found:
         return found

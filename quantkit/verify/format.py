@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from ..arch import text_config
+from ..arch import check_expert_shapes, text_config
+from ..arch import validate as validate_config
 from ..arch.layout import POST_ATTN_NORM, SHARED_GATE_UP
-from ..errors import ConfigError
+from ..errors import ConfigError, QuantkitError
 from ..match.recipe import Scheme
 from ..pack.config import TARGET_HINT
 from ..pack.targets import matches as _target_matches
@@ -241,6 +242,7 @@ def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None
         _check_kv_scales(ck, qc, problems)
     mtable = (manifest or {}).get("tensors") if isinstance((manifest or {}).get("tensors"), dict) else {}
     reader = TensorReader.of(ck)
+    _check_config_shapes(ck, {m: by_module[m] for m in quantized}, reader, problems)
     ref_reader = _Reference(ref_ck) if ref_ck is not None else None
     shard_of = {m: ck.location[Tensor.PACKED.of(m)] for m in quantized}
     shard_of.update({m: ck.location[f"{m}.weight"] for m in fp8})
@@ -264,6 +266,26 @@ def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None
         if ref_reader is not None:
             ref_reader.release()
     return len(quantized) + len(fp8)
+
+
+def _check_config_shapes(ck: Checkpoint, packed: dict[str, dict], reader: TensorReader, problems: Listing) -> None:
+    """config.json against the tensors, as convert holds a source (arch.validate): the dense weights' shapes,
+    then each packed module's logical [out, in] (INT4: its weight_shape; FP4: two codes a byte). A config that
+    disagrees with its experts loads in no engine."""
+    try:
+        spec = validate_config(ck.config, {n: ck.info(n).shape for n in ck.location})
+        if spec is None:
+            return
+        logical = {}
+        for m, infos in packed.items():
+            ws = infos.get(Tensor.SHAPE)
+            if ws is not None and tuple(ws.shape) == (2,) and not ws.dtype.is_floating_point:
+                logical[Tensor.WEIGHT.of(m)] = tuple(int(v) for v in reader.get(Tensor.SHAPE.of(m)).tolist())
+            elif ws is None and infos[Tensor.PACKED].dtype == torch.uint8 and len(infos[Tensor.PACKED].shape) == 2:
+                logical[Tensor.WEIGHT.of(m)] = (infos[Tensor.PACKED].shape[0], infos[Tensor.PACKED].shape[1] * 2)
+        check_expert_shapes(spec, logical)
+    except QuantkitError as e:
+        problems.add(e.message)
 
 
 def _check_kv_scales(ck: Checkpoint, qc: dict, problems: Listing) -> None:

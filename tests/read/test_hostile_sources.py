@@ -318,3 +318,26 @@ def _all_tensors(d: Path) -> dict[str, torch.Tensor]:
         with SafetensorsFile(p) as f:
             out.update({n: f.get(n) for n in f.header.tensors})
     return out
+
+
+@pytest.mark.parametrize("kind", ["int4", "asym", "nvfp4", "mxfp4", "fp8"])
+@pytest.mark.parametrize("factor", [2, 0.5])
+def test_a_config_that_disagrees_with_the_packed_experts_is_refused(cli, ct_sources, tmp_path, kind, factor):
+    """config.json's expert width against the experts a compressed-tensors source ships (packed: their logical
+    [out, in], INT4's from weight_shape, FP4's two codes a byte; FP8: the weight itself): convert refuses in one
+    line naming the field and the tensor, and verify's format stage fails the same checkpoint."""
+    src = tmp_path / "src"
+    shutil.copytree(ct_sources[kind], src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["moe_intermediate_size"] = int(cfg["moe_intermediate_size"] * factor)
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(E.ConfigMismatch, match=f"moe_intermediate_size = {cfg['moe_intermediate_size']} contradicts "
+                                                r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj"):
+        convert(src, tmp_path / "lib", ConvertOptions(recipe=_recipe(ct_sources, kind)))
+    out = tmp_path / "out"
+    r = cli.convert(src, out, "--recipe", _recipe(ct_sources, kind))
+    assert "moe_intermediate_size" in assert_clean_failure(r, out)
+    from quantkit.verify import verify
+    rep = verify(src)
+    fmt = next(c for c in rep.to_json()["checks"] if c["name"] == "format")
+    assert not rep.passed and fmt["ok"] is False and "moe_intermediate_size" in fmt["detail"], fmt
