@@ -42,13 +42,14 @@ from ..match.shards import (DEFAULT_BATCH_BYTES, DEFAULT_MAX_SHARD_BYTES, ShardP
 from ..match.units import CalibratedUnit, FP4Unit
 from ..pack import kv as kvrules
 from ..pack.config import quantization_config
-from ..pack.manifest import FORMAT_VERSION, JOURNAL_DIR, MANIFEST_NAME, expert_report
+from ..pack.manifest import (AFTER_CONVERT, FORMAT_VERSION, JOURNAL_DIR, MANIFEST_NAME, PAIR_KEY, PAIR_PENDING,
+                             expert_report)
 from ..quant.int4 import native_threads
 from ..read.checkpoint import INDEX_NAME, Checkpoint
 from ..read.sources import SourceFormat, detect_format, scan, validate as validate_sources
 from ..read.tensors import TensorReader
 from ..write.output import output_lock, prepare_output
-from ..write.writer import copy_file_atomic, wait_durable, write_json_atomic
+from ..write.writer import copy_file_atomic, sha256_file, wait_durable, write_json_atomic
 from .journal import trusted as trusted_records
 from .calibrated import calibrated_pass, calibration_data, kv_scales, write_kv_scales
 from .run import BatchBuffer, ShardResult, Spool, run_shard, worker
@@ -98,6 +99,10 @@ class ConvertOptions:
     # a recipe with weight groups whose targets match no module of the source is an error unless True
     # (docs/recipes.md: a typo in a pattern would otherwise write an unquantized copy marked complete)
     allow_unmatched: bool = False
+    # one half of a prefill/decode pair (convert/pair.py): {"role", "partner", "partner_recipe_sha256"}. Part of
+    # the identity (a resume continues only the same half of the same pair); the last manifest write then says
+    # "pair_pending" and records every file written (pack/manifest.py), and convert/pair.py completes both halves
+    pair: dict | None = None
 
 
 @dataclass
@@ -224,6 +229,7 @@ def _identity(job: _Job, opts: ConvertOptions, data, calib_device=None) -> dict:
     from ..calib.device import compute_dtype, dtype_name
 
     src = job.src
+    pair = {} if opts.pair is None else {"pair": opts.pair}  # one half of a prefill/decode pair (convert/pair.py)
     return {"tool_version": __version__, "recipe_sha256": job.recipe.sha256,
             "config_sha256": hashlib.sha256((src.root / "config.json").read_bytes()).hexdigest(),
             "source": _source_fingerprint(src), "batch_bytes": opts.batch_bytes,
@@ -231,7 +237,7 @@ def _identity(job: _Job, opts: ConvertOptions, data, calib_device=None) -> dict:
             "calibration": None if data is None else {k: data.describe()[k] for k in
                                                       ("source", "sha256", "num_samples", "seq_len", "seed")},
             "compute_dtype": None if calib_device is None else
-            dtype_name(compute_dtype(calib_device, opts.compute_dtype))}
+            dtype_name(compute_dtype(calib_device, opts.compute_dtype)), **pair}
 
 
 def _stream(job: _Job, out: Path, opts: ConvertOptions, w, spool: Spool, done: dict, progress) -> tuple[dict, dict]:
@@ -371,7 +377,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
                             notes=notes, kv=kv, kv_out=kv_out, kv_scheme=kv_scheme,
                             calibration=None if data is None else
                             {**data.describe(), "compute_dtype": identity["compute_dtype"]}, source_id=opts.source_id,
-                            model_card=opts.model_card)
+                            model_card=opts.model_card, pair_role=opts.pair["role"] if opts.pair else None)
             res.device, res.device_memory = calib_report.get("device"), calib_report.get("memory")
             return res
 
@@ -463,11 +469,20 @@ def _run_shards(todo, src: Checkpoint, out: Path, opts: ConvertOptions, spool, r
                     progress(finished_bytes, total)
 
 
+def _written_files(out: Path, names) -> dict:
+    """{name: {size, sha256}} of the files `_finalize` wrote besides the shards (a pair half's `files`,
+    pack/manifest.py), hashed as they were just written; the ones later commands rewrite are left out."""
+    return {n: {"size": (out / n).stat().st_size, "sha256": sha256_file(out / n)}
+            for n in sorted(set(names) - AFTER_CONVERT)}
+
+
 def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, plans: list[ShardPlan],
               results: dict[str, dict], identity: dict, t0: float, resumed: int, notes: list[str],
               kv: kvrules.KVScales | None, kv_out: dict | None, kv_scheme: dict | None,
-              calibration: dict | None = None, source_id: str | None = None, model_card: bool = True) -> ConvertResult:
-    """The index, config.json, the copied files, and the manifest (pack/manifest.py) last."""
+              calibration: dict | None = None, source_id: str | None = None, model_card: bool = True,
+              pair_role: str | None = None) -> ConvertResult:
+    """The index, config.json, the copied files, and the manifest (pack/manifest.py) last. `pair_role`: one
+    half of a prefill/decode pair, whose last manifest says "pair_pending" (convert/pair.py completes it)."""
     wait_durable()  # every shard written by this process is on disk before the index and manifest
     ordered = [results[p.source] for p in plans]
     tensors: dict[str, dict] = {}
@@ -499,7 +514,8 @@ def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, pla
     else:
         config["quantization_config"] = qc
     write_json_atomic(out / "config.json", config)
-    for p in src.non_weight_files():
+    copied = src.non_weight_files()
+    for p in copied:
         copy_file_atomic(p, out / p.name)
 
     modules = {n.rsplit(".", 1)[0]: e for n, e in tensors.items() if "scheme" in e}
@@ -536,6 +552,10 @@ def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, pla
     manifest["status"] = "complete"
     if model_card:
         write_model_card(out, src.root, source_id=source_id, manifest=manifest)
+    if pair_role is not None:  # one half of a pair: complete once both halves are (convert/pair.py)
+        manifest["status"] = PAIR_PENDING
+        manifest[PAIR_KEY] = {"role": pair_role, "files": _written_files(out, [INDEX_NAME, "config.json",
+                                                                              *(p.name for p in copied)])}
     write_json_atomic(out / MANIFEST_NAME, manifest)  # the last write: only now does it look finished
     return ConvertResult(str(out), round(time.perf_counter() - t0, 3), manifest["summary"]["bytes_read"],
                          total_size, len(tensors), len(quantized), peak_rss_bytes(), resumed,

@@ -1,6 +1,11 @@
 """Stage 1 of `verify`, integrity (no model code): the manifest is complete; every shard it lists exists
 with the recorded size and sha256; the index names no shard the manifest lacks and the directory holds no
-shard or leftover temporary file the manifest lacks; the manifest's tensor table matches the headers."""
+shard or leftover temporary file the manifest lacks; the manifest's tensor table matches the headers.
+
+One half of a prefill/decode pair (pack/manifest.py, `pair`) also records every other file convert wrote
+(config.json, the index, the copied files) with its size and sha256: each is checked, and the directory may
+hold nothing else (the files later commands write, pack.manifest.AFTER_CONVERT, aside). `verify --pair` and
+`convert --pair`'s resume run `check_checkpoint` on both halves."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import re
 from pathlib import Path
 
 from ..errors import QuantkitError
-from ..pack.manifest import JOURNAL_DIR, MANIFEST_NAME
+from ..pack.manifest import AFTER_CONVERT, JOURNAL_DIR, MANIFEST_NAME, PAIR_KEY, PAIR_PENDING, pair_problem
 from ..read.checkpoint import INDEX_NAME, Checkpoint, read_json_file, read_manifest
 from ..write.writer import sha256_file
 from .common import Listing
@@ -21,20 +26,31 @@ def _plain_name(name) -> bool:
             and ".." not in name)
 
 
-def check_integrity(root: Path, say) -> tuple[dict | None, Listing, int]:
+def check_integrity(root: Path, say, manifest: dict | None = None,
+                    pending: bool = False) -> tuple[dict | None, Listing, int]:
     """(manifest or None, mismatches, bytes hashed). Reads JSON files and hashes shards; never parses
-    a safetensors header, so a corrupt shard is reported by name rather than failing to open."""
+    a safetensors header, so a corrupt shard is reported by name rather than failing to open. `manifest`: the
+    manifest as the caller read it (else read here); `pending`: a pair half waiting for its partner
+    (status "pair_pending") passes too."""
     mm = Listing()
     hashed = 0
-    manifest = None
-    try:
-        manifest = read_manifest(root, QuantkitError)
-    except QuantkitError as e:
-        mm.add({"file": MANIFEST_NAME, "problem": e.message})
+    if manifest is None:
+        try:
+            manifest = read_manifest(root, QuantkitError)
+        except QuantkitError as e:
+            mm.add({"file": MANIFEST_NAME, "problem": e.message})
     shards: dict[str, dict] = {}
+    files: dict[str, dict] | None = None  # a pair half's other files (None: not a pair half)
     if manifest is not None:
-        if manifest.get("status") != "complete":
-            mm.add({"file": MANIFEST_NAME, "problem": f"status is {manifest.get('status')!r}, not 'complete': "
+        status = manifest.get("status")
+        if PAIR_KEY in manifest:
+            problem = pair_problem(manifest[PAIR_KEY], complete=status == "complete")
+            if problem:
+                mm.add({"file": MANIFEST_NAME, "problem": problem})
+            else:
+                files = manifest[PAIR_KEY]["files"]
+        if not (status == "complete" or (pending and status == PAIR_PENDING and files is not None)):
+            mm.add({"file": MANIFEST_NAME, "problem": f"status is {str(status)[:40]!r}, not 'complete': "
                     "the conversion did not finish"})
         raw = manifest.get("shards")
         if not isinstance(raw, list) or not raw:
@@ -65,6 +81,20 @@ def check_integrity(root: Path, say) -> tuple[dict | None, Listing, int]:
         if digest != s["sha256"]:
             mm.add({"file": name, "problem": f"sha256 {digest[:16]}... differs from the manifest's "
                     f"{s['sha256'][:16]}..."})
+    for name, e in sorted((files or {}).items()):
+        p = root / name
+        if name in shards:
+            mm.add({"file": name, "problem": "recorded both as a shard and as a file"})
+        elif not p.is_file():
+            mm.add({"file": name, "problem": "missing (recorded in the manifest's pair section)" if not p.exists()
+                    else "not a regular file"})
+        elif (size := p.stat().st_size) != e["size"]:
+            mm.add({"file": name, "problem": f"size {size} B, the manifest records {e['size']} B"})
+        elif (digest := sha256_file(p)) != e["sha256"]:
+            mm.add({"file": name, "problem": f"sha256 {digest[:16]}... differs from the manifest's "
+                    f"{e['sha256'][:16]}..."})
+        else:
+            hashed += size
 
     # the index: every shard it names must exist and be in the manifest
     listed_in_index: set[str] = set()
@@ -103,6 +133,24 @@ def check_integrity(root: Path, say) -> tuple[dict | None, Listing, int]:
             mm.add({"file": p.name, "problem": "leftover temporary file of an unfinished write"})
         elif p.name == JOURNAL_DIR:
             mm.add({"file": p.name, "problem": "the conversion journal is still there: the conversion did not finish"})
+        elif files is not None and p.name not in files and p.name not in shards and p.name != MANIFEST_NAME \
+                and p.name not in AFTER_CONVERT:
+            mm.add({"file": p.name[:120], "problem": "not written by convert: the manifest records no such file"})
+    return manifest, mm, hashed
+
+
+def check_checkpoint(root: Path, say, manifest: dict | None = None,
+                     pending: bool = False) -> tuple[dict | None, Listing, int]:
+    """`check_integrity`, then, when the directory opens as a checkpoint, the manifest's tensor table against
+    the headers (`check_manifest_tensors`): what `verify` checks of QMODEL, for a pair's other half."""
+    manifest, mm, hashed = check_integrity(root, say, manifest, pending)
+    if manifest is not None and not mm:
+        try:
+            ck = Checkpoint.open(root)
+        except QuantkitError as e:
+            mm.add({"file": "*", "problem": f"the checkpoint does not open: {e.message}"})
+        else:
+            check_manifest_tensors(ck, manifest, mm)
     return manifest, mm, hashed
 
 
@@ -115,18 +163,21 @@ def check_manifest_tensors(ck: Checkpoint, manifest: dict, mm: Listing) -> None:
     for name, e in table.items():
         where = ck.location.get(name)
         if where is None:
-            mm.add({"file": e.get("shard", MANIFEST_NAME) if isinstance(e, dict) else MANIFEST_NAME,
-                    "problem": f"tensor {name} is in the manifest but in no shard"})
+            shard = e.get("shard") if isinstance(e, dict) else None
+            mm.add({"file": shard[:120] if isinstance(shard, str) else MANIFEST_NAME,
+                    "problem": f"tensor {name[:120]} is in the manifest but in no shard"})
             continue
         info = ck.info(name)
         if not isinstance(e, dict):
-            mm.add({"file": MANIFEST_NAME, "problem": f"tensor {name}: malformed entry"})
+            mm.add({"file": MANIFEST_NAME, "problem": f"tensor {name[:120]}: malformed entry"})
             continue
         if e.get("shard") != where:
-            mm.add({"file": where, "problem": f"tensor {name}: the manifest places it in {e.get('shard')}"})
+            mm.add({"file": where, "problem": f"tensor {name[:120]}: the manifest places it in "
+                    f"{str(e.get('shard'))[:120]}"})
         if e.get("shape") != list(info.shape) or e.get("dtype") != str(info.dtype).removeprefix("torch."):
-            mm.add({"file": where, "problem": f"tensor {name}: header says {str(info.dtype).removeprefix('torch.')}"
-                    f"{list(info.shape)}, the manifest {e.get('dtype')}{e.get('shape')}"})
+            mm.add({"file": where, "problem": f"tensor {name[:120]}: header says "
+                    f"{str(info.dtype).removeprefix('torch.')}{list(info.shape)}, the manifest "
+                    f"{str(e.get('dtype'))[:40]}{str(e.get('shape'))[:80]}"})
     for name, where in ck.location.items():
         if name not in table:
             mm.add({"file": where, "problem": f"tensor {name} is not in the manifest"})

@@ -1,10 +1,15 @@
 """`quantkit verify DECODE --pair PREFILL`: a prefill/decode checkpoint pair (convert/pair.py) checked as it is
 served: prefill by one model into the FP8 KV cache, decode by the other reading those pages.
 
-1. Belonging together (headers and manifests only; any failure raises PairMismatch, exit 1): both manifests
-   complete, each records the other (role, and the sha256 of the partner's manifest without its pair
-   section); the same source (config.json sha256, shard names, sizes and sha256); the same KV layout
-   (`kv_cache_scheme`) and the same KV-scale tensors bit for bit (names, dtypes, shapes, bytes).
+1. Belonging together (files, headers and manifests; any failure raises PairMismatch, exit 1, one line naming the
+   file, tensor or field): both manifests complete and well-typed, each read as hostile input
+   (read.checkpoint.read_json_file); every shard, config.json and other file of BOTH halves matches the size and
+   sha256 its own manifest recorded at write, neither directory holds a file its manifest does not record, and
+   each manifest's tensor table matches its headers (verify/integrity.py, check_checkpoint, the check `verify`
+   runs on QMODEL); the same source (config.json sha256, shard names, sizes and sha256); the same KV layout
+   (`kv_cache_scheme`) and the same KV-scale tensors bit for bit (names, dtypes, shapes, bytes); each records
+   the other (role, the sha256 of the partner's manifest, pack.manifest.manifest_digest, and the partner's
+   directory, relative, which must be the one given).
 2. Quality (needs the reference, the source): quantkit's runner (runtime/) loads the source (BF16 weights,
    BF16 KV cache), the prefill model and the decode model (FP8 KV cache with the shipped scales). Each sample
    of L tokens is cut at P = L // 2: the prompt ids[:P] is prefilled, then the continuation is fed one token
@@ -29,47 +34,99 @@ from typing import Callable
 
 import torch
 
-from ..errors import PairMismatch
+from ..errors import PairMismatch, QuantkitError
 from ..pack import kv as kvrules
-from ..pack.manifest import MANIFEST_NAME, PAIR_KEY, manifest_digest
+from ..pack.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, PAIR_KEY, manifest_digest, pair_problem
+from ..read.checkpoint import read_json_file
 from ..read.safetensors import SafetensorsFile
+from .integrity import check_checkpoint
 
 __all__ = ["check_pair", "pair_metrics"]
 
+MAX_KV_SHARD_BYTES = 64 << 20  # two float32 scales (or one per KV head) a layer: far below this
+
+
+def _shown(p: Path) -> str:
+    return repr(str(p)[:200])
+
 
 def _manifest(root: Path, what: str) -> dict:
-    try:
-        m = json.loads((root / MANIFEST_NAME).read_text())
-    except (OSError, ValueError) as e:
-        raise PairMismatch(f"the {what} checkpoint {str(root)[:200]!r} has no readable {MANIFEST_NAME} "
-                           f"({type(e).__name__})") from None
-    if not isinstance(m, dict) or m.get("status") != "complete":
-        raise PairMismatch(f"the {what} checkpoint {str(root)[:200]!r} is not a complete quantkit checkpoint")
+    m = read_json_file(root / MANIFEST_NAME, f"the {what} checkpoint's {MANIFEST_NAME}", PairMismatch,
+                       limit=MAX_MANIFEST_BYTES)
+    if m.get("status") != "complete":
+        raise PairMismatch(f"the {what} checkpoint {_shown(root)} is not a complete quantkit checkpoint (status "
+                           f"{str(m.get('status'))[:40]!r})")
+    problem = pair_problem(m.get(PAIR_KEY), complete=True) if PAIR_KEY in m else \
+        "it has no 'pair' section: it was not written by convert --pair"
+    if problem:
+        raise PairMismatch(f"the {what} checkpoint {_shown(root)} is not one half of a pair: {problem}")
     return m
 
 
+def _whole(root: Path, manifest: dict, what: str, say) -> None:
+    """Every file of the half against its manifest (verify/integrity.py), or PairMismatch naming the first."""
+    _, mm, _ = check_checkpoint(root, say, manifest)
+    if mm:
+        first = mm.items[0]
+        more = f" (and {len(mm) - 1} more)" if len(mm) > 1 else ""
+        raise PairMismatch(f"the {what} checkpoint {_shown(root)} does not match its manifest: "
+                           f"{str(first['file'])[:120]}: {str(first['problem'])[:300]}{more}",
+                           hint="the pair was changed after convert wrote it: convert it again (`quantkit convert "
+                                "SRC OUT --recipe R --pair fp8-prefill --overwrite`)")
+
+
 def _kv_tensors(root: Path, manifest: dict, what: str) -> dict[str, torch.Tensor]:
-    if not any(isinstance(s, dict) and s.get("name") == kvrules.KV_SHARD_NAME for s in manifest.get("shards") or []):
+    entry = next((s for s in manifest.get("shards") if isinstance(s, dict) and s.get("name") == kvrules.KV_SHARD_NAME),
+                 None)  # the shards were checked against the manifest by _whole
+    if entry is None:
         raise PairMismatch(f"the {what} checkpoint holds no FP8 KV-cache scales ({kvrules.KV_SHARD_NAME}): a pair "
                            "shares an FP8 KV cache")
-    with SafetensorsFile(root / kvrules.KV_SHARD_NAME) as f:
-        return {n: f.get(n).clone() for n in f.header.tensors}
+    if entry.get("size") > MAX_KV_SHARD_BYTES:
+        raise PairMismatch(f"the {what} checkpoint's {kvrules.KV_SHARD_NAME} is {entry['size']} bytes: KV-cache "
+                           "scales are a few floats a layer")
+    try:
+        with SafetensorsFile(root / kvrules.KV_SHARD_NAME) as f:
+            return {n: f.get(n).clone() for n in f.header.tensors}
+    except QuantkitError as e:
+        raise PairMismatch(f"the {what} checkpoint's {kvrules.KV_SHARD_NAME} does not read: {e.message}") from None
+
+
+def _obj(m: dict, key: str) -> dict:
+    v = m.get(key)
+    return v if isinstance(v, dict) else {}
 
 
 def _source(m: dict) -> tuple:
-    s = m.get("source") or {}
-    shards = tuple((x.get("name"), x.get("size"), x.get("sha256")) for x in s.get("shards") or [] if isinstance(x, dict))
+    s = _obj(m, "source")
+    raw = s.get("shards")
+    shards = tuple((x.get("name"), x.get("size"), x.get("sha256")) for x in (raw if isinstance(raw, list) else [])
+                   if isinstance(x, dict))
     return s.get("config_sha256"), shards
 
 
-def check_pair(decode: Path, prefill: Path) -> dict:
+def _partner_is(root: Path, recorded: str, partner: Path) -> bool:
+    try:
+        return (root / recorded).resolve() == partner.resolve()
+    except (OSError, ValueError, RuntimeError):
+        return False
+
+
+def check_pair(decode: Path, prefill: Path, say: Callable[[str], None] = lambda _s: None) -> dict:
     """Raise PairMismatch unless `decode` and `prefill` form a pair (module docstring, 1). -> what was checked."""
+    decode, prefill = Path(decode), Path(prefill)
     md, mp = _manifest(decode, "decode"), _manifest(prefill, "prefill")
-    if _source(md) != _source(mp):
+    pd, pp = md[PAIR_KEY], mp[PAIR_KEY]
+    if pd["role"] != "decode" or pp["role"] != "prefill":
+        raise PairMismatch(f"roles: {_shown(decode)} is {pd['role']!r}, {_shown(prefill)} is {pp['role']!r}; pass "
+                           "the decode checkpoint first and the prefill one to --pair")
+    for root, m, what in ((decode, md, "decode"), (prefill, mp, "prefill")):
+        say(f"pair: every file of the {what} checkpoint against its manifest")
+        _whole(root, m, what, say)
+    if _source(md) != _source(mp) or _source(md)[0] is None:
         raise PairMismatch("the two checkpoints were converted from different sources (config.json or shard "
                            "hashes differ)")
-    sd = ((md.get("quantization_config") or {}).get("kv_cache_scheme"))
-    sp = ((mp.get("quantization_config") or {}).get("kv_cache_scheme"))
+    sd = _obj(md, "quantization_config").get("kv_cache_scheme")
+    sp = _obj(mp, "quantization_config").get("kv_cache_scheme")
     if sd != sp:
         raise PairMismatch(f"KV-cache layouts differ: decode {json.dumps(sd)[:120]}, prefill {json.dumps(sp)[:120]}")
     kd, kp = _kv_tensors(decode, md, "decode"), _kv_tensors(prefill, mp, "prefill")
@@ -78,20 +135,23 @@ def check_pair(decode: Path, prefill: Path) -> dict:
         raise PairMismatch(f"KV scales differ: {len(only)} tensor(s) in one checkpoint only, e.g. {only[0][:120]}")
     for n in sorted(kd, key=str):
         a, b = kd[n], kp[n]
-        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+        if a.dtype != b.dtype or a.shape != b.shape or \
+                not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
             raise PairMismatch(f"KV scales differ: {n[:120]} is {a.reshape(-1)[:4].tolist()} in the decode "
                                f"checkpoint, {b.reshape(-1)[:4].tolist()} in the prefill one (a cache written under "
                                "one scale and read under another is silent corruption)")
-    pd, pp = md.get(PAIR_KEY), mp.get(PAIR_KEY)
-    if not isinstance(pd, dict) or not isinstance(pp, dict):
-        raise PairMismatch("the manifests do not record each other as a pair (no 'pair' section)")
-    if pd.get("role") != "decode" or pp.get("role") != "prefill":
-        raise PairMismatch(f"roles: {str(decode)[:120]!r} is {pd.get('role')!r}, {str(prefill)[:120]!r} is "
-                           f"{pp.get('role')!r}; pass the decode checkpoint first and the prefill one to --pair")
-    if pd.get("partner_manifest_sha256") != manifest_digest(mp) or pp.get("partner_manifest_sha256") != manifest_digest(md):
+    kv_sha = next(s["sha256"] for s in md["shards"] if isinstance(s, dict) and s.get("name") == kvrules.KV_SHARD_NAME)
+    if pd["kv_shard_sha256"] != kv_sha or pp["kv_shard_sha256"] != kv_sha or pd.get("kv_cache_scheme") != sd \
+            or pp.get("kv_cache_scheme") != sd:
+        raise PairMismatch("the pair sections record another KV-scale shard or KV layout than the checkpoints hold")
+    if pd["partner_manifest_sha256"] != manifest_digest(mp) or pp["partner_manifest_sha256"] != manifest_digest(md):
         raise PairMismatch("the manifests do not record each other: a partner's manifest hash differs from the "
                            "one recorded (one of them was converted again, or edited)")
-    return {"prefill": str(prefill), "kv_tensors": len(kd), "kv_shard_sha256": pd.get("kv_shard_sha256"),
+    for root, sec, other, what in ((decode, pd, prefill, "decode"), (prefill, pp, decode, "prefill")):
+        if not _partner_is(root, sec["partner"], other):
+            raise PairMismatch(f"the {what} checkpoint records its partner at {sec['partner'][:120]!r}, which is not "
+                               f"{_shown(other)}")
+    return {"prefill": str(prefill), "kv_tensors": len(kd), "kv_shard_sha256": kv_sha,
             "kv_cache_scheme": sd, "source_config_sha256": _source(md)[0]}
 
 
