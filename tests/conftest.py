@@ -14,6 +14,8 @@ import pytest  # noqa: E402
 
 from quantkit.testing import ARCHS, make_tiny_model  # noqa: E402
 
+import procs  # noqa: E402  (tests/procs.py)
+
 
 @pytest.fixture(autouse=True)
 def _seeded_rng():
@@ -21,6 +23,16 @@ def _seeded_rng():
     does not depend on which tests ran before it (a subset, `-k`, or a new test elsewhere)."""
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left_behind():
+    """A test that leaves a process running fails, naming it (tests/procs.py); the process is killed."""
+    before = procs.live_descendants()
+    yield
+    left = procs.leftovers(before)
+    assert not left, f"the test left {len(left)} process(es) running (killed now): " + "; ".join(
+        f"{pid}: {cmd}" for pid, cmd in left.items())
 
 
 # A test (setup and teardown included) that runs past this many seconds is a hang: every thread's stack is
@@ -33,6 +45,7 @@ _STDERR_COPY: int | None = None
 def pytest_configure(config):
     global _STDERR_COPY
     _STDERR_COPY = os.dup(2)  # before any capture: where the watchdog writes
+    procs.become_subreaper()  # orphaned grandchildren come back to this process, where the guard sees them
 
 
 @pytest.hookimpl(hookwrapper=True)
