@@ -3,13 +3,16 @@ reading its result file as the hostile input it is. Shared by the vLLM and llama
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from ..errors import EngineError
+from ..read.files import parse_json, read_bytes
 
 
 def locate_python(python: str | os.PathLike | None) -> str:
@@ -25,10 +28,41 @@ def locate_python(python: str | os.PathLike | None) -> str:
     return str(p)
 
 
-def kill_group(p: subprocess.Popen) -> None:
-    """End an engine worker started in a session of its own, and everything it started."""
-    import signal
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived while a worker ran: raised so that the worker's group is ended first."""
 
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """While a worker runs, SIGTERM and SIGHUP raise Terminated in this (main) thread instead of ending the
+    process at once, which would leave the worker's session running; after it is cleaned up, the signal is
+    delivered again with its previous handler, so the process ends as it would have."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def raise_(signum, _frame):
+        raise Terminated(signum)
+    old = {s: signal.signal(s, raise_) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    except Terminated as t:
+        for s, h in old.items():
+            signal.signal(s, h)
+        old = {}
+        os.kill(os.getpid(), t.signum)
+        raise
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def kill_group(p: subprocess.Popen) -> None:
+    """End an engine worker started in a session of its own, and everything it started (also after the worker
+    itself exited: the group outlives its leader while a member runs)."""
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -36,12 +70,18 @@ def kill_group(p: subprocess.Popen) -> None:
     p.wait()
 
 
+MAX_RESULT_BYTES = 64 << 20  # logits are never in it: metrics, token ids and a log tail
+
+
 def read_result(path: Path, engine: str) -> dict:
-    """An engine worker's result file: a JSON object with a known status, or a named error (it is input)."""
+    """An engine worker's result file: a JSON object with a known status, or a named error (it is input: a regular
+    file of bounded size and nesting, read/files.py)."""
+    what = f"the {engine} worker's result"
     try:
-        out = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise EngineError(f"the {engine} worker's result is not JSON") from None
+        text = read_bytes(path, what, EngineError, MAX_RESULT_BYTES).decode("utf-8")
+    except UnicodeDecodeError:
+        raise EngineError(f"{what} is not JSON (not UTF-8)") from None
+    out = parse_json(text, what, EngineError)
     if not isinstance(out, dict) or out.get("status") not in ("ok", "cannot_run", "error"):
         raise EngineError(f"the {engine} worker's result has no valid status")
     return out
@@ -52,7 +92,7 @@ def run_worker(python: str, worker: Path, request: Path, result: Path, log: Path
     """Start `python worker REQUEST RESULT` in a session of its own (a time-out ends it and every process it
     started), its output to `log`; return its result (read_result) with `log_tail`. EngineError when it times out
     or leaves no result."""
-    with open(log, "w") as lf:
+    with open(log, "w") as lf, _signals_raise():
         p = subprocess.Popen([python, str(worker), str(request), str(result)], stdout=lf, stderr=subprocess.STDOUT,
                              env=env, start_new_session=True)
         try:
@@ -61,11 +101,12 @@ def run_worker(python: str, worker: Path, request: Path, result: Path, log: Path
             kill_group(p)
             raise EngineError(f"{engine} did not finish within {timeout} s",
                               hint="raise --engine-timeout, or use fewer --num-samples") from None
-        except BaseException:
+        except BaseException:  # an error, Ctrl-C, or SIGTERM/SIGHUP to this process (_signals_raise)
             kill_group(p)
             raise
+        kill_group(p)  # the worker exited: whatever it started (an engine's core process) ends with it
     tail = log.read_text(errors="replace")[-3000:]
-    if not result.is_file():
+    if not os.path.lexists(result):  # a FIFO or a device is refused by read_result, by name
         last = [ln for ln in tail.splitlines() if ln.strip()][-1:] or ["no output"]
         raise EngineError(f"the {engine} worker exited with code {p.returncode} without a result: {last[0][:300]}",
                           hint=install_hint)
