@@ -27,6 +27,14 @@ def _only_own_debris(out: Path) -> bool:
     return True
 
 
+def _remove_temporaries(out: Path) -> None:
+    """The temporaries a killed run left in OUT (`.NAME.tmp`, `.NAME.<random>.tmp`: every writer's, regular
+    files only; the output lock is held, so no live writer owns them). verify refuses a checkpoint that holds one."""
+    for p in out.iterdir():
+        if p.name.startswith(".") and p.name.endswith(".tmp") and p.is_file() and not p.is_symlink():
+            p.unlink(missing_ok=True)
+
+
 def _finished(out: Path, o: Any) -> bool:
     """A journaled output shard (hostile: the journal is whatever OUT holds) names a plain file in OUT that is
     still the one the journal describes (size, then sha256)."""
@@ -92,6 +100,7 @@ def prepare_output(out: Path, identity: dict, *, overwrite: bool, resume: bool) 
                 raise ResumeMismatch(f"{out} holds an unfinished conversion of a different source, recipe, "
                                      "calibration or quantkit version; refusing to mix them")
             journal.mkdir(exist_ok=True)  # killed after _finalize removed it: every shard is redone
+            _remove_temporaries(out)  # a kill mid-write (a shard, the card, a JSON file) leaves its temporary
             done = {}
             for p in sorted(journal.glob("*.json")):
                 try:
@@ -107,5 +116,7 @@ def prepare_output(out: Path, identity: dict, *, overwrite: bool, resume: bool) 
             return done
         elif not (resume and _only_own_debris(out)):
             raise OutputExists(f"output directory {str(out)!r} is not empty")
+        else:
+            _remove_temporaries(out)
     journal.mkdir(exist_ok=True)
     return {}

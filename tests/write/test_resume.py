@@ -107,6 +107,7 @@ NAMED_POINTS = {
     "index_written": ("after-replace out/model.safetensors.index.json", 0),
     "full_manifest_in_progress": ("after-replace " + M, 1),
     "journal_about_to_go": ("before-rmtree out/" + JOURNAL_DIR, 0),
+    "model_card_tmp": ("before-replace out/README.md", 0),  # the card's temporary has a random name
 }
 
 def _named(points, marks=()):
