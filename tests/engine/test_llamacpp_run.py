@@ -113,7 +113,7 @@ EOF"""
 
 
 @pytest.mark.parametrize("body,match", [
-    ('echo "not json" > "$3"', "not JSON"),
+    ('echo "not json" > "$3"', "not valid JSON"),
     ('echo \'{"status": "fine"}\' > "$3"', "no valid status"),
     ("exit 0", "without a result"),
     ("kill -SEGV $$", "without a result"),

@@ -159,7 +159,7 @@ def test_missing_engine_python_is_a_named_error(qwen_int4_kv, tmp_path):
     ('{"status": "ok", "samples": []}', "0 well-formed sample results"),  # success over nothing
     ('{"status": "ok", "samples": [{"nll": NaN, "targets": 15, "top1": []}]}', "well-formed"),
     ('{"status": "ok", "samples": [{"nll": 1.0, "targets": 0, "top1": []}]}', "well-formed"),
-    ("[1, 2", "not JSON"),
+    ("[1, 2", "not valid JSON"),
     ('{"status": 7}', "no valid status"),
 ])
 def test_worker_answers_are_checked(qwen_int4_kv, tmp_path, result, match):
