@@ -56,8 +56,8 @@ from typing import Callable
 import torch
 
 from .. import options
-from ..errors import ConfigError, OutputExists, PairMismatch, QuantkitError, RecipeError, ResumeMismatch
-from ..match.recipe import Recipe, load_recipe
+from ..errors import ConfigError, OutputExists, PairMismatch, QuantkitError, ResumeMismatch
+from ..match.recipe import Recipe, check_prefill_recipe, load_recipe
 from ..pack import kv as kvrules
 from ..pack.manifest import (JOURNAL_DIR, MANIFEST_NAME, MAX_MANIFEST_BYTES, PAIR_KEY, PAIR_PENDING, manifest_digest,
                              pair_problem)
@@ -178,10 +178,7 @@ def _plan(src_dir, out: Path, pre: Path, opts, pair_recipe):
     options.parse_device(opts.device)  # a misspelled device or dtype fails here, whatever the recipes
     options.parse_compute_dtype(opts.compute_dtype)
     decode_recipe = opts.recipe if isinstance(opts.recipe, Recipe) else load_recipe(opts.recipe)
-    prefill_recipe = pair_recipe if isinstance(pair_recipe, Recipe) else load_recipe(pair_recipe)
-    if not any(g.scheme.type == "float" and g.scheme.num_bits == 8 for g in prefill_recipe.groups):
-        raise RecipeError(f"the pair's prefill recipe {prefill_recipe.name[:60]!r} has no FP8 weight group",
-                          hint="use --pair fp8-prefill (FP8 weights for the prefill pool)")
+    prefill_recipe = check_prefill_recipe(pair_recipe if isinstance(pair_recipe, Recipe) else load_recipe(pair_recipe))
     # the halves are planned as convert plans them with KV scales to ship (the ones computed below)
     planned_kv = kvrules.KVScales({}, "tensor", {})
     halves = []

@@ -521,6 +521,15 @@ class Recipe:
         return self.kv_cache is not None or self.needs_calibrated_pass
 
 
+def check_prefill_recipe(recipe: Recipe) -> Recipe:
+    """The rule for the prefill half of a prefill/decode pair (`convert --pair`, `plan --pair`): the prefill
+    pool serves FP8 weights, so a recipe with no FP8 weight group is refused (RecipeError); returns `recipe`."""
+    if not any(g.scheme.type == "float" and g.scheme.num_bits == 8 for g in recipe.groups):
+        raise RecipeError(f"the pair's prefill recipe {recipe.name[:60]!r} has no FP8 weight group",
+                          hint="use --pair fp8-prefill (FP8 weights for the prefill pool)")
+    return recipe
+
+
 MAX_RECIPE_BYTES = 256 << 10  # recipes are a few KB; larger files are refused before YAML parses them
 MAX_YAML_DEPTH = 64  # nesting of YAML collections (a recipe needs 5)
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..arch.layout import targets_experts
-from ..match.recipe import Recipe, load_recipe
+from ..match.recipe import Recipe, check_prefill_recipe, load_recipe
 
-__all__ = ["plan_pair", "expert_math"]
+__all__ = ["plan_pair", "expert_math", "prefill_recipe"]
 
 FP8_PEAK_VS_BF16 = 2.0  # H100/H200 SXM dense tensor-core peak, FP8 over BF16 (989 vs 1979 TFLOPS)
 
@@ -40,12 +40,19 @@ def _pool(rep, recipe: Recipe) -> dict[str, Any]:
             "expert_peak_vs_bf16": FP8_PEAK_VS_BF16 if math == "fp8" else 1.0}
 
 
+def prefill_recipe(prefill: str | Recipe) -> Recipe:
+    """The pair's prefill recipe, loaded and held to the rule `convert --pair` holds it to
+    (match.recipe.check_prefill_recipe: an FP8 weight group; RecipeError otherwise)."""
+    return check_prefill_recipe(prefill if isinstance(prefill, Recipe) else load_recipe(prefill))
+
+
 def plan_pair(target, decode: str | Recipe, prefill: str | Recipe, **kw) -> dict[str, Any]:
-    """Both pools' figures (module docstring); `kw` as plan() takes them (gpus, gpu_memory_gib, tp, ...), per pool."""
+    """Both pools' figures (module docstring); `kw` as plan() takes them (gpus, gpu_memory_gib, tp, ...), per pool.
+    A prefill recipe that `convert --pair` refuses is refused here too, for the same reason (prefill_recipe)."""
     from . import plan
 
+    rp = prefill_recipe(prefill)
     rd = decode if isinstance(decode, Recipe) else load_recipe(decode)
-    rp = prefill if isinstance(prefill, Recipe) else load_recipe(prefill)
     dec = plan(target, rd, kv_dtype="float8_e4m3", **kw)
     pre = plan(target, rp, kv_dtype="float8_e4m3", **kw)
     kv = dec.to_json()["kv_bytes_per_token"].get("float8_e4m3")
