@@ -73,6 +73,27 @@ def _compute_dtype(value: str) -> str:
         raise typer.BadParameter(e.message, param_hint="--compute-dtype") from None
 
 
+def _in_range(value, option: str, lo: float, hi: float, *, integer: bool, lo_open: bool = False):
+    """A numeric option's value as click parsed it, held to a finite number (an int where `integer`) in [lo, hi]
+    ((lo, hi] where `lo_open`); None (an optional option left unset) passes. Anything else (NaN, infinities,
+    1e400 read as infinity, a huge or out-of-range number) is a usage error naming the option, as _parse_size's."""
+    if value is None:
+        return None
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if ok and not isinstance(value, bool) and (integer or math.isfinite(value)):
+        if (lo < value if lo_open else lo <= value) and value <= hi:
+            return value
+    shown = f"<a {value.bit_length()}-bit integer>" if isinstance(value, int) and abs(value) >= 10**40 else repr(value)
+    what = "an integer" if integer else "a finite number"
+    raise typer.BadParameter(f"must be {what} in {'(' if lo_open else '['}{lo}, {hi}], got {shown[:40]}",
+                             param_hint=option)
+
+
+def _ranged(option: str, lo: float, hi: float, *, integer: bool, lo_open: bool = False):
+    """The typer callback of `_in_range` for `option`."""
+    return lambda value: _in_range(value, option, lo, hi, integer=integer, lo_open=lo_open)
+
+
 def _print_json(doc) -> None:
     sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
     sys.stdout.flush()
@@ -452,8 +473,16 @@ def report(
                   soft_wrap=True)
 
 
+# plan's ranges: every real serving setup fits with room to spare (quantkit/plan/bounds.py holds the library to
+# the same numbers; tests/plan/test_plan_hostile.py checks that they agree)
+PLAN_MAX_GPU_MEMORY_GIB = 16384
+PLAN_MAX_GPUS = 65536
+PLAN_MAX_CONTEXT_LEN = 1 << 24
+PLAN_MAX_CALIBRATION = (1 << 16, options.MAX_SEQ_LEN)  # N samples, T tokens per sample
+
+
 def _calibration(value: Optional[str]) -> Optional[tuple[int, int]]:
-    """--calibration N,T as (samples, tokens per sample); anything else is a usage error."""
+    """--calibration N,T as (samples, tokens per sample), each in its range; anything else is a usage error."""
     if value is None:
         return None
     from .plan.calibration import parse_calibration
@@ -475,15 +504,26 @@ def plan(
     model_or_config: Annotated[str, typer.Argument(help="config.json, a checkpoint directory, a hub id, or a shipped "
                                                         "reference config: kimi-k2, glm-4.5, glm-5.")],
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Predict the checkpoint `convert` would write.")] = None,
-    gpu_memory_gib: Annotated[float, typer.Option(min=1, help="Memory per GPU, GiB.")] = options.PLAN_GPU_MEMORY_GIB,
-    gpus: Annotated[int, typer.Option(min=1, help="GPUs.")] = options.PLAN_GPUS,
-    tp: Annotated[Optional[int], typer.Option(min=1, help="Tensor-parallel size (default: all GPUs).")] = None,
-    context_len: Annotated[int, typer.Option(min=1, help="Tokens per request for the concurrency figure.")] = options.PLAN_CONTEXT_LEN,
-    activation_reserve_gib: Annotated[Optional[float], typer.Option(help="Memory kept free per GPU for activations, GiB.")] = None,
+    gpu_memory_gib: Annotated[float, typer.Option(
+        callback=_ranged("--gpu-memory-gib", 0, PLAN_MAX_GPU_MEMORY_GIB, integer=False, lo_open=True),
+        help=f"Memory per GPU, GiB: a finite number in (0, {PLAN_MAX_GPU_MEMORY_GIB}].")] = options.PLAN_GPU_MEMORY_GIB,
+    gpus: Annotated[int, typer.Option(
+        callback=_ranged("--gpus", 1, PLAN_MAX_GPUS, integer=True),
+        help=f"GPUs (with --calibration --device cpu: ranks), 1 to {PLAN_MAX_GPUS}.")] = options.PLAN_GPUS,
+    tp: Annotated[Optional[int], typer.Option(callback=_ranged("--tp", 1, PLAN_MAX_GPUS, integer=True), help=(
+        f"Tensor-parallel size, 1 to {PLAN_MAX_GPUS}, dividing --gpus (default: all GPUs)."))] = None,
+    context_len: Annotated[int, typer.Option(
+        callback=_ranged("--context-len", 1, PLAN_MAX_CONTEXT_LEN, integer=True),
+        help=f"Tokens per request for the concurrency figure, 1 to {PLAN_MAX_CONTEXT_LEN:,}.")] = options.PLAN_CONTEXT_LEN,
+    activation_reserve_gib: Annotated[Optional[float], typer.Option(
+        callback=_ranged("--activation-reserve-gib", 0, PLAN_MAX_GPU_MEMORY_GIB, integer=False),
+        help=f"Memory kept free per GPU for activations, GiB: a finite number in [0, {PLAN_MAX_GPU_MEMORY_GIB}] "
+             "(default: 10% of --gpu-memory-gib).")] = None,
     calibration: Annotated[Optional[str], typer.Option(
         "--calibration", metavar="N,T", callback=lambda v: _calibration(v),
-        help="Also predict the recipe's calibrated pass (GPTQ/AWQ, KV scales) on N samples x T tokens: wall time "
-             "by component, device memory and host RAM per rank, on --gpus ranks of --device (docs/cost.md).")] = None,
+        help="Also predict the recipe's calibrated pass (GPTQ/AWQ, KV scales) on N samples x T tokens (N 1 to "
+             f"{PLAN_MAX_CALIBRATION[0]}, T 1 to {PLAN_MAX_CALIBRATION[1]}): wall time by component, device memory "
+             "and host RAM per rank, on --gpus ranks of --device (docs/cost.md).")] = None,
     device: Annotated[str, typer.Option(
         "--device", callback=lambda v: _cost_device(v),
         help="What the calibration cost is predicted for: cuda (--gpus GPUs of --gpu-memory-gib) or cpu (--gpus "
@@ -492,7 +532,8 @@ def plan(
         "--measure", help="With --calibration: measure this machine's rates for --device first (~1 min; a GPU "
                           "must be visible for cuda) and predict with them instead of the shipped table; with "
                           "--device cpu, as one of --gpus ranks sharing this host (the others computing "
-                          "alongside).")] = False,
+                          "alongside; refused where --gpus processes outnumber this host's CPUs or outgrow its "
+                          "available memory).")] = False,
     compute_dtype: Annotated[str, typer.Option(
         "--compute-dtype", help=f"With --calibration: what the layers compute in, as convert's "
         f"({'|'.join(options.COMPUTE_DTYPE_CHOICES)}; auto: float32 on the CPU, bfloat16 on a GPU).")] = options.COMPUTE_DTYPE,
@@ -506,7 +547,7 @@ def plan(
     tokens and concurrency; with --calibration, what the calibrated pass costs."""
     if pair is not None and recipe is None:
         raise typer.BadParameter("--pair needs --recipe (the decode pool's recipe)", param_hint="--pair")
-    from .plan import REFERENCE_CONFIGS, plan as run, render
+    from .plan import REFERENCE_CONFIGS, check_serving, plan as run, render
 
     if calibration is not None and recipe is None:
         raise typer.BadParameter("--calibration needs --recipe (the calibrated recipe to cost)",
@@ -518,17 +559,32 @@ def plan(
     if compute_dtype != options.COMPUTE_DTYPE and calibration is None:
         raise typer.BadParameter("--compute-dtype needs --calibration (it sets the calibrated pass's dtype)",
                                  param_hint="--compute-dtype")
+    # what fails without reading the model fails first, before anything slow (--measure)
+    check_serving(gpu_memory_gib=gpu_memory_gib, gpus=gpus, tp=tp, context_len=context_len,
+                  activation_reserve_gib=activation_reserve_gib)
+    pair_recipe = None
+    if pair is not None:
+        from .plan.pair import prefill_recipe
+
+        pair_recipe = prefill_recipe(pair)  # refused as `convert --pair` refuses it
     target = model_or_config
     if model_or_config not in REFERENCE_CONFIGS and not Path(model_or_config).exists():
         target = str(_source(model_or_config, revision))
     table = None
     if measure:
-        from .plan.measure import measure_throughput
-
-        err.print(f"measuring this machine's {device} rates for the cost model ...", highlight=False)
+        from .match.recipe import load_recipe
+        from .plan import parse_config
+        from .plan.measure import check_host, measure_throughput
         from .plan.source import resolve
 
-        table = measure_throughput(device, ranks=gpus if device == "cpu" else 1, config=resolve(target).config,
+        ranks = gpus if device == "cpu" else 1
+        if device == "cpu":
+            check_host(ranks)
+        config = resolve(target).config
+        parse_config(config)  # a config or recipe that plan refuses is refused before measuring
+        load_recipe(recipe)
+        err.print(f"measuring this machine's {device} rates for the cost model ...", highlight=False)
+        table = measure_throughput(device, ranks=ranks, config=config,
                                    log=lambda m: err.print(f"  {m}", highlight=False, soft_wrap=True))
     rep = run(target, recipe, gpu_memory_gib=gpu_memory_gib, gpus=gpus, context_len=context_len,
               activation_reserve_gib=activation_reserve_gib, tp=tp, calibration=calibration, device=device,
@@ -537,8 +593,8 @@ def plan(
     if pair is not None:
         from .plan.pair import plan_pair
 
-        pair_doc = plan_pair(target, recipe, pair, gpu_memory_gib=gpu_memory_gib, gpus=gpus, context_len=context_len,
-                             activation_reserve_gib=activation_reserve_gib, tp=tp)
+        pair_doc = plan_pair(target, recipe, pair_recipe, gpu_memory_gib=gpu_memory_gib, gpus=gpus,
+                             context_len=context_len, activation_reserve_gib=activation_reserve_gib, tp=tp)
     if json_out:
         _print_json({**rep.to_json(), **({"pair": pair_doc} if pair_doc else {})})
     else:

@@ -28,6 +28,7 @@ from ..arch import SUPPORTED_MODEL_TYPES, ModelSpec, parse_config, validate
 from ..errors import ConfigError
 from ..match.recipe import Recipe, load_recipe
 from ..read.sources import detect_format
+from .bounds import MAX_CONTEXT_LEN, MAX_GPU_MEMORY_GIB, MAX_GPUS, check_number
 from .calibration import THROUGHPUT, CalibrationCost, Throughput, calibration_cost
 from .kv import KV_DTYPES, KVLayout, kv_layout
 from .render import render
@@ -39,7 +40,7 @@ from .tensors import (DEFAULT_SHARD_BYTES, ROLES, TensorShapes, _by_role, enumer
 __all__ = ["plan", "PlanReport", "render", "parse_config", "ModelSpec", "enumerate_tensors", "quantized_layout",
            "predict_bytes", "source_tensors", "tensor_role", "kv_layout", "KVLayout", "reference_config",
            "REFERENCE_CONFIGS", "ROLES", "KV_DTYPES", "SUPPORTED_MODEL_TYPES", "calibration_cost", "CalibrationCost",
-           "Throughput", "THROUGHPUT"]
+           "Throughput", "THROUGHPUT", "check_serving"]
 
 GIB = 1 << 30
 _KV_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "auto": "bfloat16", "fp8": "float8_e4m3",
@@ -124,6 +125,23 @@ def _kv_dtype(kv_dtype: str | None, recipe: Recipe | None, kind: str) -> str:
     return d
 
 
+def check_serving(*, gpu_memory_gib: float, gpus: int, tp: int | None, context_len: int,
+                  activation_reserve_gib: float | None) -> int:
+    """The serving setup plan() sizes, held to plan/bounds.py (each a finite number in its range; a ConfigError
+    naming it otherwise) and tp to dividing gpus; returns tp (None: all the GPUs). The CLI calls it before
+    anything slow (`--measure`)."""
+    check_number("gpu_memory_gib", gpu_memory_gib, 0, MAX_GPU_MEMORY_GIB, integer=False, lo_open=True)
+    check_number("gpus", gpus, 1, MAX_GPUS, integer=True)
+    tp = gpus if tp is None else check_number("tp", tp, 1, MAX_GPUS, integer=True)
+    if gpus % tp:
+        raise ConfigError(f"gpus={gpus} must be a positive multiple of tp={tp}",
+                          hint="tp GPUs hold one copy of the model; gpus/tp copies serve in parallel")
+    check_number("context_len", context_len, 1, MAX_CONTEXT_LEN, integer=True)
+    if activation_reserve_gib is not None:
+        check_number("activation_reserve_gib", activation_reserve_gib, 0, MAX_GPU_MEMORY_GIB, integer=False)
+    return tp
+
+
 def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *,
          gpu_memory_gib: float = options.PLAN_GPU_MEMORY_GIB, gpus: int = options.PLAN_GPUS,
          context_len: int = options.PLAN_CONTEXT_LEN, tp: int | None = None, activation_reserve_gib: float | None = None,
@@ -139,12 +157,8 @@ def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *,
     (calibration.calibration_cost), with the rates of `throughput` (a calibration.Throughput, e.g.
     measure.measure_throughput()'s; None: the shipped table's), the layers computing in `compute_dtype`
     (options.COMPUTE_DTYPE_CHOICES)."""
-    tp = gpus if tp is None else tp
-    if gpus < 1 or tp < 1 or gpus % tp:
-        raise ConfigError(f"gpus={gpus} must be a positive multiple of tp={tp}",
-                          hint="tp GPUs hold one copy of the model; gpus/tp copies serve in parallel")
-    if gpu_memory_gib <= 0 or context_len < 1 or (activation_reserve_gib is not None and activation_reserve_gib < 0):
-        raise ConfigError("gpu_memory_gib and context_len must be positive and the activation reserve >= 0")
+    tp = check_serving(gpu_memory_gib=gpu_memory_gib, gpus=gpus, tp=tp, context_len=context_len,
+                       activation_reserve_gib=activation_reserve_gib)
     if calibration is not None and recipe is None:
         raise ConfigError("a calibration cost needs a recipe", hint="pass --recipe, e.g. int4-experts-gptq")
     if device not in ("cpu", "cuda"):

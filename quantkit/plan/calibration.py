@@ -33,6 +33,7 @@ which assumed.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import math
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -42,6 +43,8 @@ from typing import Any, Mapping
 from ..arch.layout import ATTN, EXPERTS, ROUTER_MODULES
 from ..errors import ConfigError
 from ..match.recipe import affinity_experts
+from .bounds import (MAX_CALIBRATION_SAMPLES, MAX_CALIBRATION_TOKENS, MAX_GPU_MEMORY_GIB, MAX_GPUS,
+                     check_number)
 
 GIB = 1 << 30
 
@@ -177,15 +180,18 @@ def throughput_for(device: str, table: Mapping[str, Throughput] | None = None) -
 
 
 def parse_calibration(text: str) -> tuple[int, int]:
-    """"N,T" -> (samples, tokens per sample); a ConfigError for anything else."""
-    parts = str(text).replace("x", ",").split(",")
-    try:
-        n, t = (int(p.strip()) for p in parts)
-    except ValueError:
-        raise ConfigError(f"--calibration must be N,T (samples, tokens per sample), got {text!r}",
-                          hint="e.g. --calibration 128,2048") from None
-    if n < 1 or t < 1:
-        raise ConfigError(f"--calibration N,T must be positive, got {text!r}")
+    """"N,T" (or "NxT") -> (samples, tokens per sample), each a decimal integer of ASCII digits in
+    [1, MAX_CALIBRATION_SAMPLES] and [1, MAX_CALIBRATION_TOKENS] (plan/bounds.py); a ConfigError for anything
+    else."""
+    shown = repr(str(text)[:40])
+    m = re.fullmatch(r"\s*([0-9]{1,12})\s*[,x]\s*([0-9]{1,12})\s*", str(text))
+    if m is None:
+        raise ConfigError(f"--calibration must be N,T (samples, tokens per sample), got {shown}",
+                          hint="e.g. --calibration 128,2048")
+    n, t = int(m[1]), int(m[2])
+    if not (1 <= n <= MAX_CALIBRATION_SAMPLES and 1 <= t <= MAX_CALIBRATION_TOKENS):
+        raise ConfigError(f"--calibration N,T must be 1 <= N <= {MAX_CALIBRATION_SAMPLES} samples and 1 <= T <= "
+                          f"{MAX_CALIBRATION_TOKENS} tokens, got {shown}", hint="e.g. --calibration 128,2048")
     return n, t
 
 
@@ -642,10 +648,12 @@ def _pass_batches(ex, lengths: list[int], g: int, capped: bool = True) -> _Batch
     tokens = [sum(lengths[i] for i in b) for b in _batch_plan(lengths, bt)]
     load = [0] * g
     mine: list[list[int]] = [[] for _ in range(g)]
+    least = [(0, r) for r in range(g)]  # (load, rank), a heap: its head is the least loaded, lowest rank
     for b in sorted(range(len(tokens)), key=lambda b: (-tokens[b], b)):
-        r = min(range(g), key=lambda r: (load[r], r))
+        _, r = heapq.heappop(least)
         load[r] += tokens[b]
         mine[r].append(tokens[b])
+        heapq.heappush(least, (load[r], r))
     busiest = max(range(g), key=lambda r: (load[r], -r))
     return _Batches(bt, tokens, mine[busiest], load[busiest])
 
@@ -941,14 +949,15 @@ def calibration_cost(model_or_config, recipe, num_samples: int, seq_len: int, *,
     from ..match.recipe import Recipe, load_recipe
     from .source import resolve, tensor_shapes_from_checkpoint
 
-    if num_samples < 1 or seq_len < 1:
-        raise ConfigError(f"calibration N,T must be positive, got {num_samples},{seq_len}")
-    if world_size < 1:
-        raise ConfigError(f"world size must be >= 1, got {world_size}")
+    check_number("calibration samples N", num_samples, 1, MAX_CALIBRATION_SAMPLES, integer=True)
+    check_number("calibration tokens per sample T", seq_len, 1, MAX_CALIBRATION_TOKENS, integer=True)
+    check_number("world size", world_size, 1, MAX_GPUS, integer=True)
+    if gpu_memory_gib is not None:
+        check_number("gpu_memory_gib", gpu_memory_gib, 0, MAX_GPU_MEMORY_GIB, integer=False, lo_open=True)
     kind = "cuda" if str(device).startswith("cuda") else str(device)
     table = throughput or throughput_for(kind)
-    if threads is not None and not threads > 0:
-        raise ConfigError(f"threads per rank must be positive, got {threads}")
+    if threads is not None:
+        check_number("threads per rank", threads, 0, 1 << 20, integer=False, lo_open=True)
     host_threads = table.threads * table.ranks  # the host's, as the table was measured
     per_rank = (threads if threads is not None else host_threads / world_size) if table.threads else None
     c = table.for_threads(per_rank) if per_rank else table

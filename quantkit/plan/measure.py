@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ConfigError
+from .bounds import MAX_GPUS, check_number
 from .calibration import THROUGHPUT, Throughput
 
 # the shapes the rates are measured on: bench/calib_cost.py's bench MoE (hidden 512, expert width 256)
@@ -423,6 +425,40 @@ def machine_label(device: str, threads: int | None = None) -> str:
             + (f", {torch.cuda.get_device_name()}" if kind == "cuda" else ""))
 
 
+def host_capacity() -> tuple[int, int | None]:
+    """(the CPUs this process may run on, the bytes of memory available now; None where /proc/meminfo does not
+    say)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        with open("/proc/meminfo", "rb") as fh:
+            for line in fh.read(1 << 16).decode("ascii", "replace").splitlines():
+                if line.startswith("MemAvailable:"):
+                    return cpus, int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return cpus, None
+
+
+def check_host(ranks: int, capacity: tuple[int, int | None] | None = None) -> None:
+    """Measuring as one of `ranks` CPU ranks runs `ranks` processes at once (this one and ranks - 1 neighbours,
+    then `ranks` start-up probes): refused (ConfigError, before any process starts) where they outnumber this
+    host's CPUs (`capacity`, None: host_capacity()), or where that many processes of the size of one that has
+    imported torch, transformers and quantkit (the shipped CPU row's process_bytes) outgrow its available memory."""
+    cpus, available = host_capacity() if capacity is None else capacity
+    hint = (f"measure with --gpus {cpus} or fewer, or drop --measure (the shipped table predicts any number of "
+            "ranks)")
+    if ranks > cpus:
+        raise ConfigError(f"--measure as one of {ranks} CPU ranks runs {ranks} processes at once; this host runs "
+                          f"{cpus} side by side (its CPUs)", hint=hint)
+    per = THROUGHPUT["cpu"].process_bytes
+    if available is not None and ranks * per > available:
+        raise ConfigError(f"--measure as one of {ranks} CPU ranks runs {ranks} processes of ~{per / 1e9:.1f} GB "
+                          f"at once; this host has {available / 1e9:.1f} GB available", hint=hint)
+
+
 def measure_throughput(device: str = "cpu", *, ranks: int = 1, threads: int | None = None, config: dict | None = None,
                        log=None, workdir: str | Path | None = None,
                        source: str = "quantkit plan --measure") -> Throughput:
@@ -431,15 +467,17 @@ def measure_throughput(device: str = "cpu", *, ranks: int = 1, threads: int | No
     `ranks` (cpu): measured as one of that many ranks sharing this host: on `threads` threads (None: this
     process's threads // ranks, at least 1) while ranks - 1 neighbours compute alongside, each on as many.
     `config` (config.json's dict; cpu): also a fresh process's start-up for that model (`measure_startup`, with
-    `ranks` processes starting at once). `log(message)`: progress, one line per measurement."""
-    from ..errors import ConfigError
-
+    `ranks` processes starting at once); more ranks than this host can run at once are refused first
+    (`check_host`). `log(message)`: progress, one line per measurement."""
     kind = "cuda" if str(device).startswith("cuda") else "cpu"
     if kind == "cuda" and not torch.cuda.is_available():
         raise ConfigError("measuring a GPU's throughput needs one here (torch sees no CUDA device)",
                           hint="run it on the GPU machine, or drop --measure to use the assumed figures")
-    if ranks < 1 or (threads is not None and threads < 1):
-        raise ConfigError(f"ranks and threads must be positive, got {ranks} and {threads}")
+    check_number("ranks", ranks, 1, MAX_GPUS, integer=True)
+    if threads is not None:
+        check_number("threads", threads, 1, 1 << 20, integer=True)
+    if kind == "cpu":
+        check_host(ranks)
     log = log or (lambda m: None)
     shared = kind == "cpu" and ranks > 1
     prev = torch.get_num_threads()
