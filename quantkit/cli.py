@@ -659,9 +659,15 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         warnings.showwarning = _show_warning
     try:
-        # standalone mode: click itself turns usage errors into exit code 2 with its usage message
-        app(args=argv, prog_name="quantkit")
-    except KeyboardInterrupt:
+        # not standalone: a usage error is one `error:` line here (exit 2), like every other failure
+        rv = app(args=argv, prog_name="quantkit", standalone_mode=False)
+    except _USAGE_ERROR as e:
+        if e.format_message():
+            where = e.ctx.command_path if getattr(e, "ctx", None) is not None else "quantkit"
+            err.print(f"[red]error:[/] {escape(e.format_message())}", markup=True, soft_wrap=True)
+            err.print(f"hint: see `{where} --help`", soft_wrap=True, markup=False)
+        sys.exit(e.exit_code)  # 2 (no arguments at all: the help was printed)
+    except (KeyboardInterrupt, typer.Abort):
         err.print("interrupted; run the same command again to resume")
         sys.exit(130)
     except QuantkitError as e:
@@ -684,6 +690,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         err.print(f"[red]internal error:[/] {type(e).__name__}: {escape(str(e)[:300])}", soft_wrap=True)
         err.print("hint: re-run with QUANTKIT_DEBUG=1 for the traceback and report it", markup=False)
         sys.exit(1)
+    if type(rv) is int and rv:  # typer.Exit(code) from a command
+        sys.exit(rv)
+
+
+# click's UsageError (bad option values, unknown options, missing arguments), found through the public
+# BadParameter: typer ships its own copy of click, whose module path is private
+_USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 
 
 def entry() -> None:

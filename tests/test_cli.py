@@ -33,9 +33,13 @@ def test_convert_json_is_one_object(tiny_models, tmp_path):
 @pytest.mark.parametrize("args", [["convert"], ["convert", "a", "b", "--workers", "0"], ["nosuchcommand"],
                                   ["convert", "a", "b", "--max-shard-size", "lots"]])
 def test_usage_errors_exit_2(args):
+    """A usage error is one `error:` line and a hint naming the command's --help, exit 2, like every other failure
+    (not click's boxed usage text)."""
     p = run(*args)
     assert p.returncode == 2, (p.returncode, p.stderr)
     assert "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: see `quantkit"), p.stderr
 
 
 def test_domain_error_one_line_and_hint(tmp_path):
