@@ -551,7 +551,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         if not os.path.lexists(p):
             raise RecipeError(f"recipe file {_short(str(p))} does not exist")
         # a regular file of at most MAX_RECIPE_BYTES (a FIFO or /dev/zero refused, a 100 MB file never read)
-        text = read_text(p, f"recipe file {_short(str(p))}", RecipeError, MAX_RECIPE_BYTES,
+        text = read_text(p, "recipe file", RecipeError, MAX_RECIPE_BYTES,
                          hint="recipes are a few KB of UTF-8 YAML; see docs/recipes.md")
     else:
         res = resources.files("quantkit") / "data" / "recipes" / f"{name_or_path}.yaml"
@@ -560,6 +560,9 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
                               hint=f"shipped recipes: {', '.join(shipped_recipes())}; or pass a path to a YAML file")
         text = res.read_text(encoding="utf-8")
     return parse_recipe(text, default_name=p.stem)
+
+
+_GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def _check_keys(where: str, d: dict, allowed: set[str]):
@@ -621,6 +624,10 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
     _check_keys("groups", raw_groups, set(raw_groups) if isinstance(raw_groups, dict) else set())
     scheme_keys = {f.name for f in fields(Scheme)}
     for gname, g in raw_groups.items():
+        # a group's name goes into every message about it, the manifest and config.json's group names
+        if not isinstance(gname, str) or not _GROUP_NAME.fullmatch(gname):
+            raise RecipeError(f"groups: a group name must be 1-64 letters, digits, '_', '-' or '.', got "
+                              f"{_short(repr(gname))}")
         _check_keys(f"groups.{gname}", g, {"targets", "scheme", "method", "options"})
         if "targets" not in g:
             raise RecipeError(f"groups.{gname}: 'targets' is required")
