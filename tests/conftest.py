@@ -71,6 +71,7 @@ SLOW_FILES = {
     "convert/test_calibrated.py", "convert/test_convert.py", "convert/test_fp4.py", "convert/test_fp8.py",
     "convert/test_int4_fp4.py", "convert/test_int8.py", "convert/test_w4a4.py", "convert/test_wrapper.py",
     "dist/test_calib_ranks.py", "dist/test_convert_ranks.py",
+    "plan/test_plan_hostile.py", "convert/test_pair_hostile.py",
     "engine/test_llamacpp_run.py", "engine/test_vllm_run.py", "engine/test_w4afp8.py", "export/test_export.py",
     "pack/test_kv_scales.py",
     "plan/test_plan.py", "plan/test_plan_convert.py",
