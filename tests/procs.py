@@ -65,16 +65,25 @@ def cmdline(pid: int) -> str:
         return "(gone)"
 
 
+# Helpers of the test process itself, one per process and ending with it (not something a test left behind):
+# multiprocessing's resource tracker and fork server, started on first use of a spawn/forkserver pool.
+SESSION_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def _session_helper(pid: int) -> bool:
+    return _table().get(pid, (0, ""))[0] == os.getpid() and any(h in cmdline(pid) for h in SESSION_HELPERS)
+
+
 def leftovers(before: set[int], grace_s: float = GRACE_S) -> dict[int, str]:
     """New live descendants that outlive `grace_s`: killed (their whole process group, where they lead one),
-    and returned as pid -> command line."""
+    and returned as pid -> command line. The test process's own multiprocessing helpers are not counted."""
     deadline = time.monotonic() + grace_s
     while True:
-        new = live_descendants() - before
+        new = {p for p in live_descendants() - before if not _session_helper(p)}
         if not new or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    found = {p: cmdline(p) for p in sorted(new)}
+    found = {p: cmdline(p) for p in sorted(new) if not _session_helper(p)}
     for p in found:
         for kill in (lambda: os.killpg(p, signal.SIGKILL) if os.getpgid(p) == p else None,
                      lambda: os.kill(p, signal.SIGKILL)):
