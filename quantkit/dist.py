@@ -223,14 +223,23 @@ def dist_timeout_s() -> float:
     return t
 
 
+MAX_WORLD = 1 << 20  # ranks in one job: far beyond any cluster, and small enough for every index computed from it
+
+
 def _env_int(name: str, default: int) -> int:
+    """A launcher variable: an integer, WORLD_SIZE in [1, MAX_WORLD], the ranks in [0, MAX_WORLD)."""
     v = os.environ.get(name)
-    if v is None or v == "":
+    if v is None or v.strip() == "":
         return default
     try:
-        return int(v)
+        x = int(v) if len(v) <= 20 else None
     except ValueError:
-        raise DistributedError(f"{name}={v[:20]!r} is not an integer", hint="launch with torchrun") from None
+        x = None
+    lo = 1 if name == "WORLD_SIZE" else 0
+    hi = MAX_WORLD if name == "WORLD_SIZE" else MAX_WORLD - 1
+    if x is None or not lo <= x <= hi:
+        raise DistributedError(f"{name}={v[:20]!r} is not an integer in [{lo}, {hi}]", hint="launch with torchrun")
+    return x
 
 
 # How long a leaving rank waits for the others at the closing barrier (gloo): a peer that died is torchrun's

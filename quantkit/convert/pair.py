@@ -56,6 +56,7 @@ from typing import Callable
 import torch
 
 from .. import options
+from ..dist import launched
 from ..errors import ConfigError, OutputExists, PairMismatch, QuantkitError, ResumeMismatch
 from ..match.recipe import Recipe, check_prefill_recipe, load_recipe
 from ..pack import kv as kvrules
@@ -114,7 +115,7 @@ def convert_pair(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts, p
     from . import convert
     from .calibrated import kv_scales
 
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    if launched()[1] > 1:
         raise ConfigError("convert --pair runs on one process, not under torchrun",
                           hint="run the pair without torchrun, or convert the two recipes separately with the same "
                                "--kv-scales file")
