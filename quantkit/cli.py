@@ -658,6 +658,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         import warnings
 
         warnings.showwarning = _show_warning
+    from . import signals
+    from .errors import Terminated
+
+    signals.raise_on_termination()  # SIGTERM/SIGHUP unwind like Ctrl-C: workers ended, temporaries removed
     try:
         # not standalone: a usage error is one `error:` line here (exit 2), like every other failure
         rv = app(args=argv, prog_name="quantkit", standalone_mode=False)
@@ -670,6 +674,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (KeyboardInterrupt, typer.Abort):
         err.print("interrupted; run the same command again to resume")
         sys.exit(130)
+    except Terminated as t:
+        err.print(f"terminated by signal {t.signum}; run the same command again to resume", markup=False)
+        sys.exit(128 + t.signum)
     except QuantkitError as e:
         if debug:
             raise

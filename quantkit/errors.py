@@ -5,6 +5,15 @@ QUANTKIT_DEBUG=1). Library code raises these; it never prints."""
 from __future__ import annotations
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived (the command line turns them into this, `signals.raise_on_termination`), so that
+    every cleanup runs as for Ctrl-C: worker processes ended, temporary folders removed, journals kept."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class QuantkitError(Exception):
     """Base of every domain failure (exit code 1)."""
 

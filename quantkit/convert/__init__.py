@@ -461,12 +461,34 @@ def _run_shards(todo, src: Checkpoint, out: Path, opts: ConvertOptions, spool, r
         import multiprocessing as mp
 
         threads = 1
-        with ProcessPoolExecutor(max_workers=opts.workers, mp_context=mp.get_context("spawn")) as ex:
+        ex = ProcessPoolExecutor(max_workers=opts.workers, mp_context=mp.get_context("spawn"),
+                                 initializer=_die_with_parent)
+        try:
             for res in ex.map(worker, [(p, src.root / p.source, out, threads, spool) for p in todo]):
                 record(res)
                 finished_bytes += res.source_size
                 if progress:
                     progress(finished_bytes, total)
+        except BaseException:  # a failed shard, Ctrl-C, SIGTERM: no worker goes on writing after this returns
+            procs = list((getattr(ex, "_processes", None) or {}).values())
+            ex.shutdown(wait=False, cancel_futures=True)
+            for proc in procs:
+                proc.kill()
+            for proc in procs:
+                proc.join(10)
+            raise
+        ex.shutdown(wait=True)
+
+
+def _die_with_parent() -> None:
+    """A convert worker ends when the process that started it does (Linux PR_SET_PDEATHSIG), however it ends
+    (SIGKILL included): a shard it was writing stays a temporary, and the resume redoes it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
 
 
 def _written_files(out: Path, names) -> dict:

@@ -3,14 +3,13 @@ reading its result file as the hostile input it is. Shared by the vLLM and llama
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
+from .. import signals
 from ..errors import EngineError
 from ..read.files import parse_json, read_bytes
 
@@ -26,38 +25,6 @@ def locate_python(python: str | os.PathLike | None) -> str:
         raise EngineError(f"--engine-python {str(python)!r} is not an executable Python",
                           hint="pass the python of the environment vLLM is installed in, e.g. VENV/bin/python")
     return str(p)
-
-
-class Terminated(BaseException):
-    """SIGTERM or SIGHUP arrived while a worker ran: raised so that the worker's group is ended first."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _signals_raise():
-    """While a worker runs, SIGTERM and SIGHUP raise Terminated in this (main) thread instead of ending the
-    process at once, which would leave the worker's session running; after it is cleaned up, the signal is
-    delivered again with its previous handler, so the process ends as it would have."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    def raise_(signum, _frame):
-        raise Terminated(signum)
-    old = {s: signal.signal(s, raise_) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    except Terminated as t:
-        for s, h in old.items():
-            signal.signal(s, h)
-        old = {}
-        os.kill(os.getpid(), t.signum)
-        raise
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def kill_group(p: subprocess.Popen) -> None:
@@ -92,7 +59,7 @@ def run_worker(python: str, worker: Path, request: Path, result: Path, log: Path
     """Start `python worker REQUEST RESULT` in a session of its own (a time-out ends it and every process it
     started), its output to `log`; return its result (read_result) with `log_tail`. EngineError when it times out
     or leaves no result."""
-    with open(log, "w") as lf, _signals_raise():
+    with open(log, "w") as lf, signals.scope():
         p = subprocess.Popen([python, str(worker), str(request), str(result)], stdout=lf, stderr=subprocess.STDOUT,
                              env=env, start_new_session=True)
         try:
@@ -101,7 +68,7 @@ def run_worker(python: str, worker: Path, request: Path, result: Path, log: Path
             kill_group(p)
             raise EngineError(f"{engine} did not finish within {timeout} s",
                               hint="raise --engine-timeout, or use fewer --num-samples") from None
-        except BaseException:  # an error, Ctrl-C, or SIGTERM/SIGHUP to this process (_signals_raise)
+        except BaseException:  # an error, Ctrl-C, or SIGTERM/SIGHUP to this process (quantkit/signals.py)
             kill_group(p)
             raise
         kill_group(p)  # the worker exited: whatever it started (an engine's core process) ends with it

@@ -83,3 +83,32 @@ def test_sigterm_to_the_command_ends_the_worker_group_first(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_under_the_command_line_sigterm_unwinds_through_cleanup(tmp_path):
+    """With the command line's handlers (quantkit/signals.py), SIGTERM while a worker runs raises Terminated:
+    the worker's session is killed and the caller's temporary folder removed before the process exits."""
+    pid = tmp_path / "child.pid"
+    fake = _fake(tmp_path, f'sleep 300 & echo $! > "{pid}"\nwait')
+    base = tmp_path / "tmp"
+    base.mkdir()
+    code = ("import os, sys, tempfile\nfrom quantkit import signals\nfrom quantkit.errors import Terminated\n"
+            "from quantkit.engine.worker import run_worker\nsignals.raise_on_termination()\ntry:\n"
+            f"    with tempfile.TemporaryDirectory(dir={str(base)!r}) as d:\n"
+            f"        run_worker({str(fake)!r}, d + '/w.py', d + '/req', d + '/res', d + '/log', dict(os.environ), "
+            "300, 'test', 'hint')\n"
+            "except Terminated as t:\n    sys.exit(128 + t.signum)\n")
+    p = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        end = time.monotonic() + 60
+        while not (pid.exists() and pid.read_text().strip()) and time.monotonic() < end:
+            time.sleep(0.05)
+        child = int(pid.read_text())
+        assert any(base.iterdir())  # the temporary folder exists while the worker runs
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 128 + signal.SIGTERM
+        assert _wait_gone(child) and not any(base.iterdir())
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

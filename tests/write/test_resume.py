@@ -343,3 +343,40 @@ def test_resume_holds_each_journal_record_against_the_plan(cli, src18, reference
     assert json.loads(r.stdout)["shards_resumed"] == 4
     assert ("is not trusted" in r.stderr) == noted, r.stderr
     assert tree(out) == tree(reference[0])
+
+
+def test_sigterm_with_workers_ends_every_worker_then_resumes(src18, reference, tmp_path):
+    """SIGTERM to `convert --workers 2` (a service manager stopping it, `timeout`): the command unwinds as for
+    Ctrl-C, ends its pool workers (no process of it left running: the test's process guard checks too), says
+    so in one line, exits 128 + 15, and the same command resumes to the uninterrupted run's bytes."""
+    import signal
+    import subprocess
+    import time
+
+    import procs
+
+    ref_out, _ = reference
+    out = tmp_path / "out"
+    before = procs.live_descendants()
+    p = subprocess.Popen([sys.executable, "-m", "quantkit.cli", "convert", str(src18), str(out), "--workers", "2"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "QUANTKIT_DEBUG": "0"})
+    try:
+        end = time.monotonic() + 300
+        while len(done_outputs(out)) < 2 and p.poll() is None and time.monotonic() < end:
+            time.sleep(0.05)
+        assert p.poll() is None, p.stderr.read()
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "terminated by signal 15; run the same command again to resume", err
+    assert procs.leftovers(before, grace_s=2) == {}  # the pool's workers ended with the command
+    assert manifest_status(out) != "complete"
+    r = subprocess.run([sys.executable, "-m", "quantkit.cli", "convert", str(src18), str(out)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert tree(out) == tree(ref_out)
