@@ -35,12 +35,12 @@ import torch
 from .. import options
 from ..write.writer import sha256_file
 from ..errors import DatasetError, DatasetNotFound
-from ..read.files import parse_json, read_text
+from ..read.files import check_regular, parse_json, read_text
 
 DEFAULT_DATASET_NAME = "default.jsonl"
 DEFAULT_SEED = 0
 SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
-MAX_DATASET_BYTES = 4 << 30  # a local dataset file is read whole: larger ones belong in a saved dataset folder
+MAX_DATASET_BYTES = 1 << 30  # a local dataset file is read whole: larger ones belong in a saved dataset folder
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
@@ -192,7 +192,13 @@ def _read_parquet(p: Path) -> list:
     except ImportError:
         raise DatasetError(f"reading {p.name} needs pyarrow, which is not installed",
                            hint="pip install pyarrow, or convert the file to .jsonl") from None
-    return pq.read_table(p).to_pylist()
+    check_regular(p, "dataset file", DatasetError, MAX_DATASET_BYTES)
+    try:
+        return pq.read_table(p).to_pylist()
+    except Exception as e:  # third-party code on an untrusted file: its failure is the finding
+        raise DatasetError(f"{p.name} is not a readable parquet file: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:160] if str(e) else ''}",
+                           hint="pass a parquet file written by pyarrow/datasets, or the rows as .jsonl") from None
 
 
 def _read_saved_dataset(p: Path) -> Rows:

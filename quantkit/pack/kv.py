@@ -225,7 +225,7 @@ def read_file(path: str | Path) -> dict[str, torch.Tensor]:
     if p.is_dir():
         raise KVScalesError(f"KV-scales file {str(p)[:200]!r} is a directory, not a safetensors file",
                             hint="pass the .safetensors file `quantkit calibrate --output` wrote, not its folder")
-    if not p.is_file():
+    if not p.exists():  # a FIFO or a device exists: the header reader refuses it by kind
         raise KVScalesError(f"KV-scales file {str(p)[:200]!r} does not exist")
     with SafetensorsFile(p) as f:
         scales = {unprefixed(n): f.get(n) for n in f.header.tensors}

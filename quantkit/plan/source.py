@@ -36,7 +36,7 @@ class Source:
 
 
 def _read_json(path: Path) -> Mapping[str, Any]:
-    return read_json_file(path, str(path), ConfigError)
+    return read_json_file(path, "config file", ConfigError)
 
 
 def reference_config(name: str) -> dict[str, Any]:
@@ -50,11 +50,11 @@ def reference_config(name: str) -> dict[str, Any]:
 def resolve(model_or_config: str | Path) -> Source:
     p = Path(model_or_config)
     if p.is_dir():
-        if not (p / "config.json").is_file():
+        if not (p / "config.json").exists():  # a FIFO or a device exists: read_json_file refuses it by kind
             raise ConfigError(f"{p} has no config.json", hint="pass a checkpoint directory or a config.json file")
         has_shards = any(p.glob("*.safetensors"))
         return Source(str(p), _read_json(p / "config.json"), p if has_shards else None)
-    if p.is_file():
+    if p.exists():  # a file, or a FIFO / device that read_json_file refuses by kind
         return Source(str(p), _read_json(p), None)
     name = str(model_or_config)
     if name in REFERENCE_CONFIGS:

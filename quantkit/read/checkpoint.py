@@ -81,7 +81,7 @@ class Checkpoint:
         if not root.is_dir():
             raise CheckpointNotFound(f"checkpoint directory {str(root)!r} does not exist")
         cfg_path = root / "config.json"
-        if not cfg_path.is_file():
+        if not os.path.lexists(cfg_path):  # a FIFO or a directory is refused by kind when read
             raise ConfigMissing(f"{root}: config.json is missing")
         config = read_json_file(cfg_path, "config.json")
         names = _shard_names(root)
@@ -95,7 +95,7 @@ class Checkpoint:
                 location[t] = name
             shards.append(Shard(name, header))
         index_path = root / INDEX_NAME
-        if index_path.is_file():
+        if os.path.lexists(index_path):
             _check_index_matches(read_json_file(index_path, INDEX_NAME, IndexError_, unique_keys=True), location)
         return cls(root, config, tuple(shards), location)
 
@@ -135,7 +135,7 @@ class Checkpoint:
 
 def _shard_names(root: Path) -> list[str]:
     index_path = root / INDEX_NAME
-    if index_path.is_file():
+    if os.path.lexists(index_path):
         index = read_json_file(index_path, INDEX_NAME, IndexError_, unique_keys=True)
         wm = index.get("weight_map")
         if not isinstance(wm, dict) or not wm:
@@ -146,7 +146,7 @@ def _shard_names(root: Path) -> list[str]:
                 raise IndexError_(f"{INDEX_NAME}: weight_map entries must map strings to strings")
             names.add(_safe_shard_name(root, f))
         for n in sorted(names):
-            if not (root / n).is_file():
+            if not os.path.lexists(root / n):  # a FIFO or device: read_header refuses it by kind
                 raise MissingShard(f"{INDEX_NAME} names shard {n!r}, which is missing from {root}")
         return sorted(names)
     if (root / SINGLE_NAME).is_file():

@@ -16,7 +16,7 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["MAX_DEPTH", "MAX_INT_DIGITS", "read_bytes", "read_text", "parse_json", "check_depth"]
+__all__ = ["MAX_DEPTH", "MAX_INT_DIGITS", "check_regular", "read_bytes", "read_text", "parse_json", "check_depth"]
 
 MAX_DEPTH = 64  # JSON nesting levels: objects and arrays
 MAX_INT_DIGITS = 40  # a JSON integer with more digits is refused (2**64 has 20)
@@ -30,6 +30,32 @@ def _shown(path: Path) -> str:
     return repr(s[:200]) if not s.isprintable() or len(s) > 200 else s
 
 
+def check_regular(path: str | os.PathLike, what: str, error, limit: int, hint: str | None = None) -> int:
+    """The size of the regular file `path` (at most `limit`), or `error` as `read_bytes` raises it; for files a
+    third-party reader opens itself (parquet)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise error(f"{what} not found: {_shown(path)}", hint=hint) from None
+    except OSError as e:
+        raise error(f"{what} cannot be opened: {_shown(path)} ({e.strerror or type(e).__name__})", hint=hint) from None
+    try:
+        return _regular_size(fd, path, what, error, limit, hint)
+    finally:
+        os.close(fd)
+
+
+def _regular_size(fd: int, path: Path, what: str, error, limit: int, hint: str | None) -> int:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+        raise error(f"{what} {_shown(path)} is {kind}, not a regular file", hint=hint)
+    if st.st_size > limit:
+        raise error(f"{what} is {st.st_size} bytes, over the {limit}-byte limit: {_shown(path)}", hint=hint)
+    return st.st_size
+
+
 def read_bytes(path: str | os.PathLike, what: str, error, limit: int, hint: str | None = None) -> bytes:
     """The bytes of the regular file `path` (at most `limit`), or `error` in one line: missing, not a regular
     file, over the limit, unreadable."""
@@ -41,12 +67,7 @@ def read_bytes(path: str | os.PathLike, what: str, error, limit: int, hint: str 
     except OSError as e:
         raise error(f"{what} cannot be opened: {_shown(path)} ({e.strerror or type(e).__name__})", hint=hint) from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
-            raise error(f"{what} {_shown(path)} is {kind}, not a regular file", hint=hint)
-        if st.st_size > limit:
-            raise error(f"{what} is {st.st_size} bytes, over the {limit}-byte limit: {_shown(path)}", hint=hint)
+        _regular_size(fd, path, what, error, limit, hint)
         os.set_blocking(fd, True)
         chunks, got = [], 0
         while got <= limit:  # the size may change under us: never read past limit + 1

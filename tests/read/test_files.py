@@ -154,3 +154,29 @@ def test_dist_timeout_from_the_environment_is_finite_and_bounded(monkeypatch, va
     else:
         with pytest.raises(E.DistributedError, match="QUANTKIT_DIST_TIMEOUT"):
             dist_timeout_s()
+
+
+def test_a_file_that_is_not_parquet_is_a_dataset_error(tmp_path):
+    pytest.importorskip("pyarrow", reason="reading .parquet datasets needs pyarrow")
+    from quantkit.calib.data import load_calibration_data
+
+    p = tmp_path / "x.parquet"
+    p.write_text("not parquet")
+    _fast(lambda: load_calibration_data(p, vocab_size=64, num_samples=1, seq_len=4), E.DatasetError,
+          "not a readable parquet file")
+    _fast(lambda: load_calibration_data(_fifo(tmp_path, "f.parquet"), vocab_size=64, num_samples=1, seq_len=4),
+          E.DatasetError, "a FIFO")
+
+
+def test_special_files_in_a_checkpoint_are_named_by_kind(tmp_path):
+    """A config.json, index or --kv-scales file that is a FIFO is refused for what it is, not as missing."""
+    from quantkit.pack.kv import read_file
+    from quantkit.plan.source import resolve
+    from quantkit.read.checkpoint import Checkpoint
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    _fifo(ck, "config.json")
+    _fast(lambda: Checkpoint.open(ck), E.ConfigError, "a FIFO")
+    _fast(lambda: resolve(ck), E.ConfigError, "a FIFO")
+    _fast(lambda: read_file(_fifo(tmp_path, "kv.safetensors")), E.HeaderError, "not a regular file")
