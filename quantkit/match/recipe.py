@@ -605,6 +605,24 @@ class _BoundedLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
+    def construct_mapping(self, node, deep=False):
+        """A key given twice in one mapping is an error (YAML says keys are unique; PyYAML keeps the last one,
+        so `method: rtn` then `method: gptq` silently ran GPTQ)."""
+        if isinstance(node, yaml.MappingNode):
+            self.flatten_mapping(node)
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    dup = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: the base class names it
+                    break
+                if dup:
+                    raise RecipeError(f"recipe YAML gives the key {_short(str(key))} twice in one mapping "
+                                      f"(line {key_node.start_mark.line + 1})")
+        return super().construct_mapping(node, deep=deep)
+
 
 def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
     if len(text) > MAX_RECIPE_BYTES:
@@ -685,6 +703,10 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
     if cal is not None:
         _check_keys("calibration", cal, {"dataset", "num_samples", "seq_len"})
         cal = CalibrationSpec(**cal)
-    return Recipe(name=str(d.get("name") or default_name), groups=tuple(groups),
-                  ignore=_str_list("ignore", [] if d.get("ignore") is None else d["ignore"]), kv_cache=kv,
-                  calibration=cal, description=d.get("description") or "", text=text)
+    recipe = Recipe(name=str(d.get("name") or default_name), groups=tuple(groups),
+                    ignore=_str_list("ignore", [] if d.get("ignore") is None else d["ignore"]), kv_cache=kv,
+                    calibration=cal, description=d.get("description") or "", text=text)
+    if cal is not None and not recipe.needs_calibration:  # it would be silently ignored
+        raise RecipeError("recipe has a calibration section but calibrates nothing (RTN groups only, no kv_cache)",
+                          hint="drop the calibration section, or add a GPTQ/AWQ group or a kv_cache section")
+    return recipe

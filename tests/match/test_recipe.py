@@ -195,3 +195,21 @@ def test_scale_search_mse_with_a_method_that_ignores_it_is_refused(method, schem
     assert rtn.groups[0].scheme.scale_search == "mse"
     amax = parse_recipe(text.replace("scale_search: mse", "scale_search: amax"))  # amax is what they do anyway
     assert amax.groups[0].method == method
+
+
+def test_a_key_given_twice_is_refused():
+    """PyYAML keeps the last of two equal keys: `method: rtn` then `method: gptq` ran GPTQ unannounced."""
+    text = ("name: t\ngroups:\n  g:\n    targets: ['re:.*experts.*']\n    scheme: {num_bits: 4, type: int, "
+            "strategy: group, group_size: 32}\n    method: rtn\n    method: gptq\n")
+    with pytest.raises(RecipeError, match=r"gives the key 'method' twice in one mapping \(line 7\)"):
+        parse_recipe(text)
+    assert parse_recipe(text.replace("    method: rtn\n", "")).groups[0].method == "gptq"
+
+
+def test_a_calibration_section_that_nothing_uses_is_refused():
+    base = "name: t\ngroups:\n  g:\n    targets: ['re:.*experts.*']\n    scheme: {group_size: 32}\n"
+    with pytest.raises(RecipeError, match="calibration section but calibrates nothing"):
+        parse_recipe(base + "calibration: {num_samples: 8}\n")
+    assert parse_recipe(base + "kv_cache: {strategy: tensor}\ncalibration: {num_samples: 8}\n").calibration
+    assert parse_recipe(base.replace("{group_size: 32}", "{group_size: 32}\n    method: gptq")
+                        + "calibration: {num_samples: 8}\n").calibration
