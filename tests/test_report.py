@@ -378,17 +378,49 @@ def _set(doc, path, value):
     (("layers", 0, "min_sqnr_db"), 1e308, None),  # drawn clipped to +-300 dB (1e308 broke matplotlib's axes)
     (("layers", 0, "min_sqnr_db"), -(10 ** 1000), None),  # not a float: left out
     (("checks", 0, "value"), 10 ** 4000, None),  # shown cut to 300 characters
-], ids=lambda x: x if isinstance(x, str) else "huge" if isinstance(x, int) and abs(x) > 1e300 else None)
+    # every field the page reads, typed (each of these was drawn, exit 0: "passed": "false" as "skipped")
+    (("passed",), "false", "'passed' is not true or false (got 'false')"),
+    (("passed",), None, "'passed' is not true or false (got null)"),
+    (("checks",), [5, None, "x"], "'checks[0]' is not an object (got 5)"),
+    (("checks", 0, "name"), None, "'checks[0].name' is not a string (got null)"),
+    (("checks", 0, "ok"), "true", "'checks[0].ok' is not true, false or null (got 'true')"),
+    (("checks", 0, "value"), float("nan"), "'checks[0].value' is not a finite number or null (got nan)"),
+    (("checks", 0, "value"), "20", "'checks[0].value' is not a finite number or null (got '20')"),
+    (("checks", 0, "threshold"), float("nan"), "'checks[0].threshold' is not a number or null (got nan)"),
+    (("checks", 0, "detail"), [1], "'checks[0].detail' is not a string or null (got a list)"),
+    (("layers", 1), "x", "'layers[1]' is not an object (got 'x')"),
+    (("layers", 0, "layer"), "1", "'layers[0].layer' is not an integer or null (got '1')"),
+    (("layers", 0, "min_sqnr_db"), "a", "'layers[0].min_sqnr_db' is not a finite number or null (got 'a')"),
+    (("layers", 0, "min_sqnr_db"), float("nan"), "'layers[0].min_sqnr_db' is not a finite number"),
+    (("layers", 0, "mean_sqnr_db"), float("-inf"), "'layers[0].mean_sqnr_db' is not a finite number"),
+    (("layers", 0, "ok"), "no", "'layers[0].ok' is not true, false or null"),
+    (("layers", 0, "worst_module"), {}, "'layers[0].worst_module' is not a string or null (got an object)"),
+    (("thresholds", "max_kl"), float("nan"), "'thresholds.max_kl' is not a number (got nan)"),
+    (("metrics", "kl_divergence"), float("inf"), "'metrics.kl_divergence' is not a finite number or null (got inf)"),
+    (("metrics", "kl_divergence"), "x" * 100_000, "'metrics.kl_divergence' is not a finite number or null (got 'xxx"),
+    (("generation",), {"tokens": True}, "'generation.tokens' is not a finite number or null (got true)"),
+    (("engine",), [1, 2], "'engine' is not an object (got a list)"),
+    (("engine_run",), "ran", "'engine_run' is not an object (got 'ran')"),
+    (("pair",), [5], "'pair' is not an object (got a list)"),
+    (("integrity",), 1, "'integrity' is not an object (got 1)"),
+    # what verify writes stays accepted (its nulls: the fixtures' real verify.json files): `--max-kl inf`, an
+    # infinite threshold (no limit), and engine's object
+    (("checks", 0, "threshold"), float("inf"), None),
+    (("thresholds", "max_kl"), float("inf"), None),
+    (("engine",), {"engine": "vllm", "ok": True}, None),
+], ids=lambda x: x[:24] if isinstance(x, str) else "huge" if isinstance(x, int) and abs(x) > 1e300 else None)
 def test_hostile_verify_json_fields(small, tmp_path, path, value, error):
-    """verify.json is input: a field of the wrong type is one ConfigError naming it; an absurd value is left out
-    or clipped; never an internal error."""
+    """verify.json is input: a field of the wrong type is one ConfigError naming it (a hostile value cut
+    short); an absurd value is left out or clipped; never an internal error."""
     doc = json.loads(json.dumps(_VERIFY))
     _set(doc, path, value)
     f = tmp_path / "v.json"
-    f.write_text(json.dumps(doc))
+    f.write_text(json.dumps(doc))  # NaN and Infinity as Python's json writes (and reads) them
     if error:
-        with pytest.raises(ConfigError, match=re.escape(error)):
+        with pytest.raises(ConfigError, match=re.escape(error)) as e:
             build_report(small, output=tmp_path / "r.html", verify_json=f)
+        assert "\n" not in e.value.message and len(e.value.message) < 300 + len(str(f)), e.value.message[:400]
+        assert "quantkit verify OUT --json" in e.value.hint
         assert not (tmp_path / "r.html").exists()
         return
     res = build_report(small, output=tmp_path / "r.html", verify_json=f)
@@ -431,6 +463,19 @@ def test_oversized_inputs_are_refused_from_their_size(small, tmp_path, monkeypat
         monkeypatch.setenv(rep.REPORT_MANIFEST_ENV, "300")
         with pytest.raises(ConfigError, match="not valid JSON"):
             build_report(out, output=tmp_path / "r.html")
+
+
+def test_cli_a_mistyped_verify_json_is_one_error_line(small, tmp_path, capsys):
+    """`"passed": "false"` was drawn as "Result: skipped", exit 0; now exit 1, an `error:` line naming the field
+    and a `hint:` line, no page written."""
+    f = tmp_path / "v.json"
+    f.write_text(json.dumps(dict(_VERIFY, passed="false")))
+    with pytest.raises(SystemExit) as e:
+        cli_main(["report", str(small), "--verify-json", str(f), "-o", str(tmp_path / "r.html")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 2, err
+    assert err[0].startswith("error: ") and "'passed' is not true or false" in err[0] and err[1].startswith("hint: ")
+    assert not (tmp_path / "r.html").exists()
 
 
 def test_huge_expert_ids_allocate_no_dense_grid(small, tmp_path):

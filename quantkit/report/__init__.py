@@ -20,6 +20,7 @@ single element, not 23k rectangles.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from typing import Any
 from ..errors import CheckpointNotFound, ConfigError
 from ..read.checkpoint import Checkpoint, read_json_file, read_manifest
 from ..pack.manifest import MANIFEST_NAME
-from .model import DEFAULT_OUTPUT_NAME, SQNR_CAP_DB, VERIFY_NAME, _number, collect_modules
+from .model import DEFAULT_OUTPUT_NAME, SQNR_CAP_DB, VERIFY_NAME, _number, _shown, collect_modules
 from .page import _Page, _mpl
 from .timeline import read_timeline, section_timeline
 from .sections import (_section_bytes, _section_input_scales, _section_kv, _section_sqnr, _section_tables,
@@ -181,18 +182,68 @@ def _read_verify(root: Path, verify_json) -> tuple[dict | None, str | None]:
     if not isinstance(doc, dict) or not ({"passed", "checks"} & set(doc)):
         raise ConfigError(f"verify JSON ({origin}) is not a `quantkit verify --json` object "
                           "(no 'passed' or 'checks')", hint=hint)
-    # the fields the page reads, each of the type verify writes (the file is input: a string where an object
-    # belongs must be this one line, not an internal error halfway through drawing)
-    for key, kind in (("checks", list), ("layers", list), ("metrics", dict), ("generation", dict),
-                      ("thresholds", dict)):
-        if doc.get(key) is not None and not isinstance(doc[key], kind):
-            raise ConfigError(f"verify JSON ({origin}): {key!r} is not {'a list' if kind is list else 'an object'}",
-                              hint=hint)
-    t = (doc.get("thresholds") or {}).get("min_sqnr_db")
-    if t is not None and not (_number(t) is not None and abs(_number(t)) <= SQNR_CAP_DB):
-        raise ConfigError(f"verify JSON ({origin}): thresholds.min_sqnr_db is not a number of dB within "
-                          f"+-{SQNR_CAP_DB:g}", hint=hint)
+    _check_verify(doc, f"verify JSON ({origin})", hint)
     return doc, origin
+
+
+def _finite(x) -> bool:
+    """A measured number: an integer (one too large to draw is left out) or a finite float, never a boolean."""
+    return not isinstance(x, bool) and (isinstance(x, int) or (isinstance(x, float) and math.isfinite(x)))
+
+
+def _limit(x) -> bool:
+    """A threshold: any number but NaN (verify takes `--max-kl inf` as "no limit")."""
+    return not isinstance(x, bool) and (isinstance(x, int) or (isinstance(x, float) and not math.isnan(x)))
+
+
+# What the page reads from each row of verify's `checks` and `layers`: field -> (test, what it must be).
+# A field absent or null is "not measured" (verify writes null for a skipped check's value); `name` is required.
+_OBJECT, _LIST = (lambda x: isinstance(x, dict), "an object"), (lambda x: isinstance(x, list), "a list")
+_FINITE = (_finite, "a finite number or null")
+_CHECK_FIELDS = {"name": (lambda x: isinstance(x, str), "a string"),
+                 "ok": (lambda x: isinstance(x, bool), "true, false or null"),
+                 "value": _FINITE, "threshold": (_limit, "a number or null"),
+                 "detail": (lambda x: isinstance(x, str), "a string or null")}
+_LAYER_FIELDS = {"layer": (lambda x: isinstance(x, int) and not isinstance(x, bool), "an integer or null"),
+                 "min_sqnr_db": _FINITE, "mean_sqnr_db": _FINITE,
+                 "modules": (lambda x: isinstance(x, int) and not isinstance(x, bool), "an integer or null"),
+                 "worst_module": (lambda x: isinstance(x, str), "a string or null"),
+                 "ok": (lambda x: isinstance(x, bool), "true, false or null")}
+
+
+def _check_verify(doc: dict, where: str, hint: str) -> None:
+    """Every field of a verify JSON object the page reads, of the type `quantkit verify --json` writes; the
+    first that is not is one ConfigError naming it (the file is input: `"passed": "false"` is not a result)."""
+    def bad(name: str, want: str, got) -> ConfigError:
+        return ConfigError(f"{where}: {name!r} is not {want} (got {_shown(got)})", hint=hint)
+
+    if "passed" in doc and not isinstance(doc["passed"], bool):
+        raise bad("passed", "true or false", doc["passed"])
+    for key, (test, want) in (("checks", _LIST), ("layers", _LIST), ("metrics", _OBJECT), ("generation", _OBJECT),
+                              ("thresholds", _OBJECT), ("integrity", _OBJECT), ("format", _OBJECT),
+                              ("data", _OBJECT), ("engine", _OBJECT), ("engine_run", _OBJECT), ("pair", _OBJECT)):
+        if doc.get(key) is not None and not test(doc[key]):
+            raise bad(key, want, doc[key])
+    for key, fields in (("checks", _CHECK_FIELDS), ("layers", _LAYER_FIELDS)):
+        for i, row in enumerate(doc.get(key) or ()):
+            if not isinstance(row, dict):
+                raise bad(f"{key}[{i}]", "an object", row)
+            if key == "checks" and not isinstance(row.get("name"), str):
+                raise bad(f"{key}[{i}].name", "a string", row.get("name"))
+            for name, (test, want) in fields.items():
+                if row.get(name) is not None and not test(row[name]):
+                    raise bad(f"{key}[{i}].{name}", want, row[name])
+    for key in ("metrics", "generation"):
+        for name, v in (doc.get(key) or {}).items():
+            if v is not None and not _finite(v):
+                raise bad(f"{key}.{str(name)[:40]}", "a finite number or null", v)
+    for name, v in (doc.get("thresholds") or {}).items():
+        if name == "min_sqnr_db":  # the one the page draws: a line on the SQNR axes
+            if not (_number(v) is not None and abs(_number(v)) <= SQNR_CAP_DB):
+                raise ConfigError(f"{where}: thresholds.min_sqnr_db is not a number of dB within "
+                                  f"+-{SQNR_CAP_DB:g} (got {_shown(v)})", hint=hint)
+        elif not _limit(v):
+            raise bad(f"thresholds.{str(name)[:40]}", "a number", v)
 
 
 def _sqnr_threshold(verify_doc: dict | None) -> float:

@@ -90,6 +90,20 @@ def _number(x) -> float | None:
     return None if math.isnan(x) else x
 
 
+def _shown(x) -> str:
+    """A value from an input file as an error message names it: short whatever its size (a 1 MB string, a
+    1000-digit integer, a list of a million entries), in JSON's spelling for true, false and null."""
+    if x is None or isinstance(x, bool):
+        return "null" if x is None else str(x).lower()
+    if isinstance(x, str):
+        return repr(x[:40]) + ("..." if len(x) > 40 else "")
+    if isinstance(x, int):
+        return str(x) if x.bit_length() <= 64 else f"a {x.bit_length()}-bit integer"
+    if isinstance(x, float):
+        return repr(x)
+    return "a list" if isinstance(x, list) else "an object" if isinstance(x, dict) else type(x).__name__
+
+
 def _layer_of(name: str) -> int | None:
     return layer_index(name + ".")  # arch.py's rule; a module name may end at its layer
 
