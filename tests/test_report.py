@@ -465,6 +465,32 @@ def test_oversized_inputs_are_refused_from_their_size(small, tmp_path, monkeypat
             build_report(out, output=tmp_path / "r.html")
 
 
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "abc", "1e400", "-1", "0", "1e9", ""])
+def test_manifest_limit_variable_is_a_positive_number_of_mib(small, tmp_path, monkeypatch, raw):
+    """QUANTKIT_REPORT_MAX_MANIFEST_MB: a positive number of MiB up to REPORT_MAX_MANIFEST_MB_BOUND, else one
+    ConfigError naming the variable whose hint speaks of it (not of config.json); empty is unset."""
+    import quantkit.report as rep
+
+    monkeypatch.setenv(rep.REPORT_MANIFEST_ENV, raw)
+    if not raw.strip():
+        assert build_report(small, output=tmp_path / "r.html").figures
+        return
+    with pytest.raises(ConfigError, match=re.escape(f"{rep.REPORT_MANIFEST_ENV}={raw!r} is not a number of MiB")) as e:
+        build_report(small, output=tmp_path / "r.html")
+    assert rep.REPORT_MANIFEST_ENV in e.value.hint and "config.json" not in e.value.hint
+
+
+def test_manifest_limit_variable_takes_fractions(small, tmp_path, monkeypatch):
+    import quantkit.report as rep
+
+    size = (small / "quantkit_manifest.json").stat().st_size
+    monkeypatch.setenv(rep.REPORT_MANIFEST_ENV, f"{(size - 1) / (1 << 20)!r}")  # one byte short
+    with pytest.raises(ConfigError, match=f"over the {size - 1:,} bytes the report reads"):
+        build_report(small, output=tmp_path / "r.html")
+    monkeypatch.setenv(rep.REPORT_MANIFEST_ENV, f"{size / (1 << 20)!r}")
+    assert build_report(small, output=tmp_path / "r.html").figures
+
+
 def test_cli_a_mistyped_verify_json_is_one_error_line(small, tmp_path, capsys):
     """`"passed": "false"` was drawn as "Result: skipped", exit 0; now exit 1, an `error:` line naming the field
     and a `hint:` line, no page written."""

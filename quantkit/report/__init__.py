@@ -116,17 +116,23 @@ def _build_report(qmodel_dir, reference, output, verify_json, timeline=None) -> 
 # pack/manifest.py's own limit.
 REPORT_MAX_MANIFEST_BYTES = 256 << 20
 REPORT_MANIFEST_ENV = "QUANTKIT_REPORT_MAX_MANIFEST_MB"
+REPORT_MAX_MANIFEST_MB_BOUND = 1 << 16  # what it may say: 64 GiB, far above any release (~90 minutes of parsing)
 
 
 def _report_manifest_limit() -> int:
     raw = os.environ.get(REPORT_MANIFEST_ENV)
-    if raw is None:
+    if raw is None or not raw.strip():  # unset or empty: the default
         return REPORT_MAX_MANIFEST_BYTES
     try:
-        mib = int(raw)
+        mib = float(raw)
     except ValueError:
-        raise ConfigError(f"{REPORT_MANIFEST_ENV}={raw[:40]!r} is not a whole number of MiB") from None
-    return max(1, mib) << 20
+        mib = math.nan
+    if not 0 < mib <= REPORT_MAX_MANIFEST_MB_BOUND:  # NaN, inf, 1e400 (inf), 0 and negatives fail this
+        raise ConfigError(f"{REPORT_MANIFEST_ENV}={raw[:40]!r} is not a number of MiB in (0, "
+                          f"{REPORT_MAX_MANIFEST_MB_BOUND}]",
+                          hint=f"set {REPORT_MANIFEST_ENV} to the largest manifest the report may read, in MiB "
+                               f"(e.g. 512; the default is {REPORT_MAX_MANIFEST_BYTES >> 20}), or unset it")
+    return max(1, int(mib * (1 << 20)))
 
 
 def _read_manifest(root: Path) -> dict:
