@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import sys
 import time
 
@@ -64,10 +65,30 @@ def test_the_section_shows_every_phase_of_a_real_convert(converted):
     ({"ranks": [{"phases": {}, "cpu_s": float("nan")}]}, "cpu_s is not a number"),
     ({"ranks": [{"phases": {}, "wait_after": {"solve": "long"}}]}, "wait after 'solve' is not a number"),
     ({"ranks": [{"phases": {}, "wait_after": {"solve": float("inf")}}]}, "wait after 'solve' is not a number"),
-])
+    # a rank is an integer in [0, 2**31): a wrong one is refused, not renumbered (each was drawn, exit 0)
+    ({"ranks": [{"phases": {}, "rank": "x"}]}, "rank entry 0: `rank` is not an integer in [0, 2**31) ('x')"),
+    ({"ranks": [{"phases": {}, "rank": 10 ** 30}]}, "`rank` is not an integer in [0, 2**31) (a 100-bit integer)"),
+    ({"ranks": [{"phases": {}, "rank": 10 ** 1000}]}, "`rank` is not an integer in [0, 2**31) (a 3322-bit integer)"),
+    ({"ranks": [{"phases": {}, "rank": 1 << 31}]}, "`rank` is not an integer in [0, 2**31)"),
+    ({"ranks": [{"phases": {}, "rank": -1}]}, "`rank` is not an integer in [0, 2**31) (-1)"),
+    ({"ranks": [{"phases": {}, "rank": True}]}, "`rank` is not an integer in [0, 2**31) (true)"),
+    ({"ranks": [{"phases": {}, "rank": None}]}, "`rank` is not an integer in [0, 2**31) (null)"),
+    # every list and object of a rank typed
+    ({"ranks": [{"phases": {}, "layers": [5, "x", None]}]}, "rank 0 layers[0] is not an object with an integer"),
+    ({"ranks": [{"phases": {}, "layers": "x"}]}, "rank 0 `layers` is not a list ('x')"),
+    ({"ranks": [{"phases": {}, "layers": [{"layer": "0", "phases": {}}]}]}, "rank 0 layers[0] is not an object"),
+    ({"ranks": [{"phases": {}, "layers": [{"layer": 0}]}]}, "rank 0 layers[0] is not an object"),
+    ({"ranks": [{"phases": {}, "layers": [{"layer": 0, "phases": {"solve": "x" * 10_000}}]}]},
+     "rank 0 layer 0 phase 'solve' is not a number of seconds ('xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'...)"),
+    ({"ranks": [{"phases": {}, "layers": [{"layer": 0, "phases": {}}] * 4097}]}, "more than the 4096 convert records"),
+    ({"ranks": [{"phases": {}, "phases_cpu": [1]}]}, "rank 0 `phases_cpu` is not an object (a list)"),
+    ({"ranks": [{"phases": {}, "wait_after": "long"}]}, "rank 0 `wait_after` is not an object ('long')"),
+    ({"ranks": [{"phases": {"solve": 10 ** 5000}}]}, "phase 'solve' is not a number of seconds (a 16610-bit integer)"),
+], ids=lambda x: None if isinstance(x, dict) else x[:30])
 def test_malformed_timelines_are_one_line_errors(converted, doc, msg):
-    with pytest.raises(ConfigError, match=msg):
+    with pytest.raises(ConfigError, match=re.escape(msg)) as e:
         build_report(converted / "q", output=converted / "bad.html", timeline=doc)
+    assert len(e.value.message) < 200 and "convert --json" in e.value.hint
     assert not (converted / "bad.html").exists()
 
 
@@ -79,10 +100,10 @@ def test_hostile_sizes_are_bounded(converted, tmp_path):
     with pytest.raises(ConfigError, match="over the"):
         build_report(converted / "q", output=tmp_path / "r.html", timeline=big)
     assert time.perf_counter() - t0 < 2
-    # 20,000 ranks, 1 MB phase names, a 1000-digit rank: drawn capped, names truncated, in bounded time
+    # 20,000 ranks, 1 MB phase names: drawn capped, names truncated, in bounded time (a 1000-digit rank is refused)
     name = "$x" * 500_000
     after = {name: 0.5, **{f"step{j}": 0.5 for j in range(100_000)}}  # one object, shared by every rank
-    ranks = [{"rank": 10 ** 1000 if i == 0 else i, "wall_s": 2.0, "phases": {name: 1.0, "solve": 1.0},
+    ranks = [{"rank": i, "wall_s": 2.0, "phases": {name: 1.0, "solve": 1.0},
               "wait_after": after} for i in range(20_000)]
     t0 = time.perf_counter()
     res = build_report(converted / "q", output=tmp_path / "r.html", timeline={"ranks": ranks})

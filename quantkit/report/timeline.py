@@ -2,9 +2,9 @@
 
 Input: what `quantkit convert --json` printed (its `timeline` key), or the `{"ranks": [...]}` object itself,
 given with `quantkit report OUT --timeline FILE`. The file is input like any other: its size is capped before
-parsing, its shape checked, every number required finite and non-negative, and the ranks and phases drawn
-are capped (MAX_RANKS, MAX_PHASES; names truncated), so a hostile file can neither crash the report nor
-make it slow.
+parsing, its shape checked (each rank an integer in [0, 2**31), each list and object of the type convert
+writes), every number required finite and non-negative, and the ranks and phases drawn are capped (MAX_RANKS,
+MAX_PHASES; names truncated), so a hostile file can neither crash the report nor make it slow.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import math
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..timeline import MAX_LAYERS
 from ..read.checkpoint import read_json_file
+from .model import _shown
 from .page import _Page, _e, _new_figure
 
 MAX_TIMELINE_BYTES = 16 << 20
@@ -32,7 +34,7 @@ COLOURS = {"setup": "#7f7f7f", "load": "#bcbd22", "forward": "#1f77b4", "statist
 def _seconds(x, where: str) -> float:
     if (isinstance(x, bool) or not isinstance(x, (int, float)) or (isinstance(x, int) and not 0 <= x <= 10**9)
             or not math.isfinite(x) or x < 0 or x > 1e9):  # an int range first: math.isfinite(10**400) raises
-        raise ConfigError(f"timeline: {where} is not a number of seconds ({str(x)[:40]!r})", hint=HINT)
+        raise ConfigError(f"timeline: {where} is not a number of seconds ({_shown(x)})", hint=HINT)
     return float(x)
 
 
@@ -50,20 +52,46 @@ def read_timeline(source: dict | str | Path) -> list[dict]:
     for i, r in enumerate(ranks):
         if not isinstance(r, dict) or not isinstance(r.get("phases"), dict):
             raise ConfigError(f"timeline: rank entry {i} is not an object with `phases`", hint=HINT)
-        phases = {str(k)[:MAX_NAME]: _seconds(v, f"rank {i} phase {str(k)[:MAX_NAME]!r}")
-                  for k, v in r["phases"].items()}
-        cpu = r.get("phases_cpu") if isinstance(r.get("phases_cpu"), dict) else {}
-        cpu = {str(k)[:MAX_NAME]: _seconds(v, f"rank {i} CPU of {str(k)[:MAX_NAME]!r}") for k, v in cpu.items()}
-        after = r.get("wait_after") if isinstance(r.get("wait_after"), dict) else {}
-        after = {str(k)[:MAX_NAME]: _seconds(v, f"rank {i} wait after {str(k)[:MAX_NAME]!r}")
-                 for k, v in itertools.islice(after.items(), MAX_PHASES)}
-        rank = r.get("rank", i)
-        out.append({"rank": rank if isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < 1 << 31 else i,
-                    "wall_s": _seconds(r.get("wall_s", sum(phases.values())), f"rank {i} wall_s"),
-                    "cpu_s": _seconds(r["cpu_s"], f"rank {i} cpu_s") if "cpu_s" in r else None,
-                    "untracked_s": _seconds(r.get("untracked_s", 0.0), f"rank {i} untracked_s"),
+        rank = r.get("rank", i)  # a bare entry is numbered by its place; a wrong rank is refused, not renumbered
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 1 << 31:
+            raise ConfigError(f"timeline: rank entry {i}: `rank` is not an integer in [0, 2**31) "
+                              f"({_shown(rank)})", hint=HINT)
+        phases = _phases(r["phases"], f"rank {rank} phase")
+        cpu = _phases(_object(r, "phases_cpu", rank), f"rank {rank} CPU of")
+        after = _object(r, "wait_after", rank)  # the section lists the first MAX_PHASES; only they are read
+        after = _phases(dict(itertools.islice(after.items(), MAX_PHASES)), f"rank {rank} wait after")
+        layers = r.get("layers")  # each decoder layer's phases: not drawn, but typed like the rest
+        if layers is not None and not isinstance(layers, list):
+            raise ConfigError(f"timeline: rank {rank} `layers` is not a list ({_shown(layers)})", hint=HINT)
+        if layers is not None and len(layers) > MAX_LAYERS:
+            raise ConfigError(f"timeline: rank {rank} `layers` holds {len(layers):,} entries, more than the "
+                              f"{MAX_LAYERS} convert records", hint=HINT)
+        for j, lay in enumerate(layers or ()):
+            idx = lay.get("layer") if isinstance(lay, dict) else None
+            if (not isinstance(lay, dict) or isinstance(idx, bool) or not isinstance(idx, int)
+                    or not 0 <= idx < 1 << 31 or not isinstance(lay.get("phases"), dict)):
+                raise ConfigError(f"timeline: rank {rank} layers[{j}] is not an object with an integer `layer` "
+                                  f"in [0, 2**31) and `phases` ({_shown(lay)})", hint=HINT)
+            _phases(lay["phases"], f"rank {rank} layer {idx} phase")
+        out.append({"rank": rank,
+                    "wall_s": _seconds(r.get("wall_s", sum(phases.values())), f"rank {rank} wall_s"),
+                    "cpu_s": _seconds(r["cpu_s"], f"rank {rank} cpu_s") if "cpu_s" in r else None,
+                    "untracked_s": _seconds(r.get("untracked_s", 0.0), f"rank {rank} untracked_s"),
                     "phases": phases, "phases_cpu": cpu, "wait_after": after})
     return out
+
+
+def _object(r: dict, key: str, rank: int) -> dict:
+    """A rank's optional object `key` ({} when absent or null)."""
+    v = r.get(key)
+    if v is not None and not isinstance(v, dict):
+        raise ConfigError(f"timeline: rank {rank} `{key}` is not an object ({_shown(v)})", hint=HINT)
+    return v or {}
+
+
+def _phases(d: dict, where: str) -> dict[str, float]:
+    """{phase name (cut to MAX_NAME): seconds}, every value checked."""
+    return {str(k)[:MAX_NAME]: _seconds(v, f"{where} {str(k)[:MAX_NAME]!r}") for k, v in d.items()}
 
 
 def _order(ranks: list[dict]) -> list[str]:
