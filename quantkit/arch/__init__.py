@@ -22,7 +22,9 @@ from typing import Any
 
 from ..errors import ConfigError, ConfigMismatch, UnsupportedArchitecture
 from .layout import MIXTRAL_EXPERTS, QWEN_EXPERTS, ExpertNames  # noqa: F401 (the module names: arch/layout.py)
-from .layout import expert_parts, expert_role
+from .layout import (ATTN, DENSE_MLP, EXPERT_BLOCKS, EXPERTS, K, K_NORM, KV_A, KV_A_NORM, KV_B, LAYERS, O, Q, Q_A,
+                     Q_A_NORM, Q_B, Q_NORM, ROUTER_MODULES, SHARED_EXPERT_PREFIX, SHARED_EXPERTS, V, LayerNames,
+                     expert_parts, expert_role)
 
 
 # ---- the registry ------------------------------------------------------------------------------------
@@ -45,21 +47,30 @@ class Arch:
     routing_weights_in_act_dtype: bool = False  # the routing weights are rounded to the activation dtype
     qk_norm_whole: bool = False  # q/k norms span the whole projection (OLMoE), not each head (Qwen3, GLM)
     experts_key: str = "n_routed_experts"  # the config.json field counting the routed experts
+    # config.json fields transformers' config class reads as one field (its attribute_map, and the spellings its
+    # __post_init__ reroutes): each group is one field, quantkit's own spelling first
+    aliases: tuple[tuple[str, ...], ...] = ()
 
 
+_DEEPSEEK_ALIASES = (("n_routed_experts", "num_local_experts"), ("num_nextn_predict_layers", "num_mtp_layers"))
 ARCHITECTURES: dict[str, Arch] = {
     "llama": Arch("llama", "gqa", None),
     "qwen3": Arch("qwen3", "gqa", None),  # k_norm on each head before RoPE
     "qwen3_moe": Arch("qwen3_moe", "gqa", QWEN_EXPERTS, runner=True, routing_weights_in_act_dtype=True,
-                      experts_key="num_experts"),
-    "mixtral": Arch("mixtral", "gqa", MIXTRAL_EXPERTS, runner=True, experts_key="num_local_experts"),
-    "deepseek_v3": Arch("deepseek_v3", "mla", QWEN_EXPERTS, runner=True, rope_interleave=True, routing="noaux_tc"),
+                      experts_key="num_experts", aliases=(("num_experts", "num_local_experts"),)),
+    "mixtral": Arch("mixtral", "gqa", MIXTRAL_EXPERTS, runner=True, experts_key="num_local_experts",
+                    aliases=(("num_local_experts", "num_experts"),)),
+    "deepseek_v3": Arch("deepseek_v3", "mla", QWEN_EXPERTS, runner=True, rope_interleave=True, routing="noaux_tc",
+                        aliases=_DEEPSEEK_ALIASES),
     # partial RoPE, optional qk norm
-    "glm4_moe": Arch("glm4_moe", "gqa", QWEN_EXPERTS, runner=True, partial_rotary=0.5, routing="noaux_tc"),
+    "glm4_moe": Arch("glm4_moe", "gqa", QWEN_EXPERTS, runner=True, partial_rotary=0.5, routing="noaux_tc",
+                     aliases=_DEEPSEEK_ALIASES),
     # MLA + DSA indexer (GLM-5); its RoPE is always the interleaved one (no config key; the runner does not run it)
-    "glm_moe_dsa": Arch("glm_moe_dsa", "mla", QWEN_EXPERTS, routing="noaux_tc"),
+    "glm_moe_dsa": Arch("glm_moe_dsa", "mla", QWEN_EXPERTS, routing="noaux_tc",
+                        aliases=(("n_routed_experts", "num_local_experts", "num_experts"),)),
     # OLMoE: every layer MoE, no shared expert, q/k norms over the whole projection (not per head)
-    "olmoe": Arch("olmoe", "gqa", QWEN_EXPERTS, qk_norm_whole=True, experts_key="num_experts"),
+    "olmoe": Arch("olmoe", "gqa", QWEN_EXPERTS, qk_norm_whole=True, experts_key="num_experts",
+                  aliases=(("num_experts", "num_local_experts"),)),
 }
 # Kimi K2's config.json says model_type "kimi_k2" (with remote code); the architecture is DeepSeek-V3's.
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -130,6 +141,9 @@ def support_hint(command: str) -> str:
 # The hint of a config.json field of the wrong type or shape: transformers' own config classes never write one.
 FIELD_HINT = ("transformers writes this field as the model's config class defines it: this config.json was edited "
               "or is corrupt; compare it with the model's own on the hub")
+
+# first_k_dense_replace when config.json gives none (transformers' defaults; the other MoE families': 3)
+_FIRST_DENSE = {"glm4_moe": 1}
 
 # Sane bounds on what a config may claim (the largest real values are orders of magnitude below).
 MAX_LAYERS = 1024
@@ -455,6 +469,7 @@ def _parse(config: Mapping[str, Any], cfg: Mapping[str, Any], prefix: str, model
     """Each field, read and checked on its own (`_consistent` then holds them against each other)."""
     arch = family(config)
     gqa_family = ARCHITECTURES[arch].attention == "gqa"
+    _aliases_agree(arch, cfg)
     quant = config.get("quantization_config") or cfg.get("quantization_config")
     if quant is not None and not isinstance(quant, Mapping):
         raise ConfigError("config.json quantization_config must be an object", hint=FIELD_HINT)
@@ -483,7 +498,7 @@ def _parse(config: Mapping[str, Any], cfg: Mapping[str, Any], prefix: str, model
         if rot < 2 or rot % 2:
             raise ConfigError(f"config.json head_dim {head_dim} with partial_rotary_factor {partial:g} rotates {rot} "
                               "dimensions; RoPE rotates pairs (an even number, at least 2)", hint=FIELD_HINT)
-    mtp = _int(cfg, "num_nextn_predict_layers", 0, upper=MAX_LAYERS, lo=0) \
+    mtp = _int(cfg, _key(arch, cfg, "num_nextn_predict_layers"), 0, upper=MAX_LAYERS, lo=0) \
         if arch in ("deepseek_v3", "glm4_moe", "glm_moe_dsa") else 0
     n_all = L + mtp
     common = dict(model_type=model_type, arch=arch, prefix=prefix, dtype=_dtype_of(cfg), vocab_size=V,
@@ -493,8 +508,8 @@ def _parse(config: Mapping[str, Any], cfg: Mapping[str, Any], prefix: str, model
     width = lambda key: _int(cfg, key, upper=MAX_INTERMEDIATE)  # noqa: E731
 
     if arch in ("deepseek_v3", "glm4_moe", "glm_moe_dsa"):
-        E = _int(cfg, "n_routed_experts", upper=MAX_EXPERTS, lo=0)
-        default_dense = 1 if arch == "glm4_moe" else 3  # transformers' defaults
+        E = _int(cfg, _key(arch, cfg, "n_routed_experts"), upper=MAX_EXPERTS, lo=0)
+        default_dense = _FIRST_DENSE.get(arch, 3)
         first_dense = min(default_dense, L)
         if cfg.get("first_k_dense_replace") is not None:
             first_dense = _int(cfg, "first_k_dense_replace", lo=0)
@@ -565,13 +580,13 @@ def _parse(config: Mapping[str, Any], cfg: Mapping[str, Any], prefix: str, model
         bias = _bool(cfg, "attention_bias", False)
         _num(cfg, "clip_qkv", None)  # null: no clipping
         return ModelSpec(**common, **gqa, moe=(True,) * L, intermediate_size=inter, moe_intermediate_size=inter,
-                         num_experts=_int(cfg, ARCHITECTURES[arch].experts_key, upper=MAX_EXPERTS, lo=0),
+                         num_experts=_int(cfg, _experts_key(arch, cfg), upper=MAX_EXPERTS, lo=0),
                          experts_per_tok=top_k(), shared_intermediate=0, qkv_bias=bias, o_bias=bias, qk_norm=True,
                          norm_topk_prob=_bool(cfg, "norm_topk_prob", False))
     if arch == "mixtral":
         inter = width("intermediate_size")
         return ModelSpec(**common, **gqa, moe=(True,) * L, intermediate_size=inter, moe_intermediate_size=inter,
-                         num_experts=_int(cfg, ARCHITECTURES[arch].experts_key, upper=MAX_EXPERTS, lo=0),
+                         num_experts=_int(cfg, _experts_key(arch, cfg), upper=MAX_EXPERTS, lo=0),
                          experts_per_tok=top_k(), shared_intermediate=0, norm_topk_prob=True)
     bias = _bool(cfg, "attention_bias", False)  # llama, qwen3 (dense)
     return ModelSpec(**common, **gqa, moe=(False,) * L, intermediate_size=width("intermediate_size"),
@@ -581,9 +596,27 @@ def _parse(config: Mapping[str, Any], cfg: Mapping[str, Any], prefix: str, model
 
 
 def _experts_key(arch: str, cfg: Mapping[str, Any]) -> str:
-    """The config field counting the routed experts (qwen3_moe: transformers 5 writes num_local_experts)."""
-    key = ARCHITECTURES[arch].experts_key
-    return "num_local_experts" if arch == "qwen3_moe" and cfg.get(key) is None else key
+    """The config field counting the routed experts, as this config spells it (qwen3_moe: transformers 5 writes
+    num_local_experts; glm_moe_dsa reads num_experts too)."""
+    return _key(arch, cfg, ARCHITECTURES[arch].experts_key)
+
+
+def _key(arch: str, cfg: Mapping[str, Any], key: str) -> str:
+    """How config.json spells field `key`: `key` itself, else the first name transformers' config class reads as
+    the same field (`Arch.aliases`) that the config gives; `key` when it gives none."""
+    group = next((g for g in ARCHITECTURES[arch].aliases if key in g), ())
+    return next((k for k in (key, *group) if cfg.get(k) is not None), key)
+
+
+def _aliases_agree(arch: str, cfg: Mapping[str, Any]) -> None:
+    """Two spellings of one field (n_routed_experts and num_local_experts) must give the same value:
+    transformers keeps whichever comes last in the file, so engines may read either."""
+    for group in ARCHITECTURES[arch].aliases:
+        given = [(k, cfg[k]) for k in group if cfg.get(k) is not None]
+        if any(v != given[0][1] or type(v) is not type(given[0][1]) for _, v in given[1:]):
+            shown = " and ".join(f"{k} = {_show(v)}" for k, v in given)
+            raise ConfigError(f"config.json gives {shown}: one field to transformers, which keeps whichever comes "
+                              "last", hint=FIELD_HINT)
 
 
 def _consistent(spec: ModelSpec, cfg: Mapping[str, Any]) -> None:
@@ -624,10 +657,14 @@ def _expert_rx(p: str) -> re.Pattern:
 
 
 def check_tensors(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]]) -> None:
-    """Hold `spec` against a checkpoint's tensors (name -> shape): the embedding's vocab and hidden size,
-    the number of decoder layers, the routed experts of each MoE layer, and the attention heads. Raises
-    ConfigMismatch naming the config field and the tensor that disagree. Layers beyond `num_layers` are
-    allowed only as MTP layers; tensors of other modalities (wrappers) are not looked at."""
+    """Hold `spec` against a checkpoint's tensors (name -> shape): the embedding's vocab and hidden size, the
+    number of decoder layers, the routed experts of each MoE layer and their widths, and in each layer the shards
+    hold: the dense/MoE layout (an MoE layer holds routed experts and a router, a dense one a dense MLP and
+    neither), the shared expert, the dense MLP's width and every attention projection (`_check_layer`). Raises
+    ConfigMismatch naming the config field and the tensor that disagree. Shapes are read from `<module>.weight`
+    tensors (dense or FP8); a module stored in another form counts only as present. Layers beyond `num_layers`
+    are allowed only as MTP layers; tensors of other modalities (wrappers) are not looked at. One pass over the
+    names (Kimi K2: ~10^5)."""
     p = spec.prefix
     emb = shapes.get(f"{p}model.embed_tokens.weight")
     if emb is not None and len(emb) == 2:
@@ -638,10 +675,14 @@ def check_tensors(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]]) -> Non
     layers: set[int] = set()
     experts: dict[int, set[int]] = {}
     fused: dict[int, int] = {}
+    routed: dict[int, str] = {}  # layer -> the first routed-expert tensor it holds
+    held: dict[int, dict[str, tuple[int, ...] | None]] = {}  # layer -> module -> its .weight shape (None: absent)
+    expert_weights: dict[str, tuple[int, ...]] = {}
     ex = _expert_rx(p)
     fx = re.compile(re.escape(p) + r"model\.layers\.(\d{1,9})\.mlp\.experts\.(?:gate_up_proj|down_proj)$")
+    head, routed_part = f"{p}{LAYERS}.", f".{EXPERTS}."
     for name, shape in shapes.items():
-        if not name.startswith(f"{p}model.layers."):
+        if not name.startswith(head):
             continue
         idx = layer_index(name)
         if idx is None:  # e.g. a 5,000-digit "index": not a decoder layer of any model
@@ -649,12 +690,23 @@ def check_tensors(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]]) -> Non
             raise ConfigMismatch(f"tensor {shown!r} is under model.layers. without a decoder-layer index "
                                  f"(at most 9 digits)")
         layers.add(idx)
-        e = ex.match(name)
-        if e:
-            experts.setdefault(int(e[1]), set()).add(int(e[2]))
-        f = fx.match(name)
-        if f and len(shape) == 3:
-            fused[int(f[1])] = shape[0]
+        if routed_part in name:
+            routed.setdefault(idx, name)
+            e = ex.match(name)
+            if e:
+                experts.setdefault(int(e[1]), set()).add(int(e[2]))
+                if name.endswith(".weight"):
+                    expert_weights[name] = shape
+            f = fx.match(name)
+            if f and len(shape) == 3:
+                fused[int(f[1])] = shape[0]
+            continue
+        module, _, leaf = name.rpartition(".")
+        mods = held.setdefault(idx, {})
+        if leaf == "weight":
+            mods[module] = tuple(shape)
+        else:
+            mods.setdefault(module, None)
     if layers:
         top = max(layers)
         if top >= spec.num_layers + spec.mtp_layers:
@@ -664,23 +716,178 @@ def check_tensors(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]]) -> Non
         if gap is not None:
             _mismatch("num_hidden_layers", spec.num_layers, f"{p}model.layers.{gap}.*", None,
                       f"the shards hold no layer {gap}")
-    key = ARCHITECTURES[spec.arch].experts_key
+    key = _experts_key(spec.arch, spec.text)
     for layer in sorted(set(experts) | set(fused)):
         ids = experts.get(layer, set())
         count = fused.get(layer, max(ids) + 1 if ids else 0)
         if count != spec.num_experts or (ids and len(ids) != count):
             _mismatch(key, spec.num_experts, f"{p}model.layers.{layer}.*.experts.*", None,
                       f"layer {layer} stores {count if not ids or len(ids) == count else len(ids)} routed experts")
-    check_expert_shapes(spec, {n: s for n, s in shapes.items() if n.endswith(".weight")})
-    q_dim = spec.head_dim if spec.attention == "gqa" else spec.qk_nope_head_dim + spec.qk_rope_head_dim
-    rows = {"q_proj": ("num_attention_heads", spec.num_heads, spec.num_heads * q_dim)}
-    if spec.attention == "gqa":
-        rows["k_proj"] = ("num_key_value_heads", spec.num_kv_heads, spec.num_kv_heads * spec.head_dim)
-    for proj, (field_, value, want) in rows.items():
-        name = next((n for n in shapes if n.startswith(f"{p}model.layers.")
-                     and n.endswith(f".self_attn.{proj}.weight") and len(shapes[n]) == 2), None)
-        if name is not None and shapes[name][0] != want:
-            _mismatch(field_, value, name, shapes[name], f"{shapes[name][0]} output rows, {want} implied")
+    check_expert_shapes(spec, expert_weights)
+    for i in sorted(layers):
+        _check_layer(spec, i, held.get(i, {}), routed.get(i))
+
+
+def _held(mods: Mapping[str, tuple[int, ...] | None], module: str) -> str:
+    """The tensor to name for a module the shards hold: its weight, or all of it when stored in another form."""
+    return f"{module}.weight" if mods.get(module) is not None else f"{module}.*"
+
+
+def _check_shape(mods: Mapping[str, tuple[int, ...] | None], module: str, want: tuple[int, ...],
+                 fields: tuple[tuple[str, Any], ...], formula: str) -> None:
+    """`module`'s weight, when the shards hold it as `.weight`, against `want`; a dimension that differs names
+    its field (`fields[d]`: config key, value). `formula`: how the config implies `want`, for the message."""
+    shape = mods.get(module)
+    if shape is None or len(shape) != len(want) or shape == want:
+        return
+    d = next(k for k in range(len(want)) if shape[k] != want[k])
+    _mismatch(fields[d][0], fields[d][1], f"{module}.weight", shape,
+              f"shape {list(shape)}, the config implies {list(want)} = [{formula}]")
+
+
+def _layout_field(spec: ModelSpec, i: int) -> tuple[str, Any]:
+    """(config key, value as shown) of the field that makes layer `i` an MoE layer or a dense one."""
+    cfg, a = spec.text, spec.arch
+    if i >= spec.num_layers:
+        return _key(a, cfg, "num_nextn_predict_layers"), spec.mtp_layers
+    if ARCHITECTURES[a].experts is None:
+        return "model_type", _show(spec.model_type)
+    if a in ("mixtral", "olmoe") or not spec.num_experts:
+        return _experts_key(a, cfg), spec.num_experts
+    if a == "qwen3_moe":
+        only = _int_list(cfg, "mlp_only_layers", MAX_LAYERS)
+        if i in only or (spec.moe[i] and only):
+            return "mlp_only_layers", _show(only)
+        return "decoder_sparse_step", cfg.get("decoder_sparse_step") or 1
+    if a == "glm_moe_dsa" and cfg.get("mlp_layer_types"):
+        return "mlp_layer_types", _show(cfg["mlp_layer_types"])
+    first = cfg.get("first_k_dense_replace")
+    first = min(_FIRST_DENSE.get(a, 3), spec.num_layers) if first is None else first
+    freq = (cfg.get("moe_layer_freq") or 1) if a == "deepseek_v3" else 1
+    if i >= first and freq > 1:
+        return "moe_layer_freq", freq
+    return "first_k_dense_replace", first
+
+
+def _check_layer(spec: ModelSpec, i: int, mods: Mapping[str, tuple[int, ...] | None], routed: str | None) -> None:
+    """Decoder layer `i` as the shards hold it (`mods`: its modules other than routed experts -> their weight's
+    shape; `routed`: a routed-expert tensor it holds, or None) against the spec: attention, then its MLP."""
+    if i >= len(spec.moe):
+        return
+    ln = LayerNames(spec.prefix, i, ARCHITECTURES[spec.arch].experts or QWEN_EXPERTS)
+    if spec.attention == "mla":
+        _check_mla(spec, ln, mods)
+    else:
+        _check_gqa(spec, ln, mods)
+    D, I = spec.hidden_size, spec.intermediate_size
+    dense = [f"{ln.dense_mlp}.{proj}" for proj in (DENSE_MLP.gate, DENSE_MLP.up, DENSE_MLP.down)]
+    routers = [m for m in (f"{ln.layer}.{r}" for r in ROUTER_MODULES) if m in mods]
+    shared_at = tuple(f"{ln.layer}.{b}.{SHARED_EXPERT_PREFIX}" for b in EXPERT_BLOCKS)
+    shared = next((m for m in mods if m.startswith(shared_at)), None)
+    field_, value = _layout_field(spec, i)
+    if not spec.moe[i]:
+        found = routed or (f"{routers[0]}.*" if routers else None) or (_held(mods, shared) if shared else None)
+        if found:
+            what = "routed experts" if routed else "a router" if routers else "a shared expert"
+            _mismatch(field_, value, found, None, f"the config makes layer {i} dense; the shards hold {what} there")
+        for module in dense:
+            if module not in mods:
+                _mismatch(field_, value, f"{module}.weight", None,
+                          f"the config makes layer {i} dense; the shards hold no {module.rsplit('.', 1)[1]} there")
+        for module, want, fields in zip(dense, ((I, D), (I, D), (D, I)), (("intermediate_size", "hidden_size"),) * 2
+                                        + (("hidden_size", "intermediate_size"),)):
+            _check_shape(mods, module, want, tuple((f, getattr(spec, f)) for f in fields),
+                         ", ".join(fields))
+        return
+    if routed is None:
+        found = next((m for m in dense if m in mods), None)
+        _mismatch(field_, value, _held(mods, found) if found else f"{ln.mlp}.{EXPERTS}.*", None,
+                  f"the config makes layer {i} an MoE layer; the shards hold "
+                  f"{'a dense MLP' if found else 'no routed experts'} there")
+    if not routers:
+        raise ConfigMismatch(f"layer {i} holds routed experts but no router ({ln.router}.weight): the shards are "
+                             "incomplete")
+    key = _experts_key(spec.arch, spec.text)
+    _check_shape(mods, routers[0], (spec.num_experts, D), ((key, spec.num_experts), ("hidden_size", D)),
+                 f"{key}, hidden_size")
+    S = spec.shared_intermediate
+    n_shared = ("n_shared_experts", spec.text.get("n_shared_experts") or 0) \
+        if spec.arch in ("deepseek_v3", "glm4_moe", "glm_moe_dsa") else ("model_type", _show(spec.model_type))
+    if S and shared is None:
+        _mismatch(*n_shared, f"{ln.shared}.*", None,
+                  f"the config gives layer {i} a shared expert {S} wide; the shards hold none")
+    if not S and shared is not None:
+        _mismatch(*n_shared, _held(mods, shared), None, f"the config gives layer {i} no shared expert; the shards "
+                                                        "hold one")
+    if S:
+        for proj, want in ((DENSE_MLP.gate, (S, D)), (DENSE_MLP.up, (S, D)), (DENSE_MLP.down, (D, S))):
+            dims = (n_shared, ("hidden_size", D)) if want[0] == S else (("hidden_size", D), n_shared)
+            _check_shape(mods, f"{ln.shared}.{proj}", want, dims,
+                         ", ".join("n_shared_experts x moe_intermediate_size" if w == S else "hidden_size"
+                                   for w in want))
+
+
+def _check_gqa(spec: ModelSpec, ln: LayerNames, mods: Mapping[str, tuple[int, ...] | None]) -> None:
+    """q/k/v/o_proj [H*hd, D], [KV*hd, D], [KV*hd, D], [D, H*hd] and the q/k norms' widths."""
+    H, KV, hd, D = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
+    explicit = spec.text.get("head_dim") is not None
+    hd_is = "head_dim" if explicit else "head_dim (hidden_size / num_attention_heads)"
+    heads, kv, hidden = ("num_attention_heads", H), ("num_key_value_heads", KV), ("hidden_size", D)
+    if spec.qk_norm:
+        qw, kw = spec.qk_norm_widths
+        if ARCHITECTURES[spec.arch].qk_norm_whole:
+            norms = ((Q_NORM, qw, heads, f"num_attention_heads x {hd_is}"),
+                     (K_NORM, kw, kv, f"num_key_value_heads x {hd_is}"))
+        else:
+            f = ("head_dim", hd) if explicit else heads
+            norms = ((Q_NORM, qw, f, hd_is), (K_NORM, kw, f, hd_is))
+        for proj, want, f, formula in norms:
+            _check_shape(mods, ln.att(proj), (want,), (f,), formula)
+    for proj, want, fields, formula in (
+            (Q, (H * hd, D), (heads, hidden), f"num_attention_heads x {hd_is}, hidden_size"),
+            (K, (KV * hd, D), (kv, hidden), f"num_key_value_heads x {hd_is}, hidden_size"),
+            (V, (KV * hd, D), (kv, hidden), f"num_key_value_heads x {hd_is}, hidden_size"),
+            (O, (D, H * hd), (hidden, heads), f"hidden_size, num_attention_heads x {hd_is}")):
+        _check_shape(mods, ln.att(proj), want, fields, formula)
+
+
+def _check_mla(spec: ModelSpec, ln: LayerNames, mods: Mapping[str, tuple[int, ...] | None]) -> None:
+    """MLA's projections: q_a_proj [rq, D], q_a_layernorm [rq], q_b_proj [H*(nope+rope), rq] (or one q_proj
+    [H*(nope+rope), D] when q_lora_rank is null), kv_a_layernorm [rkv], kv_a_proj_with_mqa [rkv+rope, D],
+    kv_b_proj [H*(nope+v), rkv], o_proj [D, H*v]. Which of heads, nope and v is wrong is solved from the three
+    projections that share them, when all three are stored as weights."""
+    H, D, rq, rkv = spec.num_heads, spec.hidden_size, spec.q_lora_rank, spec.kv_lora_rank
+    nope, rope, v = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+    a = ln.att
+    q_rank = ("q_lora_rank", "null" if rq is None else rq)
+    if rq is None and a(Q_A) in mods:
+        _mismatch(*q_rank, _held(mods, a(Q_A)), None, "the config has one q_proj and no q latent; the shards hold "
+                                                      "q_a_proj")
+    if rq is not None and a(Q_A) not in mods:
+        _mismatch(*q_rank, f"{a(Q_A)}.weight", None, f"the shards hold no q_a_proj"
+                                                      f"{' but a q_proj' if a(Q) in mods else ''}")
+    hidden, kv_rank, rope_f = ("hidden_size", D), ("kv_lora_rank", rkv), ("qk_rope_head_dim", rope)
+    if rq is not None:
+        _check_shape(mods, a(Q_A), (rq, D), (q_rank, hidden), "q_lora_rank, hidden_size")
+        _check_shape(mods, a(Q_A_NORM), (rq,), (q_rank,), "q_lora_rank")
+    _check_shape(mods, a(KV_A_NORM), (rkv,), (kv_rank,), "kv_lora_rank")
+    _check_shape(mods, a(KV_A), (rkv + rope, D), (rope_f if mods.get(a(KV_A_NORM)) else kv_rank, hidden),
+                 "kv_lora_rank + qk_rope_head_dim, hidden_size")
+    q_out = mods.get(a(Q_B) if rq is not None else a(Q))
+    kvb, o = mods.get(a(KV_B)), mods.get(a(O))
+    culprit = ("num_attention_heads", H)
+    if q_out and kvb and o and len(q_out) == len(kvb) == len(o) == 2:
+        hr = o[1] + q_out[0] - kvb[0]  # H*v + H*(nope+rope) - H*(nope+v) = H*rope
+        if hr % rope == 0 and hr // rope == H:
+            culprit = ("v_head_dim", v) if o[1] != H * v else ("qk_nope_head_dim", nope)
+    q_formula = "num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim)"
+    if rq is not None:
+        _check_shape(mods, a(Q_B), (H * (nope + rope), rq), (culprit, q_rank), f"{q_formula}, q_lora_rank")
+    else:
+        _check_shape(mods, a(Q), (H * (nope + rope), D), (culprit, hidden), f"{q_formula}, hidden_size")
+    _check_shape(mods, a(KV_B), (H * (nope + v), rkv), (culprit, kv_rank),
+                 "num_attention_heads x (qk_nope_head_dim + v_head_dim), kv_lora_rank")
+    _check_shape(mods, a(O), (D, H * v), (hidden, culprit), "hidden_size, num_attention_heads x v_head_dim")
 
 
 def check_expert_shapes(spec: ModelSpec, weights: Mapping[str, tuple[int, ...]]) -> None:
@@ -778,9 +985,17 @@ def _evidence(field_: str, shapes: Mapping[str, tuple[int, ...]], p: str) -> tup
             layer = ids[0][0]
             n = 1 + max(e for lay, e in ids if lay == layer)
             return f"{p}model.layers.{layer}.*.experts.*", f"layer {layer} stores {n} routed experts"
-    if field_ in ("num_attention_heads", "num_key_value_heads"):
-        proj = "q_proj" if field_ == "num_attention_heads" else "k_proj"
-        name = next((n for n in shapes if n.endswith(f".self_attn.{proj}.weight")), None)
+    module = _EVIDENCE.get(field_)
+    if module:
+        name = next((n for n in shapes if n.startswith(f"{p}model.layers.") and n.endswith(f".{module}.weight")), None)
         if name:
             return name, f"shape {list(shapes[name])}"
     return None
+
+
+# the module whose weight shows a field's real value (heads: with head_dim; MLA: with the other ranks)
+_EVIDENCE = {"num_attention_heads": f"{ATTN}.{Q}", "num_key_value_heads": f"{ATTN}.{K}", "head_dim": f"{ATTN}.{Q}",
+             "q_lora_rank": f"{ATTN}.{Q_A}", "kv_lora_rank": f"{ATTN}.{KV_A_NORM}",
+             "qk_rope_head_dim": f"{ATTN}.{KV_A}", "qk_nope_head_dim": f"{ATTN}.{KV_B}", "v_head_dim": f"{ATTN}.{O}",
+             "intermediate_size": f"{DENSE_MLP.block}.{DENSE_MLP.down}",
+             "n_shared_experts": f"{SHARED_EXPERTS}.{DENSE_MLP.down}"}
