@@ -8,7 +8,10 @@ release; docs/export.md lists them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from ..errors import ExportError, NotRepresentable
 
 
 # quantkit arch (registry key) -> gguf.MODEL_ARCH member name
@@ -30,19 +33,70 @@ class Routing:
     topk_group: int
 
 
+UINT32_MAX = (1 << 32) - 1
+FLOAT32_MAX = 3.4028234663852886e38
+FIELD_HINT = "config.json was edited or is corrupt; restore the checkpoint's own"
+
+
 def _get(cfg, name, default=None):
     v = getattr(cfg, name, default)
     return default if v is None else v
+
+
+def _bad(name: str, v, want: str):
+    shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
+    return ExportError(f"config.json {name} = {shown}: a GGUF key needs {want}", hint=FIELD_HINT)
+
+
+def uint(cfg, name: str, default: int, lo: int = 0) -> int:
+    """An integer field of the transformers config (its default when null) that a uint32 GGUF key holds."""
+    return whole(_get(cfg, name, default), name, lo)
+
+
+def whole(v, name: str, lo: int = 0) -> int:
+    """`v` (a config value) as a uint32 GGUF key holds it: an integer (not a boolean) from `lo`."""
+    if type(v) is not int or not lo <= v <= UINT32_MAX:
+        raise _bad(name, v, f"an integer from {lo} to {UINT32_MAX}")
+    return v
+
+
+def real(v, name: str, positive: bool = True) -> float:
+    """`v` (a config value) as a float32 GGUF key holds it: a number (not a boolean), finite in float32, and
+    positive unless `positive` is False."""
+    if type(v) not in (int, float) or not math.isfinite(v) or abs(v) > FLOAT32_MAX or (positive and v <= 0):
+        raise _bad(name, v, "a positive finite number" if positive else "a finite number")
+    return float(v)
+
+
+def flag(cfg, name: str, default: bool) -> bool:
+    v = _get(cfg, name, default)
+    if type(v) is not bool:
+        raise _bad(name, v, "true or false")
+    return v
+
+
+def rope(cfg) -> dict:
+    """rope_parameters as transformers computed it (an object; {} when none)."""
+    rp = _get(cfg, "rope_parameters", {}) or {}
+    if not isinstance(rp, dict):
+        raise _bad("rope_parameters", rp, "an object")
+    return rp
+
+
+def _rp(rp: dict, key: str, default: float, positive: bool = True) -> float:
+    """rope_parameters[key] as a float; `default` when absent, null or 0 (as transformers reads these)."""
+    v = rp.get(key)
+    return default if v is None or (type(v) in (int, float) and v == 0) else real(v, f"rope_parameters.{key}", positive)
 
 
 def routing(arch: str, cfg) -> Routing:
     """How transformers routes tokens for `arch` (the modeling files: DeepSeek-V3, Kimi, GLM always score
     with a sigmoid whatever `scoring_func` says or omits; Qwen3-MoE and Mixtral softmax)."""
     if arch in ("deepseek_v3", "glm4_moe", "glm_moe_dsa"):
-        return Routing(GATING_SIGMOID, bool(_get(cfg, "norm_topk_prob", False)),
-                       float(_get(cfg, "routed_scaling_factor", 1.0)), int(_get(cfg, "n_group", 1)),
-                       int(_get(cfg, "topk_group", 1)))
-    norm = bool(_get(cfg, "norm_topk_prob", True)) if arch == "qwen3_moe" else True
+        return Routing(GATING_SIGMOID, flag(cfg, "norm_topk_prob", False),
+                       real(_get(cfg, "routed_scaling_factor", 1.0), "routed_scaling_factor"),
+                       uint(cfg, "n_group", 1, lo=1), uint(cfg, "topk_group", 1, lo=1))
+    norm = flag(cfg, "norm_topk_prob", True) if arch == "qwen3_moe" else True
     return Routing(GATING_SOFTMAX, norm, 1.0, 1, 1)
 
 
@@ -58,7 +112,7 @@ def refusals(arch: str, cfg, spec) -> list[str]:
         out.append("norm_topk_prob is false: llama.cpp's qwen3moe graph always renormalizes the top-k routing "
                    "weights (no GGUF key turns it off)")
     if arch == "qwen3_moe":
-        if int(_get(cfg, "decoder_sparse_step", 1)) != 1 or list(_get(cfg, "mlp_only_layers", []) or []):
+        if not all(spec.moe[:spec.num_layers]):
             out.append("decoder_sparse_step / mlp_only_layers make some layers dense: llama.cpp's qwen3moe graph "
                        "runs every layer as MoE")
     if arch in ("deepseek_v3", "glm_moe_dsa"):
@@ -67,9 +121,9 @@ def refusals(arch: str, cfg, spec) -> list[str]:
         if arch == "deepseek_v3" and spec.num_layers in DEEPSEEK2_LITE_LAYERS:
             out.append(f"{spec.num_layers} decoder layers: llama.cpp's deepseek2 loader takes a model of 26 or 27 "
                        "layers for DeepSeek-V2-Lite and ignores q_lora_rank")
-        rp = _get(cfg, "rope_parameters", {}) or {}
+        rp = rope(cfg)
         if rp.get("rope_type") == "yarn":
-            m, mad = float(rp.get("mscale") or 1.0), float(rp.get("mscale_all_dim") or 0.0)
+            m, mad = _rp(rp, "mscale", 1.0, False), _rp(rp, "mscale_all_dim", 0.0, False)
             if mad and m != mad:
                 out.append(f"YaRN mscale {m} != mscale_all_dim {mad}: llama.cpp's deepseek2 attention scale assumes "
                            "they are equal")
@@ -78,7 +132,12 @@ def refusals(arch: str, cfg, spec) -> list[str]:
                    "Hadamard matrix of 64 or more (a multiple of 64 is needed; GLM-5 has 128)")
     if arch == "mixtral" and _get(cfg, "sliding_window", None):
         out.append("sliding_window is set: llama.cpp's llama graph attends over the whole context")
-    rt = (_get(cfg, "rope_parameters", {}) or {}).get("rope_type")
+    if arch in ("deepseek_v3", "glm4_moe", "glm_moe_dsa"):
+        dense = leading_dense(spec)
+        if dense is None:
+            out.append("dense and MoE layers interleave (moe_layer_freq / mlp_layer_types): llama.cpp's "
+                       f"{GGUF_ARCH[arch].lower()} graph takes dense layers first, then MoE layers")
+    rt = rope(cfg).get("rope_type")
     if rt not in (None, "default") and not (rt == "yarn" and arch == "deepseek_v3"):
         out.append(f"rope type {rt}: llama.cpp's {GGUF_ARCH[arch].lower()} graph is not given it by quantkit's export")
     return out
@@ -87,11 +146,19 @@ def refusals(arch: str, cfg, spec) -> list[str]:
 def yarn_betas(cfg) -> tuple[float, float] | None:
     """(beta_fast, beta_slow) of a YaRN config, when they are not llama.cpp's fixed 32 / 1 (the run passes them
     to llama.cpp as context parameters; a plain llama.cpp user must pass --yarn-beta-fast/--yarn-beta-slow)."""
-    rp = _get(cfg, "rope_parameters", {}) or {}
+    rp = rope(cfg)
     if rp.get("rope_type") != "yarn":
         return None
-    b = (float(rp.get("beta_fast") or 32.0), float(rp.get("beta_slow") or 1.0))
+    b = (_rp(rp, "beta_fast", 32.0, False), _rp(rp, "beta_slow", 1.0, False))
     return None if b == LLAMA_CPP_YARN_BETAS else b
+
+
+def leading_dense(spec) -> int | None:
+    """How many dense layers come before the MoE layers (llama.cpp's leading_dense_block_count); None when dense
+    and MoE layers interleave, which llama.cpp's graphs cannot express."""
+    moe = list(spec.moe[:spec.num_layers])
+    k = moe.index(True) if True in moe else len(moe)
+    return k if all(moe[k:]) else None
 
 
 def write_hparams(w, arch: str, cfg, spec, vocab_rows: int) -> dict:
@@ -104,13 +171,13 @@ def write_hparams(w, arch: str, cfg, spec, vocab_rows: int) -> dict:
         keys[key] = value
 
     D, L = spec.hidden_size, spec.num_layers
-    rp = _get(cfg, "rope_parameters", {}) or {}
-    theta = float(rp.get("rope_theta") or _get(cfg, "rope_theta", 10000.0))
-    put("uint32", "context_length", int(_get(cfg, "max_position_embeddings", 4096)))
+    rp = rope(cfg)
+    theta = _rp(rp, "rope_theta", None) or real(_get(cfg, "rope_theta", 10000.0), "rope_theta")
+    put("uint32", "context_length", uint(cfg, "max_position_embeddings", 4096, lo=1))
     put("uint32", "embedding_length", D)
     put("uint32", "block_count", L)  # MTP layers are not exported: llama.cpp's main graph never runs them
     put("uint32", "vocab_size", vocab_rows)
-    put("float32", "attention.layer_norm_rms_epsilon", float(_get(cfg, "rms_norm_eps", 1e-6)))
+    put("float32", "attention.layer_norm_rms_epsilon", real(_get(cfg, "rms_norm_eps", 1e-6), "rms_norm_eps"))
     put("float32", "rope.freq_base", theta)
     put("uint32", "attention.head_count", spec.num_heads)
     put("uint32", "expert_count", spec.num_experts)
@@ -120,7 +187,7 @@ def write_hparams(w, arch: str, cfg, spec, vocab_rows: int) -> dict:
         put("uint32", "attention.head_count_kv", spec.num_kv_heads)
         put("uint32", "attention.key_length", spec.head_dim)
         put("uint32", "attention.value_length", spec.head_dim)
-        put("uint32", "feed_forward_length", int(_get(cfg, "intermediate_size", spec.moe_intermediate_size)))
+        put("uint32", "feed_forward_length", spec.intermediate_size)
         put("uint32", "expert_feed_forward_length", spec.moe_intermediate_size)
     elif arch == "mixtral":
         put("uint32", "attention.head_count_kv", spec.num_kv_heads)
@@ -132,8 +199,12 @@ def write_hparams(w, arch: str, cfg, spec, vocab_rows: int) -> dict:
     else:
         put("uint32", "feed_forward_length", spec.intermediate_size)
         put("uint32", "expert_feed_forward_length", spec.moe_intermediate_size)
-        put("uint32", "expert_shared_count", int(_get(cfg, "n_shared_experts", 0)))
-        put("uint32", "leading_dense_block_count", int(_get(cfg, "first_k_dense_replace", 0)))
+        # both as the tensors hold them (export.check_layout held the config to them)
+        put("uint32", "expert_shared_count", spec.shared_intermediate // spec.moe_intermediate_size)
+        dense = leading_dense(spec)
+        if dense is None:  # pragma: no cover - refusals() names it first
+            raise NotRepresentable("dense and MoE layers interleave: llama.cpp takes dense layers first")
+        put("uint32", "leading_dense_block_count", dense)
         put("uint32", "expert_gating_func", r.gating)
         put("bool", "expert_weights_norm", r.norm_topk)
         put("float32", "expert_weights_scale", r.scale)
@@ -143,7 +214,8 @@ def write_hparams(w, arch: str, cfg, spec, vocab_rows: int) -> dict:
         put("uint32", "attention.head_count_kv", spec.num_kv_heads)
         put("uint32", "attention.key_length", spec.head_dim)
         put("uint32", "attention.value_length", spec.head_dim)
-        factor = float(rp.get("partial_rotary_factor") or _get(cfg, "partial_rotary_factor", 0.5))
+        factor = _rp(rp, "partial_rotary_factor", None) or real(_get(cfg, "partial_rotary_factor", 0.5),
+                                                                 "partial_rotary_factor")
         put("uint32", "rope.dimension_count", int(spec.head_dim * factor))
     if arch in ("deepseek_v3", "glm_moe_dsa"):  # MLA, stored as MQA over the latent
         put("uint32", "attention.head_count_kv", 1)
@@ -156,18 +228,20 @@ def write_hparams(w, arch: str, cfg, spec, vocab_rows: int) -> dict:
         put("uint32", "rope.dimension_count", spec.qk_rope_head_dim)
     if arch == "deepseek_v3" and rp.get("rope_type") == "yarn":
         put("string", "rope.scaling.type", "yarn")
-        put("float32", "rope.scaling.factor", float(rp["factor"]))
-        put("uint32", "rope.scaling.original_context_length", int(rp.get("original_max_position_embeddings")
-                                                                   or _get(cfg, "max_position_embeddings")))
-        mad = float(rp.get("mscale_all_dim") or 0.0)
+        put("float32", "rope.scaling.factor", real(rp.get("factor"), "rope_parameters.factor"))
+        orig = rp.get("original_max_position_embeddings")
+        put("uint32", "rope.scaling.original_context_length",
+            whole(orig, "rope_parameters.original_max_position_embeddings", 1) if orig is not None and orig != 0
+            else uint(cfg, "max_position_embeddings", 4096, lo=1))
+        mad = _rp(rp, "mscale_all_dim", 0.0, False)
         if mad:
             put("float32", "rope.scaling.yarn_log_multiplier", 0.1 * mad)
-        put("float32", "rope.scaling.yarn_beta_fast", float(rp.get("beta_fast") or 32.0))
-        put("float32", "rope.scaling.yarn_beta_slow", float(rp.get("beta_slow") or 1.0))
+        put("float32", "rope.scaling.yarn_beta_fast", _rp(rp, "beta_fast", 32.0, False))
+        put("float32", "rope.scaling.yarn_beta_slow", _rp(rp, "beta_slow", 1.0, False))
     if arch == "glm_moe_dsa":
         put("uint32", "attention.indexer.head_count", spec.index_n_heads)
         put("uint32", "attention.indexer.key_length", spec.index_head_dim)
-        put("uint32", "attention.indexer.top_k", int(_get(cfg, "index_topk", 2048)))
+        put("uint32", "attention.indexer.top_k", uint(cfg, "index_topk", 2048, lo=1))
         types = [bool(x) for x in spec.indexer[:L]]
         w.add_array(f"{a}.attention.indexer.types", types)  # explicit: absent, llama.cpp guesses from the context
         keys["attention.indexer.types"] = types
