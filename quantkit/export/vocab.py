@@ -2,9 +2,10 @@
 
 llama.cpp takes the token list's length as the vocabulary: it must equal the embedding's rows exactly, every
 token distinct. A BPE tokenizer.json gives tokens, merges, special tokens and types; ids the tokenizer does not
-use (transformers pads embeddings) become `[PAD<i>]` (unused). Without a tokenizer, or with one llama.cpp's
-BPE loader cannot take (WordLevel, Unigram), the GGUF gets distinct placeholder tokens: token ids fed to the
-engine are exact, text is not tokenized as transformers would (the report says so).
+use (transformers pads embeddings) become `[PAD<i>]` (unused). Without a tokenizer.json the GGUF gets distinct
+placeholder tokens: token ids fed to the engine are exact, text is not tokenized as transformers would (the report
+says so). A tokenizer.json is never replaced by placeholders: one that is not a tokenizers file is an error, and
+one of a kind llama.cpp's BPE vocabulary cannot take (WordLevel, WordPiece, Unigram) is refused by name.
 
 The pre-tokenizer (llama.cpp's regex set for splitting text) is named, never guessed: `default` unless the
 caller names one llama.cpp knows (e.g. qwen2, deepseek-v3, glm4, kimi-k2); an unknown name fails at load.
@@ -22,6 +23,7 @@ from ..errors import ExportError, NotRepresentable
 MAX_TOKENIZER_BYTES = 256 << 20
 PRE_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+OTHER_MODELS = ("WordLevel", "WordPiece", "Unigram")  # the tokenizers library's other model kinds
 
 
 def _read_json(path: Path, what: str):
@@ -35,11 +37,22 @@ def placeholder(rows: int) -> tuple[list[str], list[int], list[str]]:
     return [f"<t{i}>" for i in range(rows)], [NORMAL] * rows, ["<t0> <t1>"]
 
 
-def bpe_vocab(tok: dict, rows: int) -> tuple[list[str], list[int], list[str]] | None:
-    """tokens, types, merges of a BPE tokenizer.json padded to `rows`; None when it is not a BPE tokenizer."""
-    model = tok.get("model") if isinstance(tok, dict) else None
-    if not isinstance(model, dict) or model.get("type") != "BPE":
-        return None
+def bpe_vocab(tok, rows: int) -> tuple[list[str], list[int], list[str]]:
+    """tokens, types, merges of a BPE tokenizer.json padded to `rows`. ExportError when it is not a tokenizers
+    file; NotRepresentable, naming the kind, when it is one whose model is not BPE."""
+    if not isinstance(tok, dict):
+        raise ExportError(f"tokenizer.json must hold a JSON object (a tokenizers file), got {type(tok).__name__}")
+    model = tok.get("model")
+    if not isinstance(model, dict):
+        raise ExportError(f"tokenizer.json has no model object (got {type(model).__name__}): not a tokenizers file")
+    kind = model.get("type", "BPE" if "merges" in model else None)  # old tokenizers files leave BPE's type out
+    if kind in OTHER_MODELS:
+        raise NotRepresentable(f"tokenizer.json is a {kind} tokenizer: llama.cpp's gpt2 vocabulary takes BPE only",
+                               hint="export a copy of the checkpoint without tokenizer.json to get placeholder "
+                                    "tokens (token ids exact, text not tokenized)")
+    if kind != "BPE":
+        raise ExportError(f"tokenizer.json model type {str(kind)[:40]!r} is not a tokenizers model (BPE, "
+                          f"{', '.join(OTHER_MODELS)})")
     vocab, merges = model.get("vocab"), model.get("merges")
     if not isinstance(vocab, dict) or not isinstance(merges, list):
         raise ExportError("tokenizer.json: a BPE model needs a vocab object and a merges list")
@@ -57,9 +70,11 @@ def bpe_vocab(tok: dict, rows: int) -> tuple[list[str], list[int], list[str]] | 
 
     for text, i in vocab.items():
         put(text, i, NORMAL)
-    for a in tok.get("added_tokens") or []:
-        if isinstance(a, dict):
-            put(a.get("content"), a.get("id"), CONTROL if a.get("special") else USER_DEFINED)
+    added = tok.get("added_tokens") or []
+    if not isinstance(added, list) or not all(isinstance(a, dict) for a in added):
+        raise ExportError("tokenizer.json: added_tokens must be a list of objects")
+    for a in added:
+        put(a.get("content"), a.get("id"), CONTROL if a.get("special") is True else USER_DEFINED)
     seen = set()
     for i, t in enumerate(tokens):
         if t is None:
@@ -78,6 +93,24 @@ def bpe_vocab(tok: dict, rows: int) -> tuple[list[str], list[int], list[str]] | 
     return tokens, types, out_merges or ["<t0> <t1>"]
 
 
+def special_ids(text_cfg, rows: int) -> dict[str, int]:
+    """bos / eos / pad token ids of the transformers config (eos: the first of a list), each an integer within
+    the embedding's rows; absent (null) ids are left out, any other value is an ExportError naming the field."""
+    ids = {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(text_cfg, key, None)
+        seq = v if isinstance(v, list) else [v]
+        for x in seq:
+            if x is not None and (type(x) is not int or not 0 <= x < rows):
+                shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
+                raise ExportError(f"config.json {key} = {shown}: a token id is an integer below the embedding's "
+                                  f"{rows} rows", hint="config.json was edited or is corrupt; restore the "
+                                                       "checkpoint's own")
+        if seq and seq[0] is not None:
+            ids[key] = seq[0]
+    return ids
+
+
 def chat_template(root: Path) -> str | None:
     p = root / "chat_template.jinja"
     if os.path.lexists(p):
@@ -91,29 +124,23 @@ def write_vocab(w, root: Path, rows: int, text_cfg, pre: str | None) -> dict:
     """tokenizer.ggml.* onto GGUFWriter `w`; returns what was written, for the report."""
     if pre is not None and not PRE_NAME.match(pre):
         raise ExportError(f"--pre-tokenizer {pre[:40]!r} is not a llama.cpp pre-tokenizer name (e.g. qwen2, glm4)")
+    ids = special_ids(text_cfg, rows)
     tok = _read_json(root / "tokenizer.json", "tokenizer.json")
-    got = bpe_vocab(tok, rows) if tok is not None else None
-    if got is None:
+    if tok is None:
         tokens, types, merges = placeholder(rows)
-        kind = ("placeholder (no tokenizer.json)" if tok is None
-                else "placeholder (tokenizer.json is not BPE, which llama.cpp's gpt2 vocabulary needs)")
+        kind = "placeholder (no tokenizer.json)"
     else:
-        tokens, types, merges = got
+        tokens, types, merges = bpe_vocab(tok, rows)
         kind = "BPE from tokenizer.json"
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre or "default")
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    ids = {}
     for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
                      ("pad_token_id", w.add_pad_token_id)):
-        v = getattr(text_cfg, key, None)
-        if isinstance(v, list):
-            v = v[0] if v else None
-        if type(v) is int and 0 <= v < rows:
-            add(v)
-            ids[key] = v
+        if key in ids:
+            add(ids[key])
     w.add_add_bos_token(False)  # token ids are passed as given
     tmpl = chat_template(root)
     if tmpl:
