@@ -28,13 +28,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..arch import fused_experts, layer_index, parse_config
-from ..arch.layout import ATTN, EXPERT_PROJ, KV_B, ROUTER_BIAS, expert_role
+from ..arch import check_expert_shapes, fused_experts, layer_index, parse_config
+from ..arch import validate as validate_config
+from ..arch.layout import ATTN, EXPERT_PROJ, KV_B, ROUTER_BIAS, enumerate_tensors, expert_role
 from ..arch.layout import K as K_PROJ, Q as Q_PROJ
-from ..errors import ExportError, NotRepresentable, OutputExists
+from ..errors import ConfigMismatch, ExportError, NotRepresentable, OutputExists
 from ..pack.int4 import unpack_ints, unpack_zero_point
+from ..pack.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from ..pack.names import Tensor
 from ..read.checkpoint import Checkpoint
+from ..read.files import check_regular, parse_json, read_bytes
 from ..read.sources import StoredWeight, detect_format, scan, validate
 from ..read.tensors import TensorReader
 from . import blocks
@@ -230,22 +233,70 @@ def _bytes_per_row(gguf, qtype, k: int) -> int:
     return k // block * size
 
 
-def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> tuple[Plan, object, object]:
-    gguf = _gguf()
+def _text_config(config: dict, spec):
+    """The transformers config object llama.cpp's hyper-parameters are read from; its config class refusing
+    config.json (a token id of NaN, a value of the wrong type) is one line naming config.json."""
     from ..hf import build_config
 
+    try:
+        return build_config(config)
+    except Exception as e:  # the config class's own validation: TypeError, ValueError, its strict-dataclass errors
+        why = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ExportError(f"config.json: transformers' {spec.model_type} config class refuses it: {why}",
+                          hint="config.json was edited or is corrupt; restore the checkpoint's own") from None
+
+
+def check_layout(spec, ck: Checkpoint, stored: dict[str, StoredWeight], weights: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor the config implies (arch.layout.enumerate_tensors: attention and MLA projections and norms,
+    dense and MoE layers, shared experts, embeddings and head) present in the checkpoint with that shape, and no
+    weight or bias in the text model that the config does not imply: a config.json whose sizes, ranks, head counts,
+    dense-layer count or shared experts disagree with the tensors would write GGUF keys that describe another
+    model. `weights`: each stored (quantized) module's logical [out, in]. MTP layers are checked when the
+    checkpoint holds them (transformers' save_pretrained drops them); their extras are not exported anyway."""
+    p, L = spec.prefix, spec.num_layers
+    owned = {t for sw in stored.values() for _, t in sw.tensors}
+    have: dict[str, tuple[int, ...]] = {n: tuple(ck.info(n).shape) for n in ck.location
+                                        if n not in owned and n.startswith(p)}
+    have.update({Tensor.WEIGHT.of(m): tuple(nk) for m, nk in weights.items() if m.startswith(p)})
+    if any(fused_experts(n, shape) for n, shape in have.items()):
+        return  # experts stored fused: build_plan refuses them by name
+    held = {layer_index(n) for n in have}
+    expected = {n: tuple(shape) for n, (shape, _) in enumerate_tensors(spec, mtp=True).items()}
+    for name in sorted(expected, key=_order):
+        li = layer_index(name)
+        if li is not None and li >= L and li not in held:
+            continue
+        want, got = expected[name], have.get(name)
+        if got is None:
+            raise ConfigMismatch(f"config.json implies {name} {list(want)}, which the checkpoint does not hold")
+        if got != want:
+            raise ConfigMismatch(f"config.json contradicts {name}: the checkpoint holds {list(got)}, the config "
+                                 f"implies {list(want)}")
+    for name in sorted(have, key=_order):
+        li = layer_index(name)
+        if name in expected or name.rpartition(".")[2] not in (Tensor.WEIGHT, "bias") or (li is not None and li >= L):
+            continue
+        raise ConfigMismatch(f"{name} {list(have[name])}: config.json implies no such tensor")
+
+
+def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> tuple[Plan, object, object]:
+    gguf = _gguf()
     config = ck.config
-    spec = parse_config(config)
+    # config.json held against every tensor's header shape before anything is built from it (as convert does)
+    spec = validate_config(config, {n: tuple(ck.info(n).shape) for n in ck.location}) or parse_config(config)
     if spec.arch not in GGUF_ARCH:
         raise NotRepresentable(f"model_type {spec.model_type}: not exported to GGUF (exported: qwen3_moe, mixtral, "
                                "deepseek_v3 / kimi_k2 / kimi_k25, glm4_moe, glm_moe_dsa)")
-    cfg = build_config(config)
+    fmt = detect_format(config)
+    stored = scan(ck, fmt)
+    logical = validate(ck, stored)  # every quantized module against its scheme -> its logical [out, in]
+    weights = {m: tuple(logical.get(m, sw.shape)) for m, sw in stored.items()}
+    check_expert_shapes(spec, {Tensor.WEIGHT.of(m): nk for m, nk in weights.items()})
+    check_layout(spec, ck, stored, weights)
+    cfg = _text_config(config, spec)
     why = refusals(spec.arch, cfg, spec)
     if why:
         raise NotRepresentable(f"llama.cpp would compute this model differently from transformers: {why[0]}")
-    fmt = detect_format(config)
-    stored = scan(ck, fmt)
-    validate(ck, stored)
     plan = Plan(arch=spec.arch)
     Q = gguf.GGMLQuantizationType
     tmap = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, GGUF_ARCH[spec.arch]), spec.num_layers)
@@ -527,6 +578,37 @@ def _write_item(w, item: Item, reader: TensorReader) -> int:
     return n
 
 
+def manifest_sha256(root: Path) -> str | None:
+    """sha256 of the checkpoint's quantkit manifest (`quantkit.manifest_sha256`), None when it has none (a release).
+    Read as verify reads it (pack/manifest.py's size cap, a regular file, a JSON object) and hashed only when it is
+    one verify accepts (a finished conversion listing its shards): ExportError otherwise."""
+    import hashlib
+
+    path = root / MANIFEST_NAME
+    if not os.path.lexists(path):
+        return None
+    hint = "quantkit verify QMODEL checks the checkpoint; a checkpoint without a quantkit manifest exports as a release"
+    check_regular(path, MANIFEST_NAME, ExportError, MAX_MANIFEST_BYTES, hint)  # no FIFO, device or oversize file
+    with open(path, "rb") as f:  # a manifest is a JSON object: a file that does not open one is refused unread
+        head = f.read(4096).lstrip(b" \t\r\n")
+    if head[:1] != b"{":
+        raise ExportError(f"{MANIFEST_NAME} does not hold a JSON object", hint=hint)
+    data = read_bytes(path, MANIFEST_NAME, ExportError, MAX_MANIFEST_BYTES, hint)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ExportError(f"{MANIFEST_NAME} is not UTF-8 text ({e.reason} at byte {e.start})", hint=hint) from None
+    doc = parse_json(text, MANIFEST_NAME, ExportError, hint)
+    if not isinstance(doc, dict):
+        raise ExportError(f"{MANIFEST_NAME} must hold a JSON object, got {type(doc).__name__}", hint=hint)
+    if doc.get("status") != "complete":
+        raise ExportError(f"{MANIFEST_NAME}: status is {str(doc.get('status'))[:40]!r}, not 'complete': the "
+                          "conversion did not finish", hint=hint)
+    if not isinstance(doc.get("shards"), list) or not doc["shards"]:
+        raise ExportError(f"{MANIFEST_NAME} lists no shards", hint=hint)
+    return hashlib.sha256(data).hexdigest()
+
+
 def export(qmodel, out, options: ExportOptions = ExportOptions(), say: Callable[[str], None] = lambda s: None) -> dict:
     """Write `out` (a .gguf path; with a split size, `out`'s stem + -0000N-of-0000M.gguf). Returns the report."""
     gguf = _gguf()
@@ -541,17 +623,13 @@ def export(qmodel, out, options: ExportOptions = ExportOptions(), say: Callable[
     if type(options.split_max_size) is not int or options.split_max_size < 0:
         raise ExportError(f"split_max_size must be a byte count >= 0, got {options.split_max_size!r}")
     ck = Checkpoint.open(qmodel)
-    manifest = qmodel / "quantkit_manifest.json"
+    manifest_sha = manifest_sha256(qmodel)
     # positioned reads: each tensor read once into fresh memory (no mapping grows the resident set past a tensor)
     reader = TensorReader.of(ck, mapped=False)
     try:
         plan, spec, cfg = build_plan(ck, reader, options)
         arch_name = gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, GGUF_ARCH[spec.arch])]
-        out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.parent / f".{out.name}.partial"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
         w = gguf.GGUFWriter(tmp / out.name, arch=arch_name, split_max_size=options.split_max_size)
         w.add_name(qmodel.resolve().name)
         w.add_type("model")
@@ -562,10 +640,8 @@ def export(qmodel, out, options: ExportOptions = ExportOptions(), say: Callable[
         w.add_string("quantkit.source", qmodel.resolve().name)
         w.add_string("quantkit.expert_types", "; ".join(f"{k} x{v}" for k, v in sorted(plan.experts.items()))
                      or "none")
-        if manifest.is_file():
-            import hashlib
-
-            w.add_string("quantkit.manifest_sha256", hashlib.sha256(manifest.read_bytes()).hexdigest())
+        if manifest_sha is not None:
+            w.add_string("quantkit.manifest_sha256", manifest_sha)
         for it in plan.items:
             w.add_tensor_info(it.name, it.shape, np.dtype(np.float32), it.nbytes, raw_dtype=it.qtype)
         names = w.format_shard_names(tmp / out.name)
@@ -573,6 +649,10 @@ def export(qmodel, out, options: ExportOptions = ExportOptions(), say: Callable[
             for p in names:
                 if (out.parent / p.name).exists():
                     raise OutputExists(f"{out.parent / p.name} exists", hint="pass --overwrite to replace it")
+        out.parent.mkdir(parents=True, exist_ok=True)  # nothing is written before the metadata is whole
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
         w.write_header_to_file(path=tmp / out.name)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
