@@ -5,6 +5,7 @@ stage holds bit for bit to compressed-tensors', for the rest); what is refused; 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize  # noqa: E402
 
 from quantkit.convert import ConvertOptions, convert  # noqa: E402
-from quantkit.errors import ExportError, NotRepresentable, OutputExists  # noqa: E402
+from quantkit.errors import ConfigError, ExportError, NotRepresentable, OutputExists  # noqa: E402
 from quantkit.export import ExportOptions, export  # noqa: E402
 from quantkit.read.checkpoint import Checkpoint  # noqa: E402
 from quantkit.read.sources import detect_format, scan  # noqa: E402
@@ -278,3 +279,115 @@ def test_cli_split_size_that_is_no_size(converted, tmp_path, size):
                         "--split-max-size", size], capture_output=True, text=True)
     assert p.returncode == 2 and "internal error" not in p.stderr and "cannot parse size" in p.stderr
     assert not (tmp_path / "c.gguf").exists()
+
+
+# config.json edits that contradict deepseek_v3's tiny tensors (MLA ranks and head sizes, head counts, layers, widths,
+# shared experts, the dense-layer count), or that transformers' config class or a GGUF key cannot take
+HOSTILE_CONFIGS = [("kv_lora_rank", 64), ("qk_nope_head_dim", 16), ("v_head_dim", 64), ("num_attention_heads", 8),
+                   ("num_hidden_layers", 1), ("num_hidden_layers", 3), ("hidden_size", 256), ("vocab_size", 1024),
+                   ("vocab_size", 256), ("moe_intermediate_size", 32), ("qk_rope_head_dim", 32),
+                   ("n_shared_experts", 0), ("n_shared_experts", 2), ("first_k_dense_replace", 2),
+                   ("q_lora_rank", 128), ("intermediate_size", 128), ("bos_token_id", float("nan")),
+                   ("eos_token_id", 1e300), ("pad_token_id", True), ("eos_token_id", 512), ("moe_layer_freq", 2)]
+
+
+def _refused(q, out, error=(ConfigError, ExportError), match=None):
+    """export(q, out) raises `error` in one line (what the CLI prints as its one `error:` line, exit 1), and
+    leaves neither OUT nor its temporary."""
+    with pytest.raises(error, match=match) as e:
+        export(q, out)
+    assert "\n" not in e.value.message, e.value.message
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}*")), list(out.parent.iterdir())
+    return e.value
+
+
+def _copy(q, tmp_path):
+    import shutil
+
+    shutil.copytree(q, tmp_path / "q")
+    return tmp_path / "q"
+
+
+@pytest.mark.parametrize("key,value", HOSTILE_CONFIGS, ids=[f"{k}={v}" for k, v in HOSTILE_CONFIGS])
+def test_hostile_config_refused_before_writing(converted, tmp_path, key, value):
+    """A config.json that disagrees with the tensors (sizes, ranks, head counts, layers, shared experts, dense
+    layers) or that no GGUF key can hold is refused in one line before anything is written, never an internal
+    error and never a GGUF whose keys describe another model."""
+    src, q, d = converted("deepseek_v3")
+    bad = _copy(q, tmp_path)
+    (bad / "config.json").write_text(json.dumps({**json.loads((q / "config.json").read_text()), key: value}))
+    _refused(bad, tmp_path / "o" / "x.gguf")
+
+
+def test_hostile_config_cli_and_own_config(converted, tmp_path):
+    """The CLI: exit 1, one error line (and a hint), no traceback; the same copy with its own config.json exports,
+    its layout keys as the tensors hold them and the manifest's sha256."""
+    import hashlib
+
+    src, q, d = converted("deepseek_v3")
+    bad = _copy(q, tmp_path)
+    good = json.loads((q / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**good, "kv_lora_rank": 64}))
+    p = subprocess.run([sys.executable, "-m", "quantkit", "export", str(bad), str(tmp_path / "c.gguf")],
+                       capture_output=True, text=True)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 1 and lines[0].startswith("error: config.json") and len(lines) <= 2, p.stderr
+    assert len(lines) == 1 or lines[1].startswith("hint: ")
+    assert "internal error" not in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "c.gguf").exists() and not list(tmp_path.glob(".c.gguf*"))
+    (bad / "config.json").write_text(json.dumps(good))
+    export(bad, tmp_path / "x.gguf")
+    fields = gguf.GGUFReader(tmp_path / "x.gguf").fields
+    assert fields["deepseek2.leading_dense_block_count"].contents() == 1
+    assert fields["deepseek2.expert_shared_count"].contents() == 1 and fields["deepseek2.block_count"].contents() == 2
+    digest = hashlib.sha256((q / "quantkit_manifest.json").read_bytes()).hexdigest()
+    assert fields["quantkit.manifest_sha256"].contents() == digest
+
+
+def test_tokenizer_json_never_silently_replaced(converted, tmp_path):
+    """A tokenizer.json that is not a tokenizers file is an error, one of a kind llama.cpp cannot take is refused by
+    name; neither becomes placeholder tokens (only a checkpoint without tokenizer.json gets those)."""
+    src, q, d = converted("deepseek_v3")
+    bad = _copy(q, tmp_path)
+    out = tmp_path / "x.gguf"
+    for doc in ([1, 2], {"model": "x"}, {"model": {"type": "Bogus"}}, {"model": {"vocab": {}}}, "tok",
+                {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}, "added_tokens": {"a": 1}}):
+        (bad / "tokenizer.json").write_text(json.dumps(doc))
+        _refused(bad, out, ExportError, "tokenizer.json")
+    for kind in ("WordLevel", "Unigram", "WordPiece"):
+        (bad / "tokenizer.json").write_text(json.dumps({"model": {"type": kind, "vocab": {"a": 0}}}))
+        assert "without tokenizer.json" in _refused(bad, out, NotRepresentable, f"a {kind} tokenizer").hint
+
+
+def test_manifest_read_capped_and_as_verify_accepts(converted, tmp_path):
+    """quantkit_manifest.json is read as verify reads it (capped at pack.manifest.MAX_MANIFEST_BYTES, a regular file,
+    a JSON object) and hashed into the GGUF only when it is a finished conversion's: an oversized (sparse) file is
+    refused before a byte is read, a manifest that is not one in one line."""
+    import time
+
+    from quantkit.pack.manifest import MAX_MANIFEST_BYTES
+
+    src, q, d = converted("deepseek_v3")
+    bad = _copy(q, tmp_path)
+    m = bad / "quantkit_manifest.json"
+    good = json.loads(m.read_text())
+    out = tmp_path / "x.gguf"
+    m.unlink()
+    with open(m, "wb") as f:  # sparse: no disk, but read whole it would be over a GiB of memory
+        f.truncate(MAX_MANIFEST_BYTES + 1)
+    t0 = time.perf_counter()
+    _refused(bad, out, ExportError, "over the .*-byte limit")
+    assert time.perf_counter() - t0 < 10
+    m.unlink()
+    with open(m, "wb") as f:
+        f.truncate(64 << 20)  # within the cap, zeros: not a JSON object, refused unread
+    _refused(bad, out, ExportError, "does not hold a JSON object")
+    for doc in ([good], {**good, "status": "running"}, {**good, "shards": []}):
+        m.write_text(json.dumps(doc))
+        _refused(bad, out, ExportError, "quantkit_manifest.json")
+    m.unlink()
+    os.mkfifo(m)  # a FIFO would block a plain read forever
+    _refused(bad, out, ExportError, "quantkit_manifest.json")
+    m.unlink()
+    res = export(bad, out)  # none at all: a release, exported without the key
+    assert res["output"] == [str(out)] and "quantkit.manifest_sha256" not in gguf.GGUFReader(out).fields
