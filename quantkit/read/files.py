@@ -30,16 +30,21 @@ def _shown(path: Path) -> str:
     return repr(s[:200]) if not s.isprintable() or len(s) > 200 else s
 
 
-def check_regular(path: str | os.PathLike, what: str, error, limit: int, hint: str | None = None) -> int:
-    """The size of the regular file `path` (at most `limit`), or `error` as `read_bytes` raises it; for files a
-    third-party reader opens itself (parquet)."""
-    path = Path(path)
+def _open(path: Path, what: str, error, hint: str | None) -> int:
+    """A read-only descriptor of `path`, opened non-blocking (a FIFO must not block), or `error`."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise error(f"{what} not found: {_shown(path)}", hint=hint) from None
     except OSError as e:
         raise error(f"{what} cannot be opened: {_shown(path)} ({e.strerror or type(e).__name__})", hint=hint) from None
+
+
+def check_regular(path: str | os.PathLike, what: str, error, limit: int, hint: str | None = None) -> int:
+    """The size of the regular file `path` (at most `limit`), or `error` as `read_bytes` raises it; for files a
+    third-party reader opens itself (parquet)."""
+    path = Path(path)
+    fd = _open(path, what, error, hint)
     try:
         return _regular_size(fd, path, what, error, limit, hint)
     finally:
@@ -60,12 +65,7 @@ def read_bytes(path: str | os.PathLike, what: str, error, limit: int, hint: str 
     """The bytes of the regular file `path` (at most `limit`), or `error` in one line: missing, not a regular
     file, over the limit, unreadable."""
     path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise error(f"{what} not found: {_shown(path)}", hint=hint) from None
-    except OSError as e:
-        raise error(f"{what} cannot be opened: {_shown(path)} ({e.strerror or type(e).__name__})", hint=hint) from None
+    fd = _open(path, what, error, hint)
     try:
         _regular_size(fd, path, what, error, limit, hint)
         os.set_blocking(fd, True)
