@@ -70,8 +70,11 @@ def cmdline(pid: int) -> str:
 SESSION_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
-def _session_helper(pid: int) -> bool:
-    return _table().get(pid, (0, ""))[0] == os.getpid() and any(h in cmdline(pid) for h in SESSION_HELPERS)
+def _not_session_helpers(pids: set[int]) -> set[int]:
+    """`pids` without this process's own multiprocessing helpers (children of it running SESSION_HELPERS)."""
+    table = _table()
+    return {p for p in pids if not (table.get(p, (0, ""))[0] == os.getpid()
+                                    and any(h in cmdline(p) for h in SESSION_HELPERS))}
 
 
 def leftovers(before: set[int], grace_s: float = GRACE_S) -> dict[int, str]:
@@ -79,11 +82,11 @@ def leftovers(before: set[int], grace_s: float = GRACE_S) -> dict[int, str]:
     and returned as pid -> command line. The test process's own multiprocessing helpers are not counted."""
     deadline = time.monotonic() + grace_s
     while True:
-        new = {p for p in live_descendants() - before if not _session_helper(p)}
+        new = _not_session_helpers(live_descendants() - before)
         if not new or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    found = {p: cmdline(p) for p in sorted(new) if not _session_helper(p)}
+    found = {p: cmdline(p) for p in sorted(new)}
     for p in found:
         for kill in (lambda: os.killpg(p, signal.SIGKILL) if os.getpgid(p) == p else None,
                      lambda: os.kill(p, signal.SIGKILL)):

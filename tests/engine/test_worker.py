@@ -61,6 +61,24 @@ def test_hostile_result_files(tmp_path, body, match):
     assert time.monotonic() - t0 < 10
 
 
+def _sigterm_once_the_worker_runs(code: str, pid: Path, check) -> tuple[int, int]:
+    """Run `code` in a Python process; once the fake worker's child has written its pid to `pid` (it runs, and
+    `check()` holds unless it returns None), SIGTERM that process. -> (its exit status, the child's pid)."""
+    p = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        end = time.monotonic() + 60
+        while not (pid.exists() and pid.read_text().strip()) and time.monotonic() < end:
+            time.sleep(0.05)
+        child = int(pid.read_text())
+        assert _running(child) and check() is not False
+        p.send_signal(signal.SIGTERM)
+        return p.wait(timeout=30), child
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def test_sigterm_to_the_command_ends_the_worker_group_first(tmp_path):
     """SIGTERM to a process running a worker: the worker's session (here a worker and its child) is killed
     before the process ends, and it ends by that signal as it would have."""
@@ -69,20 +87,9 @@ def test_sigterm_to_the_command_ends_the_worker_group_first(tmp_path):
     code = ("import os, sys\nfrom quantkit.engine.worker import run_worker\n"
             f"run_worker({str(fake)!r}, {str(tmp_path / 'w.py')!r}, {str(tmp_path / 'req')!r}, "
             f"{str(tmp_path / 'res')!r}, {str(tmp_path / 'log')!r}, dict(os.environ), 300, 'test', 'hint')\n")
-    p = subprocess.Popen([sys.executable, "-c", code])
-    try:
-        end = time.monotonic() + 60
-        while not (pid.exists() and pid.read_text().strip()) and time.monotonic() < end:
-            time.sleep(0.05)
-        child = int(pid.read_text())
-        assert _running(child)
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=30) == -signal.SIGTERM
-        assert _wait_gone(child)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    rc, child = _sigterm_once_the_worker_runs(code, pid, lambda: None)
+    assert rc == -signal.SIGTERM
+    assert _wait_gone(child)
 
 
 def test_under_the_command_line_sigterm_unwinds_through_cleanup(tmp_path):
@@ -98,17 +105,7 @@ def test_under_the_command_line_sigterm_unwinds_through_cleanup(tmp_path):
             f"        run_worker({str(fake)!r}, d + '/w.py', d + '/req', d + '/res', d + '/log', dict(os.environ), "
             "300, 'test', 'hint')\n"
             "except Terminated as t:\n    sys.exit(128 + t.signum)\n")
-    p = subprocess.Popen([sys.executable, "-c", code])
-    try:
-        end = time.monotonic() + 60
-        while not (pid.exists() and pid.read_text().strip()) and time.monotonic() < end:
-            time.sleep(0.05)
-        child = int(pid.read_text())
-        assert any(base.iterdir())  # the temporary folder exists while the worker runs
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=30) == 128 + signal.SIGTERM
-        assert _wait_gone(child) and not any(base.iterdir())
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    # the temporary folder exists while the worker runs
+    rc, child = _sigterm_once_the_worker_runs(code, pid, lambda: any(base.iterdir()))
+    assert rc == 128 + signal.SIGTERM
+    assert _wait_gone(child) and not any(base.iterdir())
