@@ -30,6 +30,7 @@ from .calib.data import DEFAULT_SEED, load_calibration_data, load_tokenizer
 from .calib.executor import DEFAULT_ACTIVATION_BUDGET, LayerExecutor
 from .arch import check_expert_shapes, validate as validate_config
 from .read.sources import validate as validate_sources
+from .read.kv_scales import read_kv_scales
 # the result's types live in calib/kv_scales.py (calib/kv_dist.py builds them too); re-exported here
 from .calib.kv_scales import CalibrationResult, LayerKV, kv_result, observer_bytes, peak_rss_bytes  # noqa: F401
 from .calib.observers import ExpertTokenCounter, KVCacheObserver
@@ -107,7 +108,7 @@ def write_scales(result: CalibrationResult, path: str | os.PathLike) -> int:
 def read_scales(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Read and validate a KV-scales file (pack/kv.py's rules): only `model.layers.L.self_attn.{k,v}_scale`,
     float32, shape [1] or [H, 1, 1], finite and positive, both K and V for every layer, one shape throughout."""
-    scales = kvrules.read_file(path)
+    scales = read_kv_scales(path)
     layers = {int(kvrules.KV_SCALE.match(n)[1]) for n in scales}
     shape = next(iter(scales.values())).shape
     kvrules.validate(scales, num_layers=max(layers) + 1, attn_layers=layers, kv_heads=shape[0], mla=False)

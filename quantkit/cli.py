@@ -369,7 +369,7 @@ def verify(
         err.print("hint: see the checks above (or --json); re-run convert for integrity failures", markup=False)
         raise typer.Exit(1)
     if (rep.engine_run or {}).get("status") == "cannot_run":
-        from .engine.vllm_run import EXIT_CANNOT_RUN
+        from .verify.vllm_run import EXIT_CANNOT_RUN
 
         err.print(rep.engine_run["line"], soft_wrap=True, markup=False)
         raise typer.Exit(EXIT_CANNOT_RUN)
@@ -378,7 +378,7 @@ def verify(
 def _verify_gguf(gguf: Path, reference, revision, checkpoint, engine, run_engine, dataset, num_samples, seq_len,
                  device, engine_python, engine_timeout, thresholds, json_out) -> None:
     """verify OUT.gguf --engine llama.cpp --run --reference SRC [--checkpoint QMODEL]."""
-    from .engine.llamacpp_run import run_gguf
+    from .verify.llamacpp_run import run_gguf
 
     if engine != "llama.cpp" or not run_engine or reference is None:
         raise typer.BadParameter("a GGUF is verified by running it: --engine llama.cpp --run --reference SRC",
@@ -396,7 +396,7 @@ def _verify_gguf(gguf: Path, reference, revision, checkpoint, engine, run_engine
         err.print(f"[red]error:[/] verification failed: {', '.join(c['name'] for c in doc['checks'] if c['ok'] is False)}")
         raise typer.Exit(1)
     if doc["engine_run"].get("status") == "cannot_run":
-        from .engine.vllm_run import EXIT_CANNOT_RUN
+        from .verify.vllm_run import EXIT_CANNOT_RUN
 
         err.print(doc["engine_run"]["line"], soft_wrap=True, markup=False)
         raise typer.Exit(EXIT_CANNOT_RUN)

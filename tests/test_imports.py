@@ -1,5 +1,7 @@
 """The package's import graph, read from the source with ast (nothing is imported): no import circle, nothing
-in calib/ imports a command module, and no library module imports the fixtures module (quantkit/testing.py).
+in calib/ imports a command module, no library module imports the fixtures module (quantkit/testing.py), the
+packages are layered (`LAYERS`: each imports only from the layers below it, docs/code.md), and no package imports
+another's private names (`_x`, or a module `_x.py`).
 
 Every import counts, module-level or inside a function: a lazy import only hides a circle until the day
 someone moves it. `from . import x` is an edge to the submodule `x` where one exists, else to the package.
@@ -18,6 +20,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "quantkit"
 COMMANDS = ("quantkit.cli", "quantkit.__main__", "quantkit.convert", "quantkit.calibrate", "quantkit.verify",
             "quantkit.plan", "quantkit.inspect", "quantkit.demo", "quantkit.report")
 FIXTURES = "quantkit.testing"
+# quantkit's packages and top-level modules, lowest first: each may import only from the layers before it (the
+# members of one layer not from each other). Pure math at the bottom, then the format, the files, matching and
+# writing, the calibrated pass, the engines' rules, the judges, and the commands on top (docs/code.md).
+LAYERS = (
+    ("errors",), ("options", "signals", "allocator"), ("timeline",), ("dist",), ("arch",), ("hf",),
+    ("quant",), ("pack",), ("read",), ("hub",), ("match",), ("write",), ("calib",), ("runtime",),
+    ("engine",), ("verify",), ("card",), ("calibrate",), ("convert",), ("export",), ("inspect",), ("plan",),
+    ("report",), ("tiny",), ("demo",), ("testing",), ("cli",), ("__main__",),
+)
 
 
 def modules(root: Path = PACKAGE) -> dict[str, tuple[Path, bool]]:
@@ -104,6 +115,56 @@ def rule_breaks(graph: dict[str, set[str]]) -> list[str]:
     return out
 
 
+def unit(module: str) -> str:
+    """The package or top-level module of quantkit that `module` belongs to ("" for quantkit itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def layer_breaks(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    """Every import of a unit from its own layer's other members or from a layer above it; every unit missing
+    from `layers`."""
+    rank = {u: i for i, layer in enumerate(layers) for u in layer}
+    out = sorted({f"{unit(m)} is in no layer of LAYERS" for m in graph if unit(m) and unit(m) not in rank})
+    for m, deps in sorted(graph.items()):
+        mu = unit(m)
+        for d in sorted(deps):
+            du = unit(d)
+            if mu and du and du != mu and mu in rank and du in rank and rank[du] >= rank[mu]:
+                out.append(f"{m} imports {d}: {du} is not below {mu}")
+    return out
+
+
+def private_imports(root: Path = PACKAGE) -> list[str]:
+    """Imports of another package's private names: `from quantkit.x.y import _z`, or a module `quantkit.x._y`
+    imported from outside x. Within one package, its modules share what they like."""
+    mods = modules(root)
+    out = []
+    for name, (path, is_pkg) in mods.items():
+        package = name if is_pkg else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                pairs = [(target, a.name) for a in node.names]
+            elif isinstance(node, ast.Import):
+                pairs = [(a.name, None) for a in node.names]
+            else:
+                continue
+            for mod, item in pairs:
+                if not mod.startswith("quantkit") or unit(mod) == unit(name):
+                    continue
+                segs = mod.split(".")[1:] + ([item] if item else [])
+                private = [s for s in segs if s.startswith("_") and not (s.startswith("__") and s.endswith("__"))]
+                if private:
+                    out.append(f"{name} imports {mod}{'.' + item if item else ''}: {private[0]} is private to "
+                               f"{unit(mod)}")
+    return out
+
+
 def test_no_import_circles():
     found = circles(import_graph())
     assert found == [], "import circles: " + "; ".join(" <-> ".join(c) for c in found)
@@ -111,6 +172,40 @@ def test_no_import_circles():
 
 def test_import_rules():
     assert rule_breaks(import_graph()) == []
+
+
+def test_packages_are_layered():
+    assert layer_breaks(import_graph()) == []
+
+
+def test_no_private_imports_across_packages():
+    assert private_imports() == []
+
+
+def test_the_layer_checks_can_fail(tmp_path):
+    """A planted upward import (quant importing pack, lazily), a peer import, an unlisted unit and a private
+    name reached across packages are all found."""
+    pkg = tmp_path / "quantkit"
+    for d in ("quant", "pack"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "quant" / "int4.py").write_text("def f():\n    from ..pack.layout import g\n")
+    (pkg / "pack" / "layout.py").write_text("from ..quant._native import h\nfrom ..quant.int4 import _f\n")
+    (pkg / "quant" / "_native.py").write_text("from . import int4\nfrom ._x import y\n")
+    (pkg / "options.py").write_text("from . import signals\n")
+    (pkg / "signals.py").write_text("")
+    (pkg / "newthing.py").write_text("")
+    graph = import_graph(pkg)
+    assert layer_breaks(graph) == [
+        "newthing is in no layer of LAYERS",
+        "quantkit.options imports quantkit.signals: signals is not below options",
+        "quantkit.quant.int4 imports quantkit.pack.layout: pack is not below quant",
+    ]
+    assert sorted(private_imports(pkg)) == [
+        "quantkit.pack.layout imports quantkit.quant._native.h: _native is private to quant",
+        "quantkit.pack.layout imports quantkit.quant.int4._f: _f is private to quant",
+    ]
 
 
 def test_the_check_sees_a_circle(tmp_path):
@@ -131,6 +226,6 @@ def test_the_check_sees_a_circle(tmp_path):
 
 if __name__ == "__main__":
     g = import_graph()
-    problems = [" <-> ".join(c) for c in circles(g)] + rule_breaks(g)
+    problems = [" <-> ".join(c) for c in circles(g)] + rule_breaks(g) + layer_breaks(g) + private_imports()
     print("\n".join(problems) or f"{len(g)} modules: no import circle, no rule broken")
     sys.exit(1 if problems else 0)

@@ -38,7 +38,7 @@ def _find_moe(layer: nn.Module):
     return hf_moe_parts(layer)
 
 
-def _targets(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Module):
+def linear_targets(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Module):
     """What a calibrated pass does to decoder layer `idx` (materialized or still on `meta`): (expert names,
     the routed experts' group or None, {disk module: (Linear, group)} of the dense calibrated targets)."""
     names = expert_names(ckpt, idx)
@@ -95,7 +95,7 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
 
     idx, layer = step.index, step.layer
     res = LayerResult()
-    names, egroup, dense = _targets(ckpt, recipe, idx, layer)
+    names, egroup, dense = linear_targets(ckpt, recipe, idx, layer)
     moe = _find_moe(layer)
     if egroup is None and not dense:
         return res
@@ -240,7 +240,7 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
     from .hessians import GRAM_CHUNK_BYTES, PAIR_BUDGET
     from ..quant.awq import CLIP_GRAM_BYTES
 
-    names, egroup, dense = _targets(ckpt, recipe, idx, layer)
+    names, egroup, dense = linear_targets(ckpt, recipe, idx, layer)
     out: dict[str, int] = {}
     sitem = torch.empty((), dtype=solve_dtype(device)).element_size()
     tokens = int(call_tokens)  # the most tokens one forward call gets (LayerExecutor.call_tokens)

@@ -399,11 +399,11 @@ def _follow(w) -> "ConvertResult":
 def _source_modules(src: Checkpoint, hidden: int | None):
     """(module, shape) of every Linear of the source as recipes see it: `X.weight` 2-D, a packed `X.weight_packed`
     (shape as stored), each expert of a fused 3-D expert tensor."""
-    from ..match.shards import _fused_items
+    from ..match.shards import fused_items
 
     for name in src.location:
         info = src.info(name)
-        items = _fused_items(name, info, hidden) if len(info.shape) == 3 else None
+        items = fused_items(name, info, hidden) if len(info.shape) == 3 else None
         if items:
             yield from ((m, tuple(shape)) for m, _, shape in items)
         elif name.endswith(".weight") and len(info.shape) == 2:
@@ -422,12 +422,12 @@ def _w4afp8_rules(src: Checkpoint, recipe: Recipe, hidden: int | None, tp: int |
     if not any(g.scheme.activations == "fp8" for g in recipe.groups):
         return None
     from ..engine.w4afp8 import check_modules
-    from ..match.shards import _fused_items
+    from ..match.shards import fused_items
 
     modules = []
     for name in src.location:
         info = src.info(name)
-        items = _fused_items(name, info, hidden) if len(info.shape) == 3 else None
+        items = fused_items(name, info, hidden) if len(info.shape) == 3 else None
         pairs = [(m, tuple(shape)) for m, _, shape in items] if items else (
             [(name[: -len(".weight")], tuple(info.shape))] if name.endswith(".weight") and len(info.shape) == 2 else [])
         for module, shape in pairs:

@@ -12,6 +12,7 @@ from ..errors import CalibrationNeeded, KVScalesError, QuantkitError
 from ..match.recipe import CalibrationSpec, Recipe
 from ..pack import kv as kvrules
 from ..read.checkpoint import Checkpoint, read_json_file
+from ..read.kv_scales import read_kv_scales
 from ..write.writer import ShardWriter, sha256_file, write_json_atomic
 from .run import Spool
 
@@ -125,7 +126,7 @@ def kv_scales(src: Checkpoint, recipe: Recipe, path: str | None, dataset: str | 
     calibration runs data parallel over the ranks (calib/kv_dist.py), with the same result on every rank."""
     want = recipe.kv_cache.strategy if recipe.kv_cache is not None else None
     if path is not None:
-        scales = kvrules.read_file(path)
+        scales = read_kv_scales(path)
         origin = {"file": str(path), "sha256": sha256_file(path)}
     else:
         calibrate = _find_calibrate()

@@ -1,4 +1,4 @@
-"""Run a GGUF in llama.cpp (llama-cpp-python) and write what it computed. Started by quantkit/engine/llamacpp_run.py
+"""Run a GGUF in llama.cpp (llama-cpp-python) and write what it computed. Started by quantkit/verify/llamacpp_run.py
 under the engine's Python, as `python llamacpp_worker.py REQUEST.json RESULT.json`; imports nothing of quantkit.
 
 Request: {"model": first GGUF file, "n_ctx", "threads", "samples": [[ids]], "prompts": [[ids]], "gen_tokens",

@@ -7,7 +7,7 @@ quantkit's). It imports the standard library and vLLM only, plus quantkit's vLLM
 (quantkit/engine/vllm_plugin.py, which itself imports only vLLM) when the request asks for it; nothing of
 quantkit's heavy code. Token ids in, numbers out, as JSON files.
 
-The request (written by quantkit/engine/vllm_run.py):
+The request (written by quantkit/verify/vllm_run.py):
   model            the checkpoint directory
   kv_cache_dtype   "auto" (what `vllm serve` does: a declared kv_cache_scheme turns it into fp8) or explicit
   plugin           import quantkit.engine.vllm_plugin and call register() (MLA KV scales)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ..quant._rtn_native import njit
+from ..quant.jit import njit
 
 
 @njit(parallel=True, nogil=True)

@@ -26,7 +26,7 @@ from ..quant.fp8 import FP8Layout
 from ..read.checkpoint import Shard
 from ..read.safetensors import TensorInfo
 from ..read.sources import FLOAT_DTYPES, StoredWeight
-from ..write.writer import ELEMENT_SIZE
+from ..read.safetensors import ELEMENT_SIZE
 from .recipe import Recipe, Scheme, WeightGroup, fused_rows_ok
 from .units import CalibratedUnit, CopyUnit, DecodeUnit, FP4Unit, FP8Unit, PassUnit, QuantItem, RTNUnit, SourceRef, Unit
 from ..arch.layout import FUSED_GATE_UP, QWEN_EXPERTS, any_expert, expert_parts, partner
@@ -67,7 +67,7 @@ class ShardPlan:
         return tuple(u for _, us in self.parts for u in us)
 
 
-def _fused_items(name: str, info: TensorInfo, hidden: int | None):
+def fused_items(name: str, info: TensorInfo, hidden: int | None):
     """Per-expert (module, SourceRef, shape) for a fused 3-D expert tensor, or None if not fused."""
     split = fused_experts(name, tuple(info.shape), hidden)
     if split is None:
@@ -295,7 +295,7 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
                                 stored=sw if sw.layout is None else None)
                 add_quant(module, ref, sw.shape, torch.bfloat16, layer_key, g, scheme)
             continue
-        fused = _fused_items(name, tinfo, hidden) if tinfo.dtype in FLOAT_DTYPES else None
+        fused = fused_items(name, tinfo, hidden) if tinfo.dtype in FLOAT_DTYPES else None
         if fused is not None:
             groups = [recipe.match(mod) for mod, _, _ in fused]
             matched = [g is not None for g in groups]

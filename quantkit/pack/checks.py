@@ -42,7 +42,7 @@ def scheme_problem(kind: str, w) -> str | None:
     that is a multiple of 8, or per channel; FP8 tensor / channel / block; NVFP4 tensor_group 16; MXFP4 group
     32), or None."""
     from ..errors import RecipeError
-    from ..match.recipe import Scheme
+    from .scheme import Scheme
 
     try:
         s = Scheme.parse_weights_config(w)

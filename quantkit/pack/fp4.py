@@ -12,24 +12,7 @@ from __future__ import annotations
 
 import torch
 
-# E2M1 value of each 4-bit code; code 8 is -0.0, as compressed-tensors decodes it
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
-E8M0_BIAS = 127
-
-
-def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """codes [..., R, C] uint8 in 0..15 -> uint8 [..., R, C/2]: column 2j in the low nibble of byte j,
-    column 2j+1 in the high nibble."""
-    if codes.shape[-1] % 2:
-        raise ValueError(f"FP4 packing needs an even number of columns, got {codes.shape[-1]}")
-    c = codes.to(torch.uint8)
-    return c[..., 0::2] | (c[..., 1::2] << 4)
-
-
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of `pack_fp4`: uint8 [..., R, W] -> codes uint8 [..., R, 2W]."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+from ..quant.bits import E2M1_VALUES, E8M0_BIAS, pack_fp4, unpack_fp4  # noqa: F401 (the format's names)
 
 
 def effective_scale(kind: str, scale: torch.Tensor, global_scale: torch.Tensor | None = None) -> torch.Tensor:

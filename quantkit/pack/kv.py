@@ -20,7 +20,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -215,27 +214,6 @@ def check_source(get, names: Iterable[str]) -> list[str]:
             raise KVScalesError(f"the source's {problem}", hint="the source checkpoint's KV scales are broken: pass "
                                 "new ones with --kv-scales (from `quantkit calibrate`), or fix the checkpoint")
     return range_notes(scales)
-
-
-def read_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read a KV-scales file (as `quantkit calibrate` writes it) and check each tensor on its own."""
-    from ..read.safetensors import SafetensorsFile
-
-    p = Path(path)
-    if p.is_dir():
-        raise KVScalesError(f"KV-scales file {str(p)[:200]!r} is a directory, not a safetensors file",
-                            hint="pass the .safetensors file `quantkit calibrate --output` wrote, not its folder")
-    if not p.exists():  # a FIFO or a device exists: the header reader refuses it by kind
-        raise KVScalesError(f"KV-scales file {str(p)[:200]!r} does not exist")
-    with SafetensorsFile(p) as f:
-        scales = {unprefixed(n): f.get(n) for n in f.header.tensors}
-    for name, t in scales.items():
-        problem = tensor_problem(name, t)
-        if problem:
-            raise KVScalesError(f"{p.name}: {problem}")
-    if not scales:
-        raise KVScalesError(f"{p.name}: holds no scales")
-    return scales
 
 
 @dataclass(frozen=True)

@@ -801,13 +801,13 @@ def _calibrated_bytes(layout, rec, num_layers: int) -> tuple[dict[int, int], dic
 def _pass_row(row: dict, comm: dict, held: dict, ctx: _PassContext, idx: int, layer, s, packed: int) -> int:
     """Add one layer's GPTQ/AWQ pass seconds to `row` (its communicated bytes to `comm`, the packed results the
     busiest rank holds and writes to `held[idx]`); 1 when the layer has something calibrated, else 0."""
-    from ..calib.layer import _targets
+    from ..calib.layer import linear_targets
     from ..calib.spool import fits_unquantized
 
     c, ex, rec, kind, g, item, hidden, gq = ctx.c, ctx.ex, ctx.rec, ctx.kind, ctx.g, ctx.item, ctx.hidden, ctx.gq
     num_samples, seq_len, link = ctx.num_samples, ctx.seq_len, c.link_bytes_per_s
     calibrated = 0
-    _, egroup, dense = _targets(ctx.ckpt, rec, idx, layer)
+    _, egroup, dense = linear_targets(ctx.ckpt, rec, idx, layer)
     # NVFP4 W4A4 RTN targets are only observed (their input amax): no Hessian, no solve
     dense = {d: v for d, v in dense.items() if v[1].method != "rtn"}
     # statistics forward, then the quantized layer's forward (true-sequential): the busiest rank's batches.

@@ -5,7 +5,7 @@ bench/calib_cost.py measures them to check the model against real conversions (a
 What is measured, in the compute dtype of the device (float32 on the CPU, bfloat16 GEMMs on a GPU): GEMM FLOP/s
 at several row counts, fitted as peak * m / (m + half), and the same GEMMs in the other dtype (their mean
 ratio to the first gives `alt_gemm_flops`, for --compute-dtype); the Hessians' Gram products likewise; AWQ's
-clip-search group errors; batched Cholesky + triangular inverse (quant.gptq._cholesky_inverse_upper); GPTQ's
+clip-search group errors; batched Cholesky + triangular inverse (quant.gptq.cholesky_inverse_upper); GPTQ's
 column sweep (the fixed seconds per column step and the in-block update rate); streaming element-wise
 bandwidth; one small tensor op; fsynced writes, page-cache reads, sha256; per-module emission; the process's
 RSS after the imports; gc + malloc_trim per layer. Not measured, taken from the shipped table and said so
@@ -95,7 +95,7 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
     """Every rate and per-operation cost of the Throughput table for `device`, measured here on the shapes of a
     model of `hidden` and expert width `inter` (the table's fields; points behind the fits under keys
     starting with "_"). `clock`: what time is read with (time.process_time: CPU seconds of this process)."""
-    from ..quant.gptq import _cholesky_inverse_upper, gptq
+    from ..quant.gptq import cholesky_inverse_upper, gptq
 
     def _best(fn, repeat: int = 3, min_s: float | None = None) -> float:
         return best_seconds(fn, repeat, min_s, clock)
@@ -146,7 +146,7 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
     for c, k in ((8, hidden), (32, inter)):
         x = torch.randn(c, 4 * k, k, generator=g, dtype=torch.float64)
         h = (x.transpose(1, 2) @ x / (4 * k)).to(dev, sdt)
-        t = _best(lambda: (_cholesky_inverse_upper(h, 0.01, 4, torch.float32), _sync(dev)), repeat=3)
+        t = _best(lambda: (cholesky_inverse_upper(h, 0.01, 4, torch.float32), _sync(dev)), repeat=3)
         rates.append(c * 2 / 3 * k ** 3 / t)
     out["chol_flops"] = statistics.fmean(rates)
     log(f"cholesky: {[round(r / 1e9, 2) for r in rates]} GFLOP/s")
@@ -157,7 +157,7 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
         h = (x.transpose(1, 2) @ x / (4 * k)).to(dev, sdt)
         w = (torch.randn(c, n, k, generator=g) * 0.02).to(dev)
         tf = _best(lambda: (gptq(w, h, 4, 32, True, actorder=True, solve_dtype=sdt), _sync(dev)), repeat=2)
-        tc = _best(lambda: (_cholesky_inverse_upper(h, 0.01, 4, torch.float32), _sync(dev)), repeat=2)
+        tc = _best(lambda: (cholesky_inverse_upper(h, 0.01, 4, torch.float32), _sync(dev)), repeat=2)
         lazy = 2 * c * n * sum(128 * max(0, k - i - 128) for i in range(0, k, 128))
         return max(1e-9, tf - tc - lazy / out["gram_flops"]), c, n, k
 

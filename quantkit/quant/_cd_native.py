@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._rtn_native import njit
+from .jit import njit
 
 
 @njit(nogil=True, error_model="numpy")

@@ -36,7 +36,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._rtn_native import _sumsq, njit  # _sumsq: the INT4 kernel's float64 sum of squares
+from ._rtn_native import _sumsq  # the INT4 kernel's float64 sum of squares
+from .jit import njit
 
 # the float32 value of each positive e4m3 code
 _E4M3 = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy().copy()

@@ -22,34 +22,10 @@ Import is lazy and optional: without numba (or with QUANTKIT_NATIVE=0) `rtn` use
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-import numba
+import numba  # noqa: F401 (a missing numba is an ImportError here: the torch path then runs)
 import numpy as np
 
-
-def _cache_dir() -> str:
-    """Where the compiled kernels are cached: the user's NUMBA_CACHE_DIR when set, else a per-user cache
-    directory. Never beside this file: numba's files there are not the package's, so `pip uninstall` leaves
-    them and an empty `quantkit` directory in site-packages, which then shadows a later editable install."""
-    if numba.config.CACHE_DIR:
-        return numba.config.CACHE_DIR
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return str(Path(base) / "quantkit" / "numba")
-
-
-def njit(**options):
-    """numba.njit(cache=True, **options), cached in `_cache_dir()`: numba picks a function's cache location
-    when it is decorated, so CACHE_DIR is set for that moment only (other numba code keeps its own)."""
-    def decorate(fn):
-        saved = numba.config.CACHE_DIR
-        numba.config.CACHE_DIR = _cache_dir()
-        try:
-            return numba.njit(cache=True, **options)(fn)
-        finally:
-            numba.config.CACHE_DIR = saved
-    return decorate
+from .jit import njit
 
 # scale storage dtypes understood by the kernel (others take the torch path)
 SCALE_F32, SCALE_BF16 = 0, 1

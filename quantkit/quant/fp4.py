@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import GroupSizeError
-from ..pack.fp4 import E2M1_VALUES, E8M0_BIAS, pack_fp4, unpack_fp4  # noqa: F401  (the RTN functions pack)
+from .bits import E2M1_VALUES, E8M0_BIAS, pack_fp4, unpack_fp4  # noqa: F401  (the RTN functions pack)
 from .fp8 import FP8_MAX  # float8_e4m3fn max: NVFP4 group scales are e4m3
 from .int4 import optional_native, run_rows
 

@@ -96,7 +96,7 @@ def _reversed_symmetric(h: torch.Tensor, order: torch.Tensor | None, dtype: torc
     return out
 
 
-def _cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int, out_dtype: torch.dtype | None = None,
+def cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int, out_dtype: torch.dtype | None = None,
                             *, order: torch.Tensor | None = None, dead: torch.Tensor | None = None,
                             solve_dtype: torch.dtype | None = None):
     """Upper Cholesky factor U of (H + d*I)^-1 (U^T U = (H + d*I)^-1) for a batch [E, K, K], retrying with
@@ -217,14 +217,14 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
     fc = e if factor_chunk is None else max(1, int(factor_chunk))
     kw = dict(solve_dtype=solve_dtype)
     if fc >= e:
-        U, rel, fallback = _cholesky_inverse_upper(H, damp, max_retries, torch.float32, order=perm, dead=dead, **kw)
+        U, rel, fallback = cholesky_inverse_upper(H, damp, max_retries, torch.float32, order=perm, dead=dead, **kw)
     else:
         U = torch.empty(e, k, k, device=dev)
         rel = torch.empty(e, dtype=solve_dtype, device=dev)
         fallback = []
         for c0 in range(0, e, fc):
             sl = slice(c0, c0 + fc)
-            u_c, rel[sl], fb_c = _cholesky_inverse_upper(H[sl], damp, max_retries, torch.float32,
+            u_c, rel[sl], fb_c = cholesky_inverse_upper(H[sl], damp, max_retries, torch.float32,
                                                           order=None if perm is None else perm[sl], dead=dead[sl], **kw)
             U[sl] = u_c
             fallback += fb_c

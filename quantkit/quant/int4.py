@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..pack.int4 import pack_ints
+from .bits import pack_ints
 
 # Legend: E = experts (optional leading dims), N = out_features, K = in_features, G = groups = K / group_size
 

@@ -41,6 +41,7 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
 if hasattr(torch, "float8_e8m0fnu"):
     DTYPES["F8_E8M0"] = (torch.float8_e8m0fnu, 1)
 CODE_OF: dict[torch.dtype, str] = {dt: code for code, (dt, _) in DTYPES.items()}
+ELEMENT_SIZE: dict[torch.dtype, int] = {dt: size for dt, size in DTYPES.values()}  # bytes an element
 
 
 @dataclass(frozen=True)

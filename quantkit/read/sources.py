@@ -273,7 +273,7 @@ _SCHEMES: dict[str, object] = {}  # the args a Scheme is built from -> the Schem
 def _scheme(w: dict):
     """The match.recipe.Scheme of a group's weight args (valid: detect_format checked every group's args),
     parsed once per distinct args."""
-    from ..match.recipe import Scheme
+    from ..pack.scheme import Scheme
 
     key = repr([w.get(f) for f in ("num_bits", "type", "symmetric", "strategy", "group_size", "block_structure")])
     if key not in _SCHEMES:

@@ -35,10 +35,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import (CheckpointNotFound, DeviceError, KernelsUnavailable, QuantkitError, ReferenceModelError,
+from ..errors import (CheckpointNotFound, KernelsUnavailable, QuantkitError, ReferenceModelError,
                       VerificationFailed, VerifyOptionError)
 from ..read.checkpoint import Checkpoint
-from .common import Check, Listing, listed
+from .common import Check, Listing, listed, resolve_device
 from .format import Judge, tensor_pass
 from .integrity import check_integrity, check_manifest_tensors
 from .numerics import (check_reference, check_reference_content, drift_check, kernel_check, layer_summary, model_metrics, sqnr_check,
@@ -66,7 +66,7 @@ class VerifyReport:
     data: dict  # token data and run settings
     seconds: float = 0.0
     engine: dict | None = None  # `engine="vllm"`: the rules vLLM applies (quantkit/engine/vllm.py)
-    engine_run: dict | None = None  # `engine_run`: QMODEL run in vLLM and measured (quantkit/engine/vllm_run.py)
+    engine_run: dict | None = None  # `engine_run`: QMODEL run in vLLM and measured (quantkit/verify/vllm_run.py)
     pair: dict | None = None  # `pair`: QMODEL as the decode half of a prefill/decode pair (verify/pair.py)
 
     def to_json(self) -> dict:
@@ -96,7 +96,7 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
     skip). device: where the models run. kernels: "torch", or "triton" to also check the runtime's
     INT4 GEMM kernel against its torch reference on a few modules. engine: "vllm" to also check the rules
     vLLM applies when it loads the checkpoint (quantkit/engine/vllm.py), at tensor parallelism `tp`.
-    engine_run: with engine "vllm", also run QMODEL in vLLM and measure it there (quantkit/engine/vllm_run.py);
+    engine_run: with engine "vllm", also run QMODEL in vLLM and measure it there (quantkit/verify/vllm_run.py);
     a dict of its options: python (the engine environment's interpreter; default this one), timeout (s),
     kv_cache_dtype ("served": fp8 when the checkpoint has KV scales, as its model card serves it; or vLLM's
     values, e.g. "auto", "bfloat16"), engine_args (extra vllm.LLM keyword arguments).
@@ -116,7 +116,7 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
                                 hint="pass --num-samples N and --seq-len L with L >= 2")
     if generation_tokens < 0:
         raise VerifyOptionError(f"generation_tokens must be >= 0, got {generation_tokens}")
-    dev = _device(device)
+    dev = resolve_device(device)
     ref_ck = None
     if reference is not None:
         ref_ck = Checkpoint.open(reference)  # raises for an unusable reference (missing, corrupt headers)
@@ -220,7 +220,7 @@ def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = optio
                   + (f"; first: {first['rule']} {first['where']}: {first['detail']}" if first else ""))
         checks.append(Check(f"engine_{engine}", er.ok, detail if first else f"{er.engine} loads it as written"))
     if engine_run is not None:
-        from ..engine import vllm_run
+        from . import vllm_run
 
         if ck is None:
             raise VerificationFailed("the checkpoint does not open: it cannot be run in vLLM")
@@ -256,18 +256,6 @@ def _pair_limit(m: dict, t: Thresholds) -> Check:
     ok = m["kl_divergence"] <= t.max_kl and m["top1_agreement"] >= t.min_top1
     return Check("pair_quality", ok, f"prefill model -> KV cache -> decode model against the source: KL "
                  f"{m['kl_divergence']:.4g} (max {t.max_kl:g}), top-1 {m['top1_agreement']:.2%} (min {t.min_top1:.0%})")
-
-
-def _device(device: str) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise DeviceError(f"unknown device {device!r}", hint="use cpu or cuda (cuda:N)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise DeviceError("device cuda requested but no CUDA device is available", hint="use --device cpu")
-    if dev.type not in ("cpu", "cuda"):
-        raise DeviceError(f"unsupported device {device!r}", hint="use cpu or cuda (cuda:N)")
-    return dev
 
 
 def _require_triton(dev: torch.device) -> None:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_LISTED = 100  # mismatches / problems listed in full; the rest are counted
 SQNR_CAP_DB = 300.0  # an exact match (inf dB) is reported as this, so the report stays valid JSON
@@ -53,3 +57,20 @@ def listed(listing: Listing, overflow_template) -> list:
         msg = f"... and {listing.more} more"
         out.append(msg if overflow_template is None else {**overflow_template, "problem": msg})
     return out
+
+
+def resolve_device(device: str) -> torch.device:
+    """`--device` as a torch device: cpu, or cuda where one is available; anything else refused in one line."""
+    import torch
+
+    from ..errors import DeviceError
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise DeviceError(f"unknown device {device!r}", hint="use cpu or cuda (cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("device cuda requested but no CUDA device is available", hint="use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise DeviceError(f"unsupported device {device!r}", hint="use cpu or cuda (cuda:N)")
+    return dev

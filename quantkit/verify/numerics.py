@@ -208,10 +208,10 @@ def _vocab_size(config: dict) -> int:
     return v
 
 
-def _load(path: Path, dev: torch.device, dtype: torch.dtype = torch.bfloat16):
-    from ..hf import load_model
+def load_model(path: Path, dev: torch.device, dtype: torch.dtype = torch.bfloat16):
+    from .. import hf
 
-    return load_model(path, dtype).eval().to(dev)
+    return hf.load_model(path, dtype).eval().to(dev)
 
 
 def transformers_cannot_load(q_dir: Path) -> bool:
@@ -244,7 +244,7 @@ def load_dequantized(ref_dir: Path, q_dir: Path, dev: torch.device, dtype: torch
     from ..read.sources import detect_format, scan
     from ..read.tensors import TensorReader
 
-    model = _load(ref_dir, dev, dtype)
+    model = load_model(ref_dir, dev, dtype)
     ck = Checkpoint.open(q_dir)
     params = dict(model.named_parameters())
     with TensorReader.of(ck) as r:
@@ -413,7 +413,7 @@ def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: 
     names = ("kl_divergence", "top1_agreement", "perplexity_ratio", "generation_agreement")
     say("numerics: loading the reference model")
     try:
-        ref = _load(ref_dir, dev)
+        ref = load_model(ref_dir, dev)
     except Exception as e:  # transformers' errors are many and unnamed
         raise ReferenceModelError(f"transformers cannot load the reference {str(ref_dir)!r}: {type(e).__name__}: "
                                   f"{str(e)[:160]}", hint="pass a checkpoint transformers can load") from None
@@ -443,7 +443,7 @@ def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: 
                 "quantkit's dequantized weights")
             qnt = load_dequantized(ref_dir, q_dir, dev)
         else:
-            qnt = _load(q_dir, dev)
+            qnt = load_model(q_dir, dev)
     except Exception as e:  # an unloadable output is a finding, not a crash
         del ref
         why = f"transformers cannot load the quantized checkpoint: {type(e).__name__}: {str(e)[:160]}"
@@ -486,22 +486,22 @@ def model_metrics(ref_dir: Path, q_dir: Path, samples: list[torch.Tensor], dev: 
         kl_what = f", {served} as served (W4A16, same weights: {kl16_sum / positions:.4g})"
         top1_what = f", {served} as served (W4A16, same weights: {top1_16_sum / positions:.4f})"
     checks = [
-        _limit("kl_divergence", kl, t.max_kl, upper=True, what=f"mean next-token KL over {positions} positions{kl_what}"),
-        _limit("top1_agreement", top1, t.min_top1, upper=False,
+        limit_check("kl_divergence", kl, t.max_kl, upper=True, what=f"mean next-token KL over {positions} positions{kl_what}"),
+        limit_check("top1_agreement", top1, t.min_top1, upper=False,
                what=f"top-1 agreement over {positions} positions{top1_what}"),
-        _limit("perplexity_ratio", ppl_q / ppl_r if math.isfinite(ppl_r) and ppl_r > 0 else float("nan"),
+        limit_check("perplexity_ratio", ppl_q / ppl_r if math.isfinite(ppl_r) and ppl_r > 0 else float("nan"),
                t.max_ppl_ratio, upper=True, what=f"perplexity {ppl_q:.4g} vs reference {ppl_r:.4g} (vocab {vocab})"),
     ]
     if generation is None:
         checks.append(Check("generation_agreement", None, "generation_tokens is 0: skipped"))
     else:
-        checks.append(_limit("generation_agreement", generation["agreement"], t.min_generation_agreement,
+        checks.append(limit_check("generation_agreement", generation["agreement"], t.min_generation_agreement,
                              upper=False, what=f"{generation['prompts']} prompts x {gen_tokens} greedy tokens, "
                                                f"mean matching prefix {generation['matching_prefix']:.2f}"))
     return metrics, generation, checks
 
 
-def _limit(name: str, value: float, limit: float, *, upper: bool, what: str) -> Check:
+def limit_check(name: str, value: float, limit: float, *, upper: bool, what: str) -> Check:
     if not math.isfinite(value):
         return Check(name, False, f"{what}: not finite", None, limit)
     ok = value <= limit if upper else value >= limit

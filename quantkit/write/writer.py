@@ -26,9 +26,8 @@ from typing import Iterable
 import torch
 
 from ..errors import DiskFull, UnsupportedDtype
-from ..read.safetensors import CODE_OF
+from ..read.safetensors import CODE_OF, ELEMENT_SIZE
 
-ELEMENT_SIZE = {dt: torch.empty(0, dtype=dt).element_size() for dt in CODE_OF}
 QUEUE_BYTES = 64 << 20  # tensors handed to the writer thread and not yet written (one larger one may wait alone)
 
 _fsyncs: list[Future] = []

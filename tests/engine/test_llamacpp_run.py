@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from quantkit.convert import ConvertOptions, convert
-from quantkit.engine import llamacpp_run
+from quantkit.verify import llamacpp_run
 from quantkit.errors import EngineError
 from quantkit.export import ExportOptions, export
 

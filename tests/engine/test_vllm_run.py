@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from quantkit.convert import ConvertOptions, convert
-from quantkit.engine import vllm_run
-from quantkit.engine.vllm_run import EXIT_CANNOT_RUN, cannot_run_line, compare_kv
+from quantkit.verify import vllm_run
+from quantkit.verify.vllm_run import EXIT_CANNOT_RUN, cannot_run_line, compare_kv
 from quantkit.options import Thresholds
 from quantkit.verify import verify
 

@@ -135,7 +135,7 @@ def test_inverse_factor_against_the_textbook_one(k):
     """U with U^T U = (H + d I)^-1, upper triangular: against the factorization-inverse-factorization it
     replaced, in float64, for well and badly conditioned Hessians; a matrix that cannot be factorized at
     the first damping is retried alone."""
-    from quantkit.quant.gptq import _cholesky_inverse_upper
+    from quantkit.quant.gptq import cholesky_inverse_upper
 
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(3, 4 * k, k, generator=gen, dtype=torch.float64)
@@ -145,7 +145,7 @@ def test_inverse_factor_against_the_textbook_one(k):
     lam = torch.ones(k, dtype=torch.float64)
     lam[0] = -0.05  # indefinite: not positive definite at damping 0.01 x mean(diag), but at 0.1 x
     h[2] = q @ torch.diag(lam) @ q.T
-    u, rel, fb = _cholesky_inverse_upper(h, 0.01, 4)
+    u, rel, fb = cholesky_inverse_upper(h, 0.01, 4)
     assert fb == [None, None, None]
     assert rel[0] == rel[1] == 0.01 and rel[2] > 0.01
     for i in range(3):
@@ -153,7 +153,7 @@ def test_inverse_factor_against_the_textbook_one(k):
         ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hd)), upper=True)
         assert torch.equal(u[i], u[i].triu())
         assert torch.allclose(u[i], ref, rtol=1e-9, atol=1e-9 * ref.abs().max().item())
-    u32, _, _ = _cholesky_inverse_upper(h, 0.01, 4, torch.float32)
+    u32, _, _ = cholesky_inverse_upper(h, 0.01, 4, torch.float32)
     assert u32.dtype == torch.float32 and torch.allclose(u32.double(), u, rtol=1e-6, atol=1e-6 * u.abs().max().item())
 
 

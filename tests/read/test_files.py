@@ -170,7 +170,7 @@ def test_a_file_that_is_not_parquet_is_a_dataset_error(tmp_path):
 
 def test_special_files_in_a_checkpoint_are_named_by_kind(tmp_path):
     """A config.json, index or --kv-scales file that is a FIFO is refused for what it is, not as missing."""
-    from quantkit.pack.kv import read_file
+    from quantkit.read.kv_scales import read_kv_scales as read_file
     from quantkit.plan.source import resolve
     from quantkit.read.checkpoint import Checkpoint
 

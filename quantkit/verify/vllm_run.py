@@ -37,10 +37,11 @@ from ..pack import kv as kvrules
 from ..pack.config import config_groups
 from ..read.checkpoint import Checkpoint
 from ..read.tensors import TensorReader
-from ..verify.common import Check, finite
+from .common import Check, finite
 from .compare import generation_check, greedy_continuations
-from . import worker
-from .worker import locate_python  # noqa: F401 (the CLI's and tests' name)
+from .numerics import limit_check
+from ..engine import worker
+from ..engine.worker import locate_python  # noqa: F401 (the CLI's and tests' name)
 from ..pack.names import Format, Tensor
 
 EXIT_CANNOT_RUN = 3  # `verify --run`: every check passed, but this vLLM build cannot run the checkpoint here
@@ -173,9 +174,9 @@ def reference_side(ref_dir: Path, samples: list[torch.Tensor], gen_tokens: int, 
     1..L-1, and the greedy continuation of up to MAX_PROMPTS prompts (the first half of a sample, <= 32)."""
     import torch.nn.functional as F
 
-    from ..verify.numerics import _load
+    from .numerics import load_model
 
-    model = _load(ref_dir, dev)
+    model = load_model(ref_dir, dev)
     out = {"nll": [], "targets": [], "top1": [], "prompts": [], "continuations": []}
     with torch.no_grad():
         for s in samples:
@@ -317,9 +318,9 @@ def run(qmodel: Path, ref_dir: Path | None, samples: list[torch.Tensor], dev: to
         agree = [a == b for p, r in zip(per, ref["top1"]) for a, b in zip(p["top1"], r)]
         top1 = sum(agree) / len(agree) if agree else float("nan")
         doc.update(perplexity_reference=finite(ppl_r), perplexity_ratio=finite(ratio), top1_agreement=finite(top1))
-        checks.append(_limit("engine_perplexity_ratio", ratio, thresholds.max_ppl_ratio, upper=True,
+        checks.append(limit_check("engine_perplexity_ratio", ratio, thresholds.max_ppl_ratio, upper=True,
                              what=f"perplexity in vLLM {ppl_e:.4g} vs reference (transformers, source) {ppl_r:.4g}"))
-        checks.append(_limit("engine_top1_agreement", top1, thresholds.min_top1, upper=False,
+        checks.append(limit_check("engine_top1_agreement", top1, thresholds.min_top1, upper=False,
                              what=f"vLLM's next-token top-1 vs the reference's over {len(agree)} positions"))
         if transformers_ppl:
             doc["perplexity_engine_vs_transformers"] = finite(ppl_e / transformers_ppl)
@@ -361,8 +362,3 @@ def _kv_check(kv: dict) -> Check:
     return Check("engine_kv_scales", False, f"vLLM does not hold the file's KV scales (cache {', '.join(dtypes)}): "
                  f"{first}")
 
-
-def _limit(name: str, value: float, limit: float, *, upper: bool, what: str) -> Check:
-    from ..verify.numerics import _limit as limit_check
-
-    return limit_check(name, value, limit, upper=upper, what=what)

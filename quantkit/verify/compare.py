@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..verify.common import Check
+from .common import Check
 
 MAX_PROMPTS = 4
 
@@ -34,7 +34,7 @@ def generation_check(engine: str, forced: list[list[int]], generated: list[list[
                      continuations: list[list[int]], gen_tokens: int, threshold: float) -> tuple[dict, Check]:
     """The engine's teacher-forced top-1 on the reference's continuations (the check) and its free-running greedy
     tokens' matching prefix (reported)."""
-    from ..verify.numerics import _limit
+    from .numerics import limit_check
 
     tf = [sum(a == b for a, b in zip(f, c)) / max(1, len(c)) for f, c in zip(forced, continuations)]
     prefix = []
@@ -45,7 +45,7 @@ def generation_check(engine: str, forced: list[list[int]], generated: list[list[
         prefix.append(k / max(1, len(c)))
     doc = {"tokens": gen_tokens, "prompts": len(tf), "agreement": sum(tf) / len(tf) if tf else float("nan"),
            "matching_prefix": (sum(prefix) / len(prefix)) if prefix else None}
-    check = _limit("engine_generation_agreement", doc["agreement"], threshold, upper=False,
+    check = limit_check("engine_generation_agreement", doc["agreement"], threshold, upper=False,
                    what=f"{len(tf)} prompts x {gen_tokens} greedy tokens, {engine} teacher-forced on the reference's "
                         f"continuation; free-running matching prefix "
                         f"{doc['matching_prefix'] if prefix else float('nan'):.2f}")

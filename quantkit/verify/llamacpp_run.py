@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from ..errors import EngineError
-from ..verify.common import Check, finite
+from .common import Check, finite
 from .compare import generation_check, greedy_continuations
-from . import worker
-from .worker import locate_python
+from ..engine import worker
+from ..engine.worker import locate_python
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 DEFAULT_TIMEOUT_S = 1800
@@ -55,7 +55,7 @@ def reference_logprobs(ref_dir: Path, ckpt_dir: Path | None, samples: list[torch
     MAX_PROMPTS prompts; with `ckpt_dir`, also the source alone (for KL(source || checkpoint))."""
     import torch.nn.functional as F
 
-    from ..verify.numerics import _load, load_dequantized
+    from .numerics import load_dequantized, load_model
 
     def logprobs(model):
         with torch.no_grad():
@@ -65,14 +65,14 @@ def reference_logprobs(ref_dir: Path, ckpt_dir: Path | None, samples: list[torch
     out: dict = {}
     if ckpt_dir is not None:
         say("reference: the source in transformers (float32)")
-        src = _load(ref_dir, dev, torch.float32)
+        src = load_model(ref_dir, dev, torch.float32)
         out["source"] = logprobs(src)
         del src
         say("reference: the checkpoint's dequantized weights in transformers (float32)")
         model = load_dequantized(ref_dir, ckpt_dir, dev, torch.float32)
     else:
         say("reference: the source in transformers (float32)")
-        model = _load(ref_dir, dev, torch.float32)
+        model = load_model(ref_dir, dev, torch.float32)
     out["ref"] = logprobs(model)
     out["prompts"], out["continuations"] = greedy_continuations(model, samples, gen_tokens, dev)
     del model
@@ -196,16 +196,16 @@ def run(gguf: Path, ref_dir: Path, ckpt_dir: Path | None, samples: list[torch.Te
         doc.update(kl_source_checkpoint=finite(kl_q), kl_source_engine=finite(kl_se),
                    kl_engine_vs_quantization=finite(kl_m / kl_q) if kl_q > 0 else None,
                    perplexity_source=finite(math.exp(min(700.0, nll_s / n))))
-    from ..verify.numerics import _limit
+    from .numerics import limit_check
 
     what = "the checkpoint in transformers" if ckpt_dir is not None else "the source in transformers"
-    checks.append(_limit("engine_perplexity_ratio", ppl_e / ppl_r, thresholds.max_ppl_ratio, upper=True,
+    checks.append(limit_check("engine_perplexity_ratio", ppl_e / ppl_r, thresholds.max_ppl_ratio, upper=True,
                          what=f"perplexity in llama.cpp {ppl_e:.4g} vs {what} {ppl_r:.4g}"))
-    checks.append(_limit("engine_kl", kl_m, thresholds.max_kl, upper=True,
+    checks.append(limit_check("engine_kl", kl_m, thresholds.max_kl, upper=True,
                          what=f"mean next-token KL({what} || llama.cpp) over {sum(k.numel() for k in kl)} positions"
                               + (f"; KL(source || checkpoint) {doc['kl_source_checkpoint']:.3g}" if "source" in ref
                                  else "")))
-    checks.append(_limit("engine_top1_agreement", top1, thresholds.min_top1, upper=False,
+    checks.append(limit_check("engine_top1_agreement", top1, thresholds.min_top1, upper=False,
                          what=f"llama.cpp's next-token top-1 vs {what}'s over {n} positions"))
     if ref["continuations"]:
         doc["generation"], check = generation_check("llama.cpp", forced, generated, ref["continuations"], gen_tokens,
@@ -248,8 +248,8 @@ def run_gguf(gguf, reference: Path, checkpoint: Path | None, *, dataset=None, nu
     take it). Returns {passed, engine_run, checks, data, seconds}."""
     from ..options import Thresholds
     from ..read.checkpoint import Checkpoint
-    from ..verify import _device
-    from ..verify.numerics import token_data
+    from .common import resolve_device
+    from .numerics import token_data
 
     t0 = time.perf_counter()
     thresholds = thresholds if thresholds is not None else Thresholds()
@@ -258,7 +258,7 @@ def run_gguf(gguf, reference: Path, checkpoint: Path | None, *, dataset=None, nu
         Checkpoint.open(checkpoint)  # raises for an unusable one
     samples, data = token_data(ref_ck, dataset, num_samples, seq_len, seed)
     doc, checks = run(Path(gguf), ref_ck.root, Path(checkpoint) if checkpoint is not None else None, samples,
-                      _device(device), generation_tokens, thresholds, python=python, timeout=timeout, say=say)
+                      resolve_device(device), generation_tokens, thresholds, python=python, timeout=timeout, say=say)
     return {"passed": all(c.ok is not False for c in checks), "engine_run": doc,
             "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in checks], "data": data,
             "thresholds": {"max_kl": thresholds.max_kl, "max_ppl_ratio": thresholds.max_ppl_ratio,
