@@ -1,5 +1,5 @@
 """How checkpoints name their modules: the vocabulary every stage uses to find attention, routers, routed and
-shared experts, norms and embeddings (the registry in arch/__init__.py says which family uses which), the
+shared experts, norms and embeddings (the registry, arch/registry.py, says which family uses which), the
 routed-expert names every stage parses (`EXPERT`, `expert_parts`, `expert_role`), and one decoder layer's
 module names (`LayerNames`), from which `enumerate_tensors` writes a config's whole hub layout.
 
@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from ..errors import ConfigError
 
 # ---- the vocabulary ------------------------------------------------------------------------------------
 EMBED = "model.embed_tokens"
@@ -436,3 +438,32 @@ def layer_module(layer_name: str, rel: str) -> str:
 def targets_experts(target: str) -> bool:
     """Whether a recipe / config target names routed experts (transformers' own test: the word `experts`)."""
     return EXPERTS in target
+
+
+# ---- on-disk expert layouts ---------------------------------------------------------------------------
+_FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)(?:\.weight)?$")
+
+
+def fused_experts(name: str, shape: tuple[int, ...], hidden: int | None = None):
+    """Per-expert (module, expert, rows, [N, K]) of a fused 3-D expert tensor in the transformers layout
+    (`experts.gate_up_proj` [E, 2*Im, D] with gate rows first, `experts.down_proj` [E, D, Im]); None if
+    `name` is not one. With `hidden`, a tensor in another orientation is an error."""
+    m = _FUSED.match(name)
+    if not m or len(shape) != 3:
+        return None
+    e_count, a, b = shape
+    prefix, kind = m["prefix"], m["kind"]
+    if hidden is not None and not (b == hidden if kind == "gate_up_proj" else a == hidden):
+        raise ConfigError(f"fused expert tensor {name} {list(shape)} is not in the [experts, out, in] layout",
+                          hint="only the transformers layout gate_up_proj [E, 2*I, H] / down_proj [E, H, I] "
+                               "is supported")
+    out = []
+    for e in range(e_count):
+        if kind == "gate_up_proj":
+            half = a // 2
+            out.append((f"{prefix}.{e}.gate_proj", e, (0, half), (half, b)))
+            out.append((f"{prefix}.{e}.up_proj", e, (half, a), (half, b)))
+        else:
+            out.append((f"{prefix}.{e}.down_proj", e, (0, a), (a, b)))
+    return out
+
