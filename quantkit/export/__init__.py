@@ -279,10 +279,41 @@ def check_layout(spec, ck: Checkpoint, stored: dict[str, StoredWeight], weights:
         raise ConfigMismatch(f"{name} {list(have[name])}: config.json implies no such tensor")
 
 
+@dataclass(frozen=True)
+class _Planning:
+    """What making the plan's items reads: the checkpoint's tensors, its parsed config (arch.ModelSpec), gguf-py,
+    the options, and the plan the items go into."""
+
+    reader: TensorReader
+    spec: object
+    gguf: object
+    options: ExportOptions
+    plan: Plan
+
+
 def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> tuple[Plan, object, object]:
+    """(the plan, the parsed config, transformers' config object) from the headers alone: config.json held
+    against the tensors (`_checked`), every tensor sorted into routed-expert stacks and single tensors
+    (`_sort_tensors`), then each made one GGUF item or more. What llama.cpp cannot represent is refused here."""
     gguf = _gguf()
+    spec, stored, cfg = _checked(ck)
+    ctx = _Planning(reader, spec, gguf, options, Plan(arch=spec.arch))
+    experts, singles = _sort_tensors(ctx, ck, stored)
+    # routed experts: one [E, N, K] tensor per layer and projection, of one type
+    for (li, role), by_e in sorted(experts.items()):
+        _expert_items(ctx, li, role, by_e)
+    # everything else
+    tmap = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, GGUF_ARCH[spec.arch]), spec.num_layers)
+    for m, s in sorted(singles, key=lambda x: _order(x[0])):
+        _single_items(ctx, tmap, m, s)
+    return ctx.plan, spec, cfg
+
+
+def _checked(ck: Checkpoint):
+    """(spec, stored modules, transformers' config object): config.json held against every tensor's header shape
+    before anything is built from it (as convert does), the stored modules against their schemes, and the model
+    against what llama.cpp computes as transformers does."""
     config = ck.config
-    # config.json held against every tensor's header shape before anything is built from it (as convert does)
     spec = validate_config(config, {n: tuple(ck.info(n).shape) for n in ck.location}) or parse_config(config)
     if spec.arch not in GGUF_ARCH:
         raise NotRepresentable(f"model_type {spec.model_type}: not exported to GGUF (exported: qwen3_moe, mixtral, "
@@ -297,13 +328,14 @@ def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> 
     why = refusals(spec.arch, cfg, spec)
     if why:
         raise NotRepresentable(f"llama.cpp would compute this model differently from transformers: {why[0]}")
-    plan = Plan(arch=spec.arch)
-    Q = gguf.GGMLQuantizationType
-    tmap = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, GGUF_ARCH[spec.arch]), spec.num_layers)
-    prefix = spec.prefix
-    L = spec.num_layers
+    return spec, stored, cfg
 
-    # tensors -> modules (a stored module's companions travel with it)
+
+def _sort_tensors(ctx: _Planning, ck: Checkpoint, stored: dict[str, StoredWeight]):
+    """(routed experts: (layer, role) -> expert -> (module, source), singles: [(module or tensor name, source)]);
+    a source is a StoredWeight or a checkpoint tensor name. A stored module's companions travel with it; tensors
+    outside the text model and MTP layers are counted in `plan.dropped`; fused experts are refused."""
+    plan, prefix, L = ctx.plan, ctx.spec.prefix, ctx.spec.num_layers
     owner = {src: m for m, sw in stored.items() for _, src in sw.tensors}
     dense: dict[str, str] = {}  # text-model tensor name -> checkpoint tensor name
     for name in sorted(ck.location):
@@ -339,7 +371,7 @@ def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> 
             continue
         if t.endswith("rotary_emb.inv_freq"):
             continue
-        if fused_experts(t, tuple(reader.info(src).shape)):
+        if fused_experts(t, tuple(ctx.reader.info(src).shape)):
             raise NotRepresentable(f"{t}: experts stored fused; export reads per-expert tensors (as quantkit writes)")
         m, _, suffix = t.rpartition(".")
         ex = _expert(m)
@@ -349,111 +381,128 @@ def build_plan(ck: Checkpoint, reader: TensorReader, options: ExportOptions) -> 
             raise NotRepresentable(f"{t}: a routed expert's {suffix}: llama.cpp's experts take weights only")
         else:
             singles.append((t, src))
+    return experts, singles
 
-    # routed experts: one [E, N, K] tensor per layer and projection, of one type
-    counts = plan.counts
+
+def _expert_items(ctx: _Planning, li: int, role: str, by_e: dict[int, tuple[str, object]]) -> None:
+    """Layer `li`'s `role` projection of every routed expert as one [E, N, K] GGUF tensor of one type (and, for
+    NVFP4, the experts' global scales as its `.scale` tensor), converted one expert at a time."""
+    reader, spec, gguf, plan = ctx.reader, ctx.spec, ctx.gguf, ctx.plan
+    Q, counts = gguf.GGMLQuantizationType, plan.counts
     nvfp4_why = None if spec.arch in NVFP4_EXPERT_ARCHS else (
         f"GGML's NVFP4 keeps the global scale in a separate .scale tensor, which llama.cpp 0.3.36's "
         f"{GGUF_ARCH[spec.arch].lower()} graph does not apply (only {', '.join(NVFP4_EXPERT_ARCHS)}'s does)")
-    for (li, role), by_e in sorted(experts.items()):
-        E = spec.num_experts
-        if sorted(by_e) != list(range(E)):
-            raise ExportError(f"layer {li} {role}: experts {sorted(by_e)[:8]}... present, config says {E}")
-        encs = []
-        for e in range(E):
-            m, s = by_e[e]
-            if isinstance(s, StoredWeight):
-                encs.append((encoding_of(s, reader, options.fp8, nvfp4_why), tuple(s.shape)))
-            else:
-                info = reader.info(s)
-                qt = _dense_type(gguf, "x.weight", info.dtype, 2)
-                encs.append((Encoding(qt.name, info.shape[1], str(info.dtype).replace("torch.", "")),
-                             tuple(info.shape)))
-        kinds = {(en.qtype, en.k, shp[0]) for en, shp in encs}
-        if len(kinds) != 1:
-            raise NotRepresentable(f"layer {li} {role}: the experts differ in type or shape ({sorted(kinds)[:3]}): GGUF "
-                                   "stores a layer's experts as one tensor of one type")
-        en0, (n0, _) = encs[0]
-        qtype = getattr(Q, en0.qtype)
-        per = n0 * _bytes_per_row(gguf, qtype, en0.k)
-        name = f"blk.{li}.ffn_{role}_exps.weight"
-        label = f"{en0.qtype} <- {en0.label}"
-        plan.experts[label] = plan.experts.get(label, 0) + 1
-
-        def one(e, by_e=by_e, encs=encs, qtype=qtype):
-            m, s = by_e[e]
-            if isinstance(s, StoredWeight):
-                return module_bytes(reader, s, encs[e][0], counts)
-            if _same_type(reader.info(s).dtype, qtype, gguf):
-                return Copy(s)
-            return _cast(reader.get(s), qtype, gguf)
-
-        def chunks(one=one, n=len(by_e)):
-            yield from _ahead(one, n)
-
-        plan.items.append(Item(name, qtype, (E, n0, en0.k), E * per, chunks, label))
-        if en0.qtype == "NVFP4":  # each expert's global scale: llama.cpp multiplies the expert's output by it
-            def scales(by_e=by_e):
-                g = [reader.get(dict(by_e[e][1].tensors)[Tensor.GLOBAL_SCALE]).float().reshape(-1) for e in range(E)]
-                inv = 1.0 / torch.cat(g)  # compressed-tensors divides by the global scale; llama.cpp multiplies
-                if not bool(torch.isfinite(inv).all()) or not bool((inv > 0).all()):
-                    raise NotRepresentable(f"layer {li} {role}: an NVFP4 global scale that is not finite and positive")
-                yield inv.numpy()
-
-            plan.items.append(Item(f"blk.{li}.ffn_{role}_exps.scale", Q.F32, (E,), 4 * E, scales,
-                                   "F32 <- 1 / weight_global_scale"))
-
-    # everything else
-    heads, kv_heads = spec.num_heads, spec.num_kv_heads
-    for m, s in sorted(singles, key=lambda x: _order(x[0])):
-        is_stored = isinstance(s, StoredWeight)
-        tname = f"{m}.weight" if is_stored else m
-        if tname.endswith("." + ROUTER_BIAS):
-            gname = f"blk.{layer_index(tname)}.exp_probs_b.bias"
-        else:
-            gname = tmap.get_name(tname, try_suffixes=(".weight", ".bias"))
-        if gname is None:
-            raise NotRepresentable(f"{prefix}{tname}: no llama.cpp tensor for it in {GGUF_ARCH[spec.arch].lower()}")
-        rows = None
-        proj = tname.rsplit(".", 2)[-2:-1] if tname.count(".") >= 2 else []
-        if spec.arch == "mixtral" and proj and proj[0] in (Q_PROJ, K_PROJ) and f".{ATTN}." in tname:
-            n_out = s.shape[0] if is_stored else reader.info(s).shape[0]
-            rows = mixtral_permute(n_out, heads if proj[0] == Q_PROJ else kv_heads)
-        if proj == [KV_B] and tname.endswith(Tensor.WEIGHT.dotted):
-            plan.items += _kv_b_items(gname, s, reader, spec, gguf, options)
-            continue
-        if is_stored:
-            enc = encoding_of(s, reader, options.fp8, "llama.cpp 0.3.36 applies NVFP4's global scale to routed experts "
-                                                         "only")
-            if gname.endswith("norm.weight") or any(f in gname for f in F32_NAMES):
-                enc = Encoding("F32", enc.k, f"{enc.label}, decoded to F32")
-            qtype = getattr(Q, enc.qtype)
-            n = s.shape[0]
-            if enc.qtype == "F32" and s.encoding not in ("fp8", "fp8-block"):
-                def chunks(s=s, rows=rows):
-                    w = reader.decode(s, torch.float32)
-                    yield (w if rows is None else w[rows]).numpy()
-            else:
-                def chunks(s=s, enc=enc, rows=rows):
-                    yield module_bytes(reader, s, enc, counts, rows)
-            plan.items.append(Item(gname, qtype, (n, enc.k), n * _bytes_per_row(gguf, qtype, enc.k), chunks,
-                                   f"{enc.qtype} <- {enc.label}"))
+    E = spec.num_experts
+    if sorted(by_e) != list(range(E)):
+        raise ExportError(f"layer {li} {role}: experts {sorted(by_e)[:8]}... present, config says {E}")
+    encs = []
+    for e in range(E):
+        m, s = by_e[e]
+        if isinstance(s, StoredWeight):
+            encs.append((encoding_of(s, reader, ctx.options.fp8, nvfp4_why), tuple(s.shape)))
         else:
             info = reader.info(s)
-            qtype = _dense_type(gguf, gname, info.dtype, len(info.shape))
-            shape = tuple(info.shape)
-            nel = int(np.prod(shape)) if shape else 1
+            qt = _dense_type(gguf, "x.weight", info.dtype, 2)
+            encs.append((Encoding(qt.name, info.shape[1], str(info.dtype).replace("torch.", "")),
+                         tuple(info.shape)))
+    kinds = {(en.qtype, en.k, shp[0]) for en, shp in encs}
+    if len(kinds) != 1:
+        raise NotRepresentable(f"layer {li} {role}: the experts differ in type or shape ({sorted(kinds)[:3]}): GGUF "
+                               "stores a layer's experts as one tensor of one type")
+    en0, (n0, _) = encs[0]
+    qtype = getattr(Q, en0.qtype)
+    per = n0 * _bytes_per_row(gguf, qtype, en0.k)
+    name = f"blk.{li}.ffn_{role}_exps.weight"
+    label = f"{en0.qtype} <- {en0.label}"
+    plan.experts[label] = plan.experts.get(label, 0) + 1
 
-            def chunks(s=s, qtype=qtype, rows=rows, dtype=info.dtype):
-                if rows is None and _same_type(dtype, qtype, gguf):
-                    yield Copy(s)
-                    return
-                t = reader.get(s)
-                yield _cast(t if rows is None else t[rows], qtype, gguf)
+    def one(e):
+        m, s = by_e[e]
+        if isinstance(s, StoredWeight):
+            return module_bytes(reader, s, encs[e][0], counts)
+        if _same_type(reader.info(s).dtype, qtype, gguf):
+            return Copy(s)
+        return _cast(reader.get(s), qtype, gguf)
 
-            plan.items.append(Item(gname, qtype, shape, nel * _bytes_per_row(gguf, qtype, 1), chunks,
-                                   f"{qtype.name} <- {str(info.dtype).replace('torch.', '')}"))
-    return plan, spec, cfg
+    def chunks():
+        yield from _ahead(one, len(by_e))
+
+    plan.items.append(Item(name, qtype, (E, n0, en0.k), E * per, chunks, label))
+    if en0.qtype == "NVFP4":  # each expert's global scale: llama.cpp multiplies the expert's output by it
+        def scales():
+            g = [reader.get(dict(by_e[e][1].tensors)[Tensor.GLOBAL_SCALE]).float().reshape(-1) for e in range(E)]
+            inv = 1.0 / torch.cat(g)  # compressed-tensors divides by the global scale; llama.cpp multiplies
+            if not bool(torch.isfinite(inv).all()) or not bool((inv > 0).all()):
+                raise NotRepresentable(f"layer {li} {role}: an NVFP4 global scale that is not finite and positive")
+            yield inv.numpy()
+
+        plan.items.append(Item(f"blk.{li}.ffn_{role}_exps.scale", Q.F32, (E,), 4 * E, scales,
+                               "F32 <- 1 / weight_global_scale"))
+
+
+def _single_items(ctx: _Planning, tmap, m: str, s) -> None:
+    """One module or tensor outside the routed experts under its llama.cpp name: Mixtral's q/k rows permuted as
+    llama.cpp's RoPE reads them, MLA's kv_b split (`_kv_b_items`), a stored module encoded (`_stored_item`), a
+    dense tensor copied or cast (`_dense_item`)."""
+    reader, spec = ctx.reader, ctx.spec
+    is_stored = isinstance(s, StoredWeight)
+    tname = f"{m}.weight" if is_stored else m
+    if tname.endswith("." + ROUTER_BIAS):
+        gname = f"blk.{layer_index(tname)}.exp_probs_b.bias"
+    else:
+        gname = tmap.get_name(tname, try_suffixes=(".weight", ".bias"))
+    if gname is None:
+        raise NotRepresentable(f"{spec.prefix}{tname}: no llama.cpp tensor for it in {GGUF_ARCH[spec.arch].lower()}")
+    rows = None
+    proj = tname.rsplit(".", 2)[-2:-1] if tname.count(".") >= 2 else []
+    if spec.arch == "mixtral" and proj and proj[0] in (Q_PROJ, K_PROJ) and f".{ATTN}." in tname:
+        n_out = s.shape[0] if is_stored else reader.info(s).shape[0]
+        rows = mixtral_permute(n_out, spec.num_heads if proj[0] == Q_PROJ else spec.num_kv_heads)
+    if proj == [KV_B] and tname.endswith(Tensor.WEIGHT.dotted):
+        ctx.plan.items.extend(_kv_b_items(ctx, gname, s))
+    elif is_stored:
+        ctx.plan.items.append(_stored_item(ctx, gname, s, rows))
+    else:
+        ctx.plan.items.append(_dense_item(ctx, gname, s, rows))
+
+
+def _stored_item(ctx: _Planning, gname: str, s: StoredWeight, rows) -> Item:
+    """A stored (quantized) module as its GGML type (`encoding_of`), or decoded to F32 where llama.cpp needs it."""
+    reader, counts = ctx.reader, ctx.plan.counts
+    enc = encoding_of(s, reader, ctx.options.fp8, "llama.cpp 0.3.36 applies NVFP4's global scale to routed experts "
+                                                  "only")
+    if gname.endswith("norm.weight") or any(f in gname for f in F32_NAMES):
+        enc = Encoding("F32", enc.k, f"{enc.label}, decoded to F32")
+    qtype = getattr(ctx.gguf.GGMLQuantizationType, enc.qtype)
+    n = s.shape[0]
+    if enc.qtype == "F32" and s.encoding not in ("fp8", "fp8-block"):
+        def chunks():
+            w = reader.decode(s, torch.float32)
+            yield (w if rows is None else w[rows]).numpy()
+    else:
+        def chunks():
+            yield module_bytes(reader, s, enc, counts, rows)
+    return Item(gname, qtype, (n, enc.k), n * _bytes_per_row(ctx.gguf, qtype, enc.k), chunks,
+                f"{enc.qtype} <- {enc.label}")
+
+
+def _dense_item(ctx: _Planning, gname: str, s: str, rows) -> Item:
+    """A checkpoint tensor copied as it is (same type, rows in order) or cast to its GGML type."""
+    reader, gguf = ctx.reader, ctx.gguf
+    info = reader.info(s)
+    qtype = _dense_type(gguf, gname, info.dtype, len(info.shape))
+    shape = tuple(info.shape)
+    nel = int(np.prod(shape)) if shape else 1
+
+    def chunks():
+        if rows is None and _same_type(info.dtype, qtype, gguf):
+            yield Copy(s)
+            return
+        t = reader.get(s)
+        yield _cast(t if rows is None else t[rows], qtype, gguf)
+
+    return Item(gname, qtype, shape, nel * _bytes_per_row(gguf, qtype, 1), chunks,
+                f"{qtype.name} <- {str(info.dtype).replace('torch.', '')}")
 
 
 AHEAD = 2  # experts read and converted ahead of the one being written
@@ -497,10 +546,11 @@ def _order(name: str) -> tuple:
     return (-1 if li is None and "embed" in name else (li if li is not None else 1 << 30), name)
 
 
-def _kv_b_items(gname: str, s, reader: TensorReader, spec, gguf, options: ExportOptions) -> list[Item]:
+def _kv_b_items(ctx: _Planning, gname: str, s) -> list[Item]:
     """MLA's kv_b [H (nope + v), kv_lora] as llama.cpp's attn_k_b [H, kv_lora, nope] (transposed) and attn_v_b
     [H, v, kv_lora] (conversion/deepseek.py). A stored (quantized) kv_b is decoded to F32: a transpose does not
     keep GGML blocks."""
+    reader, spec, gguf = ctx.reader, ctx.spec, ctx.gguf
     Q = gguf.GGMLQuantizationType
     H, nope, v, r = spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim, spec.kv_lora_rank
     if isinstance(s, StoredWeight):
