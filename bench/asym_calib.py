@@ -1,7 +1,8 @@
 """Does asymmetric calibration help GPTQ of routed experts? A measurement on the trained fixtures, outside the
 convert pipeline (its own layer loop, quantkit's GPTQ core for every solve).
 
-    .venv/bin/python bench/asym_calib.py [--fixture default|skewed128] [--groups 32 128] [--num-samples 64]
+    python -m bench asym_calib [--fixture default|skewed128] [--groups 32 128] [--num-samples 64]
+    python -m bench asym_calib --smoke   # the tiny fixture, g32, sym only, 4 samples, 8 windows
 
 GPTQ fits each expert's quantized weights W' to the inputs the quantized model feeds it, X_q (true-sequential:
 every earlier layer already quantized), against the target W X_q. Asymmetric calibration (GPTAQ, "GPTQv2")
@@ -27,19 +28,17 @@ Prints one line per variant and group size.
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from quality import FIXTURES, heldout_windows, windows  # noqa: E402
-
-from quantkit.quant.gptq import gptq, refine_codes, refit_scales  # noqa: E402
-from quantkit.quant.int4 import dequantize  # noqa: E402
-from quantkit.testing import load_model  # noqa: E402
+from bench.harness import Run, add_common_args
+from bench.quality import FIXTURES, heldout_windows, windows
+from quantkit.quant.gptq import gptq, refine_codes, refit_scales
+from quantkit.quant.int4 import dequantize
+from quantkit.testing import load_model
 
 
 def mlp_inputs(model, ids: torch.Tensor, layer: int) -> torch.Tensor:
@@ -79,10 +78,18 @@ def solve(w: torch.Tensor, xq: torch.Tensor, xfp: torch.Tensor | None, group: in
         hd = h + damp * torch.diagonal(h).mean() * torch.eye(h.shape[0], dtype=h.dtype)
         target = target + ALPHA * (target @ (a - h) @ torch.linalg.inv(hd))
     t, hf = target.float()[None], h.float()[None]
-    r = gptq(t, hf, 4, group, True, damp=damp, actorder=True, block_size=128, observer="mse" if PLUS else "minmax")
+    observer = "mse" if PLUS else "minmax"
+    if "args" in inspect.signature(gptq).parameters:  # quant/gptq.py with GPTQArgs
+        from quantkit.quant.gptq import GPTQArgs
+
+        r = gptq(t, hf, GPTQArgs(num_bits=4, group_size=group, symmetric=True, damp=damp, actorder=True,
+                                 block_size=128, observer=observer))
+    else:
+        r = gptq(t, hf, 4, group, True, damp=damp, actorder=True, block_size=128, observer=observer)
     if PLUS:  # int4-experts-gptq-plus's steps after the solve: refitted scales, two coordinate-descent sweeps
         r.qparams.scale.copy_(refit_scales(t, r.q, r.qparams.scale, hf, r.damping)[0])
-        r.q.copy_(refine_codes(t, r.q, r.qparams.scale, hf, r.damping, num_bits=4, sweeps=2)[0])
+        qp = r.qparams if "qparams" in inspect.signature(refine_codes).parameters else r.qparams.scale
+        r.q.copy_(refine_codes(t, r.q, qp, hf, r.damping, num_bits=4, sweeps=2)[0])
     return dequantize(r.q, r.qparams.scale)[0]
 
 
@@ -130,8 +137,8 @@ def kl(fp_model, q_model, ids: torch.Tensor, batch: int = 32) -> float:
     return tot / n
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench asym_calib", description=__doc__.splitlines()[0])
     ap.add_argument("--fixture", default="default", choices=sorted(FIXTURES))
     ap.add_argument("--groups", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--variants", nargs="+", default=["sym", "asym-gu", "asym"])
@@ -140,22 +147,30 @@ def main():
     ap.add_argument("--eval-windows", type=int, default=512)
     ap.add_argument("--plus", action="store_true", help="MSE scales, refitted scales and two sweeps (gptq-plus)")
     ap.add_argument("--alpha", type=float, default=1.0, help="weight of the asymmetric correction")
-    a = ap.parse_args()
+    add_common_args(ap, repeat=None)
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.fixture, a.groups, a.variants, a.num_samples, a.eval_windows = "tiny", [32], ["sym"], 4, 8
+    run = Run("asym_calib", a, argv)
     global ALPHA, PLUS
     ALPHA, PLUS = a.alpha, a.plus
-    from quality import get_fixture
+    from bench.quality import get_fixture
 
     fx = get_fixture(FIXTURES[a.fixture])
     train, held = torch.load(fx["train_tokens"]), torch.load(fx["heldout_tokens"])
     calib = windows(train, a.seq_len, a.num_samples, seed=2)
     eval_ids = heldout_windows(held, a.seq_len, a.eval_windows, seed=1)
     fp_model = load_model(fx["model_dir"], torch.float32).eval()
+    rows = []
     for group in a.groups:
         for variant in a.variants:
             q_model = load_model(fx["model_dir"], torch.float32).eval()
             quantize(fp_model, q_model, calib, group, variant)
-            print(f"{a.fixture} g{group} {variant}: kl {kl(fp_model, q_model, eval_ids):.4e}", flush=True)
+            rows.append({"fixture": a.fixture, "group": group, "variant": variant, "kl": kl(fp_model, q_model, eval_ids)})
+            print(f"{a.fixture} g{group} {variant}: kl {rows[-1]['kl']:.4e}", flush=True)
+    run.write(rows)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

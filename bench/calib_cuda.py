@@ -1,8 +1,9 @@
 """CUDA calibration check: GPTQ of a small bench MoE with `--device cuda`, against the same conversion on
 the CPU (float32, what quantkit always did). Run by bench/gpu_check.sh on a GPU machine.
 
-    python bench/calib_cuda.py [--device cuda] [--layers 4] [--json PATH]
-    python bench/calib_cuda.py --device cpu --small     # the script's own logic, on the CPU, in ~1 minute
+    python -m bench calib_cuda [--device cuda] [--layers 4] [--json PATH]
+    python -m bench calib_cuda --device cpu --small     # the bench's own logic, on the CPU, in ~1 minute
+    python -m bench calib_cuda --smoke                  # --small on CUDA; skipped without a CUDA device
 
 The model: a random-weight qwen3_moe built locally (quantkit.testing.make_tiny_model: hidden 1024, 32 experts
 of width 512, top-4, 16 query / 4 KV heads of 64, vocab 4096; `--small`: hidden 128, 8 experts), calibrated on
@@ -38,15 +39,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from quantkit.calibrate import calibrate  # noqa: E402
-from quantkit.convert import ConvertOptions, convert  # noqa: E402
-from quantkit.pack.int4 import dequantize_module  # noqa: E402
-from quantkit.quant.int4 import sqnr_db  # noqa: E402
-from quantkit.read.safetensors import SafetensorsFile  # noqa: E402
-from quantkit.testing import make_tiny_model, read_json  # noqa: E402
-from scratch import scratch_dir  # noqa: E402
+from bench.harness import Run, Skip, add_common_args, measure_fn, scratch_dir, token_rows
+from quantkit.calibrate import calibrate
+from quantkit.convert import ConvertOptions, convert
+from quantkit.pack.int4 import dequantize_module
+from quantkit.quant.int4 import sqnr_db
+from quantkit.read.safetensors import SafetensorsFile
+from quantkit.testing import make_tiny_model, read_json
 
 BENCH = dict(hidden=1024, experts=32, moe_intermediate=512, vocab=4096, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64, num_experts_per_tok=4)
@@ -64,26 +63,22 @@ def build(work: Path, layers: int, small: bool) -> Path:
     return src
 
 
-def rows(path: Path, vocab: int, n: int, t: int, seed: int) -> Path:
-    g = torch.Generator().manual_seed(seed)
-    path.write_text("".join(json.dumps({"input_ids": torch.randint(0, vocab, (t,), generator=g).tolist()}) + "\n"
-                            for _ in range(n)))
-    return path
-
-
 def run_convert(src: Path, out: Path, calib: Path, device: str, n: int, t: int, recipe="int4-experts-gptq") -> dict:
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    res = convert(src, out, ConvertOptions(recipe=recipe, dataset=str(calib), num_samples=n, seq_len=t,
-                                           overwrite=True, model_card=False, device=device))
-    if cuda:
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+
+    def call():
+        res = convert(src, out, ConvertOptions(recipe=recipe, dataset=str(calib), num_samples=n, seq_len=t,
+                                               overwrite=True, model_card=False, device=device))
+        if cuda:
+            torch.cuda.synchronize()
+        return res
+
+    res, m = measure_fn(call)
     mem = res.device_memory or {}
-    return {"device": res.device, "wall_s": round(wall, 2), "seconds": res.seconds,
+    return {"device": res.device, "wall_s": m["wall_s"], "cpu_s": m["cpu_s"], "seconds": res.seconds,
             "max_memory_allocated": torch.cuda.max_memory_allocated() if cuda else None,
             "estimated_peak_bytes": mem.get("estimated_peak_bytes"), "activations": mem.get("activations"),
             "available_bytes": mem.get("available_bytes")}
@@ -142,23 +137,27 @@ def _num(x: float):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench calib_cuda", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="the device checked against the CPU (default cuda)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--num-samples", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--small", action="store_true", help="a tiny model (a quick run of the script itself)")
     ap.add_argument("--workdir", default=None, help="where the model and the outputs go (default: a temp dir)")
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--json", default=None, help="also write the whole document here")
+    add_common_args(ap, repeat=None)
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.small, a.layers, a.num_samples, a.seq_len = True, 2, 4, 32
     if a.device.startswith("cuda") and not torch.cuda.is_available():
-        print("calib_cuda: --device cuda needs torch with CUDA", file=sys.stderr)
-        return 1
+        raise Skip("--device cuda needs torch with CUDA (no CUDA device here)")
+    run = Run("calib_cuda", a, argv)
     work = scratch_dir("qk-calib-cuda-", a.workdir)
     t0 = time.perf_counter()
     src = build(work, a.layers, a.small)
     vocab = (SMALL if a.small else BENCH)["vocab"]
-    calib = rows(work / "calib.jsonl", vocab, a.num_samples, a.seq_len, seed=0)
+    calib = token_rows(work / "calib.jsonl", a.num_samples, a.seq_len, vocab, seed=0)
     build_s = time.perf_counter() - t0
 
     dev = run_convert(src, work / "out-device", calib, a.device, a.num_samples, a.seq_len)
@@ -200,6 +199,8 @@ def main(argv=None) -> int:
     print(text)
     if a.json:
         Path(a.json).write_text(text + "\n")
+    run.write([{"run": k, **{c: v for c, v in doc[k].items() if not isinstance(v, dict)}} for k in ("device", "cpu")],
+              {k: v for k, v in doc.items() if k not in ("device", "cpu", "settings")})
     return 0 if doc["ok"] else 1
 
 

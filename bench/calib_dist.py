@@ -1,14 +1,15 @@
 """GPTQ convert of the bench MoE on 1, 2 and 3 ranks (torchrun, gloo, one thread per rank): wall times and
 a byte comparison of every output file.
 
-    .venv/bin/python bench/calib_dist.py                      # the issue's bench model, 32 x 256 tokens, ranks 1 2 3
-    .venv/bin/python bench/calib_dist.py --samples 16         # 16 x 256
-    .venv/bin/python bench/calib_dist.py --quick --out /tmp/x # 2 layers, 8 x 64: the script's own logic (~1 min)
-    .venv/bin/python bench/calib_dist.py --repeat 3 --peer-python bench/.cache/peer-venv/bin/python
-                                                              # 3 interleaved rounds with llm-compressor, medians
+    python -m bench calib_dist                      # the issue's bench model, 32 x 256 tokens, ranks 1 2 3
+    python -m bench calib_dist --samples 16         # 16 x 256
+    python -m bench calib_dist --quick --out /tmp/x # 2 layers, 8 x 64: the bench's own logic (~1 min)
+    python -m bench calib_dist --smoke              # 1 layer, 4 experts, ranks 1 2, 2 x 16 tokens
+    python -m bench calib_dist --repeat 3 --peer-python bench/.cache/peer-venv/bin/python
+                                                    # 3 interleaved rounds with llm-compressor, medians
 
-The model: qwen3_moe built with quantkit.testing.make_tiny_model (random BF16 weights): 8 layers, 32 routed
-experts per layer, hidden 512, expert width 256, top-4 routing, 8 query / 4 KV heads of 64, vocab 4096.
+The model: bench.harness.bench_moe (qwen3_moe built with quantkit.tiny.make_tiny_model (random BF16 weights): 8 layers, 32 routed
+experts per layer, hidden 512, expert width 256, top-4 routing, 8 query / 4 KV heads of 64, vocab 4096).
 Calibration: `--samples` rows of `--seq-len` random token ids (seeded; an `input_ids` JSONL file, so no
 tokenizer is involved). Recipe int4-experts-gptq (`--recipe`: another shipped one).
 
@@ -24,7 +25,7 @@ and `quantkit plan --calibration`'s prediction of the pass for that world size o
 `--measure`, also with rates measured here for each world size as its ranks compute: plan --measure --gpus N).
 Run it on a quiet machine with at least as many cores as the largest world size: the ranks share the cores.
 
-Writes bench/results/calib_dist.json and bench/results/calib_dist.md (or under --out).
+Writes bench/results/calib_dist.json (or under --out) and prints the markdown table.
 """
 
 from __future__ import annotations
@@ -33,40 +34,14 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-CACHE = ROOT / "bench" / ".cache"
-BENCH = dict(hidden=512, experts=32, moe_intermediate=256, vocab=4096, num_attention_heads=8,
-             num_key_value_heads=4, head_dim=64, num_experts_per_tok=4, intermediate_size=1024)
-RECIPE = "int4-experts-gptq"
+from bench.harness import (BENCH_MOE, CACHE, GPTQ_RECIPE, Run, add_common_args, bench_moe, last_json, measure_cmd,
+                           run_convert, token_rows)
 
-
-def _source(layers: int, experts: int = BENCH["experts"]) -> Path:
-    """The bench MoE with `layers` decoder layers and `experts` routed experts, built once and cached."""
-    from quantkit.testing import make_tiny_model
-
-    spec = {**BENCH, "experts": experts}
-    key = hashlib.sha256(json.dumps({"layers": layers, **spec}, sort_keys=True).encode()).hexdigest()[:12]
-    d = CACHE / f"calib-dist-{key}" / "src"
-    if not (d / "config.json").is_file():
-        shutil.rmtree(d, ignore_errors=True)
-        make_tiny_model("qwen3_moe", d, layers=layers, max_shard_size="200MB", **spec)
-    return d
-
-
-def _dataset(path: Path, samples: int, seq_len: int, vocab: int, seed: int = 0) -> Path:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    rows = torch.randint(0, vocab, (samples, seq_len), generator=g).tolist()
-    path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
-    return path
+RECIPE = GPTQ_RECIPE
 
 
 def _hashes(d: Path) -> dict[str, str]:
@@ -74,25 +49,14 @@ def _hashes(d: Path) -> dict[str, str]:
             for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-def _run(n: int, src: Path, out: Path, data: Path, samples: int, seq_len: int, timeout: int,
-         torchrun_one: bool = False, extra: tuple[str, ...] = ()) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "QUANTKIT_DIST_TIMEOUT": str(timeout)}
-    args = ["convert", str(src), str(out), "-r", RECIPE, "--dataset", str(data), "--num-samples", str(samples),
-            "--seq-len", str(seq_len), "--overwrite", "--json", *extra]
-    if n == 1 and not torchrun_one:
-        cmd = [sys.executable, "-m", "quantkit", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-               "-m", "quantkit", *args]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"world size {n} failed ({p.returncode}):\n{p.stderr[-4000:]}")
-    start = p.stdout.find("{")
-    res = json.loads(p.stdout[start:]) if start >= 0 else {}
+def convert_row(n: int, src: Path, out: Path, data: Path, samples: int, seq_len: int, timeout: int,
+                torchrun_one: bool = False, extra: tuple[str, ...] = (), recipe: str | None = None) -> dict:
+    """One measured convert on `n` ranks (harness.run_convert) as a row: wall, the conversion's own seconds, its
+    peak RSS (rank 0's report), the pass's seconds from the timeline, the timeline."""
+    r = run_convert(n, src, out, data, samples, seq_len, timeout, torchrun_one, extra, recipe or RECIPE)
+    res = r["reported"]
     ranks = (res.get("timeline") or {}).get("ranks") or []
-    return {"world_size": n, "wall_s": round(wall, 2), "convert_s": res.get("seconds"),
+    return {"world_size": n, "wall_s": round(r["wall_s"], 2), "convert_s": res.get("seconds"),
             "peak_rss_bytes": res.get("peak_rss_bytes"), "pass_s": _pass_seconds(ranks),
             "setup_pass_s": _pass_seconds(ranks, phases=("setup", *PASS_PHASES)),
             "pass_cpu_s": _pass_seconds(ranks, "phases_cpu"), "timeline": ranks}
@@ -129,27 +93,23 @@ def _median(xs: list[float]) -> float | None:
 
 
 def _peer(python: Path, src: Path, work: Path, data: Path, seq_len: int, timeout: int) -> dict:
-    """llm-compressor's GPTQ of the same model on the same token file (bench/quality.py's peer script)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from quality import PEER
+    """llm-compressor's GPTQ of the same model on the same token file (quality's peer script)."""
+    from bench.quality import PEER
 
     script = work / "peer.py"
     script.write_text(PEER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    t0 = time.perf_counter()
-    p = subprocess.run([str(python), str(script), str(src), str(work / "peer-out"), str(data), "32", str(seq_len)],
-                       env=env, capture_output=True, text=True, timeout=timeout)
-    wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"llm-compressor failed ({p.returncode}):\n{p.stderr[-4000:]}")
-    inner = json.loads(p.stdout.strip().splitlines()[-1])["seconds"]
+    r = measure_cmd([str(python), str(script), str(src), str(work / "peer-out"), str(data), "32", str(seq_len)],
+                    env=env, timeout=timeout, check=True)
+    wall = r["wall_s"]
+    inner = last_json(r["stdout"])["seconds"]
     print(f"llm-compressor: {wall:.2f} s wall, {inner:.2f} s inside", file=sys.stderr)
     return {"wall_s": round(wall, 2), "seconds": round(inner, 2), "threads": 1}
 
 
 def main(argv=None) -> int:
     global RECIPE
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench calib_dist", description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
@@ -158,26 +118,28 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 layers, 8 samples x 64 tokens")
     ap.add_argument("--torchrun-one", action="store_true",
                     help="world size 1 under torchrun too (--nproc-per-node 1), so every world size pays the launcher")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="rounds: every configuration (and the peer) once per round; medians reported")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--measure", action="store_true",
                     help="also predict with rates measured here before the rounds, for each world size as its ranks "
                          "compute (plan --measure --gpus N: one thread each, N - 1 neighbours alongside)")
     ap.add_argument("--peer-python", type=Path, default=None,
                     help="python of a venv with llmcompressor (bench/setup_peers.sh): also its `oneshot` GPTQ (W4A16, "
-                         "group 32, bench/quality.py's script) on the same model and tokens, one thread, after the ranks")
+                         "group 32, quality's script) on the same model and tokens, one thread, after the ranks")
+    add_common_args(ap)  # --repeat: rounds, every configuration (and the peer) once per round; medians reported
     a = ap.parse_args(argv)
     RECIPE = a.recipe
+    experts = BENCH_MOE["experts"]
     if a.quick:
         a.layers, a.samples, a.seq_len = 2, 8, 64
+    if a.smoke:
+        a.layers, a.samples, a.seq_len, a.ranks, experts = 1, 2, 16, [1, 2], 4
+    run = Run("calib_dist", a, argv)
     ranks = sorted(set(a.ranks) | {1})
-    src = _source(a.layers)
+    src = bench_moe(a.layers, experts)
     work = CACHE / "calib-dist-work"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    data = _dataset(work / "tokens.jsonl", a.samples, a.seq_len, BENCH["vocab"])
+    data = token_rows(work / "tokens.jsonl", a.samples, a.seq_len, BENCH_MOE["vocab"])
     tables = {}
     if a.measure:
         from quantkit.plan.measure import measure_throughput
@@ -186,7 +148,7 @@ def main(argv=None) -> int:
         for n in ranks:
             print(f"measuring the rates of one of {n} rank(s), one thread each", file=sys.stderr)
             tables[n] = measure_throughput("cpu", ranks=n, threads=1, config=config,
-                                           source="bench/calib_dist.py --measure")
+                                           source="python -m bench calib_dist --measure")
     runs: dict[int, list[dict]] = {n: [] for n in ranks}
     peers: list[dict] = []
     hashes: dict[int, dict[str, str]] = {}
@@ -194,7 +156,7 @@ def main(argv=None) -> int:
     for rep in range(a.repeat):  # interleaved, so that a slow spell of the machine hits every configuration
         for n in ranks:
             out = work / f"world{n}"
-            r = _run(n, src, out, data, a.samples, a.seq_len, a.timeout, a.torchrun_one)
+            r = convert_row(n, src, out, data, a.samples, a.seq_len, a.timeout, a.torchrun_one)
             h = _hashes(out)
             ref = hashes.setdefault(1, h) if n == 1 else hashes[1]
             hashes.setdefault(n, h)
@@ -215,18 +177,18 @@ def main(argv=None) -> int:
                      "pass_cpu_s": _median([r["pass_cpu_s"] for r in rs if r.get("pass_cpu_s") is not None]),
                      "timeline": rs[-1].get("timeline"),
                      "wall_runs": [r["wall_s"] for r in rs], "convert_runs": [r["convert_s"] for r in rs]})
-    from quantkit.plan.calibration import calibration_cost
+    from quantkit.plan.calibration import CostOptions, calibration_cost
 
     base = rows[0]
     for r in rows:  # the plan's prediction of the pass on one thread per rank, as the ranks ran
-        plan = calibration_cost(str(src), RECIPE, a.samples, a.seq_len, world_size=r["world_size"], device="cpu",
-                                threads=1)
+        plan = calibration_cost(str(src), RECIPE, a.samples, a.seq_len,
+                                CostOptions(world_size=r["world_size"], device="cpu", threads=1))
         r["plan_pass_s"] = round(plan.total_seconds, 3)
         r["plan_error"] = (round(plan.total_seconds / r["setup_pass_s"] - 1, 3) if r.get("setup_pass_s")
                            else None)
         if tables:
-            m = calibration_cost(str(src), RECIPE, a.samples, a.seq_len, world_size=r["world_size"], device="cpu",
-                                 throughput=tables[r["world_size"]])
+            m = calibration_cost(str(src), RECIPE, a.samples, a.seq_len,
+                                 CostOptions(world_size=r["world_size"], device="cpu", throughput=tables[r["world_size"]]))
             r["plan_measured_s"] = round(m.total_seconds, 3)
             r["plan_measured_error"] = (round(m.total_seconds / r["setup_pass_s"] - 1, 3) if r.get("setup_pass_s")
                                         else None)
@@ -238,18 +200,12 @@ def main(argv=None) -> int:
         diff = sorted(diffs[r["world_size"]])
         r["byte_identical"] = not diff
         r["differing_files"] = diff
-    import torch
-
-    doc = {"model": {"arch": "qwen3_moe", "layers": a.layers, **BENCH}, "recipe": RECIPE,
+    doc = {"model": {"arch": "qwen3_moe", "layers": a.layers, **BENCH_MOE, "experts": experts}, "recipe": RECIPE,
            "calibration": {"samples": a.samples, "seq_len": a.seq_len, "tokens": "random ids, seed 0"},
            "threads_per_rank": 1, "backend": "gloo", "world_size_1": "torchrun" if a.torchrun_one else "python -m quantkit",
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                       "torch": torch.__version__},
-           "repeat": a.repeat, "runs": rows, "files": len(hashes[1])}
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "calib_dist.json").write_text(json.dumps(doc, indent=1) + "\n")
-    lines = [f"Calibrated convert ({RECIPE}) of the bench MoE: qwen3_moe, {a.layers} layers, {BENCH['experts']} experts, "
-             f"hidden {BENCH['hidden']}; {a.samples} x {a.seq_len} calibration tokens; one thread per rank, gloo; "
+           "files": len(hashes[1])}
+    lines = [f"Calibrated convert ({RECIPE}) of the bench MoE: qwen3_moe, {a.layers} layers, {experts} experts, "
+             f"hidden {BENCH_MOE['hidden']}; {a.samples} x {a.seq_len} calibration tokens; one thread per rank, gloo; "
              f"{os.cpu_count()} CPUs.", "",
              "| world size | wall (s) | convert (s) | pass (s) | speed-up (wall) | speed-up (convert) | speed-up (pass) "
              "| set-up + pass (s), plan (s), error | peak RSS rank 0 (MiB) | output vs world size 1 |",
@@ -285,7 +241,6 @@ def main(argv=None) -> int:
         peer = {"wall_s": _median([p["wall_s"] for p in peers]), "seconds": _median([p["seconds"] for p in peers]),
                 "threads": 1, "wall_runs": [p["wall_s"] for p in peers]}
         doc["peer"] = peer
-        (a.out / "calib_dist.json").write_text(json.dumps(doc, indent=1) + "\n")
         lines += ["", f"llm-compressor `oneshot` GPTQ (W4A16 g32, experts only), one thread: {peer['wall_s']} s wall "
                       f"({peer['seconds']} s load + oneshot + save); quantkit world size 1 / llm-compressor wall: "
                       f"{base['wall_s'] / peer['wall_s']:.2f}x"]
@@ -293,7 +248,9 @@ def main(argv=None) -> int:
         lines += ["", f"Medians of {a.repeat} runs each, interleaved (every configuration once per round); "
                       "every run: " + "; ".join(f"world size {r['world_size']} {r['wall_runs']}" for r in rows)
                   + (f"; llm-compressor {peer['wall_runs']}" if peers else "") + " s wall."]
-    (a.out / "calib_dist.md").write_text("\n".join(lines) + "\n")
+    for r in rows:
+        r["peak_rss_mib"] = round(r["peak_rss_bytes"] / 2 ** 20) if r["peak_rss_bytes"] else None
+    run.write(rows, doc)
     print("\n".join(lines))
     return 0 if all(r["byte_identical"] for r in rows) else 1
 

@@ -1,11 +1,12 @@
 """The quality fixture: a tiny Mixture-of-Experts language model trained deterministically on the Python
 standard library's own sources (present on every machine), byte-level (vocab 256), with a held-out split.
 
-    python bench/fixture.py            # train (or reuse) and print where it is cached
-    python bench/fixture.py --wide     # the 256-wide variant (hidden and expert width 256) for W4AFP8
-    python bench/fixture.py --skewed   # 32 experts, top-4, skewed routing: expert coverage matters
-    python bench/fixture.py --skewed128  # the same with expert width 128 (group 128 fits)
-    python bench/fixture.py --normtopk   # norm_topk_prob true (llama.cpp's routing), 1200 steps: the GGUF export's
+    python -m bench fixture            # train (or reuse) and print where it is cached
+    python -m bench fixture --wide     # the 256-wide variant (hidden and expert width 256) for W4AFP8
+    python -m bench fixture --skewed   # 32 experts, top-4, skewed routing: expert coverage matters
+    python -m bench fixture --skewed128  # the same with expert width 128 (group 128 fits)
+    python -m bench fixture --normtopk   # norm_topk_prob true (llama.cpp's routing), 1200 steps: the GGUF export's
+    python -m bench fixture --smoke      # TINY: 2 layers, 5 steps on 400 kB (seconds; the other benches' smoke case)
 
 The model is cached under bench/.cache/fixture-<hash>/ (a normal transformers checkpoint + the token
 splits as .pt files); the hash covers every training setting, so changing one retrains.
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-CACHE = Path(__file__).resolve().parent / ".cache"
+from bench.harness import CACHE, Run, add_common_args
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ SKEWED128 = replace(SKEWED, moe_intermediate=128)
 # llama.cpp's qwen3moe graph always renormalizes the top-k routing weights, as the released Qwen3-MoE configs ask
 # (norm_topk_prob: true): the fixture the GGUF export is measured on (bench/gguf_export.py), trained half as long
 NORMTOPK = FixtureSpec(norm_topk=True, steps=1200)
+# the smoke case of the benches that need a trained fixture: trained for seconds, so its figures mean nothing
+TINY = FixtureSpec(layers=2, steps=5, warmup=2, batch=8, corpus_bytes=400_000)
 
 
 def stdlib_corpus(limit: int) -> tuple[bytes, bytes]:
@@ -174,22 +177,29 @@ def routing(model_dir, tokens: torch.Tensor, seq_len: int = 128, windows: int = 
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench fixture", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: the spec's)")
     ap.add_argument("--wide", action="store_true", help="the 256-wide fixture (W4AFP8's width rule)")
     ap.add_argument("--skewed", action="store_true", help="the 32-expert top-4 fixture with skewed routing")
     ap.add_argument("--skewed128", action="store_true", help="the same with expert width 128")
     ap.add_argument("--normtopk", action="store_true", help="norm_topk_prob true, as llama.cpp routes (GGUF export)")
-    a = ap.parse_args()
-    spec = (WIDE if a.wide else SKEWED if a.skewed else SKEWED128 if a.skewed128 else NORMTOPK if a.normtopk
-            else FixtureSpec())
+    add_common_args(ap, repeat=None)
+    a = ap.parse_args(argv)
+    spec = (TINY if a.smoke else WIDE if a.wide else SKEWED if a.skewed else SKEWED128 if a.skewed128
+            else NORMTOPK if a.normtopk else FixtureSpec())
     if a.steps is not None:
         spec = replace(spec, steps=a.steps)
+    run = Run("fixture", a, argv)
     fx = get_fixture(spec)
     print(json.dumps({k: str(v) for k, v in fx.items()}, indent=2))
-    for r in routing(fx["model_dir"], torch.load(fx["heldout_tokens"]), spec.seq_len):
+    rows = routing(fx["model_dir"], torch.load(fx["heldout_tokens"]), spec.seq_len)
+    for r in rows:
         print(json.dumps(r))
+    run.write(rows, {k: v for k, v in fx.items() if k not in ("model_dir", "train_tokens", "heldout_tokens")},
+              tag=spec.key)
+    return 0
 
 
 if __name__ == "__main__":

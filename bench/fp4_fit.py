@@ -3,17 +3,20 @@ release (15-level INT4 QAT experts, converted by `quantkit convert` with nvfp4-e
 figures from the manifest) and on random weights (INT4 grids with 15 and 16 levels, Gaussian BF16),
 overall = 10 log10(sum w^2 / sum err^2) over every matrix. A few seconds on 2 cores.
 
-    PYTHONPATH=. .venv/bin/python bench/fp4_fit.py
+    python -m bench fp4_fit [--smoke]     # --smoke: random weights [2, 64, 256] instead of [8, 512, 1024]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+from bench.harness import Run, add_common_args, measure_fn
 
 from quantkit.convert import ConvertOptions, convert
 from quantkit.quant import fp4
@@ -32,7 +35,13 @@ def db(signal, noise):
     return float(10 * torch.log10(signal.sum() / noise.sum()))
 
 
-def main():
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench fp4_fit", description=__doc__.splitlines()[0])
+    add_common_args(ap, repeat=None)
+    args = ap.parse_args(argv)
+    run = Run("fp4_fit", args, argv)
+    shape = (2, 64, 256) if args.smoke else (8, 512, 1024)
+    rows = []
     print("tiny kimi_k25 (INT4 QAT experts, 15 levels): per-tensor mean and range of sqnr_db")
     with tempfile.TemporaryDirectory() as tmp:
         src = make_tiny_kimi_k25(Path(tmp) / "src", int4_experts="qat")
@@ -41,25 +50,32 @@ def main():
             man = json.loads((Path(tmp) / recipe / "quantkit_manifest.json").read_text())
             es = [e for n, e in man["tensors"].items() if n.endswith(".weight_packed")]
             fit = [e["sqnr_db"] for e in es]
-            amax = [e["sqnr_amax_db"] for e in es]
+            amax = [e.get("sqnr_amax_db", e["sqnr_db"]) for e in es]  # no amax figure: amax scales were used
             gain = [f - a for f, a in zip(fit, amax)]
-            print(f"  {recipe}: {len(es)} tensors, fitted {sum(fit) / len(fit):.2f} dB, amax {sum(amax) / len(amax):.2f} dB, "
-                  f"gain mean {sum(gain) / len(gain):+.2f} dB (min {min(gain):+.2f}, max {max(gain):+.2f})")
-    print("random weights [8, 512, 1024], overall SQNR (fitted / amax, gain; seconds fitted / amax)")
-    cases = {"INT4 15 levels (Kimi QAT)": int4_grid((8, 512, 1024), 7, 0),
-             "INT4 16 levels (RTN [-8, 7])": int4_grid((8, 512, 1024), 7.5, 1),
-             "Gaussian BF16": (torch.randn(8, 512, 1024, generator=torch.Generator().manual_seed(2)) * 0.02)
+            rows.append({"case": "tiny kimi_k25 INT4 QAT (per-tensor mean)", "format": recipe, "tensors": len(es),
+                         "fitted_db": round(sum(fit) / len(fit), 2), "amax_db": round(sum(amax) / len(amax), 2),
+                         "gain_db": round(sum(gain) / len(gain), 2), "gain_min_db": round(min(gain), 2),
+                         "gain_max_db": round(max(gain), 2)})
+            print(f"  {recipe}: {len(es)} tensors, fitted {rows[-1]['fitted_db']:.2f} dB, amax {rows[-1]['amax_db']:.2f} "
+                  f"dB, gain mean {rows[-1]['gain_db']:+.2f} dB (min {min(gain):+.2f}, max {max(gain):+.2f})")
+    print(f"random weights {list(shape)}, overall SQNR (fitted / amax, gain; seconds fitted / amax)")
+    cases = {"INT4 15 levels (Kimi QAT)": int4_grid(shape, 7, 0),
+             "INT4 16 levels (RTN [-8, 7])": int4_grid(shape, 7.5, 1),
+             "Gaussian BF16": (torch.randn(*shape, generator=torch.Generator().manual_seed(2)) * 0.02)
              .to(torch.bfloat16)}
     for name, w in cases.items():
         for kind in ("nvfp4", "mxfp4"):
-            t0 = time.perf_counter()
-            a = fp4.rtn_nvfp4(w) if kind == "nvfp4" else fp4.rtn_mxfp4(w)
-            t1 = time.perf_counter()
-            f = fp4.rtn_nvfp4(w, None, "mse") if kind == "nvfp4" else fp4.rtn_mxfp4(w, "mse")
-            t2 = time.perf_counter()
-            print(f"  {name:30s} {kind}: {db(f.signal, f.noise):.2f} / {db(a.signal, a.noise):.2f} dB, "
-                  f"{db(f.signal, f.noise) - db(a.signal, a.noise):+.2f} dB; {t2 - t1:.2f} / {t1 - t0:.2f} s")
+            a, ta = measure_fn(fp4.rtn_nvfp4, w) if kind == "nvfp4" else measure_fn(fp4.rtn_mxfp4, w)
+            f, tf = measure_fn(fp4.rtn_nvfp4, w, None, "mse") if kind == "nvfp4" else measure_fn(fp4.rtn_mxfp4, w, "mse")
+            fit, amax = db(f.signal, f.noise), db(a.signal, a.noise)
+            rows.append({"case": f"random {name} (overall)", "format": kind, "fitted_db": round(fit, 2),
+                         "amax_db": round(amax, 2), "gain_db": round(fit - amax, 2), "fitted_s": tf["wall_s"],
+                         "amax_s": ta["wall_s"]})
+            print(f"  {name:30s} {kind}: {fit:.2f} / {amax:.2f} dB, {fit - amax:+.2f} dB; "
+                  f"{tf['wall_s']:.2f} / {ta['wall_s']:.2f} s")
+    run.write(rows, {"random_shape": list(shape)})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

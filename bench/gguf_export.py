@@ -1,8 +1,9 @@
 """`quantkit export` (GGUF for llama.cpp) measured: what llama.cpp computes on exported checkpoints, and how fast and
 small an INT4 release exports.
 
-    .venv/bin/python bench/gguf_export.py quality   # trained fixture + every architecture, llama.cpp vs transformers
-    .venv/bin/python bench/gguf_export.py release   # a Kimi K2.5-style INT4 release at Kimi K2's widths: time, RSS
+    python -m bench gguf_export quality   # trained fixture + every architecture, llama.cpp vs transformers
+    python -m bench gguf_export release   # a Kimi K2.5-style INT4 release at Kimi K2's widths: time, RSS
+    python -m bench gguf_export --smoke   # quality on the tiny fixture, RTN only, no architectures (needs llama.cpp)
 
 `quality`: the trained fixture with llama.cpp's routing (bench/fixture.py --normtopk: qwen3_moe, norm_topk_prob true,
 byte-level, 1200 steps) converted with int4-experts-rtn, int4-experts-gptq (calibrated on 64 x 256 training bytes),
@@ -20,7 +21,7 @@ fsync of its output (the durability export gives: its files are fsynced before t
 `quantkit export --json` as a
 subprocess (wall, peak RSS of the process tree, polled, and the kernel's high-water mark), and bit-exactness of every
 routed expert (gguf-py's dequantization of the GGUF == quantkit's decode of the release). Results:
-bench/results/gguf_export.json.
+bench/results/gguf_export-quality.json and gguf_export-release.json.
 """
 
 from __future__ import annotations
@@ -28,26 +29,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+from dataclasses import replace
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-RESULTS = HERE / "results" / "gguf_export.json"
-
-
-def _save(section: str, doc: dict) -> None:
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    old = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    old[section] = doc
-    RESULTS.write_text(json.dumps(old, indent=2))
+from bench.harness import (CACHE, REPO, Run, Skip, add_common_args, llamacpp_run_gguf, measure_cmd, measure_fn, settle,
+                           shard_files, time_cat)
 
 
 # ---- quality ---------------------------------------------------------------------------------------------------
 def _row(src, q, gguf, dataset, n, seq):
-    from quantkit.engine.llamacpp_run import run_gguf
-
-    doc = run_gguf(gguf, src, q, dataset=dataset, num_samples=n, seq_len=seq, generation_tokens=16)
+    doc = llamacpp_run_gguf(gguf, src, q, dataset=dataset, num_samples=n, seq_len=seq, generation_tokens=16)
     e = doc["engine_run"]
     return {"kl_source_checkpoint": e["kl_source_checkpoint"], "kl_checkpoint_llamacpp": e["kl_divergence"],
             "ratio": e["kl_engine_vs_quantization"], "ppl_source": e["perplexity_source"],
@@ -57,20 +48,19 @@ def _row(src, q, gguf, dataset, n, seq):
             "passed": doc["passed"]}
 
 
-def quality(args) -> None:
+def quality(args) -> list[dict]:
     import tempfile
 
-    from fixture import NORMTOPK, get_fixture, stdlib_corpus
-
+    from bench.fixture import NORMTOPK, TINY, get_fixture, stdlib_corpus
     from quantkit.convert import ConvertOptions, convert
     from quantkit.export import export
     from quantkit.tiny import make_tiny_model
 
-    from convert_rtn import machine
-
-    out = {"machine": machine(), "fixture": {}, "architectures": {}}
-    fx = get_fixture(NORMTOPK, log=lambda m: None)
-    train, held = stdlib_corpus(NORMTOPK.corpus_bytes)
+    rows = []
+    spec = replace(TINY, norm_topk=True) if args.smoke else NORMTOPK
+    fx = get_fixture(spec, log=lambda m: None)
+    train, held = stdlib_corpus(spec.corpus_bytes)
+    n_cal, n_ev = (4, 2) if args.smoke else (64, 16)
     with tempfile.TemporaryDirectory(prefix="qk-gguf-") as tmp:
         tmp = Path(tmp)
 
@@ -80,30 +70,28 @@ def quality(args) -> None:
             (tmp / name).write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
             return str(tmp / name)
 
-        cal, ev = jsonl("cal.jsonl", train, 64, 256), jsonl("eval.jsonl", held, 16, 256)
+        cal, ev = jsonl("cal.jsonl", train, n_cal, 256), jsonl("eval.jsonl", held, n_ev, 256)
         for recipe in args.recipes:
             q = tmp / recipe
-            t0 = time.perf_counter()
-            convert(fx["model_dir"], q, ConvertOptions(recipe=recipe, model_card=False, dataset=cal, num_samples=64,
-                                                      seq_len=256))
-            conv_s = time.perf_counter() - t0
+            _, m = measure_fn(convert, fx["model_dir"], q, ConvertOptions(recipe=recipe, model_card=False, dataset=cal,
+                                                                        num_samples=n_cal, seq_len=256))
             res = export(q, tmp / f"{recipe}.gguf")
-            row = {"convert_s": round(conv_s, 1), "export_s": res["seconds"], "experts": res["expert_types"],
-                   **_row(fx["model_dir"], q, tmp / f"{recipe}.gguf", ev, 16, 256)}
-            out["fixture"][recipe] = row
-            print(json.dumps({"fixture": recipe, **row}), flush=True)
+            row = {"model": "fixture", "recipe": recipe, "convert_s": round(m["wall_s"], 1), "export_s": res["seconds"],
+                   "experts": str(res["expert_types"]), **_row(fx["model_dir"], q, tmp / f"{recipe}.gguf", ev, n_ev, 256)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         kw = {"qwen3_moe": {"norm_topk_prob": True}, "mixtral": {}, "deepseek_v3": {}, "glm4_moe": {},
               "glm_moe_dsa": {"index_head_dim": 64, "index_topk": 256, "rms_norm_eps": 1e-6}, "kimi_k25": {}}
-        for arch, extra in kw.items():
+        for arch, extra in ({} if args.smoke else kw).items():
             src = make_tiny_model(arch, tmp / f"src_{arch}", **extra)
             for recipe in ("int4-experts-rtn", "int4-experts-gptq", "mxfp4-experts"):
                 q = tmp / f"{arch}_{recipe}"
                 convert(src, q, ConvertOptions(recipe=recipe, model_card=False, num_samples=16, seq_len=64))
                 export(q, tmp / f"{arch}_{recipe}.gguf")
-                row = _row(src, q, tmp / f"{arch}_{recipe}.gguf", None, 8, 128)
-                out["architectures"][f"{arch} {recipe}"] = row
-                print(json.dumps({"arch": arch, "recipe": recipe, **row}), flush=True)
-    _save("quality", out)
+                row = {"model": arch, "recipe": recipe, **_row(src, q, tmp / f"{arch}_{recipe}.gguf", None, 8, 128)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
 
 
 # ---- release ---------------------------------------------------------------------------------------------------
@@ -114,7 +102,7 @@ def make_release(experts: int, seed: int = 0) -> Path:
     from quantkit.tiny import make_tiny_kimi_k25
     from quantkit.write.writer import write_safetensors
 
-    root = HERE / ".cache" / f"k25-int4-e{experts}-s{seed}"
+    root = CACHE / f"k25-int4-e{experts}-s{seed}"
     if (root / "done").is_file():
         return root
     import shutil
@@ -123,7 +111,7 @@ def make_release(experts: int, seed: int = 0) -> Path:
     tiny = make_tiny_kimi_k25(root.with_suffix(".tiny"), int4_experts=True)  # the release's config layout
     cfg = json.loads((tiny / "config.json").read_text())
     shutil.rmtree(tiny)
-    k2 = json.loads((HERE.parent / "quantkit" / "data" / "configs" / "kimi-k2.json").read_text())
+    k2 = json.loads((REPO / "quantkit" / "data" / "configs" / "kimi-k2.json").read_text())
     text = {k: v for k, v in k2.items() if not k.startswith("_") and k != "quantization_config"}
     text.update(num_hidden_layers=3, n_routed_experts=experts, vocab_size=32768, model_type="kimi_k2",
                 max_position_embeddings=4096)
@@ -184,30 +172,25 @@ def make_release(experts: int, seed: int = 0) -> Path:
     return root
 
 
-def release(args) -> None:
-    from convert_rtn import machine, run_measured, settle, shard_files, time_cat
-
+def release(args) -> tuple[list[dict], dict]:
     src = make_release(args.experts)
     files = shard_files(src)
     size = sum(f.stat().st_size for f in files)
-    out_dir = HERE / ".cache" / "gguf-out"
+    out_dir = CACHE / "gguf-out"
     cat = time_cat(files, 3)
-    cat_sync = time_cat_durable(files, 3)
+    cat_sync = time_cat(files, 3, durable=True)
     runs = []
     for _ in range(args.repeat):
         settle(out_dir)
         out_dir.mkdir(parents=True)
-        r = run_measured([sys.executable, "-m", "quantkit", "export", str(src), str(out_dir / "k25.gguf"), "--json"],
-                         HERE / "results" / "gguf_export.log", stdout_path=out_dir / "stdout.json")
-        if r["rc"]:
-            raise SystemExit(f"export failed: {Path(r['log']).read_text()[-2000:]}")
-        runs.append(r)
+        runs.append(measure_cmd([sys.executable, "-m", "quantkit", "export", str(src), str(out_dir / "k25.gguf"),
+                                 "--json"], check=True))
     best = min(runs, key=lambda r: r["wall_s"])
     doc = json.loads(best["stdout"])
     layer_experts = 3 * args.experts * (2048 * 7168 // 2 + 2048 * 7168 // 32 * 2)  # packed + bf16 scales, one layer
     bound = layer_experts + (512 << 20)
     exact = check_exact(src, out_dir / "k25.gguf")
-    res = {"machine": machine(), "source_bytes": size, "shards": len(files), "experts_per_layer": args.experts,
+    res = {"source_bytes": size, "shards": len(files), "experts_per_layer": args.experts,
            "cat": cat, "cat_fsync": cat_sync, "export": {k: best[k] for k in ("wall_s", "cpu_s", "peak_rss_bytes", "ru_maxrss_bytes",
                                                        "other_cpu_s")},
            "runs_wall_s": [r["wall_s"] for r in runs], "export_report_seconds": doc["seconds"],
@@ -217,34 +200,14 @@ def release(args) -> None:
                                                            3),
            "exact": exact}
     print(json.dumps(res, indent=2))
-    _save("release", res)
     settle(out_dir)
-
-
-def time_cat_durable(files, runs: int) -> dict:
-    """`cat shards > one file` then fsync of that file, timed together: the copy with the durability export gives
-    its output (fsynced before it is renamed into place). Fastest of `runs`, after an untimed warm-up."""
-    import os
-    import subprocess
-
-    from convert_rtn import CACHE, settle
-
-    dst = CACHE / "cat-out.bin"
-    times = []
-    try:
-        for k in range(runs + 1):
-            dst.unlink(missing_ok=True)
-            settle()
-            with open(dst, "wb") as out:
-                t0 = time.perf_counter()
-                subprocess.run(["cat", *map(str, files)], stdout=out, check=True)
-                os.fsync(out.fileno())
-                dt = time.perf_counter() - t0
-            if k:
-                times.append(round(dt, 3))
-    finally:
-        dst.unlink(missing_ok=True)
-    return {"cmd": f"cat <{len(files)} shards> > {dst}; fsync", "runs_s": times, "wall_s": min(times)}
+    rows = [{"run": "cat (page cache warm)", "wall_s": cat["wall_s"]},
+            {"run": "cat + fsync", "wall_s": cat_sync["wall_s"]},
+            {"run": "quantkit export", "wall_s": best["wall_s"], "cpu_s": best["cpu_s"],
+             "peak_rss_mib": round(max(best["peak_rss_bytes"], best["ru_maxrss_bytes"]) / 2**20),
+             "rss_vs_bound": res["rss_vs_bound"], "time_vs_cat": res["time_vs_cat"],
+             "time_vs_cat_fsync": res["time_vs_cat_fsync"]}]
+    return rows, res
 
 
 def check_exact(src: Path, gguf_path: Path) -> dict:
@@ -277,15 +240,31 @@ def check_exact(src: Path, gguf_path: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="what", required=True)
+    ap = argparse.ArgumentParser(prog="python -m bench gguf_export", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(ap, repeat=None)
+    sub = ap.add_subparsers(dest="what")
     q = sub.add_parser("quality")
     q.add_argument("--recipes", nargs="+", default=["int4-experts-rtn", "int4-experts-gptq", "mxfp4-experts", "nvfp4-experts"])
     r = sub.add_parser("release")
     r.add_argument("--experts", type=int, default=48)
     r.add_argument("--repeat", type=int, default=2)
     a = ap.parse_args(argv)
-    quality(a) if a.what == "quality" else release(a)
+    if a.smoke:
+        a.what, a.recipes = "quality", ["int4-experts-rtn"]
+    if a.what is None:
+        ap.error("quality or release (or --smoke)")
+    if a.what == "quality":
+        import importlib.util
+
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise Skip("llama-cpp-python is not installed (bash bench/setup_llamacpp.sh)")
+    run = Run("gguf_export", a, argv)
+    if a.what == "quality":
+        run.write(quality(a), tag="quality")
+    else:
+        rows, res = release(a)
+        run.write(rows, res, tag="release")
     return 0
 
 

@@ -2,17 +2,17 @@
 # GPU check of the runtime kernels and of calibration on CUDA, for a machine with a CUDA GPU and torch +
 # triton preinstalled (no network needed): installs quantkit without dependencies, runs tests/runtime on
 # CUDA (compiled kernels, not the interpreter), times the kernels, then runs GPTQ of a small bench MoE with
-# --device cuda against the same conversion on the CPU (bench/calib_cuda.py: wall times, peak device memory
+# --device cuda against the same conversion on the CPU (python -m bench calib_cuda: wall times, peak device memory
 # against the plan's estimate, SQNR / KL / KV-scale agreement within stated tolerances). About 4-6 minutes
 # on an H100/H200.
 #
-#   bench/gpu_check.sh            # logs and JSON under $OUT (default bench/results/gpu_check, gitignored)
+#   bench/gpu_check.sh            # logs and JSON under $OUT (default /tmp/quantkit-gpu-check; results in the bench schema)
 #
 # Exit status: 0 when the tests, the benchmark and the calibration check all succeeded.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-out="${OUT:-bench/results/gpu_check}"
+out="${OUT:-/tmp/quantkit-gpu-check}"
 mkdir -p "$out"
 unset TRITON_INTERPRET  # compiled kernels on the GPU
 
@@ -34,13 +34,13 @@ rc_tests=${PIPESTATUS[0]}
 echo "gpu_check: tests rc=$rc_tests in $(( $(date +%s) - start )) s"
 
 start=$(date +%s)
-timeout 300 python bench/kernel_timings.py --json "$out/kernels.json" 2>&1 | tee "$out/bench.txt"
+timeout 300 python -m bench kernel_timings --json "$out/kernels.json" --out "$out" 2>&1 | tee "$out/bench.txt"
 rc_bench=${PIPESTATUS[0]}
 echo "gpu_check: bench rc=$rc_bench in $(( $(date +%s) - start )) s; results in $out"
 
 # calibration on CUDA: GPTQ of a 4-layer bench MoE (hidden 1024, 32 experts) on cuda and on the CPU
 start=$(date +%s)
-timeout 420 python bench/calib_cuda.py --device cuda --workdir "$out/calib_cuda" --json "$out/calib_cuda.json" \
+timeout 420 python -m bench calib_cuda --device cuda --workdir "$out/calib_cuda" --json "$out/calib_cuda.json" --out "$out" \
   2>&1 | tee "$out/calib_cuda.txt"
 rc_calib=${PIPESTATUS[0]}
 echo "gpu_check: calibration rc=$rc_calib in $(( $(date +%s) - start )) s; results in $out/calib_cuda.json"

@@ -1,11 +1,11 @@
 """INT4 release -> NVFP4: quantkit's streamed re-quantization against llm-compressor's
 dequantize-then-quantize path, on one multi-GB synthetic INT4 release, in one run.
 
-    .venv/bin/python bench/int4_to_fp4.py [--size-gb 6] [--shards 4] [--skip-peer] [--peer-quant model_free|oneshot]
+    python -m bench int4_to_fp4 [--size-gb 6] [--shards 4] [--skip-peer] [--peer-quant model_free|oneshot] [--smoke]
 
 The input is a Kimi K2.5/K2.6-style INT4 release: compressed-tensors `pack-quantized`, symmetric, group 32,
 routed experts only. It is made once (cached under bench/.cache/) by `quantkit convert --recipe
-int4-experts-rtn` from bench/convert_rtn.py's synthetic BF16 qwen3_moe (>= --size-gb GB in --shards
+int4-experts-rtn` from convert_rtn's synthetic BF16 qwen3_moe (>= --size-gb GB in --shards
 shards); neither step is timed. Then, one after the other on the same release:
 
 1. `quantkit convert INT4 OUT --recipe nvfp4-experts --json`: INT4 experts decoded on read and re-quantized
@@ -38,12 +38,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import convert_rtn as cr  # noqa: E402  (reuses its synthetic checkpoint and measurement)
-
-CACHE, REPO, MIB = cr.CACHE, cr.REPO, cr.MIB
-RESULTS = HERE / "results" / "int4_to_fp4.json"
+from bench.convert_rtn import BOUND_SLACK, EXPERT_TARGETS, IGNORE
+from bench.harness import (CACHE, MIB, REPO, Run, Skip, add_common_args, last_json, measure_cmd, quantkit_bin,
+                           settle, shard_files, warm_cache)
 
 # decompress the INT4 release to BF16 on disk with compressed-tensors' own entrypoint (what llm-compressor's
 # Kimi K2.6 NVFP4 example runs first): convert_checkpoint + CompressedTensorsDequantizer, shard by shard.
@@ -106,8 +103,9 @@ def du(d: Path) -> int:
 
 def make_release(args, qk_bin: str) -> Path:
     """The INT4 release (cached): the synthetic BF16 checkpoint converted with int4-experts-rtn."""
-    made = subprocess.run([sys.executable, str(HERE / "convert_rtn.py"), "--make-only", "--size-gb", str(args.size_gb),
-                           "--shards", str(args.shards)], check=True, stdout=subprocess.PIPE, text=True)
+    made = subprocess.run([sys.executable, "-m", "bench", "convert_rtn", "--make-only", "--size-gb", str(args.size_gb),
+                           "--shards", str(args.shards), *(["--smoke"] if args.smoke else [])], check=True,
+                          stdout=subprocess.PIPE, text=True)
     bf16 = Path(made.stdout.strip().splitlines()[-1])
     rel = CACHE / f"int4-release-{bf16.name}"
     stamp = rel / ".complete.json"
@@ -123,7 +121,7 @@ def make_release(args, qk_bin: str) -> Path:
 
 
 def _print_split(r: dict) -> None:
-    """quantkit's resident memory split (convert_rtn.rss_split): anonymous vs mapped files, at its peak."""
+    """quantkit's resident memory split (harness.measure_cmd's `split`): anonymous vs mapped files, at its peak."""
     s = r.get("rss_split") or {}
     if "at_peak_VmRSS" in s:
         print(f"  VmHWM {s.get('peak_VmHWM', 0) / MIB:.0f} MiB; at the polled peak {s['at_peak_VmRSS'] / MIB:.0f} MiB = "
@@ -133,7 +131,8 @@ def _print_split(r: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench int4_to_fp4", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=6.0, help="BF16 source size the INT4 release is made from (default "
                                                                 "6: a 2.2 GB INT4 release)")
     ap.add_argument("--shards", type=int, default=4, help="shards of the BF16 source and so of the release (default 4)")
@@ -148,41 +147,48 @@ def main(argv=None) -> int:
                          "its converter (llm-compressor's own streamed INT4 -> NVFP4, no BF16 copy)")
     ap.add_argument("--peer-venv", type=Path, default=CACHE / "peer-venv")
     ap.add_argument("--keep-outputs", action="store_true")
-    ap.add_argument("--results", type=Path, default=RESULTS)
+    add_common_args(ap, repeat=None)
     args = ap.parse_args(argv)
-
-    qk_bin = next((str(p) for p in (Path(sys.executable).parent / "quantkit", REPO / ".venv/bin/quantkit")
-                   if p.exists()), "quantkit")
+    if args.smoke:
+        args.size_gb, args.shards, args.skip_peer, args.quantkit_amax = 0.01, 2, True, True
+    run = Run("int4_to_fp4", args, argv)
+    qk_bin = quantkit_bin()
     peer_py = args.peer_venv / "bin" / "python"
     if not args.skip_peer and not peer_py.exists():
-        print(f"no peer venv at {args.peer_venv}: run bench/setup_peers.sh first, or pass --skip-peer", file=sys.stderr)
-        return 2
-    mach = cr.machine()
+        raise Skip(f"no peer venv at {args.peer_venv}: run bench/setup_peers.sh first, or pass --skip-peer")
     rel = make_release(args, qk_bin)
-    files = cr.shard_files(rel)
+    files = shard_files(rel)
     sizes = [f.stat().st_size for f in files]
     total, largest = sum(sizes), max(sizes)
-    bound = largest + cr.BOUND_SLACK
+    bound = largest + BOUND_SLACK
     print(f"INT4 release: {rel} ({len(files)} shards, {total / 1e9:.3f} GB, largest {largest / MIB:.0f} MiB, "
           f"bound {bound / MIB:.0f} MiB)", file=sys.stderr)
-
-    logs = CACHE / "logs"
     qk_out, bf16_out, llmc_out = CACHE / "i2f-quantkit", CACHE / "i2f-llmc-bf16", CACHE / "i2f-llmc-nvfp4"
-    load0 = os.getloadavg()
-    runs, dec_ok = {}, True
-    cr.settle(qk_out)
-    cr.warm_cache(files)
-    cmd = [qk_bin, "convert", str(rel), str(qk_out), "--recipe", args.recipe, "--json"]
-    print("running: " + " ".join(cmd), file=sys.stderr)
-    r = cr.run_measured(cmd, logs / "i2f-quantkit.stderr", stdout_path=logs / "i2f-quantkit.stdout")
-    if r["rc"]:
-        print(f"quantkit failed (rc {r['rc']}); see {r['log']}", file=sys.stderr)
+    runs = {}
+
+    def step(key: str, cmd: list[str], out: Path, label: str | None = None, split: bool = False) -> bool:
+        """One measured command into runs[key] (runs[key + "_FAILED"] when it fails); whether it succeeded."""
+        print("running: " + " ".join(cmd if label is None else cmd[:2] + [label] + cmd[3:]), file=sys.stderr)
+        r = measure_cmd(cmd, split=split)
+        if label:
+            r["cmd"] = r["cmd"][:2] + [label] + r["cmd"][3:]
+        if r["rc"]:
+            print(f"{key} failed (rc {r['rc']}):\n{r['stderr'][-2000:]}", file=sys.stderr)
+            r.pop("stdout", None)
+            runs[key + "_FAILED"] = r
+            return False
+        r["reported"] = last_json(r.pop("stdout"))
+        r["out_bytes"] = du(out)
+        runs[key] = r
+        print(f"  {r['wall_s']:.2f} s, maxrss {r['ru_maxrss_bytes'] / MIB:.0f} MiB", file=sys.stderr)
+        _print_split(r)
+        return True
+
+    settle(qk_out)
+    warm_cache(files)
+    if not step("quantkit", [qk_bin, "convert", str(rel), str(qk_out), "--recipe", args.recipe, "--json"], qk_out,
+                split=True):
         return 1
-    r["reported"] = json.loads(r.pop("stdout"))
-    r["out_bytes"] = du(qk_out)
-    runs["quantkit"] = r
-    print(f"  {r['wall_s']:.2f} s, maxrss {r['ru_maxrss_bytes'] / MIB:.0f} MiB", file=sys.stderr)
-    _print_split(r)
     if args.quantkit_amax:
         import tempfile
         text = (REPO / "recipes" / f"{args.recipe}.yaml").read_text()
@@ -192,108 +198,53 @@ def main(argv=None) -> int:
         fd, amax_recipe = tempfile.mkstemp(prefix=f"{args.recipe}-amax-", suffix=".yaml")
         with os.fdopen(fd, "w") as f:
             f.write(text.replace(f"name: {args.recipe}", f"name: {args.recipe}-amax"))
-        cr.settle(qk_out)
-        cr.warm_cache(files)
-        cmd = [qk_bin, "convert", str(rel), str(qk_out), "--recipe", amax_recipe, "--json"]
-        print("running: " + " ".join(cmd), file=sys.stderr)
-        r = cr.run_measured(cmd, logs / "i2f-quantkit-amax.stderr", stdout_path=logs / "i2f-quantkit-amax.stdout")
+        settle(qk_out)
+        warm_cache(files)
+        step("quantkit_amax", [qk_bin, "convert", str(rel), str(qk_out), "--recipe", amax_recipe, "--json"], qk_out,
+             split=True)
         os.unlink(amax_recipe)
-        if r["rc"] == 0:
-            r["reported"] = json.loads(r.pop("stdout"))
-            r["out_bytes"] = du(qk_out)
-            runs["quantkit_amax"] = r
-            print(f"  {r['wall_s']:.2f} s, maxrss {r['ru_maxrss_bytes'] / MIB:.0f} MiB", file=sys.stderr)
-            _print_split(r)
-        else:
-            print(f"quantkit (amax) failed (rc {r['rc']}); see {r['log']}", file=sys.stderr)
+    targets = [json.dumps(EXPERT_TARGETS), json.dumps(IGNORE)]
     if not args.skip_peer:
-        cr.settle(bf16_out, llmc_out)
-        cr.warm_cache(files)
-        print(f"running: {peer_py} -c <decompress> {rel} {bf16_out}", file=sys.stderr)
-        r = cr.run_measured([str(peer_py), "-c", DECOMPRESS_SCRIPT, str(rel), str(bf16_out)],
-                            logs / "i2f-decompress.stderr", stdout_path=logs / "i2f-decompress.stdout")
-        if r["rc"]:
-            print(f"decompress failed (rc {r['rc']}); see {r['log']}", file=sys.stderr)
-            r.pop("stdout", None)
-            runs["llmc_decompress_FAILED"] = r
-            dec_ok = False
-    if not args.skip_peer and dec_ok:
-        r["cmd"] = r["cmd"][:2] + ["<DECOMPRESS_SCRIPT>"] + r["cmd"][3:]
-        r["reported"] = json.loads(r.pop("stdout").strip().splitlines()[-1])
-        os.sync()  # the copy's writeback is the decompress step's cost, not the next step's
-        r["out_bytes"] = du(bf16_out)
-        runs["llmc_decompress"] = r
-        print(f"  {r['wall_s']:.2f} s, maxrss {r['ru_maxrss_bytes'] / MIB:.0f} MiB", file=sys.stderr)
-        print(f"running: {peer_py} -c <NVFP4A16 {args.peer_quant}> {bf16_out} {llmc_out}", file=sys.stderr)
-        r = cr.run_measured([str(peer_py), "-c", QUANT_SCRIPT, str(bf16_out), str(llmc_out), args.peer_quant,
-                             json.dumps(cr.EXPERT_TARGETS), json.dumps(cr.IGNORE)],
-                            logs / "i2f-quant.stderr", stdout_path=logs / "i2f-quant.stdout")
-        if r["rc"]:
-            print(f"llm-compressor quantize failed (rc {r['rc']}); see {r['log']}", file=sys.stderr)
-            r.pop("stdout", None)
-            runs["llmc_quantize_FAILED"] = r
-        else:
-            r["cmd"] = r["cmd"][:2] + ["<QUANT_SCRIPT>"] + r["cmd"][3:]
-            r["reported"] = json.loads(r.pop("stdout").strip().splitlines()[-1])
-            r["out_bytes"] = du(llmc_out)
-            runs["llmc_quantize"] = r
-        print(f"  {r['wall_s']:.2f} s, maxrss {r['ru_maxrss_bytes'] / MIB:.0f} MiB", file=sys.stderr)
+        settle(bf16_out, llmc_out)
+        warm_cache(files)
+        if step("llmc_decompress", [str(peer_py), "-c", DECOMPRESS_SCRIPT, str(rel), str(bf16_out)], bf16_out,
+                "<DECOMPRESS_SCRIPT>"):
+            os.sync()  # the copy's writeback is the decompress step's cost, not the next step's
+            runs["llmc_decompress"]["out_bytes"] = du(bf16_out)
+            step("llmc_quantize", [str(peer_py), "-c", QUANT_SCRIPT, str(bf16_out), str(llmc_out), args.peer_quant,
+                                   *targets], llmc_out, "<QUANT_SCRIPT>")
         shutil.rmtree(bf16_out, ignore_errors=True)
     if args.peer_fused and not args.skip_peer:
-        cr.settle(llmc_out)
-        cr.warm_cache(files)
-        print(f"running: {peer_py} -c <NVFP4A16 model_free_ptq + dequantizer> {rel} {llmc_out}", file=sys.stderr)
-        r = cr.run_measured([str(peer_py), "-c", QUANT_SCRIPT, str(rel), str(llmc_out), "model_free_fused",
-                             json.dumps(cr.EXPERT_TARGETS), json.dumps(cr.IGNORE)],
-                            logs / "i2f-fused.stderr", stdout_path=logs / "i2f-fused.stdout")
-        if r["rc"]:
-            print(f"llm-compressor fused run failed (rc {r['rc']}); see {r['log']}", file=sys.stderr)
-        else:
-            r["cmd"] = r["cmd"][:2] + ["<QUANT_SCRIPT>"] + r["cmd"][3:]
-            r["reported"] = json.loads(r.pop("stdout").strip().splitlines()[-1])
-            r["out_bytes"] = du(llmc_out)
-            runs["llmc_model_free_dequant_on_read"] = r
-            print(f"  {r['wall_s']:.2f} s, maxrss {r['ru_maxrss_bytes'] / MIB:.0f} MiB", file=sys.stderr)
-    load1 = os.getloadavg()
+        settle(llmc_out)
+        warm_cache(files)
+        step("llmc_model_free_dequant_on_read", [str(peer_py), "-c", QUANT_SCRIPT, str(rel), str(llmc_out),
+                                                 "model_free_fused", *targets], llmc_out, "<QUANT_SCRIPT>")
 
     qk = runs["quantkit"]
     qk_peak = max(qk["peak_rss_bytes"], qk["ru_maxrss_bytes"])
-    print()
-    print(f"INT4 release: {len(files)} shards, {total / 1e9:.3f} GB, largest shard {largest / MIB:.0f} MiB -> "
+    print(f"\nINT4 release: {len(files)} shards, {total / 1e9:.3f} GB, largest shard {largest / MIB:.0f} MiB -> "
           f"RSS bound {bound / MIB:.0f} MiB")
-    print(f"machine: {mach['cpu_count']} CPUs, {mach['cpu_model']}, {mach['mem_total_bytes'] / 2**30:.1f} GiB RAM; "
-          f"load avg {load0[0]:.1f} -> {load1[0]:.1f}; quantkit {mach['quantkit_git']}")
-    print(f"{'':<30}{'wall s':>8}{'treeRSS':>9}{'maxrss':>9}{'cpu s':>8}{'other':>8}{'out GB':>8}")
+    rows = []
     for k, r in runs.items():
-        if k.endswith("_FAILED"):
-            print(f"{k:<30} rc {r['rc']} (see {r['log']})")
-            continue
-        print(f"{k:<30}{r['wall_s']:>8.2f}{r['peak_rss_bytes'] / MIB:>9.0f}{r['ru_maxrss_bytes'] / MIB:>9.0f}"
-              f"{r['cpu_s']:>8.2f}{r['other_cpu_s']:>8.1f}{r['out_bytes'] / 1e9:>8.3f}")
+        rows.append({"run": k, "rc": r["rc"], "wall_s": r["wall_s"], "tree_rss_mib": round(r["peak_rss_bytes"] / MIB),
+                     "maxrss_mib": round(r["ru_maxrss_bytes"] / MIB), "cpu_s": r["cpu_s"],
+                     "other_cpu_s": r["other_cpu_s"], "out_gb": round(r.get("out_bytes", 0) / 1e9, 3)})
+        print("  ".join(f"{c} {v}" for c, v in rows[-1].items()))
     ratios = {"rss_ratio_vs_bound": qk_peak / bound}
     if "llmc_model_free_dequant_on_read" in runs:
         ratios["speedup_vs_llmcompressor_dequant_on_read"] = runs["llmc_model_free_dequant_on_read"]["wall_s"] / qk["wall_s"]
     if "llmc_quantize" in runs and "llmc_decompress" in runs:
         peer_wall = runs["llmc_decompress"]["wall_s"] + runs["llmc_quantize"]["wall_s"]
-        print(f"{'llm-compressor total':<30}{peer_wall:>8.2f}")
+        rows.append({"run": "llm-compressor total", "wall_s": peer_wall})
         ratios["speedup_vs_llmcompressor"] = peer_wall / qk["wall_s"]
         ratios["speedup_vs_llmcompressor_quantize_only"] = runs["llmc_quantize"]["wall_s"] / qk["wall_s"]
         if "quantkit_amax" in runs:
             ratios["speedup_vs_llmcompressor_amax"] = peer_wall / runs["quantkit_amax"]["wall_s"]
     for k, v in ratios.items():
         print(f"{k} = {v:.3f}")
-    doc = {"machine": mach, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-           "release": {"path": str(rel), "shards": len(files), "total_bytes": total, "largest_shard_bytes": largest,
-                       "shard_bytes": sizes}, "rss_bound_bytes": bound, "runs": runs, "ratios": ratios,
-           "loadavg_before_after": [load0, load1], "unix_time": int(time.time())}
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    print(f"results: {args.results}")
+    run.write(rows, {**{k: round(v, 4) for k, v in ratios.items()}, "release": str(rel), "shards": len(files),
+                     "total_bytes": total, "largest_shard_bytes": largest, "rss_bound_bytes": bound, "runs": runs})
     if not args.keep_outputs:
         for d in (qk_out, bf16_out, llmc_out):
             shutil.rmtree(d, ignore_errors=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,9 +2,9 @@
 bf16 per-expert torch loop, paged decode attention with a BF16 vs FP8 KV cache, GQA and MLA, with the
 KV-cache integrity check on and off; NVFP4 / MXFP4 weight-only GEMM and fused MoE (`--only fp4`).
 
-    python bench/kernel_timings.py                 # CUDA: full table (~1-2 minutes on an H100/H200)
-    python bench/kernel_timings.py --smoke         # CPU: tiny shapes in the Triton interpreter (crash test only)
-    python bench/kernel_timings.py --json out.json # also write the rows as JSON ($OUT/kernels.json when $OUT is set)
+    python -m bench kernel_timings                 # CUDA: full table (~1-2 minutes on an H100/H200)
+    python -m bench kernel_timings --smoke         # CPU: tiny shapes in the Triton interpreter (crash test only)
+    python -m bench kernel_timings --json out.json # also write the rows as this JSON ($OUT/kernels.json when $OUT is set)
 
 Timings are medians of triton.testing.do_bench (CUDA events). Smoke timings are meaningless.
 This measures kernels in isolation with random weights; it is not an end-to-end serving benchmark.
@@ -26,8 +26,7 @@ SMOKE = "--smoke" in sys.argv
 if SMOKE or not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / quantkit.runtime are imported
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.harness import Run, Skip, add_common_args  # noqa: E402
 from quantkit.runtime import (FP8_DTYPE, fused_moe_int4, int4_gemm, paged_decode_attention,  # noqa: E402
                               paged_mla_decode_attention, quantize_kv)
 from quantkit.runtime.fp4 import FP4Experts, PackedFP4, fp4_gemm, fused_moe_fp4  # noqa: E402
@@ -194,11 +193,16 @@ def bench_attention(dev, smoke):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU in the Triton interpreter")
+    ap = argparse.ArgumentParser(prog="python -m bench kernel_timings", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, default=None, help="write rows as JSON (default: $OUT/kernels.json if $OUT)")
     ap.add_argument("--only", choices=["gemm", "moe", "attn", "fp4"], default=None, help="run one section")
+    add_common_args(ap, repeat=None)  # --smoke: tiny shapes on CPU in the Triton interpreter
     args = ap.parse_args(argv)
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        raise Skip("triton is not installed (pip install -e '.[triton]')")
+    run = Run("kernel_timings", args, argv)
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
         print("no CUDA device: running --smoke", file=sys.stderr)
@@ -221,6 +225,7 @@ def main(argv=None):
         out.write_text(json.dumps(dict(meta=meta, rows=ROWS), indent=1))
         print(f"wrote {out}", file=sys.stderr)
     print(f"done in {meta['seconds']} s", file=sys.stderr)
+    run.write(ROWS, meta)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 - routing flips: per layer, the share of tokens whose top-k expert set differs between the BF16 and the
   quantized model, and the share of the KL carried by tokens with any flip.
 
-    python bench/kl_anatomy.py [--fixture default] [--method gptq-mse-aff-refit-cd2] [--group 32] [--windows 256]
+    python -m bench kl_anatomy [--fixture default] [--method gptq-mse-aff-refit-cd2] [--group 32] [--windows 256]
+    python -m bench kl_anatomy --smoke   # the tiny fixture, RTN, 8 windows
 """
 
 from __future__ import annotations
@@ -14,16 +15,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import FIXTURES, get_fixture, heldout_windows, windows  # noqa: E402
-from scratch import scratch_dir  # noqa: E402
+from bench.harness import REPO, Run, add_common_args, id_rows, measure_cmd, scratch_dir
+from bench.quality import FIXTURES, get_fixture, heldout_windows, windows
 
 
 @torch.no_grad()
@@ -48,27 +47,31 @@ def kl(ref: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
     return (ref.exp() * (ref - lp)).sum(-1).flatten()
 
 
-def main():
+def main(argv=None) -> int:
     from quantkit.testing import load_model
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench kl_anatomy", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fixture", default="default", choices=sorted(FIXTURES))
     ap.add_argument("--method", default="gptq-mse-aff-refit-cd2")
     ap.add_argument("--group", default="32")
     ap.add_argument("--windows", type=int, default=256)
-    a = ap.parse_args()
+    add_common_args(ap, repeat=None)
+    a = ap.parse_args(argv)
+    n_calib = 64
+    if a.smoke:
+        a.fixture, a.method, a.windows, n_calib = "tiny", "rtn", 8, 4
+    run = Run("kl_anatomy", a, argv)
     fx = get_fixture(FIXTURES[a.fixture])
     src = Path(fx["model_dir"])
     train, held = torch.load(fx["train_tokens"]), torch.load(fx["heldout_tokens"])
     ev = heldout_windows(held, 128, a.windows, seed=1)
     work = scratch_dir("qk-anatomy-")
     calib = work / "calib.jsonl"
-    calib.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in windows(train, 128, 64, seed=2)))
+    id_rows(calib, windows(train, 128, n_calib, seed=2))
     out = work / "q"
-    p = subprocess.run([sys.executable, str(Path(__file__).parent / "quality.py"), "--child", a.method, a.group,
-                        str(src), str(out), str(calib), "64", "128"], capture_output=True, text=True)
-    if p.returncode:
-        raise SystemExit(p.stderr[-3000:])
+    measure_cmd([sys.executable, "-m", "bench.quality", "--child", a.method, a.group, str(src), str(out), str(calib),
+                 str(n_calib), "128"], cwd=REPO, check=True)
     base, quant = load_model(src, torch.float32).eval(), load_model(out, torch.float32).eval()
     ref, ref_picks = logprobs_and_picks(base, ev)
     lp, q_picks = logprobs_and_picks(quant, ev)
@@ -88,7 +91,10 @@ def main():
     res["tokens_with_a_flip"] = float(anyflip.float().mean())
     res["kl_share_of_flipped_tokens"] = float(k[anyflip].sum() / k.sum())
     print(json.dumps(res, indent=1))
+    layers = res.pop("layers")
+    run.write(layers, res)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

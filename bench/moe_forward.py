@@ -1,9 +1,9 @@
 """Time one routed-experts forward on CPU: transformers' eager loop, its batched_mm and grouped_mm options,
 a padded-bmm variant, and quantkit.calib.moe.batched_experts_forward, side by side in one run.
 
-    .venv/bin/python bench/moe_forward.py                      # E 32/64/128, T 4096/8192, 1 and 2 threads
-    .venv/bin/python bench/moe_forward.py --experts 32 --tokens 1024 --threads 1 --repeats 2  # quick look
-    .venv/bin/python bench/moe_forward.py --json bench/results/moe_forward.json
+    python -m bench moe_forward                      # E 32/64/128, T 4096/8192, 1 and 2 threads
+    python -m bench moe_forward --experts 32 --tokens 1024 --threads 1 --repeats 2  # quick look
+    python -m bench moe_forward --smoke              # E 8, T 64, 1 thread, 1 repeat
 
 The layer: transformers' own Qwen3MoeExperts (fused gate_up_proj [E, 2I, H], down_proj [E, H, I], SiLU)
 and Qwen3MoeTopKRouter built from a qwen3_moe config, hidden 512, expert intermediate 256, top-8, weights
@@ -27,55 +27,14 @@ it runs only where that fits in `--max-gather-gib` and is listed as skipped othe
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import sys
-import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from quantkit.calib import moe  # noqa: E402
-from quantkit.calib.weights import bound_heap  # noqa: E402
+from bench.harness import Run, add_common_args, measure_fn
+from quantkit.calib import moe
+from quantkit.calib.weights import bound_heap
 
 GiB = 1 << 30
-
-
-# ---- measurement ------------------------------------------------------------------------------------
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        return True
-    except OSError:
-        return False
-
-
-def _machine_busy() -> float:
-    """CPU seconds all processes have used (from /proc/stat: everything but idle and iowait)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def peak_rss_delta(fn) -> tuple[object, int | None]:
-    """fn() and the peak RSS it added, in bytes (None where the peak cannot be reset)."""
-    ok = _reset_peak()
-    base = _status_kib("VmRSS")
-    out = fn()
-    peak = _status_kib("VmHWM")
-    return out, ((peak - base) * 1024 if ok else None)
 
 
 # ---- the padded-bmm variant (kept here for comparison; slower than the segment-wise forward) -----------
@@ -148,7 +107,7 @@ def variants(cfg, experts, budget):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench moe_forward", description=__doc__.split("\n")[0])
     ap.add_argument("--experts", type=int, nargs="+", default=[32, 64, 128])
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -156,27 +115,28 @@ def main(argv=None) -> int:
     ap.add_argument("--intermediate", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeat", "--repeats", dest="repeat", type=int, default=3, help="timed calls per variant")
     ap.add_argument("--budget-mib", type=int, default=moe.DEFAULT_BUDGET >> 20)
     ap.add_argument("--max-gather-gib", type=float, default=4.0,
                     help="skip batched_mm where its gathered weights would exceed this")
     ap.add_argument("--only", nargs="+", help="variants to run (default: all)")
     ap.add_argument("--default-heap", action="store_true",
                     help="keep glibc's malloc settings (the executor's bound_heap() is applied otherwise)")
-    ap.add_argument("--json", type=Path)
+    add_common_args(ap, repeat=None)
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.experts, args.tokens, args.threads, args.repeat = [8], [64], [1], 1
+    bench_run = Run("moe_forward", args, argv)
 
     if not args.default_heap:
         bound_heap()  # as the executor does: >= 1 MiB allocations via mmap, so freed temporaries leave the RSS
     dtype = getattr(torch, args.dtype)
     budget = args.budget_mib << 20
-    machine = dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), torch=torch.__version__,
-                   load_at_start=os.getloadavg())
     import transformers
 
-    machine["transformers"] = transformers.__version__
+    machine = {"transformers": transformers.__version__}
     print(f"# {machine}  dtype={args.dtype} H={args.hidden} I={args.intermediate} top-{args.top_k} "
-          f"budget={args.budget_mib} MiB repeats={args.repeats} heap={'glibc' if args.default_heap else 'bounded'}",
+          f"budget={args.budget_mib} MiB repeats={args.repeat} heap={'glibc' if args.default_heap else 'bounded'}",
           flush=True)
     head = (f"{'E':>4} {'tokens':>6} {'thr':>3}  {'variant':<11} {'wall ms':>9} {'cpu ms':>9} {'vs eager':>8} "
             f"{'cpu vs':>6} {'peak MiB':>9} {'max|d|/max':>10} {'other':>5}")
@@ -201,22 +161,21 @@ def main(argv=None) -> int:
                 peaks, outs = {}, {}
                 with torch.no_grad():
                     for k, fn in run.items():  # warm-up call: peak RSS and the output
-                        outs[k], peaks[k] = peak_rss_delta(lambda fn=fn, x=x, idx=idx, w=w: fn(x, idx, w))
+                        outs[k], m = measure_fn(fn, x, idx, w)
+                        peaks[k] = m["rss_added_bytes"]
                     ref = outs["eager"].float()
                     diffs = {k: float((o.float() - ref).abs().max() / ref.abs().max()) for k, o in outs.items()}
                     del outs
-                    for _ in range(args.repeats):
+                    for _ in range(args.repeat):
                         for k, fn in run.items():
-                            b0, c0, t0 = _machine_busy(), time.process_time(), time.perf_counter()
-                            fn(x, idx, w)
-                            t1, c1, b1 = time.perf_counter(), time.process_time(), _machine_busy()
+                            _, m = measure_fn(fn, x, idx, w)
                             s = stats[k]
-                            s["wall"].append(t1 - t0)
-                            s["cpu"].append(c1 - c0)
-                            s["other"] += max(0.0, (b1 - b0) - (c1 - c0))
-                            s["span"] += t1 - t0
+                            s["wall"].append(m["wall_s"])
+                            s["cpu"].append(m["cpu_s"])
+                            s["other"] += m["other_cpu_s"]
+                            s["span"] += m["wall_s"]
                 eager_wall, eager_cpu = min(stats["eager"]["wall"]), min(stats["eager"]["cpu"])
-                for k in names:
+                for k in names:  # noqa: PLR1702
                     if k not in run:
                         print(f"{num_experts:>4} {tokens:>6} {threads:>3}  {k:<11} skipped: gathers "
                               f"{gather / GiB:.1f} GiB of weights", flush=True)
@@ -237,12 +196,7 @@ def main(argv=None) -> int:
                                      speedup_vs_eager=round(eager_wall / wall, 3),
                                      cpu_speedup_vs_eager=round(eager_cpu / min(s["cpu"]), 3), peak_rss_bytes=peak,
                                      max_rel_diff_vs_eager=diffs[k], other_cores=round(other, 2)))
-    machine["load_at_end"] = os.getloadavg()
-    print(f"# load average at start {machine['load_at_start']}, at end {machine['load_at_end']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(machine=machine, args={k: str(v) for k, v in vars(args).items()},
-                                             rows=rows), indent=1))
+    bench_run.write(rows, {"transformers": machine["transformers"]})
     return 0
 
 

@@ -11,13 +11,15 @@ without it) and auto-round's default W4A16 recipe (`autoround`; `autoround-asym`
 zero points; auto-round 0.15.1 cannot export those to compressed-tensors, so its result after quantize() is
 written as the source with each module's weights dequantized from its own codes, fp16 scales and zero points).
 
-    python bench/quality.py [--fixtures default skewed] [--groups 32 128] [--methods rtn gptq gptq-mse-aff]
+    python -m bench quality [--fixtures default skewed] [--groups 32 128] [--methods rtn gptq gptq-mse-aff]
                             [--num-samples 64] [--eval-windows 2048] [--fp4 nvfp4 mxfp4]
                             [--peer-python bench/.cache/peer-venv/bin/python --peers llmc llmc-routed autoround
                              autoround-asym]
+    python -m bench quality --smoke   # the `tiny` fixture (2 layers, 5 training steps), RTN g32, 8 windows
 
 Fixtures: `default` (8 experts, top-2) and `skewed` (32 experts, top-4, trained without a balancing loss;
-expert width 64, so no group 128), `skewed128` (the same with expert width 128).
+expert width 64, so no group 128), `skewed128` (the same with expert width 128), `tiny` (2 layers, trained 5 steps:
+the smoke case).
 Every quantization runs in its own process: its wall time (`seconds`: imports excluded, reading the source
 included: quantkit's `convert()` call, the peers' scripts from before `from_pretrained` to the saved
 checkpoint; `process_seconds`: the whole process) and its peak RSS.
@@ -34,24 +36,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 import textwrap
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fixture import SKEWED, SKEWED128, FixtureSpec, get_fixture  # noqa: E402
-from scratch import scratch_dir  # noqa: E402
+from bench.fixture import SKEWED, SKEWED128, TINY, FixtureSpec, get_fixture
+from bench.harness import REPO, Run, add_common_args, id_rows, last_json, measure_cmd, measure_fn, scratch_dir
 
-ROOT = Path(__file__).resolve().parent
-RESULTS = ROOT / "results"
 TARGETS = ['re:.*\\.mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$']
 
 
@@ -188,10 +183,9 @@ def method_options(method: str, group: int | str) -> dict:
 def run_quantkit(src, out, method, group, calib_file, num_samples, seq_len):
     from quantkit.convert import ConvertOptions, convert
 
-    t0 = time.perf_counter()
-    convert(src, out, ConvertOptions(overwrite=True, dataset=str(calib_file), num_samples=num_samples,
-                                     seq_len=seq_len, **method_options(method, group)))
-    return time.perf_counter() - t0
+    _, m = measure_fn(convert, src, out, ConvertOptions(overwrite=True, dataset=str(calib_file), num_samples=num_samples,
+                                                        seq_len=seq_len, **method_options(method, group)))
+    return m["wall_s"]
 
 
 # every peer script's last line: its time since t0 and its own peak RSS (VmHWM; see peak_rss_mib), as JSON
@@ -312,17 +306,16 @@ PEERS = {"llmc": ("llm-compressor", "gptq", PEER, "all"),  # its default: every 
 def run_child(cmd: list[str]) -> dict | None:
     """Run one quantization in its own process: its JSON line (seconds, peak_rss_mib: the process's VmHWM)
     plus the process's wall time, or None (its stderr printed) when it failed."""
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        print(f"{' '.join(cmd[:3])} failed:\n" + p.stderr[-3000:], file=sys.stderr)
+    r = measure_cmd(cmd, cwd=REPO)
+    if r["rc"] != 0:
+        print(f"{' '.join(cmd[:4])} failed:\n" + r["stderr"][-3000:], file=sys.stderr)
         return None
-    return {**json.loads(p.stdout.strip().splitlines()[-1]), "process_seconds": round(wall, 2)}
+    return {**last_json(r["stdout"].strip().splitlines()[-1]), "process_seconds": round(r["wall_s"], 2)}
 
 
 def child_quantkit(argv: list[str]) -> None:
-    """`quality.py --child METHOD GROUP SRC OUT CALIB N SEQ`: one quantkit convert, timed in its own process."""
+    """`python -m bench.quality --child METHOD GROUP SRC OUT CALIB N SEQ`: one quantkit convert, timed in its own
+    process."""
     method, group, src, out, calib, n, seq = argv
     secs = run_quantkit(Path(src), Path(out), method, group if group in FP4_SCHEMES else int(group), calib,
                         int(n), int(seq))
@@ -336,7 +329,7 @@ def peak_rss_mib() -> float:
         return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) / 1024
 
 
-FIXTURES = {"default": FixtureSpec(), "skewed": SKEWED, "skewed128": SKEWED128}
+FIXTURES = {"default": FixtureSpec(), "skewed": SKEWED, "skewed128": SKEWED128, "tiny": TINY}
 
 
 def run_fixture(name: str, a, work: Path) -> dict:
@@ -354,7 +347,7 @@ def run_fixture(name: str, a, work: Path) -> dict:
     work = work / name
     work.mkdir(parents=True)
     calib_file = work / "calib.jsonl"
-    calib_file.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in calib_ids))
+    id_rows(calib_file, calib_ids)
 
     rows = []
     base, ref_lp = evaluate(src, eval_ids)
@@ -375,7 +368,7 @@ def run_fixture(name: str, a, work: Path) -> dict:
         for method in (a.methods if group not in FP4_SCHEMES else [m for m in a.methods if m != "awq"]):
             out = work / f"{method}-g{group}"
             add("quantkit", method, group, out, run_child(
-                [sys.executable, __file__, "--child", method, str(group), str(src), str(out), str(calib_file),
+                [sys.executable, "-m", "bench.quality", "--child", method, str(group), str(src), str(out), str(calib_file),
                  str(a.num_samples), str(a.seq_len)]))
         if not a.peer_python:
             continue
@@ -418,10 +411,13 @@ def run_fixture(name: str, a, work: Path) -> dict:
             "rows": rows, "summary": summary}
 
 
-def main():
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        return child_quantkit(sys.argv[2:])
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        child_quantkit(argv[1:])
+        return 0
+    ap = argparse.ArgumentParser(prog="python -m bench quality", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fixtures", nargs="+", default=["default"], choices=sorted(FIXTURES),
                     help="default: bench/fixture.py's 8-expert top-2 model; skewed: its 32-expert top-4 one "
                          "(expert width 64: no g128); skewed128: the same with expert width 128")
@@ -448,25 +444,28 @@ def main():
     ap.add_argument("--fp4", nargs="*", default=[], choices=["nvfp4", "mxfp4"],
                     help="also these FP4 formats (RTN and GPTQ), beside the INT4 groups; with --peer-python, "
                          "llm-compressor's NVFP4 too")
-    a = ap.parse_args()
+    add_common_args(ap, repeat=None)
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.fixtures, a.groups, a.methods, a.num_samples, a.eval_windows, a.fp4 = ["tiny"], [32], ["rtn"], 4, 8, []
+    run = Run("quality", a, argv)
     if a.calib_extra and a.peer_python:
         ap.error("--calib-extra gives quantkit a larger file to draw from: the peers would read all of it")
 
     work = scratch_dir("qk-quality-")
     per = {name: run_fixture(name, a, work) for name in a.fixtures}
-    doc = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-           "settings": vars(a), "fixtures": per}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "quality.json").write_text(json.dumps(doc, indent=2))
+    rows = [{"fixture": name, "tool": "-", **r} if "tool" not in r else {"fixture": name, **r}
+            for name, res in per.items() for r in res["rows"]]
+    run.write(rows, {name: {"fixture": res["fixture"], "summary": res["summary"]} for name, res in per.items()})
     print("\n| fixture | tool | method | group | perplexity | KL(bf16 \\|\\| q) | cross | dNLL s.e. | seconds "
           "| peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|")
-    for name, res in per.items():
-        for r in res["rows"]:
-            print(f"| {name} | {r.get('tool', '-')} | {r['method']} | {r['group'] or '-'} | {r['perplexity']:.4f} | "
-                  f"{r['kl']:.3e} | {r['cross']:+.2e} | {r['dnll_se']:.1e} | "
-                  f"{r['seconds'] if r['seconds'] is not None else '-'} | {r.get('peak_rss_mib', '-')} |")
+    for r in rows:
+        print(f"| {r['fixture']} | {r['tool']} | {r['method']} | {r['group'] or '-'} | {r['perplexity']:.4f} | "
+              f"{r['kl']:.3e} | {r['cross']:+.2e} | {r['dnll_se']:.1e} | "
+              f"{r['seconds'] if r['seconds'] is not None else '-'} | {r.get('peak_rss_mib', '-')} |")
     print(json.dumps({name: res["summary"] for name, res in per.items()}, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,9 +1,9 @@
 """The fixed set-up of a calibrated convert, timed: the calibration data, an executor over the model, the
-embedding. bench/calib_cost.py's `setup_s` is its warm time; run as a script in a fresh process (as
-calib_cost's measure_startup does) it prints cold minus warm: what a fresh `quantkit convert` pays once more
-(transformers' modeling imports of the first executor, first-use initialization), `startup_s`.
+embedding. calib_cost's `setup_s` is its warm time; run in a fresh process (as calib_cost's measure_startup
+does) it prints cold minus warm: what a fresh `quantkit convert` pays once more (transformers' modeling
+imports of the first executor, first-use initialization), `startup_s`. A helper of calib_cost, not a bench.
 
-    python bench/setup_probe.py SRC CALIB.jsonl N T
+    python -m bench.setup_probe SRC CALIB.jsonl N T
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 8 routed experts, top-2): the held-out next-token KL(source || quantized) of the shipped recipes
 `int4-experts-gptq` and `int4-experts-rtn` (group 32), and their ratio.
 
-    python bench/small_calib.py [--archs deepseek_v3 glm_moe_dsa] [--samples 16 128] [--seq-len 64]
+    python -m bench small_calib [--archs deepseek_v3 glm_moe_dsa] [--samples 16 128] [--seq-len 64]
                                 [--recipes int4-experts-rtn int4-experts-gptq] [--seeds 0]
                                 [--calib text|random] [--eval text|random] [--calib-random N]
+    python -m bench small_calib --smoke   # qwen3_moe, 4 samples x 32 tokens, 8 evaluation windows
 
 Tokens: the shipped calibration set's text as UTF-8 bytes (the tiny models have no tokenizer), one stream;
 calibration windows are drawn (seeded) from its first 80%, the evaluation windows are the non-overlapping
@@ -19,16 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from scratch import scratch_dir  # bench/ is sys.path[0] when a script runs
+from bench.harness import REPO, Run, add_common_args, id_rows, measure_fn, scratch_dir
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = REPO
 
 
 def token_stream(vocab: int) -> torch.Tensor:
@@ -51,8 +50,9 @@ def logprobs(model_dir, ids: torch.Tensor, src=None) -> torch.Tensor:
     return torch.cat([F.log_softmax(model(ids[i:i + 16]).logits.float()[:, :-1], -1) for i in range(0, len(ids), 16)])
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench small_calib", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--archs", nargs="+", default=["deepseek_v3", "glm_moe_dsa"])
     ap.add_argument("--samples", type=int, nargs="+", default=[16])
     ap.add_argument("--seq-len", type=int, default=64)
@@ -64,7 +64,11 @@ def main():
     ap.add_argument("--calib", choices=["text", "random"], default="text")
     ap.add_argument("--calib-random", type=int, default=0,
                     help="rows of uniformly random token ids appended to the calibration set")
-    a = ap.parse_args()
+    add_common_args(ap, repeat=None)
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.archs, a.samples, a.seq_len, a.eval_windows = ["qwen3_moe"], [4], 32, 8
+    run = Run("small_calib", a, argv)
 
     from quantkit.convert import ConvertOptions, convert
     from quantkit.testing import make_tiny_model, quiet_transformers
@@ -94,14 +98,14 @@ def main():
                 if a.calib_random:
                     rows_c += list(torch.randint(0, vocab, (a.calib_random, a.seq_len),
                                                  generator=torch.Generator().manual_seed(3)))
-                calib.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in rows_c))
+                id_rows(calib, rows_c)
                 kls = {}
                 for recipe in a.recipes:
                     out = work / f"{arch}-{seed}-{n}-{recipe}"
-                    t0 = time.perf_counter()
-                    convert(src, out, ConvertOptions(recipe=recipe, overwrite=True, dataset=str(calib),
-                                                     num_samples=len(rows_c), seq_len=a.seq_len, model_card=False))
-                    secs = time.perf_counter() - t0
+                    _, m = measure_fn(convert, src, out, ConvertOptions(
+                        recipe=recipe, overwrite=True, dataset=str(calib), num_samples=len(rows_c), seq_len=a.seq_len,
+                        model_card=False))
+                    secs = m["wall_s"]
                     lp = logprobs(out, eval_ids, src)
                     kl = float((ref.exp() * (ref - lp)).sum(-1).mean())
                     kls[recipe] = kl
@@ -119,8 +123,9 @@ def main():
                 for recipe, kl in kls.items():
                     if base and recipe != "int4-experts-rtn":
                         print(f"  {recipe} / rtn = {kl / base:.3f}", flush=True)
-    print(json.dumps(rows, indent=1))
+    run.write(rows)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

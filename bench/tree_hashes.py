@@ -7,6 +7,9 @@ and compare:
     .venv/bin/python bench/tree_hashes.py -o /tmp/after.json       # on the new tree
     .venv/bin/python bench/tree_hashes.py --compare /tmp/before.json /tmp/after.json
 
+(`python -m bench tree_hashes ...` is the same; this file imports nothing from bench/, so that it runs as a file
+from a worktree of any older tree too. `--smoke`: the first case only, into a temporary work directory.)
+
 The source checkpoints are generated once into `bench/.cache/tree-sources/` (or $QUANTKIT_TREE_CACHE) and
 reused, so that their file metadata (which the manifest's resume identity records) is the same for both
 runs; to hash an older tree, run this script from a worktree of it with the same $QUANTKIT_TREE_CACHE. The outputs
@@ -159,9 +162,10 @@ def _cases(src: dict[str, Path], work: Path):
                                  *CAL]]
     yield "glm4w-w4afp8-awq", [["convert", src["glm4_moe-wide"], "{out}", "--recipe", "int4-experts-w4afp8-awq", *CAL]]
     yield "glm4w-fp8-prefill", [["convert", src["glm4_moe-wide"], "{out}", "--recipe", "fp8-prefill"]]
-    # a prefill/decode pair from one command: OUT and OUT-prefill (hashed under out/ via --pair-out)
+    # a prefill/decode pair from one command: OUT and its prefill half beside it (hashed as prefill/...); the
+    # halves record each other's paths, so runs to compare must share $QUANTKIT_TREE_WORK
     yield "glm4w-pair", [["convert", src["glm4_moe-wide"], "{out}", "--recipe", "glm-w4afp8", *CAL,
-                          "--pair", "fp8-prefill", "--pair-out", "{out}/prefill"]]
+                          "--pair", "fp8-prefill", "--pair-out", "{work}/glm4w-pair/prefill"]]
 
 
 def _hash_tree(d: Path) -> dict[str, str]:
@@ -187,6 +191,8 @@ def run(output: Path, only: list[str] | None) -> None:
         for args in steps:
             _quantkit(*[str(a).format(out=out, work=work) for a in args])
         result[name] = _hash_tree(out)
+        if (out.parent / "prefill").is_dir():
+            result[name].update({f"prefill/{k}": v for k, v in _hash_tree(out.parent / "prefill").items()})
         print(f"{name}: {len(result[name])} files, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     output.write_text(json.dumps(result, indent=1, sort_keys=True))
     print(f"wrote {output}", file=sys.stderr)
@@ -209,13 +215,26 @@ def compare(a: Path, b: Path) -> int:
     return 1 if bad else 0
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench tree_hashes", description=__doc__.splitlines()[0])
     ap.add_argument("-o", "--output", type=Path, default=Path("tree-hashes.json"))
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--compare", nargs=2, type=Path)
-    a = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="the first case only, in a temporary directory")
+    a = ap.parse_args(argv)
     if a.compare:
-        raise SystemExit(compare(*a.compare))
+        return compare(*a.compare)
     os.environ.setdefault("TQDM_DISABLE", "1")
+    if a.smoke:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="qk-tree-hashes-") as tmp:
+            os.environ["QUANTKIT_TREE_WORK"] = str(Path(tmp) / "work")
+            run(Path(tmp) / "hashes.json", ["qwen3-rtn"])
+            return compare(Path(tmp) / "hashes.json", Path(tmp) / "hashes.json")
     run(a.output, a.only)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,8 +2,9 @@
 
     VLLM_TARGET_DEVICE=cpu bench/.cache/vllm-venv/bin/python bench/vllm_check.py CKPT [--plugin] [--json-out F]
 
-Run by the Python of a vLLM venv (bench/vllm_matrix.py makes and calls it); it imports nothing from quantkit
-except, with `--plugin`, quantkit/engine/vllm_plugin.py (found through this file's repository, no install).
+Run by the Python of a vLLM venv (bench/vllm_matrix.py makes and calls it), as a file: a helper, not a bench (it
+imports nothing from bench/ nor from quantkit except, with `--plugin`, quantkit/engine/vllm_plugin.py, loaded from
+this file's repository by its path, no install).
 Prints one JSON object on stdout (vLLM's own logs go to stderr) and exits 0 when the checkpoint is accepted,
 1 when it is not, 2 when the check itself could not run.
 
@@ -421,8 +422,12 @@ def check(ckpt: Path, *, plugin: str | None, kv_cache_dtype: str | None, probe: 
 
     report["vllm"] = vllm.__version__
     if plugin:
-        sys.path.insert(0, str(REPO))
-        from quantkit.engine import vllm_plugin
+        import importlib.util  # the plugin's file from this repository (quantkit is not installed in vLLM's venv)
+
+        spec = importlib.util.spec_from_file_location("quantkit_vllm_plugin", REPO / "quantkit" / "engine" /
+                                                      "vllm_plugin.py")
+        vllm_plugin = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(vllm_plugin)
 
         if plugin == "method-only":
             vllm_plugin._give_mla_the_kv_cache_method()

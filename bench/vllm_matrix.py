@@ -1,6 +1,6 @@
 """Which quantkit outputs vLLM 0.33 loads completely: tiny models x recipes x KV scales, judged by vLLM's loader.
 
-    .venv/bin/python bench/vllm_matrix.py [--archs ...] [--recipes ...] [--jobs 2] [--mutants] [--work DIR]
+    python -m bench vllm_matrix [--archs ...] [--recipes ...] [--jobs 2] [--mutants] [--work DIR]
 
 Runs with quantkit's venv. For every architecture it builds a tiny random model (quantkit.testing; the
 DeepSeek-V3 and GLM-5 configs get `topk_method: noaux_tc`, as the real ones have), measures FP8 KV-cache
@@ -23,9 +23,9 @@ from --num-samples/--seq-len; so that the run stays short whatever the version, 
 copy of the recipe whose `calibration` says 4 x 64 (same groups, same layout; the table marks it).
 `--shipped-calibration` uses the shipped recipe.
 
-Prints a markdown table on stderr and one JSON object on stdout; writes both to bench/results/
-(vllm_matrix.md, vllm_matrix.json; --results-name NAME: NAME.md, NAME.json; --detail adds a table of
-tensors reaching a parameter, parameters and unwritten ones per check). Everything else goes under --work (default bench/.cache/vllm-matrix).
+Prints a markdown table on stderr and one JSON object on stdout; writes bench/results/vllm_matrix.json
+(--results-name NAME: vllm_matrix-NAME.json; --detail adds a table of tensors reaching a parameter, parameters
+and unwritten ones per check). Without the vLLM venv it skips, saying so. Everything else goes under --work (default bench/.cache/vllm-matrix).
 Exit 0 when every step ran (whatever the verdicts), 1 when the check itself broke somewhere.
 """
 
@@ -42,11 +42,11 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+from bench.harness import BENCH_DIR as HERE
+from bench.harness import REPO, Run, Skip, add_common_args, measure_cmd
+
 QUANTKIT = Path(sys.executable).with_name("quantkit")
 VLLM_PYTHON = HERE / ".cache" / "vllm-venv" / "bin" / "python"
-RESULTS = HERE / "results"
 
 ARCHS = ("qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa", "mixtral", "kimi_k25")
 # sources built on request only (--archs): the Kimi wrapper with INT4 QAT experts, as the releases ship it
@@ -69,10 +69,8 @@ WIDE = {"glm4_moe-wide": ("glm4_moe", {"head_dim": 64, "moe_intermediate": 128})
 
 
 def run(cmd: list[str], timeout: int = 1800, env: dict | None = None) -> tuple[int, str, str, float]:
-    t0 = time.perf_counter()
-    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, check=False,
-                       env={**os.environ, **(env or {})})
-    return p.returncode, p.stdout, p.stderr, time.perf_counter() - t0
+    r = measure_cmd([str(c) for c in cmd], timeout=timeout, env={**os.environ, **(env or {})}, cwd=REPO)
+    return (124 if r["timed_out"] else r["rc"]), r["stdout"], r["stderr"], r["wall_s"]
 
 
 def last_error(stderr: str) -> str:
@@ -410,7 +408,7 @@ def quantkit_state() -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench vllm_matrix", description=__doc__.split("\n\n")[0])
     ap.add_argument("--archs", nargs="*", default=list(ARCHS), help=f"also: {', '.join(EXTRA_ARCHS)}")
     ap.add_argument("--recipes", nargs="*", default=list(RECIPES))
     ap.add_argument("--kv", nargs="*", default=list(KV_VARIANTS), choices=KV_VARIANTS)
@@ -422,11 +420,15 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true", help="redo conversions and checks found under --work")
     ap.add_argument("--work", type=Path, default=HERE / ".cache" / "vllm-matrix")
     ap.add_argument("--render", type=Path, metavar="JSON", help="only print the table of an earlier run's JSON")
-    ap.add_argument("--results-name", default="vllm_matrix",
-                    help="write bench/results/NAME.md and NAME.json (default vllm_matrix)")
+    ap.add_argument("--results-name", default=None,
+                    help="write bench/results/vllm_matrix-NAME.json (default vllm_matrix.json)")
     ap.add_argument("--detail", action="store_true",
                     help="add a table of tensors reaching a parameter / parameters / unwritten per check")
+    add_common_args(ap, repeat=None)
     args = ap.parse_args(argv)
+    if args.smoke:  # one architecture, one recipe, no KV scales
+        args.archs, args.recipes, args.kv, args.no_fp8_source, args.no_wide = ["qwen3_moe"], ["int4-experts-rtn"], \
+            ["none"], True, True
     if args.render:
         done = json.loads(args.render.read_text())
         print(markdown(done["rows"], [], done["vllm"], done["calibration"]))
@@ -434,7 +436,8 @@ def main(argv=None) -> int:
             print("\n" + detail_table(done["rows"]))
         return 0
     if not VLLM_PYTHON.is_file():
-        sys.exit(f"no vLLM venv at {VLLM_PYTHON}: see docs/engine.md")
+        raise Skip(f"no vLLM venv at {VLLM_PYTHON}: see docs/engine.md")
+    bench_run = Run("vllm_matrix", args, argv)
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -542,7 +545,7 @@ def main(argv=None) -> int:
             good = work / "out" / f"{arch}--int4-experts-rtn--kv-none"
             if not good.is_dir():
                 continue
-            _, stdout, err, _ = run([sys.executable, HERE / "vllm_mutants.py", good, "--work",
+            _, stdout, err, _ = run([sys.executable, "-m", "bench", "vllm_mutants", good, "--work",
                                      work / "mutants" / arch])
             try:
                 mutants.append(json.loads(stdout))
@@ -556,9 +559,8 @@ def main(argv=None) -> int:
     result = {"vllm": vllm_version, "quantkit": quantkit_state(), "seconds": round(time.perf_counter() - t_start),
               "calibration": scales,
               "rows": rows, "mutants": mutants}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.results_name}.md").write_text(table + "\n")
-    (RESULTS / f"{args.results_name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    bench_run.write([{k: v for k, v in r.items()} for r in rows],
+                    {k: v for k, v in result.items() if k != "rows"} | {"table": table}, tag=args.results_name)
     print(table, file=sys.stderr)
     if mutants is not None:
         for m in mutants:

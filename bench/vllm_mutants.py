@@ -1,6 +1,7 @@
 """Prove that bench/vllm_check.py can fail: break a good quantkit output in ways vLLM's loader swallows.
 
-    python bench/vllm_mutants.py GOOD_CKPT [--work DIR] [--python bench/.cache/vllm-venv/bin/python]
+    python -m bench vllm_mutants GOOD_CKPT [--work DIR] [--python bench/.cache/vllm-venv/bin/python]
+    python -m bench vllm_mutants --smoke     # a tiny qwen3_moe converted with int4-experts-rtn (needs the vLLM venv)
 
 GOOD_CKPT is an INT4-expert output of `quantkit convert` that the check accepts. Each mutant is a copy of
 it with one defect; the check must reject every mutant (exit 1, `accepted: false`) and accept the
@@ -22,11 +23,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from bench.harness import BENCH_DIR as HERE
+from bench.harness import Run, Skip, add_common_args, measure_cmd, scratch_dir
+
 DEFAULT_PYTHON = HERE / ".cache" / "vllm-venv" / "bin" / "python"
 INDEX = "model.safetensors.index.json"
 MUTANTS = {
@@ -94,12 +96,12 @@ def make_mutant(good: Path, out: Path, kind: str) -> dict:
 
 
 def run_check(python: Path, ckpt: Path) -> tuple[int, dict]:
-    p = subprocess.run([str(python), str(HERE / "vllm_check.py"), str(ckpt)], capture_output=True, text=True,
-                       check=False, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    p = measure_cmd([str(python), str(HERE / "vllm_check.py"), str(ckpt)],
+                    env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     try:
-        return p.returncode, json.loads(p.stdout)
+        return p["rc"], json.loads(p["stdout"])
     except json.JSONDecodeError:
-        return p.returncode, {"check_error": (p.stdout + p.stderr)[-2000:]}
+        return p["rc"], {"check_error": (p["stdout"] + p["stderr"])[-2000:]}
 
 
 def evidence(report: dict) -> str:
@@ -121,12 +123,25 @@ def evidence(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("good", type=Path)
+    ap = argparse.ArgumentParser(prog="python -m bench vllm_mutants", description=__doc__.split("\n\n")[0])
+    ap.add_argument("good", type=Path, nargs="?")
     ap.add_argument("--work", type=Path, help="where the mutated copies go (default: GOOD + '-mutants')")
     ap.add_argument("--python", type=Path, default=DEFAULT_PYTHON, help="the vLLM venv's Python")
     ap.add_argument("--only", nargs="*", choices=sorted(MUTANTS), help="run these mutants only")
+    add_common_args(ap, repeat=None)
     args = ap.parse_args(argv)
+    if not args.python.is_file():
+        raise Skip(f"no vLLM venv Python at {args.python}: see docs/engine.md")
+    run = Run("vllm_mutants", args, argv)
+    if args.smoke:
+        from quantkit.convert import ConvertOptions, convert
+        from quantkit.tiny import make_tiny_model
+
+        tmp = scratch_dir("qk-vllm-mutants-")
+        args.good = tmp / "good"
+        convert(make_tiny_model("qwen3_moe", tmp / "src"), args.good, ConvertOptions(recipe="int4-experts-rtn"))
+    if args.good is None:
+        ap.error("GOOD_CKPT (or --smoke)")
     good = args.good.resolve()
     work = (args.work or good.with_name(good.name + "-mutants")).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -144,6 +159,7 @@ def main(argv=None) -> int:
         print(f"{kind}: exit {code}, accepted={rep.get('accepted')}: {rows[-1]['evidence']}", file=sys.stderr)
     ok = all(r["accepted"] is r["expected"] and r["exit_code"] == (0 if r["expected"] else 1) for r in rows)
     print(json.dumps({"good": str(good), "mutants": rows, "ok": ok}, indent=1))
+    run.write(rows, {"good": str(good), "ok": ok})
     return 0 if ok else 1
 
 

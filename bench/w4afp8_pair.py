@@ -1,7 +1,8 @@
 """GLM-on-Hopper numerics on a *trained* model, from one run: W4AFP8 as served, the same INT4 weights run
 W4A16, and an FP8-prefill / INT4-decode pair, each against the BF16 source.
 
-    PYTHONPATH=. .venv/bin/python bench/w4afp8_pair.py [--recipe int4-experts-w4afp8-gptq] [--num-samples 8]
+    python -m bench w4afp8_pair [--recipe int4-experts-w4afp8-gptq] [--num-samples 8]
+    python -m bench w4afp8_pair --smoke     # a 256-wide fixture trained 5 steps, 4 windows (the bench's logic)
 
 The model is bench/fixture.py's 256-wide fixture (`--wide`: hidden and expert width 256, the smallest that
 vLLM's W4AFP8 MoE kernels take), trained on the standard library's sources and cached. Two commands, as a
@@ -21,62 +22,48 @@ Prints one table and writes bench/results/w4afp8_pair.json (both commands' --jso
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import subprocess
 import sys
-import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fixture import WIDE, get_fixture  # noqa: E402
-from quality import windows  # noqa: E402
-from scratch import scratch_dir  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent
-RESULTS = ROOT / "results"
+from bench.fixture import TINY, WIDE, get_fixture
+from bench.harness import Run, add_common_args, id_rows, run_quantkit, scratch_dir
+from bench.quality import windows
 
 
-def _run(args: list[str]) -> tuple[dict, float]:
-    """One quantkit command with --json; (its JSON document, wall seconds). A failure stops the benchmark."""
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "quantkit", *args, "--json"], capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        sys.exit(f"quantkit {' '.join(args)} failed ({p.returncode}):\n{p.stderr[-4000:]}")
-    return json.loads(p.stdout), wall
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench w4afp8_pair", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="int4-experts-w4afp8-gptq", help="the decode checkpoint's recipe")
     ap.add_argument("--calib-samples", type=int, default=64, help="calibration windows of --seq-len tokens")
     ap.add_argument("--num-samples", type=int, default=8, help="held-out windows verify measures")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--work", default=None, help="keep the checkpoints here (default: a temporary directory)")
-    a = ap.parse_args()
-
-    fx = get_fixture(WIDE)
+    add_common_args(ap, repeat=None)
+    a = ap.parse_args(argv)
+    spec = WIDE
+    if a.smoke:
+        spec, a.calib_samples, a.num_samples, a.seq_len = replace(TINY, hidden=256, moe_intermediate=256), 4, 2, 64
+    run = Run("w4afp8_pair", a, argv)
+    fx = get_fixture(spec)
     src = Path(fx["model_dir"])
     train, held = torch.load(fx["train_tokens"]), torch.load(fx["heldout_tokens"])
     work = scratch_dir("qk-w4afp8-pair-", a.work)
     calib = work / "calib.jsonl"
-    calib.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n"
-                             for r in windows(train, a.seq_len, a.calib_samples, seed=2)))
+    id_rows(calib, windows(train, a.seq_len, a.calib_samples, seed=2))
     heldout = work / "heldout.txt"  # byte-level vocabulary: verify reads the text's bytes as token ids
     heldout.write_bytes(bytes(held[:200_000].tolist()))
     dec, pre = work / "dec", work / "dec-prefill"
 
-    conv, conv_s = _run(["convert", str(src), str(dec), "--recipe", a.recipe, "--pair", "fp8-prefill",
+    conv, conv_m = run_quantkit(["convert", str(src), str(dec), "--recipe", a.recipe, "--pair", "fp8-prefill",
                          "--pair-out", str(pre), "--dataset", str(calib), "--num-samples", str(a.calib_samples),
                          "--seq-len", str(a.seq_len), "--overwrite"])
-    print(f"convert ({a.recipe} --pair fp8-prefill): {conv_s:.1f} s", flush=True)
-    ver, ver_s = _run(["verify", str(dec), "--pair", str(pre), "--reference", str(src), "--dataset", str(heldout),
+    print(f"convert ({a.recipe} --pair fp8-prefill): {conv_m['wall_s']:.1f} s", flush=True)
+    ver, ver_m = run_quantkit(["verify", str(dec), "--pair", str(pre), "--reference", str(src), "--dataset", str(heldout),
                        "--num-samples", str(a.num_samples), "--seq-len", str(a.seq_len)])
-    print(f"verify --pair --reference: {ver_s:.1f} s", flush=True)
+    print(f"verify --pair --reference: {ver_m['wall_s']:.1f} s", flush=True)
     kv = [(dec / "model-kv-scales.safetensors"), (pre / "model-kv-scales.safetensors")]
     same_kv = kv[0].read_bytes() == kv[1].read_bytes()
 
@@ -99,15 +86,14 @@ def main():
     print(f"\npair vs decode alone: KL {pm['pair']['kl_vs_decode']:.3e}, top-1 {pm['pair']['top1_vs_decode']:.2%}")
     print(f"W4AFP8 / W4A16 KL: {m['kl_divergence'] / m['kl_divergence_w4a16']:.3f}x; "
           f"KV-scale files byte-identical: {same_kv}")
-    RESULTS.mkdir(exist_ok=True)
-    doc = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-           "fixture": {k: str(v) for k, v in fx.items()}, "recipe": a.recipe,
-           "convert": {"wall_s": round(conv_s, 1), "json": conv}, "verify": {"wall_s": round(ver_s, 1), "json": ver},
-           "kv_scales_identical": same_kv}
-    (RESULTS / "w4afp8_pair.json").write_text(json.dumps(doc, indent=1, default=str))
+    run.write([{"model": name, "kl_vs_bf16": kl, "top1_vs_bf16": top1, "greedy_agreement": gen}
+               for name, kl, top1, gen in rows],
+              {"fixture": {k: str(v) for k, v in fx.items()}, "recipe": a.recipe, "kv_scales_identical": same_kv,
+               "convert": {**conv_m, "json": conv}, "verify": {**ver_m, "json": ver}})
     if not same_kv:
         sys.exit("the pair's KV-scale files differ")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
