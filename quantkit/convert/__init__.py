@@ -37,8 +37,8 @@ from .. import timeline
 from ..dist import world
 from ..errors import OutputExists, RecipeError
 from ..match.recipe import Recipe, load_recipe
-from ..match.shards import (DEFAULT_BATCH_BYTES, DEFAULT_MAX_SHARD_BYTES, ShardPlan, output_shard_names, plan_notes,
-                            plan_shard)
+from ..match.shards import (DEFAULT_BATCH_BYTES, DEFAULT_MAX_SHARD_BYTES, ShardContext, ShardPlan, output_shard_names,
+                            plan_notes, plan_shard)
 from ..match.units import CalibratedUnit, FP4Unit
 from ..pack import kv as kvrules
 from ..pack.config import quantization_config
@@ -179,9 +179,9 @@ def _plan_job(src_dir, opts: ConvertOptions) -> _Job:
                                "or pass --allow-unmatched to write the copy anyway")
     w4afp8_note = _w4afp8_rules(src, recipe, hidden, opts.tp)  # before any plan or write: a wrong shape costs seconds
     names = output_shard_names(src)
-    plans = [plan_shard(s, names[s.name], recipe, hidden, opts.batch_bytes, opts.max_shard_bytes, stored=stored,
-                        skip=skip, location=src.location, info=src.info, calibrated=recipe.needs_calibrated_pass)
-             for s in src.shards]
+    ctx = ShardContext(hidden, opts.batch_bytes, opts.max_shard_bytes, stored=stored, skip=skip, location=src.location,
+                       info=src.info, calibrated=recipe.needs_calibrated_pass)
+    plans = [plan_shard(s, names[s.name], recipe, ctx) for s in src.shards]
     notes = plan_notes(plans, len(source_kv) if want_kv else 0, stored) + ([w4afp8_note] if w4afp8_note else [])
     if source_kv and not want_kv:  # the source's own KV scales are kept: held to the same rules
         with TensorReader.of(src) as r:
@@ -372,12 +372,8 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts: Conver
 
         def finish():
             kv_out = write_kv_scales(out, kv) if kv is not None else None
-            kv_scheme = kv.config() if kv is not None else (job.fmt.kv_cache_scheme if job.source_kv else None)
-            res = _finalize(src, job.fmt, out, recipe, job.plans, results, identity, t0, resumed=len(done),
-                            notes=notes, kv=kv, kv_out=kv_out, kv_scheme=kv_scheme,
-                            calibration=None if data is None else
-                            {**data.describe(), "compute_dtype": identity["compute_dtype"]}, source_id=opts.source_id,
-                            model_card=opts.model_card, pair_role=opts.pair["role"] if opts.pair else None)
+            calibration = None if data is None else {**data.describe(), "compute_dtype": identity["compute_dtype"]}
+            res = _finalize(job, opts, out, _Outcome(results, identity, notes, kv, kv_out, len(done), t0, calibration))
             res.device, res.device_memory = calib_report.get("device"), calib_report.get("memory")
             return res
 
@@ -498,13 +494,29 @@ def _written_files(out: Path, names) -> dict:
             for n in sorted(set(names) - AFTER_CONVERT)}
 
 
-def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, plans: list[ShardPlan],
-              results: dict[str, dict], identity: dict, t0: float, resumed: int, notes: list[str],
-              kv: kvrules.KVScales | None, kv_out: dict | None, kv_scheme: dict | None,
-              calibration: dict | None = None, source_id: str | None = None, model_card: bool = True,
-              pair_role: str | None = None) -> ConvertResult:
-    """The index, config.json, the copied files, and the manifest (pack/manifest.py) last. `pair_role`: one
-    half of a prefill/decode pair, whose last manifest says "pair_pending" (convert/pair.py completes it)."""
+@dataclass(frozen=True)
+class _Outcome:
+    """What the conversion did, for `_finalize`: every shard's journal record (`results`, by source shard), the
+    output's identity, the notes, the KV scales shipped (`kv`; `kv_out`: their shard as written), the calibration
+    data's description, how many shards a resume found done, and when the conversion started (`t0`)."""
+
+    results: dict[str, dict]
+    identity: dict
+    notes: list[str]
+    kv: kvrules.KVScales | None
+    kv_out: dict | None
+    resumed: int
+    t0: float
+    calibration: dict | None = None
+
+
+def _finalize(job: _Job, opts: ConvertOptions, out: Path, outcome: _Outcome) -> ConvertResult:
+    """The index, config.json, the copied files, and the manifest (pack/manifest.py) last. One half of a
+    prefill/decode pair (`opts.pair`) ends with a manifest that says "pair_pending" (convert/pair.py completes it)."""
+    src, fmt, recipe, plans = job.src, job.fmt, job.recipe, job.plans
+    results, identity, notes, kv = outcome.results, outcome.identity, outcome.notes, outcome.kv
+    kv_scheme = kv.config() if kv is not None else (fmt.kv_cache_scheme if job.source_kv else None)
+    pair_role = opts.pair["role"] if opts.pair else None
     wait_durable()  # every shard written by this process is on disk before the index and manifest
     ordered = [results[p.source] for p in plans]
     tensors: dict[str, dict] = {}
@@ -514,8 +526,8 @@ def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, pla
         for name in sorted(rec["tensors"]):
             tensors[name] = rec["tensors"][name]
             weight_map[name] = rec["tensors"][name]["shard"]
-    if kv_out is not None:
-        out_shards.append({**kv_out, "source_shard": None})
+    if outcome.kv_out is not None:
+        out_shards.append({**outcome.kv_out, "source_shard": None})
         for name, t in kv.ordered():
             tensors[name] = {"shape": list(t.shape), "dtype": "float32", "shard": kvrules.KV_SHARD_NAME,
                              "source_shard": None, "kv_cache": kv.strategy}
@@ -561,7 +573,8 @@ def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, pla
                     "modules_dequantized": sum(1 for e in tensors.values() if e.get("method") == "dequantized"),
                     "bytes_read": sum(r["source_size"] for r in ordered), "bytes_written": total_size},
         "notes": notes,
-        "calibration": None if calibration is None else {**calibration, **expert_report(tensors)},
+        "calibration": (None if outcome.calibration is None else
+                        {**outcome.calibration, **expert_report(tensors)}),
         "kv_cache": (None if kv is None else {"strategy": kv.strategy, "scheme": kv.config(), "origin": kv.origin,
                                              "shard": kvrules.KV_SHARD_NAME, "tensors": len(kv.scales)}),
         "quantization_config": qc,
@@ -572,14 +585,14 @@ def _finalize(src: Checkpoint, fmt: SourceFormat, out: Path, recipe: Recipe, pla
     write_json_atomic(out / MANIFEST_NAME, manifest)  # still in_progress: journal removed next
     shutil.rmtree(out / JOURNAL_DIR, ignore_errors=True)
     manifest["status"] = "complete"
-    if model_card:
-        write_model_card(out, src.root, source_id=source_id, manifest=manifest)
+    if opts.model_card:
+        write_model_card(out, src.root, source_id=opts.source_id, manifest=manifest)
     if pair_role is not None:  # one half of a pair: complete once both halves are (convert/pair.py)
         manifest["status"] = PAIR_PENDING
         manifest[PAIR_KEY] = {"role": pair_role, "files": _written_files(out, [INDEX_NAME, "config.json",
                                                                               *(p.name for p in copied)])}
     write_json_atomic(out / MANIFEST_NAME, manifest)  # the last write: only now does it look finished
-    return ConvertResult(str(out), round(time.perf_counter() - t0, 3), manifest["summary"]["bytes_read"],
-                         total_size, len(tensors), len(quantized), peak_rss_bytes(), resumed,
+    return ConvertResult(str(out), round(time.perf_counter() - outcome.t0, 3), manifest["summary"]["bytes_read"],
+                         total_size, len(tensors), len(quantized), peak_rss_bytes(), outcome.resumed,
                          len(modules) - len(quantized), list(notes))
 

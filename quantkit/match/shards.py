@@ -178,124 +178,60 @@ NOTE_TEXT = {
 }
 
 
-def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
-               batch_bytes: int = DEFAULT_BATCH_BYTES, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-               stored: Mapping[str, StoredWeight] | None = None, skip: frozenset[str] = frozenset(),
-               location: Mapping[str, str] | None = None,
-               info: Callable[[str], TensorInfo] | None = None, calibrated: bool = False) -> ShardPlan:
-    """Match every tensor of `shard` against `recipe`. Raises GroupSizeError before any work.
-    `stored`: modules the source stores quantized (read/sources.scan); `skip`: tensors not to copy
-    (companions of stored modules, replaced KV scales); `location`/`info`: tensor -> shard / header
-    entry across the whole checkpoint, for companions stored in another shard."""
-    stored = stored or {}
-    info = info or (lambda n: shard.tensors[n])
-    units: list[Unit] = []
-    batches: dict[tuple, list[QuantItem]] = {}
-    batch_meta: dict[tuple, tuple] = {}
-    order: list[tuple] = []  # unit order: copies and batches by first appearance
-    foreign: dict[str, str] = {}
+@dataclass(frozen=True)
+class ShardContext:
+    """What planning one shard reads besides the shard and the recipe: the whole checkpoint's facts and the
+    sizes of the work. `stored`: modules the source stores quantized (read/sources.scan); `skip`: tensors not to
+    copy (companions of stored modules, replaced KV scales); `location`/`info`: tensor -> shard / header entry
+    across the whole checkpoint, for companions stored in another shard (None: the shard's own); `hidden`: the
+    config's hidden_size, which fused 3-D expert tensors are held to; `calibrated`: the calibrated pass runs, so
+    GPTQ/AWQ groups are planned (else they are an error)."""
 
-    loc = location if location is not None else {n: shard.name for n in shard.tensors}
+    hidden: int | None = None
+    batch_bytes: int = DEFAULT_BATCH_BYTES
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    stored: Mapping[str, StoredWeight] | None = None
+    skip: frozenset[str] = frozenset()
+    location: Mapping[str, str] | None = None
+    info: Callable[[str], TensorInfo] | None = None
+    calibrated: bool = False
 
-    def rows_of(module):
-        """Output rows of a module anywhere in the checkpoint (dense or stored quantized), None if absent."""
-        if module in stored:
-            return stored[module].shape[0]
-        return info(f"{module}.weight").shape[0] if f"{module}.weight" in loc else None
 
-    def add_quant(module, ref, shape, dtype, layer_key, g, scheme=None):
-        if g.method != "rtn" and not calibrated:
-            raise CalibrationNeeded(f"{module}: method {g.method} needs calibration data",
-                                    hint="GPTQ/AWQ groups are quantized by the calibrated pass, which `quantkit convert` "
-                                         "runs before it streams the shards")
-        scheme = scheme or effective_scheme(module, g.scheme, shape, rows_of)
-        if g.method != "rtn":
-            kind = CalibratedUnit
-        else:
-            kind = FP4Unit if scheme.fp4 else FP8Unit if scheme.type == "float" else RTNUnit
-        partner = _partner(module, g, scheme) if kind is FP4Unit and scheme.fp4 == "nvfp4" else None
-        if partner is not None:  # the pair in one batch: one read gives both halves' amax
-            layer_key = ("pair", _pair_key(layer_key) if isinstance(layer_key, str) else layer_key[0])
-        key = (kind.__name__, layer_key, g.name, scheme, shape, dtype)
-        if key not in batches:
-            batches[key] = []
-            batch_meta[key] = (kind, g, scheme, dtype)
-            order.append(("quant", key))
-        batches[key].append(QuantItem(module, ref, shape, partner))
-
-    def _partner(module, g, scheme):
-        """NVFP4: the other half of a gate/up pair, targeted by the same group (one global scale)."""
-        base, _, last = module.rpartition(".")
-        other = partner(last)  # NVFP4: vLLM fuses gate and up (w13), which must share one global scale
-        if other is None or recipe.match(f"{base}.{other}") is not g:
-            return None
-        ref = _ref_of(f"{base}.{other}")
-        if ref is None:
-            return None
-        for t in ([t for _, t in ref.stored.tensors] if ref.stored is not None else (ref.tensor, ref.scale)):
-            if t is not None:
-                need(t)
-        return QuantItem(f"{base}.{other}", ref, shape_of(ref))
-
-    def _ref_of(module):
-        """Where a module's float weight comes from, anywhere in the checkpoint (None: not a float weight)."""
-        sw = stored.get(module)
-        if sw is not None:
-            if sw.encoding == "int4" and not (recipe.match(module) is not None and recipe.match(module).scheme.fp4):
-                return None  # INT4 in the source: re-quantized to FP4 only
-            return SourceRef(sw.primary, scale=sw.scale, layout=sw.layout, scale_fmt=sw.scale_fmt,
-                             encoding=sw.encoding, stored=sw if sw.layout is None else None)
-        if f"{module}.weight" in loc:
-            return SourceRef(f"{module}.weight")
-        m = expert_parts(module)
-        fused = f"{m[0]}.{FUSED_GATE_UP}" if m else None
-        if fused in loc and m[2] in (QWEN_EXPERTS.gate, QWEN_EXPERTS.up):  # transformers' fused layout
-            rows = info(fused).shape[1]
-            return SourceRef(fused, m[1], (0, rows // 2) if m[2] == QWEN_EXPERTS.gate else (rows // 2, rows))
-        return None
-
-    def shape_of(ref):
-        if ref.stored is not None:  # FP4 in the source: the decoded [N, K], not the packed bytes' shape
-            return tuple(ref.stored.shape)
-        i = info(ref.tensor)
-        shape = tuple(i.shape[1:] if ref.expert is not None else i.shape)
-        return (ref.rows[1] - ref.rows[0], shape[1]) if ref.rows is not None else shape
-
-    def need(tensor):
-        where = (location or {}).get(tensor, shard.name)
-        if where != shard.name:
-            foreign[tensor] = where
-
+def plan_shard(shard: Shard, output: str, recipe: Recipe, ctx: ShardContext = ShardContext()) -> ShardPlan:
+    """Match every tensor of `shard` against `recipe`. Raises GroupSizeError before any work."""
+    m = _ShardMatcher(shard, recipe, ctx)
     for name in sorted(shard.tensors):
-        if name in skip:
-            continue
-        tinfo = shard.tensors[name]
+        if name not in ctx.skip:
+            m.match(name)
+    return ShardPlan(shard.name, split_parts(output, m.units(), lambda n: shard.tensors[n], ctx.max_shard_bytes),
+                     tuple(sorted(m.foreign.items())))
+
+
+class _ShardMatcher:
+    """One shard's plan as it is built: copies, single units and quantization batches in the order their first
+    tensor appears, and the companion tensors read from other shards (`foreign`)."""
+
+    def __init__(self, shard: Shard, recipe: Recipe, ctx: ShardContext):
+        self.shard, self.recipe, self.ctx = shard, recipe, ctx
+        self.stored = ctx.stored or {}
+        self.info = ctx.info or (lambda n: shard.tensors[n])
+        self.loc = ctx.location if ctx.location is not None else {n: shard.name for n in shard.tensors}
+        self.batches: dict[tuple, list[QuantItem]] = {}
+        self.batch_meta: dict[tuple, tuple] = {}
+        self.order: list[tuple] = []  # unit order: copies and batches by first appearance
+        self.foreign: dict[str, str] = {}
+
+    def match(self, name: str) -> None:
+        """One tensor of the shard: a stored-quantized module's primary tensor, a float weight the recipe targets
+        (one Linear, or each expert of a fused 3-D tensor), or a tensor to copy."""
+        tinfo = self.shard.tensors[name]
         module = name.rsplit(".", 1)[0]
-        sw = stored.get(module)
+        sw = self.stored.get(module)
         if sw is not None and sw.primary == name:
-            g = recipe.match(module)
-            scheme = None if g is None or (sw.encoding == "int4" and not g.scheme.fp4) else \
-                effective_scheme(module, g.scheme, sw.shape, rows_of)
-            action, reason = decide(sw, scheme, g is not None)
-            layer_key = any_expert(module)
-            if action == "pass":
-                u = pass_unit(sw, reason, g, info)
-                for _, src, _, _ in u.renames:
-                    need(src)
-                order.append(("unit", u))
-            elif action == "decode":
-                for _, t in sw.tensors:
-                    need(t)
-                ref = SourceRef(name, scale=sw.scale, layout=sw.layout, scale_fmt=sw.scale_fmt, encoding=sw.encoding)
-                order.append(("unit", DecodeUnit(QuantItem(module, ref, sw.shape), reason, sw.label)))
-            else:  # dequantize on read, then quantize as the recipe says
-                for _, t in sw.tensors:
-                    need(t)
-                ref = SourceRef(name, scale=sw.scale, layout=sw.layout, scale_fmt=sw.scale_fmt, encoding=sw.encoding,
-                                stored=sw if sw.layout is None else None)
-                add_quant(module, ref, sw.shape, torch.bfloat16, layer_key, g, scheme)
-            continue
-        fused = fused_items(name, tinfo, hidden) if tinfo.dtype in FLOAT_DTYPES else None
+            self.stored_module(name, module, sw)
+            return
+        recipe = self.recipe
+        fused = fused_items(name, tinfo, self.ctx.hidden) if tinfo.dtype in FLOAT_DTYPES else None
         if fused is not None:
             groups = [recipe.match(mod) for mod, _, _ in fused]
             matched = [g is not None for g in groups]
@@ -304,39 +240,138 @@ def plan_shard(shard: Shard, output: str, recipe: Recipe, hidden: int | None,
                                     hint="target all experts of a fused tensor, or none")
             if any(matched):
                 for (mod, ref, shape), g in zip(fused, groups):
-                    add_quant(mod, ref, shape, tinfo.dtype, (name, ref.rows is not None and ref.rows[0] > 0), g)
-                continue
+                    self.add_quant(mod, ref, shape, tinfo.dtype, (name, ref.rows is not None and ref.rows[0] > 0), g)
+                return
         elif name.endswith(".weight") and len(tinfo.shape) == 2 and tinfo.dtype in FLOAT_DTYPES:
             module = name[: -len(".weight")]
             g = recipe.match(module)
             if g is not None:
                 # batch all same-shape experts of one layer/projection: key on the name with indices removed
                 layer_key = any_expert(module)
-                add_quant(module, SourceRef(name), tuple(tinfo.shape), tinfo.dtype, layer_key, g)
-                continue
+                self.add_quant(module, SourceRef(name), tuple(tinfo.shape), tinfo.dtype, layer_key, g)
+                return
         elif name.endswith(".weight") and len(tinfo.shape) == 2 and recipe.match(name[: -len(".weight")]) is not None:
             # targeted, but neither a float weight nor one the source stores quantized: never copy it
             # through as if the recipe had not asked for it
             raise UnsupportedDtype(f"{name}: the recipe quantizes this weight, but its dtype "
                                    f"{str(tinfo.dtype).removeprefix('torch.')} cannot be quantized")
-        order.append(("copy", name))
+        self.order.append(("copy", name))
 
-    for kind, key in order:
-        if kind == "copy":
-            units.append(CopyUnit(key))
-            continue
-        if kind == "unit":
-            units.append(key)
-            continue
-        ukind, g, scheme, dtype = batch_meta[key]
-        items = batches[key]
-        per = max(1, batch_bytes // (items[0].shape[0] * items[0].shape[1] * 2))
-        if items[0].partner is not None:  # never split a gate/up pair over two batches
-            per = max(2, per - per % 2)
-        for i in range(0, len(items), per):
-            units.append(ukind(tuple(items[i:i + per]), g, scheme, dtype))
-    return ShardPlan(shard.name, split_parts(output, units, lambda n: shard.tensors[n], max_shard_bytes),
-                     tuple(sorted(foreign.items())))
+    def stored_module(self, name: str, module: str, sw: StoredWeight) -> None:
+        """A module the source stores quantized, at its primary tensor `name`: passed through, decoded to its
+        float values, or dequantized on read and quantized as the recipe says (`decide`)."""
+        g = self.recipe.match(module)
+        scheme = None if g is None or (sw.encoding == "int4" and not g.scheme.fp4) else \
+            effective_scheme(module, g.scheme, sw.shape, self.rows_of)
+        action, reason = decide(sw, scheme, g is not None)
+        layer_key = any_expert(module)
+        if action == "pass":
+            u = pass_unit(sw, reason, g, self.info)
+            for _, src, _, _ in u.renames:
+                self.need(src)
+            self.order.append(("unit", u))
+        elif action == "decode":
+            for _, t in sw.tensors:
+                self.need(t)
+            ref = SourceRef(name, scale=sw.scale, layout=sw.layout, scale_fmt=sw.scale_fmt, encoding=sw.encoding)
+            self.order.append(("unit", DecodeUnit(QuantItem(module, ref, sw.shape), reason, sw.label)))
+        else:  # dequantize on read, then quantize as the recipe says
+            for _, t in sw.tensors:
+                self.need(t)
+            ref = SourceRef(name, scale=sw.scale, layout=sw.layout, scale_fmt=sw.scale_fmt, encoding=sw.encoding,
+                            stored=sw if sw.layout is None else None)
+            self.add_quant(module, ref, sw.shape, torch.bfloat16, layer_key, g, scheme)
+
+    def rows_of(self, module):
+        """Output rows of a module anywhere in the checkpoint (dense or stored quantized), None if absent."""
+        if module in self.stored:
+            return self.stored[module].shape[0]
+        return self.info(f"{module}.weight").shape[0] if f"{module}.weight" in self.loc else None
+
+    def add_quant(self, module, ref, shape, dtype, layer_key, g, scheme=None):
+        """One weight into the batch of its kind, layer/projection, group, scheme, shape and dtype."""
+        if g.method != "rtn" and not self.ctx.calibrated:
+            raise CalibrationNeeded(f"{module}: method {g.method} needs calibration data",
+                                    hint="GPTQ/AWQ groups are quantized by the calibrated pass, which `quantkit convert` "
+                                         "runs before it streams the shards")
+        scheme = scheme or effective_scheme(module, g.scheme, shape, self.rows_of)
+        if g.method != "rtn":
+            kind = CalibratedUnit
+        else:
+            kind = FP4Unit if scheme.fp4 else FP8Unit if scheme.type == "float" else RTNUnit
+        partner = self.partner_item(module, g) if kind is FP4Unit and scheme.fp4 == "nvfp4" else None
+        if partner is not None:  # the pair in one batch: one read gives both halves' amax
+            layer_key = ("pair", _pair_key(layer_key) if isinstance(layer_key, str) else layer_key[0])
+        key = (kind.__name__, layer_key, g.name, scheme, shape, dtype)
+        if key not in self.batches:
+            self.batches[key] = []
+            self.batch_meta[key] = (kind, g, scheme, dtype)
+            self.order.append(("quant", key))
+        self.batches[key].append(QuantItem(module, ref, shape, partner))
+
+    def partner_item(self, module, g):
+        """NVFP4: the other half of a gate/up pair, targeted by the same group (one global scale)."""
+        base, _, last = module.rpartition(".")
+        other = partner(last)  # NVFP4: vLLM fuses gate and up (w13), which must share one global scale
+        if other is None or self.recipe.match(f"{base}.{other}") is not g:
+            return None
+        ref = self.ref_of(f"{base}.{other}")
+        if ref is None:
+            return None
+        for t in ([t for _, t in ref.stored.tensors] if ref.stored is not None else (ref.tensor, ref.scale)):
+            if t is not None:
+                self.need(t)
+        return QuantItem(f"{base}.{other}", ref, self.shape_of(ref))
+
+    def ref_of(self, module):
+        """Where a module's float weight comes from, anywhere in the checkpoint (None: not a float weight)."""
+        sw = self.stored.get(module)
+        if sw is not None:
+            g = self.recipe.match(module)
+            if sw.encoding == "int4" and not (g is not None and g.scheme.fp4):
+                return None  # INT4 in the source: re-quantized to FP4 only
+            return SourceRef(sw.primary, scale=sw.scale, layout=sw.layout, scale_fmt=sw.scale_fmt,
+                             encoding=sw.encoding, stored=sw if sw.layout is None else None)
+        if f"{module}.weight" in self.loc:
+            return SourceRef(f"{module}.weight")
+        m = expert_parts(module)
+        fused = f"{m[0]}.{FUSED_GATE_UP}" if m else None
+        if fused in self.loc and m[2] in (QWEN_EXPERTS.gate, QWEN_EXPERTS.up):  # transformers' fused layout
+            rows = self.info(fused).shape[1]
+            return SourceRef(fused, m[1], (0, rows // 2) if m[2] == QWEN_EXPERTS.gate else (rows // 2, rows))
+        return None
+
+    def shape_of(self, ref):
+        if ref.stored is not None:  # FP4 in the source: the decoded [N, K], not the packed bytes' shape
+            return tuple(ref.stored.shape)
+        i = self.info(ref.tensor)
+        shape = tuple(i.shape[1:] if ref.expert is not None else i.shape)
+        return (ref.rows[1] - ref.rows[0], shape[1]) if ref.rows is not None else shape
+
+    def need(self, tensor):
+        """A companion tensor this shard's units read: noted when another shard stores it."""
+        where = (self.ctx.location or {}).get(tensor, self.shard.name)
+        if where != self.shard.name:
+            self.foreign[tensor] = where
+
+    def units(self) -> list[Unit]:
+        """The units in order; each batch cut to `batch_bytes` of bf16 weights (a gate/up pair never split)."""
+        units: list[Unit] = []
+        for kind, key in self.order:
+            if kind == "copy":
+                units.append(CopyUnit(key))
+                continue
+            if kind == "unit":
+                units.append(key)
+                continue
+            ukind, g, scheme, dtype = self.batch_meta[key]
+            items = self.batches[key]
+            per = max(1, self.ctx.batch_bytes // (items[0].shape[0] * items[0].shape[1] * 2))
+            if items[0].partner is not None:  # never split a gate/up pair over two batches
+                per = max(2, per - per % 2)
+            for i in range(0, len(items), per):
+                units.append(ukind(tuple(items[i:i + per]), g, scheme, dtype))
+        return units
 
 
 def output_shard_names(src) -> dict[str, str]:
