@@ -547,7 +547,7 @@ def plan(
     tokens and concurrency; with --calibration, what the calibrated pass costs."""
     if pair is not None and recipe is None:
         raise typer.BadParameter("--pair needs --recipe (the decode pool's recipe)", param_hint="--pair")
-    from .plan import REFERENCE_CONFIGS, check_serving, plan as run, render
+    from .plan import REFERENCE_CONFIGS, PlanOptions, check_serving, plan as run, render
 
     if calibration is not None and recipe is None:
         raise typer.BadParameter("--calibration needs --recipe (the calibrated recipe to cost)",
@@ -570,42 +570,52 @@ def plan(
     target = model_or_config
     if model_or_config not in REFERENCE_CONFIGS and not Path(model_or_config).exists():
         target = str(_source(model_or_config, revision))
-    table = None
-    if measure:
-        from .match.recipe import load_recipe
-        from .plan import parse_config
-        from .plan.measure import check_host, measure_throughput
-        from .plan.source import resolve
-
-        ranks = gpus if device == "cpu" else 1
-        if device == "cpu":
-            check_host(ranks)
-        config = resolve(target).config
-        parse_config(config)  # a config or recipe that plan refuses is refused before measuring
-        load_recipe(recipe)
-        err.print(f"measuring this machine's {device} rates for the cost model ...", highlight=False)
-        table = measure_throughput(device, ranks=ranks, config=config,
-                                   log=lambda m: err.print(f"  {m}", highlight=False, soft_wrap=True))
-    rep = run(target, recipe, gpu_memory_gib=gpu_memory_gib, gpus=gpus, context_len=context_len,
-              activation_reserve_gib=activation_reserve_gib, tp=tp, calibration=calibration, device=device,
-              throughput=table, compute_dtype=compute_dtype)
+    opts = PlanOptions(gpu_memory_gib=gpu_memory_gib, gpus=gpus, context_len=context_len, tp=tp,
+                       activation_reserve_gib=activation_reserve_gib, calibration=calibration, device=device,
+                       throughput=_plan_measure(target, recipe, device, gpus) if measure else None,
+                       compute_dtype=compute_dtype)
+    rep = run(target, recipe, opts)
     pair_doc = None
     if pair is not None:
         from .plan.pair import plan_pair
 
-        pair_doc = plan_pair(target, recipe, pair_recipe, gpu_memory_gib=gpu_memory_gib, gpus=gpus,
-                             context_len=context_len, activation_reserve_gib=activation_reserve_gib, tp=tp)
+        pair_doc = plan_pair(target, recipe, pair_recipe, opts)
     if json_out:
         _print_json({**rep.to_json(), **({"pair": pair_doc} if pair_doc else {})})
     else:
         render(rep, Console())
         if pair_doc:
-            err.print(f"prefill/decode pair, one FP8 KV cache ({pair_doc['kv_bytes_per_token']:,} B/token):")
-            for role in ("prefill", "decode"):
-                d = pair_doc[role]
-                err.print(f"  {role}: {escape(d['recipe'])}: checkpoint {d['checkpoint_bytes'] / 1e9:.1f} GB, weights "
-                          f"{d['weight_bytes_per_gpu'] / 2**30:.1f} GiB/GPU, {d['kv_tokens']:,} KV tokens, expert "
-                          f"GEMMs in {d['expert_math']} (peak x{d['expert_peak_vs_bf16']:g} vs BF16)", soft_wrap=True)
+            _print_pair(pair_doc)
+
+
+def _plan_measure(target: str, recipe: str, device: str, gpus: int):
+    """`plan --measure`: this machine's rates for `device` (plan.measure.measure_throughput), as one of `gpus`
+    ranks sharing this host for cpu, after what plan refuses without measuring (the host, the config, the
+    recipe)."""
+    from .match.recipe import load_recipe
+    from .plan import parse_config
+    from .plan.measure import check_host, measure_throughput
+    from .plan.source import resolve
+
+    ranks = gpus if device == "cpu" else 1
+    if device == "cpu":
+        check_host(ranks)
+    config = resolve(target).config
+    parse_config(config)  # a config or recipe that plan refuses is refused before measuring
+    load_recipe(recipe)
+    err.print(f"measuring this machine's {device} rates for the cost model ...", highlight=False)
+    return measure_throughput(device, ranks=ranks, config=config,
+                              log=lambda m: err.print(f"  {m}", highlight=False, soft_wrap=True))
+
+
+def _print_pair(pair_doc: dict) -> None:
+    """`plan --pair`'s two pools, one line each, on stderr."""
+    err.print(f"prefill/decode pair, one FP8 KV cache ({pair_doc['kv_bytes_per_token']:,} B/token):")
+    for role in ("prefill", "decode"):
+        d = pair_doc[role]
+        err.print(f"  {role}: {escape(d['recipe'])}: checkpoint {d['checkpoint_bytes'] / 1e9:.1f} GB, weights "
+                  f"{d['weight_bytes_per_gpu'] / 2**30:.1f} GiB/GPU, {d['kv_tokens']:,} KV tokens, expert "
+                  f"GEMMs in {d['expert_math']} (peak x{d['expert_peak_vs_bf16']:g} vs BF16)", soft_wrap=True)
 
 
 @app.command()

@@ -48,7 +48,7 @@ def test_every_error_has_a_one_line_hint():
 
 
 @pytest.mark.parametrize("command, library", [
-    ("plan", "quantkit.plan:plan"),
+    ("plan", "quantkit.plan:PlanOptions"),
     ("verify", "quantkit.verify:verify"),
     ("demo", "quantkit.demo:run_demo"),
     ("calibrate", "quantkit.calibrate:calibrate"),

@@ -1,9 +1,9 @@
 """Memory planner: parameter counts, checkpoint bytes, KV-cache bytes and GPU residency for MoE models.
 
-`plan(model_or_config, recipe)` answers, before anything is downloaded or converted: how many parameters
-the model has by role, how many bytes its checkpoint takes as it is and after a recipe (INT4/FP8 laid
-out exactly as quantkit writes them), how many bytes one token of KV cache costs in BF16, FP8 and the
-DeepSeek `fp8_ds_mla` layout, and how many tokens / concurrent requests fit on N GPUs of G GiB.
+`plan(model_or_config, recipe, PlanOptions(...))` answers, before anything is downloaded or converted: how
+many parameters the model has by role, how many bytes its checkpoint takes as it is and after a recipe
+(INT4/FP8 laid out exactly as quantkit writes them), how many bytes one token of KV cache costs in BF16, FP8
+and the DeepSeek `fp8_ds_mla` layout, and how many tokens / concurrent requests fit on N GPUs of G GiB.
 
 Inputs: a config.json, a checkpoint directory (its safetensors headers are read, never the data), or the
 name of a shipped reference config (`kimi-k2`, `glm-4.5`, `glm-5`). From a config the checkpoint's
@@ -29,18 +29,19 @@ from ..errors import ConfigError
 from ..match.recipe import Recipe, load_recipe
 from ..read.sources import detect_format
 from .bounds import MAX_CONTEXT_LEN, MAX_GPU_MEMORY_GIB, MAX_GPUS, check_number
-from .calibration import THROUGHPUT, CalibrationCost, Throughput, calibration_cost
+from .calibration import CalibrationCost, CostOptions, calibration_cost
 from .kv import KV_DTYPES, KVLayout, kv_layout
 from .render import render
 from .source import REFERENCE_CONFIGS, reference_config, resolve as _resolve
 from .source import tensor_shapes_from_checkpoint as _tensor_shapes_from_checkpoint
+from .throughput import THROUGHPUT, Throughput
 from .tensors import (DEFAULT_SHARD_BYTES, ROLES, TensorShapes, _by_role, enumerate_tensors, header_bytes,
                       parameter_count, predict_bytes, quantized_layout, source_tensors, tensor_bytes, tensor_role)
 
-__all__ = ["plan", "PlanReport", "render", "parse_config", "ModelSpec", "enumerate_tensors", "quantized_layout",
-           "predict_bytes", "source_tensors", "tensor_role", "kv_layout", "KVLayout", "reference_config",
+__all__ = ["plan", "PlanOptions", "PlanReport", "render", "parse_config", "ModelSpec", "enumerate_tensors",
+           "quantized_layout", "predict_bytes", "source_tensors", "tensor_role", "kv_layout", "KVLayout", "reference_config",
            "REFERENCE_CONFIGS", "ROLES", "KV_DTYPES", "SUPPORTED_MODEL_TYPES", "calibration_cost", "CalibrationCost",
-           "Throughput", "THROUGHPUT", "check_serving"]
+           "CostOptions", "Throughput", "THROUGHPUT", "check_serving"]
 
 GIB = 1 << 30
 _KV_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "auto": "bfloat16", "fp8": "float8_e4m3",
@@ -51,7 +52,31 @@ _KV_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "auto": "bfloat16", "
 DEFAULT_RESERVE_FRACTION = 0.10
 
 
-# ---- the report ----------------------------------------------------------------------------------------
+# ---- the options and the report -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanOptions:
+    """How the model is served, and what else `plan` predicts; the CLI's defaults are these. Each number is held
+    to plan/bounds.py when `plan` runs (check_serving)."""
+
+    gpu_memory_gib: float = options.PLAN_GPU_MEMORY_GIB
+    gpus: int = options.PLAN_GPUS
+    context_len: int = options.PLAN_CONTEXT_LEN  # tokens per request
+    # tensor parallelism: tp GPUs hold one copy of the model, gpus/tp copies serve in parallel (None: all the GPUs)
+    tp: int | None = None
+    activation_reserve_gib: float | None = None  # kept free of weights and KV per GPU (None: 10% of the GPU)
+    # the KV dtype the summary highlights (KV_DTYPES or an alias: fp8, bf16, ...; None: float8_e4m3 for a recipe
+    # with a kv_cache section, else bfloat16)
+    kv_dtype: str | None = None
+    # (samples, tokens per sample): also predict the recipe's calibrated pass (calibration.calibration_cost) on
+    # `gpus` ranks of `device` ("cuda" or "cpu"), with the rates of `throughput` (a Throughput, e.g.
+    # measure.measure_throughput()'s; None: the shipped table's), the layers computing in `compute_dtype`
+    # (options.COMPUTE_DTYPE_CHOICES)
+    calibration: tuple[int, int] | None = None
+    device: str = options.PLAN_COST_DEVICE
+    throughput: Throughput | None = None
+    compute_dtype: str = options.COMPUTE_DTYPE
+
+
 @dataclass(frozen=True)
 class PlanReport:
     """Everything `plan` computed. Bytes are bytes; GiB = 2**30 bytes."""
@@ -142,27 +167,20 @@ def check_serving(*, gpu_memory_gib: float, gpus: int, tp: int | None, context_l
     return tp
 
 
-def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *,
-         gpu_memory_gib: float = options.PLAN_GPU_MEMORY_GIB, gpus: int = options.PLAN_GPUS,
-         context_len: int = options.PLAN_CONTEXT_LEN, tp: int | None = None, activation_reserve_gib: float | None = None,
-         kv_dtype: str | None = None, calibration: tuple[int, int] | None = None,
-         device: str = options.PLAN_COST_DEVICE, throughput=None,
-         compute_dtype: str = options.COMPUTE_DTYPE) -> PlanReport:
+def plan(model_or_config: str | Path, recipe: str | Recipe | None = None,
+         opts: PlanOptions = PlanOptions()) -> PlanReport:
     """Plan memory for `model_or_config` (config.json, checkpoint directory, or reference config name),
-    optionally after `recipe`, served on `gpus` GPUs of `gpu_memory_gib` GiB with tensor parallelism
-    `tp` (default: all GPUs; gpus/tp data-parallel replicas otherwise) at `context_len` tokens per request.
-    `activation_reserve_gib` per GPU is kept free of weights and KV (default 10% of the GPU).
-    `calibration` (samples, tokens per sample): also predict the recipe's calibrated pass on `gpus` ranks of
-    `device` ("cuda" or "cpu"): wall time by component, device memory and host RAM per rank
-    (calibration.calibration_cost), with the rates of `throughput` (a calibration.Throughput, e.g.
-    measure.measure_throughput()'s; None: the shipped table's), the layers computing in `compute_dtype`
-    (options.COMPUTE_DTYPE_CHOICES)."""
-    tp = check_serving(gpu_memory_gib=gpu_memory_gib, gpus=gpus, tp=tp, context_len=context_len,
-                       activation_reserve_gib=activation_reserve_gib)
-    if calibration is not None and recipe is None:
+    optionally after `recipe`, served as `opts` says (PlanOptions: `gpus` GPUs of `gpu_memory_gib` GiB with
+    tensor parallelism `tp` at `context_len` tokens per request, `activation_reserve_gib` per GPU kept free of
+    weights and KV). `opts.calibration` (samples, tokens per sample): also predict the recipe's calibrated pass
+    on `gpus` ranks of `opts.device`: wall time by component, device memory and host RAM per rank
+    (calibration.calibration_cost)."""
+    tp = check_serving(gpu_memory_gib=opts.gpu_memory_gib, gpus=opts.gpus, tp=opts.tp, context_len=opts.context_len,
+                       activation_reserve_gib=opts.activation_reserve_gib)
+    if opts.calibration is not None and recipe is None:
         raise ConfigError("a calibration cost needs a recipe", hint="pass --recipe, e.g. int4-experts-gptq")
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"device {device!r}: the cost model knows cpu and cuda")
+    if opts.device not in ("cpu", "cuda"):
+        raise ConfigError(f"device {opts.device!r}: the cost model knows cpu and cuda")
     src = _resolve(model_or_config)
     headers = _tensor_shapes_from_checkpoint(src.checkpoint) if src.checkpoint is not None else None
     # a checkpoint's config.json is held against its tensors (arch.validate) before anything is computed
@@ -171,33 +189,57 @@ def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *,
     if spec.quantization and spec.quantization.get("quant_method") in ("fp8", "compressed-tensors"):
         detect_format({"quantization_config": dict(spec.quantization)})  # what the sizing reads, checked first
     rec = load_recipe(recipe) if isinstance(recipe, (str, Path)) else recipe
-    kv_sel = _kv_dtype(kv_dtype, rec, "mla" if spec.attention == "mla" else "gqa")
-    assumptions: list[str] = []
-    warnings: list[str] = []
+    kv_sel = _kv_dtype(opts.kv_dtype, rec, "mla" if spec.attention == "mla" else "gqa")
+    tensors, n_shards, source_total, assumptions = _source_tensors(src, spec, headers)
+    params, active = _parameters(src, spec, tensors)
+    src_role = _by_role(tensors, spec.num_layers, lambda n, s, d: tensor_bytes(s, d))
+    rec_total, rec_role = _recipe_bytes(tensors, rec, spec, n_shards)
+    bytes_by_role = {r: {"source": src_role[r], "recipe": rec_role[r] if rec_role else None}
+                     for r in ROLES if src_role[r] or (rec_role and rec_role[r])}
+    # GPU residency. MTP weights are not loaded (no speculative decoding) and cache no KV.
+    resident = sum((rec_role or src_role)[r] for r in ROLES if r != "mtp")
+    serving, warnings = _serving(opts, tp, spec, resident)
+    assumptions += _serving_assumptions(opts, tp, spec, rec, serving["kv"], serving["activation_reserve_gib"])
+    cost = None
+    if opts.calibration is not None:
+        cost = calibration_cost(model_or_config, rec, int(opts.calibration[0]), int(opts.calibration[1]),
+                                CostOptions(world_size=opts.gpus, device=opts.device,
+                                            gpu_memory_gib=opts.gpu_memory_gib if opts.device == "cuda" else None,
+                                            throughput=opts.throughput, compute_dtype=opts.compute_dtype))
+    return PlanReport(
+        model=src.label, model_type=spec.model_type, arch=spec.arch, source_format=spec.source_format,
+        recipe=rec.name if rec else None, parameters=params, active_parameters=active,
+        checkpoint_bytes={"source": source_total, "recipe": rec_total}, bytes_by_role=bytes_by_role,
+        kv_dtype=kv_sel, gpus=opts.gpus, tp=tp, gpu_memory_gib=opts.gpu_memory_gib, context_len=opts.context_len,
+        assumptions=tuple(assumptions), warnings=tuple(warnings), calibration=cost, **serving)
 
-    # Tensors: the real headers of a checkpoint directory, or the hub layout enumerated from config.json.
+
+def _source_tensors(src, spec: ModelSpec, headers: TensorShapes | None) -> tuple[TensorShapes, int | None, int,
+                                                                                 list[str]]:
+    """(the tensors, the source's shard count, its bytes, what was assumed): the real headers of a checkpoint
+    directory, or the hub layout enumerated from config.json (no shard count: estimated)."""
     if src.checkpoint is not None:
-        tensors = headers
         shard_files = sorted(src.checkpoint.glob("*.safetensors"))
         n_shards = len(shard_files)
-        source_total = sum(f.stat().st_size for f in shard_files)
-        assumptions.append(f"tensors: read from the safetensors headers of {n_shards} shard(s); source bytes are "
-                           "the shard file sizes")
-    else:
-        tensors = source_tensors(spec)
-        n_shards = None
-        source_total = predict_bytes(tensors, None)
-        mtp_note = (f"; the {spec.mtp_layers} MTP layer(s) the hub release ships are included"
-                    if spec.mtp_layers else "")
-        assumptions.append(f"tensors: enumerated from config.json in the hub layout ({spec.source_format}"
-                           f"{mtp_note}); header bytes estimated for {DEFAULT_SHARD_BYTES // 10**9} GB shards")
-        if spec.prefix:
-            assumptions.append("kimi_k25: text model only (the vision tower is not enumerated from a config)")
-        if spec.quantization and spec.quantization.get("quant_method") == "fp8":
-            assumptions.append("fp8 source: every Linear in FP8 with float32 128x128 weight_scale_inv; embeddings, "
-                               "lm_head, routers, eh_proj, indexer weights_proj and norms in BF16")
+        return headers, n_shards, sum(f.stat().st_size for f in shard_files), [
+            f"tensors: read from the safetensors headers of {n_shards} shard(s); source bytes are the shard file "
+            "sizes"]
+    tensors = source_tensors(spec)
+    mtp_note = (f"; the {spec.mtp_layers} MTP layer(s) the hub release ships are included"
+                if spec.mtp_layers else "")
+    assumptions = [f"tensors: enumerated from config.json in the hub layout ({spec.source_format}"
+                   f"{mtp_note}); header bytes estimated for {DEFAULT_SHARD_BYTES // 10**9} GB shards"]
+    if spec.prefix:
+        assumptions.append("kimi_k25: text model only (the vision tower is not enumerated from a config)")
+    if spec.quantization and spec.quantization.get("quant_method") == "fp8":
+        assumptions.append("fp8 source: every Linear in FP8 with float32 128x128 weight_scale_inv; embeddings, "
+                           "lm_head, routers, eh_proj, indexer weights_proj and norms in BF16")
+    return tensors, None, predict_bytes(tensors, None), assumptions
 
-    # Parameters come from the unquantized enumeration for configs (exact), from headers for directories.
+
+def _parameters(src, spec: ModelSpec, tensors: TensorShapes) -> tuple[dict[str, int], int]:
+    """(parameters by role and "total", active parameters per token). They come from the unquantized
+    enumeration for configs (exact), from headers for directories."""
     logical = enumerate_tensors(spec) if src.checkpoint is None and spec.quantization else tensors
     params = _by_role(logical, spec.num_layers, parameter_count)
     params["total"] = sum(params[r] for r in ROLES)
@@ -205,41 +247,55 @@ def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *,
     active = params["total"] - params["mtp"] - routed
     if spec.num_experts:
         active += routed * spec.experts_per_tok // spec.num_experts
+    return params, active
 
-    src_role = _by_role(tensors, spec.num_layers, lambda n, s, d: tensor_bytes(s, d))
-    rec_total, rec_role = None, None
-    if rec is not None:
-        layout = quantized_layout(tensors, rec, spec=spec)
-        rec_data = sum(tensor_bytes(sh, d) for sh, d in layout.values())
-        rec_total = rec_data + header_bytes(layout, n_shards or max(1, -(-rec_data // DEFAULT_SHARD_BYTES)))
-        rec_role = _by_role(layout, spec.num_layers, lambda n, s, d: tensor_bytes(s, d))
-    bytes_by_role = {r: {"source": src_role[r], "recipe": rec_role[r] if rec_role else None}
-                     for r in ROLES if src_role[r] or (rec_role and rec_role[r])}
 
-    # GPU residency. MTP weights are not loaded (no speculative decoding) and cache no KV.
-    resident = sum((rec_role or src_role)[r] for r in ROLES if r != "mtp")
+def _recipe_bytes(tensors: TensorShapes, rec: Recipe | None, spec: ModelSpec,
+                  n_shards: int | None) -> tuple[int | None, dict[str, int] | None]:
+    """(the checkpoint's bytes after `rec`, its bytes by role); (None, None) without a recipe."""
+    if rec is None:
+        return None, None
+    layout = quantized_layout(tensors, rec, spec=spec)
+    rec_data = sum(tensor_bytes(sh, d) for sh, d in layout.values())
+    rec_total = rec_data + header_bytes(layout, n_shards or max(1, -(-rec_data // DEFAULT_SHARD_BYTES)))
+    return rec_total, _by_role(layout, spec.num_layers, lambda n, s, d: tensor_bytes(s, d))
+
+
+def _serving(opts: PlanOptions, tp: int, spec: ModelSpec, resident: int) -> tuple[dict[str, Any], list[str]]:
+    """(PlanReport's per-GPU and KV fields, warnings) for `resident` weight bytes split over tp GPUs: what is left
+    of each GPU for KV after the weights and the reserve, and the tokens and requests it holds per KV dtype."""
+    warnings: list[str] = []
     weights_per_gpu = -(-resident // tp)
-    reserve_gib = (DEFAULT_RESERVE_FRACTION * gpu_memory_gib if activation_reserve_gib is None
-                   else activation_reserve_gib)
-    gpu_bytes = int(gpu_memory_gib * GIB)
+    reserve_gib = (DEFAULT_RESERVE_FRACTION * opts.gpu_memory_gib if opts.activation_reserve_gib is None
+                   else opts.activation_reserve_gib)
+    gpu_bytes = int(opts.gpu_memory_gib * GIB)
     budget = gpu_bytes - int(reserve_gib * GIB) - weights_per_gpu
     if budget <= 0:
         warnings.append(f"weights ({weights_per_gpu / GIB:.1f} GiB per GPU at tp={tp}) plus the reserve "
-                        f"({reserve_gib:.1f} GiB) exceed {gpu_memory_gib:g} GiB: no room for KV cache")
+                        f"({reserve_gib:.1f} GiB) exceed {opts.gpu_memory_gib:g} GiB: no room for KV cache")
         budget = 0
     kv = kv_layout(spec)
-    replicas = gpus // tp
-    kv_total = {d: kv.bytes_per_token(d) for d in KV_DTYPES}
+    replicas = opts.gpus // tp
     kv_gpu = {d: kv.bytes_per_token(d, tp) for d in KV_DTYPES}
-    tokens = {d: None if b is None else replicas * (budget // b) for d, b in kv_gpu.items()}
-    conc = {d: None if b is None else replicas * ((budget // b) // context_len) for d, b in kv_gpu.items()}
+    return {"kv": kv, "kv_bytes_per_token": {d: kv.bytes_per_token(d) for d in KV_DTYPES},
+            "kv_bytes_per_token_per_gpu": kv_gpu,
+            "kv_tokens": {d: None if b is None else replicas * (budget // b) for d, b in kv_gpu.items()},
+            "max_concurrency": {d: None if b is None else replicas * ((budget // b) // opts.context_len)
+                                for d, b in kv_gpu.items()},
+            "activation_reserve_gib": reserve_gib, "weight_bytes_per_gpu": weights_per_gpu,
+            "kv_budget_bytes_per_gpu": budget}, warnings
 
+
+def _serving_assumptions(opts: PlanOptions, tp: int, spec: ModelSpec, rec: Recipe | None, kv: KVLayout,
+                         reserve_gib: float) -> list[str]:
+    """What the serving figures assume: the weights' split, the reserve, the KV layout, the source's format."""
+    replicas = opts.gpus // tp
     w_label = f"recipe {rec.name}" if rec else f"source ({spec.source_format})"
-    assumptions += [
+    assumptions = [
         f"weights on GPU: {w_label} bytes without MTP layers, split evenly over tp={tp} "
         f"({replicas} replica(s)); replicated small tensors (norms, routers) are not double-counted",
         f"activation reserve: {reserve_gib:g} GiB per GPU"
-        + (f" (default: {DEFAULT_RESERVE_FRACTION:.0%} of the GPU)" if activation_reserve_gib is None else ""),
+        + (f" (default: {DEFAULT_RESERVE_FRACTION:.0%} of the GPU)" if opts.activation_reserve_gib is None else ""),
         "KV cached by the decoder layers only (MTP layers serve no KV); float8_e4m3 = 1 byte per value "
         "with per-tensor scales",
         ("MLA: one latent (kv_lora_rank + qk_rope_head_dim values) per token per layer, replicated on every "
@@ -247,7 +303,7 @@ def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *,
         if kv.kind == "mla" else
         f"GQA: K and V of {kv.kv_heads} KV heads x {kv.head_dim}; heads shard over TP ranks "
         f"({-(-kv.kv_heads // tp)} per GPU at tp={tp}, replicated beyond {kv.kv_heads})",
-        f"max_concurrency = resident tokens // context_len ({context_len:,} tokens per request)",
+        f"max_concurrency = resident tokens // context_len ({opts.context_len:,} tokens per request)",
     ]
     if kv.kind == "mla":
         from ..engine.vllm_config import DSA_KV_NOTE, MLA_V_SCALE_NOTE
@@ -261,19 +317,4 @@ def plan(model_or_config: str | Path, recipe: str | Recipe | None = None, *,
     if spec.quantization and spec.quantization.get("quant_method") == "compressed-tensors" and rec is not None:
         assumptions.append("recipe on a compressed-tensors source: INT4 modules pass through as they are (never "
                            "re-quantized), FP4 modules too unless the recipe asks for another scheme")
-
-    cost = None
-    if calibration is not None:
-        cost = calibration_cost(model_or_config, rec, int(calibration[0]), int(calibration[1]), world_size=gpus,
-                                device=device, gpu_memory_gib=gpu_memory_gib if device == "cuda" else None,
-                                throughput=throughput, compute_dtype=compute_dtype)
-    return PlanReport(
-        model=src.label, model_type=spec.model_type, arch=spec.arch, source_format=spec.source_format,
-        recipe=rec.name if rec else None, parameters=params, active_parameters=active,
-        checkpoint_bytes={"source": source_total, "recipe": rec_total}, bytes_by_role=bytes_by_role, kv=kv,
-        kv_bytes_per_token=kv_total, kv_bytes_per_token_per_gpu=kv_gpu, kv_tokens=tokens, max_concurrency=conc,
-        kv_dtype=kv_sel, gpus=gpus, tp=tp, gpu_memory_gib=gpu_memory_gib,
-        context_len=context_len, activation_reserve_gib=reserve_gib, weight_bytes_per_gpu=weights_per_gpu,
-        kv_budget_bytes_per_gpu=budget, assumptions=tuple(assumptions), warnings=tuple(warnings), calibration=cost)
-
-
+    return assumptions

@@ -1,4 +1,4 @@
-"""The calibration cost model's constants (plan/calibration.py `Throughput`), measured on this machine:
+"""The calibration cost model's constants (plan/throughput.py `Throughput`), measured on this machine:
 `quantkit plan ... --calibration N,T --measure` predicts with them instead of the shipped table, and
 bench/calib_cost.py measures them to check the model against real conversions (and to ship a new CPU row).
 
@@ -42,7 +42,7 @@ import torch
 
 from ..errors import ConfigError
 from .bounds import MAX_GPUS, check_number
-from .calibration import THROUGHPUT, Throughput
+from .throughput import THROUGHPUT, Throughput
 
 # the shapes the rates are measured on: bench/calib_cost.py's bench MoE (hidden 512, expert width 256)
 HIDDEN, INTER = 512, 256

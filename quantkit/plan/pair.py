@@ -10,6 +10,7 @@ BF16 ones; and the bytes decode reads per token for the experts' weights (bandwi
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..arch.layout import targets_experts
@@ -46,15 +47,17 @@ def prefill_recipe(prefill: str | Recipe) -> Recipe:
     return check_prefill_recipe(prefill if isinstance(prefill, Recipe) else load_recipe(prefill))
 
 
-def plan_pair(target, decode: str | Recipe, prefill: str | Recipe, **kw) -> dict[str, Any]:
-    """Both pools' figures (module docstring); `kw` as plan() takes them (gpus, gpu_memory_gib, tp, ...), per pool.
-    A prefill recipe that `convert --pair` refuses is refused here too, for the same reason (prefill_recipe)."""
-    from . import plan
+def plan_pair(target, decode: str | Recipe, prefill: str | Recipe, opts=None) -> dict[str, Any]:
+    """Both pools' figures (module docstring), each pool served as `opts` says (a PlanOptions: gpus,
+    gpu_memory_gib, tp, ...; None: its defaults), its KV in float8_e4m3; no calibration cost is predicted. A
+    prefill recipe that `convert --pair` refuses is refused here too, for the same reason (prefill_recipe)."""
+    from . import PlanOptions, plan
 
+    opts = replace(opts or PlanOptions(), kv_dtype="float8_e4m3", calibration=None)
     rp = prefill_recipe(prefill)
     rd = decode if isinstance(decode, Recipe) else load_recipe(decode)
-    dec = plan(target, rd, kv_dtype="float8_e4m3", **kw)
-    pre = plan(target, rp, kv_dtype="float8_e4m3", **kw)
+    dec = plan(target, rd, opts)
+    pre = plan(target, rp, opts)
     kv = dec.to_json()["kv_bytes_per_token"].get("float8_e4m3")
     return {"kv_dtype": "float8_e4m3", "kv_bytes_per_token": kv, "source_bytes": dec.checkpoint_bytes["source"],
             "decode": _pool(dec, rd), "prefill": _pool(pre, rp)}

@@ -248,10 +248,10 @@ def test_dense_w4a4_linear_gets_its_input_amax_over_every_token(sparse, tmp_path
 
 
 def test_plan_predicts_the_input_scale_pass(sparse):
-    from quantkit.plan import calibration_cost
+    from quantkit.plan import CostOptions, calibration_cost
 
     for ranks in (1, 2):
-        c = calibration_cost(sparse[0], "nvfp4a4-experts", 4, 32, world_size=ranks)
+        c = calibration_cost(sparse[0], "nvfp4a4-experts", 4, 32, CostOptions(world_size=ranks))
         assert c.calibrated and c.methods == ("nvfp4_input_scales",) and c.calibrated_layers == 2
         assert c.seconds["input_amax"] > 0 and "hessians" not in c.seconds
 

@@ -19,8 +19,9 @@ from typer.testing import CliRunner
 
 from quantkit.cli import app
 from quantkit.errors import ConfigError
-from quantkit.plan import calibration_cost, plan
-from quantkit.plan.calibration import THROUGHPUT, parse_calibration
+from quantkit.plan import CostOptions, PlanOptions, calibration_cost, plan
+from quantkit.plan.calibration import parse_calibration
+from quantkit.plan.throughput import THROUGHPUT
 from quantkit.testing import make_tiny_model, tiny_config
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "cost.md"
@@ -44,7 +45,7 @@ def _config(tmp_path: Path, layers: int) -> Path:
 
 
 def _cost(model, n=8, t=64, g=1, recipe="int4-experts-gptq", device="cpu", **kw):
-    return calibration_cost(str(model), recipe, n, t, world_size=g, device=device, **kw)
+    return calibration_cost(str(model), recipe, n, t, CostOptions(world_size=g, device=device, **kw))
 
 
 # ---- the option --------------------------------------------------------------------------------------------
@@ -155,7 +156,7 @@ def test_ranks_on_one_host_share_its_threads(tmp_path):
     beforehand (for_threads) gives; a gpu table has no thread count and is not scaled."""
     from dataclasses import replace
 
-    from quantkit.plan.calibration import THREAD_SCALED, THROUGHPUT
+    from quantkit.plan.throughput import THREAD_SCALED, THROUGHPUT
 
     cfg = _config(tmp_path, 2)
     c = THROUGHPUT["cpu"]
@@ -187,7 +188,7 @@ def test_a_table_measured_as_one_of_several_ranks(tmp_path):
     host's threads (threads x ranks) and is scaled by the threads alone, with a warning that says so."""
     from dataclasses import replace
 
-    from quantkit.plan.calibration import THROUGHPUT, Throughput
+    from quantkit.plan.throughput import THROUGHPUT, Throughput
 
     cfg = _config(tmp_path, 2)
     per = replace(THROUGHPUT["cpu"].for_threads(1), threads=1, ranks=2)  # 2 ranks of 1 thread on a 2-thread host
@@ -338,10 +339,10 @@ def test_constants_say_where_they_come_from():
 
 
 def test_plan_library_entry(tmp_path):
-    rep = plan(str(_config(tmp_path, 2)), "int4-experts-gptq", gpus=2, calibration=(8, 64), device="cpu")
+    rep = plan(str(_config(tmp_path, 2)), "int4-experts-gptq", PlanOptions(gpus=2, calibration=(8, 64), device="cpu"))
     assert rep.calibration is not None and rep.to_json()["calibration"]["world_size"] == 2
     with pytest.raises(ConfigError):
-        plan(str(_config(tmp_path, 2)), None, calibration=(8, 64))
+        plan(str(_config(tmp_path, 2)), None, PlanOptions(calibration=(8, 64)))
     assert torch.get_default_dtype() == torch.float32  # planning changes no global torch state
 
 
@@ -430,7 +431,7 @@ def test_a_fresh_process_pays_startup_once(tmp_path):
     one rank and on several (they start in parallel); a table without it (from_json of an older row) has 0."""
     from dataclasses import replace
 
-    from quantkit.plan.calibration import THROUGHPUT, Throughput
+    from quantkit.plan.throughput import THROUGHPUT, Throughput
 
     cfg = _config(tmp_path, 2)
     c = THROUGHPUT["cpu"]

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from quantkit.cli import app
 from quantkit.errors import ConfigError
 from quantkit.plan import measure
-from quantkit.plan.calibration import THROUGHPUT, Throughput
+from quantkit.plan.throughput import THROUGHPUT, Throughput
 from quantkit.testing import tiny_config
 
 MEASURED = {"gemm_flops", "gemm_half_rows", "gram_flops", "gram_half_rows", "block_form_flops", "chol_flops",

@@ -36,17 +36,17 @@ EXPERT_RX = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj$|.*\.block_s
 # ---- fixtures -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def kimi():
-    return P.plan("kimi-k2", gpus=8, gpu_memory_gib=140)
+    return P.plan("kimi-k2", opts=P.PlanOptions(gpus=8, gpu_memory_gib=140))
 
 
 @pytest.fixture(scope="module")
 def glm45():
-    return P.plan("glm-4.5", "int4-experts-rtn", gpus=8, gpu_memory_gib=80)
+    return P.plan("glm-4.5", "int4-experts-rtn", opts=P.PlanOptions(gpus=8, gpu_memory_gib=80))
 
 
 @pytest.fixture(scope="module")
 def glm5():
-    return P.plan("glm-5", "int4-experts-rtn", gpus=8, gpu_memory_gib=140)
+    return P.plan("glm-5", "int4-experts-rtn", opts=P.PlanOptions(gpus=8, gpu_memory_gib=140))
 
 
 @pytest.fixture(scope="module")
@@ -186,8 +186,8 @@ def test_compressed_tensors_source_config_matches_the_recipe_it_encodes(tmp_path
 
 # ---- residency ------------------------------------------------------------------------------------
 def test_resident_tokens_follow_the_stated_budget(glm45, tiny):
-    r = P.plan(tiny["glm4_moe"], "int4-experts-rtn", gpus=2, gpu_memory_gib=0.01, activation_reserve_gib=0.002,
-               context_len=1000)
+    r = P.plan(tiny["glm4_moe"], "int4-experts-rtn", opts=P.PlanOptions(gpus=2, gpu_memory_gib=0.01,
+                                                                        activation_reserve_gib=0.002, context_len=1000))
     w = r.weight_bytes_per_gpu
     resident = sum(v["recipe"] for role, v in r.bytes_by_role.items() if role != "mtp")
     assert w == -(-resident // 2)
@@ -206,14 +206,15 @@ def test_resident_tokens_follow_the_stated_budget(glm45, tiny):
 
 
 def test_data_parallel_replicas_multiply_tokens(tiny):
-    one = P.plan(tiny["glm4_moe"], gpus=2, gpu_memory_gib=0.01, context_len=1000)
-    two = P.plan(tiny["glm4_moe"], gpus=4, tp=2, gpu_memory_gib=0.01, context_len=1000)
+    one = P.plan(tiny["glm4_moe"], opts=P.PlanOptions(gpus=2, gpu_memory_gib=0.01, context_len=1000))
+    two = P.plan(tiny["glm4_moe"], opts=P.PlanOptions(gpus=4, tp=2, gpu_memory_gib=0.01, context_len=1000))
     assert two.kv_tokens["bfloat16"] == 2 * one.kv_tokens["bfloat16"] > 0
     assert two.max_concurrency["bfloat16"] == 2 * one.max_concurrency["bfloat16"] > 0
 
 
 def test_weights_that_do_not_fit_leave_no_kv(tiny):
-    r = P.plan(tiny["glm4_moe"], gpus=1, gpu_memory_gib=0.0005)  # ~0.9 MB of weights on a 0.5 MiB GPU
+    # ~0.9 MB of weights on a 0.5 MiB GPU
+    r = P.plan(tiny["glm4_moe"], opts=P.PlanOptions(gpus=1, gpu_memory_gib=0.0005))
     assert r.kv_tokens["bfloat16"] == 0 and r.max_concurrency["bfloat16"] == 0
     assert r.warnings and "no room for KV" in r.warnings[0]
 
@@ -222,18 +223,18 @@ def test_weights_that_do_not_fit_leave_no_kv(tiny):
                                 dict(activation_reserve_gib=-1)])
 def test_bad_parallelism_or_memory_raises(kw):
     with pytest.raises(ConfigError):
-        P.plan("glm-4.5", **kw)
+        P.plan("glm-4.5", opts=P.PlanOptions(**kw))
 
 
 def test_kv_dtype_selection(kimi, tiny):
     assert kimi.kv_dtype == "bfloat16"
     d = tiny["glm4_moe"]
-    assert P.plan(d, kv_dtype="fp8").kv_dtype == "float8_e4m3"
+    assert P.plan(d, opts=P.PlanOptions(kv_dtype="fp8")).kv_dtype == "float8_e4m3"
     assert P.plan(d, parse_recipe("name: kv\nkv_cache: {strategy: tensor}")).kv_dtype == "float8_e4m3"
     with pytest.raises(ConfigError):
-        P.plan(d, kv_dtype="fp8_ds_mla")  # MLA only
+        P.plan(d, opts=P.PlanOptions(kv_dtype="fp8_ds_mla"))  # MLA only
     with pytest.raises(ConfigError):
-        P.plan(d, kv_dtype="int2")
+        P.plan(d, opts=P.PlanOptions(kv_dtype="int2"))
 
 
 # ---- tensor enumeration against real checkpoints --------------------------------------------------
@@ -316,7 +317,7 @@ def test_hub_id_resolves_through_the_local_cache_only(tiny, tmp_path, monkeypatc
     (tmp_path / "models--org--tiny" / "refs").mkdir()
     (tmp_path / "models--org--tiny" / "refs" / "main").write_text("abc123")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    r = P.plan("org/tiny", gpus=1, gpu_memory_gib=1)
+    r = P.plan("org/tiny", opts=P.PlanOptions(gpus=1, gpu_memory_gib=1))
     assert r.arch == "mixtral" and r.checkpoint_bytes["source"] == sum(
         f.stat().st_size for f in snap.glob("*.safetensors"))
     with pytest.raises(ConfigError):
@@ -369,7 +370,7 @@ def test_header_estimate_within_half_a_percent_of_real_files(tiny, arch, tmp_pat
     save_file({k: torch.zeros(s, dtype=TORCH[dt]) for k, (s, dt) in layout.items()}, str(f), metadata={"format": "pt"})
     assert abs(P.predict_bytes(layout, None, n_shards=1) - f.stat().st_size) <= 0.005 * f.stat().st_size
     # plan() on the directory uses the same headers and the real shard sizes
-    r = P.plan(d, "int4-experts-rtn", gpus=1, gpu_memory_gib=1, context_len=64)
+    r = P.plan(d, "int4-experts-rtn", opts=P.PlanOptions(gpus=1, gpu_memory_gib=1, context_len=64))
     assert r.checkpoint_bytes["source"] == actual
     assert abs(r.checkpoint_bytes["recipe"] - (_direct_int4_bytes(headers)[0])) <= 0.05 * actual
 
@@ -469,8 +470,8 @@ def test_docs_memory_figures(tmp_path, glm5):
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}},
         "ignore": KIMI_INT4_IGNORE}
-    r = P.plan(_write(tmp_path, "kimi-k2.6.json", k26), gpus=8, gpu_memory_gib=140, activation_reserve_gib=26,
-               context_len=21400)
+    r = P.plan(_write(tmp_path, "kimi-k2.6.json", k26),
+               opts=P.PlanOptions(gpus=8, gpu_memory_gib=140, activation_reserve_gib=26, context_len=21400))
     assert abs(r.kv_tokens["bfloat16"] - 686_000) <= 0.01 * 686_000
     assert abs(r.kv_tokens["float8_e4m3"] - 1_370_000) <= 0.01 * 1_370_000
     assert (r.max_concurrency["bfloat16"], r.max_concurrency["float8_e4m3"]) == (32, 64)

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 from quantkit import cli as qcli
 from quantkit.errors import ConfigError, RecipeError
-from quantkit.plan import bounds, check_serving, measure, plan
-from quantkit.plan.calibration import _pass_batches, calibration_cost, parse_calibration
+from quantkit.plan import CostOptions, PlanOptions, bounds, check_serving, measure, plan
+from quantkit.plan.calibration import calibration_cost, parse_calibration
+from quantkit.plan.pass_work import pass_batches
 from quantkit.plan.pair import plan_pair
 from quantkit.testing import tiny_config
 from tests.harness import cli  # noqa: F401  (fixture)
@@ -160,7 +161,7 @@ def test_library_refuses_each_number(cfg, field, value):
         check_serving(**{**GOOD, field: value})
     assert "\n" not in ei.value.message and "config.json" not in ei.value.hint
     with pytest.raises(ConfigError, match=field):
-        plan(cfg, **{**GOOD, field: value})
+        plan(cfg, opts=PlanOptions(**{**GOOD, field: value}))
 
 
 @pytest.mark.parametrize("kw", [dict(num_samples=0), dict(num_samples=1 << 17), dict(seq_len=math.nan),
@@ -170,7 +171,7 @@ def test_calibration_cost_refuses_each_number(cfg, kw):
     args = {"num_samples": 8, "seq_len": 64, **kw}
     n, t = args.pop("num_samples"), args.pop("seq_len")
     with pytest.raises(ConfigError):
-        calibration_cost(cfg, "int4-experts-gptq", n, t, device="cuda", **args)
+        calibration_cost(cfg, "int4-experts-gptq", n, t, CostOptions(device="cuda", **args))
 
 
 def test_pass_batches_least_loaded_rank_first():
@@ -184,7 +185,7 @@ def test_pass_batches_least_loaded_rank_first():
     for _ in range(50):
         lengths = [rng.choice((16, 32, 48, 64)) for _ in range(rng.randint(1, 40))]
         g = rng.randint(1, 9)
-        got = _pass_batches(Ex(), lengths, g, capped=False)
+        got = pass_batches(Ex(), lengths, g, capped=False)
         tokens = got.all_batches
         load, mine = [0] * g, [[] for _ in range(g)]
         for b in sorted(range(len(tokens)), key=lambda b: (-tokens[b], b)):
@@ -194,7 +195,7 @@ def test_pass_batches_least_loaded_rank_first():
         busiest = max(range(g), key=lambda r: (load[r], -r))
         assert (got.rank_batches, got.rank_tokens) == (mine[busiest], load[busiest])
     t0 = time.monotonic()
-    _pass_batches(Ex(), [64] * (1 << 16), 1 << 16, capped=False)
+    pass_batches(Ex(), [64] * (1 << 16), 1 << 16, capped=False)
     assert time.monotonic() - t0 < 5
 
 

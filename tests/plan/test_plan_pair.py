@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from quantkit.match.recipe import load_recipe
-from quantkit.plan import plan
+from quantkit.plan import PlanOptions, plan
 from quantkit.plan.pair import expert_math, plan_pair
 
 GIB = 1 << 30
 
 
 def test_pair_pools_share_the_kv_format():
-    p = plan_pair("glm-5", "int4-experts-rtn", "fp8-prefill", gpus=8, gpu_memory_gib=141)
+    p = plan_pair("glm-5", "int4-experts-rtn", "fp8-prefill", PlanOptions(gpus=8, gpu_memory_gib=141))
     fp8 = plan("glm-5", "int4-experts-rtn").to_json()["kv_bytes_per_token"]["float8_e4m3"]
     assert p["kv_bytes_per_token"] == fp8 == 78 * (576 + 128)  # latent + rope, plus the DSA indexer's K
     assert p["prefill"]["checkpoint_bytes"] > p["decode"]["checkpoint_bytes"]
