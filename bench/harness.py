@@ -183,6 +183,15 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def _kill_group(popen: subprocess.Popen, wait: bool = True) -> None:
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    if wait:
+        popen.wait()
+
+
 def measure_cmd(cmd: list[str], *, env: dict | None = None, cwd: str | Path | None = None,
                 stdout: Path | None = None, stderr: Path | None = None, timeout: float | None = None,
                 poll_s: float = POLL_S, split: bool = False, trace: bool = False, check: bool = False) -> dict:
@@ -202,11 +211,16 @@ def measure_cmd(cmd: list[str], *, env: dict | None = None, cwd: str | Path | No
     err_tmp = None if stderr else tempfile.TemporaryFile()
     t0 = time.perf_counter()
     try:
+        # its own process group: a timeout, an error or Ctrl-C here ends the command with all its descendants
         popen = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out_f if stdout else out_tmp,
-                                 stderr=err_f if stderr else err_tmp)
+                                 stderr=err_f if stderr else err_tmp, process_group=0)
         peak, samples, parts, samples_trace, timed_out = 0, 0, {}, [], False
         while True:
-            pid, status, ru = os.wait4(popen.pid, os.WNOHANG)
+            try:
+                pid, status, ru = os.wait4(popen.pid, os.WNOHANG)
+            except BaseException:
+                _kill_group(popen)
+                raise
             if pid:
                 break
             peak = max(peak, tree_rss(popen.pid))
@@ -223,8 +237,12 @@ def measure_cmd(cmd: list[str], *, env: dict | None = None, cwd: str | Path | No
             samples += 1
             if timeout and time.perf_counter() - t0 > timeout and not timed_out:
                 timed_out = True
-                popen.kill()
-            time.sleep(poll_s)
+                _kill_group(popen, wait=False)
+            try:
+                time.sleep(poll_s)
+            except BaseException:
+                _kill_group(popen)
+                raise
         wall = time.perf_counter() - t0
     finally:
         for f in (out_f, err_f):

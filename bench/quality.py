@@ -18,8 +18,8 @@ written as the source with each module's weights dequantized from its own codes,
     python -m bench quality --smoke   # the `tiny` fixture (2 layers, 5 training steps), RTN g32, 8 windows
 
 Fixtures: `default` (8 experts, top-2) and `skewed` (32 experts, top-4, trained without a balancing loss;
-expert width 64, so no group 128), `skewed128` (the same with expert width 128), `tiny` (2 layers, trained 5 steps:
-the smoke case).
+expert width 64, so no group 128), `skewed128` (the same with expert width 128), `normtopk` (the default's shape with
+norm_topk_prob true, trained 1200 steps: gguf_export's), `tiny` (2 layers, trained 5 steps: the smoke case).
 Every quantization runs in its own process: its wall time (`seconds`: imports excluded, reading the source
 included: quantkit's `convert()` call, the peers' scripts from before `from_pretrained` to the saved
 checkpoint; `process_seconds`: the whole process) and its peak RSS.
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.fixture import SKEWED, SKEWED128, TINY, FixtureSpec, get_fixture
+from bench.fixture import NORMTOPK, SKEWED, SKEWED128, TINY, FixtureSpec, get_fixture
 from bench.harness import REPO, Run, add_common_args, id_rows, last_json, measure_cmd, measure_fn, scratch_dir
 
 TARGETS = ['re:.*\\.mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$']
@@ -329,7 +329,7 @@ def peak_rss_mib() -> float:
         return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) / 1024
 
 
-FIXTURES = {"default": FixtureSpec(), "skewed": SKEWED, "skewed128": SKEWED128, "tiny": TINY}
+FIXTURES = {"default": FixtureSpec(), "skewed": SKEWED, "skewed128": SKEWED128, "normtopk": NORMTOPK, "tiny": TINY}
 
 
 def run_fixture(name: str, a, work: Path) -> dict:
