@@ -9,14 +9,14 @@ kernels on a CPU (Triton reads it when the kernels are defined). See docs/runtim
 """
 
 from ._triton import interpreting, triton_available
-from .decode import DecodeResult, decode_step
+from .decode import DecodeInputs, DecodeResult, decode_step
 from .fp4 import FP4Experts, PackedFP4, fp4_gemm, fp4_gemm_ref, fuse_gate_up_fp4, fused_moe_fp4, fused_moe_fp4_ref
 from .fused_moe import Int4Experts, fused_moe_int4, fused_moe_int4_ref, moe_align_block_size
 from .int4 import (PackedInt4, dequantize_int4, int4_gemm, int4_gemm_ref, pack_int4, unpack_int4,
                    unpack_zero_point)
-from .kv_pool import PagedKVPool
+from .kv_pool import PagedKVPool, PoolSize
 from ..errors import KVPoolError, KVPoolExhausted
-from .paged_attention import (FP8_DTYPE, block_table_violations_ref, dequantize_kv, paged_decode_attention,
+from .paged_attention import (FP8_DTYPE, PagedKV, block_table_violations_ref, dequantize_kv, paged_decode_attention,
                               paged_decode_attention_ref, paged_mla_decode_attention,
                               paged_mla_decode_attention_ref, quantize_kv, write_kv_cache, write_kv_cache_ref)
 
@@ -25,8 +25,8 @@ __all__ = [
     "PackedInt4", "pack_int4", "unpack_int4", "unpack_zero_point", "dequantize_int4", "int4_gemm", "int4_gemm_ref",
     "Int4Experts", "moe_align_block_size", "fused_moe_int4", "fused_moe_int4_ref",
     "PackedFP4", "fp4_gemm", "fp4_gemm_ref", "FP4Experts", "fuse_gate_up_fp4", "fused_moe_fp4", "fused_moe_fp4_ref",
-    "FP8_DTYPE", "quantize_kv", "dequantize_kv", "block_table_violations_ref",
+    "FP8_DTYPE", "PagedKV", "quantize_kv", "dequantize_kv", "block_table_violations_ref",
     "paged_decode_attention", "paged_decode_attention_ref",
     "paged_mla_decode_attention", "paged_mla_decode_attention_ref", "write_kv_cache", "write_kv_cache_ref",
-    "PagedKVPool", "KVPoolError", "KVPoolExhausted", "DecodeResult", "decode_step",
+    "PagedKVPool", "PoolSize", "KVPoolError", "KVPoolExhausted", "DecodeInputs", "DecodeResult", "decode_step",
 ]

@@ -19,9 +19,23 @@ from dataclasses import dataclass
 import torch
 
 from .kv_pool import PagedKVPool
-from .paged_attention import paged_decode_attention, paged_mla_decode_attention
+from .paged_attention import paged_decode_attention, paged_mla_decode_attention, write_kv_cache
 
-__all__ = ["DecodeResult", "decode_step"]
+__all__ = ["DecodeInputs", "DecodeResult", "decode_step"]
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """One new token per request, projected for one attention layer.
+
+    GQA pool: q [B, Hq, D], k_new / v_new [B, Hkv, D].
+    MLA latent pool: q = q_nope absorbed [B, H, L], q_pe [B, H, R] (rotated), k_new = new latent
+    [B, L+R] (or [B, 1, L+R]), v_new None."""
+
+    q: torch.Tensor
+    k_new: torch.Tensor
+    v_new: torch.Tensor | None = None
+    q_pe: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -35,33 +49,26 @@ class DecodeResult:
     aborted: list[int]
 
 
-def decode_step(pool: PagedKVPool, request_ids: list[int], q: torch.Tensor, k_new: torch.Tensor,
-                v_new: torch.Tensor | None = None, *, q_pe: torch.Tensor | None = None, layer: int = 0,
+def decode_step(pool: PagedKVPool, request_ids: list[int], inputs: DecodeInputs, *, layer: int = 0,
                 sm_scale: float | None = None, advance: bool = True, backend: str = "auto") -> DecodeResult:
-    """Attention for one new token per request.
+    """Attention for one new token per request (inputs: see DecodeInputs; an MLA pool needs q_pe and
+    sm_scale).
 
-    GQA pool: q [B, Hq, D], k_new / v_new [B, Hkv, D].
-    MLA latent pool: q = q_nope absorbed [B, H, L], q_pe [B, H, R], k_new = new latent [B, L+R]
-    (or [B, 1, L+R]), v_new None; sm_scale required.
     The step reserves room for the token, writes it, attends over length + 1 tokens, and (with
     advance) counts the token as stored for the requests that were not aborted."""
     request_ids = list(request_ids)
     positions = pool.reserve(request_ids, 1)  # [B] int32, slot of the new token
-    kc, vc = pool.layer(layer)
-    tables = pool.block_tables(request_ids)  # [B, max_pages]
-    rid = pool.request_id_tensor(request_ids)
-    guard = dict(owner=pool.owner, request_ids=rid, check=True, backend=backend)  # integrity always on
-    wrote_bad = pool.write(request_ids, k_new, v_new, positions, layer=layer, check=True, backend=backend)
+    kv = pool.paged(request_ids, layer)  # tables [B, max_pages], owner table: integrity always on
+    wrote_bad = write_kv_cache(inputs.k_new, inputs.v_new, kv, positions, check=True, backend=backend)
     ctx = positions + 1
     if pool.latent:
-        if q_pe is None or sm_scale is None:
+        if inputs.q_pe is None or sm_scale is None:
             raise ValueError("an MLA pool needs q_pe and sm_scale")
-        out, read_bad = paged_mla_decode_attention(q, q_pe, kc, tables, ctx, sm_scale=sm_scale,
-                                                   scale=pool.k_scale, **guard)
+        out, read_bad = paged_mla_decode_attention(inputs.q, inputs.q_pe, kv, ctx, sm_scale=sm_scale, check=True,
+                                                   backend=backend)
     else:
-        sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        out, read_bad = paged_decode_attention(q, kc, vc, tables, ctx, k_scale=pool.k_scale,
-                                               v_scale=pool.v_scale, sm_scale=sm, **guard)
+        sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(inputs.q.shape[-1])
+        out, read_bad = paged_decode_attention(inputs.q, kv, ctx, sm_scale=sm, check=True, backend=backend)
     violated = wrote_bad | read_bad  # [B]
     out = out.masked_fill(violated.view(-1, *([1] * (out.ndim - 1))), 0)
     flagged = violated.nonzero().flatten().tolist()

@@ -17,28 +17,37 @@ latent per token, k_cache [layers, P, S, 1, L+R] and no v_cache.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import KVPoolError, KVPoolExhausted
-from .paged_attention import CACHE_DTYPES, FP8_DTYPE, write_kv_cache
+from .paged_attention import CACHE_DTYPES, FP8_DTYPE, PagedKV, write_kv_cache
 
-__all__ = ["PagedKVPool", "KVPoolError", "KVPoolExhausted"]
+__all__ = ["PoolSize", "PagedKVPool", "KVPoolError", "KVPoolExhausted"]
 
 FREE = -1  # owner-table value of an unallocated page
 
 
+@dataclass(frozen=True)
+class PoolSize:
+    """What a pool holds: num_pages pages of page_size tokens, shared by up to max_requests requests at
+    once, each holding at most max_pages_per_request pages (None: all of them)."""
 
-
+    num_pages: int = 256
+    page_size: int = 16
+    max_requests: int = 8
+    max_pages_per_request: int | None = None
 
 
 class PagedKVPool:
-    """Pages of `page_size` tokens shared by up to `max_requests` concurrent requests."""
+    """Pages of `size.page_size` tokens shared by up to `size.max_requests` concurrent requests."""
 
-    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
-                 max_requests: int, max_pages_per_request: int, dtype: torch.dtype = torch.bfloat16,
+    def __init__(self, size: PoolSize, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.bfloat16,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  num_layers: int = 1, latent: bool = False, device="cpu"):
+        num_pages, page_size, max_requests = size.num_pages, size.page_size, size.max_requests
+        max_pages_per_request = num_pages if size.max_pages_per_request is None else size.max_pages_per_request
         if dtype not in CACHE_DTYPES:
             raise ValueError(f"KV dtype must be one of {CACHE_DTYPES}, got {dtype}")
         if latent and num_kv_heads != 1:
@@ -166,13 +175,17 @@ class PagedKVPool:
         """(k_cache [P, S, Hkv, D], v_cache or None) of one layer (views)."""
         return self.k_cache[layer], None if self.v_cache is None else self.v_cache[layer]
 
+    def paged(self, request_ids, layer: int = 0) -> PagedKV:
+        """One layer as the kernels take it for this batch: its caches, the pool's scales, the requests'
+        block tables, the owner table and the request ids."""
+        kc, vc = self.layer(layer)
+        return PagedKV(kc, vc, self.block_tables(request_ids), k_scale=self.k_scale, v_scale=self.v_scale,
+                       owner=self.owner, request_ids=self.request_id_tensor(request_ids))
+
     def write(self, request_ids, k_new: torch.Tensor, v_new: torch.Tensor | None, positions: torch.Tensor, *,
               layer: int = 0, check: bool = True, backend: str = "auto") -> torch.Tensor:
         """Store one token per request at `positions` (from reserve). -> violated bool [B]."""
-        kc, vc = self.layer(layer)
-        return write_kv_cache(k_new, v_new, kc, vc, self.block_tables(request_ids), positions,
-                              k_scale=self.k_scale, v_scale=self.v_scale, owner=self.owner,
-                              request_ids=self.request_id_tensor(request_ids), check=check, backend=backend)
+        return write_kv_cache(k_new, v_new, self.paged(request_ids, layer), positions, check=check, backend=backend)
 
     def bytes_per_token(self) -> int:
         """KV bytes one token occupies across all layers (scales excluded)."""

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arch.layout import (DENSE_MLP, EXPERTS, K, K_NORM, KV_A, KV_A_NORM, KV_B, O, Q, Q_A, Q_A_NORM, Q_B, Q_NORM,
-                           QWEN_EXPERTS, ROUTER_BIAS, V, ExpertNames, LayerNames)
+                           QWEN_EXPERTS, ROUTER_BIAS, V, ExpertNames, LayerNames, top_level)
 from ..errors import KVScalesMissing, UnsupportedCheckpoint
 from ..pack import kv as kvrules
 from ..pack.config import targeting
@@ -104,6 +104,17 @@ class Layer:
     post_norm: torch.Tensor
     attn: GQAAttention | MLAAttention
     mlp: DenseMLP | MoEBlock
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A model's weights as the runner holds them: embed [V, D], the decoder layers, the final norm [D],
+    lm_head [V, D] (the embedding itself when tied and not stored)."""
+
+    embed: torch.Tensor
+    layers: list[Layer]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -383,6 +394,22 @@ def _load_layer(ld: _Loader, spec: ModelSpec, i: int) -> Layer:
     else:
         mlp = ld.mlp(names.dense_mlp, d, spec.intermediate_size)
     return Layer(ld.tensor(names.input_norm + ".weight"), ld.tensor(names.post_attn_norm + ".weight"), attn, mlp)
+
+
+def _load_weights(ld: _Loader, reader: _Reader, spec: ModelSpec, dtype: torch.dtype) -> Weights:
+    """Every weight of the model, the embedding's shape held to the config."""
+    embed_name, norm_name, head_name = top_level()
+    embed = ld.tensor(embed_name + ".weight")
+    if tuple(embed.shape) != (spec.vocab_size, spec.hidden_size):
+        raise UnsupportedCheckpoint(f"{embed_name}.weight is {list(embed.shape)}, the config implies "
+                                    f"[{spec.vocab_size}, {spec.hidden_size}]")
+    layers = [_load_layer(ld, spec, i) for i in range(spec.num_layers)]
+    norm = ld.tensor(norm_name + ".weight")
+    if spec.tie_word_embeddings and not reader.has(head_name + ".weight"):
+        lm_head = embed
+    else:
+        lm_head = ld.linear(head_name, (spec.vocab_size, spec.hidden_size)).dense(dtype)
+    return Weights(embed, layers, norm, lm_head)
 
 
 def _kv_scale_source(kv_scales, reader: _Reader):

@@ -20,6 +20,10 @@ violating entry is never dereferenced (the kernel masks it), the request's flag 
 output is zeros (reference) or unspecified (kernel): callers must drop it (see runtime/decode.py).
 With check=False the tables are trusted and an out-of-range entry is an out-of-bounds access.
 
+The kernels take a batch's view of one layer's cache as one `PagedKV`: the caches, their FP8 scales,
+each request's block table, the owner table and the request ids it is checked against. A decode step's
+write and read share it; what differs is the token count (`positions` written, `context_lens` read).
+
 Not here: prefill attention, sliding windows, ALiBi, split-KV (flash-decoding) partitioning; the
 GLM-5 sparse-attention indexer; FP8 queries.
 
@@ -30,6 +34,8 @@ heads, G = Hq / Hkv, D = head dim, L = kv_lora_rank, R = rope dim, T = context t
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -38,6 +44,7 @@ from ._triton import dot_f32, next_pow2, resolve_backend, tl, triton
 
 __all__ = [
     "FP8_DTYPE",
+    "PagedKV",
     "quantize_kv",
     "dequantize_kv",
     "block_table_violations_ref",
@@ -51,6 +58,27 @@ __all__ = [
 
 FP8_DTYPE = torch.float8_e4m3fn
 CACHE_DTYPES = (torch.bfloat16, torch.float16, FP8_DTYPE)
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """A batch's view of one layer's paged KV cache, as the attention and cache-write kernels take it.
+
+    k_cache, v_cache  [P, S, Hkv, D] bf16/fp16/fp8_e4m3fn; an MLA latent cache is k_cache [P, S, L+R]
+                      (or [P, S, 1, L+R]) with v_cache None
+    block_tables      int32 [B, max_pages]: the pages of request b, in order
+    k_scale, v_scale  fp32 [1] or [Hkv, 1, 1] (FP8; None = 1.0); the MLA latent's one scale is k_scale
+    owner             int32 [P]: the request id owning each page, -1 free (None: entries checked for range only)
+    request_ids       int [B], held against owner (None: 0 .. B-1)
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor | None
+    block_tables: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    owner: torch.Tensor | None = None
+    request_ids: torch.Tensor | Sequence[int] | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -134,49 +162,71 @@ def _write_violations_ref(block_tables, positions, page_size, num_pages, owner, 
 # --------------------------------------------------------------------------------------------------
 # attention: reference
 # --------------------------------------------------------------------------------------------------
-def _attend_ref(q_parts, k_parts, v_part, block_tables, context_lens, page_size, num_pages, *,
-                k_scale, v_scale, sm_scale, owner, request_ids, check, out_dtype, out_dim):
-    """Generic paged decode attention in fp32.
+@dataclass(frozen=True)
+class _Operands:
+    """One attention form as the shared kernel takes it: query parts [B, Hq, Di], the cache parts they
+    score against [P, S, Hkv, Di] (scores sum over parts), the value cache [P, S, Hkv, Dv], and the
+    scales of K and V. v_is_k: V is the first K part (the MLA latent), so the kernel reuses its tile."""
 
-    q_parts: list of [B, Hq, Di]; k_parts: list of caches [P, S, Hkv, Di] (scores sum over parts);
-    v_part: cache [P, S, Hkv, Dv]. Returns (out [B, Hq, Dv] out_dtype, violated bool [B])."""
-    b, hq = q_parts[0].shape[:2]
-    hkv = k_parts[0].shape[2]
+    q: tuple[torch.Tensor, ...]
+    k: tuple[torch.Tensor, ...]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    v_is_k: bool
+
+
+def _gqa_operands(q: torch.Tensor, kv: PagedKV) -> _Operands:
+    return _Operands((q,), (kv.k_cache,), kv.v_cache, kv.k_scale, kv.v_scale, False)
+
+
+def _mla_operands(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: PagedKV) -> _Operands:
+    """scores = q_nope . c[:L] + q_pe . c[L:], values c[:L], one scale for the whole latent."""
+    c = _latent4(kv.k_cache)
+    lr = q_nope.shape[-1]
+    return _Operands((q_nope, q_pe), (c[..., :lr], c[..., lr:]), c[..., :lr], kv.k_scale, kv.k_scale, True)
+
+
+def _attend_ref(ops: _Operands, kv: PagedKV, context_lens: torch.Tensor, *, sm_scale: float, check: bool):
+    """Generic paged decode attention in fp32 over kv's block tables and owner table.
+
+    Returns (out [B, Hq, Dv] in the queries' dtype, violated bool [B])."""
+    q0, k0 = ops.q[0], ops.k[0]
+    b, hq = q0.shape[:2]
+    num_pages, page_size, hkv = k0.shape[:3]
     g = hq // hkv
-    dev = q_parts[0].device
-    rid = _rid_tensor(request_ids, b, dev)
+    dev = q0.device
+    block_tables = kv.block_tables
+    rid = _rid_tensor(kv.request_ids, b, dev)
     if check:
-        violated = block_table_violations_ref(block_tables, context_lens, page_size, num_pages, owner, rid)
+        violated = block_table_violations_ref(block_tables, context_lens, page_size, num_pages, kv.owner, rid)
     else:
         violated = torch.zeros(b, dtype=torch.bool, device=dev)
-    ks = _scale_vector(k_scale, hkv, dev).view(1, -1, 1)  # [1, 1 or Hkv, 1]
-    vs = _scale_vector(v_scale, hkv, dev).view(1, -1, 1)
-    out = torch.zeros((b, hq, out_dim), dtype=torch.float32, device=dev)
+    ks = _scale_vector(ops.k_scale, hkv, dev).view(1, -1, 1)  # [1, 1 or Hkv, 1]
+    vs = _scale_vector(ops.v_scale, hkv, dev).view(1, -1, 1)
+    out = torch.zeros((b, hq, ops.v.shape[-1]), dtype=torch.float32, device=dev)
     for i in range(b):
         t = int(context_lens[i])
         if violated[i] or t <= 0:
             continue
         pages = block_tables[i, : math.ceil(t / page_size)].to(torch.int64)
         scores = 0.0
-        for qp, kp in zip(q_parts, k_parts):
+        for qp, kp in zip(ops.q, ops.k):
             k = (kp[pages].flatten(0, 1)[:t].to(torch.float32) * ks)  # [T, Hkv, Di]
             qg = qp[i].to(torch.float32).view(hkv, g, -1)  # [Hkv, G, Di]
             scores = scores + torch.einsum("hgd,thd->hgt", qg, k)  # [Hkv, G, T]
         p = torch.softmax(scores * sm_scale, dim=-1)
-        v = v_part[pages].flatten(0, 1)[:t].to(torch.float32) * vs  # [T, Hkv, Dv]
+        v = ops.v[pages].flatten(0, 1)[:t].to(torch.float32) * vs  # [T, Hkv, Dv]
         out[i] = torch.einsum("hgt,thd->hgd", p, v).reshape(hq, -1)
-    return out.to(out_dtype), violated
+    return out.to(q0.dtype), violated
 
 
-def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, *, k_scale=None, v_scale=None,
-                               sm_scale=None, owner=None, request_ids=None, check=True):
+def paged_decode_attention_ref(q: torch.Tensor, kv: PagedKV, context_lens: torch.Tensor, *,
+                               sm_scale: float | None = None, check: bool = True):
     """Torch reference of paged_decode_attention (same arguments, no backend)."""
-    _validate_gqa(q, k_cache, v_cache, block_tables, context_lens)
-    d = q.shape[-1]
-    sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
-    return _attend_ref([q], [k_cache], v_cache, block_tables, context_lens, k_cache.shape[1], k_cache.shape[0],
-                       k_scale=k_scale, v_scale=v_scale, sm_scale=sm, owner=owner, request_ids=request_ids,
-                       check=check, out_dtype=q.dtype, out_dim=d)
+    _validate_gqa(q, kv, context_lens)
+    sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _attend_ref(_gqa_operands(q, kv), kv, context_lens, sm_scale=sm, check=check)
 
 
 def _latent4(latent_cache: torch.Tensor) -> torch.Tensor:
@@ -188,15 +238,11 @@ def _latent4(latent_cache: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"latent cache must be [P, S, L+R] (or [P, S, 1, L+R]), got {list(latent_cache.shape)}")
 
 
-def paged_mla_decode_attention_ref(q_nope, q_pe, latent_cache, block_tables, context_lens, *, sm_scale: float,
-                                   scale=None, owner=None, request_ids=None, check=True):
+def paged_mla_decode_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: PagedKV,
+                                   context_lens: torch.Tensor, *, sm_scale: float, check: bool = True):
     """Torch reference of paged_mla_decode_attention (same arguments, no backend)."""
-    c = _latent4(latent_cache)
-    lr = q_nope.shape[-1]
-    _validate_mla(q_nope, q_pe, c, block_tables, context_lens)
-    return _attend_ref([q_nope, q_pe], [c[..., :lr], c[..., lr:]], c[..., :lr], block_tables, context_lens,
-                       c.shape[1], c.shape[0], k_scale=scale, v_scale=scale, sm_scale=sm_scale, owner=owner,
-                       request_ids=request_ids, check=check, out_dtype=q_nope.dtype, out_dim=lr)
+    _validate_mla(q_nope, q_pe, kv, context_lens)
+    return _attend_ref(_mla_operands(q_nope, q_pe, kv), kv, context_lens, sm_scale=sm_scale, check=check)
 
 
 def _validate_tables(b, block_tables, context_lens):
@@ -207,8 +253,11 @@ def _validate_tables(b, block_tables, context_lens):
         raise ValueError(f"context_lens must be int32 [{b}], got {context_lens.dtype} {list(context_lens.shape)}")
 
 
-def _validate_gqa(q, k_cache, v_cache, block_tables, context_lens):
+def _validate_gqa(q, kv: PagedKV, context_lens):
+    k_cache, v_cache = kv.k_cache, kv.v_cache
     _check_cache(k_cache, "k_cache")
+    if v_cache is None:
+        raise ValueError("a GQA cache needs v_cache (an MLA latent cache goes to paged_mla_decode_attention)")
     _check_cache(v_cache, "v_cache")
     b, hq, d = q.shape
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.shape[-1] != d:
@@ -216,15 +265,18 @@ def _validate_gqa(q, k_cache, v_cache, block_tables, context_lens):
                          f"{list(v_cache.shape)}")
     if hq % k_cache.shape[2]:
         raise ValueError(f"{hq} query heads are not a multiple of {k_cache.shape[2]} KV heads")
-    _validate_tables(b, block_tables, context_lens)
+    _validate_tables(b, kv.block_tables, context_lens)
 
 
-def _validate_mla(q_nope, q_pe, c, block_tables, context_lens):
+def _validate_mla(q_nope, q_pe, kv: PagedKV, context_lens):
+    if kv.v_cache is not None or kv.v_scale is not None:
+        raise ValueError("an MLA latent cache has no v_cache or v_scale: the latent is k_cache, its scale k_scale")
+    c = _latent4(kv.k_cache)
     _check_cache(c, "latent_cache")
     b, h, lr = q_nope.shape
     if q_pe.shape[:2] != (b, h) or lr + q_pe.shape[-1] != c.shape[-1]:
         raise ValueError(f"q_nope [B, H, L] + q_pe [B, H, R] must match the latent width {c.shape[-1]}")
-    _validate_tables(b, block_tables, context_lens)
+    _validate_tables(b, kv.block_tables, context_lens)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -357,16 +409,18 @@ if triton is not None:
         tl.store(dst, cast_rne(x, c_ptr.dtype.element_ty), mask=tl.where(ok, mask, False))
 
 
-def _attn_launch(q1, q2, k1, k2, v, block_tables, context_lens, *, k_scale, v_scale, sm_scale, owner,
-                 request_ids, check, v_is_k1):
+def _attn_launch(ops: _Operands, kv: PagedKV, context_lens: torch.Tensor, *, sm_scale: float, check: bool):
+    """The Triton kernel over the operands of one attention form. -> (out [B, Hq, Dv], violated bool [B])."""
+    q1, k1, v = ops.q[0], ops.k[0], ops.v
+    q2, k2 = (ops.q[1], ops.k[1]) if len(ops.k) > 1 else (None, None)
     b, hq, d1 = q1.shape
     num_pages, page_size, hkv = k1.shape[:3]
     g = hq // hkv
     dvd = v.shape[-1]
     dev = q1.device
-    rid = _rid_tensor(request_ids, b, dev)
-    ks = _scale_vector(k_scale, hkv, dev)
-    vs = _scale_vector(v_scale, hkv, dev)
+    rid = _rid_tensor(kv.request_ids, b, dev)
+    ks = _scale_vector(ops.k_scale, hkv, dev)
+    vs = _scale_vector(ops.v_scale, hkv, dev)
     if ks.numel() != vs.numel():  # one per-tensor, one per-head: give both one entry per head
         ks, vs = ks.expand(hkv).contiguous(), vs.expand(hkv).contiguous()
     scale_stride = 1 if ks.numel() > 1 else 0
@@ -379,9 +433,9 @@ def _attn_launch(q1, q2, k1, k2, v, block_tables, context_lens, *, k_scale, v_sc
     q2 = q2.contiguous() if q2 is not None else q1
     out = torch.empty((b, hq, dvd), dtype=q1.dtype, device=dev)
     flags = torch.zeros(b, dtype=torch.int32, device=dev)
-    bt = block_tables.contiguous()
+    bt = kv.block_tables.contiguous()
     ctx = context_lens.contiguous()
-    own = owner.to(torch.int32).contiguous() if owner is not None else flags
+    own = kv.owner.to(torch.int32).contiguous() if kv.owner is not None else flags
     interp = dev.type != "cuda"
     block_h = max(16, next_pow2(g)) if interp else 16 if g <= 16 else 32
     page_pad = max(16, next_pow2(page_size))
@@ -394,113 +448,103 @@ def _attn_launch(q1, q2, k1, k2, v, block_tables, context_lens, *, k_scale, v_sc
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), bt.stride(0), scale_stride,
         PAGE_SIZE=page_size, PAGE_PAD=page_pad, BLOCK_H=block_h,
         D1=d1, D1_PAD=max(16, next_pow2(d1)), D2=d2, D2_PAD=max(16, next_pow2(d2)),
-        DV=dvd, DV_PAD=max(16, next_pow2(dvd)), HAS_Q2=k2 is not None, V_IS_K1=v_is_k1,
-        CHECK=bool(check), HAS_OWNER=bool(check) and owner is not None, DOT_F32=dot_f32(),
+        DV=dvd, DV_PAD=max(16, next_pow2(dvd)), HAS_Q2=k2 is not None, V_IS_K1=ops.v_is_k,
+        CHECK=bool(check), HAS_OWNER=bool(check) and kv.owner is not None, DOT_F32=dot_f32(),
         num_warps=4 if d1 <= 128 else 8,
     )
     return out, flags.bool()
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, *,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           sm_scale: float | None = None, owner: torch.Tensor | None = None, request_ids=None,
-                           check: bool = True, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def paged_decode_attention(q: torch.Tensor, kv: PagedKV, context_lens: torch.Tensor, *,
+                           sm_scale: float | None = None, check: bool = True,
+                           backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token per request against its paged context (GQA/MHA).
 
-    q [B, Hq, D] bf16/fp16; k_cache, v_cache [P, S, Hkv, D] bf16/fp16/fp8_e4m3fn; block_tables int32
-    [B, max_pages]; context_lens int32 [B] (tokens to attend, including the one just written);
-    k_scale, v_scale fp32 [1] or [Hkv, 1, 1] (FP8); sm_scale default 1/sqrt(D); owner int32 [P];
-    request_ids int [B] (default 0..B-1). -> (out [B, Hq, D] q.dtype, violated bool [B])."""
-    _validate_gqa(q, k_cache, v_cache, block_tables, context_lens)
+    q [B, Hq, D] bf16/fp16; kv: k_cache, v_cache [P, S, Hkv, D] bf16/fp16/fp8_e4m3fn, block_tables int32
+    [B, max_pages], k_scale, v_scale fp32 [1] or [Hkv, 1, 1] (FP8), owner int32 [P], request_ids int [B]
+    (default 0..B-1); context_lens int32 [B] (tokens to attend, including the one just written);
+    sm_scale default 1/sqrt(D). -> (out [B, Hq, D] q.dtype, violated bool [B])."""
+    _validate_gqa(q, kv, context_lens)
     sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if resolve_backend(backend, q.device) == "torch":
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, k_scale=k_scale,
-                                          v_scale=v_scale, sm_scale=sm, owner=owner, request_ids=request_ids,
-                                          check=check)
-    return _attn_launch(q, None, k_cache, None, v_cache, block_tables, context_lens, k_scale=k_scale,
-                        v_scale=v_scale, sm_scale=sm, owner=owner, request_ids=request_ids, check=check,
-                        v_is_k1=False)
+        return paged_decode_attention_ref(q, kv, context_lens, sm_scale=sm, check=check)
+    return _attn_launch(_gqa_operands(q, kv), kv, context_lens, sm_scale=sm, check=check)
 
 
-def paged_mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor, *, sm_scale: float,
-                               scale: torch.Tensor | None = None, owner: torch.Tensor | None = None,
-                               request_ids=None, check: bool = True,
+def paged_mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: PagedKV, context_lens: torch.Tensor,
+                               *, sm_scale: float, check: bool = True,
                                backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode in the absorbed form over a paged latent cache.
 
-    q_nope [B, H, L] (already multiplied by W_UK), q_pe [B, H, R] (rotated); latent_cache
-    [P, S, L+R] (or [P, S, 1, L+R]); scale fp32 [1] for the whole latent (FP8); sm_scale as the
-    model defines it (DeepSeek: mscale^2 / sqrt(qk_nope + qk_rope)). -> (out [B, H, L], violated [B])."""
-    c = _latent4(latent_cache)
-    _validate_mla(q_nope, q_pe, c, block_tables, context_lens)
-    if scale is not None and scale.numel() != 1:
+    q_nope [B, H, L] (already multiplied by W_UK), q_pe [B, H, R] (rotated); kv: k_cache the latent
+    [P, S, L+R] (or [P, S, 1, L+R]), v_cache None, k_scale fp32 [1] for the whole latent (FP8), v_scale
+    None; sm_scale as the model defines it (DeepSeek: mscale^2 / sqrt(qk_nope + qk_rope)).
+    -> (out [B, H, L], violated [B])."""
+    _validate_mla(q_nope, q_pe, kv, context_lens)
+    if kv.k_scale is not None and kv.k_scale.numel() != 1:
         raise ValueError("the MLA latent takes one scale ([1]) for the whole latent")
     if resolve_backend(backend, q_nope.device) == "torch":
-        return paged_mla_decode_attention_ref(q_nope, q_pe, latent_cache, block_tables, context_lens,
-                                              sm_scale=sm_scale, scale=scale, owner=owner,
-                                              request_ids=request_ids, check=check)
-    lr = q_nope.shape[-1]
-    return _attn_launch(q_nope, q_pe, c[..., :lr], c[..., lr:], c[..., :lr], block_tables, context_lens,
-                        k_scale=scale, v_scale=scale, sm_scale=sm_scale, owner=owner, request_ids=request_ids,
-                        check=check, v_is_k1=True)
+        return paged_mla_decode_attention_ref(q_nope, q_pe, kv, context_lens, sm_scale=sm_scale, check=check)
+    return _attn_launch(_mla_operands(q_nope, q_pe, kv), kv, context_lens, sm_scale=sm_scale, check=check)
 
 
 # --------------------------------------------------------------------------------------------------
 # cache append
 # --------------------------------------------------------------------------------------------------
-def write_kv_cache_ref(k_new, v_new, k_cache, v_cache, block_tables, positions, *, k_scale=None, v_scale=None,
-                       owner=None, request_ids=None, check=True) -> torch.Tensor:
+def _heads4(cache: torch.Tensor) -> torch.Tensor:
+    """A cache as [P, S, H, D]: an MLA latent [P, S, L+R] gains its one 'head'."""
+    return cache.unsqueeze(2) if cache.ndim == 3 else cache
+
+
+def _write_pairs(k_new, v_new, kv: PagedKV, k_cache: torch.Tensor):
+    """(new values, cache [P, S, H, D], scale) for K and, where the cache has one, V."""
+    return [(k_new, k_cache, kv.k_scale)] + ([(v_new, kv.v_cache, kv.v_scale)] if kv.v_cache is not None else [])
+
+
+def write_kv_cache_ref(k_new: torch.Tensor, v_new: torch.Tensor | None, kv: PagedKV, positions: torch.Tensor, *,
+                       check: bool = True) -> torch.Tensor:
     """Torch reference of write_kv_cache: writes in place, returns violated bool [B]."""
     b = k_new.shape[0]
-    if k_cache.ndim == 3:  # MLA latent [P, S, L+R]
-        k_cache = k_cache.unsqueeze(2)
-    rid = _rid_tensor(request_ids, b, k_new.device)
+    k_cache = _heads4(kv.k_cache)
+    rid = _rid_tensor(kv.request_ids, b, k_new.device)
     num_pages, page_size = k_cache.shape[:2]
     if check:
-        bad, page = _write_violations_ref(block_tables, positions, page_size, num_pages, owner, rid)
+        bad, page = _write_violations_ref(kv.block_tables, positions, page_size, num_pages, kv.owner, rid)
     else:
         bad = torch.zeros(b, dtype=torch.bool, device=k_new.device)
         pos = positions.to(torch.int64)
-        page = block_tables.to(torch.int64).gather(1, pos.div(page_size, rounding_mode="floor")[:, None])[:, 0]
+        page = kv.block_tables.to(torch.int64).gather(1, pos.div(page_size, rounding_mode="floor")[:, None])[:, 0]
     slot = positions.to(torch.int64) % page_size
     keep = ~bad
-    pairs = [(k_new, k_cache, k_scale)] + ([(v_new, v_cache, v_scale)] if v_cache is not None else [])
-    for x, cache, scale in pairs:
+    for x, cache, scale in _write_pairs(k_new, v_new, kv, k_cache):
         vals = quantize_kv(x.view(b, *cache.shape[2:]), scale, cache.dtype)  # [B, H, D]
         cache[page[keep], slot[keep]] = vals[keep]
     return bad
 
 
-def write_kv_cache(k_new: torch.Tensor, v_new: torch.Tensor | None, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor | None, block_tables: torch.Tensor, positions: torch.Tensor, *,
-                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                   owner: torch.Tensor | None = None, request_ids=None, check: bool = True,
-                   backend: str = "auto") -> torch.Tensor:
+def write_kv_cache(k_new: torch.Tensor, v_new: torch.Tensor | None, kv: PagedKV, positions: torch.Tensor, *,
+                   check: bool = True, backend: str = "auto") -> torch.Tensor:
     """Append one token per request: k_new/v_new [B, Hkv, D] go to slot positions[b] of request b
-    (v_new and v_cache None for an MLA latent cache [P, S, 1, L+R] with k_new [B, 1, L+R]).
-    In place; FP8 caches quantize with k_scale/v_scale. With check=True a write whose table entry is
-    out of range or not owned by the request is skipped and flagged. -> violated bool [B]."""
-    _check_cache(k_cache, "k_cache")
+    (v_new and kv.v_cache None for an MLA latent cache [P, S, 1, L+R] with k_new [B, 1, L+R]).
+    In place; FP8 caches quantize with kv.k_scale / kv.v_scale. With check=True a write whose table
+    entry is out of range or not owned by the request is skipped and flagged. -> violated bool [B]."""
+    _check_cache(kv.k_cache, "k_cache")
     b = k_new.shape[0]
-    if k_cache.ndim == 3:
-        k_cache = k_cache.unsqueeze(2)
+    k_cache = _heads4(kv.k_cache)
+    block_tables = kv.block_tables
     if positions.shape != (b,) or positions.dtype != torch.int32:
         raise ValueError(f"positions must be int32 [{b}]")
     if block_tables.ndim != 2 or block_tables.shape[0] != b or block_tables.dtype != torch.int32:
         raise ValueError(f"block_tables must be int32 [{b}, max_pages]")
     if resolve_backend(backend, k_new.device) == "torch":
-        return write_kv_cache_ref(k_new, v_new, k_cache, v_cache, block_tables, positions, k_scale=k_scale,
-                                  v_scale=v_scale, owner=owner, request_ids=request_ids, check=check)
+        return write_kv_cache_ref(k_new, v_new, kv, positions, check=check)
     dev = k_new.device
-    rid = _rid_tensor(request_ids, b, dev)
+    rid = _rid_tensor(kv.request_ids, b, dev)
     flags = torch.zeros(b, dtype=torch.int32, device=dev)
     bt, pos = block_tables.contiguous(), positions.contiguous()
-    own = owner.to(torch.int32).contiguous() if owner is not None else flags
+    own = kv.owner.to(torch.int32).contiguous() if kv.owner is not None else flags
     num_pages, page_size, h, d = k_cache.shape
-    pairs = [(k_new, k_cache, k_scale)] + ([(v_new, v_cache, v_scale)] if v_cache is not None else [])
-    for x, cache, scale in pairs:
+    for x, cache, scale in _write_pairs(k_new, v_new, kv, k_cache):
         _check_cache(cache, "cache")
         if cache.stride(-1) != 1:
             raise ValueError("KV caches must be contiguous in the head dim")
@@ -511,6 +555,6 @@ def write_kv_cache(k_new: torch.Tensor, v_new: torch.Tensor | None, k_cache: tor
             x.stride(0), x.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), bt.stride(0),
             1 if s.numel() > 1 else 0, D=d, D_PAD=next_pow2(d), PAGE_SIZE=page_size,
             BLOCK_H=next_pow2(h), QUANT=cache.dtype == FP8_DTYPE, CHECK=bool(check),
-            HAS_OWNER=bool(check) and owner is not None,
+            HAS_OWNER=bool(check) and kv.owner is not None,
         )
     return flags.bool()

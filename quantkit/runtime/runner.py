@@ -35,22 +35,22 @@ heads, Dh = head dim, E = experts, k = experts per token, V = vocab, L = kv_lora
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from ..arch.layout import top_level
-from ..errors import KVCacheViolation, RunnerError, UnsupportedCheckpoint
+from ..errors import KVCacheViolation, RunnerError
 from ..read.checkpoint import Checkpoint
 from ._triton import resolve_backend
-from .kv_pool import PagedKVPool
-from .loader import (GQAAttention, Layer, MLAAttention, MoEBlock, _load_kv_scales, _load_layer, _Loader,
+from .kv_pool import PagedKVPool, PoolSize
+from .loader import (GQAAttention, Layer, MLAAttention, MoEBlock, Weights, _load_kv_scales, _load_weights, _Loader,
                      _QuantScheme, _Reader)
 from .model import apply_rope, causal_attention, mlp_forward, moe_forward, rms_norm, rope_cos_sin
-from .paged_attention import FP8_DTYPE, paged_decode_attention, paged_mla_decode_attention, write_kv_cache
+from .paged_attention import FP8_DTYPE, PagedKV, paged_decode_attention, paged_mla_decode_attention, write_kv_cache
 from .spec import ModelSpec, parse_config
 
-__all__ = ["load_runner", "Runner", "ModelSpec", "parse_config", "MoEBlock"]
+__all__ = ["load_runner", "Runner", "ModelSpec", "PoolSize", "Weights", "parse_config", "MoEBlock"]
 
 
 class Runner:
@@ -62,10 +62,10 @@ class Runner:
     free(request_id)
     """
 
-    def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list[Layer], norm: torch.Tensor,
-                 lm_head: torch.Tensor, pool: PagedKVPool, kv_scales: list[tuple], *, backend: str,
-                 dtype: torch.dtype, device: torch.device):
-        self.spec, self.embed, self.layers, self.norm, self.lm_head = spec, embed, layers, norm, lm_head
+    def __init__(self, spec: ModelSpec, weights: Weights, pool: PagedKVPool, kv_scales: list[tuple], *,
+                 backend: str, dtype: torch.dtype, device: torch.device):
+        self.spec = spec
+        self.embed, self.layers, self.norm, self.lm_head = weights.embed, weights.layers, weights.norm, weights.lm_head
         self.pool, self.kv_scales = pool, kv_scales  # per layer (k_scale, v_scale) fp32 or (None, None)
         self.backend, self.dtype, self.device = backend, dtype, device
         self.inv_freq = spec.rope.inv_freq().to(device)
@@ -97,15 +97,14 @@ class Runner:
         self.pool.reserve([request_id], t)
         # every token is one "row" of the checked cache write: the request's table repeated T times
         tables = self.pool.block_tables([request_id]).expand(t, -1).contiguous()  # [T, max_pages]
-        guard = dict(block_tables=tables, positions=torch.arange(t, dtype=torch.int32, device=self.device),
-                     owner=self.pool.owner, request_ids=self.pool.request_id_tensor([request_id] * t),
-                     check=True, backend=self.backend)
+        rows = self.pool.request_id_tensor([request_id] * t)
+        positions = torch.arange(t, dtype=torch.int32, device=self.device)
         cos, sin = rope_cos_sin(self.spec.rope, self.inv_freq, torch.arange(t, device=self.device), self.dtype)
         x = self.embed[ids]  # [T, D]
         bad = torch.zeros(t, dtype=torch.bool, device=self.device)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, self.spec.rms_norm_eps)
-            a, wbad = self._attn_prefill(i, layer.attn, h, cos, sin, guard)
+            a, wbad = self._attn_prefill(layer.attn, h, cos, sin, self._paged(i, tables, rows), positions)
             bad |= wbad
             x = x + a
             x = x + self._mlp(i, layer, x)
@@ -128,14 +127,13 @@ class Runner:
         if ids.numel() != len(rids) or not rids:
             raise RunnerError(f"decode takes one token per request: {len(rids)} requests, {ids.numel()} tokens")
         positions = self.pool.reserve(rids, 1)  # int32 [B], slot of the new token = tokens stored so far
-        guard = dict(block_tables=self.pool.block_tables(rids), owner=self.pool.owner,
-                     request_ids=self.pool.request_id_tensor(rids), check=True, backend=self.backend)
+        tables, rows = self.pool.block_tables(rids), self.pool.request_id_tensor(rids)
         cos, sin = rope_cos_sin(self.spec.rope, self.inv_freq, positions.to(torch.long), self.dtype)
         x = self.embed[ids]  # [B, D]
         violated = torch.zeros(len(rids), dtype=torch.bool, device=self.device)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, self.spec.rms_norm_eps)
-            a, bad = self._attn_decode(i, layer.attn, h, cos, sin, positions, guard)
+            a, bad = self._attn_decode(layer.attn, h, cos, sin, self._paged(i, tables, rows), positions)
             violated |= bad
             x = x + a.masked_fill(violated[:, None], 0)  # a flagged row's attention is unspecified
             x = x + self._mlp(i, layer, x)
@@ -211,44 +209,46 @@ class Runner:
         q_pe, k_pe = apply_rope(q_pe, cos, sin, il), apply_rope(k_pe, cos, sin, il)
         return q_nope, q_pe, torch.cat([c, k_pe[:, 0]], dim=-1)
 
-    def _attn_prefill(self, i: int, a, h, cos, sin, guard):
-        """-> (attention output [T, D], write violated bool [T])."""
+    def _paged(self, i: int, tables: torch.Tensor, request_ids: torch.Tensor) -> PagedKV:
+        """Layer i's cache with its own FP8 scales (the pool holds layer 0's), as these rows' tables see it."""
         kc, vc = self.pool.layer(i)
         ks, vs = self.kv_scales[i]
+        return PagedKV(kc, vc, tables, k_scale=ks, v_scale=vs, owner=self.pool.owner, request_ids=request_ids)
+
+    def _attn_prefill(self, a, h, cos, sin, kv: PagedKV, positions):
+        """-> (attention output [T, D], write violated bool [T])."""
         t = h.shape[0]
         if isinstance(a, GQAAttention):
             q, k, v = self._gqa_qkv(a, h, cos, sin)
-            bad = write_kv_cache(k, v, kc, vc, k_scale=ks, v_scale=vs, **guard)
+            bad = write_kv_cache(k, v, kv, positions, check=True, backend=self.backend)
             o = causal_attention(q, k, v, self.spec.sm_scale)  # [T, H, Dh]
         else:
             m = self.spec.mla
             q_nope, q_pe, latent = self._mla_q_latent(a, h, cos, sin)
-            bad = write_kv_cache(latent[:, None], None, kc, None, k_scale=ks, **guard)
+            bad = write_kv_cache(latent[:, None], None, kv, positions, check=True, backend=self.backend)
             # as transformers: expand the latent to per-head K / V (the non-absorbed form)
-            kv = a.kv_b(latent[:, : m.kv_lora_rank], self.backend).view(t, self.spec.num_heads, -1)
-            k_nope, v = kv[..., : m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim:]
+            kv_up = a.kv_b(latent[:, : m.kv_lora_rank], self.backend).view(t, self.spec.num_heads, -1)
+            k_nope, v = kv_up[..., : m.qk_nope_head_dim], kv_up[..., m.qk_nope_head_dim:]
             k_pe = latent[:, None, m.kv_lora_rank:].expand(t, self.spec.num_heads, m.qk_rope_head_dim)
             o = causal_attention(torch.cat([q_nope, q_pe], -1), torch.cat([k_nope, k_pe], -1), v, self.spec.sm_scale)
         return a.o(o.reshape(t, -1), self.backend), bad
 
-    def _attn_decode(self, i: int, a, h, cos, sin, positions, guard):
+    def _attn_decode(self, a, h, cos, sin, kv: PagedKV, positions):
         """-> (attention output [B, D], violated bool [B]) over the paged cache."""
-        kc, vc = self.pool.layer(i)
-        ks, vs = self.kv_scales[i]
         b = h.shape[0]
         ctx = positions + 1  # attend over the stored tokens and the one written now
+        guard = dict(check=True, backend=self.backend)  # integrity always on
         if isinstance(a, GQAAttention):
             q, k, v = self._gqa_qkv(a, h, cos, sin)
-            wbad = write_kv_cache(k, v, kc, vc, positions=positions, k_scale=ks, v_scale=vs, **guard)
-            o, rbad = paged_decode_attention(q, kc, vc, context_lens=ctx, k_scale=ks, v_scale=vs,
-                                             sm_scale=self.spec.sm_scale, **guard)  # [B, H, Dh]
+            wbad = write_kv_cache(k, v, kv, positions, **guard)
+            o, rbad = paged_decode_attention(q, kv, ctx, sm_scale=self.spec.sm_scale, **guard)  # [B, H, Dh]
         else:
             q_nope, q_pe, latent = self._mla_q_latent(a, h, cos, sin)
-            wbad = write_kv_cache(latent[:, None], None, kc, None, positions=positions, k_scale=ks, **guard)
+            wbad = write_kv_cache(latent[:, None], None, kv, positions, **guard)
             # absorbed form: scores = (q_nope W_UK) . c + q_pe . k_pe; out = (softmax @ c) W_UV^T
             q_abs = torch.einsum("bhn,hnl->bhl", q_nope.to(torch.float32), a.w_uk).to(self.dtype)  # [B, H, L]
-            lat, rbad = paged_mla_decode_attention(q_abs, q_pe.contiguous(), kc, context_lens=ctx,
-                                                   sm_scale=self.spec.sm_scale, scale=ks, **guard)  # [B, H, L]
+            lat, rbad = paged_mla_decode_attention(q_abs, q_pe.contiguous(), kv, ctx, sm_scale=self.spec.sm_scale,
+                                                   **guard)  # [B, H, L]
             o = torch.einsum("bhl,hvl->bhv", lat.to(torch.float32), a.w_uv).to(self.dtype)  # [B, H, v]
         return a.o(o.reshape(b, -1), self.backend), wbad | rbad
 
@@ -258,15 +258,14 @@ class Runner:
 # --------------------------------------------------------------------------------------------------
 def load_runner(checkpoint_dir: str | os.PathLike, *, device="cpu", backend: str = "torch",
                 dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype = torch.bfloat16, kv_scales=None,
-                page_size: int = 16, num_pages: int = 256, max_requests: int = 8,
-                max_pages_per_request: int | None = None) -> Runner:
+                pool_size: PoolSize = PoolSize()) -> Runner:
     """Load a quantkit INT4 checkpoint for running.
 
     dtype: activation / dense-weight dtype (bf16, fp16; fp32 only with the torch backend).
     kv_dtype: bfloat16, float16 or float8_e4m3fn; FP8 takes per-layer scales from kv_scales (a mapping
     name -> tensor or a safetensors file of model.layers.L.self_attn.{k,v}_scale) or, when None, the
-    checkpoint's own. The pool has num_pages pages of page_size tokens; a request may hold
-    max_pages_per_request pages (default: all of them)."""
+    checkpoint's own. The pool holds pool_size: num_pages pages of page_size tokens, max_requests
+    requests at once, each holding up to max_pages_per_request pages (None or 0: all of them)."""
     device = torch.device(device)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise RunnerError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
@@ -285,25 +284,14 @@ def load_runner(checkpoint_dir: str | os.PathLike, *, device="cpu", backend: str
     scheme = _QuantScheme(ckpt.quantization_config)
     reader = _Reader(ckpt)
     try:
-        ld = _Loader(reader, scheme, dtype, device)
-        embed_name, norm_name, head_name = top_level()
-        embed = ld.tensor(embed_name + ".weight")
-        if tuple(embed.shape) != (spec.vocab_size, spec.hidden_size):
-            raise UnsupportedCheckpoint(f"{embed_name}.weight is {list(embed.shape)}, the config implies "
-                                        f"[{spec.vocab_size}, {spec.hidden_size}]")
-        layers = [_load_layer(ld, spec, i) for i in range(spec.num_layers)]
-        norm = ld.tensor(norm_name + ".weight")
-        if spec.tie_word_embeddings and not reader.has(head_name + ".weight"):
-            lm_head = embed
-        else:
-            lm_head = ld.linear(head_name, (spec.vocab_size, spec.hidden_size)).dense(dtype)
+        weights = _load_weights(_Loader(reader, scheme, dtype, device), reader, spec, dtype)
         scales = _load_kv_scales(spec, kv_dtype, kv_scales, reader, device)
     finally:
         reader.close()
     width = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim
     k0, v0 = scales[0]
-    pool = PagedKVPool(num_pages, page_size, spec.num_kv_heads, width, max_requests=max_requests,
-                       max_pages_per_request=max_pages_per_request or num_pages, dtype=kv_dtype,
-                       k_scale=k0, v_scale=v0, num_layers=spec.num_layers, latent=spec.mla is not None,
+    size = replace(pool_size, max_pages_per_request=pool_size.max_pages_per_request or pool_size.num_pages)
+    pool = PagedKVPool(size, spec.num_kv_heads, width, dtype=kv_dtype, k_scale=k0, v_scale=v0,
+                       num_layers=spec.num_layers, latent=spec.mla is not None,
                        device=device)  # the pool's own scales go unused: each layer passes its own
-    return Runner(spec, embed, layers, norm, lm_head, pool, scales, backend=backend, dtype=dtype, device=device)
+    return Runner(spec, weights, pool, scales, backend=backend, dtype=dtype, device=device)

@@ -206,11 +206,11 @@ def pair_metrics(ref_root: Path, decode: Path, prefill: Path, samples: list[torc
                  generation_tokens: int, say: Callable[[str], None] = lambda _s: None) -> dict:
     """The pair's quality against the source (module docstring, 2)."""
     from ..runtime.paged_attention import FP8_DTYPE
-    from ..runtime.runner import load_runner
+    from ..runtime.runner import PoolSize, load_runner
 
     longest = max(int(s.numel()) for s in samples) + generation_tokens + 1
     pages = -(-longest // 16) + 1
-    kw = dict(device=dev, num_pages=pages, max_requests=1)
+    kw = dict(device=dev, pool_size=PoolSize(num_pages=pages, max_requests=1))
     say("pair: loading the source, the prefill and the decode model into quantkit's runner")
     ref = load_runner(ref_root, **kw)
     a = load_runner(prefill, kv_dtype=FP8_DTYPE, **kw)

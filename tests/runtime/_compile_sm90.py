@@ -50,7 +50,7 @@ def _exercise():
     import quantkit.runtime.fused_moe as fm
     import quantkit.runtime.int4 as i4
     import quantkit.runtime.paged_attention as pa
-    from quantkit.runtime import (FP8_DTYPE, fused_moe_int4, int4_gemm, paged_decode_attention,
+    from quantkit.runtime import (FP8_DTYPE, PagedKV, fused_moe_int4, int4_gemm, paged_decode_attention,
                                   paged_mla_decode_attention, write_kv_cache)
     from quantkit.runtime.synth import random_int4, random_int4_experts
 
@@ -70,12 +70,13 @@ def _exercise():
         s = torch.tensor([0.1]) if dt == FP8_DTYPE else None
         kc = torch.zeros(10, 16, 4, 128, dtype=dt)
         for check in (True, False):
-            paged_decode_attention(torch.randn(2, 32, 128).bfloat16(), kc, kc, bt, ctx, k_scale=s, v_scale=s,
-                                   owner=owner, check=check)
+            paged_decode_attention(torch.randn(2, 32, 128).bfloat16(),
+                                   PagedKV(kc, kc, bt, k_scale=s, v_scale=s, owner=owner), ctx, check=check)
         paged_mla_decode_attention(torch.randn(2, 16, 512).bfloat16(), torch.randn(2, 16, 64).bfloat16(),
-                                   torch.zeros(10, 16, 576, dtype=dt), bt, ctx, sm_scale=0.1, scale=s, owner=owner)
-        write_kv_cache(torch.randn(2, 4, 128).bfloat16(), torch.randn(2, 4, 128).bfloat16(), kc, kc.clone(), bt,
-                       ctx, k_scale=s, v_scale=s, owner=owner)
+                                   PagedKV(torch.zeros(10, 16, 576, dtype=dt), None, bt, k_scale=s, owner=owner), ctx,
+                                   sm_scale=0.1)
+        write_kv_cache(torch.randn(2, 4, 128).bfloat16(), torch.randn(2, 4, 128).bfloat16(),
+                       PagedKV(kc, kc.clone(), bt, k_scale=s, v_scale=s, owner=owner), ctx)
 
 
 def main() -> int:

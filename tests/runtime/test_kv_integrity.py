@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from quantkit.runtime.decode import decode_step
-from quantkit.runtime.kv_pool import PagedKVPool
-from quantkit.runtime.paged_attention import (FP8_DTYPE, paged_decode_attention, paged_decode_attention_ref,
+from quantkit.runtime.decode import DecodeInputs, decode_step
+from quantkit.runtime.kv_pool import PagedKVPool, PoolSize
+from quantkit.runtime.paged_attention import (FP8_DTYPE, PagedKV, paged_decode_attention, paged_decode_attention_ref,
                                               paged_mla_decode_attention, paged_mla_decode_attention_ref,
                                               quantize_kv, write_kv_cache, write_kv_cache_ref)
 
@@ -99,10 +99,22 @@ def _inject_reads(gen, kw, meta):
     return {**kw, "block_tables": table, "context_lens": ctx}, chosen
 
 
+def _kernel_args(kw, mla):
+    """_batch's arguments as the attention kernels take them: (positional, keyword)."""
+    if mla:
+        kv = PagedKV(kw["latent_cache"], None, kw["block_tables"], k_scale=kw["scale"], owner=kw["owner"],
+                     request_ids=kw["request_ids"])
+        return (kw["q_nope"], kw["q_pe"], kv, kw["context_lens"]), dict(sm_scale=kw["sm_scale"])
+    kv = PagedKV(kw["k_cache"], kw["v_cache"], kw["block_tables"], k_scale=kw["k_scale"], v_scale=kw["v_scale"],
+                 owner=kw["owner"], request_ids=kw["request_ids"])
+    return (kw["q"], kv, kw["context_lens"]), {}
+
+
 def _attend(kw, mla, backend):
+    args, extra = _kernel_args(kw, mla)
     if backend == "torch":
-        return (paged_mla_decode_attention_ref if mla else paged_decode_attention_ref)(**kw)
-    return (paged_mla_decode_attention if mla else paged_decode_attention)(**kw, backend=backend)
+        return (paged_mla_decode_attention_ref if mla else paged_decode_attention_ref)(*args, **extra)
+    return (paged_mla_decode_attention if mla else paged_decode_attention)(*args, **extra, backend=backend)
 
 
 def _write(kw, meta, mla, positions, table, backend, gen_vals):
@@ -116,9 +128,9 @@ def _write(kw, meta, mla, positions, table, backend, gen_vals):
     dev = DEVICE if backend == "triton" else torch.device("cpu")
     kcd, vcd = kc.to(dev), (vc.to(dev) if vc is not None else None)
     on_dev = lambda t: None if t is None else t.to(dev)  # noqa: E731
-    flags = fn(k_new.to(dev), None if mla else v_new.to(dev), kcd, vcd, table.to(dev), positions.to(dev),
-               k_scale=on_dev(scale), v_scale=None if mla else on_dev(scale), owner=on_dev(kw["owner"]),
-               request_ids=kw["request_ids"].to(dev), **extra)
+    kv = PagedKV(kcd, vcd, table.to(dev), k_scale=on_dev(scale), v_scale=None if mla else on_dev(scale),
+                 owner=on_dev(kw["owner"]), request_ids=kw["request_ids"].to(dev))
+    flags = fn(k_new.to(dev), None if mla else v_new.to(dev), kv, positions.to(dev), **extra)
     return flags.cpu(), kcd.cpu(), (vcd.cpu() if vcd is not None else None)
 
 
@@ -217,8 +229,9 @@ def test_check_off_matches_check_on_when_clean():
     gen = torch.Generator().manual_seed(8)
     kw, _ = _batch(gen, mla=False)
     kw = _on_device(kw)
-    on, _ = paged_decode_attention(**kw, backend="triton")
-    off, bad = paged_decode_attention(**{**kw, "check": False}, backend="triton")
+    args, _ = _kernel_args(kw, mla=False)
+    on, _ = paged_decode_attention(*args, backend="triton")
+    off, bad = paged_decode_attention(*args, check=False, backend="triton")
     assert torch.equal(on, off) and not bad.any()
 
 
@@ -226,12 +239,19 @@ def test_check_off_matches_check_on_when_clean():
 # decode_step on a pool
 # --------------------------------------------------------------------------------------------------
 def _pool(dtype, latent=False):
-    kw = dict(max_requests=6, max_pages_per_request=8, dtype=dtype, device=DEVICE)
+    kw = dict(dtype=dtype, device=DEVICE)
     if dtype == FP8_DTYPE:
         kw.update(k_scale=torch.tensor([0.02]), v_scale=None if latent else torch.tensor([0.03]))
+    size = PoolSize(40, 4, max_requests=6, max_pages_per_request=8)
     if latent:
-        return PagedKVPool(40, 4, 1, 24, latent=True, **kw)
-    return PagedKVPool(40, 4, 2, 16, **kw)
+        return PagedKVPool(size, 1, 24, latent=True, **kw)
+    return PagedKVPool(size, 2, 16, **kw)
+
+
+def _step(pool, ids, inputs, backend):
+    """decode_step with _step_inputs' tensors (and, for an MLA pool, its sm_scale)."""
+    tensors = {k: v for k, v in inputs.items() if k != "sm_scale"}
+    return decode_step(pool, ids, DecodeInputs(**tensors), sm_scale=inputs.get("sm_scale"), backend=backend)
 
 
 def _step_inputs(gen, b, latent):
@@ -261,7 +281,7 @@ def test_decode_step_aborts_only_the_offender(backend, dtype, latent, corruption
     live = list(ids)
     for step in range(6):
         inputs = _step_inputs(gen, len(ids), latent)
-        ref = decode_step(clean, ids, **inputs, backend=backend)
+        ref = _step(clean, ids, inputs, backend)
         assert ref.aborted == [] and not ref.violated.any()
         if step == 3:
             dirty.reserve(live, 1)  # make sure the page of this step exists before corrupting it
@@ -276,8 +296,8 @@ def test_decode_step_aborts_only_the_offender(backend, dtype, latent, corruption
                 dirty.block_table[row, pos // dirty.page_size] = dirty.num_pages + 5
         batch = list(live)
         sel = [ids.index(r) for r in batch]
-        res = decode_step(dirty, batch, **{k: (v[sel] if isinstance(v, torch.Tensor) else v)
-                                           for k, v in inputs.items()}, backend=backend)
+        res = _step(dirty, batch, {k: (v[sel] if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()},
+                    backend)
         if step == 3:
             assert res.aborted == [12]
             assert res.violated.tolist() == [r == 12 for r in batch]

@@ -4,8 +4,8 @@ decode_step over many steps against dense attention over everything appended so 
 import pytest
 import torch
 
-from quantkit.runtime.decode import decode_step
-from quantkit.runtime.kv_pool import PagedKVPool
+from quantkit.runtime.decode import DecodeInputs, decode_step
+from quantkit.runtime.kv_pool import PagedKVPool, PoolSize
 from quantkit.errors import KVPoolError, KVPoolExhausted
 from quantkit.runtime.paged_attention import FP8_DTYPE, quantize_kv
 
@@ -25,7 +25,7 @@ def _owner_consistent(pool: PagedKVPool):
 
 
 def test_allocate_append_free():
-    pool = PagedKVPool(10, 4, 2, 8, max_requests=3, max_pages_per_request=5)
+    pool = PagedKVPool(PoolSize(10, 4, max_requests=3, max_pages_per_request=5), 2, 8)
     pool.add_request(5)
     pool.add_request(9)
     pos = pool.reserve([5, 9], 6)  # 2 pages each
@@ -44,7 +44,7 @@ def test_allocate_append_free():
 
 
 def test_errors():
-    pool = PagedKVPool(4, 4, 1, 8, max_requests=2, max_pages_per_request=3)
+    pool = PagedKVPool(PoolSize(4, 4, max_requests=2, max_pages_per_request=3), 1, 8)
     with pytest.raises(KVPoolError):
         pool.reserve([1])
     pool.add_request(1)
@@ -60,11 +60,11 @@ def test_errors():
     with pytest.raises(KVPoolError, match="twice"):
         pool.reserve([1, 1])
     with pytest.raises(ValueError, match="k_scale"):
-        PagedKVPool(4, 4, 1, 8, max_requests=1, max_pages_per_request=1, dtype=FP8_DTYPE)
+        PagedKVPool(PoolSize(4, 4, max_requests=1, max_pages_per_request=1), 1, 8, dtype=FP8_DTYPE)
 
 
 def test_free_never_releases_pages_it_does_not_own():
-    pool = PagedKVPool(8, 4, 1, 8, max_requests=2, max_pages_per_request=4)
+    pool = PagedKVPool(PoolSize(8, 4, max_requests=2, max_pages_per_request=4), 1, 8)
     for r in (1, 2):
         pool.add_request(r)
     pool.reserve([1, 2], 8)
@@ -80,7 +80,7 @@ def test_decode_steps_match_dense_attention(dtype):
     dense float64 attention over everything that request appended (quantized as the pool stores it)."""
     gen = torch.Generator().manual_seed(0)
     ks, vs = torch.tensor([0.02]), torch.tensor([0.03])
-    pool = PagedKVPool(24, 4, 2, 16, max_requests=4, max_pages_per_request=8, dtype=dtype,
+    pool = PagedKVPool(PoolSize(24, 4, max_requests=4, max_pages_per_request=8), 2, 16, dtype=dtype,
                        k_scale=ks if dtype == FP8_DTYPE else None, v_scale=vs if dtype == FP8_DTYPE else None)
     hist = {}
     for step in range(20):
@@ -92,7 +92,7 @@ def test_decode_steps_match_dense_attention(dtype):
         q = torch.randn(len(ids), 4, 16, generator=gen).to(torch.bfloat16)
         k = torch.randn(len(ids), 2, 16, generator=gen).to(torch.bfloat16)
         v = torch.randn(len(ids), 2, 16, generator=gen).to(torch.bfloat16)
-        res = decode_step(pool, ids, q, k, v, backend="torch")
+        res = decode_step(pool, ids, DecodeInputs(q, k, v), backend="torch")
         assert res.aborted == []
         for j, r in enumerate(ids):
             kq = quantize_kv(k[j], ks, dtype).float() * (ks if dtype == FP8_DTYPE else 1)

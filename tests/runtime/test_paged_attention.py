@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from quantkit.runtime.paged_attention import (FP8_DTYPE, dequantize_kv, paged_decode_attention,
+from quantkit.runtime.paged_attention import (FP8_DTYPE, PagedKV, dequantize_kv, paged_decode_attention,
                                               paged_decode_attention_ref, paged_mla_decode_attention,
                                               paged_mla_decode_attention_ref, quantize_kv, write_kv_cache,
                                               write_kv_cache_ref)
@@ -54,6 +54,20 @@ def _to(args, device):
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
 
 
+def _gqa(a):
+    """_setup's arguments as the GQA kernels take them: (q, kv, context_lens)."""
+    kv = PagedKV(a["k_cache"], a["v_cache"], a["block_tables"], k_scale=a["k_scale"], v_scale=a["v_scale"],
+                 owner=a["owner"], request_ids=a["request_ids"])
+    return a["q"], kv, a["context_lens"]
+
+
+def _mla(m):
+    """_setup_mla's arguments as the MLA kernels take them: (q_nope, q_pe, kv, context_lens)."""
+    kv = PagedKV(m["latent_cache"], None, m["block_tables"], k_scale=m["scale"], owner=m["owner"],
+                 request_ids=m["request_ids"])
+    return m["q_nope"], m["q_pe"], kv, m["context_lens"]
+
+
 def test_fp8_quantize_saturates_and_round_trips():
     x = torch.tensor([[[0.0, 1.0, -3.3, 1e6, -1e6, 0.01]]])  # [1, H=1, 6]
     c = quantize_kv(x, torch.tensor([0.5]), FP8_DTYPE)
@@ -69,7 +83,7 @@ def test_fp8_quantize_saturates_and_round_trips():
 def test_reference_matches_naive(dtype, per_head):
     gen = torch.Generator().manual_seed(0)
     a = _setup(gen, ctx=(1, 16, 21, 40), dtype=dtype, per_head=per_head)
-    out, bad = paged_decode_attention_ref(**a)
+    out, bad = paged_decode_attention_ref(*_gqa(a))
     assert not bad.any()
     ks = 1 if a["k_scale"] is None else a["k_scale"].double().view(-1, 1)  # [1 or Hkv, 1]
     vs = 1 if a["v_scale"] is None else a["v_scale"].double().view(-1, 1)
@@ -95,8 +109,8 @@ ATTN_CASES = [
 def test_kernel_matches_reference(dtype, per_head, hq, hkv, page, ctx):
     gen = torch.Generator().manual_seed(hq * 10 + page)
     a = _setup(gen, b=len(ctx), hq=hq, hkv=hkv, page=page, ctx=ctx, dtype=dtype, per_head=per_head)
-    want, bad_ref = paged_decode_attention_ref(**a)
-    got, bad = paged_decode_attention(**_to(a, DEVICE), backend="triton")
+    want, bad_ref = paged_decode_attention_ref(*_gqa(a))
+    got, bad = paged_decode_attention(*_gqa(_to(a, DEVICE)), backend="triton")
     assert not bad.any() and not bad_ref.any()
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     assert rel_err(got, want) < ATTN_TOL
@@ -119,7 +133,7 @@ def _setup_mla(gen, *, b=3, h=16, lr=32, rope=16, page=16, ctx=(1, 20, 45), dtyp
 def test_mla_reference_matches_naive():
     gen = torch.Generator().manual_seed(1)
     m = _setup_mla(gen, dtype=FP8_DTYPE)
-    out, bad = paged_mla_decode_attention_ref(**m)
+    out, bad = paged_mla_decode_attention_ref(*_mla(m), sm_scale=m["sm_scale"])
     assert not bad.any() and out.shape == (3, 16, 32)
     for i, t in enumerate(m["context_lens"].tolist()):
         c = gather_context(m["latent_cache"], m["block_tables"][i], t) * float(m["scale"])  # [T, L+R]
@@ -133,8 +147,8 @@ def test_mla_reference_matches_naive():
 def test_mla_kernel_matches_reference(dtype):
     gen = torch.Generator().manual_seed(2)
     m = _setup_mla(gen, dtype=dtype)
-    want, _ = paged_mla_decode_attention_ref(**m)
-    got, bad = paged_mla_decode_attention(**_to(m, DEVICE), backend="triton")
+    want, _ = paged_mla_decode_attention_ref(*_mla(m), sm_scale=m["sm_scale"])
+    got, bad = paged_mla_decode_attention(*_mla(_to(m, DEVICE)), sm_scale=m["sm_scale"], backend="triton")
     assert not bad.any()
     assert rel_err(got, want) < ATTN_TOL
 
@@ -151,10 +165,11 @@ def test_write_kernel_matches_reference_bitwise(dtype, per_head):
     pos = a["context_lens"] - 1  # the last slot of each context: includes a page's first and last slot
     kw = dict(k_scale=a["k_scale"], v_scale=a["v_scale"], owner=a["owner"], request_ids=a["request_ids"])
     kr, vr = a["k_cache"].clone(), a["v_cache"].clone()
-    bad_ref = write_kv_cache_ref(k_new, v_new, kr, vr, a["block_tables"], pos, **kw)
+    bad_ref = write_kv_cache_ref(k_new, v_new, PagedKV(kr, vr, a["block_tables"], **kw), pos)
     kt, vt = a["k_cache"].clone().to(DEVICE), a["v_cache"].clone().to(DEVICE)
-    bad = write_kv_cache(k_new.to(DEVICE), v_new.to(DEVICE), kt, vt, a["block_tables"].to(DEVICE), pos.to(DEVICE),
-                         **_to(kw, DEVICE), backend="triton")
+    bad = write_kv_cache(k_new.to(DEVICE), v_new.to(DEVICE), PagedKV(kt, vt, a["block_tables"].to(DEVICE),
+                                                                      **_to(kw, DEVICE)),
+                         pos.to(DEVICE), backend="triton")
     assert not bad.any() and not bad_ref.any()
     u8 = (lambda t: t.cpu().view(torch.uint8)) if dtype == FP8_DTYPE else (lambda t: t.cpu().view(torch.int16))
     assert torch.equal(u8(kt), u8(kr)) and torch.equal(u8(vt), u8(vr))  # round-to-nearest-even on both sides
@@ -172,8 +187,8 @@ def test_shape_errors():
     gen = torch.Generator().manual_seed(4)
     a = _setup(gen)
     with pytest.raises(ValueError, match="multiple"):
-        paged_decode_attention_ref(**{**a, "q": torch.zeros(4, 7, 32, dtype=torch.bfloat16)})
+        paged_decode_attention_ref(*_gqa({**a, "q": torch.zeros(4, 7, 32, dtype=torch.bfloat16)}))
     with pytest.raises(ValueError, match="int32"):
-        paged_decode_attention(**{**a, "context_lens": a["context_lens"].long()}, backend="torch")
+        paged_decode_attention(*_gqa({**a, "context_lens": a["context_lens"].long()}), backend="torch")
     with pytest.raises(TypeError):
-        paged_decode_attention(**{**a, "k_cache": a["k_cache"].float()}, backend="torch")
+        paged_decode_attention(*_gqa({**a, "k_cache": a["k_cache"].float()}), backend="torch")

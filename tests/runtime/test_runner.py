@@ -35,7 +35,7 @@ from quantkit.read.safetensors import SafetensorsFile
 from quantkit.write.writer import write_safetensors
 from quantkit.runtime import FP8_DTYPE, dequantize_int4
 from quantkit.errors import KVPoolError
-from quantkit.runtime.runner import MoEBlock, load_runner, parse_config
+from quantkit.runtime.runner import MoEBlock, PoolSize, load_runner, parse_config
 from quantkit.errors import KVScalesMissing, UnsupportedCheckpoint, UnsupportedModel
 from quantkit.testing import load_model, make_tiny_model
 
@@ -123,7 +123,7 @@ class Built:
             self.ref16 = self.ref16_model(self.ids[None]).logits[0].float()
 
     def runner(self, **kw):
-        kw = {"dtype": torch.float32, "kv_dtype": torch.float16, "page_size": PAGE, "num_pages": 48, **kw}
+        kw = {"dtype": torch.float32, "kv_dtype": torch.float16, "pool_size": PoolSize(48, PAGE), **kw}
         return load_runner(self.out, **kw)
 
 
@@ -213,7 +213,7 @@ def test_fp8_kv_cache_close_to_bf16(build, arch, tmp_path):
         write_safetensors(path, scales)
         out = tmp_path / "int4-fp8kv"
         convert(str(b.src), str(out), ConvertOptions(kv_scales=str(path)))
-        r8 = load_runner(out, dtype=torch.bfloat16, kv_dtype=FP8_DTYPE, page_size=PAGE, num_pages=48)
+        r8 = load_runner(out, dtype=torch.bfloat16, kv_dtype=FP8_DTYPE, pool_size=PoolSize(48, PAGE))
     else:  # MLA: one scale for the whole latent, passed as a mapping
         r8 = b.runner(dtype=torch.bfloat16, kv_dtype=FP8_DTYPE, kv_scales=scales)
     assert r8.pool.k_cache.dtype == FP8_DTYPE
@@ -292,7 +292,7 @@ def test_corrupted_block_table_aborts_only_that_request(build, arch):
 def test_triton_backend_matches_torch(build, arch):
     b = build(arch)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    kw = dict(dtype=torch.bfloat16, kv_dtype=torch.bfloat16, device=dev, page_size=PAGE, num_pages=16)
+    kw = dict(dtype=torch.bfloat16, kv_dtype=torch.bfloat16, device=dev, pool_size=PoolSize(16, PAGE))
     ref = _run(load_runner(b.out, backend="torch", **kw), b.ids.to(dev), prompt=5, total=7)
     got = _run(load_runner(b.out, backend="triton", **kw), b.ids.to(dev), prompt=5, total=7)
     assert rel_err(got, ref) <= 2e-2
