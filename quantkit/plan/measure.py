@@ -35,7 +35,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -91,21 +92,51 @@ def rss_now() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@dataclass(frozen=True)
+class _Bench:
+    """What measure_rates' measurements share: the device, its compute dtype (float32 on the CPU, bfloat16 GEMMs
+    on a GPU) and GPTQ's solve dtype, one random generator (drawn from in the order the measurements run), the
+    model's shapes, a scratch directory, the log and the clock."""
+
+    dev: torch.device
+    dt: torch.dtype
+    sdt: torch.dtype
+    g: torch.Generator
+    hidden: int
+    inter: int
+    workdir: Path
+    log: Callable[[str], None]
+    clock: Callable[[], float]
+
+    def best(self, fn, repeat: int = 3, min_s: float | None = None) -> float:
+        return best_seconds(fn, repeat, min_s, self.clock)
+
+
 def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, clock=time.perf_counter) -> dict:
     """Every rate and per-operation cost of the Throughput table for `device`, measured here on the shapes of a
     model of `hidden` and expert width `inter` (the table's fields; points behind the fits under keys
     starting with "_"). `clock`: what time is read with (time.process_time: CPU seconds of this process)."""
-    from ..quant.gptq import cholesky_inverse_upper, gptq
-
-    def _best(fn, repeat: int = 3, min_s: float | None = None) -> float:
-        return best_seconds(fn, repeat, min_s, clock)
-
     dev = torch.device(device)
-    dt = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    sdt = torch.float64 if dev.type == "cpu" else torch.float32
+    bench = _Bench(dev, torch.float32 if dev.type == "cpu" else torch.bfloat16,
+                   torch.float64 if dev.type == "cpu" else torch.float32, torch.Generator(device="cpu").manual_seed(0),
+                   hidden, inter, workdir, log, clock)
     out: dict = {}
-    g = torch.Generator(device="cpu").manual_seed(0)
+    ws, pts_gemm = _measure_products(bench, out)
+    _measure_solves(bench, out)
+    _measure_streams(bench, out)
+    _measure_files(bench, out)
+    _measure_modules(bench, out)
+    _measure_process(bench, out)
+    # last: a CPU process's float32 work was seen to slow after bfloat16 work (docs/calibration.md)
+    _measure_alt_gemm(bench, out, ws, pts_gemm)
+    return out
 
+
+def _measure_products(bench: _Bench, out: dict) -> tuple[torch.Tensor, list[tuple[int, float]]]:
+    """The GEMM, Gram and AWQ group-error rates into `out`; returns the GEMMs' expert weights and (rows, FLOP/s)
+    points, which the other dtype's GEMMs are measured against last (_measure_alt_gemm)."""
+    dev, dt, g, hidden, inter = bench.dev, bench.dt, bench.g, bench.hidden, bench.inter
+    log, _best = bench.log, bench.best
     # GEMM [m, H] x [2I, H]^T at several m: the experts' gate/up as the forward runs them, in nn.Linear's layout
     # (the weight [out, in] used transposed: 12-20% slower than a contiguous [in, out] operand on one core of
     # this project's Intel VM) and each expert's own weights in turn (8 of them, more than a core's L2); the
@@ -140,7 +171,16 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
     t = _best(lambda: (torch.bmm(d, blk).mul_(d).sum(-1), _sync(dev)))
     out["block_form_flops"] = 2 * b * m * gs * gs / t
     log(f"group forms: {out['block_form_flops'] / 1e9:.1f} GFLOP/s")
+    return ws, pts_gemm
 
+
+def _measure_solves(bench: _Bench, out: dict) -> None:
+    """GPTQ's rates into `out`: the batched Cholesky and triangular inverse, the column sweep (after the Gram
+    rate, which the sweep's lazy updates are counted at)."""
+    from ..quant.gptq import cholesky_inverse_upper, gptq
+
+    dev, sdt, g, hidden, inter = bench.dev, bench.sdt, bench.g, bench.hidden, bench.inter
+    log, _best = bench.log, bench.best
     # batched Cholesky of the reversed Hessian + its triangular inverse, nominal 2/3 K^3 per matrix
     rates = []
     for c, k in ((8, hidden), (32, inter)):
@@ -177,6 +217,10 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
     log(f"sweep: {col_s * 1e6:.1f} us per column step, {out['sweep_elems_per_s'] / 1e9:.2f} G elements/s "
         f"(raw {ts[0]:.3f} s, {ts[1]:.3f} s)")
 
+
+def _measure_streams(bench: _Bench, out: dict) -> None:
+    """Element-wise rates into `out`: streaming bandwidth, AWQ's fake quantization, one small op's dispatch."""
+    dev, g, hidden, inter, log, _best = bench.dev, bench.g, bench.hidden, bench.inter, bench.log, bench.best
     # streaming element-wise bandwidth: z = x + y over 64 MiB float32 (3 x 64 MiB moved)
     n = 16 << 20
     x, y = torch.randn(n, generator=g).to(dev), torch.randn(n, generator=g).to(dev)
@@ -200,6 +244,10 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
     out["op_s"] = t / 100
     log(f"op: {out['op_s'] * 1e6:.2f} us")
 
+
+def _measure_files(bench: _Bench, out: dict) -> None:
+    """File rates into `out`: fsynced writes, page-cache reads, sha256, a small file written and fsynced."""
+    workdir, log, _best = bench.workdir, bench.log, bench.best
     # files: fsynced writes, page-cache reads, sha256
     f = workdir / "calib_cost.io"
     buf = os.urandom(64 << 20)
@@ -234,6 +282,11 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
     log(f"files: write {out['write_bytes_per_s'] / 1e9:.2f} GB/s, read {out['read_bytes_per_s'] / 1e9:.2f} GB/s, "
         f"sha256 {out['hash_bytes_per_s'] / 1e9:.2f} GB/s, fsync of a small file {out['fsync_s'] * 1e3:.1f} ms")
 
+
+def _measure_modules(bench: _Bench, out: dict) -> None:
+    """The seconds per quantized module beyond its bytes into `out` (after the write rate)."""
+    g, hidden, inter, log, _best = bench.g, bench.hidden, bench.inter, bench.log, bench.best
+    f = bench.workdir / "calib_cost.io"
     # per quantized module: packing and recording it (calib/emit.py), its SQNR, its metadata as JSON and its
     # tensors written to a safetensors file (no fsync), beyond the bytes
     from ..arch.layout import EXPERTS, LayerNames
@@ -264,6 +317,10 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
     out["module_s"] = max(1e-6, (t - mods * 2 * inter * hidden * 0.6 / out["write_bytes_per_s"]) / mods)
     log(f"per module: {out['module_s'] * 1e3:.2f} ms")
 
+
+def _measure_process(bench: _Bench, out: dict) -> None:
+    """The fixed costs into `out`: the process's RSS after the imports, gc + malloc_trim per layer."""
+    log, _best = bench.log, bench.best
     # fixed costs: the process after the imports, gc (of what the pass created) + malloc_trim per layer
     import ctypes
 
@@ -289,8 +346,12 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
         gc.unfreeze()
     log(f"process {out['process_bytes'] / 1e9:.2f} GB, per layer {out['layer_s'] * 1e3:.0f} ms")
 
-    # last (a CPU process's float32 work was seen to slow after bfloat16 work, docs/calibration.md): the GEMMs
-    # above in the device's other compute dtype (--compute-dtype), their mean ratio to the default's rate
+
+def _measure_alt_gemm(bench: _Bench, out: dict, ws: torch.Tensor, pts_gemm: list[tuple[int, float]]) -> None:
+    """`alt_gemm_flops` into `out`: _measure_products' GEMMs (expert weights `ws`, points `pts_gemm`) in the
+    device's other compute dtype (--compute-dtype), their mean ratio to the default dtype's rate."""
+    dev, dt, g, hidden, inter = bench.dev, bench.dt, bench.g, bench.hidden, bench.inter
+    log, _best = bench.log, bench.best
     alt = torch.bfloat16 if dt == torch.float32 else torch.float32
     ratios = []
     ws = ws.to(alt)
@@ -302,7 +363,6 @@ def measure_rates(device: str, hidden: int, inter: int, workdir: Path, log, cloc
     out["_alt_gemm_ratios"] = [round(x, 3) for x in ratios]
     log(f"gemm in {str(alt).replace('torch.', '')}: x{[round(x, 2) for x in ratios]} the default dtype's rate -> "
         f"peak {out['alt_gemm_flops'] / 1e9:.1f} GFLOP/s")
-    return out
 
 
 # A neighbour rank: float32 GEMMs of the bench shapes and an element-wise stream, on its threads, until its
