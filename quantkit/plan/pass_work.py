@@ -483,7 +483,7 @@ def pass_row(row: dict, comm: dict, held: dict, ctx: PassContext, idx: int, laye
     from ..calib.layer import linear_targets
     from ..calib.spool import fits_unquantized
 
-    c, ex, rec, kind, g, item, hidden, gq = ctx.c, ctx.ex, ctx.rec, ctx.kind, ctx.g, ctx.item, ctx.hidden, ctx.gq
+    c, ex, rec, g, item, hidden, gq = ctx.c, ctx.ex, ctx.rec, ctx.g, ctx.item, ctx.hidden, ctx.gq
     num_samples, seq_len, link = ctx.num_samples, ctx.seq_len, c.link_bytes_per_s
     calibrated = 0
     _, egroup, dense = linear_targets(ctx.ckpt, rec, idx, layer)
@@ -514,50 +514,11 @@ def pass_row(row: dict, comm: dict, held: dict, ctx: PassContext, idx: int, laye
                                                                                rows)
     owned = 0
     if egroup is not None and egroup.method == "gptq":
-        group = _expert_group(s, kind)
-        groups = math.ceil(s.experts / group)
-        owned = min(s.experts, math.ceil(groups / g) * group)  # the busiest rank's experts
-        o = egroup.options
-        per_token = affinity_experts(o.affinity_top_k, s.top_k, s.experts) if o.stats == "affinity" else None
-        # the Grams of the calibration samples (a top-up pool adds a few rows per starved expert: not counted)
-        row["hessians"] += _hessians(c, s, ctx.stats_batches, owned, hidden, per_token)
-        sweep = [_sweep_experts(kk, nn, group, kind) for nn, kk in ((s.p, s.h), (s.h, s.i))]
-        ch, sw = _gptq_solves(c, [(owned, s.p, s.h, sweep[0]), (owned, s.h, s.i, sweep[1])],
-                              egroup.options.block_size, egroup.options.refit_scales, egroup.options.refine_sweeps)
-        row["gptq_solve"] += ch + sw + owned * c.module_s  # gate and up: one matrix, two modules
-        if o.holdout >= 2:
-            row["gptq_solve"] += _heldout_check(c, s, sum(ctx.stats_batches), owned, o.holdout,
-                                                (bool(o.fit_unquantized), bool(o.fit_unquantized or o.fit_down)))
-        if o.fit_unquantized or o.fit_down:
-            fs, fsol = _fit_unquantized(c, s, ctx.stats_batches, owned, hidden, per_token,
-                                        down_only=not o.fit_unquantized)
-            row["hessians"] += fs
-            row["gptq_solve"] += fsol
+        owned = _gptq_experts_row(row, ctx, s, egroup)
     elif egroup is not None and egroup.method == "awq":
-        o = egroup.options
-        s_tok = min(int(o.sample_tokens), num_samples * seq_len)
-        sch = egroup.scheme
-        # the norm-scale candidates of each round and the per-expert searches (awq_pass.search_owners:
-        # about E / g each) are split over the ranks, and each rank quantizes and emits the experts it searched
-        parts = _awq_search_parts(c, s, s_tok, o, sch.group_size)
-        share = math.ceil(s.experts / g) / s.experts
-        # the busiest rank's share of the candidates' tokens: each round's candidates are split
-        rounds = awq_candidates(o.n_grid, o.grid_stride)
-        cands, mine, sub = sum(rounds), sum(math.ceil(r / g) for r in rounds), min(512, s_tok)
-        norm_share = ((mine * sub + math.ceil(3 / g) * s_tok) / (cands * sub + 3 * s_tok)
-                      if s_tok > sub else mine / cands)
-        row["awq_search"] += (norm_share * parts["norm"]
-                              + share * (parts["down"] + parts["clip"] + parts["choice"] + parts["rtn"]))
-        row["awq_search"] += s_tok * hidden * 4 * 2 / c.mem_bytes_per_s  # the samples and block outputs
+        _awq_row(row, ctx, s, egroup)
     if dense:
-        dshapes = [(1, m.out_features, m.in_features, 1) for m, _ in dense.values()]
-        mine = dshapes[::g]  # the i-th dense target belongs to rank i % G
-        row["hessians"] += sum(2 * tok * k * k / _rate(c.gram_flops, c.gram_half_rows, tok)
-                               for _, _, k, _ in dshapes for tok in gq.rank_batches)
-        refit = any(getattr(grp.options, "refit_scales", False) for _, grp in dense.values())
-        refine = max((getattr(grp.options, "refine_sweeps", 0) for _, grp in dense.values()), default=0)
-        ch, sw = _gptq_solves(c, mine, 128, refit, refine)
-        row["gptq_solve"] += ch + sw
+        _dense_row(row, ctx, dense)
     # the spool: the layer's packed results (each rank writes what it solved: the busiest rank's expert groups,
     # AWQ's about E / g experts) and the next layer's inputs (every rank its own samples')
     if g == 1:
@@ -576,6 +537,66 @@ def pass_row(row: dict, comm: dict, held: dict, ctx: PassContext, idx: int, laye
             comm[k2] = comm.get(k2, 0) + v
         row["communication"] += sum(got.values()) / link
     return calibrated
+
+
+def _gptq_experts_row(row: dict, ctx: PassContext, s: _LayerShape, egroup) -> int:
+    """Add GPTQ of one layer's routed experts to `row` (the busiest rank's: its expert groups' Hessians and
+    solves, the held-out check, the fit to the unquantized model); returns the experts that rank owns."""
+    c, kind, g, hidden = ctx.c, ctx.kind, ctx.g, ctx.hidden
+    group = _expert_group(s, kind)
+    groups = math.ceil(s.experts / group)
+    owned = min(s.experts, math.ceil(groups / g) * group)  # the busiest rank's experts
+    o = egroup.options
+    per_token = affinity_experts(o.affinity_top_k, s.top_k, s.experts) if o.stats == "affinity" else None
+    # the Grams of the calibration samples (a top-up pool adds a few rows per starved expert: not counted)
+    row["hessians"] += _hessians(c, s, ctx.stats_batches, owned, hidden, per_token)
+    sweep = [_sweep_experts(kk, nn, group, kind) for nn, kk in ((s.p, s.h), (s.h, s.i))]
+    ch, sw = _gptq_solves(c, [(owned, s.p, s.h, sweep[0]), (owned, s.h, s.i, sweep[1])],
+                          egroup.options.block_size, egroup.options.refit_scales, egroup.options.refine_sweeps)
+    row["gptq_solve"] += ch + sw + owned * c.module_s  # gate and up: one matrix, two modules
+    if o.holdout >= 2:
+        row["gptq_solve"] += _heldout_check(c, s, sum(ctx.stats_batches), owned, o.holdout,
+                                            (bool(o.fit_unquantized), bool(o.fit_unquantized or o.fit_down)))
+    if o.fit_unquantized or o.fit_down:
+        fs, fsol = _fit_unquantized(c, s, ctx.stats_batches, owned, hidden, per_token,
+                                    down_only=not o.fit_unquantized)
+        row["hessians"] += fs
+        row["gptq_solve"] += fsol
+    return owned
+
+
+def _awq_row(row: dict, ctx: PassContext, s: _LayerShape, egroup) -> None:
+    """Add AWQ's searches of one layer's routed experts to `row`: the busiest rank's share of them."""
+    c, g, hidden = ctx.c, ctx.g, ctx.hidden
+    o = egroup.options
+    s_tok = min(int(o.sample_tokens), ctx.num_samples * ctx.seq_len)
+    sch = egroup.scheme
+    # the norm-scale candidates of each round and the per-expert searches (awq_pass.search_owners:
+    # about E / g each) are split over the ranks, and each rank quantizes and emits the experts it searched
+    parts = _awq_search_parts(c, s, s_tok, o, sch.group_size)
+    share = math.ceil(s.experts / g) / s.experts
+    # the busiest rank's share of the candidates' tokens: each round's candidates are split
+    rounds = awq_candidates(o.n_grid, o.grid_stride)
+    cands, mine, sub = sum(rounds), sum(math.ceil(r / g) for r in rounds), min(512, s_tok)
+    norm_share = ((mine * sub + math.ceil(3 / g) * s_tok) / (cands * sub + 3 * s_tok)
+                  if s_tok > sub else mine / cands)
+    row["awq_search"] += (norm_share * parts["norm"]
+                          + share * (parts["down"] + parts["clip"] + parts["choice"] + parts["rtn"]))
+    row["awq_search"] += s_tok * hidden * 4 * 2 / c.mem_bytes_per_s  # the samples and block outputs
+
+
+def _dense_row(row: dict, ctx: PassContext, dense: dict) -> None:
+    """Add GPTQ of one layer's dense targets (`dense`: name -> (module, group)) to `row`: every batch's
+    Hessians, the solves of the targets the busiest rank owns."""
+    c, g, gq = ctx.c, ctx.g, ctx.gq
+    dshapes = [(1, m.out_features, m.in_features, 1) for m, _ in dense.values()]
+    mine = dshapes[::g]  # the i-th dense target belongs to rank i % G
+    row["hessians"] += sum(2 * tok * k * k / _rate(c.gram_flops, c.gram_half_rows, tok)
+                           for _, _, k, _ in dshapes for tok in gq.rank_batches)
+    refit = any(getattr(grp.options, "refit_scales", False) for _, grp in dense.values())
+    refine = max((getattr(grp.options, "refine_sweeps", 0) for _, grp in dense.values()), default=0)
+    ch, sw = _gptq_solves(c, mine, 128, refit, refine)
+    row["gptq_solve"] += ch + sw
 
 
 def kv_row(row: dict, ctx: PassContext, s, kvb: list[int]) -> None:
