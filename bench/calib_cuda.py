@@ -127,9 +127,20 @@ def kl_of(src: Path, outs: list[Path], vocab: int, seed: int) -> list[float] | N
 
 
 def kv_rel(src: Path, calib: Path, device: str, n: int, t: int) -> float:
-    a = calibrate(src, dataset=str(calib), num_samples=n, seq_len=t, device=device)
-    b = calibrate(src, dataset=str(calib), num_samples=n, seq_len=t, device="cpu")
+    a = calibrate_with(src, dataset=str(calib), num_samples=n, seq_len=t, device=device)
+    b = calibrate_with(src, dataset=str(calib), num_samples=n, seq_len=t, device="cpu")
     return max(float(((a.scales[k] - b.scales[k]).abs() / b.scales[k]).max()) for k in b.scales)
+
+
+def calibrate_with(src: Path, **kw):
+    """quantkit's `calibrate` with CalibrateOptions' fields `kw` (through CalibrateOptions where it takes one)."""
+    import inspect
+
+    import quantkit.calibrate as qc
+
+    if "opts" in inspect.signature(calibrate).parameters:
+        return calibrate(src, qc.CalibrateOptions(**kw))
+    return calibrate(src, **kw)
 
 
 def _num(x: float):

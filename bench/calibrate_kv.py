@@ -74,16 +74,19 @@ def make_tokens(root: Path, num_samples: int, seq_len: int, vocab: int = ARCH["v
 
 
 QUANTKIT_SCRIPT = textwrap.dedent("""
-    import json, sys, warnings
+    import inspect, json, sys, warnings
     warnings.simplefilter("ignore")
     from quantkit import allocator
     allocator.tune()  # as the `quantkit calibrate` command does, before torch is imported
     import torch
-    from quantkit.calibrate import calibrate, write_scales
-    res = calibrate({model!r}, dataset={ids!r}, num_samples={n}, seq_len={t}, strategy="tensor", batch_tokens={bt},
-                    dtype={dtype!r},
-                    progress=lambda i, n: print(f"layer {{i + 1}}/{{n}}", file=sys.stderr, flush=True))
-    write_scales(res, {out!r})
+    import quantkit.calibrate as qc
+    kw = dict(dataset={ids!r}, num_samples={n}, seq_len={t}, strategy="tensor", batch_tokens={bt}, dtype={dtype!r})
+    progress = lambda i, n: print(f"layer {{i + 1}}/{{n}}", file=sys.stderr, flush=True)
+    if "opts" in inspect.signature(qc.calibrate).parameters:  # calibrate(model, CalibrateOptions(...))
+        res = qc.calibrate({model!r}, qc.CalibrateOptions(**kw), progress=progress)
+    else:
+        res = qc.calibrate({model!r}, **kw, progress=progress)
+    qc.write_scales(res, {out!r})
     print(json.dumps(res.to_json()))
 """)
 
