@@ -20,8 +20,10 @@ On a GPU every tensor stays on the layer's device; results go to the host only t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ..arch.layout import DENSE_MLP, HF_BLOCK, POST_ATTN_NORM, ROUTER, shared_name
 from ..errors import CalibrationError
@@ -163,8 +165,44 @@ def _norm_search_steps(x_mean, w_mean, loss_on, x: torch.Tensor, fp_out: torch.T
     return cands[win][1], float(cands[win][0])
 
 
-def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: WeightGroup, x: torch.Tensor,
-                    n_grid: int, gu: torch.Tensor, fp_out: torch.Tensor | None = None, par=None):
+@dataclass(frozen=True)
+class MoEBlock:
+    """A decoder layer's MoE block as AWQ folds into it: the checkpoint and layer index its on-disk names come
+    from, the routed experts' names, the decoder layer, the block (`mlp`), its routed experts, its router and
+    its shared expert (None where it has none)."""
+
+    ckpt: object
+    idx: int
+    names: object
+    layer: nn.Module
+    mlp: nn.Module
+    experts: nn.Module
+    router: nn.Module | None
+    shared: nn.Module | None
+
+
+def _norm_readers(res: LayerResult, block: MoEBlock) -> list[tuple[nn.Module, str]]:
+    """The unquantized tensors that read the post-attention norm's output besides the routed experts: (module,
+    on-disk weight name) of the router and the shared expert's gate and up. One that a calibrated group has
+    already quantized is refused: its fold could not be stored."""
+    ckpt, idx = block.ckpt, block.idx
+    readers = []
+    if block.router is not None:
+        readers.append((block.router, disk_name(ckpt, idx, f"{HF_BLOCK}.{ROUTER}.weight")))
+    if block.shared is not None:
+        sname = shared_name(block.mlp)
+        for nm in (DENSE_MLP.gate, DENSE_MLP.up):
+            readers.append((getattr(block.shared, nm), disk_name(ckpt, idx, f"{HF_BLOCK}.{sname}.{nm}.weight")))
+    for _, name in readers:
+        if name[: -len(".weight")] in res.modules:
+            raise CalibrationError(f"{name[: -len('.weight')]}: quantized by a calibrated group, but it reads the "
+                                   "post-attention norm that AWQ scales",
+                                   hint="quantize it with method rtn, or leave it unquantized")
+    return readers
+
+
+def _awq_norm_scale(res, block: MoEBlock, g: WeightGroup, x: torch.Tensor, gu: torch.Tensor,
+                    fp_out: torch.Tensor | None = None, par=None):
     """(1) One per-channel scale s [H] for every routed expert's gate/up (and the shared expert's): the
     post-attention norm weight becomes norm / s, every reader of the norm output (experts, router, shared
     expert) is multiplied by s. The search loss is the MoE block output error against the unquantized block,
@@ -176,22 +214,12 @@ def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: Weig
 
     Applies the chosen fold to the layer in place, records the changed source tensors as overrides and
     returns (effective scale s [H] (float32, exact for the stored norm), alpha)."""
+    ckpt, mlp, experts, router = block.ckpt, block.mlp, block.experts, block.router
     s_gu = g.scheme.for_in_features(x.shape[-1])
     dtype = experts.gate_up_proj.dtype
-    norm = layer.post_attention_layernorm
-    norm_name = disk_name(ckpt, idx, f"{POST_ATTN_NORM}.weight")
-    readers = []  # unquantized tensors that read the norm output: (module, on-disk name)
-    if router is not None:
-        readers.append((router, disk_name(ckpt, idx, f"{HF_BLOCK}.{ROUTER}.weight")))
-    if shared is not None:
-        sname = shared_name(mlp)
-        for nm in (DENSE_MLP.gate, DENSE_MLP.up):
-            readers.append((getattr(shared, nm), disk_name(ckpt, idx, f"{HF_BLOCK}.{sname}.{nm}.weight")))
-    for _, name in readers:
-        if name[: -len(".weight")] in res.modules:
-            raise CalibrationError(f"{name[: -len('.weight')]}: quantized by a calibrated group, but it reads the "
-                                   "post-attention norm that AWQ scales",
-                                   hint="quantize it with method rtn, or leave it unquantized")
+    norm = block.layer.post_attention_layernorm
+    norm_name = disk_name(ckpt, block.idx, f"{POST_ATTN_NORM}.weight")
+    readers = _norm_readers(res, block)  # unquantized tensors that read the norm output: (module, on-disk name)
     norm_w = norm.weight.detach().float().clone()
     norm_dt = source_dtype(ckpt, norm_name)
     orig = [(m, name, m.weight.detach().float().clone(), source_dtype(ckpt, name)) for m, name in readers]
@@ -228,7 +256,7 @@ def _awq_norm_scale(res, ckpt, idx, mlp, experts, router, shared, layer, g: Weig
         return (_mlp_out(mlp, xs / s_eff, dtype) - ref).square().mean()
 
     try:
-        s1, a1 = yield from _norm_search_steps(x_mean, w_mean, block_loss, x, fp_out, n_grid, par,
+        s1, a1 = yield from _norm_search_steps(x_mean, w_mean, block_loss, x, fp_out, g.options.n_grid, par,
                                                g.options.grid_stride)
     finally:
         experts.gate_up_proj.data.copy_(gu.to(dtype))  # gu is the float32 copy of these very values
@@ -323,8 +351,8 @@ def _share_search_results(par, owner: list[int], tensors: list[torch.Tensor], la
         labels[e] = everyone[o][e]
 
 
-def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, layer, g: WeightGroup,
-              stats: ExpertStats, fp_out: torch.Tensor | None = None, par=None):
+def awq_steps(res: LayerResult, block: MoEBlock, g: WeightGroup, stats: ExpertStats,
+              fp_out: torch.Tensor | None = None, par=None):
     """AWQ for a MoE block: (1) one scale s [H] shared by every routed expert's gate/up (and the shared
     expert's), searched on the MoE block output and folded into the post-attention norm (router and shared
     expert compensated, see `_awq_norm_scale`); (2) per-expert up->down scales folded into up_proj, searched
@@ -340,77 +368,106 @@ def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, 
     A generator, so that a distributed caller can keep the collectives out of its failure-propagating steps:
     each `next()` runs a step and, in a distributed pass, yields the function that exchanges its results
     between the ranks (a collective: every rank calls it); the last `next()` ends it (one process: the only
-    `next()` runs every step, quantizing and emitting included). Distributed (`par`, calib/parallel.py; every rank holds the same samples and the same layer):
-    the candidates of each round of (1) are split over the ranks and their losses exchanged (two more
-    yields), the per-expert searches (2) and (3) are split too (`search_owners`), and each rank quantizes and
+    `next()` runs every step, quantizing and emitting included). Distributed (`par`, calib/parallel.py; every
+    rank holds the same samples and the same layer): the candidates of each round of (1) are split over the
+    ranks and their losses exchanged (two more yields), the per-expert searches (2) and (3) are split too (`search_owners`), and each rank quantizes and
     emits the experts it searched, then sends their quantized weights to every rank (the last yield; the
     caller broadcasts the rest of the layer from rank 0). Every candidate, every expert's search and its
     quantization sees the same operands whatever the world size."""
-    n_grid = g.options.n_grid
-    do_clip = g.options.clip
-    do_down = g.options.scale_down
-    E, P, H, I = stats.E, stats.P, stats.H, stats.I
-    half = P // 2
-    s_gu = g.scheme.for_in_features(H)
-    s_dn = g.scheme.for_in_features(I)
+    experts = block.experts
     x, sidx = stats.samples()  # [T, H]: the MoE block's input (the post-attention norm output)
-    dev = x.device
     # the weights before AWQ, in the layer's dtype (float32 copies would be exact but twice a bfloat16 layer)
     original = {"gu": experts.gate_up_proj.detach().clone(), "down": experts.down_proj.detach().clone()}
 
     # (1) norm -> gate/up
     leader = par is None or not par.distributed or par.leader
-    s1, a1 = yield from _awq_norm_scale(res if leader else LayerResult(), ckpt, idx, mlp, experts, router, shared,
-                                        layer, g, x, n_grid, original["gu"], fp_out, par)
+    found = _Found(g, stats, experts.act_fn, x.device)
+    found.s1, found.a1 = yield from _awq_norm_scale(res if leader else LayerResult(), block, g, x, original["gu"],
+                                                    fp_out, par)
     gu = experts.gate_up_proj.detach()  # = original * s1, [E, P, H]; float32 per searched batch of experts
-    dn = original["down"]  # [E, H, I]
-    x_scaled = x / s1  # what the experts now see
-
-    # coverage: counted on the sampled tokens the searches use
-    low, min_tokens, fallback, mode = coverage(g.options, stats)
-    sampled = torch.bincount(sidx.flatten(), minlength=E + 1)[:E].cpu()
-    if g.options.min_tokens is None:
-        min_tokens = max(1, math.ceil(0.005 * x.shape[0]))
-    if mode == "routed":
-        low = sampled < min_tokens
-    reasons: list[str | None] = [None] * E
-    for e in low.nonzero().flatten().tolist():
-        if mode == "all":
-            reasons[e] = "stats: all tokens"
-        else:
-            reasons[e] = (f"{int(sampled[e])} routed tokens < min_tokens {min_tokens}: "
-                          + ("down scale 1, no clipping" if fallback == "rtn" else "searched on all tokens"))
+    x_scaled = x / found.s1  # what the experts now see
+    low, fallback, sampled = found.coverage(x, sidx)
 
     # (2) per-expert up -> down scale and (3) clipping
-    s2 = torch.ones(E, I, device=dev)
-    a2 = torch.full((E,), -1.0, device=dev)
-    clip_gu = torch.ones(E, P, H // (s_gu.group_size or H), device=dev)
-    clip_dn = torch.ones(E, H, I // (s_dn.group_size or I), device=dev)
-    clipped = [""] * E
     owner = search_owners(sampled.tolist(), par.size if par is not None and par.distributed else 1)
     mine = None
     if par is not None and par.distributed:
         mine = torch.tensor([o == par.rank for o in owner], dtype=torch.bool)
-    for ids, xe, wt in _awq_expert_batches(stats, x_scaled, low.to(dev), fallback, only=mine):
+    for ids, xe, wt in _awq_expert_batches(stats, x_scaled, low.to(x.device), fallback, only=mine):
+        found.search(ids, xe, wt, gu, original["down"])
+    if mine is not None:
+        yield lambda: _share_search_results(par, owner, [found.s2, found.a2, found.clip_gu, found.clip_dn],
+                                            found.clipped)
+    # (4) quantize and emit: each rank the experts whose searches it ran (one process: every expert), then every
+    # rank gets the others' quantized weights (the last exchange)
+    _quantize_experts(res, block, stats, found, original, mine)
+    if mine is not None:
+        yield lambda: _share_rows(par, owner, [experts.gate_up_proj.data, experts.down_proj.data])
+
+
+class _Found:
+    """What AWQ finds for a layer's routed experts (awq_steps): the norm scale s1 [H] and its alpha a1, each
+    expert's up -> down scale s2 [E, I] and its alpha a2 [E], the clip ratios of its gate/up and down (1: none)
+    and which of them it kept, and why an expert fell back (`reasons`)."""
+
+    def __init__(self, g: WeightGroup, stats: ExpertStats, act_fn, dev: torch.device):
+        E, P, H, I = stats.E, stats.P, stats.H, stats.I
+        self.g, self.stats, self.act_fn, self.dev = g, stats, act_fn, dev
+        self.s_gu, self.s_dn = g.scheme.for_in_features(H), g.scheme.for_in_features(I)
+        self.s1 = self.a1 = None
+        self.s2 = torch.ones(E, I, device=dev)
+        self.a2 = torch.full((E,), -1.0, device=dev)
+        self.clip_gu = torch.ones(E, P, H // (self.s_gu.group_size or H), device=dev)
+        self.clip_dn = torch.ones(E, H, I // (self.s_dn.group_size or I), device=dev)
+        self.clipped = [""] * E
+        self.reasons: list[str | None] = [None] * E
+
+    def coverage(self, x: torch.Tensor, sidx: torch.Tensor):
+        """(low [E] bool, fallback, sampled tokens per expert [E]): the experts below the coverage threshold,
+        counted on the sampled tokens x [T, H] (routed to sidx [T, k]) the searches use; `reasons` set."""
+        g, E = self.g, self.stats.E
+        low, min_tokens, fallback, mode = coverage(g.options, self.stats)
+        sampled = torch.bincount(sidx.flatten(), minlength=E + 1)[:E].cpu()
+        if g.options.min_tokens is None:
+            min_tokens = max(1, math.ceil(0.005 * x.shape[0]))
+        if mode == "routed":
+            low = sampled < min_tokens
+        for e in low.nonzero().flatten().tolist():
+            if mode == "all":
+                self.reasons[e] = "stats: all tokens"
+            else:
+                self.reasons[e] = (f"{int(sampled[e])} routed tokens < min_tokens {min_tokens}: "
+                                   + ("down scale 1, no clipping" if fallback == "rtn" else "searched on all tokens"))
+        return low, fallback, sampled
+
+    def search(self, ids: torch.Tensor, xe: torch.Tensor, wt: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor):
+        """(2) and (3) for experts `ids` on their tokens xe [e, t, H] (scaled by s1) with token weights wt [e, t]
+        (0 on padding): gu [E, P, H] the scaled gate/up, dn [E, H, I] the down weights."""
+        o, s_dn, dev = self.g.options, self.s_dn, self.dev
         gu_e, dn_e = gu[ids].float(), dn[ids].float()  # [e, P, H], [e, H, I]
         g_, u_ = torch.bmm(xe, gu_e.transpose(1, 2)).chunk(2, dim=-1)
-        he = experts.act_fn(g_) * u_  # [e, t, I]: down_proj inputs
+        he = self.act_fn(g_) * u_  # [e, t, I]: down_proj inputs
         del g_, u_
-        w2 = wt.square()  # [e, t]: each token's share of the block output error
         real = (wt > 0).float()
         cnt = real.sum(1).clamp(min=1)
-
-        if do_down:
+        if o.scale_down:
             expert_loss = down_scale_loss(he, wt, dn_e, s_dn)
             h_mean = torch.bmm(real[:, None, :], he.abs())[:, 0] / cnt[:, None]  # mean |he| over real tokens
-            best, a_best, _ = search_scales(h_mean, _group_w_mean(dn_e, s_dn.group_size), expert_loss, n_grid,
-                                            stride=g.options.grid_stride)
+            best, a_best, _ = search_scales(h_mean, _group_w_mean(dn_e, s_dn.group_size), expert_loss, o.n_grid,
+                                            stride=o.grid_stride)
             del expert_loss
         else:
-            best, a_best = torch.ones(len(ids), I, device=dev), torch.full((len(ids),), -1.0, device=dev)
-        s2[ids], a2[ids] = best, a_best.float()
-        if not do_clip:
-            continue
+            best, a_best = torch.ones(len(ids), self.stats.I, device=dev), torch.full((len(ids),), -1.0, device=dev)
+        self.s2[ids], self.a2[ids] = best, a_best.float()
+        if o.clip:
+            self._clip(ids, xe, wt, he, gu_e, dn_e, best)
+
+    def _clip(self, ids, xe, wt, he, gu_e, dn_e, best) -> None:
+        """(3): each linear's clip ratios searched on the inputs it now sees (token-weighted), each kept only
+        where it lowers the expert's output error with everything quantized."""
+        s_gu, s_dn, dev = self.s_gu, self.s_dn, self.dev
+        half = gu_e.shape[1] // 2
+        w2 = wt.square()  # [e, t]: each token's share of the block output error
         # the matrices as they will be quantized: up rows / s2, down columns * s2
         gu_s = torch.cat([gu_e[:, :half], gu_e[:, half:] / best[:, :, None]], 1)
         dn_s = dn_e * best[:, None, :]
@@ -431,7 +488,7 @@ def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, 
         for cg in (False, True):
             q_gu = fake_quant(gu_s, s_gu.num_bits, s_gu.group_size, s_gu.symmetric, r_gu if cg else None)
             g_, u_ = torch.bmm(xe, q_gu.transpose(1, 2)).chunk(2, dim=-1)
-            hq = experts.act_fn(g_) * u_  # the down inputs with gate/up quantized (clipped or not)
+            hq = self.act_fn(g_) * u_  # the down inputs with gate/up quantized (clipped or not)
             del g_, u_, q_gu
             for cd in (False, True):
                 d = torch.baddbmm(ref, hq, q_dn[cd].transpose(1, 2), beta=-1)  # [e, t, H]: output error
@@ -446,24 +503,30 @@ def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, 
         choice = choice.cpu()
         for r, e in enumerate(ids.tolist()):
             if choice[r, 0]:
-                clip_gu[e] = r_gu[r]
+                self.clip_gu[e] = r_gu[r]
             if choice[r, 1]:
-                clip_dn[e] = r_dn[r]
-            clipped[e] = {(False, False): "none", (True, False): "gate_up", (False, True): "down",
-                          (True, True): "gate_up+down"}[(bool(choice[r, 0]), bool(choice[r, 1]))]
-        del ref, hq, q_dn
-    if mine is not None:
-        yield lambda: _share_search_results(par, owner, [s2, a2, clip_gu, clip_dn], clipped)
-    # (4) quantize and emit: each rank the experts whose searches it ran (one process: every expert), then every
-    # rank gets the others' quantized weights (the last exchange). Every step is per expert: the same bytes
-    # whatever the chunks (the SQNR on the CPU one expert at a time, as GPTQ's)
+                self.clip_dn[e] = r_dn[r]
+            self.clipped[e] = {(False, False): "none", (True, False): "gate_up", (False, True): "down",
+                               (True, True): "gate_up+down"}[(bool(choice[r, 0]), bool(choice[r, 1]))]
+
+
+def _quantize_experts(res: LayerResult, block: MoEBlock, stats: ExpertStats, found: _Found, original: dict,
+                      mine: torch.Tensor | None) -> None:
+    """(4) RTN of the experts `mine` (None: every one) with the found scales and clip ratios, emitted and written
+    back into the layer. Every step is per expert: the same bytes whatever the chunks (the SQNR on the CPU one
+    expert at a time, as GPTQ's)."""
+    experts, names = block.experts, block.names
+    E, P = stats.E, stats.P
+    half, dev, s2 = P // 2, found.dev, found.s2
     # to report SQNR against the original weights: effective weight = stored / (what was folded into it)
-    unfold = {"gu": torch.cat([torch.ones(E, half, 1, device=dev), s2[:, :, None]], 1) / s1,
+    unfold = {"gu": torch.cat([torch.ones(E, half, 1, device=dev), s2[:, :, None]], 1) / found.s1,
               "down": 1.0 / s2[:, None, :]}
-    src_dtype = source_dtype(ckpt, names.module(0, "gate") + ".weight")
-    a2 = a2.tolist()
+    src_dtype = source_dtype(block.ckpt, names.module(0, "gate") + ".weight")
+    a2 = found.a2.tolist()
+    gu, dn = experts.gate_up_proj.detach(), original["down"]
     todo = [e for e in range(E) if mine is None or bool(mine[e])]
-    for key, s, clip, param in (("gu", s_gu, clip_gu, experts.gate_up_proj), ("down", s_dn, clip_dn, experts.down_proj)):
+    for key, s, clip, param in (("gu", found.s_gu, found.clip_gu, experts.gate_up_proj),
+                                ("down", found.s_dn, found.clip_dn, experts.down_proj)):
         parts = (("gate", slice(0, half)), ("up", slice(half, P))) if key == "gu" else (("down", slice(None)),)
         for c in _expert_chunks(len(todo), param[0].numel()):  # a chunk of this rank's experts at a time
             ids = todo[c]
@@ -486,9 +549,9 @@ def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, 
             qh, sh = q.cpu(), qp.scale.cpu()  # emitted from the host (no-ops on the CPU)
             zh = None if qp.zero_point is None else qp.zero_point.cpu()
             for j, e in enumerate(ids):
-                meta = {"method": "awq", "tokens": int(stats.counts[e]), "fallback": reasons[e],
-                        "awq_alpha": round(a1, 3), "awq_down_alpha": round(float(a2[e]), 3),
-                        "awq_clip": clipped[e] or "none"}
+                meta = {"method": "awq", "tokens": int(stats.counts[e]), "fallback": found.reasons[e],
+                        "awq_alpha": round(found.a1, 3), "awq_down_alpha": round(float(a2[e]), 3),
+                        "awq_clip": found.clipped[e] or "none"}
                 for kind, rows in parts:
                     zp = None if zh is None else zh[j, rows]
                     emit(res, names.module(e, kind), qh[j, rows], QParams(sh[j, rows], zp), s, src_dtype,
@@ -496,5 +559,3 @@ def awq_steps(res: LayerResult, ckpt, idx, names, mlp, experts, router, shared, 
                           "sqnr_domain": "original weights (AWQ scales unfolded)"})
             param.data[c] = deq.to(param.dtype)
             del q, deq
-    if mine is not None:
-        yield lambda: _share_rows(par, owner, [experts.gate_up_proj.data, experts.down_proj.data])

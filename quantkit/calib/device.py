@@ -53,6 +53,18 @@ def resolve_device(spec: str | torch.device | None = None) -> torch.device:
     return torch.device("cuda", index)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a calibrated pass computes (calib/spool.py run_calibrated), as LayerExecutor takes it: `device`
+    (cpu, cuda, cuda:N, auto; None: options.DEVICE), `dtype` the layers compute in (a torch dtype, auto,
+    float32, bfloat16; None: the device's compute dtype), `available_bytes` the device memory the plan may use
+    (None: what the GPU reports free; the CPU is not checked)."""
+
+    device: str | torch.device | None = None
+    dtype: torch.dtype | str | None = None
+    available_bytes: int | None = None
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

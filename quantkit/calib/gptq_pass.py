@@ -12,6 +12,8 @@ Where the layer lives (calib/device.py): on the CPU the Hessians are factorized 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -19,7 +21,7 @@ from ..errors import CalibrationError
 from ..match.recipe import WeightGroup
 from ..pack.layout import fp4_module
 from ..quant import fp4
-from ..quant.gptq import gptq, refine_codes, refit_scales
+from ..quant.gptq import FixedGrid, GPTQArgs, gptq, refine_codes, refit_scales
 from ..quant.int4 import QParams, dequantize, rtn, sqnr_db
 from .emit import LayerResult, emit, emit_tensors, source_dtype
 from .hessians import ExpertStats, LinearStats, coverage
@@ -63,28 +65,36 @@ class _FP4Grid:
                           None if self.global_scale is None else self.global_scale[j].cpu())
 
 
-def _solve(w: torch.Tensor, h: torch.Tensor, s, refit: bool = False, refine: int = 0, **kw):
-    """GPTQ of w [c, N, K]: (result, FP4 grid or None). INT4 chooses its group parameters in the sweep;
-    `refit` (options.refit_scales, INT4): then its group scales are refitted to the codes and zero points
-    (quant/gptq.py refit_scales); `refine` (options.refine_sweeps, INT4): then that many
-    coordinate-descent sweeps move the codes under the final scales (quant/gptq.py refine_codes). With `fit`
-    (quant/gptq.py gptq) both work on the fitted weights the solve quantized; an FP4 grid's scales are chosen
-    from the weights as they are."""
-    kw = {**kw, "solve_dtype": solve_dtype(w.device)}
+def solve_args(s, options, device: torch.device, factor_chunk: int | None = None) -> GPTQArgs:
+    """GPTQ's arguments (quant/gptq.py GPTQArgs) for the scheme `s` (an FP4 grid: its 4-bit codes, symmetric) and
+    a group's GPTQOptions (damp, actorder, block_size, observer), solved on `device`, `factor_chunk` matrices
+    factorized at a time (None: all)."""
+    return GPTQArgs(num_bits=4 if s.fp4 else s.num_bits, group_size=s.group_size,
+                    symmetric=True if s.fp4 else s.symmetric, damp=options.damp, block_size=options.block_size,
+                    actorder=options.actorder, observer=options.observer, solve_dtype=solve_dtype(device),
+                    factor_chunk=factor_chunk)
+
+
+def _solve(w: torch.Tensor, h: torch.Tensor, s, args: GPTQArgs, options=None, fit=None):
+    """GPTQ of w [c, N, K] under `args` (solve_args): (result, FP4 grid or None). INT4 chooses its group
+    parameters in the sweep; with `options` (a group's GPTQOptions; None: neither of these), `refit_scales`
+    (INT4): then its group scales are refitted to the codes and zero points (quant/gptq.py refit_scales);
+    `refine_sweeps` (INT4): then that many coordinate-descent sweeps move the codes under the final scales
+    (quant/gptq.py refine_codes). With `fit` (quant/gptq.py gptq) both work on the fitted weights the solve
+    quantized; an FP4 grid's scales are chosen from the weights as they are."""
     if not s.fp4:
-        r = gptq(w, h, s.num_bits, s.group_size, s.symmetric, **kw)
+        r = gptq(w, h, args, fit=fit)
         wt = w if r.target is None else r.target
-        zp = r.qparams.zero_point
-        if refit:
-            r.qparams.scale.copy_(refit_scales(wt, r.q, r.qparams.scale, h, r.damping, solve_dtype=kw["solve_dtype"],
-                                               zero_point=zp)[0])
-        if refine:
-            r.q.copy_(refine_codes(wt, r.q, r.qparams.scale, h, r.damping, num_bits=s.num_bits, sweeps=refine,
-                                   zero_point=zp)[0])
+        if options is not None and options.refit_scales:
+            r.qparams.scale.copy_(refit_scales(wt, r.q, r.qparams.scale, h, r.damping, solve_dtype=args.solve_dtype,
+                                               zero_point=r.qparams.zero_point)[0])
+        if options is not None and options.refine_sweeps:
+            r.q.copy_(refine_codes(wt, r.q, r.qparams, h, r.damping, num_bits=s.num_bits,
+                                   sweeps=options.refine_sweeps)[0])
         return r, None
-    weight = torch.diagonal(h, dim1=-2, dim2=-1).float() if kw.get("observer") == "mse" else None
+    weight = torch.diagonal(h, dim1=-2, dim2=-1).float() if args.observer == "mse" else None
     grid = _FP4Grid(s, w, weight)
-    return gptq(w, h, 4, s.group_size, True, static_scale=grid.eff, quantize_column=fp4.quantize_column, **kw), grid
+    return gptq(w, h, args, grid=FixedGrid(grid.eff, fp4.quantize_column), fit=fit), grid
 
 
 def _rtn_into(q: torch.Tensor, qp: QParams, grid, w: torch.Tensor, s, sel: torch.Tensor) -> None:
@@ -105,9 +115,7 @@ def gptq_dense(res: LayerResult, ckpt, disk: str, mod: nn.Linear, g: WeightGroup
     w = mod.weight.detach().float()
     s = g.scheme.for_in_features(w.shape[1])
     h = st.hessian()[None]
-    r, grid = _solve(w[None], h, s, damp=g.options.damp, actorder=g.options.actorder,
-                     block_size=g.options.block_size, refit=g.options.refit_scales, refine=g.options.refine_sweeps,
-                     **({"observer": g.options.observer} if g.options.observer != "minmax" else {}))
+    r, grid = _solve(w[None], h, s, solve_args(s, g.options, w.device), g.options)
     meta = {"method": "gptq", "tokens": st.count, "damping": round(float(r.damping[0]), 6), "fallback": r.fallback[0]}
     if bool(_unseen(h)[0]):  # as for the experts: GPTQ would zero every weight
         meta.update(method="rtn", fallback=UNSEEN)
@@ -203,154 +211,207 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
     it accumulated); `share_expert_weights` then gives every rank the others' groups. Returns, in a
     distributed pass on an INT4 grid, each owned group's codes and group parameters by (param name, first
     expert): what `share_expert_weights` sends in place of the dequantized weights; else None."""
-    E = stats.E
-    dev = stats.device
-    if group is None:
-        group = expert_group_size(E, stats.H, stats.I, dev)
-    rank = par.rank if par is not None else 0
-    owner = expert_owners(E, group, par)
-    owned = torch.tensor([o == rank for o in owner], dtype=torch.bool)
-    low, min_tokens, fallback, mode = coverage(g.options, stats)
-    held = (stats.slot >= 0).nonzero().flatten()  # the experts whose Hessians this rank holds, by slot
-    if not torch.equal(held, owned.nonzero().flatten()):
-        raise CalibrationError(f"the statistics hold the Hessians of experts {held.tolist()[:8]}..., "
-                               f"this rank solves {owned.nonzero().flatten().tolist()[:8]}...")
-    n_tok = stats.aff_counts if mode == "affinity" else stats.counts  # the tokens in each expert's Hessians
-    counts = n_tok[held].clamp(min=1).float().to(dev)
-    # the sums become 2/n-scaled Hessians in place: the statistics are not used after this
-    h_gu = stats.h_gu.mul_((2.0 / counts)[:, None, None])
-    h_down = stats.h_down.mul_((2.0 / counts)[:, None, None])
-    slot = stats.slot.tolist()
-    reasons = [None] * E
-    use_rtn = torch.zeros(E, dtype=torch.bool)
-    if low.any():
+    job = _ExpertSolves(res, ckpt, names, experts, g, stats, group, par)
+    # each solve batch allocates and frees the same 1-32 MiB temporaries (factorizations, sweeps, refits):
+    # served from the heap, not as fresh mappings faulted in again for every batch (weights.reuse_heap)
+    with reuse_heap():
+        for key in ("gu", "down"):
+            job.solve_all(key)
+    return job.packed
+
+
+class _Batch:
+    """One sweep batch of experts `ids` of a layer's gate/up or down weights: what its solve, its checks and its
+    emission share."""
+
+    def __init__(self, ids: list[int], w: torch.Tensor, hb: torch.Tensor, idx: torch.Tensor):
+        self.ids, self.w, self.hb, self.idx = ids, w, hb, idx  # w [c, N, K] float32, hb [c, K, K]
+        self.fit = None  # (cross-Grams, alpha) of the fitted experts (quant/gptq.py `fit`)
+        self.r = self.grid = self.q = self.qp = self.deq = self.checks = None
+        self.unseen = self.rtn_now = None
+
+
+class _ExpertSolves:
+    """One layer's expert solves (`gptq_experts`): the Hessians, each expert's coverage and fallback, and the
+    fit and held-out state every solve batch reads."""
+
+    def __init__(self, res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: ExpertStats, group: int | None,
+                 par):
+        self.res, self.names, self.experts, self.g, self.stats, self.par = res, names, experts, g, stats, par
+        self.E = E = stats.E
+        self.dev = stats.device
+        self.group = expert_group_size(E, stats.H, stats.I, self.dev) if group is None else group
+        self.rank = par.rank if par is not None else 0
+        self.owner = expert_owners(E, self.group, par)
+        self.owned = torch.tensor([o == self.rank for o in self.owner], dtype=torch.bool)
+        self._hessians()
+        self._fit_state()
+        self.packed = {} if par is not None and par.distributed and not g.scheme.for_in_features(stats.H).fp4 else None
+        self.src_dtype = source_dtype(ckpt, names.module(0, "gate") + ".weight")
+
+    def _hessians(self) -> None:
+        """The held Hessians scaled to 2/n in place, and each expert's coverage: the experts below it take the
+        all-token Hessians (`fallback: all_tokens`) or RTN (`use_rtn`), with the reason (`reasons`)."""
+        stats, owned, dev, E = self.stats, self.owned, self.dev, self.E
+        low, min_tokens, fallback, mode = coverage(self.g.options, stats)
+        self.low, self.mode = low, mode
+        held = (stats.slot >= 0).nonzero().flatten()  # the experts whose Hessians this rank holds, by slot
+        if not torch.equal(held, owned.nonzero().flatten()):
+            raise CalibrationError(f"the statistics hold the Hessians of experts {held.tolist()[:8]}..., "
+                                   f"this rank solves {owned.nonzero().flatten().tolist()[:8]}...")
+        n_tok = stats.aff_counts if mode == "affinity" else stats.counts  # the tokens in each expert's Hessians
+        self.counts = counts = n_tok[held].clamp(min=1).float().to(dev)
+        # the sums become 2/n-scaled Hessians in place: the statistics are not used after this
+        self.h = {"gu": stats.h_gu.mul_((2.0 / counts)[:, None, None]),
+                  "down": stats.h_down.mul_((2.0 / counts)[:, None, None])}
+        self.slot = stats.slot.tolist()
+        self.reasons = [None] * E
+        self.use_rtn = torch.zeros(E, dtype=torch.bool)
+        if not low.any():
+            return
         ids = low.nonzero().flatten()
         if fallback == "rtn" and mode != "all":
-            use_rtn[ids] = True
+            self.use_rtn[ids] = True
         else:
             mine = ids[owned[ids]]
             if stats.h_all_skipped:  # reduce() decided from the same counts and rule: cannot happen
                 raise CalibrationError(f"experts {ids.tolist()[:8]} need the all-token Hessian, which was not summed")
             if mine.numel():
                 rows = stats.slot[mine].to(dev)
-                h_gu[rows] = stats.h_all * (2.0 / max(stats.total, 1))
-                h_down[rows] = _all_token_down_hessians(stats, mine.to(dev))
+                self.h["gu"][rows] = stats.h_all * (2.0 / max(stats.total, 1))
+                self.h["down"][rows] = _all_token_down_hessians(stats, mine.to(dev))
         for e in ids.tolist():
-            reasons[e] = ("stats: all tokens" if mode == "all" else
-                          f"{int(n_tok[e])} {'affinity' if mode == 'affinity' else 'routed'} tokens "
-                          f"< min_tokens {min_tokens}: "
-                          + ("RTN" if use_rtn[e] else "Hessian from all tokens"))
-    kw = dict(damp=g.options.damp, actorder=g.options.actorder,
-              block_size=g.options.block_size, refit=g.options.refit_scales, refine=g.options.refine_sweeps)
-    if g.options.observer != "minmax":
-        kw["observer"] = g.options.observer
-    half = stats.P // 2
-    # fit_unquantized: the experts with routed (or affinity) statistics are fitted to the unquantized model's
-    # outputs; fit_down: their down_proj alone, to the unquantized gate/up's outputs. Either way down_proj's
-    # statistics are summed once gate/up are quantized (below). The weight of each kind's correction:
-    alpha = {"gu": float(g.options.fit_unquantized) if stats.a_gu is not None else 0.0,
-             "down": float(g.options.fit_unquantized or g.options.fit_down) if stats.defer_down else 0.0}
-    packed = {} if par is not None and par.distributed and not g.scheme.for_in_features(stats.H).fp4 else None
-    fitted = owned & ~low & ~use_rtn if alpha["down"] else torch.zeros(E, dtype=torch.bool)
-    # held-out rows of every owned expert, the down inputs from the unquantized gate/up (computed before
-    # the gate/up solves write their results back; a fitted expert's come from its quantized gate/up, below)
-    heldout = ({e: stats.heldout_inputs(e, down=not bool(fitted[e])) for e in range(E) if owned[e]}
-               if stats.holdout else None)
-    a_gu = stats.a_gu.mul_((2.0 / counts)[:, None, None]) if alpha["gu"] else None
-    # the fitted experts' held-out rows, per kind: (inputs, the unquantized model's inputs or None: the
-    # same); down's are those of the quantized and of the unquantized gate/up, set once gate/up are quantized
-    fit_ho: dict[int, dict] = {}
-    if alpha["down"] and heldout is not None:
-        fit_ho = {e: {"gu": (heldout[e][0], stats.heldout_reference(e) if alpha["gu"] else None)}
-                  for e in range(E) if fitted[e]}
-    src_dtype = source_dtype(ckpt, names.module(0, "gate") + ".weight")
-    # each solve batch allocates and frees the same 1-32 MiB temporaries (factorizations, sweeps, refits):
-    # served from the heap, not as fresh mappings faulted in again for every batch (weights.reuse_heap)
-    with reuse_heap():
-        for key, param, h in (("gu", experts.gate_up_proj, h_gu), ("down", experts.down_proj, h_down)):
-            k = param.shape[-1]
-            s = g.scheme.for_in_features(k)
-            parts = (("gate", slice(0, half)), ("up", slice(half, stats.P))) if key == "gu" else (("down", slice(None)),)
-            mine = [(i0, min(E, i0 + group)) for i0 in range(0, E, group) if owner[i0] == rank]
-            per = max(1, sweep_experts(k, param.shape[1], group, dev) // group)  # groups per sweep
-            for b0 in range(0, len(mine), per):
-                ids = [e for i0, i1 in mine[b0:b0 + per] for e in range(i0, i1)]
-                idx = torch.tensor(ids, device=param.device)
-                w = param.data.index_select(0, idx).float()  # [c, N, K]
-                hb = h[slot[ids[0]]:slot[ids[0]] + len(ids)]  # the owned experts' slots are consecutive, in expert order
-                # fitted experts: GPTQ quantizes the weights that fit the unquantized model (quant/gptq.py `fit`)
-                fit_rows = fitted[idx.cpu()]
-                fit = None
-                if fit_rows.any() and alpha[key]:
-                    ab = (a_gu if key == "gu" else stats.a_down)[slot[ids[0]]:slot[ids[0]] + len(ids)]
-                    fit = (ab, fit_rows.to(dev, torch.float32) * alpha[key])
-                r, grid = _solve(w, hb, s, factor_chunk=group, fit=fit, **kw)
-                q, qp = r.q, r.qparams
-                # a matrix none of whose inputs was seen (e.g. down_proj behind an all-zero up_proj): GPTQ would
-                # zero every weight (never-seen inputs' weights are dropped); RTN keeps them
-                unseen = _unseen(hb).cpu()
-                rtn_now = use_rtn.clone()
-                rtn_now[idx.cpu()[unseen]] = True
-                sel = rtn_now[idx.cpu()]
-                if sel.any():
-                    _rtn_into(q, qp, grid, w, s, sel.to(dev))
-                checks = None
-                if heldout is not None:
-                    def retry(sub: list[int], factor: float):  # called within this iteration only
-                        fs = None if fit is None else (fit[0][sub], fit[1][sub])
-                        rs, _ = _solve(w[sub], hb[sub], s, factor_chunk=group, fit=fs, **{**kw, "damp": kw["damp"] * factor})
-                        return rs.q, rs.qparams, rs.damping
-                    pairs = [fit_ho[e][key] if e in fit_ho else (heldout[e][0 if key == "gu" else 1], None) for e in ids]
-                    checks = _heldout_check(w, q, qp, grid, s, parts, ids, rtn_now, [x for x, _ in pairs],
-                                            retry=retry if grid is None else None, refs=[xr for _, xr in pairs])
-                deq = dequantize(q, qp.scale, qp.zero_point) if grid is None else grid.dequantize(q)  # [c, N, K]
-                if key == "gu" and alpha["down"]:  # down_proj's statistics from the quantized gate/up, before
-                    # they are written back
-                    for j, e in enumerate(ids):
-                        if not fitted[e]:
-                            continue
-                        hs, as_ = stats.down_statistics(e, deq[j], w[j], float(counts[slot[e]]))
-                        h_down[slot[e]] = hs
-                        stats.a_down[slot[e]] = as_
-                        if e in fit_ho:
-                            x_ho, xr_ho = fit_ho[e]["gu"]
-                            fit_ho[e]["down"] = (stats.down_inputs(x_ho, deq[j]),
-                                                 stats.down_inputs(x_ho if xr_ho is None else xr_ho, w[j]))
-                sq = {kind: sqnr_db(w[:, rows], deq[:, rows], dim=(-2, -1)).tolist() for kind, rows in parts} \
-                    if dev.type != "cpu" else None  # one transfer per chunk on a GPU, not one per expert
-                qh = q.cpu()  # emitted from the host (a no-op on the CPU)
-                sh, zh = qp.scale.cpu(), None if qp.zero_point is None else qp.zero_point.cpu()
-                damping, fb = r.damping.tolist(), r.fallback
-                for j, e in enumerate(ids):
-                    meta = {"method": "gptq" if not rtn_now[e] else "rtn", "tokens": int(stats.counts[e]),
-                            "fallback": reasons[e] or (UNSEEN if unseen[j] else fb[j]),
-                            "damping": round(float(damping[j]), 6)}
-                    if mode == "affinity":
-                        meta["affinity_tokens"] = int(stats.aff_counts[e])
-                    if stats.pool_counts[e]:
-                        meta["pool_tokens"] = int(stats.pool_counts[e])  # of `tokens`, from the top-up pool
-                    if fitted[e] and not unseen[j] and alpha[key]:  # solved against the unquantized outputs
-                        meta["fit_unquantized" if g.options.fit_unquantized else "fit_down"] = alpha[key]
-                    for kind, rows in parts:
-                        db = sq[kind][j] if sq is not None else float(sqnr_db(w[j, rows], deq[j, rows]))
-                        m = {**meta, "sqnr_db": round(db, 4)}
-                        if checks is not None and not rtn_now[e]:
-                            m.update(checks[j][kind])
-                        if grid is not None:
-                            mod = names.module(e, kind)
-                            emit_tensors(res, mod, grid.tensors(mod, j, rows, q[j, rows]), s, m)
-                            continue
-                        zp = None if zh is None else zh[j, rows]
-                        emit(res, names.module(e, kind), qh[j, rows], QParams(sh[j, rows], zp), s, src_dtype, m)
-                param.data.index_copy_(0, idx, deq.to(param.dtype))
-                if packed is not None:  # the codes travel instead (int8, a quarter of float32's bytes)
-                    j0 = 0
-                    for i0, i1 in mine[b0:b0 + per]:
-                        zp = None if qp.zero_point is None else qp.zero_point[j0:j0 + i1 - i0].to(torch.int32)
-                        packed[(key, i0)] = (q[j0:j0 + i1 - i0].to(torch.int8), qp.scale[j0:j0 + i1 - i0].float(), zp)
-                        j0 += i1 - i0
-                del w, r, q, qp, deq
-    return packed
+            self.reasons[e] = ("stats: all tokens" if mode == "all" else
+                               f"{int(n_tok[e])} {'affinity' if mode == 'affinity' else 'routed'} tokens "
+                               f"< min_tokens {min_tokens}: "
+                               + ("RTN" if self.use_rtn[e] else "Hessian from all tokens"))
+
+    def _fit_state(self) -> None:
+        """fit_unquantized: the experts with routed (or affinity) statistics are fitted to the unquantized model's
+        outputs; fit_down: their down_proj alone, to the unquantized gate/up's outputs. Either way down_proj's
+        statistics are summed once gate/up are quantized (`_down_statistics`). `alpha`: the weight of each
+        kind's correction; `heldout`: every owned expert's held-out rows; `fit_ho`: the fitted experts'."""
+        stats, o, E = self.stats, self.g.options, self.E
+        self.alpha = {"gu": float(o.fit_unquantized) if stats.a_gu is not None else 0.0,
+                      "down": float(o.fit_unquantized or o.fit_down) if stats.defer_down else 0.0}
+        self.fitted = (self.owned & ~self.low & ~self.use_rtn if self.alpha["down"]
+                       else torch.zeros(E, dtype=torch.bool))
+        # held-out rows of every owned expert, the down inputs from the unquantized gate/up (computed before
+        # the gate/up solves write their results back; a fitted expert's come from its quantized gate/up, below)
+        self.heldout = ({e: stats.heldout_inputs(e, down=not bool(self.fitted[e])) for e in range(E) if self.owned[e]}
+                        if stats.holdout else None)
+        self.a_gu = stats.a_gu.mul_((2.0 / self.counts)[:, None, None]) if self.alpha["gu"] else None
+        # the fitted experts' held-out rows, per kind: (inputs, the unquantized model's inputs or None: the
+        # same); down's are those of the quantized and of the unquantized gate/up, set once gate/up are quantized
+        self.fit_ho: dict[int, dict] = {}
+        if self.alpha["down"] and self.heldout is not None:
+            self.fit_ho = {e: {"gu": (self.heldout[e][0], stats.heldout_reference(e) if self.alpha["gu"] else None)}
+                           for e in range(E) if self.fitted[e]}
+
+    def solve_all(self, key: str) -> None:
+        """Solve, check, emit and write back this rank's experts' gate/up ("gu") or down ("down") weights, a
+        sweep batch of solve groups at a time."""
+        param = self.experts.gate_up_proj if key == "gu" else self.experts.down_proj
+        k, E, group = param.shape[-1], self.E, self.group
+        s = self.g.scheme.for_in_features(k)
+        half = self.stats.P // 2
+        parts = ((("gate", slice(0, half)), ("up", slice(half, self.stats.P))) if key == "gu"
+                 else (("down", slice(None)),))
+        mine = [(i0, min(E, i0 + group)) for i0 in range(0, E, group) if self.owner[i0] == self.rank]
+        per = max(1, sweep_experts(k, param.shape[1], group, self.dev) // group)  # groups per sweep
+        args = solve_args(s, self.g.options, self.dev, factor_chunk=group)
+        for b0 in range(0, len(mine), per):
+            ids = [e for i0, i1 in mine[b0:b0 + per] for e in range(i0, i1)]
+            idx = torch.tensor(ids, device=param.device)
+            first = self.slot[ids[0]]  # the owned experts' slots are consecutive, in expert order
+            b = _Batch(ids, param.data.index_select(0, idx).float(), self.h[key][first:first + len(ids)], idx)
+            self._solve(b, key, s, args, parts)
+            if key == "gu" and self.alpha["down"]:  # down_proj's statistics from the quantized gate/up, before
+                self._down_statistics(b)  # they are written back
+            self._emit(b, key, s, parts)
+            param.data.index_copy_(0, idx, b.deq.to(param.dtype))
+            if self.packed is not None:  # the codes travel instead (int8, a quarter of float32's bytes)
+                j0 = 0
+                for i0, i1 in mine[b0:b0 + per]:
+                    zp = None if b.qp.zero_point is None else b.qp.zero_point[j0:j0 + i1 - i0].to(torch.int32)
+                    self.packed[(key, i0)] = (b.q[j0:j0 + i1 - i0].to(torch.int8),
+                                              b.qp.scale[j0:j0 + i1 - i0].float(), zp)
+                    j0 += i1 - i0
+            del b
+
+    def _solve(self, b: _Batch, key: str, s, args: GPTQArgs, parts) -> None:
+        """GPTQ of the batch (fitted experts: the weights that fit the unquantized model, quant/gptq.py `fit`),
+        RTN for the experts that take it, the held-out check, and the dequantized result (`b.deq`)."""
+        w, hb, dev = b.w, b.hb, self.dev
+        fit_rows = self.fitted[b.idx.cpu()]
+        if fit_rows.any() and self.alpha[key]:
+            ab = (self.a_gu if key == "gu" else self.stats.a_down)[self.slot[b.ids[0]]:self.slot[b.ids[0]] + len(b.ids)]
+            b.fit = (ab, fit_rows.to(dev, torch.float32) * self.alpha[key])
+        b.r, b.grid = _solve(w, hb, s, args, self.g.options, b.fit)
+        b.q, b.qp = b.r.q, b.r.qparams
+        # a matrix none of whose inputs was seen (e.g. down_proj behind an all-zero up_proj): GPTQ would
+        # zero every weight (never-seen inputs' weights are dropped); RTN keeps them
+        b.unseen = _unseen(hb).cpu()
+        b.rtn_now = self.use_rtn.clone()
+        b.rtn_now[b.idx.cpu()[b.unseen]] = True
+        sel = b.rtn_now[b.idx.cpu()]
+        if sel.any():
+            _rtn_into(b.q, b.qp, b.grid, w, s, sel.to(dev))
+        if self.heldout is not None:
+            def retry(sub: list[int], factor: float):  # called within this batch's check only
+                fs = None if b.fit is None else (b.fit[0][sub], b.fit[1][sub])
+                rs, _ = _solve(w[sub], hb[sub], s, replace(args, damp=args.damp * factor), self.g.options, fs)
+                return rs.q, rs.qparams, rs.damping
+            rows = [self.fit_ho[e][key] if e in self.fit_ho else (self.heldout[e][0 if key == "gu" else 1], None)
+                    for e in b.ids]
+            b.checks = _heldout_check(w, b.q, b.qp, b.grid, s, parts, sel, rows,
+                                      retry=retry if b.grid is None else None)
+        b.deq = dequantize(b.q, b.qp.scale, b.qp.zero_point) if b.grid is None else b.grid.dequantize(b.q)  # [c, N, K]
+
+    def _down_statistics(self, b: _Batch) -> None:
+        """The fitted experts' down_proj statistics (and held-out down inputs) from their quantized gate/up."""
+        stats = self.stats
+        for j, e in enumerate(b.ids):
+            if not self.fitted[e]:
+                continue
+            slot = self.slot[e]
+            hs, as_ = stats.down_statistics(e, b.deq[j], b.w[j], float(self.counts[slot]))
+            self.h["down"][slot] = hs
+            stats.a_down[slot] = as_
+            if e in self.fit_ho:
+                x_ho, xr_ho = self.fit_ho[e]["gu"]
+                self.fit_ho[e]["down"] = (stats.down_inputs(x_ho, b.deq[j]),
+                                          stats.down_inputs(x_ho if xr_ho is None else xr_ho, b.w[j]))
+
+    def _emit(self, b: _Batch, key: str, s, parts) -> None:
+        """Every module of the batch's experts into the layer's result, with its manifest fields."""
+        stats, w, deq, q = self.stats, b.w, b.deq, b.q
+        sq = {kind: sqnr_db(w[:, rows], deq[:, rows], dim=(-2, -1)).tolist() for kind, rows in parts} \
+            if self.dev.type != "cpu" else None  # one transfer per chunk on a GPU, not one per expert
+        qh = q.cpu()  # emitted from the host (a no-op on the CPU)
+        sh, zh = b.qp.scale.cpu(), None if b.qp.zero_point is None else b.qp.zero_point.cpu()
+        damping, fb = b.r.damping.tolist(), b.r.fallback
+        for j, e in enumerate(b.ids):
+            meta = {"method": "gptq" if not b.rtn_now[e] else "rtn", "tokens": int(stats.counts[e]),
+                    "fallback": self.reasons[e] or (UNSEEN if b.unseen[j] else fb[j]),
+                    "damping": round(float(damping[j]), 6)}
+            if self.mode == "affinity":
+                meta["affinity_tokens"] = int(stats.aff_counts[e])
+            if stats.pool_counts[e]:
+                meta["pool_tokens"] = int(stats.pool_counts[e])  # of `tokens`, from the top-up pool
+            if self.fitted[e] and not b.unseen[j] and self.alpha[key]:  # solved against the unquantized outputs
+                meta["fit_unquantized" if self.g.options.fit_unquantized else "fit_down"] = self.alpha[key]
+            for kind, rows in parts:
+                db = sq[kind][j] if sq is not None else float(sqnr_db(w[j, rows], deq[j, rows]))
+                m = {**meta, "sqnr_db": round(db, 4)}
+                if b.checks is not None and not b.rtn_now[e]:
+                    m.update(b.checks[j][kind])
+                if b.grid is not None:
+                    mod = self.names.module(e, kind)
+                    emit_tensors(self.res, mod, b.grid.tensors(mod, j, rows, q[j, rows]), s, m)
+                    continue
+                zp = None if zh is None else zh[j, rows]
+                emit(self.res, self.names.module(e, kind), qh[j, rows], QParams(sh[j, rows], zp), s, self.src_dtype, m)
 
 
 # Where RTN beats GPTQ on an expert's held-out rows, the expert is solved again with its damping raised by
@@ -359,20 +420,19 @@ def gptq_experts(res: LayerResult, ckpt, names, experts, g: WeightGroup, stats: 
 RETRY_DAMPING = (10.0, 100.0)
 
 
-def _heldout_check(w: torch.Tensor, q: torch.Tensor, qp: QParams, grid, s, parts, ids: list[int],
-                   use_rtn: torch.Tensor, xs: list[torch.Tensor], retry=None,
-                   refs: list[torch.Tensor | None] | None = None) -> list[dict]:
+def _heldout_check(w: torch.Tensor, q: torch.Tensor, qp: QParams, grid, s, parts, skip: torch.Tensor,
+                   heldout: list[tuple[torch.Tensor, torch.Tensor | None]], retry=None) -> list[dict]:
     """Never worse than RTN on tokens the solve did not see: for each expert j of the batch (weights w [c, N, K],
-    GPTQ's codes q and qparams, changed in place) and each part (gate, up / down), the output error
-    ||X (W - Q)^T||^2 on its held-out inputs X = xs[j] [m, K] of GPTQ's result and of RTN's. `retry(sub,
-    factor)` (INT4): GPTQ of batch experts `sub` with the damping multiplied by `factor` -> (codes, qparams,
-    damping); it runs for the experts where RTN did better on some part, each factor of RETRY_DAMPING in turn,
-    and its result competes too. Each part's rows take the codes (and INT4 scales) of the candidate with the
-    least error, the solve's own on ties. Returns per expert {part: manifest fields}: `method` (gptq or rtn),
-    `heldout` {tokens, gptq, rtn, `retries` [{damping, error}] where retried, `kept`: solve, rtn or retry},
-    errors relative to ||X W^T||^2, and `damping` where a retried solve was kept.
+    GPTQ's codes q and qparams, changed in place) that does not take RTN (`skip` [c] bool) and each part (gate,
+    up / down), the output error ||X (W - Q)^T||^2 on its held-out inputs X = heldout[j][0] [m, K] of GPTQ's
+    result and of RTN's. `retry(sub, factor)` (INT4): GPTQ of batch experts `sub` with the damping multiplied by
+    `factor` -> (codes, qparams, damping); it runs for the experts where RTN did better on some part, each
+    factor of RETRY_DAMPING in turn, and its result competes too. Each part's rows take the codes (and INT4
+    scales) of the candidate with the least error, the solve's own on ties. Returns per expert {part: manifest
+    fields}: `method` (gptq or rtn), `heldout` {tokens, gptq, rtn, `retries` [{damping, error}] where retried,
+    `kept`: solve, rtn or retry}, errors relative to ||X W^T||^2, and `damping` where a retried solve was kept.
 
-    `refs` (fit_unquantized, or fit_down for down_proj): per expert, the inputs the unquantized model (fit_down:
+    `heldout[j][1]` (fit_unquantized, or fit_down for down_proj): the inputs the unquantized model (fit_down:
     the unquantized gate/up) gives the matrix for the same held-out rows, X_ref (None: X): the error of a
     candidate D is then ||X_ref W^T - X D^T||^2, relative to ||X_ref W^T||^2."""
     dev = w.device
@@ -390,7 +450,7 @@ def _heldout_check(w: torch.Tensor, q: torch.Tensor, qp: QParams, grid, s, parts
     def errors(j: int, x: torch.Tensor, deqs: list[torch.Tensor]) -> tuple[float, list[list[float]]]:
         """||X W^T||^2 per part and each candidate's ||X (W - D)^T||^2 per part, from one product (with a
         reference X_ref: ||X_ref W^T||^2 and ||X_ref W^T - X D^T||^2)."""
-        if refs is not None and refs[j] is not None:
+        if refs[j] is not None:
             t = refs[j].to(device=dev, dtype=torch.float32) @ w[j].T
             y = torch.cat([t] + [t - x @ d.T for d in deqs], dim=1)
         else:
@@ -399,8 +459,9 @@ def _heldout_check(w: torch.Tensor, q: torch.Tensor, qp: QParams, grid, s, parts
                     for i in range(len(deqs) + 1)]
         return parts_of[0], parts_of[1:]
 
-    xs = [x.to(device=dev, dtype=torch.float32) for x in xs]
-    todo = [j for j in range(len(ids)) if xs[j].shape[0] and not bool(use_rtn[ids[j]])]
+    xs = [x.to(device=dev, dtype=torch.float32) for x, _ in heldout]
+    refs = [xr for _, xr in heldout]
+    todo = [j for j in range(len(heldout)) if xs[j].shape[0] and not bool(skip[j])]
     base = {j: errors(j, xs[j], [deq_g[j], deq_r[j]]) for j in todo}
     # candidates per expert: (error per part, codes, qparams, damping), the solve's first, then RTN's
     cands = {j: [(base[j][1][0], q[j], QParams(qp.scale[j], None if qp.zero_point is None else qp.zero_point[j]),
@@ -419,7 +480,7 @@ def _heldout_check(w: torch.Tensor, q: torch.Tensor, qp: QParams, grid, s, parts
                 cands[j].append((ed, rq[i], QParams(rqp.scale[i], None if rqp.zero_point is None
                                                     else rqp.zero_point[i]), float(rdamp[i])))
     out = []
-    for j in range(len(ids)):
+    for j in range(len(heldout)):
         if j not in base:
             out.append({kind: {"heldout": {"tokens": int(xs[j].shape[0])}} for kind, _ in parts})
             continue

@@ -8,6 +8,7 @@ ranks the statistics are reduced to the rank that owns each expert or module (ca
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,6 +20,22 @@ from . import moe
 # Legend: E = experts, T = tokens, H = hidden, I = expert intermediate, P = 2*I (gate+up rows)
 PAD_RATIO = 0.75  # routed_blocks: an expert joins a chunk with at least this share of its busiest's tokens
 PAIR_BUDGET = 1 << 26  # bytes of padded [E, T, *] activations processed at once when batching over experts
+
+
+@dataclass(frozen=True)
+class HessianOptions:
+    """What GPTQ's expert Hessians are summed over besides the routed tokens (ExpertStats, which describes
+    each): `holdout` k (every k-th routed token held out; 0: none), `router` and `affinity_top_k` (`stats:
+    affinity`), `primary_tokens` and `balance_tokens` (the top-up pool), `reference` (fit_unquantized: the
+    unquantized model's expert inputs of each forward call) and `fit_down`. Read only with need_hessians."""
+
+    holdout: int = 0
+    router: nn.Module | None = None
+    affinity_top_k: int | str | None = None
+    primary_tokens: int | None = None
+    balance_tokens: int | None = None
+    reference: list[torch.Tensor] | None = None
+    fit_down: bool = False
 
 
 class ExpertStats:
@@ -39,16 +56,13 @@ class ExpertStats:
     it owns (`owned`), so that the sums are the ones a single process computes."""
 
     def __init__(self, experts: nn.Module, need_hessians: bool, sample_tokens: int, block: nn.Module | None = None,
-                 par=None, owned: torch.Tensor | None = None, holdout: int = 0, router: nn.Module | None = None,
-                 affinity_top_k: int | None = None, primary_tokens: int | None = None,
-                 balance_tokens: int | None = None, reference: list[torch.Tensor] | None = None,
-                 fit_down: bool = False):
+                 par=None, owned: torch.Tensor | None = None, options: HessianOptions = HessianOptions()):
         """`block`: the MoE block around `experts`; when given, its outputs for the sampled tokens are kept
         too (`block_outputs`: the unquantized block's response AWQ's norm-scale search measures against).
         `par`: the pass's Parallel (None: one process); `owned` [E] bool: the experts whose Hessians this
-        rank accumulates (None: all). `holdout` k >= 2: every k-th token routed to an expert (counted over
-        the whole pass, in batch order and ascending token order within a batch) is left out of its Hessians
-        and kept as a held-out row (`heldout_inputs`) for GPTQ's check against RTN; 0: none.
+        rank accumulates (None: all). The fields of `options` (GPTQ's, HessianOptions): `holdout` k >= 2:
+        every k-th token routed to an expert (counted over the whole pass, in batch order and ascending token
+        order within a batch) is left out of its Hessians and kept as a held-out row (`heldout_inputs`) for GPTQ's check against RTN; 0: none.
         `router` (GPTQ's `stats: affinity`): each expert's Hessians then sum, over every token among its
         router's `affinity_top_k` preferred (an integer, or "nk": n times the call's top-k; None: every
         token), x x^T weighted by the router's affinity for that pair (`moe.router_affinities`), the forward
@@ -71,6 +85,7 @@ class ExpertStats:
         down_proj alone, without a reference: each call's inputs and the rows each expert took are kept, and
         down_proj's statistics, taken after gate/up are quantized, cross the quantized gate/up's outputs
         with the unquantized gate/up's for the same inputs."""
+        holdout, router, reference = options.holdout, options.router, options.reference
         self.experts = experts
         e, p, h = experts.gate_up_proj.shape
         self.E, self.P, self.H, self.I = e, p, h, experts.down_proj.shape[-1]
@@ -93,11 +108,11 @@ class ExpertStats:
         self.router = router if need_hessians else None
         if self.router is not None:
             moe.router_weight(router, h, e)  # checked before the pass, not at its first batch
-        self.affinity_top_k = affinity_top_k
+        self.affinity_top_k = options.affinity_top_k
         self.aff_counts = torch.zeros(e, dtype=torch.long)
         self.total = 0
-        self.primary = primary_tokens if need_hessians else None
-        self.balance = balance_tokens
+        self.primary = options.primary_tokens if need_hessians else None
+        self.balance = options.balance_tokens
         self._seen = 0  # rows observed, the pool's included
         self.pool_counts = torch.zeros(e, dtype=torch.long)  # routed rows each expert took from the pool
         self.sample_tokens = sample_tokens
@@ -111,7 +126,7 @@ class ExpertStats:
         self.reference = reference if need_hessians else None
         self.a_gu = torch.zeros(n, h, h, device=dev) if self.reference is not None else None
         # down_proj's statistics wait for the quantized gate/up (fit_unquantized or fit_down)
-        self.defer_down = need_hessians and (self.reference is not None or fit_down)
+        self.defer_down = need_hessians and (self.reference is not None or options.fit_down)
         self.a_down = torch.zeros(n, self.I, self.I, device=dev) if self.defer_down else None
         # (x, x_ref or None) of every call: fit_unquantized's two streams, fit_down's one
         self.kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []

@@ -23,10 +23,10 @@ from ..arch.layout import hf_moe_parts
 from ..errors import CalibrationError
 from ..match.recipe import Recipe, WeightGroup, affinity_experts
 from ..read.checkpoint import Checkpoint
-from .awq_pass import awq_steps
+from .awq_pass import MoEBlock, awq_steps
 from .emit import LayerResult, emit_expert_input_scales, emit_input_scale
 from .gptq_pass import gptq_dense, gptq_experts
-from .hessians import ExpertStats, LinearStats
+from .hessians import ExpertStats, HessianOptions, LinearStats
 from .observers import ExpertInputAmax, LinearInputAmax
 from .names import disk_name, expert_names
 from .weights import reuse_heap
@@ -71,6 +71,130 @@ def linear_targets(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Module)
     return names, egroup, dense
 
 
+class _Layer:
+    """One decoder layer's calibrated quantization (quantize_layer): its targets, its MoE block's parts, the
+    rank it runs on and the result it builds."""
+
+    def __init__(self, ckpt: Checkpoint, step, par, targets: tuple):
+        self.ckpt, self.step, self.par = ckpt, step, par
+        self.idx, self.layer = step.index, step.layer
+        self.names, self.egroup, self.dense = targets  # linear_targets
+        self.moe = _find_moe(self.layer)
+        self.dist_par = par if par is not None and par.distributed else None
+        self.rank = par.rank if par is not None else 0
+        self.res = LayerResult()
+
+    def run(self, fn, what: str, phase: str):
+        """`fn()` as one step of the pass (World.step: a failure on one rank stops every rank), timed as `phase`."""
+        if self.par is not None:
+            return self.par.step(fn, what, phase)
+        with timeline.phase(phase):
+            return fn()
+
+    def check(self, fit: bool, reference: list | None, primary_tokens: int | None) -> None:
+        """Refuse what this layer's groups cannot do: fit options on dense modules, fit_unquantized without the
+        unquantized model's stream, a top-up pool that would reach anything but GPTQ's routed experts."""
+        egroup, dense, idx = self.egroup, self.dense, self.idx
+        for disk, (_, g) in dense.items():
+            for key in ("fit_unquantized", "fit_down"):
+                if g.method == "gptq" and getattr(g.options, key):
+                    raise CalibrationError(f"{disk}: {key} applies to routed experts only",
+                                           hint="give the dense modules a group of their own without it")
+        if fit and reference is None:
+            raise CalibrationError(f"decoder layer {idx}: fit_unquantized needs the unquantized model's stream, "
+                                   "which this pass does not carry")
+        if primary_tokens is not None and (any(g.method != "rtn" or g.scheme.w4a4 for _, g in dense.values())
+                                           or (egroup is not None and egroup.method != "gptq")):
+            raise CalibrationError(f"decoder layer {idx}: the top-up pool of balance_tokens would reach modules "
+                                   f"other than GPTQ's routed experts ({', '.join(list(dense)[:3]) or 'the experts'})",
+                                   hint="target only routed experts with the balance_tokens group")
+
+    def expert_stats(self, fit: bool, reference: list | None, primary_tokens: int | None):
+        """(ExpertStats of the routed experts, their solve group size or None) for a calibrated expert group;
+        (None, None) otherwise."""
+        from .gptq_pass import expert_group_size, expert_owners
+
+        egroup = self.egroup
+        if egroup is None or egroup.method == "rtn":  # W4A4 RTN experts: their input scales only
+            return None, None
+        mlp, experts, router, _ = self.moe
+        e_, _, h_ = experts.gate_up_proj.shape
+        owned = group = None
+        gptq = egroup.method == "gptq"
+        if gptq:
+            group = expert_group_size(e_, h_, experts.down_proj.shape[-1], experts.gate_up_proj.device)
+            if self.dist_par is not None:
+                owned = torch.tensor([o == self.rank for o in expert_owners(e_, group, self.dist_par)],
+                                     dtype=torch.bool)
+        if egroup.options.stats == "affinity" and router is None:
+            raise CalibrationError(f"stats: affinity: decoder layer {self.idx} has no router module to score "
+                                   "tokens with")
+        options = HessianOptions(holdout=egroup.options.holdout if gptq else 0,
+                                 router=router if egroup.options.stats == "affinity" else None,
+                                 affinity_top_k=getattr(egroup.options, "affinity_top_k", None),
+                                 primary_tokens=primary_tokens if gptq else None,
+                                 balance_tokens=getattr(egroup.options, "balance_tokens", None),
+                                 reference=reference if fit else None, fit_down=gptq and bool(egroup.options.fit_down))
+        stats = ExpertStats(experts, need_hessians=gptq, sample_tokens=egroup.options.sample_tokens,
+                            block=mlp if egroup.method == "awq" else None, par=self.dist_par, owned=owned,
+                            options=options)
+        return stats, group
+
+    def observe(self, observers: list, stop_at) -> None:
+        """The statistics forward (up to `stop_at`, None: the whole layer) with `observers` hooked, removed after."""
+        try:
+            self.run(lambda: self.step.observe(stop_at), f"collecting the statistics of decoder layer {self.idx}",
+                     "statistics")  # all statistics
+        finally:
+            for s in observers:
+                s.remove()
+
+    def solve_dense(self, lstats: dict, dense_owner: dict) -> None:
+        """GPTQ of the dense calibrated modules, each by its owner, then broadcast to every rank."""
+        def dense_solves():
+            for disk, (mod, g) in self.dense.items():
+                if dense_owner[disk] == self.rank and g.method != "rtn":
+                    gptq_dense(self.res, self.ckpt, disk, mod, g, lstats[disk])
+
+        if any(g.method != "rtn" for _, g in self.dense.values()):  # the same on every rank: a step only if any
+            self.run(dense_solves, f"quantizing the dense modules of decoder layer {self.idx}", "solve")
+        if self.dist_par is not None:
+            for disk, (mod, g) in self.dense.items():
+                if g.method != "rtn":
+                    self.dist_par.broadcast_(mod.weight.data, dense_owner[disk])
+
+    def awq(self, stats: ExpertStats) -> None:
+        """AWQ of the routed experts, its steps run in turn with their exchanges between the ranks."""
+        mlp, experts, router, shared = self.moe
+        layer, dense, dist_par, idx = self.layer, self.dense, self.dist_par, self.idx
+        # the block's recorded outputs are its unquantized response unless a dense group above just
+        # quantized a module inside it (a shared expert's down_proj): then it is measured again
+        mlp_rel = next(n for n, m in layer.named_modules() if m is mlp) + "."
+        inside = any(n.startswith(mlp_rel) for n, m in layer.named_modules()
+                     if any(m is d for d, _ in dense.values()))
+
+        # every rank holds the same samples; the norm-scale candidates and the per-expert searches are
+        # split over the ranks, and their results exchanged between the steps (collectives, outside them)
+        block = MoEBlock(self.ckpt, idx, self.names, layer, mlp, experts, router, shared)
+        steps = awq_steps(self.res, block, self.egroup, stats, fp_out=None if inside else stats.block_outputs(),
+                          par=dist_par)
+
+        def awq_step():
+            with reuse_heap():  # hundreds of same-sized temporaries per layer
+                return next(steps, None)
+
+        share = self.run(awq_step, f"searching AWQ's scales for the experts of decoder layer {idx}", "solve")
+        while share is not None:  # an exchange between the ranks, then the next step
+            share()
+            share = self.run(awq_step, f"AWQ for the experts of decoder layer {idx}", "solve")
+        if dist_par is not None:  # AWQ changed the norm, the router and the shared expert (the same
+            # fold on every rank; rank 0's, to be sure); the routed experts came from their owners above
+            routed = {id(experts.gate_up_proj), id(experts.down_proj)}
+            for _, p in sorted(layer.named_parameters()):
+                if id(p) not in routed:
+                    dist_par.broadcast_(p.data, 0)
+
+
 def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], None] = lambda m: None,
                    par=None, primary_tokens: int | None = None, reference: list | None = None) -> LayerResult:
     """Calibrate and quantize decoder layer `step.index` in place (weights replaced by their dequantized
@@ -90,80 +214,26 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
 
     `reference` (GPTQ's fit_unquantized): the unquantized model's inputs to the routed experts for each
     forward call of the step (this rank's), in batch order (executor.forward_capture); required by such a group."""
-    from .gptq_pass import expert_group_size, expert_owners, share_expert_weights
+    from .gptq_pass import share_expert_weights
     from .hessians import reduce_linear_stats
 
-    idx, layer = step.index, step.layer
-    res = LayerResult()
-    names, egroup, dense = linear_targets(ckpt, recipe, idx, layer)
-    moe = _find_moe(layer)
+    job = _Layer(ckpt, step, par, linear_targets(ckpt, recipe, step.index, step.layer))
+    egroup, dense, dist_par, moe = job.egroup, job.dense, job.dist_par, job.moe
     if egroup is None and not dense:
-        return res
-    dist_par = par if par is not None and par.distributed else None
+        return job.res
     fit = egroup is not None and egroup.method == "gptq" and bool(egroup.options.fit_unquantized)
-    for disk, (_, g) in dense.items():
-        for key in ("fit_unquantized", "fit_down"):
-            if g.method == "gptq" and getattr(g.options, key):
-                raise CalibrationError(f"{disk}: {key} applies to routed experts only",
-                                       hint="give the dense modules a group of their own without it")
-    if fit and reference is None:
-        raise CalibrationError(f"decoder layer {idx}: fit_unquantized needs the unquantized model's stream, "
-                               "which this pass does not carry")
-    if primary_tokens is not None and (any(g.method != "rtn" or g.scheme.w4a4 for _, g in dense.values())
-                                       or (egroup is not None and egroup.method != "gptq")):
-        raise CalibrationError(f"decoder layer {idx}: the top-up pool of balance_tokens would reach modules other "
-                               f"than GPTQ's routed experts ({', '.join(list(dense)[:3]) or 'the experts'})",
-                               hint="target only routed experts with the balance_tokens group")
-
-    def run(fn, what, phase):
-        if par is not None:
-            return par.step(fn, what, phase)
-        with timeline.phase(phase):
-            return fn()
-
-    rank = par.rank if par is not None else 0
-
-    mlp = experts = router = shared = None
-    stats = None
-    group = None
+    job.check(fit, reference, primary_tokens)
     # NVFP4 W4A4 targets: their input amax, observed in the same forward as the other statistics
     act_amax = ExpertInputAmax(moe[1]) if egroup is not None and egroup.scheme.w4a4 else None
     dense_amax = {d: LinearInputAmax(m) for d, (m, g) in dense.items() if g.scheme.w4a4}
-    if egroup is not None and egroup.method == "rtn":  # W4A4 RTN experts: their input scales only
-        mlp, experts, router, shared = moe
-    elif egroup is not None:
-        mlp, experts, router, shared = moe
-        e_, _, h_ = experts.gate_up_proj.shape
-        owned = None
-        if egroup.method == "gptq":
-            group = expert_group_size(e_, h_, experts.down_proj.shape[-1], experts.gate_up_proj.device)
-            if dist_par is not None:
-                owned = torch.tensor([o == rank for o in expert_owners(e_, group, dist_par)], dtype=torch.bool)
-        if egroup.options.stats == "affinity" and router is None:
-            raise CalibrationError(f"stats: affinity: decoder layer {idx} has no router module to score tokens with")
-        stats = ExpertStats(experts, need_hessians=egroup.method == "gptq",
-                            sample_tokens=egroup.options.sample_tokens, block=mlp if egroup.method == "awq" else None,
-                            par=dist_par, owned=owned,
-                            holdout=egroup.options.holdout if egroup.method == "gptq" else 0,
-                            router=router if egroup.options.stats == "affinity" else None,
-                            affinity_top_k=getattr(egroup.options, "affinity_top_k", None),
-                            primary_tokens=primary_tokens if egroup.method == "gptq" else None,
-                            balance_tokens=getattr(egroup.options, "balance_tokens", None),
-                            reference=reference if fit else None,
-                            fit_down=egroup.method == "gptq" and bool(egroup.options.fit_down))
+    stats, group = job.expert_stats(fit, reference, primary_tokens)
     lstats = {d: LinearStats(m, dist_par) for d, (m, g) in dense.items() if g.method != "rtn"}
     dense_owner = {d: (par.dense_owner(i) if par is not None else 0) for i, d in enumerate(dense)}
     # GPTQ of the routed experts alone changes nothing the layer computes before them: the statistics pass
     # stops at the experts' call, and the forward after the solves runs only the MLP block (executor.py)
-    stop_at = experts if egroup is not None and egroup.method in ("gptq", "rtn") and not dense else None
-    observers = [*lstats.values(), *dense_amax.values(), *([stats] if stats is not None else []),
-                 *([act_amax] if act_amax is not None else [])]
-    try:
-        run(lambda: step.observe(stop_at), f"collecting the statistics of decoder layer {idx}",
-            "statistics")  # all statistics
-    finally:
-        for s in observers:
-            s.remove()
+    stop_at = moe[1] if egroup is not None and egroup.method in ("gptq", "rtn") and not dense else None
+    job.observe([*lstats.values(), *dense_amax.values(), *([stats] if stats is not None else []),
+                 *([act_amax] if act_amax is not None else [])], stop_at)
     if dist_par is not None:
         with timeline.phase("statistics"):  # the owners' Grams of the exchanged rows; the exchange nested
             if stats is not None:
@@ -173,56 +243,20 @@ def quantize_layer(ckpt: Checkpoint, recipe: Recipe, step, log: Callable[[str], 
         s.reduce(dist_par)
 
     with torch.no_grad():
-        def dense_solves():
-            for disk, (mod, g) in dense.items():
-                if dense_owner[disk] == rank and g.method != "rtn":
-                    gptq_dense(res, ckpt, disk, mod, g, lstats[disk])
-
-        if any(g.method != "rtn" for _, g in dense.values()):  # the same on every rank: a step only if any
-            run(dense_solves, f"quantizing the dense modules of decoder layer {idx}", "solve")
-        if dist_par is not None:
-            for disk, (mod, g) in dense.items():
-                if g.method != "rtn":
-                    dist_par.broadcast_(mod.weight.data, dense_owner[disk])
-        if egroup is not None and egroup.method == "rtn":
-            pass  # W4A4 RTN experts: convert quantizes the weights while streaming; their input scales below
-        elif egroup is not None:
-            if egroup.method == "gptq":
-                packed = run(lambda: gptq_experts(res, ckpt, names, experts, egroup, stats, group, dist_par),
-                             f"quantizing the experts of decoder layer {idx}", "solve")
-                share_expert_weights(experts, group, dist_par, packed, egroup.scheme)
-            else:
-                # the block's recorded outputs are its unquantized response unless a dense group above just
-                # quantized a module inside it (a shared expert's down_proj): then it is measured again
-                mlp_rel = next(n for n, m in layer.named_modules() if m is mlp) + "."
-                inside = any(n.startswith(mlp_rel) for n, m in layer.named_modules()
-                             if any(m is d for d, _ in dense.values()))
-
-                # every rank holds the same samples; the norm-scale candidates and the per-expert searches are
-                # split over the ranks, and their results exchanged between the steps (collectives, outside them)
-                steps = awq_steps(res, ckpt, idx, names, mlp, experts, router, shared, layer, egroup, stats,
-                                  fp_out=None if inside else stats.block_outputs(), par=dist_par)
-
-                def awq_step():
-                    with reuse_heap():  # hundreds of same-sized temporaries per layer
-                        return next(steps, None)
-
-                share = run(awq_step, f"searching AWQ's scales for the experts of decoder layer {idx}", "solve")
-                while share is not None:  # an exchange between the ranks, then the next step
-                    share()
-                    share = run(awq_step, f"AWQ for the experts of decoder layer {idx}", "solve")
-                if dist_par is not None:  # AWQ changed the norm, the router and the shared expert (the same
-                    # fold on every rank; rank 0's, to be sure); the routed experts came from their owners above
-                    routed = {id(experts.gate_up_proj), id(experts.down_proj)}
-                    for _, p in sorted(layer.named_parameters()):
-                        if id(p) not in routed:
-                            dist_par.broadcast_(p.data, 0)
-    if rank == 0:  # the input scales are the same on every rank (reduced above): rank 0 records them
+        job.solve_dense(lstats, dense_owner)
+        if egroup is not None and egroup.method == "gptq":
+            packed = job.run(lambda: gptq_experts(job.res, ckpt, job.names, moe[1], egroup, stats, group, dist_par),
+                             f"quantizing the experts of decoder layer {job.idx}", "solve")
+            share_expert_weights(moe[1], group, dist_par, packed, egroup.scheme)
+        elif egroup is not None and egroup.method == "awq":
+            job.awq(stats)
+        # W4A4 RTN experts: convert quantizes the weights while streaming; their input scales below
+    if job.rank == 0:  # the input scales are the same on every rank (reduced above): rank 0 records them
         if act_amax is not None:
-            emit_expert_input_scales(res, names, act_amax, idx)
+            emit_expert_input_scales(job.res, job.names, act_amax, job.idx)
         for disk, obs in dense_amax.items():
-            emit_input_scale(res, disk, obs.amax, obs.tokens)
-    return res
+            emit_input_scale(job.res, disk, obs.amax, obs.tokens)
+    return job.res
 
 
 # ---- device memory of a layer's statistics and solves (calib/device.py plans with it) ------------------

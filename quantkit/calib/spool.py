@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +24,7 @@ from ..errors import CalibrationError
 from ..match.recipe import Recipe
 from ..pack.manifest import entry_fields_ok
 from ..write.writer import fsync_path, write_json_atomic, write_safetensors
+from .device import Placement
 from .layer import quantize_layer, statistics_bytes
 
 PROGRESS_NAME = "progress.json"  # in the spool: how far an interrupted pass got
@@ -155,16 +157,16 @@ def _read_progress(spool: Path, num_layers: int, lengths: list[int], hidden: int
 
 
 def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: Callable[[int, int], None] | None = None,
-                   log: Callable[[str], None] = lambda m: None, dtype: torch.dtype | str | None = None,
-                   device: str | torch.device | None = None, available_bytes: int | None = None,
-                   world=None, pool: int = 0) -> dict | None:
+                   log: Callable[[str], None] = lambda m: None, placement: Placement = Placement(), world=None,
+                   pool: int = 0) -> dict | None:
     """Quantize every calibrated group of `recipe` layer by layer; write the spool; return its index
     {"layers": [...], "modules": {module: meta}, "overrides": [names], "device": ..., "memory": {...}}.
 
-    `device` (cpu, cuda, cuda:N, auto; None: options.DEVICE) and `dtype` (None: the device's compute dtype)
-    as for LayerExecutor. Before any layer is read, every layer's peak device memory is estimated (its
-    weights, forward, statistics and solves: layer.statistics_bytes) and checked against `available_bytes`
-    (None: what the GPU reports free; the CPU is not checked); the plan goes to `log` and the index.
+    `placement` (calib/device.py): the device (cpu, cuda, cuda:N, auto; None: options.DEVICE) and the compute
+    dtype (None: the device's) as for LayerExecutor. Before any layer is read, every layer's peak device memory
+    is estimated (its weights, forward, statistics and solves: layer.statistics_bytes) and checked against
+    `placement.available_bytes` (None: what the GPU reports free; the CPU is not checked); the plan goes to
+    `log` and the index.
 
     `world` (quantkit.dist.World; None: one process): with several ranks every rank calls this with the same
     arguments; the pass is data and expert parallel (calib/parallel.py), rank 0 writes the spool and returns
@@ -181,12 +183,13 @@ def run_calibrated(src_dir, recipe: Recipe, samples, spool: Path, *, progress: C
     after every calibration sample; only the routed experts' statistics read them (calib/hessians.py)."""
     from ..dist import World
     from .executor import LayerExecutor
-    from .parallel import Parallel
 
     w = world if world is not None else World()
     spool = Path(spool)
     with timeline.phase("setup"):
-        return _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, available_bytes, pool)
+        ex = LayerExecutor(src_dir, dtype=placement.dtype, device=placement.device, workdir=spool,
+                           available_bytes=placement.available_bytes)
+        return _run(_Pass.start(ex, w, recipe, samples, pool, spool, progress, log), samples)
 
 
 def primary_tokens(lengths: list[int], pool: int, batch_tokens: int) -> int | None:
@@ -204,72 +207,99 @@ def primary_tokens(lengths: list[int], pool: int, batch_tokens: int) -> int | No
     return sum(lengths[:first])
 
 
-def _run(w, src_dir, recipe, samples, spool, progress, log, dtype, device, available_bytes, pool=0):
-    from .executor import LayerExecutor
-    from .parallel import Parallel
+@dataclass
+class _Pass:
+    """What every layer's step of the calibrated pass needs: the executor (checkpoint, compute dtype, device
+    memory plan), the ranks (calib/parallel.py), the recipe, the samples' lengths and the calibration tokens
+    before a top-up pool (`primary`, None: no pool), the spool directory and where progress and log lines go."""
 
-    ex = LayerExecutor(src_dir, dtype=dtype, device=device, workdir=spool, available_bytes=available_bytes)
-    ckpt = ex.ckpt
-    dtype = ex.dtype
-    lengths = [int(len(x)) for x in samples]
-    ex.batch_tokens = pass_batch_tokens(ex.batch_tokens, lengths)
-    par = Parallel(w, lengths, ex.batch_tokens)
-    primary = primary_tokens(lengths, pool, ex.batch_tokens)
-    if par.distributed:
-        ex.share = set(par.mine)
-        ex.file_tag = f"-rank{par.rank}-of-{par.size}"
-    plan = ex.plan_memory(lengths, statistics=lambda i, layer: statistics_bytes(
-        ckpt, recipe, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths, par.size))  # refuses first
-    if par.leader:
-        log(plan.summary())
-    fit = fits_unquantized(recipe)
-    if fit:
-        ex.check_second_stream()  # before any layer
-    spool.mkdir(parents=True, exist_ok=True)
-    index = {"layers": [], "modules": {}, "overrides": []}
-    start, inputs = 0, samples
-    found = _read_progress(spool, ex.num_layers, lengths, ex.hidden_size, dtype, ex.batch_tokens, par.rank, par.size,
-                           reference=fit)
+    ex: object  # calib/executor.py LayerExecutor
+    par: object  # calib/parallel.py Parallel
+    recipe: Recipe
+    lengths: list[int]
+    primary: int | None
+    spool: Path
+    progress: Callable[[int, int], None] | None
+    log: Callable[[str], None]
+    plan: object = None  # calib/device.py MemoryPlan
+
+    @classmethod
+    def start(cls, ex, world, recipe: Recipe, samples, pool: int, spool: Path, progress, log) -> "_Pass":
+        """The pass over `samples` (the last `pool` of them a top-up pool) on `ex` in `world`: its batches cut, its
+        ranks' shares set and every layer's device memory planned (refused before any layer is read when a
+        layer cannot fit)."""
+        from .parallel import Parallel
+
+        lengths = [int(len(x)) for x in samples]
+        ex.batch_tokens = pass_batch_tokens(ex.batch_tokens, lengths)
+        par = Parallel(world, lengths, ex.batch_tokens)
+        p = cls(ex, par, recipe, lengths, primary_tokens(lengths, pool, ex.batch_tokens), spool, progress, log)
+        if par.distributed:
+            ex.share = set(par.mine)
+            ex.file_tag = f"-rank{par.rank}-of-{par.size}"
+        p.plan = ex.plan_memory(lengths, statistics=lambda i, layer: statistics_bytes(  # refuses first
+            ex.ckpt, recipe, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths, par.size))
+        if par.leader:
+            log(p.plan.summary())
+        return p
+
+
+def _resume(p: _Pass, samples, fit: bool):
+    """(inputs, first layer, index, the unquantized model's stream or None) to go on from: a consistent progress
+    record's, when every rank found one at the same layer, else the samples' from layer 0."""
+    ex, par = p.ex, p.par
+    found = _read_progress(p.spool, ex.num_layers, p.lengths, ex.hidden_size, ex.dtype, ex.batch_tokens, par.rank,
+                           par.size, reference=fit)
     restored = reference = None
     if found is not None:
         try:
-            restored = ex.restore_samples(found[2], lengths, par.samples())
+            restored = ex.restore_samples(found[2], p.lengths, par.samples())
             if fit:
-                reference = ex.restore_samples(found[3], lengths, par.samples())
+                reference = ex.restore_samples(found[3], p.lengths, par.samples())
         except (OSError, ValueError):  # activations that do not fit the samples: start over
             if restored is not None:
                 restored.close()
             restored = None
     # every rank resumes at the same layer, or none does
-    views = w.all_gather(None if restored is None else found[0])
+    views = par.world.all_gather(None if restored is None else found[0])
     if restored is not None and all(v == found[0] for v in views):
-        inputs, start, index = restored, found[0], found[1]
         if par.leader:
-            log(f"resuming calibration at layer {start} of {ex.num_layers}")
-    elif restored is not None:
+            p.log(f"resuming calibration at layer {found[0]} of {ex.num_layers}")
+        return restored, found[0], found[1], reference
+    if restored is not None:
         restored.close()
         if reference is not None:
             reference.close()
             reference = None
+    return samples, 0, {"layers": [], "modules": {}, "overrides": []}, reference
+
+
+def _run(p: _Pass, samples):
+    ex, par, spool = p.ex, p.par, p.spool
+    fit = fits_unquantized(p.recipe)
+    if fit:
+        ex.check_second_stream()  # before any layer
+    spool.mkdir(parents=True, exist_ok=True)
+    inputs, start, index, reference = _resume(p, samples, fit)
     ref = _Reference(reference) if fit else None
     try:
-        _layer_loop(ex, par, ckpt, recipe, inputs, start, index, ref, lengths, dtype, primary, spool, progress, log)
+        _layer_loop(p, inputs, start, index, ref)
     finally:
         if ref is not None and ref.store is not None:
             ref.store.close()
 
     def cleanup():
         if par.leader:
-            for p in [spool / PROGRESS_NAME, *spool.glob("activations-*"), *spool.glob(".activations-*"),
+            for f in [spool / PROGRESS_NAME, *spool.glob("activations-*"), *spool.glob(".activations-*"),
                       *spool.glob("reference-*"), *spool.glob(".reference-*")]:
-                p.unlink(missing_ok=True)
+                f.unlink(missing_ok=True)
 
     par.step(cleanup, "finishing the calibration spool", "write")
     ex.measured_peak_bytes()
     if not par.leader:
         return None
     index["device"] = str(ex.device)
-    index["memory"] = plan.to_json()
+    index["memory"] = p.plan.to_json()
     return index
 
 
@@ -295,48 +325,24 @@ class _Reference:
         return seen
 
 
-def _layer_loop(ex, par, ckpt, recipe, inputs, start, index, ref, lengths, dtype, primary, spool, progress, log):
+def _layer_loop(p: _Pass, inputs, start: int, index: dict, ref: _Reference | None) -> None:
     """Every layer from `start`: its statistics, solves and spool files, the next layer's inputs saved and the
     progress recorded (`index` grows in place). `ref`: the unquantized model's stream (fit_unquantized)."""
+    ex, par = p.ex, p.par
     for step in ex.layers(inputs, start=start):
         seen = None
         if ref is not None:
             seen = par.step(lambda: ref.advance(ex, step),
                             f"forwarding the unquantized decoder layer {step.index}", "forward")
-        r = quantize_layer(ckpt, recipe, step, log, **({"par": par} if par.distributed else {}),
-                           **({"primary_tokens": primary} if primary is not None else {}),
+        r = quantize_layer(ex.ckpt, p.recipe, step, p.log, **({"par": par} if par.distributed else {}),
+                           **({"primary_tokens": p.primary} if p.primary is not None else {}),
                            **({"reference": seen} if seen is not None else {}))
         del seen
         nxt = step.index + 1 if step.index + 1 < ex.num_layers else None
-
-        def write_layer():  # each rank its own part of the layer (what it solved): one file, made durable
-            if not (r.tensors or r.overrides):
-                return None
-            name = layer_name(step.index, par.rank, par.size)
-            tensors = {**{k: v.contiguous() for k, v in r.tensors.items()},
-                       **{k: v.contiguous() for k, v in r.overrides.items()}}
-            write_safetensors(spool / f"{name}.safetensors", dict(sorted(tensors.items())))
-            meta = {"tensors": sorted(r.tensors), "overrides": sorted(r.overrides), "modules": r.modules,
-                    "input_scales": r.input_scales}
-            (spool / f"{name}.json").write_text(json.dumps(meta, sort_keys=True))
-            fsync_path(spool / f"{name}.safetensors")
-            fsync_path(spool / f"{name}.json")
-            return name, meta
-
-        def finish_layer():  # what needs no other rank: one step, so the ranks align once here, not thrice
-            # true-sequential: the next layer calibrates on this layer's quantized output
-            step.forward()
-            with timeline.phase("write"):
-                written = write_layer()
-                if nxt is not None:
-                    step.outputs.save_samples(spool / activations_name(nxt, par.rank, par.size), par.samples())
-                    if ref is not None:
-                        ref.store.save_samples(spool / reference_name(nxt, par.rank, par.size), par.samples())
-            return written
-
         # every rank's part of the layer, written, with the check (one collective)
-        parts = [p for p in par.step_all(finish_layer, f"forwarding decoder layer {step.index} and saving "
-                                                       "its results", "forward") if p is not None]
+        parts = [x for x in par.step_all(lambda: _finish_layer(p, step, r, nxt, ref),
+                                         f"forwarding decoder layer {step.index} and saving its results", "forward")
+                 if x is not None]
         for name, meta in parts:  # in rank order, then the input scales: the same index whatever the world size
             index["layers"].append(name)
             index["modules"].update(meta["modules"])
@@ -345,19 +351,57 @@ def _layer_loop(ex, par, ckpt, recipe, inputs, start, index, ref, lengths, dtype
                 index["modules"].setdefault(module, {}).update(extra)
         index["overrides"].extend(sorted(o for _, meta in parts for o in meta["overrides"]))
         if nxt is not None:
-            def record():  # every rank's activations are durable: the record may name them
-                if par.rank != par.size - 1:  # the last rank: rank 0 has more to write (index, AWQ's results)
-                    return
-                write_json_atomic(spool / PROGRESS_NAME, {
-                    "next_layer": nxt, "activations": activations_name(nxt, 0, par.size), "world": par.size,
-                    "batch_tokens": ex.batch_tokens, "lengths": lengths, "hidden": ex.hidden_size,
-                    "dtype": str(dtype), "index": index,
-                    **({"reference": reference_name(nxt, 0, par.size)} if ref is not None else {})})
-                keep = {f(nxt, r_, par.size) for r_ in range(par.size) for f in (activations_name, reference_name)}
-                for old in [*spool.glob("activations-*.bin"), *spool.glob("reference-*.bin")]:
-                    if old.name not in keep:
-                        old.unlink(missing_ok=True)
+            par.step(lambda: _record(p, nxt, index, ref is not None),
+                     f"recording the progress of the calibration after decoder layer {step.index}", "write")
+        if p.progress:
+            p.progress(step.index + 1, ex.num_layers)
 
-            par.step(record, f"recording the progress of the calibration after decoder layer {step.index}", "write")
-        if progress:
-            progress(step.index + 1, ex.num_layers)
+
+def _write_layer(p: _Pass, step, r):
+    """This rank's part of the layer's result `r` (what it solved) into one spool file pair, made durable:
+    (name, its record), or None when it has nothing."""
+    if not (r.tensors or r.overrides):
+        return None
+    par, spool = p.par, p.spool
+    name = layer_name(step.index, par.rank, par.size)
+    tensors = {**{k: v.contiguous() for k, v in r.tensors.items()},
+               **{k: v.contiguous() for k, v in r.overrides.items()}}
+    write_safetensors(spool / f"{name}.safetensors", dict(sorted(tensors.items())))
+    meta = {"tensors": sorted(r.tensors), "overrides": sorted(r.overrides), "modules": r.modules,
+            "input_scales": r.input_scales}
+    (spool / f"{name}.json").write_text(json.dumps(meta, sort_keys=True))
+    fsync_path(spool / f"{name}.safetensors")
+    fsync_path(spool / f"{name}.json")
+    return name, meta
+
+
+def _finish_layer(p: _Pass, step, r, nxt: int | None, ref: _Reference | None):
+    """What needs no other rank: one step, so the ranks align once here, not thrice. The layer forwarded
+    (true-sequential: the next layer calibrates on this layer's quantized output), its result written, the
+    next layer's inputs (and the unquantized stream) saved. Returns `_write_layer`'s."""
+    par, spool = p.par, p.spool
+    step.forward()
+    with timeline.phase("write"):
+        written = _write_layer(p, step, r)
+        if nxt is not None:
+            step.outputs.save_samples(spool / activations_name(nxt, par.rank, par.size), par.samples())
+            if ref is not None:
+                ref.store.save_samples(spool / reference_name(nxt, par.rank, par.size), par.samples())
+    return written
+
+
+def _record(p: _Pass, nxt: int, index: dict, reference: bool) -> None:
+    """The progress record naming layer `nxt`'s inputs (every rank's activations are durable: the record may
+    name them), the older activation files removed."""
+    par, ex, spool = p.par, p.ex, p.spool
+    if par.rank != par.size - 1:  # the last rank: rank 0 has more to write (index, AWQ's results)
+        return
+    write_json_atomic(spool / PROGRESS_NAME, {
+        "next_layer": nxt, "activations": activations_name(nxt, 0, par.size), "world": par.size,
+        "batch_tokens": ex.batch_tokens, "lengths": p.lengths, "hidden": ex.hidden_size,
+        "dtype": str(ex.dtype), "index": index,
+        **({"reference": reference_name(nxt, 0, par.size)} if reference else {})})
+    keep = {f(nxt, r_, par.size) for r_ in range(par.size) for f in (activations_name, reference_name)}
+    for old in [*spool.glob("activations-*.bin"), *spool.glob("reference-*.bin")]:
+        if old.name not in keep:
+            old.unlink(missing_ok=True)

@@ -42,6 +42,7 @@ def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log,
     `world` (quantkit.dist.World; None: one process): under torchrun every rank calls this; the pass runs
     data and expert parallel over the ranks (calib/parallel.py), rank 0 writes the spool, and every rank
     returns the same Spool. Failures on any rank are raised on every rank (World.step)."""
+    from ..calib.device import Placement
     from ..calib.spool import PROGRESS_NAME, index_problem, run_calibrated
     from ..dist import World
 
@@ -77,11 +78,11 @@ def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log,
                 + (f", over {w.size} ranks" if w.size > 1 else ""))
         if w.size == 1:
             index = run_calibrated(src.root, recipe, data.samples, spool_dir, log=log or (lambda m: None),
-                                   device=device, dtype=dtype, pool=data.pool)
+                                   placement=Placement(device, dtype), pool=data.pool)
             write_json_atomic(done, index)
         else:
             index = run_calibrated(src.root, recipe, data.samples, spool_dir, log=log or (lambda m: None),
-                                   device=device, dtype=dtype, world=w, pool=data.pool)
+                                   placement=Placement(device, dtype), world=w, pool=data.pool)
 
             def finish():
                 if w.leader:

@@ -177,7 +177,7 @@ def _measure_products(bench: _Bench, out: dict) -> tuple[torch.Tensor, list[tupl
 def _measure_solves(bench: _Bench, out: dict) -> None:
     """GPTQ's rates into `out`: the batched Cholesky and triangular inverse, the column sweep (after the Gram
     rate, which the sweep's lazy updates are counted at)."""
-    from ..quant.gptq import cholesky_inverse_upper, gptq
+    from ..quant.gptq import GPTQArgs, cholesky_inverse_upper, gptq
 
     dev, sdt, g, hidden, inter = bench.dev, bench.sdt, bench.g, bench.hidden, bench.inter
     log, _best = bench.log, bench.best
@@ -196,7 +196,7 @@ def _measure_solves(bench: _Bench, out: dict) -> None:
         x = torch.randn(c, 4 * k, k, generator=g, dtype=torch.float64)
         h = (x.transpose(1, 2) @ x / (4 * k)).to(dev, sdt)
         w = (torch.randn(c, n, k, generator=g) * 0.02).to(dev)
-        tf = _best(lambda: (gptq(w, h, 4, 32, True, actorder=True, solve_dtype=sdt), _sync(dev)), repeat=2)
+        tf = _best(lambda: (gptq(w, h, GPTQArgs(4, 32, True, actorder=True, solve_dtype=sdt)), _sync(dev)), repeat=2)
         tc = _best(lambda: (cholesky_inverse_upper(h, 0.01, 4, torch.float32), _sync(dev)), repeat=2)
         lazy = 2 * c * n * sum(128 * max(0, k - i - 128) for i in range(0, k, 128))
         return max(1e-9, tf - tc - lazy / out["gram_flops"]), c, n, k

@@ -24,7 +24,7 @@ Algorithm (per matrix, all of them at once):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -156,103 +156,104 @@ def cholesky_inverse_upper(h: torch.Tensor, damp: float, max_retries: int, out_d
     return u, rel, fallback
 
 
-def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | None = 32, symmetric: bool = True,
-         *, damp: float = 0.01, block_size: int = 128, actorder: bool = False, max_retries: int = 4,
-         scale_dtype: torch.dtype = torch.bfloat16, static_scale: torch.Tensor | None = None,
-         quantize_column: Callable | None = None, solve_dtype: torch.dtype = torch.float64,
-         factor_chunk: int | None = None, observer: str = "minmax",
-         fit: tuple[torch.Tensor, torch.Tensor] | None = None) -> GPTQResult:
-    """Quantize weights w [E, N, K] (or [N, K]) given Hessians h [E, K, K] (or [K, K]) = 2/n * sum x x^T.
-    `static_scale` [E, N, G] float32 + `quantize_column`: another grid with scales fixed up front (FP4);
-    the result's q then holds that grid's codes and its qparams the given scales. `solve_dtype`: what the
-    Hessian is factorized in (float64 on the CPU; float32 on a GPU, where float64 is slow). `factor_chunk`:
-    factorize that many matrices at a time (bounds the solve-dtype temporaries; the column sweep then runs
-    over all of them at once). `observer` "mse" (INT4): each group's scale (and zero point) is the clipping of its
-    min/max range with the least error weighted by the Hessian's diagonal (quant/int4.py choose_qparams_mse).
-    Every tensor lives on w's device.
+@dataclass(frozen=True)
+class GPTQArgs:
+    """How `gptq` quantizes, in QuantizationArgs terms: the grid (`num_bits`, `group_size` (None: one group per
+    row), `symmetric`, `observer` "minmax" or "mse", `scale_dtype` the scales are rounded to) and the solve
+    (`damp`, `block_size` the lazy-update width, `actorder`, `max_retries`, `solve_dtype` what the Hessian is
+    factorized in, `factor_chunk` matrices factorized at a time; None: all). The recipe's GPTQOptions give
+    damp, actorder, block_size and observer (calib/gptq_pass.py solve_args)."""
 
-    `fit` (a [E, K, K], alpha [E]): the solve fits each matrix to another model's outputs (calib/gptq_pass.py,
-    options.fit_unquantized): with a = X_ref^T X the cross-Gram of that model's inputs X_ref with X (scaled
-    like h), the weights quantized are W + alpha W (A - H) H_d^-1 instead of W (H_d the damped Hessian this
-    solve factorizes): at alpha 1 the least-squares W' of ||X W'^T - X_ref W^T||, at 0 W itself. The
-    correction takes two products with the solve's own inverse factor (H_d^-1 = U^T U); the result's
-    `target` holds those weights.
+    num_bits: int = 4
+    group_size: int | None = 32
+    symmetric: bool = True
+    damp: float = 0.01
+    block_size: int = 128
+    actorder: bool = False
+    max_retries: int = 4
+    observer: str = "minmax"
+    scale_dtype: torch.dtype = torch.bfloat16
+    solve_dtype: torch.dtype = torch.float64
+    factor_chunk: int | None = None
 
-    The sweep works on the transposed weights [E, K, N], so that a column of w is a contiguous row: the
-    per-column quantization and the in-block error push read and write contiguous memory."""
-    squeeze = w.ndim == 2
-    if squeeze:
-        w, h = w[None], h[None]
-    e, n, k = w.shape
-    gs = k if group_size is None else group_size
-    if k % gs:
-        raise ValueError(f"in_features {k} is not a multiple of group_size {gs}")
-    if group_size is not None and block_size % gs:
-        block_size = max(gs, block_size - block_size % gs)  # keep group boundaries on block boundaries
-    qmin, qmax = qrange(num_bits)
-    dev = w.device
-    H = h.to(device=dev)  # factorized in solve_dtype (float64 on the CPU: tiny models and fp32 Hessians of
-    # real ones benefit), chunk by chunk, from permuted copies; H itself is not modified
-    dead = torch.diagonal(H, dim1=-2, dim2=-1) == 0  # [E, K]: inputs never seen (their diagonal taken as 1)
-    Wt = w.float().transpose(1, 2).contiguous()  # [E, K, N]: our own copy, updated in place
-    Wt.masked_fill_(dead[:, :, None], 0.0)
-    mse = observer == "mse" and static_scale is None
-    hdiag = torch.diagonal(H, dim1=-2, dim2=-1).float().masked_fill(dead, 0.0) if mse else None  # [E, K]
 
-    def pick(wrows, cols):  # group parameters of w rows [E, N, g or K] whose columns are `cols`
-        if mse:
-            return choose_qparams_mse(wrows, num_bits, group_size if cols is None else None, symmetric, scale_dtype,
-                                      weight=hdiag if cols is None else hdiag[:, cols])
-        return choose_qparams(wrows, num_bits, group_size if cols is None else None, symmetric, scale_dtype)
+@dataclass(frozen=True)
+class FixedGrid:
+    """Another grid with every group's scale fixed before the solve (FP4): `scale` [E, N, G] float32 and
+    `quantize_column(w_col, scale) -> (codes, dequantized)` onto that grid."""
 
-    static = None
-    if static_scale is not None:
-        static = QParams(static_scale.reshape(e, n, -1).float(), None)
-        group_of = (torch.arange(k, device=dev) // gs).expand(e, k)  # natural order, unless act-order permutes below
-    perm = None
-    if actorder:
-        diag = torch.diagonal(H, dim1=-2, dim2=-1).masked_fill(dead, 1.0)
-        perm = torch.argsort(diag, dim=-1, descending=True, stable=True)  # [E, K]
+    scale: torch.Tensor
+    quantize_column: Callable
 
-    fc = e if factor_chunk is None else max(1, int(factor_chunk))
-    kw = dict(solve_dtype=solve_dtype)
+
+def _factorize(h: torch.Tensor, args: GPTQArgs, perm: torch.Tensor | None, dead: torch.Tensor):
+    """(U [E, K, K] float32, damping [E], fallback reasons) of `cholesky_inverse_upper` for every matrix of h,
+    `args.factor_chunk` matrices at a time."""
+    e, k, _ = h.shape
+    fc = e if args.factor_chunk is None else max(1, int(args.factor_chunk))
+    kw = dict(solve_dtype=args.solve_dtype)
     if fc >= e:
-        U, rel, fallback = cholesky_inverse_upper(H, damp, max_retries, torch.float32, order=perm, dead=dead, **kw)
-    else:
-        U = torch.empty(e, k, k, device=dev)
-        rel = torch.empty(e, dtype=solve_dtype, device=dev)
-        fallback = []
-        for c0 in range(0, e, fc):
-            sl = slice(c0, c0 + fc)
-            u_c, rel[sl], fb_c = cholesky_inverse_upper(H[sl], damp, max_retries, torch.float32,
-                                                          order=None if perm is None else perm[sl], dead=dead[sl], **kw)
-            U[sl] = u_c
-            fallback += fb_c
-            del u_c
-    target = None
-    if fit is not None:  # Wt (natural order) += alpha H_d^-1 (A - H)^T W^T, H_d^-1 = P^T U^T U P
-        a, alpha = fit
-        m = torch.bmm((a.to(device=dev, dtype=torch.float32) - H.float()).transpose(1, 2), Wt)  # [E, K, N]
-        if perm is not None:
-            m = _permute_rows(m, perm)
-        m = torch.bmm(U.transpose(1, 2), torch.bmm(U, m))
-        if perm is not None:
-            m = _permute_rows(m, torch.argsort(perm, dim=-1))
-        m[~torch.isfinite(m).flatten(1).all(-1)] = 0.0  # a correction that overflowed: that matrix keeps W
-        Wt.add_(m.mul_(alpha.to(device=dev, dtype=torch.float32)[:, None, None])).masked_fill_(dead[:, :, None], 0.0)
-        del m
-        target = Wt.transpose(1, 2).clone()
-    del H
-    if actorder:
-        if static is None:
-            static = pick(Wt.transpose(1, 2).contiguous(), None)  # natural order (contiguous: ~2.5x faster)
-        Wt = _permute_rows(Wt, perm)
-        group_of = torch.div(perm, gs, rounding_mode="floor")  # [E, K] natural group of each visited column
-    Ud = torch.diagonal(U, dim1=-2, dim2=-1)  # [E, K]
+        return cholesky_inverse_upper(h, args.damp, args.max_retries, torch.float32, order=perm, dead=dead, **kw)
+    U = torch.empty(e, k, k, device=h.device)
+    rel = torch.empty(e, dtype=args.solve_dtype, device=h.device)
+    fallback = []
+    for c0 in range(0, e, fc):
+        sl = slice(c0, c0 + fc)
+        u_c, rel[sl], fb_c = cholesky_inverse_upper(h[sl], args.damp, args.max_retries, torch.float32,
+                                                      order=None if perm is None else perm[sl], dead=dead[sl], **kw)
+        U[sl] = u_c
+        fallback += fb_c
+        del u_c
+    return U, rel, fallback
 
+
+def _fit_weights(Wt: torch.Tensor, h: torch.Tensor, U: torch.Tensor, perm: torch.Tensor | None, dead: torch.Tensor,
+                 fit: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`gptq`'s `fit`: Wt [E, K, N] (natural order) += alpha H_d^-1 (A - H)^T W^T in place, H_d^-1 = P^T U^T U P.
+    Returns the weights to quantize, [E, N, K]."""
+    dev = Wt.device
+    a, alpha = fit
+    m = torch.bmm((a.to(device=dev, dtype=torch.float32) - h.float()).transpose(1, 2), Wt)  # [E, K, N]
+    if perm is not None:
+        m = _permute_rows(m, perm)
+    m = torch.bmm(U.transpose(1, 2), torch.bmm(U, m))
+    if perm is not None:
+        m = _permute_rows(m, torch.argsort(perm, dim=-1))
+    m[~torch.isfinite(m).flatten(1).all(-1)] = 0.0  # a correction that overflowed: that matrix keeps W
+    Wt.add_(m.mul_(alpha.to(device=dev, dtype=torch.float32)[:, None, None])).masked_fill_(dead[:, :, None], 0.0)
+    del m
+    return Wt.transpose(1, 2).clone()
+
+
+def _group_picker(args: GPTQArgs, hdiag: torch.Tensor | None) -> Callable:
+    """pick(wrows, cols): group parameters of w rows [E, N, g or K] whose columns are `cols` (None: every group
+    of whole rows), by `args.observer` (mse: weighted by the Hessians' diagonals `hdiag` [E, K])."""
+
+    def pick(wrows, cols):
+        gs = args.group_size if cols is None else None
+        if hdiag is not None:
+            return choose_qparams_mse(wrows, args.num_bits, gs, args.symmetric, args.scale_dtype,
+                                      weight=hdiag if cols is None else hdiag[:, cols])
+        return choose_qparams(wrows, args.num_bits, gs, args.symmetric, args.scale_dtype)
+
+    return pick
+
+
+def _sweep(Wt: torch.Tensor, U: torch.Tensor, args: GPTQArgs, static: QParams | None, group_of: torch.Tensor | None,
+           pick: Callable, quantize_column: Callable | None):
+    """GPTQ's column sweep over Wt [E, K, N] (in visiting order, updated in place) with the upper inverse
+    factors U [E, K, K] in the same order: (codes [E, K, N] float32, in visiting order, scale [E, N, G],
+    zero point [E, N, G] or None). `static` (act-order or a fixed grid): every group's parameters, known up front,
+    `group_of` [E, K] the natural group of each visited column; else each group's are picked (`pick`) when the
+    sweep reaches its first column. `args.block_size` is a multiple of the group size."""
+    e, k, n = Wt.shape
+    dev = Wt.device
+    gs = k if args.group_size is None else args.group_size
+    qmin, qmax = qrange(args.num_bits)
+    Ud = torch.diagonal(U, dim1=-2, dim2=-1)  # [E, K]
     groups = k // gs
     scale = torch.empty(e, n, groups, device=dev)
-    zp = None if symmetric else torch.empty(e, n, groups, dtype=torch.int32, device=dev)
+    zp = None if args.symmetric else torch.empty(e, n, groups, dtype=torch.int32, device=dev)
     # Qt holds each column's codes less its zero point during the sweep (asymmetric: clamped to [qmin - z,
     # qmax - z], the same integers as clamp(round(w / s) + z) - z), the zero points added block by block
     Qt = torch.empty(e, k, n, device=dev)
@@ -261,8 +262,8 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
         ar = torch.arange(e, device=dev)[:, None]
         s_rows = static.scale.transpose(1, 2).contiguous()
         z_rows = None if static.zero_point is None else static.zero_point.transpose(1, 2).float()
-    for i1 in range(0, k, block_size):
-        i2 = min(i1 + block_size, k)
+    for i1 in range(0, k, args.block_size):
+        i2 = min(i1 + args.block_size, k)
         W1 = Wt[:, i1:i2]  # [E, B, N], a view: the sweep updates Wt in place
         Err1 = torch.empty_like(W1)
         Hinv1 = U[:, i1:i2, i1:i2]  # [E, B, B]
@@ -305,13 +306,68 @@ def gptq(w: torch.Tensor, h: torch.Tensor, num_bits: int = 4, group_size: int | 
             Qt[:, i1:i2].add_(zp.index_select(-1, cols).transpose(1, 2))
         if i2 < k:  # lazy batch update of all later columns
             Wt[:, i2:].baddbmm_(U[:, i1:i2, i2:].transpose(1, 2), Err1, alpha=-1)
+    return Qt, scale, zp
 
-    if actorder:
-        inv = torch.argsort(perm, dim=-1)
-        Qt = _permute_rows(Qt, inv)
+
+def gptq(w: torch.Tensor, h: torch.Tensor, args: GPTQArgs = GPTQArgs(), *, grid: FixedGrid | None = None,
+         fit: tuple[torch.Tensor, torch.Tensor] | None = None) -> GPTQResult:
+    """Quantize weights w [E, N, K] (or [N, K]) given Hessians h [E, K, K] (or [K, K]) = 2/n * sum x x^T, as
+    `args` says. `grid` (FP4): another grid with scales fixed up front (its `scale` [E, N, G] float32); the
+    result's q then holds that grid's codes and its qparams the given scales. `args.solve_dtype`: what the
+    Hessian is factorized in (float64 on the CPU; float32 on a GPU, where float64 is slow). `args.factor_chunk`:
+    factorize that many matrices at a time (bounds the solve-dtype temporaries; the column sweep then runs
+    over all of them at once). `args.observer` "mse" (INT4): each group's scale (and zero point) is the clipping
+    of its min/max range with the least error weighted by the Hessian's diagonal (quant/int4.py
+    choose_qparams_mse). Every tensor lives on w's device.
+
+    `fit` (a [E, K, K], alpha [E]): the solve fits each matrix to another model's outputs (calib/gptq_pass.py,
+    options.fit_unquantized): with a = X_ref^T X the cross-Gram of that model's inputs X_ref with X (scaled
+    like h), the weights quantized are W + alpha W (A - H) H_d^-1 instead of W (H_d the damped Hessian this
+    solve factorizes): at alpha 1 the least-squares W' of ||X W'^T - X_ref W^T||, at 0 W itself. The
+    correction takes two products with the solve's own inverse factor (H_d^-1 = U^T U); the result's
+    `target` holds those weights.
+
+    The sweep works on the transposed weights [E, K, N], so that a column of w is a contiguous row: the
+    per-column quantization and the in-block error push read and write contiguous memory."""
+    squeeze = w.ndim == 2
+    if squeeze:
+        w, h = w[None], h[None]
+    e, n, k = w.shape
+    gs = k if args.group_size is None else args.group_size
+    if k % gs:
+        raise ValueError(f"in_features {k} is not a multiple of group_size {gs}")
+    if args.group_size is not None and args.block_size % gs:  # keep group boundaries on block boundaries
+        args = replace(args, block_size=max(gs, args.block_size - args.block_size % gs))
+    dev = w.device
+    H = h.to(device=dev)  # factorized in solve_dtype (float64 on the CPU: tiny models and fp32 Hessians of
+    # real ones benefit), chunk by chunk, from permuted copies; H itself is not modified
+    dead = torch.diagonal(H, dim1=-2, dim2=-1) == 0  # [E, K]: inputs never seen (their diagonal taken as 1)
+    Wt = w.float().transpose(1, 2).contiguous()  # [E, K, N]: our own copy, updated in place
+    Wt.masked_fill_(dead[:, :, None], 0.0)
+    mse = args.observer == "mse" and grid is None
+    pick = _group_picker(args, torch.diagonal(H, dim1=-2, dim2=-1).float().masked_fill(dead, 0.0) if mse else None)
+    static = group_of = None
+    if grid is not None:
+        static = QParams(grid.scale.reshape(e, n, -1).float(), None)
+        group_of = (torch.arange(k, device=dev) // gs).expand(e, k)  # natural order, unless act-order permutes below
+    perm = None
+    if args.actorder:
+        diag = torch.diagonal(H, dim1=-2, dim2=-1).masked_fill(dead, 1.0)
+        perm = torch.argsort(diag, dim=-1, descending=True, stable=True)  # [E, K]
+    U, rel, fallback = _factorize(H, args, perm, dead)
+    target = None if fit is None else _fit_weights(Wt, H, U, perm, dead, fit)
+    del H
+    if args.actorder:
+        if static is None:
+            static = pick(Wt.transpose(1, 2).contiguous(), None)  # natural order (contiguous: ~2.5x faster)
+        Wt = _permute_rows(Wt, perm)
+        group_of = torch.div(perm, gs, rounding_mode="floor")  # [E, K] natural group of each visited column
+    Qt, scale, zp = _sweep(Wt, U, args, static, group_of, pick, None if grid is None else grid.quantize_column)
+    if args.actorder:
+        Qt = _permute_rows(Qt, torch.argsort(perm, dim=-1))
     if static is not None:
         scale, zp = static.scale, static.zero_point
-    q8 = Qt.transpose(1, 2).to(torch.int8 if quantize_column is None else torch.uint8).contiguous()
+    q8 = Qt.transpose(1, 2).to(torch.int8 if grid is None else torch.uint8).contiguous()
     qp = QParams(scale, zp)
     if squeeze:
         q8, qp = q8[0], QParams(scale[0], None if zp is None else zp[0])
@@ -436,13 +492,24 @@ def _cd_block_torch(qt, gb, step, s_t, hd, delta, i1: int, qmin: int, qmax: int)
             gb[:, i + 1:].addcmul_(hd[:, j + 1:i1 + b, j, None], d[:, None, :], value=-1)
 
 
-def _refine_blocks(w, q, scale, zp, hd, diag, dead, sweeps: int, block_size: int, qmin: int,
-                   qmax: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Damped:
+    """Hessians as refine_codes' sweeps read them: hd [E, K, K] float32 with the damping (and 1 for the
+    never-seen inputs) on its diagonal, diag [E, K] that diagonal, dead [E, K] bool the never-seen inputs."""
+
+    hd: torch.Tensor
+    diag: torch.Tensor
+    dead: torch.Tensor
+
+
+def _refine_blocks(w, q, qp: QParams, hs: _Damped, sweeps: int, block_size: int, num_bits: int) -> torch.Tensor:
     """refine_codes' sweeps in torch ops, on the transposed layout [E, K, N] (a column of every row is a
     contiguous row), in blocks of columns: in-block rank-1 updates, one GEMM for the rest, G = Hd E^T kept
-    current. q [E, N, K] float32 codes, scale [E, N, G] (unusable rows' 0), zp [E, N, G] or None. Returns the
-    codes [E, N, K]."""
+    current. q [E, N, K] float32 codes, qp.scale [E, N, G] (unusable rows' 0), qp.zero_point [E, N, G] or None.
+    Returns the codes [E, N, K]."""
     e, n, k = w.shape
+    scale, zp, hd, diag, dead = qp.scale, qp.zero_point, hs.hd, hs.diag, hs.dead
+    qmin, qmax = qrange(num_bits)
     s_t = scale.transpose(1, 2).repeat_interleave(k // scale.shape[-1], dim=1)  # [E, K, N]: each weight's scale
     qt = q.transpose(1, 2).contiguous()  # [E, K, N]
     ct = qt if zp is None else qt - zp.transpose(1, 2).float().repeat_interleave(k // scale.shape[-1], dim=1)
@@ -465,12 +532,14 @@ def _refine_blocks(w, q, scale, zp, hd, diag, dead, sweeps: int, block_size: int
     return qt.transpose(1, 2)
 
 
-def _refine_rows(native, w, q, scale, zp, hd, diag, dead, sweeps: int, qmin: int, qmax: int) -> bool:
+def _refine_rows(native, w, q, qp: QParams, hs: _Damped, sweeps: int, num_bits: int) -> bool:
     """refine_codes' sweeps by the compiled row loop (quant/_cd_native.py cd_rows) on q [E, N, K] float32 (in
     place), the rows split over the native threads. False when the kernel failed."""
     e, n, k = q.shape
+    scale, hd, diag = qp.scale, hs.hd, hs.diag
+    qmin, qmax = qrange(num_bits)
     gs = k // scale.shape[-1]
-    err = _row_errors(w, q, scale, zp, dead)
+    err = _row_errors(w, q, scale, qp.zero_point, hs.dead)
     g = torch.bmm(err, hd.transpose(1, 2))  # [E, N, K]: row n holds Hd e_n
     del err
     ex = torch.arange(e).repeat_interleave(n)
@@ -491,12 +560,12 @@ def _row_errors(w, q, scale, zp, dead) -> torch.Tensor:
     return torch.empty_like(q).copy_(w).masked_fill_(dead[:, None, :], 0.0).addcmul_(c, s, value=-1)
 
 
-def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch.Tensor,
+def refine_codes(w: torch.Tensor, q: torch.Tensor, qparams: QParams, h: torch.Tensor,
                  damp: torch.Tensor | float = 0.01, *, num_bits: int = 4, sweeps: int = 1,
-                 block_size: int = 128, with_error: bool = False,
-                 zero_point: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Cyclic coordinate descent on integer codes with fixed group scales (and, asymmetric, fixed `zero_point`
-    [E, N, G]: q_n s below stands for (q_n - zp) s, and a code moves within [qmin, qmax] as stored): every weight,
+                 block_size: int = 128, with_error: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Cyclic coordinate descent on integer codes with fixed group scales (`qparams.scale` [E, N, G]) and, asymmetric,
+    fixed zero points (`qparams.zero_point` [E, N, G]: q_n s below stands for (q_n - zp) s, and a code moves within
+    [qmin, qmax] as stored): every weight,
     column by column, moves to the grid point that minimizes the Hessian-weighted error
     (w_n - q_n s)^T Hd (w_n - q_n s) of its row with all other weights held (Hd = H + damp * mean(diag H) I, as the
     solve used it). Along one coordinate the error is a parabola with its vertex at q_nj s_j + (Hd e_n)_j / Hd_jj
@@ -511,7 +580,7 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     N x K^2 multiply-adds in the torch form, like GPTQ's sweep; in the compiled form K multiply-adds per code that
     moves (after GPTQ a few percent per sweep), plus in both one GEMM for the starting gradients."""
     e, n, k = w.shape
-    qmin, qmax = qrange(num_bits)
+    scale, zero_point = qparams.scale, qparams.zero_point
     damp = torch.as_tensor(damp, dtype=torch.float32, device=w.device).expand(e)
     dead = torch.diagonal(h, dim1=-2, dim2=-1) == 0
     hd = h.float().clone()
@@ -521,9 +590,10 @@ def refine_codes(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch
     usable = ((scale > 0) & scale.isfinite()).all(-1)  # [E, N]: rows whose every scale can be refined against
     sc = scale.float().masked_fill(~usable[..., None], 0.0)  # [E, N, G]
     codes = q.float()  # [E, N, K]
+    qp, hs = QParams(sc, zero_point), _Damped(hd, diag, dead)
     native = _cd_native() if w.device.type == "cpu" else None
-    if native is None or not _refine_rows(native, w, codes, sc, zero_point, hd, diag, dead, sweeps, qmin, qmax):
-        codes = _refine_blocks(w, codes, sc, zero_point, hd, diag, dead, sweeps, block_size, qmin, qmax)
+    if native is None or not _refine_rows(native, w, codes, qp, hs, sweeps, num_bits):
+        codes = _refine_blocks(w, codes, qp, hs, sweeps, block_size, num_bits)
     err = None
     if with_error:
         et = _row_errors(w, codes, sc, zero_point, dead)

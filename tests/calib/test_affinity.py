@@ -10,7 +10,7 @@ import torch
 from quantkit.calib import moe
 from quantkit.calib.data import CalibrationWarning, load_calibration_data
 from quantkit.calib.executor import LayerExecutor
-from quantkit.calib.hessians import ExpertStats
+from quantkit.calib.hessians import ExpertStats, HessianOptions
 from quantkit.calib.spool import run_calibrated
 from quantkit.errors import RecipeError
 from quantkit.match.recipe import affinity_experts
@@ -82,9 +82,9 @@ def test_affinity_hessians_against_an_independent_computation(tmp_path, arch, to
         calls = []
         grab = experts.register_forward_pre_hook(lambda m, a: calls.append((a[0].detach().float().clone(),
                                                                           a[1].detach().clone())))
-        st = ExpertStats(experts, need_hessians=True, sample_tokens=64, holdout=holdout, router=router,
-                         affinity_top_k=top_k)
-        plain = ExpertStats(experts, need_hessians=True, sample_tokens=64, holdout=holdout)
+        st = ExpertStats(experts, need_hessians=True, sample_tokens=64,
+                         options=HessianOptions(holdout=holdout, router=router, affinity_top_k=top_k))
+        plain = ExpertStats(experts, need_hessians=True, sample_tokens=64, options=HessianOptions(holdout=holdout))
         step.observe(stop_at=experts)
         st.remove(), plain.remove(), grab.remove()
         step.forward()
@@ -192,7 +192,7 @@ def test_a_router_without_a_matching_weight_is_refused_before_the_pass(make):
                               register_forward_pre_hook=lambda hook: None)
     router = make()
     with pytest.raises(CalibrationError, match=r"stats: affinity needs the router's \[6, 16\] weight"):
-        ExpertStats(experts, True, 0, router=router)
+        ExpertStats(experts, True, 0, options=HessianOptions(router=router))
     if not isinstance(getattr(router, "weight", None), torch.Tensor) or router.weight.shape[1] != 16:
         with pytest.raises(CalibrationError, match="stats: affinity needs the router's"):
             moe.router_affinities(router, torch.zeros(3, 16))

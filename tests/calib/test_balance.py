@@ -10,7 +10,7 @@ import torch
 from quantkit.calib import moe
 from quantkit.calib.data import CalibrationWarning, load_calibration_data
 from quantkit.calib.executor import LayerExecutor
-from quantkit.calib.hessians import ExpertStats
+from quantkit.calib.hessians import ExpertStats, HessianOptions
 from quantkit.calib.spool import primary_tokens, run_calibrated
 from quantkit.errors import CalibrationError, RecipeError
 from quantkit.match.recipe import parse_recipe
@@ -93,17 +93,18 @@ def test_top_up_against_an_independent_computation(tmp_path, affinity):
         calls = []
         grab = experts.register_forward_pre_hook(lambda m, a: calls.append((a[0].detach().float().reshape(
             -1, a[0].shape[-1]).clone(), a[1].detach().clone())))
-        plain = ExpertStats(experts, need_hessians=True, sample_tokens=64, holdout=4)
-        st0 = ExpertStats(experts, need_hessians=True, sample_tokens=64, holdout=4, primary_tokens=primary,
-                          balance_tokens=0)
+        plain = ExpertStats(experts, need_hessians=True, sample_tokens=64, options=HessianOptions(holdout=4))
+        st0 = ExpertStats(experts, need_hessians=True, sample_tokens=64,
+                          options=HessianOptions(holdout=4, primary_tokens=primary, balance_tokens=0))
         step.observe(stop_at=experts)
         plain.remove(), st0.remove()
         balance = int(st0.counts.float().median()) + 1  # about half the experts are topped up
-        st = ExpertStats(experts, need_hessians=True, sample_tokens=64, holdout=4, primary_tokens=primary,
-                         balance_tokens=balance, router=router if affinity else None)
+        st = ExpertStats(experts, need_hessians=True, sample_tokens=64, options=HessianOptions(
+            holdout=4, primary_tokens=primary, balance_tokens=balance, router=router if affinity else None))
         # fit_down: down_proj's statistics from the rows kept, the pool's included (one batch straddles it)
-        fd = ExpertStats(experts, need_hessians=True, sample_tokens=64, holdout=4, primary_tokens=primary,
-                         balance_tokens=balance, router=router if affinity else None, fit_down=True)
+        fd = ExpertStats(experts, need_hessians=True, sample_tokens=64, options=HessianOptions(
+            holdout=4, primary_tokens=primary, balance_tokens=balance, router=router if affinity else None,
+            fit_down=True))
         step.observe(stop_at=experts)
         st.remove(), fd.remove(), grab.remove()
         step.forward()

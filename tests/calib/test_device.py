@@ -16,7 +16,7 @@ import torch
 
 from quantkit import options
 from quantkit.calib.data import CalibrationWarning, load_calibration_data
-from quantkit.calib.device import LayerMemory, compute_dtype, make_plan, resolve_device
+from quantkit.calib.device import LayerMemory, Placement, compute_dtype, make_plan, resolve_device
 from quantkit.calib.executor import LayerExecutor
 from quantkit.calib.hessians import ExpertStats
 from quantkit.calib.layer import statistics_bytes
@@ -265,7 +265,7 @@ def test_calibrated_pass_refuses_before_any_work(tiny_models, tmp_path, monkeypa
     path = tiny_models("qwen3_moe", experts=8)
     monkeypatch.setattr(LayerExecutor, "load_layer", lambda self, i: pytest.fail("a layer was read"))
     with pytest.raises(DeviceMemoryError, match="decoder layer"):
-        run_calibrated(path, recipe("gptq"), _samples(), tmp_path / "spool", available_bytes=4096)
+        run_calibrated(path, recipe("gptq"), _samples(), tmp_path / "spool", placement=Placement(available_bytes=4096))
     assert not (tmp_path / "spool").exists()
 
 
@@ -346,7 +346,7 @@ def test_gpu_numerics_emulated_on_the_cpu(tiny_models, tmp_path, monkeypatch, me
                                           {"fit_unquantized": 0.5} if method == "gptq-fit" else {}))
     ref = run_calibrated(path, rec, samples, tmp_path / "f32")
     monkeypatch.setattr(gptq_pass, "solve_dtype", lambda device: torch.float32)
-    got = run_calibrated(path, rec, samples, tmp_path / "bf16", dtype=torch.bfloat16)
+    got = run_calibrated(path, rec, samples, tmp_path / "bf16", placement=Placement(dtype=torch.bfloat16))
     assert got["memory"]["dtype"] == "bfloat16" and ref["memory"]["dtype"] == "float32"
     assert got["modules"].keys() == ref["modules"].keys()
     if method.startswith("gptq"):

@@ -12,12 +12,12 @@ import torch
 
 from quantkit.calib import moe
 from quantkit.calib.executor import LayerExecutor
-from quantkit.calib.hessians import ExpertStats
+from quantkit.calib.hessians import ExpertStats, HessianOptions
 from quantkit.calib.layer import statistics_bytes
 from quantkit.calib.spool import _read_progress, reference_name, run_calibrated
 from quantkit.errors import CalibrationError, RecipeError
 from quantkit.match.recipe import parse_recipe
-from quantkit.quant.gptq import gptq
+from quantkit.quant.gptq import GPTQArgs, gptq
 from quantkit.testing import make_tiny_model
 
 from calib.test_passes import TARGETS, recipe, spool_weights
@@ -88,9 +88,9 @@ def test_fit_statistics_against_an_independent_computation(tmp_path, affinity, m
             assert len(seen) == 2 and all(s.shape == (80, ex.hidden_size) for s in seen)
             g = torch.Generator().manual_seed(1)
             refs = [s + 0.05 * torch.randn(s.shape, generator=g) for s in seen]  # unlike the quantized stream
-        st = ExpertStats(experts, need_hessians=True, sample_tokens=64, holdout=4,
-                         router=router if affinity else None, reference=None if refs is None else list(refs),
-                         fit_down=mode == "fit_down")
+        st = ExpertStats(experts, need_hessians=True, sample_tokens=64, options=HessianOptions(
+            holdout=4, router=router if affinity else None, reference=None if refs is None else list(refs),
+            fit_down=mode == "fit_down"))
         step.observe(stop_at=experts)
         st.remove(), grab.remove()
         if mode == "fit_unquantized":
@@ -134,7 +134,7 @@ def test_fitted_target_is_the_least_squares_fit(actorder):
     h, a = (x.transpose(1, 2) @ x).float(), (r.transpose(1, 2) @ x).float()
 
     def solve(a_, alpha):
-        return gptq(w, h, 4, 16, True, damp=1e-9, actorder=actorder, fit=(a_, torch.tensor(alpha)))
+        return gptq(w, h, GPTQArgs(4, 16, True, damp=1e-9, actorder=actorder), fit=(a_, torch.tensor(alpha)))
 
     want = torch.linalg.lstsq(x, r @ w.double().transpose(1, 2)).solution.transpose(1, 2)  # min |X W'^T - R W^T|
     full = solve(a, [1.0, 1.0, 1.0])
@@ -144,7 +144,7 @@ def test_fitted_target_is_the_least_squares_fit(actorder):
     assert torch.equal(mixed.target[1], w[1])  # alpha 0: W itself
     torch.testing.assert_close(mixed.target[2], full.target[2], rtol=0, atol=0)
     assert torch.equal(solve(h, [1.0, 1.0, 1.0]).target, w)  # the same streams: W itself
-    plain = gptq(full.target, h, 4, 16, True, damp=1e-9, actorder=actorder)
+    plain = gptq(full.target, h, GPTQArgs(4, 16, True, damp=1e-9, actorder=actorder))
     assert torch.equal(full.q, plain.q) and torch.equal(full.qparams.scale, plain.qparams.scale)
 
 
@@ -269,13 +269,13 @@ def test_fit_memory_is_planned(tmp_path):
     plain = statistics_bytes(ex.ckpt, recipe("gptq"), *args)
     fit = statistics_bytes(ex.ckpt, recipe("gptq", fit_unquantized=0.5), *args)
     assert "fit" not in plain and {k: v for k, v in fit.items() if k != "fit"} == plain
-    st = ExpertStats(layer.mlp.experts, need_hessians=True, sample_tokens=64, reference=[])
+    st = ExpertStats(layer.mlp.experts, need_hessians=True, sample_tokens=64, options=HessianOptions(reference=[]))
     grams = sum(t.numel() * t.element_size() for t in (st.a_gu, st.a_down))
     st.remove()
     assert fit["fit"] >= grams + 2 * 160 * ex.hidden_size * 4 + 2 * 160 * ex.hidden_size * ex.dtype.itemsize
     down = statistics_bytes(ex.ckpt, recipe("gptq", fit_down=0.5), *args)
     assert {k: v for k, v in down.items() if k != "fit"} == plain
-    st = ExpertStats(layer.mlp.experts, need_hessians=True, sample_tokens=64, fit_down=True)
+    st = ExpertStats(layer.mlp.experts, need_hessians=True, sample_tokens=64, options=HessianOptions(fit_down=True))
     assert st.a_gu is None
     grams = st.a_down.numel() * st.a_down.element_size()
     st.remove()

@@ -203,7 +203,7 @@ def test_heldout_check_keeps_the_better_per_module():
     s = SimpleNamespace(num_bits=4, group_size=32, symmetric=True)
     parts = (("gate", slice(0, 4)), ("up", slice(4, 8)))
     xs = [torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g)]
-    out = _heldout_check(w, q, qp, None, s, parts, [0, 1], torch.zeros(2, dtype=torch.bool), xs)
+    out = _heldout_check(w, q, qp, None, s, parts, torch.zeros(2, dtype=torch.bool), [(x, None) for x in xs])
     assert out[0]["gate"]["method"] == "rtn" and out[0]["up"]["method"] == "gptq"
     assert out[1]["gate"]["method"] == "gptq" and out[0]["gate"]["heldout"]["tokens"] == 5
     assert torch.equal(q, r.q) and torch.equal(qp.scale, r.qparams.scale)
@@ -216,7 +216,7 @@ def test_heldout_check_keeps_the_best_retry():
     from types import SimpleNamespace
 
     from quantkit.calib import gptq_pass
-    from quantkit.quant.gptq import gptq
+    from quantkit.quant.gptq import GPTQArgs, gptq
     from quantkit.quant.int4 import QParams
 
     g = torch.Generator().manual_seed(1)
@@ -230,13 +230,13 @@ def test_heldout_check_keeps_the_best_retry():
     def retry(sub, factor):  # a "solve" fitted to the held-out rows themselves: better than RTN on them
         calls.append((list(sub), factor))
         hs = torch.stack([xs[j].T @ xs[j] for j in sub]) * (2.0 / 6)
-        res = gptq(w[sub], hs, 4, 32, True, damp=0.01 * factor)
+        res = gptq(w[sub], hs, GPTQArgs(4, 32, True, damp=0.01 * factor))
         return res.q, res.qparams, res.damping
 
     s = SimpleNamespace(num_bits=4, group_size=32, symmetric=True)
     parts = (("gate", slice(0, 4)), ("up", slice(4, 8)))
-    out = gptq_pass._heldout_check(w, q, qp, None, s, parts, [0, 1], torch.zeros(2, dtype=torch.bool), xs,
-                                   retry=retry)
+    out = gptq_pass._heldout_check(w, q, qp, None, s, parts, torch.zeros(2, dtype=torch.bool),
+                                   [(x, None) for x in xs], retry=retry)
     assert calls == [([0], f) for f in gptq_pass.RETRY_DAMPING]
     assert "retries" not in out[1]["gate"]["heldout"] and out[1]["gate"]["heldout"]["kept"] == "solve"
     cands = [retry([0], f) for f in gptq_pass.RETRY_DAMPING]

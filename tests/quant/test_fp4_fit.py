@@ -128,6 +128,7 @@ def test_gptq_fp4_observer_mse_fits_its_grid(kind):
     """GPTQ on an FP4 grid with `observer: mse` fixes the scales fitted under the Hessians' diagonals before
     the sweep (it was silently amax before); with minmax the amax scales."""
     from quantkit.calib.gptq_pass import _solve
+    from quantkit.quant.gptq import GPTQArgs
     from quantkit.match.recipe import Scheme
 
     g = torch.Generator().manual_seed(5)
@@ -136,8 +137,8 @@ def test_gptq_fp4_observer_mse_fits_its_grid(kind):
     h = (x.T @ x / 512).expand(2, 64, 64).clone()
     s = Scheme(num_bits=4, type="float", symmetric=True, strategy="tensor_group" if kind == "nvfp4" else "group",
                group_size=16 if kind == "nvfp4" else 32)
-    r_mse, grid_mse = _solve(w, h, s, observer="mse")
-    r_mm, grid_mm = _solve(w, h, s)
+    r_mse, grid_mse = _solve(w, h, s, GPTQArgs(4, s.group_size, observer="mse"))
+    r_mm, grid_mm = _solve(w, h, s, GPTQArgs(4, s.group_size))
     diag = torch.diagonal(h, dim1=-2, dim2=-1)
     as_bytes = (lambda t: t.view(torch.uint8)) if kind == "nvfp4" else (lambda t: t)
     if kind == "nvfp4":

@@ -4,8 +4,8 @@ reason to exist — lower output error than RTN on correlated inputs."""
 import pytest
 import torch
 
-from quantkit.quant.gptq import gptq, hessian_update
-from quantkit.quant.int4 import dequantize, rtn
+from quantkit.quant.gptq import GPTQArgs, gptq, hessian_update
+from quantkit.quant.int4 import QParams, dequantize, rtn
 
 
 def reference_gptq(w, h, group_size, symmetric, damp=0.01):
@@ -58,7 +58,7 @@ def test_batched_lazy_gptq_matches_reference(symmetric):
         h, _ = hessian_update(None, 0, x)
         hs.append(h)
     h = torch.stack(hs)
-    res = gptq(w, h, 4, 32, symmetric, block_size=32)
+    res = gptq(w, h, GPTQArgs(4, 32, symmetric, block_size=32))
     for i in range(e):
         q_ref, s_ref = reference_gptq(w[i], h[i], 32, symmetric)
         agree = (res.q[i].double() == q_ref).double().mean().item()
@@ -75,7 +75,7 @@ def test_gptq_beats_rtn_on_output_error(actorder):
     w = torch.randn(e, n, k, generator=gen) * 0.05
     xs = [correlated_inputs(512, k, gen) for _ in range(e)]
     h = torch.stack([hessian_update(None, 0, x)[0] for x in xs])
-    res = gptq(w, h, 4, 32, True, actorder=actorder)
+    res = gptq(w, h, GPTQArgs(4, 32, True, actorder=actorder))
     base = rtn(w, 4, 32, True)
     for i in range(e):
         yq = xs[i] @ dequantize(res.q[i], res.qparams.scale[i]).T
@@ -91,7 +91,7 @@ def test_dead_columns_and_failed_cholesky_fall_back():
     x[:, 5] = 0  # an input channel never active
     h0, _ = hessian_update(None, 0, x)
     bad = -torch.eye(32)  # not positive definite at any damping
-    res = gptq(w, torch.stack([h0, bad]), 4, 32, True, max_retries=2)
+    res = gptq(w, torch.stack([h0, bad]), GPTQArgs(4, 32, True, max_retries=2))
     assert res.dead_columns.tolist() == [1, 0]
     assert res.fallback[0] is None and "cholesky failed" in res.fallback[1]
     assert res.q[0, :, 5].eq(0).all()  # dead column quantized from a zeroed weight
@@ -178,9 +178,9 @@ def test_mse_observer_never_worse_than_minmax_and_used_by_gptq():
     assert e_mse.sum() < 0.9 * e_mm.sum()
     x = torch.randn(256, 64, generator=g)
     h = (x.T @ x / 256).expand(3, 64, 64).clone()
-    r = gptq(w, h, 4, 32, True, actorder=True, observer="mse")
+    r = gptq(w, h, GPTQArgs(4, 32, True, actorder=True, observer="mse"))
     assert torch.equal(r.qparams.scale, choose_qparams_mse(w, 4, 32, weight=torch.diagonal(h, dim1=-2, dim2=-1)).scale)
-    r0 = gptq(w, h, 4, 32, True, actorder=True)
+    r0 = gptq(w, h, GPTQArgs(4, 32, True, actorder=True))
     assert torch.equal(r0.qparams.scale, choose_qparams(w, 4, 32).scale)
 
 
@@ -210,7 +210,7 @@ def test_mse_observer_asymmetric():
     assert e_mse.sum() < 0.97 * e_mm.sum()
     x = torch.randn(256, 64, generator=g)
     h = (x.T @ x / 256).expand(3, 64, 64).clone()
-    r = gptq(w, h, 4, 32, False, actorder=True, observer="mse")
+    r = gptq(w, h, GPTQArgs(4, 32, False, actorder=True, observer="mse"))
     want = choose_qparams_mse(w, 4, 32, False, weight=torch.diagonal(h, dim1=-2, dim2=-1))
     assert torch.equal(r.qparams.scale, want.scale) and torch.equal(r.qparams.zero_point, want.zero_point)
 
@@ -228,13 +228,13 @@ def test_channel_scales_without_actorder_see_the_whole_row(observer, symmetric):
     w[:, :, 80:] *= 4.0  # the row's largest weights lie beyond the first block
     x = torch.randn(2, 200, 96, generator=g)
     h = torch.bmm(x.transpose(1, 2), x) / 200
-    r = gptq(w, h, 4, None, symmetric, block_size=32, observer=observer)
+    r = gptq(w, h, GPTQArgs(4, None, symmetric, block_size=32, observer=observer))
     want = (choose_qparams_mse(w, 4, None, symmetric, weight=torch.diagonal(h, dim1=-2, dim2=-1))
             if observer == "mse" else choose_qparams(w, 4, None, symmetric))
     assert torch.equal(r.qparams.scale, want.scale)
     if not symmetric:
         assert torch.equal(r.qparams.zero_point, want.zero_point)
-    wide = gptq(w, h, 4, None, symmetric, block_size=96, observer=observer)  # one block: the row was always whole
+    wide = gptq(w, h, GPTQArgs(4, None, symmetric, block_size=96, observer=observer))  # one block: the row was always whole
     assert torch.equal(wide.qparams.scale, r.qparams.scale)
 
 
@@ -257,7 +257,7 @@ def test_refit_scales_solve_each_rows_least_squares(group, symmetric, monkeypatc
     k, n = 128, 24
     h = torch.stack([_hessian(k, 200, 1), _hessian(k, 150, 2)]).float()
     w = torch.randn(2, n, k, generator=torch.Generator().manual_seed(3)) * 0.05 + (0 if symmetric else 0.02)
-    r = gptq(w, h, 4, group, symmetric, damp=0.01)
+    r = gptq(w, h, GPTQArgs(4, group, symmetric, damp=0.01))
     zp = r.qparams.zero_point
     assert (zp is None) == symmetric
     scale, changed = gq.refit_scales(w, r.q, r.qparams.scale, h, r.damping, zero_point=zp)
@@ -334,14 +334,14 @@ def test_refine_codes_descends_to_a_coordinate_minimum(actorder, symmetric, cd_p
     h = torch.stack([_hessian(k, 100, 4), _hessian(k, 90, 5)]).float()
     h[1, 5, :] = h[1, :, 5] = 0  # an input never seen
     w = torch.randn(2, n, k, generator=torch.Generator().manual_seed(6)) * 0.05 + (0 if symmetric else 0.03)
-    r = gptq(w, h, 4, 16, symmetric, damp=0.01, actorder=actorder)
+    r = gptq(w, h, GPTQArgs(4, 16, symmetric, damp=0.01, actorder=actorder))
     scale, damp, zp = r.qparams.scale, r.damping, r.qparams.zero_point
     if not symmetric:
         assert zp.abs().max() > 0  # off-centre groups: zero points that matter
     prev = _damped_error(w, r.q, scale, h, damp, zp)
     q = r.q
     for sweep in range(40):
-        q2, err = refine_codes(w, q, scale, h, damp, sweeps=1, block_size=16, with_error=True, zero_point=zp)
+        q2, err = refine_codes(w, q, QParams(scale, zp), h, damp, sweeps=1, block_size=16, with_error=True)
         mine = _damped_error(w, q2, scale, h, damp, zp)
         assert torch.allclose(err, mine, rtol=1e-5)
         assert bool((mine <= prev * (1 + 1e-6)).all())
@@ -373,8 +373,8 @@ def test_refine_codes_blocking_changes_nothing(cd_path):
     k, n = 96, 16
     h = _hessian(k, 150, 7).float()[None]
     w = torch.randn(1, n, k, generator=torch.Generator().manual_seed(8)) * 0.05
-    r = gptq(w, h, 4, 32, True)
-    runs = [refine_codes(w, r.q, r.qparams.scale, h, r.damping, sweeps=2, block_size=b, with_error=True)
+    r = gptq(w, h, GPTQArgs(4, 32, True))
+    runs = [refine_codes(w, r.q, r.qparams, h, r.damping, sweeps=2, block_size=b, with_error=True)
             for b in (k, 8, 1)]
     for q, err in runs[1:]:
         assert (q != runs[0][0]).float().mean() <= 1e-3
@@ -393,11 +393,11 @@ def test_refine_codes_threads_change_nothing(monkeypatch):
     k, n = 64, 24
     h = torch.stack([_hessian(k, 120, s) for s in range(5)]).float()
     w = torch.randn(5, n, k, generator=torch.Generator().manual_seed(9)) * 0.05
-    r = gptq(w, h, 4, 32, True)
+    r = gptq(w, h, GPTQArgs(4, 32, True))
     runs = []
     for threads in (1, 2, 3):
         with int4.native_threads(threads):
-            runs.append(gq.refine_codes(w, r.q, r.qparams.scale, h, r.damping, sweeps=2, block_size=16)[0])
+            runs.append(gq.refine_codes(w, r.q, r.qparams, h, r.damping, sweeps=2, block_size=16)[0])
     assert not torch.equal(runs[0], r.q) and all(torch.equal(q, runs[0]) for q in runs[1:])
 
     def broken(*a, **k):
@@ -406,7 +406,7 @@ def test_refine_codes_threads_change_nothing(monkeypatch):
     monkeypatch.setattr(gq._cd_native(), "cd_rows", broken)
     monkeypatch.setattr(int4, "_NATIVE", int4._native_module())
     with pytest.warns(UserWarning, match="kernel unavailable"):
-        q = gq.refine_codes(w, r.q, r.qparams.scale, h, r.damping, sweeps=2, block_size=16)[0]
+        q = gq.refine_codes(w, r.q, r.qparams, h, r.damping, sweeps=2, block_size=16)[0]
     assert (q != runs[0]).float().mean() <= 1e-3 and int4._NATIVE is False and gq._cd_native() is None
 
 
@@ -418,10 +418,10 @@ def test_refine_codes_keeps_the_codes_of_unusable_scales(cd_path):
     k, n = 64, 8
     h = _hessian(k, 100, 9).float()[None]
     w = torch.randn(1, n, k, generator=torch.Generator().manual_seed(10)) * 0.05
-    r = gptq(w, h, 4, 16, True)
+    r = gptq(w, h, GPTQArgs(4, 16, True))
     scale = r.qparams.scale.clone()
     scale[0, 0, 0], scale[0, 1, 1], scale[0, 2, 2], scale[0, 3, 3] = 0.0, -1.0, float("inf"), float("nan")
-    q, _ = refine_codes(w, r.q, scale, h, r.damping, sweeps=2)
+    q, _ = refine_codes(w, r.q, QParams(scale, None), h, r.damping, sweeps=2)
     assert torch.equal(q[0, :4], r.q[0, :4])
     assert int(q.min()) >= -8 and int(q.max()) <= 7 and not torch.equal(q[0, 4:], r.q[0, 4:])
 
@@ -436,10 +436,10 @@ def test_refine_codes_native_loop_is_the_torch_path(monkeypatch):
     k, n = 128, 48
     h = torch.stack([_hessian(k, 300, 11), _hessian(k, 200, 12), _hessian(k, 250, 13)]).float()
     w = torch.randn(3, n, k, generator=torch.Generator().manual_seed(14)) * 0.05
-    r = gptq(w, h, 4, 32, True, actorder=True)
-    native = gq.refine_codes(w, r.q, r.qparams.scale, h, r.damping, sweeps=3, block_size=32, with_error=True)
+    r = gptq(w, h, GPTQArgs(4, 32, True, actorder=True))
+    native = gq.refine_codes(w, r.q, r.qparams, h, r.damping, sweeps=3, block_size=32, with_error=True)
     monkeypatch.setattr(gq, "_CD_NATIVE", False)
-    plain = gq.refine_codes(w, r.q, r.qparams.scale, h, r.damping, sweeps=3, block_size=32, with_error=True)
+    plain = gq.refine_codes(w, r.q, r.qparams, h, r.damping, sweeps=3, block_size=32, with_error=True)
     assert (native[0] != plain[0]).float().mean() <= 1e-3
     assert torch.allclose(native[1], plain[1], rtol=1e-4)
     assert not torch.equal(native[0], r.q)

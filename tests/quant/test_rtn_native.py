@@ -232,9 +232,9 @@ def test_mse_search_gptq_scales_match_torch_path(monkeypatch, actorder, symmetri
     w = torch.randn(4, 64, 128, generator=g) + (0 if symmetric else 0.3)
     x = torch.randn(4, 512, 128, generator=g)
     h = torch.bmm(x.transpose(1, 2), x) / 256
-    fast = G.gptq(w, h, 4, 32, symmetric, actorder=actorder, observer="mse")
+    fast = G.gptq(w, h, G.GPTQArgs(4, 32, symmetric, actorder=actorder, observer="mse"))
     monkeypatch.setattr(G, "choose_qparams_mse", lambda *a, **k: int4.choose_qparams_mse(*a, **k, native=False))
-    ref = G.gptq(w, h, 4, 32, symmetric, actorder=actorder, observer="mse")
+    ref = G.gptq(w, h, G.GPTQArgs(4, 32, symmetric, actorder=actorder, observer="mse"))
     assert torch.equal(fast.qparams.scale, ref.qparams.scale) and torch.equal(fast.q, ref.q)
     if not symmetric:
         assert torch.equal(fast.qparams.zero_point, ref.qparams.zero_point)
