@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -46,32 +47,49 @@ STRATEGIES = kvrules.STRATEGIES
 SCALES_FORMAT = "quantkit-kv-scales"
 
 
-def calibrate(model_dir: str | os.PathLike, *, dataset: str | os.PathLike | None = None,
-              num_samples: int = DEFAULT_NUM_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, strategy: str = DEFAULT_STRATEGY,
-              seed: int = DEFAULT_SEED, dtype: torch.dtype | str | None = None, device: str | None = DEFAULT_DEVICE,
-              batch_tokens: int | None = None, activation_budget_bytes: int = DEFAULT_ACTIVATION_BUDGET,
-              available_bytes: int | None = None, progress: Callable[[int, int], None] | None = None,
+@dataclass(frozen=True)
+class CalibrateOptions:
+    """Everything `calibrate` takes besides the checkpoint and its callbacks; the CLI's defaults are these.
+
+    dataset/num_samples/seq_len/seed: the calibration data (quantkit.calib.data formats). strategy: "tensor" or
+    "attn_head". device: cpu, cuda, cuda:N or auto (None: the default). dtype: what the layers compute in, a
+    torch dtype or auto, float32, bfloat16 (None, auto: float32 on the CPU, bfloat16 on a GPU). batch_tokens:
+    tokens per forward call (None: sized to the layer, see `LayerExecutor.auto_batch_tokens`).
+    activation_budget_bytes: the activations one call may hold. available_bytes: the device memory the plan may
+    use (None: what the GPU reports free)."""
+
+    dataset: str | os.PathLike | None = None
+    num_samples: int = DEFAULT_NUM_SAMPLES
+    seq_len: int = DEFAULT_SEQ_LEN
+    strategy: str = DEFAULT_STRATEGY
+    seed: int = DEFAULT_SEED
+    dtype: torch.dtype | str | None = None
+    device: str | None = DEFAULT_DEVICE
+    batch_tokens: int | None = None
+    activation_budget_bytes: int = DEFAULT_ACTIVATION_BUDGET
+    available_bytes: int | None = None
+
+
+def calibrate(model_dir: str | os.PathLike, opts: CalibrateOptions = CalibrateOptions(),
+              progress: Callable[[int, int], None] | None = None,
               log: Callable[[str], None] | None = None) -> CalibrationResult:
-    """Calibrate FP8 KV-cache scales for the checkpoint in `model_dir` (see the module docstring).
+    """Calibrate FP8 KV-cache scales for the checkpoint in `model_dir` (see the module docstring) as `opts` says.
     `progress(layer_idx, num_layers)` is called after each decoder layer; `log(line)` gets the device and its
-    memory plan before the first. `device`: cpu, cuda, cuda:N or auto (None: the default); `dtype`: what the
-    layers compute in, a torch dtype or auto, float32, bfloat16 (None, auto: float32 on the CPU, bfloat16 on a
-    GPU); `available_bytes`: the device memory the
-    plan may use (None: what the GPU reports free); `batch_tokens`: tokens per forward call (None: sized to
-    the layer, see `LayerExecutor.auto_batch_tokens`)."""
-    if strategy not in STRATEGIES:
-        raise CalibrationError(f"unknown KV-cache strategy {strategy!r}", hint="use --strategy tensor or attn_head")
+    memory plan before the first."""
+    if opts.strategy not in STRATEGIES:
+        raise CalibrationError(f"unknown KV-cache strategy {opts.strategy!r}",
+                               hint="use --strategy tensor or attn_head")
     t0 = time.perf_counter()
-    ex = LayerExecutor(model_dir, dtype=dtype, device=device, batch_tokens=batch_tokens,
-                       activation_budget_bytes=activation_budget_bytes, available_bytes=available_bytes)
+    ex = LayerExecutor(model_dir, dtype=opts.dtype, device=opts.device, batch_tokens=opts.batch_tokens,
+                       activation_budget_bytes=opts.activation_budget_bytes, available_bytes=opts.available_bytes)
     # a compressed-tensors / FP8 source is checked as convert checks it (finite, plausible scales, shapes that
     # agree) before its decoded weights are trusted for calibration (read/sources.py, pack/checks.py)
     logical = validate_sources(ex.ckpt, ex.stored)
     spec = validate_config(ex.ckpt.config, {n: ex.ckpt.info(n).shape for n in ex.ckpt.location})
     if spec is not None:  # packed experts' logical shapes against config.json, as convert holds them
         check_expert_shapes(spec, {m + ".weight": nk for m, nk in logical.items()})
-    data = load_calibration_data(dataset, tokenizer=load_tokenizer(model_dir), vocab_size=ex.config.vocab_size,
-                                 num_samples=num_samples, seq_len=seq_len, seed=seed)
+    data = load_calibration_data(opts.dataset, tokenizer=load_tokenizer(model_dir), vocab_size=ex.config.vocab_size,
+                                 num_samples=opts.num_samples, seq_len=opts.seq_len, seed=opts.seed)
     lengths = [len(s) for s in data.samples]
     plan = ex.plan_memory(lengths, statistics=lambda i, layer: observer_bytes(ex, ex.call_tokens(lengths)))
     if log is not None:
@@ -81,7 +99,7 @@ def calibrate(model_dir: str | os.PathLike, *, dataset: str | os.PathLike | None
     final.close()
     ex.measured_peak_bytes()
 
-    return kv_result(model_dir, ex, kv, experts, strategy, data, t0, plan)
+    return kv_result(model_dir, ex, kv, experts, opts.strategy, data, t0, plan)
 
 
 def write_scales(result: CalibrationResult, path: str | os.PathLike) -> int:

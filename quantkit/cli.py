@@ -229,13 +229,13 @@ def calibrate(
     """Measure FP8 KV-cache scales on what the engine caches (post-RoPE K, V; the MLA latent), layer by layer."""
     device, compute_dtype = _device(device), _compute_dtype(compute_dtype)
     model_dir = _source(model, revision)
-    from .calibrate import calibrate as run, write_scales
+    from .calibrate import CalibrateOptions, calibrate as run, write_scales
 
+    opts = CalibrateOptions(dataset=dataset, num_samples=num_samples or options.NUM_SAMPLES,
+                            seq_len=seq_len or options.SEQ_LEN, strategy=strategy, device=device, dtype=compute_dtype)
     with _progress("calibrating", enabled=True) as prog:
         task = prog.add_task("layers", total=None)
-        res = run(model_dir, dataset=dataset, num_samples=num_samples or options.NUM_SAMPLES,
-                  seq_len=seq_len or options.SEQ_LEN, strategy=strategy, device=device, dtype=compute_dtype,
-                  progress=lambda i, n: prog.update(task, completed=i + 1, total=n),
+        res = run(model_dir, opts, progress=lambda i, n: prog.update(task, completed=i + 1, total=n),
                   log=lambda line: prog.console.print(f"note: {escape(line)}", soft_wrap=True))
     write_scales(res, output)
     if json_out:

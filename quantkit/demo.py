@@ -33,7 +33,7 @@ def _earlier_demo(out: Path) -> bool:
 
 def run_demo(out: str | Path, arch: str = options.DEMO_ARCH, overwrite: bool = False,
              log: Callable[[str], None] = print) -> dict:
-    from .calibrate import calibrate, write_scales
+    from .calibrate import CalibrateOptions, calibrate, write_scales
     from .card import VERIFY_JSON, write_model_card
     from .report import build_report
     from .write.writer import write_json_atomic
@@ -58,7 +58,7 @@ def run_demo(out: str | Path, arch: str = options.DEMO_ARCH, overwrite: bool = F
     log("[2/7] quantkit calibrate (FP8 KV-cache scales)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the tiny model has no tokenizer: bytes stand in for tokens
-        cal = calibrate(src, num_samples=8, seq_len=128)
+        cal = calibrate(src, CalibrateOptions(num_samples=8, seq_len=128))
     write_scales(cal, scales)
     log(f"      {len(cal.layers)} layers, k_scale of layer 0 = {cal.layers[0].k_scale:.3g}")
     log("[3/7] quantkit convert --recipe int4-experts-rtn --kv-scales")

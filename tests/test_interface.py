@@ -51,7 +51,7 @@ def test_every_error_has_a_one_line_hint():
     ("plan", "quantkit.plan:PlanOptions"),
     ("verify", "quantkit.verify:verify"),
     ("demo", "quantkit.demo:run_demo"),
-    ("calibrate", "quantkit.calibrate:calibrate"),
+    ("calibrate", "quantkit.calibrate:CalibrateOptions"),
 ])
 def test_cli_and_library_defaults_agree(command, library):
     """Every option the command and its library function share has one default (from options.py)."""

@@ -201,11 +201,8 @@ def _job_kv(job: _Job, opts: ConvertOptions, w, split_calib: bool, calib_report:
         return opts.kv
     if job.want_kv and opts.kv_scales is None and split_calib:  # calibrated here: data parallel over the ranks
         with timeline.phase("kv"):
-            return kv_scales(src, recipe, None, opts.dataset, opts.num_samples, opts.seq_len, device=opts.device,
-                             dtype=opts.compute_dtype, report=calib_report if w.leader else None, world=w)
-    return w.broadcast(w.step(lambda: kv_scales(src, recipe, opts.kv_scales, opts.dataset, opts.num_samples,
-                                                opts.seq_len, device=opts.device, dtype=opts.compute_dtype,
-                                                report=calib_report)
+            return kv_scales(src, recipe, opts, report=calib_report if w.leader else None, world=w)
+    return w.broadcast(w.step(lambda: kv_scales(src, recipe, opts, report=calib_report)
                               if job.want_kv and w.leader else None,
                               "reading the KV scales", "kv"))
 

@@ -117,15 +117,15 @@ def preflight(src: Checkpoint, recipe: Recipe, data, device: str, ranks: int = 1
         ex.ckpt, recipe, i, layer, ex.device, ex.dtype, ex.call_tokens(lengths), lengths, ranks))
 
 
-def kv_scales(src: Checkpoint, recipe: Recipe, path: str | None, dataset: str | None = None,
-              num_samples: int | None = None, seq_len: int | None = None, device: str | None = None,
-              report: dict | None = None, world=None, dtype: str | None = None) -> kvrules.KVScales:
-    """The KV scales to ship, checked against the source model: from `path`, or calibrated now (recipe
-    `kv_cache` section, on `device`) on the same data as the calibrated groups: the options first, then the
-    recipe's calibration section, then the defaults. `report` (a dict) receives the calibration's device and
-    memory plan when it ran. `world` (quantkit.dist.World): under torchrun every rank calls this and the
-    calibration runs data parallel over the ranks (calib/kv_dist.py), with the same result on every rank."""
+def kv_scales(src: Checkpoint, recipe: Recipe, opts, report: dict | None = None, world=None) -> kvrules.KVScales:
+    """The KV scales to ship, checked against the source model (`opts`: the convert's ConvertOptions): from the
+    file `opts.kv_scales`, or calibrated now (recipe `kv_cache` section, on `opts.device` in `opts.compute_dtype`)
+    on the same data as the calibrated groups: the options first, then the recipe's calibration section, then the
+    defaults. `report` (a dict) receives the calibration's device and memory plan when it ran. `world`
+    (quantkit.dist.World): under torchrun every rank calls this and the calibration runs data parallel over the
+    ranks (calib/kv_dist.py), with the same result on every rank."""
     want = recipe.kv_cache.strategy if recipe.kv_cache is not None else None
+    path, device, dtype = opts.kv_scales, opts.device, opts.compute_dtype
     if path is not None:
         scales = read_kv_scales(path)
         origin = {"file": str(path), "sha256": sha256_file(path)}
@@ -135,15 +135,17 @@ def kv_scales(src: Checkpoint, recipe: Recipe, path: str | None, dataset: str | 
             raise CalibrationNeeded(f"recipe {recipe.name!r} asks for FP8 KV-cache scales (kv_cache), which need "
                                     "calibration on real activations; no --kv-scales file was given")
         cal = recipe.calibration or CalibrationSpec()
-        data = {"dataset": dataset or cal.dataset, "num_samples": num_samples or cal.num_samples,
-                "seq_len": seq_len or cal.seq_len}
+        data = {"dataset": opts.dataset or cal.dataset, "num_samples": opts.num_samples or cal.num_samples,
+                "seq_len": opts.seq_len or cal.seq_len}
         if world is not None and world.size > 1:
             from ..calib.kv_dist import calibrate_ranks
 
             res = calibrate_ranks(str(src.root), world, **data, strategy=want, device=device, dtype=dtype)
         else:
-            res = calibrate(str(src.root), **data, strategy=want, dtype=dtype,
-                            **({} if device is None else {"device": device}))
+            from ..calibrate import CalibrateOptions
+
+            res = calibrate(str(src.root), CalibrateOptions(**data, strategy=want, dtype=dtype,
+                                                            **({} if device is None else {"device": device})))
         if report is not None and getattr(res, "device", None) is not None:
             report.update(device=res.device, memory=res.memory)
         scales = {n: t.detach().cpu() for n, t in dict(res.scales).items()}

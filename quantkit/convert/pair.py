@@ -135,8 +135,7 @@ def convert_pair(src_dir: str | os.PathLike, out_dir: str | os.PathLike, opts, p
     if any(h.state == "new" for h in halves):
         if log:
             log("pair: KV-cache scales computed once, written to both checkpoints")
-        kv = kv_scales(src, kv_recipe, opts.kv_scales, opts.dataset, opts.num_samples, opts.seq_len,
-                       device=opts.device, dtype=opts.compute_dtype)
+        kv = kv_scales(src, kv_recipe, opts)
         for h in halves:
             if h.state != "new":
                 _same_kv(h, kv)

@@ -14,8 +14,8 @@ from quantkit.calib.data import CalibrationWarning, load_calibration_data
 from quantkit.calib.executor import LayerExecutor, modeling_module
 from quantkit.calib.weights import load_layer_weights
 from quantkit.calib.observers import ExpertTokenCounter, KVCacheObserver
-from quantkit.calibrate import (DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN, calibrate, read_scales, scales_strategy,
-                                write_scales)
+from quantkit.calibrate import (DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN, CalibrateOptions, calibrate, read_scales,
+                                scales_strategy, write_scales)
 from quantkit.errors import QuantkitError
 from quantkit.read.checkpoint import Checkpoint
 from quantkit.write.writer import write_safetensors
@@ -43,7 +43,7 @@ def _samples(vocab=512, n=N, t=T):
 def _calibrate(path, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CalibrationWarning)
-        return calibrate(path, num_samples=N, seq_len=T, **kw)
+        return calibrate(path, CalibrateOptions(num_samples=N, seq_len=T, **kw))
 
 
 def _ids_file(p, n=3, t=16):
@@ -210,7 +210,7 @@ def test_variable_length_pretokenized_samples(tiny_models, tmp_path):
     ds = tmp_path / "ids.jsonl"
     ds.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
     with pytest.warns(CalibrationWarning, match="holds 4"):
-        res = calibrate(path, dataset=ds, num_samples=10, seq_len=64)
+        res = calibrate(path, CalibrateOptions(dataset=ds, num_samples=10, seq_len=64))
     assert res.data["pretokenized"] and res.data["num_tokens"] == sum(map(len, rows))
     assert sum(res.expert_tokens[0]) == sum(map(len, rows)) * 2
     final = LayerExecutor(path, batch_tokens=40).run([torch.tensor(r) for r in rows])
@@ -282,7 +282,7 @@ def test_unsupported_architecture_and_strategy(tmp_path, tiny_models):
         calibrate(d)
     assert isinstance(e.value, QuantkitError) and "qwen3_moe" in e.value.hint
     with pytest.raises(CalibrationError, match="strategy"):
-        calibrate(_model(tiny_models, "qwen3_moe"), strategy="channel")
+        calibrate(_model(tiny_models, "qwen3_moe"), CalibrateOptions(strategy="channel"))
 
 
 def test_missing_layer_tensor_is_a_clear_error(tiny_models, tmp_path):
@@ -391,7 +391,7 @@ def test_bfloat16_compute_keeps_fp32_routers(tiny_models, tmp_path):
     assert layer.self_attn.kv_a_proj_with_mqa.weight.dtype == torch.bfloat16
     ex.free_layer(1)
     ids = _ids_file(tmp_path / "ids16.jsonl")
-    res16 = calibrate(path, dataset=ids, num_samples=3, seq_len=16, dtype=torch.bfloat16)
-    res32 = calibrate(path, dataset=ids, num_samples=3, seq_len=16)
+    res16 = calibrate(path, CalibrateOptions(dataset=ids, num_samples=3, seq_len=16, dtype=torch.bfloat16))
+    res32 = calibrate(path, CalibrateOptions(dataset=ids, num_samples=3, seq_len=16))
     for a, b in zip(res16.layers, res32.layers):
         assert a.k_scale == pytest.approx(b.k_scale, rel=0.05)

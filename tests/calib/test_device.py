@@ -21,7 +21,7 @@ from quantkit.calib.executor import LayerExecutor
 from quantkit.calib.hessians import ExpertStats
 from quantkit.calib.layer import statistics_bytes
 from quantkit.calib.spool import run_calibrated
-from quantkit.calibrate import calibrate
+from quantkit.calibrate import CalibrateOptions, calibrate
 from quantkit.errors import DeviceError, DeviceMemoryError
 from quantkit.match.recipe import load_recipe
 
@@ -63,7 +63,7 @@ def test_default_is_shared_and_resolves_here():
 
     assert options.DEVICE == "auto"
     assert ConvertOptions().device == options.DEVICE
-    assert inspect.signature(calibrate).parameters["device"].default == options.DEVICE
+    assert inspect.signature(CalibrateOptions).parameters["device"].default == options.DEVICE
     assert resolve_device(None) == resolve_device("auto") == (torch.device("cuda", torch.cuda.current_device())
                                                              if CUDA else torch.device("cpu"))
     assert resolve_device("cpu") == torch.device("cpu")
@@ -191,8 +191,8 @@ def test_cpu_equals_default_calibrate(tiny_models):
     path = tiny_models("deepseek_v3", layers=3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CalibrationWarning)
-        a = calibrate(path, num_samples=4, seq_len=32)
-        b = calibrate(path, num_samples=4, seq_len=32, device="cpu")
+        a = calibrate(path, CalibrateOptions(num_samples=4, seq_len=32))
+        b = calibrate(path, CalibrateOptions(num_samples=4, seq_len=32, device="cpu"))
     assert a.scales.keys() == b.scales.keys() and all(torch.equal(a.scales[k], b.scales[k]) for k in a.scales)
     ja, jb = a.to_json(), b.to_json()
     for j in (ja, jb):
@@ -257,7 +257,7 @@ def test_executor_refuses_before_reading_a_layer(tiny_models, monkeypatch):
     assert loaded == []
     with pytest.raises(DeviceMemoryError), warnings.catch_warnings():
         warnings.simplefilter("ignore", CalibrationWarning)
-        calibrate(path, num_samples=4, seq_len=32, available_bytes=1000)
+        calibrate(path, CalibrateOptions(num_samples=4, seq_len=32, available_bytes=1000))
     assert loaded == []
 
 

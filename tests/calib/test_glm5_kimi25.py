@@ -20,7 +20,7 @@ from quantkit.calib.data import CalibrationWarning, load_calibration_data
 from quantkit.calib.executor import LayerExecutor, modeling_module
 from quantkit.calib.observers import ExpertTokenCounter, KVCacheObserver
 from quantkit.calib.spool import PROGRESS_NAME, run_calibrated
-from quantkit.calibrate import calibrate, read_scales, write_scales
+from quantkit.calibrate import CalibrateOptions, calibrate, read_scales, write_scales
 from quantkit.convert import ConvertOptions, convert
 from quantkit.errors import CalibrationError
 from quantkit.match.recipe import load_recipe
@@ -44,7 +44,7 @@ def _samples(n=N, t=T, seed=0):
 def _calibrate(path, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CalibrationWarning)
-        return calibrate(path, num_samples=N, seq_len=T, **kw)
+        return calibrate(path, CalibrateOptions(num_samples=N, seq_len=T, **kw))
 
 
 def _convert(src, out, recipe, **kw):

@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from quantkit.calibrate import calibrate, write_scales
+from quantkit.calibrate import CalibrateOptions, calibrate, write_scales
 from quantkit.convert import ConvertOptions, convert
 from quantkit.engine.vllm import check as engine_check
 from quantkit.inspect import inspect_checkpoint
@@ -47,7 +47,7 @@ def k25(tmp_path_factory):
     bf16 = make_tiny_model("kimi_k25", d / "bf16")
     int4 = make_tiny_model("kimi_k25", d / "int4", int4_experts=True)
     scales = d / "kv.safetensors"
-    write_scales(calibrate(str(int4), **CAL), scales)
+    write_scales(calibrate(str(int4), CalibrateOptions(**CAL)), scales)
     return bf16, int4, scales
 
 

@@ -172,9 +172,8 @@ def test_kv_recipe_calls_calibrate(src, tmp_path, monkeypatch):
         def __init__(self, s):
             self.scales = s
 
-    def fake_calibrate(model_dir, dataset=None, num_samples=128, seq_len=512, strategy="tensor", device=None,
-                       dtype=None):
-        calls.append((model_dir, dataset, num_samples, seq_len, strategy, device, dtype))
+    def fake_calibrate(model_dir, opts):
+        calls.append((model_dir, opts.dataset, opts.num_samples, opts.seq_len, opts.strategy, opts.device, opts.dtype))
         return Result(scales())
 
     monkeypatch.setattr(qconvert, "_find_calibrate", lambda: fake_calibrate)
@@ -211,14 +210,14 @@ def test_mla_single_head_scales_become_per_tensor(tmp_path):
     convert ships them as the per-tensor scales engines load for MLA."""
     import json
 
-    from quantkit.calibrate import calibrate, write_scales
+    from quantkit.calibrate import CalibrateOptions, calibrate, write_scales
     from quantkit.convert import ConvertOptions, convert
     from quantkit.read.checkpoint import Checkpoint
     from quantkit.read.safetensors import SafetensorsFile
     from quantkit.testing import make_tiny_model
 
     src = make_tiny_model("deepseek_v3", tmp_path / "src")
-    res = calibrate(src, num_samples=2, seq_len=32, strategy="attn_head")
+    res = calibrate(src, CalibrateOptions(num_samples=2, seq_len=32, strategy="attn_head"))
     assert all(tuple(t.shape) == (1, 1, 1) for t in res.scales.values())
     write_scales(res, tmp_path / "kv.safetensors")
     convert(src, tmp_path / "q", ConvertOptions(kv_scales=str(tmp_path / "kv.safetensors")))

@@ -266,13 +266,13 @@ def test_a_catastrophic_regex_target_in_a_source_config_is_refused(ct_sources, t
 def test_calibrate_checks_a_compressed_tensors_source_too(ct_sources, tmp_path):
     """`quantkit calibrate` decodes a compressed-tensors source's experts for its forward: a NaN scale is
     refused by the same check convert runs, naming the tensor, before any calibration."""
-    from quantkit.calibrate import calibrate
+    from quantkit.calibrate import CalibrateOptions, calibrate
 
     src = tmp_path / "src"
     shutil.copytree(ct_sources["int4"], src)
     edit_tensors(src, put("weight_scale", value=float("nan")))
     with pytest.raises(E.SourceTensorError, match=f"{M}.weight_scale"):
-        calibrate(str(src), num_samples=2, seq_len=16)
+        calibrate(str(src), CalibrateOptions(num_samples=2, seq_len=16))
     assert not list(tmp_path.glob("*.safetensors"))
 
 
