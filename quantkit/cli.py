@@ -329,15 +329,19 @@ def verify(
 ):
     """Check a converted checkpoint: shard hashes, format, and numerics against the reference. Exit 1 on failure;
     with --engine vllm --run, exit 3 when every check passed but this vLLM build cannot run it on this machine."""
-    from .verify import verify as run
+    from .verify import EngineRun, VerifyOptions, verify as run
 
     if device not in ("cpu", "cuda") or kernels not in ("torch", "triton"):
         raise typer.BadParameter("--device is cpu or cuda; --kernels is torch or triton")
     if engine not in (None, "vllm", "llama.cpp"):
         raise typer.BadParameter("--engine is vllm or llama.cpp", param_hint="--engine")
     if qmodel.is_file() or qmodel.suffix == ".gguf":
-        return _verify_gguf(qmodel, reference, revision, checkpoint, engine, run_engine, dataset, num_samples, seq_len,
-                            device, engine_python, engine_timeout, thresholds, json_out)
+        if engine != "llama.cpp" or not run_engine or reference is None:
+            raise typer.BadParameter("a GGUF is verified by running it: --engine llama.cpp --run --reference SRC",
+                                     param_hint="QMODEL")
+        opts = VerifyOptions(dataset=dataset, num_samples=num_samples, seq_len=seq_len, device=device,
+                             thresholds=thresholds, engine_run=EngineRun(python=engine_python, timeout=engine_timeout))
+        return _verify_gguf(qmodel, _source(reference, revision), checkpoint, opts, json_out)
     if engine == "llama.cpp":
         raise typer.BadParameter("--engine llama.cpp runs a GGUF: pass the .gguf written by quantkit export",
                                  param_hint="--engine")
@@ -347,11 +351,12 @@ def verify(
     if run_engine and engine != "vllm":
         raise typer.BadParameter("--run needs --engine vllm or llama.cpp", param_hint="--run")
     ref = _source(reference, revision) if reference is not None else None
-    engine_run = ({"python": engine_python, "timeout": engine_timeout, "kv_cache_dtype": engine_kv_cache_dtype}
+    engine_run = (EngineRun(python=engine_python, timeout=engine_timeout, kv_cache_dtype=engine_kv_cache_dtype)
                   if run_engine else None)
-    rep = run(qmodel, reference=ref, dataset=dataset, num_samples=num_samples, seq_len=seq_len, device=device,
-              kernels=kernels, thresholds=thresholds, progress=lambda step: err.print(f"  {step}"), engine=engine, tp=tp,
-              engine_run=engine_run, pair=pair)
+    rep = run(qmodel, VerifyOptions(reference=ref, dataset=dataset, num_samples=num_samples, seq_len=seq_len,
+                                    device=device, kernels=kernels, thresholds=thresholds, engine=engine, tp=tp,
+                                    engine_run=engine_run, pair=pair),
+              progress=lambda step: err.print(f"  {step}"))
     doc = rep.to_json()
     if save and rep.integrity.get("ok"):
         _save_verify(qmodel, doc, reference)
@@ -375,17 +380,11 @@ def verify(
         raise typer.Exit(EXIT_CANNOT_RUN)
 
 
-def _verify_gguf(gguf: Path, reference, revision, checkpoint, engine, run_engine, dataset, num_samples, seq_len,
-                 device, engine_python, engine_timeout, thresholds, json_out) -> None:
-    """verify OUT.gguf --engine llama.cpp --run --reference SRC [--checkpoint QMODEL]."""
+def _verify_gguf(gguf: Path, reference: Path, checkpoint: Path | None, opts, json_out: bool) -> None:
+    """verify OUT.gguf --engine llama.cpp --run --reference SRC [--checkpoint QMODEL], `opts` a VerifyOptions."""
     from .verify.llamacpp_run import run_gguf
 
-    if engine != "llama.cpp" or not run_engine or reference is None:
-        raise typer.BadParameter("a GGUF is verified by running it: --engine llama.cpp --run --reference SRC",
-                                 param_hint="QMODEL")
-    doc = run_gguf(gguf, _source(reference, revision), checkpoint, dataset=dataset, num_samples=num_samples,
-                   seq_len=seq_len, device=device, python=engine_python, timeout=engine_timeout, thresholds=thresholds,
-                   say=lambda step: err.print(f"  {step}"))
+    doc = run_gguf(gguf, reference, checkpoint, opts, say=lambda step: err.print(f"  {step}"))
     if json_out:
         _print_json(doc)
     else:

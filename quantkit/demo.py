@@ -41,7 +41,7 @@ def run_demo(out: str | Path, arch: str = options.DEMO_ARCH, overwrite: bool = F
     from .inspect import inspect_checkpoint
     from .plan import plan
     from .tiny import ARCHS, make_tiny_model
-    from .verify import verify
+    from .verify import VerifyOptions, verify
 
     out = Path(out)
     if arch not in ARCHS:
@@ -72,7 +72,7 @@ def run_demo(out: str | Path, arch: str = options.DEMO_ARCH, overwrite: bool = F
     log("[5/7] quantkit verify --reference (transformers loads the INT4 checkpoint)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ver = verify(dst, reference=src, num_samples=4, seq_len=64, generation_tokens=16)
+        ver = verify(dst, VerifyOptions(reference=src, num_samples=4, seq_len=64, generation_tokens=16))
     for c in ver.checks:
         log(f"      {'ok  ' if c.ok else ('skip' if c.ok is None else 'FAIL')} {c.name}: {c.detail}")
     write_json_atomic(dst / VERIFY_JSON, {**ver.to_json(), "reference": str(src)})  # as `quantkit verify` keeps it

@@ -49,7 +49,7 @@ def test_every_error_has_a_one_line_hint():
 
 @pytest.mark.parametrize("command, library", [
     ("plan", "quantkit.plan:PlanOptions"),
-    ("verify", "quantkit.verify:verify"),
+    ("verify", "quantkit.verify:VerifyOptions"),
     ("demo", "quantkit.demo:run_demo"),
     ("calibrate", "quantkit.calibrate:CalibrateOptions"),
 ])

@@ -108,6 +108,72 @@ def _top1(entry) -> int | None:
     return best[0] if best else None
 
 
+def _register_plugin(req: dict, res: dict) -> bool:
+    """Registers quantkit's vLLM plugin when the request asks for it. False (the stage, reason and traceback in
+    `res`) when it cannot be."""
+    if not req.get("plugin"):
+        return True
+    try:
+        sys.path.insert(0, req["quantkit_root"])
+        from quantkit.engine.vllm_plugin import register
+
+        register()
+        res["plugin"] = "quantkit.engine.vllm_plugin"
+    except Exception as e:
+        res.update(stage="plugin", reason=_one_line(e), traceback=traceback.format_exc()[-4000:])
+        return False
+    return True
+
+
+def _engine_args(req: dict) -> dict:
+    """vllm.LLM's keyword arguments: the checkpoint as `vllm serve` loads it, small and eager, then the request's
+    own."""
+    args = dict(model=req["model"], skip_tokenizer_init=True, dtype=req.get("dtype", "bfloat16"),
+                kv_cache_dtype=req.get("kv_cache_dtype", "auto"), max_model_len=int(req["max_model_len"]),
+                enforce_eager=True, max_num_seqs=int(req.get("max_num_seqs", 8)), seed=0,
+                gpu_memory_utilization=float(req.get("gpu_memory_utilization", 0.1)),
+                kv_cache_memory_bytes=int(req.get("kv_cache_memory_bytes", 256 << 20)))
+    args.update(req.get("engine_args") or {})
+    return args
+
+
+def _score(llm, req: dict, res: dict) -> None:
+    """Into `res`: per-sample summed NLL, target count and top-1 ids (prompt_logprobs), the top-1 ids of the
+    forced sequences after their prompts, and the greedy tokens generated from each prompt."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    score = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0, detokenize=False)
+    samples = [[int(t) for t in s] for s in req.get("samples") or []]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in samples], score, use_tqdm=False)
+    per = []
+    for ids, o in zip(samples, outs):
+        plp = o.prompt_logprobs or []
+        nll, top1 = 0.0, []
+        for i in range(1, len(ids)):
+            entry = plp[i] if i < len(plp) else None
+            if not entry:
+                raise RuntimeError(f"vLLM returned no prompt logprob at position {i}")
+            nll -= float(entry[ids[i]].logprob)
+            top1.append(_top1(entry))
+        per.append({"nll": nll, "targets": len(ids) - 1, "top1": top1})
+    res["samples"] = per
+
+    forced = [[int(t) for t in s] for s in req.get("forced") or []]
+    lens = [int(n) for n in req.get("prompt_lens") or []]
+    if forced:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in forced], score, use_tqdm=False)
+        res["forced_top1"] = [[_top1(o.prompt_logprobs[i]) for i in range(p, len(s))]
+                              for s, p, o in zip(forced, lens, outs)]
+        n = int(req.get("gen_tokens") or 0)
+        if n > 0:
+            greedy = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True,
+                                    detokenize=False)
+            outs = llm.generate([TokensPrompt(prompt_token_ids=s[:p]) for s, p in zip(forced, lens)], greedy,
+                                use_tqdm=False)
+            res["generated"] = [list(o.outputs[0].token_ids) for o in outs]
+
+
 def main(argv: list[str]) -> int:
     req_path, res_path = argv[1], argv[2]
     with open(req_path) as f:
@@ -127,8 +193,8 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     try:
         import vllm
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import LLM, SamplingParams  # noqa: F401 (what _score uses, imported here to fail at "import")
+        from vllm.inputs import TokensPrompt  # noqa: F401
         from vllm.platforms import current_platform
     except Exception as e:
         return done(reason=_one_line(e), traceback=traceback.format_exc()[-4000:])
@@ -137,15 +203,8 @@ def main(argv: list[str]) -> int:
         res["platform"] = type(current_platform).__name__
     except Exception as e:
         res["platform"] = f"unknown ({_one_line(e)})"
-    if req.get("plugin"):
-        try:
-            sys.path.insert(0, req["quantkit_root"])
-            from quantkit.engine.vllm_plugin import register
-
-            register()
-            res["plugin"] = "quantkit.engine.vllm_plugin"
-        except Exception as e:
-            return done(stage="plugin", reason=_one_line(e), traceback=traceback.format_exc()[-4000:])
+    if not _register_plugin(req, res):
+        return done()
     kv = _KVReadBack()
     try:
         kv.install()
@@ -155,12 +214,7 @@ def main(argv: list[str]) -> int:
     res["stage"] = "load"
     t1 = time.perf_counter()
     res["seconds"]["import"] = round(t1 - t0, 1)
-    args = dict(model=req["model"], skip_tokenizer_init=True, dtype=req.get("dtype", "bfloat16"),
-                kv_cache_dtype=req.get("kv_cache_dtype", "auto"), max_model_len=int(req["max_model_len"]),
-                enforce_eager=True, max_num_seqs=int(req.get("max_num_seqs", 8)), seed=0,
-                gpu_memory_utilization=float(req.get("gpu_memory_utilization", 0.1)),
-                kv_cache_memory_bytes=int(req.get("kv_cache_memory_bytes", 256 << 20)))
-    args.update(req.get("engine_args") or {})
+    args = _engine_args(req)
     res["engine_args"] = {k: v for k, v in args.items() if k != "model"}
     try:
         llm = LLM(**args)
@@ -177,35 +231,7 @@ def main(argv: list[str]) -> int:
 
     res["stage"] = "run"
     try:
-        score = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0, detokenize=False)
-        samples = [[int(t) for t in s] for s in req.get("samples") or []]
-        outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in samples], score, use_tqdm=False)
-        per = []
-        for ids, o in zip(samples, outs):
-            plp = o.prompt_logprobs or []
-            nll, top1 = 0.0, []
-            for i in range(1, len(ids)):
-                entry = plp[i] if i < len(plp) else None
-                if not entry:
-                    raise RuntimeError(f"vLLM returned no prompt logprob at position {i}")
-                nll -= float(entry[ids[i]].logprob)
-                top1.append(_top1(entry))
-            per.append({"nll": nll, "targets": len(ids) - 1, "top1": top1})
-        res["samples"] = per
-
-        forced = [[int(t) for t in s] for s in req.get("forced") or []]
-        lens = [int(n) for n in req.get("prompt_lens") or []]
-        if forced:
-            outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in forced], score, use_tqdm=False)
-            res["forced_top1"] = [[_top1(o.prompt_logprobs[i]) for i in range(p, len(s))]
-                                  for s, p, o in zip(forced, lens, outs)]
-            n = int(req.get("gen_tokens") or 0)
-            if n > 0:
-                greedy = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True,
-                                        detokenize=False)
-                outs = llm.generate([TokensPrompt(prompt_token_ids=s[:p]) for s, p in zip(forced, lens)], greedy,
-                                    use_tqdm=False)
-                res["generated"] = [list(o.outputs[0].token_ids) for o in outs]
+        _score(llm, req, res)
     except Exception as e:
         return done(status="cannot_run", reason=_one_line(e), traceback=traceback.format_exc()[-4000:])
     res["seconds"]["run"] = round(time.perf_counter() - t2, 1)

@@ -29,7 +29,7 @@ pages of the shard being read); the model-level metrics load both models (see do
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,16 +38,16 @@ import torch
 from ..errors import (CheckpointNotFound, KernelsUnavailable, QuantkitError, ReferenceModelError,
                       VerificationFailed, VerifyOptionError)
 from ..read.checkpoint import Checkpoint
-from .common import Check, Listing, listed, resolve_device
-from .format import Judge, tensor_pass
+from .common import Check, RunInputs, listed, resolve_device
+from .format import Findings, Judge, tensor_pass
 from .integrity import check_integrity, check_manifest_tensors
-from .numerics import (check_reference, check_reference_content, drift_check, kernel_check, layer_summary, model_metrics, sqnr_check,
-                       token_data)
-from .. import options
+from .numerics import (check_reference, check_reference_content, drift_check, kernel_check, layer_summary,
+                       model_metrics, sqnr_check, token_data)
 from ..options import Thresholds
 from ..pack.names import Tensor
+from .options import EngineRun, VerifyOptions
 
-__all__ = ["verify", "VerifyReport", "Thresholds", "Check"]
+__all__ = ["verify", "VerifyOptions", "EngineRun", "VerifyReport", "Thresholds", "Check"]
 
 
 @dataclass
@@ -81,174 +81,215 @@ class VerifyReport:
 
 
 # ---- entry point ---------------------------------------------------------------------------------------
-def verify(qmodel_dir, *, reference=None, dataset=None, num_samples: int = options.VERIFY_NUM_SAMPLES,
-           seq_len: int = options.VERIFY_SEQ_LEN, device: str = options.VERIFY_DEVICE, kernels: str = options.VERIFY_KERNELS,
-           thresholds: Thresholds = Thresholds(), progress: Callable[[str], None] | None = None,
-           generation_tokens: int = options.VERIFY_GENERATION_TOKENS, engine: str | None = None,
-           tp: int = options.VERIFY_TP,
-           seed: int = 0, engine_run: dict | None = None, pair=None) -> VerifyReport:
-    """Verify the converted checkpoint in `qmodel_dir` (see the module docstring).
-
-    reference: the source checkpoint it was converted from; without it the numerics are skipped and
-    `passed` depends on integrity and format only. dataset/num_samples/seq_len: the token data for the
-    model-level metrics (quantkit.calib.data formats; default: the shipped calibration set through the
-    reference's tokenizer, or seeded random ids when it has none). generation_tokens: greedy steps per prompt (0:
-    skip). device: where the models run. kernels: "torch", or "triton" to also check the runtime's
-    INT4 GEMM kernel against its torch reference on a few modules. engine: "vllm" to also check the rules
-    vLLM applies when it loads the checkpoint (quantkit/engine/vllm.py), at tensor parallelism `tp`.
-    engine_run: with engine "vllm", also run QMODEL in vLLM and measure it there (quantkit/verify/vllm_run.py);
-    a dict of its options: python (the engine environment's interpreter; default this one), timeout (s),
-    kv_cache_dtype ("served": fp8 when the checkpoint has KV scales, as its model card serves it; or vLLM's
-    values, e.g. "auto", "bfloat16"), engine_args (extra vllm.LLM keyword arguments).
-    pair: the prefill checkpoint of a prefill/decode pair whose decode half is `qmodel_dir` (convert --pair):
-    checked to belong together (PairMismatch otherwise, before anything else) and, with a reference, measured as
-    served: FP8 prefill into the KV cache, decode reading it (verify/pair.py)."""
+def verify(qmodel_dir, opts: VerifyOptions = VerifyOptions(),
+           progress: Callable[[str], None] | None = None) -> VerifyReport:
+    """Verify the converted checkpoint in `qmodel_dir` as `opts` says (see the module docstring and
+    `VerifyOptions`); `progress(line)` is called at each step."""
     t0 = time.perf_counter()
-    say = progress or (lambda _s: None)
-    thresholds = thresholds if thresholds is not None else Thresholds()
-    root = Path(qmodel_dir)
+    v = _start(Path(qmodel_dir), opts, progress or (lambda _s: None))
+    integrity = _integrity(v)
+    fmt, found, ref_check = _format(v)
+    metrics, layers, generation = _numerics(v, found, fmt["modules_checked"], ref_check)
+    if opts.kernels == "triton":
+        v.say("kernels: INT4 GEMM (triton) against its torch reference")
+        v.checks.append(kernel_check(found.kernel_modules, v.dev) if found.kernel_modules else
+                        Check("kernels", None, "no quantized module could be read: kernel check skipped"))
+    engine_doc = _engine_rules(v)
+    run_doc = _engine_run(v, metrics) if opts.engine_run is not None else None
+    if v.pair_doc is not None:
+        _pair(v, integrity["ok"])
+    passed = integrity["ok"] and fmt["ok"] and all(c.ok is not False for c in v.checks)
+    return VerifyReport(passed, integrity, fmt, metrics, layers, generation, v.checks, v.thresholds, v.data,
+                        round(time.perf_counter() - t0, 3), engine_doc, run_doc, v.pair_doc)
+
+
+@dataclass
+class _Verification:
+    """One verify run's state, handed from stage to stage: what it was given, what it opened, the checks so far,
+    the token data and its description."""
+
+    root: Path
+    opts: VerifyOptions
+    say: Callable[[str], None]
+    thresholds: Thresholds
+    dev: torch.device
+    ref_ck: Checkpoint | None
+    pair_doc: dict | None
+    manifest: dict | None = None
+    ck: Checkpoint | None = None
+    open_error: str | None = None
+    checks: list[Check] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+    samples: list[torch.Tensor] | None = None
+
+    def token_data(self, ck: Checkpoint) -> None:
+        """The token samples from `ck`'s tokenizer or vocabulary, and their description into `data`."""
+        o = self.opts
+        self.samples, info = token_data(ck, o.dataset, o.num_samples, o.seq_len, o.seed)
+        self.data.update(info)
+
+
+def _start(root: Path, opts: VerifyOptions, say: Callable[[str], None]) -> _Verification:
+    """The options checked, the reference opened, a pair held together: what raises before any stage runs."""
     if not root.is_dir():
         raise CheckpointNotFound(f"checkpoint directory {str(root)!r} does not exist")
-    if kernels not in ("torch", "triton"):
-        raise VerifyOptionError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
-    if not isinstance(num_samples, int) or num_samples <= 0 or not isinstance(seq_len, int) or seq_len < 2:
-        raise VerifyOptionError(f"num_samples must be >= 1 and seq_len >= 2 (got {num_samples}, {seq_len})",
+    if opts.kernels not in ("torch", "triton"):
+        raise VerifyOptionError(f"kernels must be 'torch' or 'triton', got {opts.kernels!r}")
+    n, seq_len = opts.num_samples, opts.seq_len
+    if not isinstance(n, int) or n <= 0 or not isinstance(seq_len, int) or seq_len < 2:
+        raise VerifyOptionError(f"num_samples must be >= 1 and seq_len >= 2 (got {n}, {seq_len})",
                                 hint="pass --num-samples N and --seq-len L with L >= 2")
-    if generation_tokens < 0:
-        raise VerifyOptionError(f"generation_tokens must be >= 0, got {generation_tokens}")
-    dev = resolve_device(device)
-    ref_ck = None
-    if reference is not None:
-        ref_ck = Checkpoint.open(reference)  # raises for an unusable reference (missing, corrupt headers)
-        method = (ref_ck.quantization_config or {}).get("quant_method")
-        if method not in (None, "fp8", "compressed-tensors"):
-            raise ReferenceModelError(f"reference {str(reference)!r} is quantized with {method!r}, which quantkit "
-                                      "does not read", hint="pass the checkpoint the conversion started from (BF16/"
-                                      "FP16/FP32, block FP8, or compressed-tensors such as Kimi K2.5's INT4 release)")
-    if kernels == "triton":
+    if opts.generation_tokens < 0:
+        raise VerifyOptionError(f"generation_tokens must be >= 0, got {opts.generation_tokens}")
+    dev = resolve_device(opts.device)
+    ref_ck = _open_reference(opts.reference) if opts.reference is not None else None
+    if opts.kernels == "triton":
         _require_triton(dev)
     pair_doc = None
-    if pair is not None:
+    if opts.pair is not None:
         from .pair import check_pair
 
         say("pair: manifests, source and KV scales of the two checkpoints")
-        pair_doc = check_pair(root, Path(pair))  # PairMismatch: the pair is refused, nothing measured
+        pair_doc = check_pair(root, Path(opts.pair))  # PairMismatch: the pair is refused, nothing measured
+    thresholds = opts.thresholds if opts.thresholds is not None else Thresholds()
+    return _Verification(root, opts, say, thresholds, dev, ref_ck, pair_doc,
+                         data={"device": str(dev), "kernels": opts.kernels, "source": None})
 
-    checks: list[Check] = []
-    # 1. integrity
-    manifest, mismatches, hashed = check_integrity(root, say)
-    ck, open_error = _open(root)
-    if ck is not None and manifest is not None:
-        check_manifest_tensors(ck, manifest, mismatches)
+
+def _open_reference(reference) -> Checkpoint:
+    """The reference checkpoint; raises for an unusable one (missing, corrupt headers, a format quantkit does not
+    read)."""
+    ref_ck = Checkpoint.open(reference)
+    method = (ref_ck.quantization_config or {}).get("quant_method")
+    if method not in (None, "fp8", "compressed-tensors"):
+        raise ReferenceModelError(f"reference {str(reference)!r} is quantized with {method!r}, which quantkit "
+                                  "does not read", hint="pass the checkpoint the conversion started from (BF16/"
+                                  "FP16/FP32, block FP8, or compressed-tensors such as Kimi K2.5's INT4 release)")
+    return ref_ck
+
+
+def _integrity(v: _Verification) -> dict:
+    """Stage 1: every file against the manifest, the manifest's tensor table against the headers. Opens the
+    checkpoint for the later stages (`v.ck`, or why it does not open)."""
+    v.manifest, mismatches, hashed = check_integrity(v.root, v.say)
+    v.ck, v.open_error = _open(v.root)
+    if v.ck is not None and v.manifest is not None:
+        check_manifest_tensors(v.ck, v.manifest, mismatches)
     integrity = {"ok": len(mismatches) == 0, "mismatches": listed(mismatches, {"file": "*", "problem": None}),
-                 "files_checked": len((manifest or {}).get("shards") or []), "bytes_hashed": hashed}
-    checks.append(Check("integrity", integrity["ok"], "every shard matches the manifest" if integrity["ok"] else
-                        f"{len(mismatches)} mismatch(es), first: {mismatches.items[0]['file']}: "
-                        f"{mismatches.items[0]['problem']}"))
+                 "files_checked": len((v.manifest or {}).get("shards") or []), "bytes_hashed": hashed}
+    v.checks.append(Check("integrity", integrity["ok"], "every shard matches the manifest" if integrity["ok"] else
+                          f"{len(mismatches)} mismatch(es), first: {mismatches.items[0]['file']}: "
+                          f"{mismatches.items[0]['problem']}"))
+    return integrity
 
-    # 2. format (+ the per-module SQNR pass, which reads the same tensors)
-    problems = Listing()
-    sqnr: dict[str, float] = {}
-    drift: list[tuple[str, float, float]] = []
-    kernel_modules: list[tuple[str, dict]] = []
+
+def _format(v: _Verification) -> tuple[dict, Findings, Check | None]:
+    """Stage 2, and the per-module SQNR pass, which reads the same tensors. Returns (the format document, what the
+    pass found, the reference's check against the manifest: None without a reference)."""
+    found = Findings(kernel_modules=[] if v.opts.kernels == "triton" else None)
     ref_check = None
     judge = Judge()
     modules_checked = 0
-    if ck is None:
-        problems.add(f"the checkpoint does not open: {open_error}")
+    if v.ck is None:
+        found.problems.add(f"the checkpoint does not open: {v.open_error}")
     else:
-        if ref_ck is not None:
-            ref_check = check_reference(ref_ck, manifest)
-        modules_checked = tensor_pass(ck, manifest, ref_ck, judge, problems, sqnr, drift, kernel_modules,
-                                       want_kernels=kernels == "triton", say=say)
+        if v.ref_ck is not None:
+            ref_check = check_reference(v.ref_ck, v.manifest)
+        modules_checked = tensor_pass(v.ck, v.manifest, v.ref_ck, judge, found, v.say)
+    problems = found.problems
     fmt = {"ok": len(problems) == 0, "problems": listed(problems, None), "modules_checked": modules_checked,
            "judge": judge.name}
-    checks.append(Check("format", fmt["ok"], f"{modules_checked} quantized modules consistent with config.json"
-                        if fmt["ok"] else f"{len(problems)} problem(s), first: {problems.items[0]}"))
+    v.checks.append(Check("format", fmt["ok"], f"{modules_checked} quantized modules consistent with config.json"
+                          if fmt["ok"] else f"{len(problems)} problem(s), first: {problems.items[0]}"))
+    return fmt, found, ref_check
 
-    # 3. numerics
+
+_MODEL_CHECKS = ("kl_divergence", "top1_agreement", "perplexity_ratio", "generation_agreement")
+
+
+def _numerics(v: _Verification, found: Findings, modules_checked: int,
+              ref_check: Check | None) -> tuple[dict, list[dict], dict | None]:
+    """Stage 3 (with a reference): the weight SQNR per layer and against the manifest's, then both models on the
+    token data. Returns (metrics, layers, generation)."""
     metrics = {"kl_divergence": None, "top1_agreement": None, "perplexity_reference": None,
                "perplexity_quantized": None}
-    layers: list[dict] = []
-    generation = None
-    data: dict[str, Any] = {"device": str(dev), "kernels": kernels, "source": None}
-    if ref_ck is None:
-        why = "no reference given: numerics skipped (pass the source checkpoint as reference)"
-        checks += [Check(n, None, why) for n in ("weight_sqnr", "kl_divergence", "top1_agreement",
-                                                 "perplexity_ratio", "generation_agreement")]
-    elif ck is None:
-        why = "the checkpoint does not open: numerics skipped"
-        checks += [Check(n, None, why) for n in ("weight_sqnr", "kl_divergence", "top1_agreement",
-                                                 "perplexity_ratio", "generation_agreement")]
-    elif (wrong := check_reference_content(sqnr, drift) if ref_check.ok is not False else None) is not None:
-        checks.append(wrong)  # named before any number is blamed on the quantization
+    if v.ref_ck is None or v.ck is None:
+        why = ("no reference given: numerics skipped (pass the source checkpoint as reference)" if v.ref_ck is None
+               else "the checkpoint does not open: numerics skipped")
+        v.checks += [Check(n, None, why) for n in ("weight_sqnr", *_MODEL_CHECKS)]
+        return metrics, [], None
+    wrong = check_reference_content(found.sqnr, found.drift) if ref_check.ok is not False else None
+    if wrong is not None:
+        v.checks.append(wrong)  # named before any number is blamed on the quantization
         why = "the reference is not the source this checkpoint was converted from: numerics skipped"
-        checks += [Check(n, None, why) for n in ("weight_sqnr", "sqnr_vs_manifest", "kl_divergence",
-                                                 "top1_agreement", "perplexity_ratio", "generation_agreement")]
-    else:
-        checks.append(ref_check)
-        layers = layer_summary(sqnr, thresholds.min_sqnr_db)
-        awq = sum(1 for n, e in (manifest or {}).get("tensors", {}).items()
-                  if n.endswith(Tensor.PACKED.dotted) and isinstance(e, dict) and e.get("method") == "awq")
-        checks.append(sqnr_check(sqnr, layers, modules_checked - awq, thresholds, awq))
-        checks.append(drift_check(drift, thresholds))
-        say("numerics: preparing token data")
-        samples, data_info = token_data(ref_ck, dataset, num_samples, seq_len, seed)
-        data.update(data_info)
-        m, generation, model_checks = model_metrics(ref_ck.root, root, samples, dev, generation_tokens,
-                                                     thresholds, say)
-        metrics.update(m)
-        checks += model_checks
-    if kernels == "triton":
-        say("kernels: INT4 GEMM (triton) against its torch reference")
-        checks.append(kernel_check(kernel_modules, dev) if kernel_modules else
-                      Check("kernels", None, "no quantized module could be read: kernel check skipped"))
+        v.checks += [Check(n, None, why) for n in ("weight_sqnr", "sqnr_vs_manifest", *_MODEL_CHECKS)]
+        return metrics, [], None
+    t = v.thresholds
+    v.checks.append(ref_check)
+    layers = layer_summary(found.sqnr, t.min_sqnr_db)
+    awq = sum(1 for n, e in (v.manifest or {}).get("tensors", {}).items()
+              if n.endswith(Tensor.PACKED.dotted) and isinstance(e, dict) and e.get("method") == "awq")
+    v.checks.append(sqnr_check(found.sqnr, layers, modules_checked - awq, t, awq))
+    v.checks.append(drift_check(found.drift, t))
+    v.say("numerics: preparing token data")
+    v.token_data(v.ref_ck)
+    m, generation, model_checks = model_metrics(v.ref_ck.root, v.root, v.samples, v.dev, v.opts.generation_tokens,
+                                                t, v.say)
+    metrics.update(m)
+    v.checks += model_checks
+    return metrics, layers, generation
 
-    engine_doc = run_doc = None
-    if engine_run is not None and engine != "vllm":
-        raise VerifyOptionError("running the checkpoint in an engine needs engine='vllm'", hint="pass --engine vllm --run")
-    if engine is not None:
-        if engine != "vllm":
-            raise VerifyOptionError(f"unknown engine {engine!r}", hint="the engine rules quantkit knows: vllm")
-        from ..engine.vllm import check as engine_check
 
-        say(f"engine: the rules vLLM applies, at tp {tp}")
-        er = engine_check(root, tp=tp)
-        engine_doc = er.to_json()
-        first = (er.problems or er.warnings or [None])[0]
-        detail = (f"{len(er.problems)} problem(s), {len(er.warnings)} warning(s)"
-                  + (f"; first: {first['rule']} {first['where']}: {first['detail']}" if first else ""))
-        checks.append(Check(f"engine_{engine}", er.ok, detail if first else f"{er.engine} loads it as written"))
-    if engine_run is not None:
-        from . import vllm_run
+def _engine_rules(v: _Verification) -> dict | None:
+    """`engine="vllm"`: the rules vLLM applies when it loads QMODEL, at tensor parallelism `tp`."""
+    engine = v.opts.engine
+    if v.opts.engine_run is not None and engine != "vllm":
+        raise VerifyOptionError("running the checkpoint in an engine needs engine='vllm'",
+                                hint="pass --engine vllm --run")
+    if engine is None:
+        return None
+    if engine != "vllm":
+        raise VerifyOptionError(f"unknown engine {engine!r}", hint="the engine rules quantkit knows: vllm")
+    from ..engine.vllm import check as engine_check
 
-        if ck is None:
-            raise VerificationFailed("the checkpoint does not open: it cannot be run in vLLM")
-        if ref_ck is None:  # no numerics stage: the token data from QMODEL's own tokenizer / vocabulary
-            samples, info = token_data(ck, dataset, num_samples, seq_len, seed)
-            data.update(info)
-        run_doc, run_checks = vllm_run.run(root, ref_ck.root if ref_ck is not None else None, samples, dev,
-                                           generation_tokens, thresholds, python=engine_run.get("python"),
-                                           kv_cache_dtype=engine_run.get("kv_cache_dtype") or "served",
-                                           engine_args=engine_run.get("engine_args"),
-                                           timeout=engine_run.get("timeout") or vllm_run.DEFAULT_TIMEOUT_S,
-                                           transformers_ppl=metrics.get("perplexity_quantized"), say=say)
-        checks += run_checks
-    if pair_doc is not None:
-        checks.append(Check("pair", True, f"same source, same KV layout, {pair_doc['kv_tensors']} KV-scale tensors "
-                            "identical bit for bit, manifests record each other"))
-        wrong_ref = any(c.name == "reference" and c.ok is False for c in checks)
-        if ref_ck is not None and ck is not None and integrity["ok"] and not wrong_ref:
-            from .pair import pair_metrics
+    v.say(f"engine: the rules vLLM applies, at tp {v.opts.tp}")
+    er = engine_check(v.root, tp=v.opts.tp)
+    first = (er.problems or er.warnings or [None])[0]
+    detail = (f"{len(er.problems)} problem(s), {len(er.warnings)} warning(s)"
+              + (f"; first: {first['rule']} {first['where']}: {first['detail']}" if first else ""))
+    v.checks.append(Check(f"engine_{engine}", er.ok, detail if first else f"{er.engine} loads it as written"))
+    return er.to_json()
 
-            if not data.get("source"):
-                samples, info = token_data(ref_ck, dataset, num_samples, seq_len, seed)
-                data.update(info)
-            pair_doc["metrics"] = pm = pair_metrics(ref_ck.root, root, Path(pair), samples, dev, generation_tokens, say)
-            checks.append(_pair_limit(pm["pair"], thresholds))
-    passed = integrity["ok"] and fmt["ok"] and all(c.ok is not False for c in checks)
-    return VerifyReport(passed, integrity, fmt, metrics, layers, generation, checks, thresholds, data,
-                        round(time.perf_counter() - t0, 3), engine_doc, run_doc, pair_doc)
+
+def _engine_run(v: _Verification, metrics: dict) -> dict:
+    """`engine_run`: QMODEL run in vLLM and measured there, against the reference when there is one."""
+    from . import vllm_run
+
+    if v.ck is None:
+        raise VerificationFailed("the checkpoint does not open: it cannot be run in vLLM")
+    if v.ref_ck is None:  # no numerics stage: the token data from QMODEL's own tokenizer / vocabulary
+        v.token_data(v.ck)
+    inputs = RunInputs(v.samples, v.dev, v.opts.generation_tokens, v.thresholds, v.say)
+    run_doc, run_checks = vllm_run.run(v.root, v.ref_ck.root if v.ref_ck is not None else None, inputs,
+                                       v.opts.engine_run, transformers_ppl=metrics.get("perplexity_quantized"))
+    v.checks += run_checks
+    return run_doc
+
+
+def _pair(v: _Verification, integrity_ok: bool) -> None:
+    """`pair`: the pair's check, and with a reference (and nothing found wrong with QMODEL or the reference) the
+    pair measured as served, into `v.pair_doc`."""
+    v.checks.append(Check("pair", True, f"same source, same KV layout, {v.pair_doc['kv_tensors']} KV-scale tensors "
+                          "identical bit for bit, manifests record each other"))
+    wrong_ref = any(c.name == "reference" and c.ok is False for c in v.checks)
+    if v.ref_ck is not None and v.ck is not None and integrity_ok and not wrong_ref:
+        from .pair import pair_metrics
+
+        if not v.data.get("source"):
+            v.token_data(v.ref_ck)
+        v.pair_doc["metrics"] = pm = pair_metrics(v.ref_ck.root, v.root, Path(v.opts.pair), v.samples, v.dev,
+                                                  v.opts.generation_tokens, v.say)
+        v.checks.append(_pair_limit(pm["pair"], v.thresholds))
 
 
 def _pair_limit(m: dict, t: Thresholds) -> Check:

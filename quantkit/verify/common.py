@@ -1,13 +1,16 @@
-"""What the stages of `verify` share: the capped listing of findings, one pass/fail check, and limits."""
+"""What the stages of `verify` share: the capped listing of findings, one pass/fail check, limits, and what an
+engine run is measured on."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     import torch
+
+    from ..options import Thresholds
 
 MAX_LISTED = 100  # mismatches / problems listed in full; the rest are counted
 SQNR_CAP_DB = 300.0  # an exact match (inf dB) is reported as this, so the report stays valid JSON
@@ -28,6 +31,22 @@ class Check:
     detail: str
     value: float | None = None
     threshold: float | None = None
+
+
+def _quiet(_line: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """What an engine run (verify/vllm_run.py, verify/llamacpp_run.py) is measured on and held to: the token
+    samples, the device the reference runs on, greedy steps per prompt, the limits, and where progress lines go."""
+
+    samples: list[torch.Tensor]
+    dev: torch.device
+    gen_tokens: int
+    thresholds: Thresholds
+    say: Callable[[str], None] = _quiet
 
 
 class Listing:

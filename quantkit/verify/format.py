@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -210,11 +210,38 @@ class Judge:
         return compressor.decompress(dict(local), scheme)[Tensor.WEIGHT]
 
 
-def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None, judge: Judge,
-                 problems: Listing, sqnr: dict, drift: list, kernel_modules: list, *, want_kernels: bool,
-                 say) -> int:
+@dataclass
+class Findings:
+    """What the format pass finds: the problems, and (with a reference) each module's weight SQNR and the
+    (module, SQNR now, SQNR the manifest recorded) of the drift check; `kernel_modules` (a list, or None: not
+    collected) receives up to KERNEL_MODULES INT4 modules' tensors for the kernel check."""
+
+    problems: Listing = field(default_factory=Listing)
+    sqnr: dict[str, float] = field(default_factory=dict)
+    drift: list[tuple[str, float, float]] = field(default_factory=list)
+    kernel_modules: list[tuple[str, dict]] | None = None
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """What every module's check reads and where it reports: the checkpoint, its config groups and ignore list,
+    the manifest's tensor table, the readers, the judge and the findings."""
+
+    ck: Checkpoint
+    groups: list[_Group]
+    ignore: list[str]
+    mtable: dict
+    reader: TensorReader
+    ref_reader: "_Reference | None"
+    judge: Judge
+    found: Findings
+
+
+def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None, judge: Judge, found: Findings,
+                say) -> int:
     """Format checks of every quantized module (packed: INT4, NVFP4, MXFP4; FP8), and (with a reference)
-    its weight SQNR, in one read of each shard. Returns the number of quantized modules seen."""
+    its weight SQNR, in one read of each shard, into `found`. Returns the number of quantized modules seen."""
+    problems = found.problems
     qc = ck.quantization_config
     by_module: dict[str, dict] = {}
     for name in ck.location:
@@ -244,6 +271,7 @@ def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None
     reader = TensorReader.of(ck)
     _check_config_shapes(ck, {m: by_module[m] for m in quantized}, reader, problems)
     ref_reader = _Reference(ref_ck) if ref_ck is not None else None
+    p = _Pass(ck, groups, ignore, mtable, reader, ref_reader, judge, found)
     shard_of = {m: ck.location[Tensor.PACKED.of(m)] for m in quantized}
     shard_of.update({m: ck.location[f"{m}.weight"] for m in fp8})
     try:
@@ -254,10 +282,9 @@ def tensor_pass(ck: Checkpoint, manifest: dict | None, ref_ck: Checkpoint | None
                 say(f"format{' + sqnr' if ref_reader else ''}: {shard.name} ({si + 1}/{len(ck.shards)}, "
                     f"{len(todo) + len(todo_fp8)} modules)")
             for m in todo:
-                _check_module(m, by_module[m], ck, groups, ignore, mtable, reader, ref_reader, judge,
-                              problems, sqnr, drift, kernel_modules if want_kernels else None)
+                _check_module(p, m, by_module[m])
             for m in todo_fp8:
-                _check_fp8_module(m, ck, groups, ignore, mtable, reader, ref_reader, judge, problems, sqnr, drift)
+                _check_fp8_module(p, m)
             reader.release()  # bounded memory: the mapped pages of one shard at a time
             if ref_reader is not None:
                 ref_reader.release()
@@ -341,10 +368,11 @@ def _check_dense_modules(ck: Checkpoint, groups: list[_Group], ignore: list[str]
                          f"(loaders would expect {want})")
 
 
-def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: dict, reader: TensorReader,
-                  ref_reader: "_Reference | None", judge: Judge, problems: Listing, sqnr: dict, drift: list,
-                  kernel_modules: list | None) -> None:
-    if any(_matches(p, m) for p in ignore):
+def _check_module(p: _Pass, m: str, infos: dict) -> None:
+    """One packed module (`weight_packed`: INT4, NVFP4, MXFP4): its group, tensors, dtypes, shapes and values;
+    compressed-tensors' decompression equals quantkit's bit for bit; the SQNR."""
+    ck, groups, reader, problems = p.ck, p.groups, p.reader, p.found.problems
+    if any(_matches(pattern, m) for pattern in p.ignore):
         problems.add(f"{m}: quantized (has weight_packed) but listed in quantization_config.ignore")
     group, why = _group_for(m, groups)
     if group is None:
@@ -357,8 +385,8 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
     if not group.ok:
         return  # the group's config problem is already reported once
     found = checks.header_problems(m, infos, group.kind, group.weights, group.scheme, group.name)
-    for p in found:
-        problems.add(p)
+    for x in found:
+        problems.add(x)
     if found:
         return
     if group.kind == "int4":
@@ -366,10 +394,10 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
     else:  # FP4 stores no shape: two codes a byte, never padded
         n, k = infos[Tensor.PACKED].shape[0], infos[Tensor.PACKED].shape[1] * 2
     found = checks.shape_problems(m, infos, group.kind, group.weights, group.scheme, group.name, group.label, n, k)
-    for p in found:
-        problems.add(p)
+    for x in found:
+        problems.add(x)
     bad = bool(found)
-    entry = mtable.get(Tensor.PACKED.of(m)) if isinstance(mtable.get(Tensor.PACKED.of(m)), dict) else {}
+    entry = p.mtable.get(Tensor.PACKED.of(m)) if isinstance(p.mtable.get(Tensor.PACKED.of(m)), dict) else {}
     # a module passed through with its source's own args is labelled `<label>+source` (match/shards.py pass_unit)
     if entry.get("scheme") and str(entry["scheme"]).removesuffix("+source") != group.label:
         problems.add(f"{m}: the manifest records scheme {entry['scheme']}, config.json gives {group.label} "
@@ -379,8 +407,8 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
     local = {s: reader.get(f"{m}.{s}") for s in infos}
     bits = group.scheme.num_bits
     found = checks.value_problems(m, group.kind, local, symmetric=group.symmetric, num_bits=bits)
-    for p in found:
-        problems.add(p)
+    for x in found:
+        problems.add(x)
     if found:
         return
     if group.kind == "int4":
@@ -388,7 +416,7 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
     else:
         mine = fp4pack.dequantize_module(group.kind, local, torch.float32)
     try:
-        theirs = judge.decompress(local, group)
+        theirs = p.judge.decompress(local, group)
     except Exception as e:  # third-party code on untrusted tensors: its failure is the finding
         problems.add(f"{m}: compressed-tensors cannot decompress it: {type(e).__name__}: {str(e)[:160]}")
         theirs = None
@@ -397,11 +425,11 @@ def _check_module(m: str, infos: dict, ck: Checkpoint, groups, ignore, mtable: d
             diff = (theirs.float() - mine).abs().max().item() if tuple(theirs.shape) == (n, k) else float("nan")
             problems.add(f"{m}: compressed-tensors decompresses it differently from quantkit "
                          f"(shape {list(theirs.shape)}, max |diff| {diff:.3g})")
+    kernel_modules = p.found.kernel_modules
     if kernel_modules is not None and len(kernel_modules) < KERNEL_MODULES and group.kind == "int4" and bits == 4:
         kernel_modules.append((m, local))
-    if ref_reader is not None:
-        _measure(m, entry, mtable, mine, ref_reader, problems, sqnr, drift,
-                 "weight_shape says" if group.kind == "int4" else "the stored weight is")
+    if p.ref_reader is not None:
+        _measure(p, m, entry, mine, "weight_shape says" if group.kind == "int4" else "the stored weight is")
 
 
 
@@ -417,16 +445,16 @@ def _awq_scaled(m: str, entry: dict, mtable: dict) -> bool:
     return isinstance(norm, dict) and norm.get("modified_by") == "awq"
 
 
-def _measure(m: str, entry: dict, mtable: dict, mine: torch.Tensor, ref_reader: "_Reference", problems: Listing,
-             sqnr: dict, drift: list, says: str) -> None:
+def _measure(p: _Pass, m: str, entry: dict, mine: torch.Tensor, says: str) -> None:
     """Weight SQNR of our dequantization `mine` [N, K] (float32) against the reference's weight, and the
     SQNR the manifest recorded for the module, if any, for the drift check."""
+    problems = p.found.problems
     n, k = mine.shape
-    if _awq_scaled(m, entry, mtable):
+    if _awq_scaled(m, entry, p.mtable):
         # AWQ folds per-channel scales into the norm, router, shared expert and up_proj: the stored weight is
         # the scaled one, so it is compared with the reference at the model level (KL, top-1), not here
         return
-    ref = _reference_weight(m, entry, ref_reader)
+    ref = _reference_weight(m, entry, p.ref_reader)
     if isinstance(ref, str):
         problems.add(ref)
         return
@@ -434,26 +462,25 @@ def _measure(m: str, entry: dict, mtable: dict, mine: torch.Tensor, ref_reader: 
         problems.add(f"{m}: the reference weight is {list(ref.shape)}, {says} {[n, k]}")
         return
     db = capped_db(float(sqnr_db(ref, mine)))
-    sqnr[m] = db
+    p.found.sqnr[m] = db
     recorded = entry.get("sqnr_db")
     if isinstance(recorded, (int, float)) and not isinstance(recorded, bool):  # the manifest's nan / inf alike
-        drift.append((m, db, capped_db(float(recorded))))
+        p.found.drift.append((m, db, capped_db(float(recorded))))
 
 
-def _check_fp8_module(m: str, ck: Checkpoint, groups: list[_Group], ignore: list[str], mtable: dict,
-                      reader: TensorReader, ref_reader: "_Reference | None", judge: Judge, problems: Listing,
-                      sqnr: dict, drift: list) -> None:
+def _check_fp8_module(p: _Pass, m: str) -> None:
     """One FP8 (`float-quantized`) module: `<m>.weight` float8_e4m3fn [N, K] + `<m>.weight_scale` of the
     shape its group's strategy implies ([1], [N, 1], [ceil(N/b0), ceil(K/b1)]), positive and finite;
     compressed-tensors' decompression equals quantkit's q.float() * scale bit for bit; the SQNR."""
+    ck, problems = p.ck, p.found.problems
     winfo = ck.info(f"{m}.weight")
     has = f"an FP8 weight ({str(winfo.dtype).removeprefix('torch.')})"
-    if any(_matches(p, m) for p in ignore):
+    if any(_matches(pattern, m) for pattern in p.ignore):
         problems.add(f"{m}: stored FP8 (a float8 weight) but listed in quantization_config.ignore (loaders would "
                      "read the float8 codes as an unquantized weight)")
-    group, why = _group_for(m, groups, has)
+    group, why = _group_for(m, p.groups, has)
     if group is None:
-        if groups or ck.quantization_config is not None:
+        if p.groups or ck.quantization_config is not None:
             problems.add(why)
         return
     if group.kind != "fp8":
@@ -470,15 +497,15 @@ def _check_fp8_module(m: str, ck: Checkpoint, groups: list[_Group], ignore: list
         found.append(f"{m}.weight: shape {list(winfo.shape)}, expected a non-empty 2-D [out, in]")
     if sname not in ck.location:
         found.append(f"{sname}: missing ({group.name} is {group.label})")
-    for p in found:
-        problems.add(p)
+    for x in found:
+        problems.add(x)
     if found:
         return
     n, k = winfo.shape
     layout = group.fp8_layout
     want = layout.scale_shape(n, k)
     sinfo = ck.info(sname)
-    entry = mtable.get(f"{m}.weight") if isinstance(mtable.get(f"{m}.weight"), dict) else {}
+    entry = p.mtable.get(f"{m}.weight") if isinstance(p.mtable.get(f"{m}.weight"), dict) else {}
     bad = False
     dtypes = FP8_SOURCE_SCALE_DTYPES if entry.get("method") == "passthrough" else (torch.float32,)
     if sinfo.dtype not in dtypes:
@@ -501,10 +528,10 @@ def _check_fp8_module(m: str, ck: Checkpoint, groups: list[_Group], ignore: list
                      f"({group.name})")
     if bad:
         return
-    q, stored_scale = reader.get(f"{m}.weight"), reader.get(sname)
+    q, stored_scale = p.reader.get(f"{m}.weight"), p.reader.get(sname)
     found = checks.value_problems(m, "fp8", {Tensor.SCALE: stored_scale})
-    for p in found:
-        problems.add(p)
+    for x in found:
+        problems.add(x)
     if found:
         return
     scale = stored_scale.float().reshape(want)
@@ -514,7 +541,7 @@ def _check_fp8_module(m: str, ck: Checkpoint, groups: list[_Group], ignore: list
         problems.add(f"{m}.weight: {nan} NaN code(s)")
         return
     try:
-        theirs = judge.decompress({Tensor.WEIGHT: q, Tensor.SCALE: stored_scale}, group)
+        theirs = p.judge.decompress({Tensor.WEIGHT: q, Tensor.SCALE: stored_scale}, group)
     except Exception as e:  # third-party code on untrusted tensors: its failure is the finding
         problems.add(f"{m}: compressed-tensors cannot decompress it: {type(e).__name__}: {str(e)[:160]}")
     else:
@@ -525,8 +552,8 @@ def _check_fp8_module(m: str, ck: Checkpoint, groups: list[_Group], ignore: list
             diff = (theirs.float() - mine).abs().max().item() if tuple(theirs.shape) == (n, k) else float("nan")
             problems.add(f"{m}: compressed-tensors decompresses it differently from quantkit "
                          f"(shape {list(theirs.shape)}, max |diff| {diff:.3g})")
-    if ref_reader is not None:
-        _measure(m, entry, mtable, mine, ref_reader, problems, sqnr, drift, "the stored weight is")
+    if p.ref_reader is not None:
+        _measure(p, m, entry, mine, "the stored weight is")
 
 
 class _Reference:

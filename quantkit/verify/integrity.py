@@ -33,38 +33,52 @@ def check_integrity(root: Path, say, manifest: dict | None = None,
     manifest as the caller read it (else read here); `pending`: a pair half waiting for its partner
     (status "pair_pending") passes too."""
     mm = Listing()
-    hashed = 0
     if manifest is None:
         try:
             manifest = read_manifest(root, QuantkitError)
         except QuantkitError as e:
             mm.add({"file": MANIFEST_NAME, "problem": e.message})
+    shards, files = _manifest_files(manifest, pending, mm) if manifest is not None else ({}, None)
+    hashed = _check_shards(root, shards, say, mm) + _check_pair_files(root, files or {}, shards, mm)
+    _check_index(root, manifest, shards, mm)
+    _check_directory(root, shards, files, mm)
+    return manifest, mm, hashed
+
+
+def _manifest_files(manifest: dict, pending: bool, mm: Listing) -> tuple[dict[str, dict], dict[str, dict] | None]:
+    """(shards by name, a pair half's other files or None) the manifest records, and what is wrong with it: a
+    status other than complete, no shards, a malformed or repeated shard entry, a malformed pair section."""
     shards: dict[str, dict] = {}
     files: dict[str, dict] | None = None  # a pair half's other files (None: not a pair half)
-    if manifest is not None:
-        status = manifest.get("status")
-        if PAIR_KEY in manifest:
-            problem = pair_problem(manifest[PAIR_KEY], complete=status == "complete")
-            if problem:
-                mm.add({"file": MANIFEST_NAME, "problem": problem})
-            else:
-                files = manifest[PAIR_KEY]["files"]
-        if not (status == "complete" or (pending and status == PAIR_PENDING and files is not None)):
-            mm.add({"file": MANIFEST_NAME, "problem": f"status is {str(status)[:40]!r}, not 'complete': "
-                    "the conversion did not finish"})
-        raw = manifest.get("shards")
-        if not isinstance(raw, list) or not raw:
-            mm.add({"file": MANIFEST_NAME, "problem": "lists no shards"})
-            raw = []
-        for s in raw:
-            ok = (isinstance(s, dict) and _plain_name(s.get("name")) and type(s.get("size")) is int
-                  and isinstance(s.get("sha256"), str))
-            if not ok:
-                mm.add({"file": MANIFEST_NAME, "problem": f"malformed shard entry {str(s)[:80]!r}"})
-                continue
-            if s["name"] in shards:
-                mm.add({"file": s["name"], "problem": "listed twice in the manifest"})
-            shards[s["name"]] = s
+    status = manifest.get("status")
+    if PAIR_KEY in manifest:
+        problem = pair_problem(manifest[PAIR_KEY], complete=status == "complete")
+        if problem:
+            mm.add({"file": MANIFEST_NAME, "problem": problem})
+        else:
+            files = manifest[PAIR_KEY]["files"]
+    if not (status == "complete" or (pending and status == PAIR_PENDING and files is not None)):
+        mm.add({"file": MANIFEST_NAME, "problem": f"status is {str(status)[:40]!r}, not 'complete': "
+                "the conversion did not finish"})
+    raw = manifest.get("shards")
+    if not isinstance(raw, list) or not raw:
+        mm.add({"file": MANIFEST_NAME, "problem": "lists no shards"})
+        raw = []
+    for s in raw:
+        ok = (isinstance(s, dict) and _plain_name(s.get("name")) and type(s.get("size")) is int
+              and isinstance(s.get("sha256"), str))
+        if not ok:
+            mm.add({"file": MANIFEST_NAME, "problem": f"malformed shard entry {str(s)[:80]!r}"})
+            continue
+        if s["name"] in shards:
+            mm.add({"file": s["name"], "problem": "listed twice in the manifest"})
+        shards[s["name"]] = s
+    return shards, files
+
+
+def _check_shards(root: Path, shards: dict[str, dict], say, mm: Listing) -> int:
+    """Every shard the manifest lists exists with its recorded size and sha256; returns the bytes hashed."""
+    hashed = 0
     for i, (name, s) in enumerate(sorted(shards.items())):
         p = root / name
         if not p.is_file():  # symlinks are followed: a Hugging Face cache snapshot links into blobs/
@@ -81,7 +95,14 @@ def check_integrity(root: Path, say, manifest: dict | None = None,
         if digest != s["sha256"]:
             mm.add({"file": name, "problem": f"sha256 {digest[:16]}... differs from the manifest's "
                     f"{s['sha256'][:16]}..."})
-    for name, e in sorted((files or {}).items()):
+    return hashed
+
+
+def _check_pair_files(root: Path, files: dict[str, dict], shards: dict[str, dict], mm: Listing) -> int:
+    """Every other file a pair half records exists with its recorded size and sha256; returns the bytes hashed
+    of those that match."""
+    hashed = 0
+    for name, e in sorted(files.items()):
         p = root / name
         if name in shards:
             mm.add({"file": name, "problem": "recorded both as a shard and as a file"})
@@ -95,8 +116,12 @@ def check_integrity(root: Path, say, manifest: dict | None = None,
                     f"{e['sha256'][:16]}..."})
         else:
             hashed += size
+    return hashed
 
-    # the index: every shard it names must exist and be in the manifest
+
+def _check_index(root: Path, manifest: dict | None, shards: dict[str, dict], mm: Listing) -> None:
+    """The index: every shard it names must exist and be in the manifest, its total size theirs, and every shard
+    of the manifest must hold a tensor of it."""
     listed_in_index: set[str] = set()
     try:
         index = read_json_file(root / INDEX_NAME, INDEX_NAME, QuantkitError)
@@ -125,7 +150,10 @@ def check_integrity(root: Path, say, manifest: dict | None = None,
         if listed_in_index and name not in listed_in_index:
             mm.add({"file": name, "problem": "listed in the manifest but the index maps no tensor to it"})
 
-    # nothing else that looks like weights, and nothing half-written
+
+def _check_directory(root: Path, shards: dict[str, dict], files: dict[str, dict] | None, mm: Listing) -> None:
+    """Nothing else that looks like weights, and nothing half-written; a pair half holds nothing convert did not
+    record (the files later commands write aside)."""
     for p in sorted(root.iterdir()):
         if p.name.endswith(".safetensors") and p.name not in shards:
             mm.add({"file": p.name, "problem": "extra shard not listed in the manifest"})
@@ -136,7 +164,6 @@ def check_integrity(root: Path, say, manifest: dict | None = None,
         elif files is not None and p.name not in files and p.name not in shards and p.name != MANIFEST_NAME \
                 and p.name not in AFTER_CONVERT:
             mm.add({"file": p.name[:120], "problem": "not written by convert: the manifest records no such file"})
-    return manifest, mm, hashed
 
 
 def check_checkpoint(root: Path, say, manifest: dict | None = None,

@@ -27,12 +27,14 @@ import numpy as np
 import torch
 
 from ..errors import EngineError
-from .common import Check, finite
+from .common import Check, RunInputs, finite
 from .compare import generation_check, greedy_continuations
 from ..engine import worker
 from ..engine.worker import locate_python
+from ..options import Thresholds
+from .options import EngineRun, VerifyOptions
 
-WORKER = Path(__file__).with_name("llamacpp_worker.py")
+WORKER = Path(__file__).parents[1] / "engine" / "llamacpp_worker.py"  # the worker beside the engine rules, in engine/
 DEFAULT_TIMEOUT_S = 1800
 MAX_LOGIT_BYTES = 2 << 30  # the engine's float32 logits kept at once (samples x positions x vocab)
 
@@ -125,11 +127,13 @@ def _ids(x, n: int | None = None) -> list[list[int]]:
     return x
 
 
-def run(gguf: Path, ref_dir: Path, ckpt_dir: Path | None, samples: list[torch.Tensor], dev: torch.device,
-        gen_tokens: int, thresholds, *, python=None, timeout: int = DEFAULT_TIMEOUT_S, say=lambda _s: None
+def run(gguf: Path, ref_dir: Path, ckpt_dir: Path | None, inputs: RunInputs, engine: EngineRun = EngineRun()
         ) -> tuple[dict, list[Check]]:
-    """Run the GGUF in llama.cpp and compare with the reference. Returns (the engine_run document, its checks)."""
-    py = locate_python(python)
+    """Run the GGUF in llama.cpp and compare with the reference (transformers on `ref_dir`, with `ckpt_dir`'s
+    dequantized weights when given). Returns (the engine_run document, its checks)."""
+    samples, gen_tokens, thresholds, say = inputs.samples, inputs.gen_tokens, inputs.thresholds, inputs.say
+    timeout = engine.timeout or DEFAULT_TIMEOUT_S
+    py = locate_python(engine.python)
     files = gguf_files(gguf)
     meta = _gguf_meta(files[0])
     vocab = meta["vocab"]
@@ -138,7 +142,7 @@ def run(gguf: Path, ref_dir: Path, ckpt_dir: Path | None, samples: list[torch.Te
     if sum(s.numel() for s in samples) * vocab * 4 > MAX_LOGIT_BYTES:
         raise EngineError(f"{len(samples)} samples x vocabulary {vocab} of float32 logits exceed "
                           f"{MAX_LOGIT_BYTES >> 20} MiB", hint="use fewer --num-samples or a shorter --seq-len")
-    ref = reference_logprobs(Path(ref_dir), ckpt_dir, samples, gen_tokens, dev, say)
+    ref = reference_logprobs(Path(ref_dir), ckpt_dir, samples, gen_tokens, inputs.dev, say)
     if ref["ref"][0].shape[-1] != vocab:
         raise EngineError(f"the reference has {ref['ref'][0].shape[-1]} logits, the GGUF {vocab} tokens")
     longest = max([s.numel() for s in samples] + [len(p) + len(c) for p, c in zip(ref["prompts"], ref["continuations"])])
@@ -241,24 +245,24 @@ def _gguf_meta(path: Path) -> dict:
 
 
 
-def run_gguf(gguf, reference: Path, checkpoint: Path | None, *, dataset=None, num_samples: int = 8,
-             seq_len: int = 128, device: str = "cpu", python=None, timeout: int = DEFAULT_TIMEOUT_S, thresholds=None,
-             generation_tokens: int = 32, seed: int = 0, say=lambda _s: None) -> dict:
+def run_gguf(gguf, reference: Path, checkpoint: Path | None = None, opts: VerifyOptions = VerifyOptions(),
+             say=lambda _s: None) -> dict:
     """The whole `verify OUT.gguf --engine llama.cpp --run` (token data from the reference, as verify's numerics
-    take it). Returns {passed, engine_run, checks, data, seconds}."""
-    from ..options import Thresholds
+    take it): `opts` gives the token data, device, generation tokens and thresholds, and `opts.engine_run` the
+    Python llama-cpp-python is installed in and the timeout. Returns {passed, engine_run, checks, data, seconds}."""
     from ..read.checkpoint import Checkpoint
     from .common import resolve_device
     from .numerics import token_data
 
     t0 = time.perf_counter()
-    thresholds = thresholds if thresholds is not None else Thresholds()
+    thresholds = opts.thresholds if opts.thresholds is not None else Thresholds()
     ref_ck = Checkpoint.open(reference)
     if checkpoint is not None:
         Checkpoint.open(checkpoint)  # raises for an unusable one
-    samples, data = token_data(ref_ck, dataset, num_samples, seq_len, seed)
-    doc, checks = run(Path(gguf), ref_ck.root, Path(checkpoint) if checkpoint is not None else None, samples,
-                      resolve_device(device), generation_tokens, thresholds, python=python, timeout=timeout, say=say)
+    samples, data = token_data(ref_ck, opts.dataset, opts.num_samples, opts.seq_len, opts.seed)
+    inputs = RunInputs(samples, resolve_device(opts.device), opts.generation_tokens, thresholds, say)
+    doc, checks = run(Path(gguf), ref_ck.root, Path(checkpoint) if checkpoint is not None else None, inputs,
+                      opts.engine_run or EngineRun())
     return {"passed": all(c.ok is not False for c in checks), "engine_run": doc,
             "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in checks], "data": data,
             "thresholds": {"max_kl": thresholds.max_kl, "max_ppl_ratio": thresholds.max_ppl_ratio,

@@ -37,15 +37,16 @@ from ..pack import kv as kvrules
 from ..pack.config import config_groups
 from ..read.checkpoint import Checkpoint
 from ..read.tensors import TensorReader
-from .common import Check, finite
+from .common import Check, RunInputs, finite
 from .compare import generation_check, greedy_continuations
 from .numerics import limit_check
+from .options import EngineRun
 from ..engine import worker
 from ..engine.worker import locate_python  # noqa: F401 (the CLI's and tests' name)
 from ..pack.names import Format, Tensor
 
 EXIT_CANNOT_RUN = 3  # `verify --run`: every check passed, but this vLLM build cannot run the checkpoint here
-WORKER = Path(__file__).with_name("vllm_worker.py")
+WORKER = Path(__file__).parents[1] / "engine" / "vllm_worker.py"  # the worker beside the engine rules, in engine/
 QUANTKIT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TIMEOUT_S = 3600
 
@@ -255,16 +256,17 @@ def run_worker(python: str, request: dict, timeout: int, say) -> dict:
         return out
 
 
-def run(qmodel: Path, ref_dir: Path | None, samples: list[torch.Tensor], dev: torch.device, gen_tokens: int,
-        thresholds, *, python=None, kv_cache_dtype: str = "served", engine_args: dict | None = None,
-        timeout: int = DEFAULT_TIMEOUT_S, transformers_ppl: float | None = None, say=lambda _s: None
-        ) -> tuple[dict, list[Check]]:
-    """Run QMODEL in vLLM and compare with the reference. Returns (the engine_run document, its checks)."""
-    py = locate_python(python)
+def run(qmodel: Path, ref_dir: Path | None, inputs: RunInputs, engine: EngineRun = EngineRun(),
+        transformers_ppl: float | None = None) -> tuple[dict, list[Check]]:
+    """Run QMODEL in vLLM and compare with the reference (transformers on `ref_dir`; None: QMODEL is only run).
+    `transformers_ppl`: QMODEL's perplexity in transformers, when verify's numerics measured it. Returns (the
+    engine_run document, its checks)."""
+    py = locate_python(engine.python)
     ck = Checkpoint.open(qmodel)
     cfg, _ = text_config(ck.config)
     qc = ck.quantization_config or {}
     declared = bool(qc.get("kv_cache_scheme"))
+    kv_cache_dtype = engine.kv_cache_dtype or "served"
     if kv_cache_dtype == "served":  # as the model card's serve command: `--kv-cache-dtype fp8` with KV scales.
         # `auto` alone makes Attention layers FP8 from the declared scheme but leaves MLA layers (DeepSeek, Kimi,
         # GLM-5) in the model dtype (docs/engine.md), which is not what the card tells users to serve
@@ -273,16 +275,10 @@ def run(qmodel: Path, ref_dir: Path | None, samples: list[torch.Tensor], dev: to
     plugin = "kv_lora_rank" in cfg and bool(file_scales)
     ref = None
     if ref_dir is not None:
-        say("engine: the reference's log-probabilities and greedy continuations (transformers)")
-        ref = reference_side(ref_dir, samples, gen_tokens, dev)
-    longest = max([int(s.numel()) for s in samples] + [len(p) + len(c) for p, c in
-                                                       zip((ref or {}).get("prompts", []), (ref or {}).get("continuations", []))])
-    request = {"model": str(Path(qmodel).resolve()), "kv_cache_dtype": kv_cache_dtype, "plugin": plugin,
-               "quantkit_root": str(QUANTKIT_ROOT), "samples": [s.tolist() for s in samples],
-               "forced": [p + c for p, c in zip((ref or {}).get("prompts", []), (ref or {}).get("continuations", []))],
-               "prompt_lens": [len(p) for p in (ref or {}).get("prompts", [])], "gen_tokens": gen_tokens,
-               "max_model_len": max(64, longest + 1), "engine_args": engine_args or {}}
-    res = run_worker(py, request, timeout, say)
+        inputs.say("engine: the reference's log-probabilities and greedy continuations (transformers)")
+        ref = reference_side(ref_dir, inputs.samples, inputs.gen_tokens, inputs.dev)
+    request = _request(qmodel, inputs, ref or {}, kv_cache_dtype, plugin, engine.engine_args)
+    res = run_worker(py, request, engine.timeout or DEFAULT_TIMEOUT_S, inputs.say)
     doc = {"engine": f"vllm {res.get('vllm_version')}", "python": py, "platform": res.get("platform"),
            "cpu": res.get("cpu"), "status": res.get("status"), "plugin": res.get("plugin"),
            "engine_args": res.get("engine_args"), "seconds": res.get("seconds"),
@@ -305,7 +301,7 @@ def run(qmodel: Path, ref_dir: Path | None, samples: list[torch.Tensor], dev: to
             checks.append(_kv_check(kv))
         return doc, checks
 
-    per = _samples(res.get("samples"), len(samples))
+    per = _samples(res.get("samples"), len(inputs.samples))
     nll_e, n_e = sum(p["nll"] for p in per), sum(p["targets"] for p in per)
     ppl_e = math.exp(nll_e / n_e) if n_e and nll_e / n_e < 700 else float("inf")
     doc["perplexity_engine"] = finite(ppl_e)
@@ -313,25 +309,48 @@ def run(qmodel: Path, ref_dir: Path | None, samples: list[torch.Tensor], dev: to
     checks.append(Check("engine_vllm_run", True, f"{doc['engine']} ({doc['platform']}) ran it: perplexity "
                         f"{ppl_e:.4g} over {n_e} positions"))
     if ref is not None:
-        ppl_r = math.exp(sum(ref["nll"]) / sum(ref["targets"]))
-        ratio = ppl_e / ppl_r if ppl_r > 0 else float("nan")
-        agree = [a == b for p, r in zip(per, ref["top1"]) for a, b in zip(p["top1"], r)]
-        top1 = sum(agree) / len(agree) if agree else float("nan")
-        doc.update(perplexity_reference=finite(ppl_r), perplexity_ratio=finite(ratio), top1_agreement=finite(top1))
-        checks.append(limit_check("engine_perplexity_ratio", ratio, thresholds.max_ppl_ratio, upper=True,
-                             what=f"perplexity in vLLM {ppl_e:.4g} vs reference (transformers, source) {ppl_r:.4g}"))
-        checks.append(limit_check("engine_top1_agreement", top1, thresholds.min_top1, upper=False,
-                             what=f"vLLM's next-token top-1 vs the reference's over {len(agree)} positions"))
-        if transformers_ppl:
-            doc["perplexity_engine_vs_transformers"] = finite(ppl_e / transformers_ppl)
-        if ref["continuations"] and res.get("forced_top1") is not None:
-            doc["generation"], check = generation_check("vLLM", res["forced_top1"], res.get("generated") or [],
-                                                        ref["continuations"], gen_tokens,
-                                                        thresholds.min_generation_agreement)
-            checks.append(check)
+        checks += _against_reference(doc, res, per, ref, ppl_e, inputs, transformers_ppl)
     if kv is not None and (kv["layers"] or declared):
         checks.append(_kv_check(kv))
     return doc, checks
+
+
+def _request(qmodel: Path, inputs: RunInputs, ref: dict, kv_cache_dtype: str, plugin: bool,
+             engine_args: dict | None) -> dict:
+    """The worker's request (quantkit/engine/vllm_worker.py): the samples, and the reference's greedy continuations
+    (`ref`, empty without a reference) to score teacher-forced and to generate from."""
+    prompts, conts = ref.get("prompts", []), ref.get("continuations", [])
+    longest = max([int(s.numel()) for s in inputs.samples] + [len(p) + len(c) for p, c in zip(prompts, conts)])
+    return {"model": str(Path(qmodel).resolve()), "kv_cache_dtype": kv_cache_dtype, "plugin": plugin,
+            "quantkit_root": str(QUANTKIT_ROOT), "samples": [s.tolist() for s in inputs.samples],
+            "forced": [p + c for p, c in zip(prompts, conts)],
+            "prompt_lens": [len(p) for p in prompts], "gen_tokens": inputs.gen_tokens,
+            "max_model_len": max(64, longest + 1), "engine_args": engine_args or {}}
+
+
+def _against_reference(doc: dict, res: dict, per: list[dict], ref: dict, ppl_e: float, inputs: RunInputs,
+                       transformers_ppl: float | None) -> list[Check]:
+    """vLLM's numbers against the reference's, into `doc`: perplexity ratio, next-token top-1, perplexity against
+    transformers' on QMODEL, greedy agreement."""
+    thresholds = inputs.thresholds
+    checks = []
+    ppl_r = math.exp(sum(ref["nll"]) / sum(ref["targets"]))
+    ratio = ppl_e / ppl_r if ppl_r > 0 else float("nan")
+    agree = [a == b for p, r in zip(per, ref["top1"]) for a, b in zip(p["top1"], r)]
+    top1 = sum(agree) / len(agree) if agree else float("nan")
+    doc.update(perplexity_reference=finite(ppl_r), perplexity_ratio=finite(ratio), top1_agreement=finite(top1))
+    checks.append(limit_check("engine_perplexity_ratio", ratio, thresholds.max_ppl_ratio, upper=True,
+                              what=f"perplexity in vLLM {ppl_e:.4g} vs reference (transformers, source) {ppl_r:.4g}"))
+    checks.append(limit_check("engine_top1_agreement", top1, thresholds.min_top1, upper=False,
+                              what=f"vLLM's next-token top-1 vs the reference's over {len(agree)} positions"))
+    if transformers_ppl:
+        doc["perplexity_engine_vs_transformers"] = finite(ppl_e / transformers_ppl)
+    if ref["continuations"] and res.get("forced_top1") is not None:
+        doc["generation"], check = generation_check("vLLM", res["forced_top1"], res.get("generated") or [],
+                                                    ref["continuations"], inputs.gen_tokens,
+                                                    thresholds.min_generation_agreement)
+        checks.append(check)
+    return checks
 
 
 def _samples(per, n: int) -> list[dict]:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from quantkit.convert import MANIFEST_NAME, ConvertOptions, convert
 from quantkit.match.recipe import load_recipe
 from quantkit.testing import load_model, make_tiny_model, zero_tensors
-from quantkit.verify import verify
+from quantkit.verify import VerifyOptions, verify
 
 from convert.test_convert import check_against_judge
 
@@ -67,7 +67,7 @@ def test_calibrated_convert_loads_and_beats_rtn(src, calib, tmp_path, recipe):
     with torch.no_grad():
         lr, lq, lrtn = ref(rows).logits, q(rows).logits, r(rows).logits
     assert _kl(lr, lq) < _kl(lr, lrtn)
-    rep = verify(tmp_path / "q", reference=src, num_samples=4, seq_len=32, generation_tokens=4)
+    rep = verify(tmp_path / "q", VerifyOptions(reference=src, num_samples=4, seq_len=32, generation_tokens=4))
     assert rep.passed, [c for c in rep.checks if c.ok is False]
 
 
@@ -108,7 +108,7 @@ def test_asymmetric_fitted_recipe_is_judged_and_beats_asymmetric_rtn(src, calib,
     with torch.no_grad():
         lr, lq, lrtn = ref(rows).logits, q(rows).logits, r(rows).logits
     assert _kl(lr, lq) < _kl(lr, lrtn)
-    rep = verify(tmp_path / "q", reference=src, num_samples=4, seq_len=32, generation_tokens=4)
+    rep = verify(tmp_path / "q", VerifyOptions(reference=src, num_samples=4, seq_len=32, generation_tokens=4))
     assert rep.passed, [c for c in rep.checks if c.ok is False]
 
 
@@ -164,7 +164,7 @@ def test_a_matrix_whose_inputs_were_never_seen_keeps_its_rtn_weights(calib, tmp_
     for mod in ("model.layers.1.mlp.experts.3.gate_proj", "model.layers.1.self_attn.o_proj"):
         assert m[mod + ".weight_packed"]["fallback"] is None
     assert m["model.layers.1.mlp.experts.3.gate_proj.weight_packed"].get("fit_unquantized") == (0.5 if fit else None)
-    rep = verify(tmp_path / "q", reference=src, num_samples=4, seq_len=32)
+    rep = verify(tmp_path / "q", VerifyOptions(reference=src, num_samples=4, seq_len=32))
     assert rep.passed, [c for c in rep.checks if c.ok is False]
 
 

@@ -15,7 +15,7 @@ import torch
 from quantkit.convert import ConvertOptions, convert
 from quantkit.read.checkpoint import Checkpoint
 from quantkit.read.tensors import TensorReader
-from quantkit.verify import verify
+from quantkit.verify import VerifyOptions, verify
 
 
 def _tensors(d):
@@ -83,7 +83,7 @@ def test_gptq_on_the_fp4_grid(tiny_models, tmp_path):
     the source, every expert pair on one global scale. (Quality against RTN: bench/quality.py.)"""
     src = tiny_models("deepseek_v3")
     convert(src, tmp_path / "q", ConvertOptions(recipe="kimi-k2-nvfp4", num_samples=4, seq_len=32))
-    rep = verify(tmp_path / "q", reference=src, num_samples=4, seq_len=64, generation_tokens=16)
+    rep = verify(tmp_path / "q", VerifyOptions(reference=src, num_samples=4, seq_len=64, generation_tokens=16))
     assert rep.passed, [c for c in rep.checks if c.ok is False]
     sd = _tensors(tmp_path / "q")
     assert _pairs(sd) and all(torch.equal(g, u) for g, u in _pairs(sd))

@@ -20,7 +20,7 @@ from quantkit.engine.vllm import check as engine_check
 from quantkit.read.checkpoint import INDEX_NAME, Checkpoint
 from quantkit.read.sources import detect_format, scan
 from quantkit.read.tensors import TensorReader
-from quantkit.verify import verify
+from quantkit.verify import VerifyOptions, verify
 from quantkit.write.writer import write_safetensors
 
 CAL = dict(num_samples=2, seq_len=16)
@@ -119,7 +119,7 @@ def test_int4_release_to_fp4(k26, tmp_path, recipe):
     if recipe == "nvfp4-experts":  # E4M3 scales have room to fit; MXFP4's powers of two have little
         assert sum(e["sqnr_db"] - e["sqnr_amax_db"] for e in packed.values()) / len(packed) > 1.0
     # compressed-tensors' decompressor agrees with quantkit's decode bit for bit; vLLM's loader rules hold
-    rep = verify(out, reference=int4, **CAL, generation_tokens=0)
+    rep = verify(out, VerifyOptions(reference=int4, **CAL, generation_tokens=0))
     assert rep.passed, [c for c in rep.checks if c.ok is False]
     # judged by compressed-tensors itself (not quantkit's fallback unpack), every expert module
     assert rep.format["judge"].startswith("compressed-tensors") and rep.format["modules_checked"] == 12
@@ -163,5 +163,5 @@ def test_gptq_nvfp4_from_the_int4_release(k26, tmp_path):
     assert len(packed) == 12 and all(e["source_encoding"] == "int4" and "heldout" in e for e in packed)
     assert all(e["method"] == ("gptq" if e["heldout"]["gptq"] <= e["heldout"]["rtn"] else "rtn") for e in packed)
     assert any(e["method"] == "gptq" for e in packed)
-    rep = verify(out, reference=int4, **CAL, generation_tokens=0)
+    rep = verify(out, VerifyOptions(reference=int4, **CAL, generation_tokens=0))
     assert rep.passed, [c for c in rep.checks if c.ok is False]

@@ -18,7 +18,7 @@ from safetensors.torch import load_file  # noqa: E402
 from quantkit.convert import ConvertOptions, convert  # noqa: E402
 from quantkit.engine.vllm import check as vllm_check  # noqa: E402
 from quantkit.quant.int4 import sqnr_db  # noqa: E402
-from quantkit.verify import verify  # noqa: E402
+from quantkit.verify import VerifyOptions, verify  # noqa: E402
 
 RECIPE = """\
 name: int8-trial
@@ -95,7 +95,7 @@ def rtn_out(tmp_path_factory):
 def test_rtn_convert_decompresses_and_verifies(rtn_out):
     src, out = rtn_out
     _check_against_source(src, out, 2 * (4 * 3 + 4), 38.0)  # 2 layers x (4 experts x 3 + q, k, v, o)
-    r = verify(out, reference=src, **SMALL)
+    r = verify(out, VerifyOptions(reference=src, **SMALL))
     assert r.passed, [c for c in r.checks if c.ok is False]
     assert r.format["ok"] and r.format["modules_checked"] == 32 and r.format["judge"].startswith("compressed-tensors")
     labels = {e.get("scheme") for e in json.loads((out / "quantkit_manifest.json").read_text())["tensors"].values()}

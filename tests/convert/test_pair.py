@@ -22,7 +22,7 @@ from quantkit.errors import PairMismatch
 from quantkit.pack import kv as kvrules
 from quantkit.pack.manifest import manifest_digest
 from quantkit.read.safetensors import SafetensorsFile
-from quantkit.verify import verify
+from quantkit.verify import VerifyOptions, verify
 from quantkit.verify.pair import check_pair
 from quantkit.write.writer import write_safetensors
 
@@ -104,7 +104,7 @@ def test_quant_act_groups():
 
 def test_verify_measures_the_pair(pair):
     src, dec, pre, _ = pair
-    rep = verify(dec, reference=src, pair=pre, num_samples=2, seq_len=16, generation_tokens=4)
+    rep = verify(dec, VerifyOptions(reference=src, pair=pre, num_samples=2, seq_len=16, generation_tokens=4))
     checks = {c.name: c for c in rep.checks}
     assert checks["pair"].ok and checks["integrity"].ok and checks["format"].ok
     assert checks["pair_quality"].ok is not None  # judged (16 positions on a random model: pass or fail)

@@ -120,13 +120,13 @@ def test_compressed_tensors_accepts_the_config_and_decompresses(sparse):
 
 
 def test_verify_and_vllm_rules_accept_it(sparse):
-    from quantkit.verify import verify
+    from quantkit.verify import VerifyOptions, verify
 
     src, out = sparse
     rep = engine_check(out)
     assert rep.ok, rep.problems
     assert [w["rule"] for w in rep.warnings] == ["A4"]
-    v = verify(out, engine="vllm").to_json()
+    v = verify(out, VerifyOptions(engine="vllm")).to_json()
     assert v["format"]["ok"], v["format"]["problems"]
 
 
@@ -192,10 +192,10 @@ def test_kimi_gptq_w4a4_from_the_int4_release(tmp_path):
         assert math.isfinite(s) and s > 0 and s == pytest.approx(FP8_FP4 / e["input_scale"]["amax"], rel=1e-6)
     rep = engine_check(out)
     assert rep.ok, rep.problems
-    from quantkit.verify import verify
+    from quantkit.verify import VerifyOptions, verify
 
     # the INT4 release is the reference: compressed-tensors decompresses it on its first forward
-    v = verify(out, reference=src, num_samples=2, seq_len=16, generation_tokens=0).to_json()
+    v = verify(out, VerifyOptions(reference=src, num_samples=2, seq_len=16, generation_tokens=0)).to_json()
     assert v["format"]["ok"] and math.isfinite(v["metrics"]["kl_divergence"])
     assert math.isfinite(v["metrics"]["kl_divergence_w4a16"])
     # compressed-tensors' own decompressor reproduced every expert module bit for bit (verify's format stage)
@@ -203,10 +203,10 @@ def test_kimi_gptq_w4a4_from_the_int4_release(tmp_path):
 
 
 def test_verify_measures_w4a4_beside_w4a16(sparse):
-    from quantkit.verify import verify
+    from quantkit.verify import VerifyOptions, verify
 
     src, out = sparse
-    v = verify(out, reference=src, num_samples=2, seq_len=32, generation_tokens=0).to_json()
+    v = verify(out, VerifyOptions(reference=src, num_samples=2, seq_len=32, generation_tokens=0)).to_json()
     m = v["metrics"]
     assert v["format"]["ok"] and math.isfinite(m["kl_divergence"]) and math.isfinite(m["kl_divergence_w4a16"])
     assert m["kl_divergence"] != m["kl_divergence_w4a16"]  # the activations' rounding is in the W4A4 figure
@@ -227,7 +227,7 @@ ignore: ['re:.*\.mlp\.gate$', 'lm_head']
 
 
 def test_dense_w4a4_linear_gets_its_input_amax_over_every_token(sparse, tmp_path):
-    from quantkit.verify import verify
+    from quantkit.verify import VerifyOptions, verify
     from quantkit.verify.numerics import install_w4a4, load_dequantized
 
     src, _ = sparse
@@ -240,7 +240,7 @@ def test_dense_w4a4_linear_gets_its_input_amax_over_every_token(sparse, tmp_path
         rec = m["tensors"][f"{mod}.weight_packed"]["input_scale"]
         assert rec["source"] == "calibrated" and rec["tokens"] == 2 * 8
         assert float(sd[f"{mod}.input_global_scale"]) == pytest.approx(FP8_FP4 / rec["amax"], rel=1e-6)
-    v = verify(out, reference=src, num_samples=2, seq_len=16, generation_tokens=0).to_json()
+    v = verify(out, VerifyOptions(reference=src, num_samples=2, seq_len=16, generation_tokens=0)).to_json()
     assert v["format"]["ok"], v["format"]["problems"]
     assert math.isfinite(v["metrics"]["kl_divergence"])
     model = load_dequantized(src, out, torch.device("cpu"))

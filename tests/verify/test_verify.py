@@ -16,7 +16,7 @@ from quantkit.read.checkpoint import INDEX_NAME, Checkpoint
 from quantkit.read.safetensors import SafetensorsFile, read_header
 from quantkit.write.writer import write_safetensors
 from quantkit.testing import make_tiny_model, zero_tensors
-from quantkit.verify import Thresholds, verify
+from quantkit.verify import Thresholds, VerifyOptions, verify
 from quantkit.verify.numerics import token_data as _token_data
 
 CONTRACT = {"passed", "integrity", "format", "metrics", "layers"}
@@ -76,7 +76,7 @@ def _check(report, name):
 def test_correct_conversion_passes(converted):
     src, out = converted
     steps = []
-    r = verify(out, reference=src, progress=steps.append, **SMALL)
+    r = verify(out, VerifyOptions(reference=src, **SMALL), progress=steps.append)
     d = r.to_json()
     assert CONTRACT <= set(d) and set(d["metrics"]) == METRICS
     assert set(d["integrity"]) >= {"ok", "mismatches"} and set(d["format"]) >= {"ok", "problems"}
@@ -99,7 +99,7 @@ def test_correct_conversion_passes(converted):
     assert any(s.startswith("integrity") for s in steps) and any(s.startswith("numerics") for s in steps)
 
     # without a reference: numerics skipped (null metrics), passed rests on integrity + format
-    r2 = verify(out, **SMALL)
+    r2 = verify(out, VerifyOptions(**SMALL))
     assert r2.passed and r2.layers == [] and all(v is None for v in r2.metrics.values())
     assert _check(r2, "kl_divergence").ok is None and "reference" in _check(r2, "kl_divergence").detail
 
@@ -149,7 +149,7 @@ def test_wrong_scale_fails_numerics_and_names_the_layer(copy, converted):
     _edit_tensors(copy, {f"{WRONG}.weight_scale": lambda t: t * 4})
     assert verify(copy).passed  # integrity and format cannot see it: the manifest was fixed up
 
-    r = verify(copy, reference=src, **SMALL)
+    r = verify(copy, VerifyOptions(reference=src, **SMALL))
     assert not r.passed
     assert r.integrity["ok"] and r.format["ok"]
     sq = _check(r, "weight_sqnr")
@@ -202,9 +202,9 @@ def test_dataset_and_unusable_input(converted, tmp_path):
     with pytest.raises(CheckpointNotFound):
         verify(tmp_path / "nope")
     with pytest.raises(CheckpointNotFound):
-        verify(out, reference=tmp_path / "nope")
+        verify(out, VerifyOptions(reference=tmp_path / "nope"))
     with pytest.raises(QuantkitError):
-        verify(out, kernels="cuda-magic")
+        verify(out, VerifyOptions(kernels="cuda-magic"))
     # a dataset goes through quantkit.calib.data (pre-tokenized rows: no tokenizer needed); models not run here
     ds = tmp_path / "ids.jsonl"
     g = torch.Generator().manual_seed(1)
@@ -269,7 +269,7 @@ def test_outputs_transformers_cannot_load_are_measured_on_the_dequantized_refere
     kv = tmp_path / "kv"
     convert(src, kv, ConvertOptions(recipe="fp8-kv", num_samples=2, seq_len=16))
     assert transformers_cannot_load(kv)
-    rep = verify(kv, reference=src, **SMALL)
+    rep = verify(kv, VerifyOptions(reference=src, **SMALL))
     assert rep.passed, rep.failed_checks()
     assert rep.metrics["kl_divergence"] == 0.0
     glm = tmp_path / "glm"
@@ -310,7 +310,7 @@ def test_expert_layouts_transformers_cannot_load_are_verified(tmp_path, scheme, 
     out = tmp_path / "q"
     convert(src, out, ConvertOptions(recipe=parse_recipe(EXPERT_RECIPE.format(scheme=scheme))))
     assert transformers_cannot_load(out)
-    rep = verify(out, reference=src, **SMALL)
+    rep = verify(out, VerifyOptions(reference=src, **SMALL))
     assert rep.passed, rep.failed_checks()
     assert 0 < rep.metrics["kl_divergence"] < 0.05
 
@@ -325,7 +325,7 @@ def test_an_all_zero_expert_weight_is_an_exact_match(tmp_path):
     convert(src, out, ConvertOptions(recipe="int4-experts-rtn"))
     db = _manifest(out)["tensors"][name[:-len("weight")] + "weight_packed"]["sqnr_db"]
     assert db != db  # nan as recorded
-    rep = verify(out, reference=src, **SMALL)
+    rep = verify(out, VerifyOptions(reference=src, **SMALL))
     assert rep.passed, rep.failed_checks()
     assert _check(rep, "sqnr_vs_manifest").ok is True
 
@@ -344,7 +344,7 @@ def test_a_reference_of_the_same_shape_but_other_weights_is_named(converted, tmp
     src, out = converted
     other = make_tiny_model("qwen3_moe", tmp_path / "other", seed=1)
     assert (other / "config.json").read_bytes() == (src / "config.json").read_bytes()
-    r = verify(out, reference=other, **SMALL)
+    r = verify(out, VerifyOptions(reference=other, **SMALL))
     assert not r.passed and r.integrity["ok"] and r.format["ok"]
     ref = _check(r, "reference")
     assert ref.ok is False and "not the source" in ref.detail and "another model of the same shape" in ref.detail
