@@ -27,7 +27,7 @@ if SMOKE or not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / quantkit.runtime are imported
 
 from bench.harness import Run, Skip, add_common_args  # noqa: E402
-from quantkit.runtime import (FP8_DTYPE, fused_moe_int4, int4_gemm, paged_decode_attention,  # noqa: E402
+from quantkit.runtime import (FP8_DTYPE, PagedKV, fused_moe_int4, int4_gemm, paged_decode_attention,  # noqa: E402
                               paged_mla_decode_attention, quantize_kv)
 from quantkit.runtime.fp4 import FP4Experts, PackedFP4, fp4_gemm, fused_moe_fp4  # noqa: E402
 from quantkit.runtime.synth import random_int4, random_int4_experts  # noqa: E402
@@ -165,8 +165,8 @@ def bench_attention(dev, smoke):
         kv_bytes = 2 * b * ctx * hkv * d * kc.element_size()
         times = {}
         for check in (False, True):
-            fn = lambda: paged_decode_attention(q, kc, vc, table, lens, k_scale=ks, v_scale=ks, owner=owner,  # noqa: E731
-                                                check=check, backend="triton")
+            kv = PagedKV(kc, vc, table, k_scale=ks, v_scale=ks, owner=owner)
+            fn = lambda: paged_decode_attention(q, kv, lens, check=check, backend="triton")  # noqa: E731
             times[check] = timeit(fn, smoke)
             row("attn-gqa", f"B={b} ctx={ctx} Hq={hq} Hkv={hkv} D={d}", f"{name} check={'on' if check else 'off'}",
                 times[check], tbps=round(kv_bytes / times[check] / 1e9, 3))
@@ -182,8 +182,9 @@ def bench_attention(dev, smoke):
         kv_bytes = b * ctx * (lr + rope) * kc.element_size()
         times = {}
         for check in (False, True):
-            fn = lambda: paged_mla_decode_attention(qn, qp, kc[:, :, 0], table, lens, sm_scale=0.07, scale=sc,  # noqa: E731
-                                                    owner=owner, check=check, backend="triton")
+            kv = PagedKV(kc[:, :, 0], None, table, k_scale=sc, owner=owner)
+            fn = lambda: paged_mla_decode_attention(qn, qp, kv, lens, sm_scale=0.07, check=check,  # noqa: E731
+                                                    backend="triton")
             times[check] = timeit(fn, smoke)
             row("attn-mla", f"B={b} ctx={ctx} H={h} L={lr}+{rope}", f"{name} check={'on' if check else 'off'}",
                 times[check], tbps=round(kv_bytes / times[check] / 1e9, 3))

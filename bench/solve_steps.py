@@ -68,7 +68,7 @@ def time_steps(out: Path, repeat: int, path: Path = CAPTURE) -> list[dict]:
     import quantkit
     from quantkit.quant import gptq
 
-    kept = torch.load(path)
+    kept = torch.load(path, weights_only=False)  # our own capture: tensors and QParams
     results, rows = [], []
     for name, args, kw in kept:
         fn = getattr(gptq, name)
@@ -87,7 +87,7 @@ def time_steps(out: Path, repeat: int, path: Path = CAPTURE) -> list[dict]:
 def compare(a: Path, b: Path) -> None:
     import torch
 
-    ra, rb = torch.load(a), torch.load(b)
+    ra, rb = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
     print(f"{'step':14s} {'shape':16s} {Path(ra['tree']).name:>10s} {Path(rb['tree']).name:>10s}  differ")
     for (n, s, ta, xa), (_, _, tb, xb) in zip(ra["results"], rb["results"]):
         print(f"{n:14s} {str(s):16s} {ta * 1e3:8.1f} ms {tb * 1e3:8.1f} ms  {int((xa != xb).sum())} of {xa.numel()}")
