@@ -41,24 +41,29 @@ def modules(root: Path = PACKAGE) -> dict[str, tuple[Path, bool]]:
     return out
 
 
+def imports(name: str, path: Path, is_pkg: bool):
+    """(module, name or None) for every import in the module `name`'s source, relative ones resolved."""
+    package = name if is_pkg else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((a.name, None) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            yield from ((target, a.name) for a in node.names)
+
+
 def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
     """Module -> the package modules it imports (anywhere in its source)."""
     mods = modules(root)
     graph = {}
     for name, (path, is_pkg) in mods.items():
-        package = name if is_pkg else name.rpartition(".")[0]
         found = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-            if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module or ""
-                for a in node.names:
-                    found.add(f"{target}.{a.name}" if f"{target}.{a.name}" in mods else target)
+        for target, item in imports(name, path, is_pkg):
+            found.add(f"{target}.{item}" if item and f"{target}.{item}" in mods else target)
         graph[name] = {m for m in found if m in mods and m != name}
     return graph
 
@@ -138,30 +143,16 @@ def layer_breaks(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
 def private_imports(root: Path = PACKAGE) -> list[str]:
     """Imports of another package's private names: `from quantkit.x.y import _z`, or a module `quantkit.x._y`
     imported from outside x. Within one package, its modules share what they like."""
-    mods = modules(root)
     out = []
-    for name, (path, is_pkg) in mods.items():
-        package = name if is_pkg else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module or ""
-                pairs = [(target, a.name) for a in node.names]
-            elif isinstance(node, ast.Import):
-                pairs = [(a.name, None) for a in node.names]
-            else:
+    for name, (path, is_pkg) in modules(root).items():
+        for mod, item in imports(name, path, is_pkg):
+            if not mod.startswith("quantkit") or unit(mod) == unit(name):
                 continue
-            for mod, item in pairs:
-                if not mod.startswith("quantkit") or unit(mod) == unit(name):
-                    continue
-                segs = mod.split(".")[1:] + ([item] if item else [])
-                private = [s for s in segs if s.startswith("_") and not (s.startswith("__") and s.endswith("__"))]
-                if private:
-                    out.append(f"{name} imports {mod}{'.' + item if item else ''}: {private[0]} is private to "
-                               f"{unit(mod)}")
+            segs = mod.split(".")[1:] + ([item] if item else [])
+            private = [s for s in segs if s.startswith("_") and not (s.startswith("__") and s.endswith("__"))]
+            if private:
+                out.append(f"{name} imports {mod}{'.' + item if item else ''}: {private[0]} is private to "
+                           f"{unit(mod)}")
     return out
 
 
