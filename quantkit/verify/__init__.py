@@ -261,12 +261,17 @@ def _engine_rules(v: _Verification) -> dict | None:
     return er.to_json()
 
 
-def _engine_run(v: _Verification, metrics: dict) -> dict:
-    """`engine_run`: QMODEL run in vLLM and measured there, against the reference when there is one."""
+def _engine_run(v: _Verification, metrics: dict) -> dict | None:
+    """`engine_run`: QMODEL run in vLLM and measured there, against the reference when there is one; not run when
+    the reference was found not to be QMODEL's source (nothing to measure it against)."""
     from . import vllm_run
 
     if v.ck is None:
         raise VerificationFailed("the checkpoint does not open: it cannot be run in vLLM")
+    if v.ref_ck is not None and v.samples is None:
+        v.checks.append(Check("engine_vllm_run", None, "the reference is not the source this checkpoint was "
+                              "converted from: the engine run skipped"))
+        return None
     if v.ref_ck is None:  # no numerics stage: the token data from QMODEL's own tokenizer / vocabulary
         v.token_data(v.ck)
     inputs = RunInputs(v.samples, v.dev, v.opts.generation_tokens, v.thresholds, v.say)

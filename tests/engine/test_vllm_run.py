@@ -278,3 +278,18 @@ def test_vllm_cpu_runs_int4_g128_with_fp8_kv(tiny_models, tmp_path, arch):
     assert run["status"] == "ok", run.get("line")
     assert abs(run["perplexity_ratio"] - 1) <= 0.02, run
     assert run["kv_scales"]["equal"] is True, run["kv_scales"]
+
+
+def test_a_wrong_reference_skips_the_engine_run(qwen_int4_kv, fake_python, tmp_path):
+    """A reference that is not QMODEL's source (same shape, other weights) is named, and the engine run, with
+    nothing to measure against, is skipped with the reason: no crash on the token data never prepared."""
+    from quantkit.tiny import make_tiny_model
+
+    src, out = qwen_int4_kv
+    other = make_tiny_model("qwen3_moe", tmp_path / "other", seed=1)
+    assert (other / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    rep = verify(out, VerifyOptions(reference=other, num_samples=2, seq_len=16, engine="vllm",
+                                    engine_run=EngineRun(python=fake_python)))
+    assert rep.engine_run is None and [c.name for c in rep.failed_checks()] == ["reference"]
+    c = _check(rep, "engine_vllm_run")
+    assert c.ok is None and "not the source" in c.detail
