@@ -67,7 +67,7 @@ def section(name: str, opts: str, results: Path = RESULTS) -> str:
     for r in doc["rows"]:
         lines.append("| " + " | ".join(_cell(r.get(c)) for c in cols) + " |")
     if doc.get("summary"):
-        flat = {k: v for k, v in doc["summary"].items() if _scalar(v)}
+        flat = {k: v for k, v in doc["summary"].items() if _scalar(v) and "\n" not in str(v)}
         if flat:
             lines += ["", "Summary: " + ", ".join(f"{k} {_cell(v)}" for k, v in flat.items()) + "."]
     return "\n".join(lines) + "\n"
