@@ -205,7 +205,7 @@ def main(argv=None) -> int:
                   f"shipped-table prediction {r['predicted_shipped_s']} s")
     run.write(rows, summary)
     print(paste_row(measured))
-    return 0 if summary["ok"] else 1
+    return 0 if summary["ok"] or a.smoke else 1  # a smoke run checks that it runs: its figures mean nothing
 
 
 if __name__ == "__main__":
