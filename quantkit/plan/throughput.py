@@ -1,7 +1,7 @@
 """The throughput table of the calibrated pass's cost model (plan/calibration.py): the rates of one device
-kind, one row per kind. "cpu" is measured by bench/calib_cost.py (which prints a new row to paste here), "cuda"
-assumed from published peak figures with stated efficiency factors; plan/measure.py measures a row on this
-machine (`quantkit plan --measure`). docs/cost.md describes every rate.
+kind, one row per kind. "cpu" is measured by `python -m bench calib_cost` (which prints a new row to paste
+here), "cuda" assumed from published peak figures with stated efficiency factors; plan/measure.py measures a
+row on this machine (`quantkit plan --measure`). docs/cost.md describes every rate.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Throughput:
         return cls(**kw)
 
 
-# Measured by `python bench/calib_cost.py` (it prints this row to paste here). This one: a 2-vCPU Intel Xeon
+# Measured by `python -m bench calib_cost` (it prints this row to paste here). This one: a 2-vCPU Intel Xeon
 # (Sapphire Rapids) VM, wall seconds, both threads (docs/cost.md has its check). The row before it (an AMD EPYC
 # VM, 2026-12-03) predicted +18% / +36% / +16% for GPTQ / AWQ / KV scales on this VM.
 CPU_MEASURED = Throughput(
@@ -122,7 +122,8 @@ CUDA_ASSUMED = Throughput(
     layer_s=1.0,  # per layer and pass: allocating, freeing and synchronizing the device
     startup_s=10.0,  # the CPU's modeling imports (~2.6 s) plus creating the CUDA context and its first kernels
     notes=("every figure assumed: published H100/H200 peaks times the efficiency factors in "
-           "quantkit/plan/calibration.py; measure on a GPU with bench/calib_cost.py --device cuda to replace them",),
+           "quantkit/plan/throughput.py; measure on a GPU with `python -m bench calib_cost --device cuda` to "
+           "replace them",),
 )
 
 THROUGHPUT: dict[str, Throughput] = {"cpu": CPU_MEASURED, "cuda": CUDA_ASSUMED}
