@@ -87,7 +87,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 # torch's CPU bfloat16 matmuls go through oneDNN, which keeps a compiled primitive per GEMM shape in two LRU
 # caches of 1024 entries (oneDNN's own, ONEDNN_PRIMITIVE_CACHE_CAPACITY, and torch's ideep layer's,
 # LRU_CACHE_CAPACITY). The routed experts' row counts differ per expert and per layer, so in a bfloat16 pass on
-# the CPU those caches grew the process by ~30-60 MB per decoder layer (bench/README.md). 128 entries hold a
+# the CPU those caches grew the process by ~30-60 MB per decoder layer (bench/HISTORY.md). 128 entries hold a
 # layer's expert shapes on the bench models (AWQ's candidates reuse them: at 16 its search ran ~15% slower).
 ONEDNN_CACHE_ENVS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 ONEDNN_CACHE_ENTRIES = 128

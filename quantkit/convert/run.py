@@ -91,7 +91,7 @@ class BatchBuffer:
     shard to shard (one per process that converts): a fresh allocation of a batch's size is a new mapping
     whose pages the kernel faults in and zeroes at first touch. In a library caller's process (no allocator
     settings) that made an MXFP4 RTN convert ~1.2x slower; under the command's settings (quantkit/allocator.py)
-    the difference is within noise (bench/README.md, `fp4_rtn.py`). Grown, never shrunk; it holds the
+    the difference is within noise (bench/HISTORY.md, `fp4_rtn.py`). Grown, never shrunk; it holds the
     largest batch until dropped."""
 
     def __init__(self):
