@@ -43,7 +43,7 @@ from ..errors import RecipeError
 from ..pack.kv import STRATEGIES as KV_STRATEGIES
 from ..pack.kv import kv_cache_scheme
 from ..arch.layout import FUSED_LINEARS
-from ..pack.scheme import FP4_GROUP_SIZES, MAX_GROUP_SIZE, STRATEGIES, Scheme  # noqa: F401 (the recipe's names)
+from ..pack.scheme import Scheme
 from ..read.files import read_text
 from ..pack.targets import (MAX_CHOICES, MAX_MATCH_NAME, MAX_PATTERN_CHARS, MAX_UNBOUNDED,  # noqa: F401
                             check_regex, matches)

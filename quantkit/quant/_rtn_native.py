@@ -22,7 +22,6 @@ Import is lazy and optional: without numba (or with QUANTKIT_NATIVE=0) `rtn` use
 
 from __future__ import annotations
 
-import numba  # noqa: F401 (a missing numba is an ImportError here: the torch path then runs)
 import numpy as np
 
 from .jit import njit
