@@ -271,6 +271,13 @@ class MeasurementError(QuantkitError):
     hint = "run the plan without --measure (the shipped table), or with --gpus 1 (no neighbour processes)"
 
 
+class FitError(QuantkitError):
+    """`plan --fit` found no mix of the candidate schemes that meets the memory target (the message says what
+    would), or was asked to fit a target that means nothing."""
+
+    hint = "lower --concurrency or --context-len, add GPUs, or allow a lower-bit scheme (--fit-schemes)"
+
+
 class DeviceMemoryError(DeviceError):
     """A decoder layer's calibration does not fit in the device's free memory (found before any work)."""
 
@@ -346,3 +353,11 @@ class NotRepresentable(ExportError):
     that loads and computes something else."""
 
     hint = "docs/export.md lists what llama.cpp can run exactly; re-convert with a recipe it can (int4-experts-*, mxfp4-experts)"
+
+
+# --- rotation ---------------------------------------------------------------------------------------
+class RotationError(QuantkitError):
+    """A recipe's `rotate:` cannot be applied to this source (a tensor it cannot turn exactly)."""
+
+    hint = ("rotation turns BF16/FP16/FP32 and block-FP8 sources with untied embeddings and no MTP layer; drop "
+            "`rotate:` from the recipe, or convert from the BF16 release (docs/recipes.md, Rotation)")

@@ -23,7 +23,7 @@ import os
 import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -47,6 +47,7 @@ from ..pack.manifest import (AFTER_CONVERT, FORMAT_VERSION, JOURNAL_DIR, MANIFES
 from ..quant.int4 import native_threads
 from ..read.checkpoint import INDEX_NAME, Checkpoint
 from ..read.sources import SourceFormat, detect_format, scan, validate as validate_sources
+from ..read.rotate import Rotation
 from ..read.tensors import TensorReader
 from ..write.output import output_lock, prepare_output
 from ..write.writer import copy_file_atomic, sha256_file, wait_durable, write_json_atomic
@@ -165,6 +166,8 @@ def _plan_job(src_dir, opts: ConvertOptions) -> _Job:
     fmt = detect_format(src.config)
     stored = scan(src, fmt)
     logical = validate_sources(src, stored)  # every quantized module against its scheme (scales read, packed not)
+    if recipe.rotate is not None:  # every tensor it turns known, the norm gains read: a refusal before any write
+        src = replace(src, rotation=Rotation.plan(src, recipe.rotate, stored))
     if spec is not None:  # packed experts' logical shapes against config.json, as dense ones were above
         check_expert_shapes(spec, {m + ".weight": nk for m, nk in logical.items()})
     want_kv = opts.kv is not None or opts.kv_scales is not None or recipe.kv_cache is not None
@@ -180,7 +183,8 @@ def _plan_job(src_dir, opts: ConvertOptions) -> _Job:
     w4afp8_note = _w4afp8_rules(src, recipe, hidden, opts.tp)  # before any plan or write: a wrong shape costs seconds
     names = output_shard_names(src)
     ctx = ShardContext(hidden, opts.batch_bytes, opts.max_shard_bytes, stored=stored, skip=skip, location=src.location,
-                       info=src.info, calibrated=recipe.needs_calibrated_pass)
+                       info=src.info, calibrated=recipe.needs_calibrated_pass,
+                       rotated=frozenset(src.rotation.roles) if src.rotation is not None else frozenset())
     plans = [plan_shard(s, names[s.name], recipe, ctx) for s in src.shards]
     notes = plan_notes(plans, len(source_kv) if want_kv else 0, stored) + ([w4afp8_note] if w4afp8_note else [])
     if source_kv and not want_kv:  # the source's own KV scales are kept: held to the same rules
@@ -445,7 +449,7 @@ def _run_shards(todo, src: Checkpoint, out: Path, opts: ConvertOptions, spool, r
             base = finished_bytes
             res = run_shard(p, src.root / p.source, out,
                             progress=(lambda r, b=base: progress(b + r, total)) if progress else None, spool=spool,
-                            batches=batches)
+                            batches=batches, rotation=src.rotation)
             finished_bytes += src.shard(p.source).size
             record(res)
             if progress:
@@ -457,7 +461,7 @@ def _run_shards(todo, src: Checkpoint, out: Path, opts: ConvertOptions, spool, r
         ex = ProcessPoolExecutor(max_workers=opts.workers, mp_context=mp.get_context("spawn"),
                                  initializer=_die_with_parent)
         try:
-            for res in ex.map(worker, [(p, src.root / p.source, out, threads, spool) for p in todo]):
+            for res in ex.map(worker, [(p, src.root / p.source, out, threads, spool, src.rotation) for p in todo]):
                 record(res)
                 finished_bytes += res.source_size
                 if progress:
@@ -572,6 +576,7 @@ def _finalize(job: _Job, opts: ConvertOptions, out: Path, outcome: _Outcome) -> 
         "notes": notes,
         "calibration": (None if outcome.calibration is None else
                         {**outcome.calibration, **expert_report(tensors)}),
+        "rotation": None if src.rotation is None else src.rotation.manifest(),
         "kv_cache": (None if kv is None else {"strategy": kv.strategy, "scheme": kv.config(), "origin": kv.origin,
                                              "shard": kvrules.KV_SHARD_NAME, "tensors": len(kv.scales)}),
         "quantization_config": qc,

@@ -67,6 +67,8 @@ def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log,
             shutil.rmtree(spool_dir)
         return None
 
+    # the checkpoint itself when the recipe rotates it (its readers turn what the layers load); else its directory
+    model = src if getattr(src, "rotation", None) is not None else src.root
     index = w.broadcast(w.step(lambda: look() if w.leader else None, "reading the calibration spool"))
     if index is None:
         if log and w.leader:
@@ -77,11 +79,11 @@ def calibrated_pass(src: Checkpoint, recipe: Recipe, data, spool_dir: Path, log,
                 + (f" (and a top-up pool of {data.pool} samples)" if data.pool else "")
                 + (f", over {w.size} ranks" if w.size > 1 else ""))
         if w.size == 1:
-            index = run_calibrated(src.root, recipe, data.samples, spool_dir, log=log or (lambda m: None),
+            index = run_calibrated(model, recipe, data.samples, spool_dir, log=log or (lambda m: None),
                                    placement=Placement(device, dtype), pool=data.pool)
             write_json_atomic(done, index)
         else:
-            index = run_calibrated(src.root, recipe, data.samples, spool_dir, log=log or (lambda m: None),
+            index = run_calibrated(model, recipe, data.samples, spool_dir, log=log or (lambda m: None),
                                    placement=Placement(device, dtype), world=w, pool=data.pool)
 
             def finish():

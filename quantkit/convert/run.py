@@ -126,7 +126,9 @@ class _Context:
 
 def run_shard(plan: ShardPlan, src_path: Path, out_dir: Path, threads: int | None = None,
               progress: Callable[[int], None] | None = None, spool: Spool = Spool(),
-              batches: BatchBuffer | None = None) -> ShardResult:
+              batches: BatchBuffer | None = None, rotation=None) -> ShardResult:
+    """Convert one source shard by its plan; `rotation` (a read.rotate.Rotation, or None): the recipe's rotation,
+    which the shard's reader applies to every tensor it turns."""
     if threads:
         torch.set_num_threads(threads)
     # sha256 of the source shard, computed while it is converted (hashlib releases the GIL): the pages
@@ -136,7 +138,7 @@ def run_shard(plan: ShardPlan, src_path: Path, out_dir: Path, threads: int | Non
     hasher.shutdown(wait=False)
     header = read_header(src_path)
     location = {n: src_path.name for n in header.tensors} | dict(plan.foreign)
-    reader = TensorReader(src_path.parent, location, {src_path.name: header})
+    reader = TensorReader(src_path.parent, location, {src_path.name: header}, rotation=rotation)
     ctx = _Context(reader, src_path.name, _SpoolReader(spool), Notes(), batches)
     outputs, entries, read, released = [], {}, 0, 0
     try:
@@ -342,6 +344,11 @@ def _read_2d(ctx: _Context, ref, out: torch.Tensor) -> None:
     """Write the weight `ref` names into `out` [N, K] (dequantizing FP8 into it directly)."""
     if ref.layout is not None:
         scale = read_scale(ctx.r.get, ref.scale, ref.layout, ref.scale_fmt, ctx.notes)
+        rot = ctx.r.rotation
+        if rot is not None and rot.touches(ref.tensor):  # decoded in float32, turned, cast once
+            w = fp8.dequantize(ctx.r.get(ref.tensor), scale, ref.layout, torch.float32)
+            out.copy_(ctx.r.turned(ref.tensor, w, out.dtype))
+            return
         fp8.dequantize(ctx.r.get(ref.tensor), scale, ref.layout, out.dtype, out=out)
     elif ref.stored is not None:  # an FP4 / INT4 source: decoded as compressed-tensors decompresses it
         w = ctx.r.decode(ref.stored, out.dtype)
@@ -406,8 +413,8 @@ _WORKER_BATCHES: BatchBuffer | None = None  # a worker process's, kept from one 
 
 def worker(args):
     global _WORKER_BATCHES
-    plan, src_path, out_dir, threads, spool = args
+    plan, src_path, out_dir, threads, spool, rotation = args
     _WORKER_BATCHES = _WORKER_BATCHES or BatchBuffer()
-    res = run_shard(plan, src_path, out_dir, threads, spool=spool, batches=_WORKER_BATCHES)
+    res = run_shard(plan, src_path, out_dir, threads, spool=spool, batches=_WORKER_BATCHES, rotation=rotation)
     wait_durable()  # this process's shards are on disk before the parent journals them
     return res

@@ -44,6 +44,7 @@ from ..pack.kv import STRATEGIES as KV_STRATEGIES
 from ..pack.kv import kv_cache_scheme
 from ..arch.layout import FUSED_LINEARS
 from ..pack.scheme import Scheme
+from ..quant.rotate import RotationSpec
 from ..read.files import read_text
 from ..pack.targets import (MAX_CHOICES, MAX_MATCH_NAME, MAX_PATTERN_CHARS, MAX_UNBOUNDED,  # noqa: F401
                             check_regex, matches)
@@ -279,6 +280,7 @@ class Recipe:
     kv_cache: KVCacheSpec | None = None
     calibration: CalibrationSpec | None = None
     description: str = ""
+    rotate: RotationSpec | None = None  # the residual rotation fused into the weights (quant/rotate.py)
     text: str = field(default="", compare=False, repr=False)  # the YAML as loaded (for the manifest)
 
     @property
@@ -424,7 +426,8 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
         raise RecipeError("recipe YAML is nested too deeply") from None
     except yaml.YAMLError as e:
         raise RecipeError(f"recipe is not valid YAML: {str(e).splitlines()[0]}") from None
-    _check_keys("recipe", d, {"name", "description", "groups", "ignore", "kv_cache", "calibration", "version"})
+    _check_keys("recipe", d, {"name", "description", "groups", "ignore", "kv_cache", "calibration", "version",
+                                 "rotate"})
     for key in ("name", "description"):  # both go into the manifest and the model card
         if d.get(key) is not None and not isinstance(d[key], str):
             raise RecipeError(f"recipe {key} must be a string, got {type(d[key]).__name__}")
@@ -477,8 +480,12 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
                                   f"(the scales of FP4 grids are fixed before the solve)")
         groups.append(WeightGroup(str(gname), _str_list(f"groups.{gname}.targets", g["targets"]), scheme,
                                   method, opts))
-    if not groups and not d.get("kv_cache"):
-        raise RecipeError("recipe has no groups and no kv_cache section: it would do nothing")
+    rotate = d.get("rotate")
+    if rotate is not None:  # rotate: {kind: hadamard, seed: 0}
+        _check_keys("rotate", rotate, {"kind", "seed"})
+        rotate = RotationSpec(**rotate)
+    if not groups and not d.get("kv_cache") and rotate is None:
+        raise RecipeError("recipe has no groups, no kv_cache and no rotate section: it would do nothing")
     balanced = [g.name for g in groups if g.method == "gptq" and g.options.balance_tokens is not None]
     others = [g.name for g in groups if g.name not in balanced and (g.method != "rtn" or g.scheme.w4a4)]
     if balanced and (others or len(balanced) > 1 or any(g.scheme.w4a4 for g in groups)):
@@ -496,7 +503,7 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
         cal = CalibrationSpec(**cal)
     recipe = Recipe(name=str(d.get("name") or default_name), groups=tuple(groups),
                     ignore=_str_list("ignore", [] if d.get("ignore") is None else d["ignore"]), kv_cache=kv,
-                    calibration=cal, description=d.get("description") or "", text=text)
+                    calibration=cal, description=d.get("description") or "", text=text, rotate=rotate)
     if cal is not None and not recipe.needs_calibration:  # it would be silently ignored
         raise RecipeError("recipe has a calibration section but calibrates nothing (RTN groups only, no kv_cache)",
                           hint="drop the calibration section, or add a GPTQ/AWQ group or a kv_cache section")

@@ -122,11 +122,16 @@ def effective_scheme(module: str, scheme: Scheme, shape: tuple[int, int],
         raise GroupSizeError(f"{module}: {e.message}", hint=e.hint) from None
 
 
-def decide(sw: StoredWeight | None, scheme: Scheme | None, targeted: bool) -> tuple[str, str | None]:
+def decide(sw: StoredWeight | None, scheme: Scheme | None, targeted: bool,
+           rotated: bool = False) -> tuple[str, str | None]:
     """What happens to one weight: ("copy"|"quantize"|"dequantize"|"pass"|"decode", reason). `sw` is how the
     source stores it (None: dense), `scheme` the effective recipe scheme for it (None: untouched; for
     INT4 sources computed only when the group's scheme is FP4: INT4 is re-quantized to FP4 only, never to
-    INT4 or FP8), `targeted` whether a recipe group matches it."""
+    INT4 or FP8), `targeted` whether a recipe group matches it, `rotated` whether the recipe's rotation turns it
+    (read/rotate.py refuses INT4 / FP4 modules it would turn; an FP8 one is decoded, turned and written as BF16
+    or quantized as the recipe says, never passed through)."""
+    if rotated and sw is not None and sw.layout is not None:
+        return ("decode", "rotated") if scheme is None else ("dequantize", None)
     if sw is None:
         return ("copy", None) if scheme is None else ("quantize", None)
     if sw.encoding == "int4":
@@ -169,6 +174,8 @@ NOTE_TEXT = {
                          "against the decoded INT4 values is in the manifest)"),
     "fp4-kept": "{n} FP4 module(s) not targeted by the recipe kept as the source stores them ({labels})",
     "fp4-same-scheme": "{n} FP4 module(s) already in the recipe's FP4 scheme ({labels}) passed through bit-exact",
+    "rotated": ("{n} FP8 module(s) turned by the recipe's rotation written as their rotated BF16 values ({labels}; "
+                "each one's SQNR against its rotated float32 values is in the manifest)"),
     "kv-dropped": "{n} KV-cache scale tensor(s) of the source replaced by the new scales",
     "fp8-partial-block": ("{n} block-FP8 module(s) have in_features that is not a multiple of the block width "
                           "({labels}): no engine runs their dynamic 1 x block activation groups, so they are written "
@@ -195,6 +202,7 @@ class ShardContext:
     location: Mapping[str, str] | None = None
     info: Callable[[str], TensorInfo] | None = None
     calibrated: bool = False
+    rotated: frozenset[str] = frozenset()  # tensors the recipe's rotation turns (read/rotate.py)
 
 
 def plan_shard(shard: Shard, output: str, recipe: Recipe, ctx: ShardContext = ShardContext()) -> ShardPlan:
@@ -263,7 +271,7 @@ class _ShardMatcher:
         g = self.recipe.match(module)
         scheme = None if g is None or (sw.encoding == "int4" and not g.scheme.fp4) else \
             effective_scheme(module, g.scheme, sw.shape, self.rows_of)
-        action, reason = decide(sw, scheme, g is not None)
+        action, reason = decide(sw, scheme, g is not None, name in self.ctx.rotated)
         layer_key = any_expert(module)
         if action == "pass":
             u = pass_unit(sw, reason, g, self.info)

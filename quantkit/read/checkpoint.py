@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import (CheckpointNotFound, ConfigError, ConfigMissing, DuplicateKey, DuplicateTensor, IndexError_,
@@ -74,6 +74,8 @@ class Checkpoint:
     config: dict
     shards: tuple[Shard, ...]
     location: dict[str, str]  # tensor name -> shard file name
+    # a read.rotate.Rotation the readers over this checkpoint turn its tensors by (TensorReader.of), or None
+    rotation: object = field(default=None, compare=False, repr=False)
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "Checkpoint":

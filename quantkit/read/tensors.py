@@ -32,8 +32,10 @@ class TensorReader:
     shard file name -> validated Header, read on first use when not given."""
 
     def __init__(self, root: str | os.PathLike, location: Mapping[str, str],
-                 headers: Mapping[str, Header] | None = None, *, mapped: bool = True):
+                 headers: Mapping[str, Header] | None = None, *, mapped: bool = True, rotation=None):
         self.root = Path(root)
+        # a read.rotate.Rotation: the tensors it touches are handed out turned (float32 math, their dtype once)
+        self.rotation = rotation
         self.location = location
         self._headers = dict(headers or {})
         self.mapped = mapped
@@ -42,8 +44,9 @@ class TensorReader:
 
     @classmethod
     def of(cls, ckpt, *, mapped: bool = True) -> "TensorReader":
-        """A reader over a read.checkpoint.Checkpoint."""
-        return cls(ckpt.root, ckpt.location, {s.name: s.header for s in ckpt.shards}, mapped=mapped)
+        """A reader over a read.checkpoint.Checkpoint (turned by the checkpoint's rotation, if it has one)."""
+        return cls(ckpt.root, ckpt.location, {s.name: s.header for s in ckpt.shards}, mapped=mapped,
+                   rotation=getattr(ckpt, "rotation", None))
 
     # -- plumbing -------------------------------------------------------------------------------------
     def header(self, shard: str) -> Header:
@@ -81,8 +84,18 @@ class TensorReader:
     def info(self, name: str):
         return self.header(self.location[name]).tensors[name]
 
+    def _turns(self, name: str, dtype: torch.dtype) -> bool:
+        """The rotation turns tensor `name` as read (a float; FP8 codes are turned after decoding)."""
+        return self.rotation is not None and dtype.is_floating_point and dtype.itemsize > 1 \
+            and self.rotation.touches(name)
+
     def get(self, name: str) -> torch.Tensor:
-        """Tensor `name`: a view of the mapping (mapped), or a fresh tensor (positioned)."""
+        """Tensor `name`: a view of the mapping (mapped), or a fresh tensor (positioned); a fresh tensor, turned,
+        when the rotation touches it."""
+        t = self._get(name)
+        return self.rotation.rotated(name, t) if self._turns(name, t.dtype) else t
+
+    def _get(self, name: str) -> torch.Tensor:
         shard = self.location[name]
         if self.mapped:
             return self._file(shard).get(name, copy=False)
@@ -102,13 +115,19 @@ class TensorReader:
         out = torch.empty((len(uniq), row_bytes), dtype=torch.uint8)
         for j, r in enumerate(uniq.tolist()):
             out[j] = self._pread(shard, row_bytes, h.data_start + info.begin + r * row_bytes)
-        return out.view(info.dtype)[inverse]  # [*index.shape, D]
+        t = out.view(info.dtype)
+        if self._turns(name, t.dtype):  # embedding rows: each row turned on its own (E Q)
+            t = self.rotation.rotated(name, t)
+        return t[inverse]  # [*index.shape, D]
 
     def view(self, name: str, expert: int | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Tensor `name`, or expert `expert` of a fused [E, N, K] tensor, or rows r0:r1 of either."""
-        t = self.get(name)
+        """Tensor `name`, or expert `expert` of a fused [E, N, K] tensor, or rows r0:r1 of either (a turned
+        expert alone, when the rotation touches it)."""
+        t = self._get(name)
         if expert is not None:
             t = t[expert]
+        if self._turns(name, t.dtype):
+            t = self.rotation.rotated(name, t)
         if rows is not None:
             t = t[rows[0]:rows[1]]
         return t
@@ -121,7 +140,8 @@ class TensorReader:
         shape = info.shape[1:] if expert is not None else info.shape
         if rows is not None:
             shape = (rows[1] - rows[0], *shape[1:])
-        if self.mapped and info.dtype == out.dtype and out.is_contiguous() and tuple(out.shape) == tuple(shape):
+        if (self.mapped and info.dtype == out.dtype and out.is_contiguous() and tuple(out.shape) == tuple(shape)
+                and not self._turns(name, info.dtype)):
             per_expert = info.nbytes // info.shape[0] if expert is not None else 0
             row = info.shape[-1] * out.element_size()
             offset = (expert or 0) * per_expert + (rows[0] * row if rows is not None else 0)
@@ -135,14 +155,25 @@ class TensorReader:
         FP8 as q.float() * scale (per tensor / row / block, edge blocks partial), INT4 as (q - zp) * scale,
         NVFP4 / MXFP4 as e2m1 * the group's scale; returned in `dtype`. With `device`, the stored tensors are
         moved there first and decoded there (the same arithmetic, on e.g. a GPU)."""
-        get = self.get if device is None else (lambda name: self.get(name).to(device))
+        get = self._get if device is None else (lambda name: self._get(name).to(device))
         if sw.encoding == "int4":
             return dequantize_module({suffix: get(t) for suffix, t in sw.tensors}, dtype,
                                      int(sw.weights.get("num_bits", 4)))
         if sw.encoding in ("nvfp4", "mxfp4"):
             return fp4_module(sw.encoding, {suffix: get(t) for suffix, t in sw.tensors}, dtype)
         scale = read_scale(get, sw.scale, sw.layout, sw.scale_fmt, notes)
+        name = sw.module + ".weight"
+        if self.rotation is not None and self.rotation.touches(name):  # decoded in float32, turned, cast once
+            w = fp8_dequantize(get(sw.primary), scale, sw.layout, torch.float32)
+            return self.rotation.rotated(name, w.cpu(), dtype).to(w.device)
         return fp8_dequantize(get(sw.primary), scale, sw.layout, dtype)
+
+    def turned(self, name: str, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A module's decoded float weight `w` (float32, e.g. an FP8 module dequantized by the caller) as the
+        rotation turns tensor `name`, in `dtype`; `w` itself in `dtype` when nothing turns it."""
+        if self.rotation is not None and self.rotation.touches(name):
+            return self.rotation.rotated(name, w, dtype)
+        return w.to(dtype)
 
     # -- lifetime -------------------------------------------------------------------------------------
     def release(self) -> None:

@@ -1,0 +1,121 @@
+"""The residual-stream rotation R1 (QuaRot, SpinQuant's "R1"): an orthogonal Q [H, H], H = hidden_size, that
+the whole residual stream is turned by (x' = x Q) and that is folded into the weights, so that a weight
+quantizer sees matrices whose outlier input channels are spread over many channels. Pure math: which
+tensors are turned is read/rotate.py's, the names arch/residual.py's.
+
+    Q = diag(s) . blockdiag(Hb, ..., Hb)        s: H random signs (torch.Generator on the CPU, from `seed`)
+                                                Hb: the normalized Sylvester Hadamard matrix of order b,
+                                                b = the largest power of two dividing H (b <= MAX_BLOCK)
+
+Q is orthogonal (Q Q^T = I): the signs are +-1 and each Hb / sqrt(b) is. A hidden size that is not a power of
+two (DeepSeek-V3 / Kimi K2 7168 = 7 x 1024, GLM 5120 = 5 x 1024, 6144 = 3 x 2048) gets a block-diagonal
+Hadamard of 1024- or 2048-wide blocks rather than a Kronecker product with a stored H_28 / H_20 / H_12: every
+quantization group (16, 32, 128 input channels) lies inside one block, so a block already spreads an outlier
+over 32-64 groups' worth of channels, the transform stays an exact fast Walsh-Hadamard transform with no
+stored tables, and the random signs span the whole width.
+
+Applied as a row-vector transform `v -> v Q = fwht(v * s)` by a fast Walsh-Hadamard transform, O(H log b)
+per row in float32: never a dense H x H product (a 7168-wide model has 384 experts per layer)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import RecipeError
+
+KINDS = ("hadamard",)
+MAX_BLOCK = 1 << 15  # a 32768-wide block; wider hidden sizes use several blocks
+MAX_SEED = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class RotationSpec:
+    """A recipe's `rotate:` section: the kind of rotation and the seed of its random signs."""
+
+    kind: str = "hadamard"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise RecipeError(f"rotate.kind must be one of {KINDS}, got {str(self.kind)[:40]!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:
+            raise RecipeError(f"rotate.seed must be an integer from 0 to 2^63 - 1, got {str(self.seed)[:40]}")
+
+
+def block_size(hidden: int) -> int:
+    """The Hadamard block of a hidden size: its largest power-of-two divisor, at most MAX_BLOCK."""
+    if hidden <= 0:
+        raise ValueError(f"hidden size must be positive, got {hidden}")
+    return min(hidden & -hidden, MAX_BLOCK)
+
+
+def random_signs(hidden: int, seed: int) -> torch.Tensor:
+    """The H random signs of Q [H] (float32 +-1), the same on every machine for one seed (CPU mt19937)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(0, 2, (hidden,), generator=gen, dtype=torch.int64).mul_(2).sub_(1).to(torch.float32)
+
+
+def fwht(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., H] times blockdiag(Hb / sqrt(b)) along the last dim (b = `block`, a power of two dividing H):
+    the normalized fast Walsh-Hadamard transform of each b-wide block of each row, log2(b) butterfly stages.
+    Returns a new float tensor in x's dtype (float32 or float64)."""
+    *lead, n = x.shape
+    if block & (block - 1) or n % block:
+        raise ValueError(f"block {block} must be a power of two dividing the width {n}")
+    y = x.reshape(-1, n // block, block)  # [R, nb, b]
+    h = 1
+    while h < block:
+        # pairs (i, i + h) within each 2h-wide run: [R, nb, b / 2h, 2, h]
+        v = y.view(y.shape[0], y.shape[1], block // (2 * h), 2, h)
+        a, b = v[:, :, :, 0, :], v[:, :, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=3).view(y.shape[0], y.shape[1], block)
+        h *= 2
+    return y.mul_(1.0 / math.sqrt(block)).view(*lead, n)
+
+
+def hadamard_matrix(block: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The normalized Sylvester Hadamard matrix of order `block` (a power of two), dense: the tests' reference."""
+    m = torch.ones((1, 1), dtype=dtype)
+    while m.shape[0] < block:
+        m = torch.cat((torch.cat((m, m), 1), torch.cat((m, -m), 1)), 0)
+    return m / math.sqrt(block)
+
+
+def dense_q(hidden: int, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Q [H, H] as a dense matrix (the tests' reference; the conversion never builds it)."""
+    b = block_size(hidden)
+    hb = torch.block_diag(*[hadamard_matrix(b, dtype)] * (hidden // b))
+    return random_signs(hidden, seed).to(dtype)[:, None] * hb
+
+
+@dataclass(frozen=True)
+class Hadamard:
+    """Q of one hidden size and seed, applied without building it."""
+
+    hidden: int
+    seed: int
+
+    @property
+    def block(self) -> int:
+        return block_size(self.hidden)
+
+    def signs(self) -> torch.Tensor:
+        return random_signs(self.hidden, self.seed)
+
+    def rows(self, w: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:
+        """w [..., H] -> (w * gain) Q in float32, each row a row vector: a reader of the residual (W diag(g) Q),
+        a bias or an embedding row (b Q)."""
+        if w.shape[-1] != self.hidden:
+            raise ValueError(f"width {w.shape[-1]} is not the hidden size {self.hidden}")
+        scale = self.signs() if gain is None else self.signs() * gain.to(torch.float32)
+        return fwht(w.to(torch.float32) * scale, self.block)
+
+    def cols(self, w: torch.Tensor) -> torch.Tensor:
+        """w [H, K] (or [E, H, K]) -> Q^T w in float32: a writer of the residual. Q^T w = (w^T Q)^T, so each
+        column is turned as a row vector."""
+        if w.shape[-2] != self.hidden:
+            raise ValueError(f"rows {w.shape[-2]} are not the hidden size {self.hidden}")
+        return self.rows(w.transpose(-1, -2)).transpose(-1, -2).contiguous()
