@@ -90,6 +90,11 @@ SLOW_TESTS = {
     "read/test_ct_source_fuzz.py::test_source_checks_accept_only_sound_modules",
     "read/test_safetensors_fuzz.py::test_header_hypothesis",
     "calib/test_moe.py::test_other_activations",
+    # the rotation's end-to-end tests (they convert, and run transformers); its math tests stay fast
+    "test_rotate.py::test_rotated_model_matches_the_source", "test_rotate.py::test_an_unrotated_reader_would_fail",
+    "test_rotate.py::test_same_bytes_across_runs_and_workers",
+    "test_rotate.py::test_block_fp8_source_is_decoded_then_turned",
+    "test_rotate.py::test_refusals_end_in_one_line", "test_rotate.py::test_mtp_layer_is_refused",
 }
 
 

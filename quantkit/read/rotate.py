@@ -24,6 +24,7 @@ from ..errors import RotationError
 from ..quant.rotate import Hadamard, RotationSpec
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+CHUNK = 1 << 22  # elements of one float32 strip turned at a time (16 MiB)
 
 
 @dataclass(frozen=True)
@@ -82,21 +83,39 @@ class Rotation:
 
     def turn(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """Tensor `name` (or one expert [N, K] of a fused 3-D tensor) as the rotated model holds it, float32."""
-        role = self.roles[name]
-        q = self.q
-        if role.kind == READER:
-            return q.rows(t, self.gains[role.norm])
-        if role.kind == WRITER:
-            return q.cols(t)
-        if role.kind in (WRITER_BIAS, EMBEDDING):
-            return q.rows(t)
-        if role.kind == NORM:
-            return torch.ones(t.shape, dtype=torch.float32)
-        raise AssertionError(role.kind)
+        return self.rotated(name, t, torch.float32)
 
     def rotated(self, name: str, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """`turn`, cast once to `dtype` (default: t's own)."""
-        return self.turn(name, t).to(dtype or t.dtype)
+        """Tensor `name` (or one expert of a fused tensor) turned in float32 and cast once to `dtype` (default: t's
+        own), a fresh tensor. Turned in strips of CHUNK elements (rows of a reader or an embedding, columns of a
+        writer, one expert of a fused tensor at a time): the float32 temporaries stay small whatever the tensor
+        (a 160k x 7168 embedding), and a row's or column's result does not depend on the strip it was in."""
+        role = self.roles[name]
+        dtype = dtype or t.dtype
+        if role.kind == NORM:
+            return torch.ones(t.shape, dtype=dtype)
+        out = torch.empty(t.shape, dtype=dtype)
+        for src, dst in zip(t.reshape(-1, *t.shape[-2:]) if t.dim() >= 2 else [t],
+                            out.reshape(-1, *t.shape[-2:]) if t.dim() >= 2 else [out]):
+            self._strips(role, src, dst)
+        return out
+
+    def _strips(self, role: Role, t: torch.Tensor, out: torch.Tensor) -> None:
+        q = self.q
+        if role.kind == WRITER:  # [H, K]: Q^T W, column strips
+            step = max(1, CHUNK // self.hidden)
+            for k in range(0, t.shape[-1], step):
+                out[:, k:k + step] = q.cols(t[:, k:k + step])
+            return
+        gain = self.gains[role.norm] if role.kind == READER else None
+        if role.kind not in (READER, WRITER_BIAS, EMBEDDING):
+            raise AssertionError(role.kind)
+        if t.dim() == 1:
+            out.copy_(q.rows(t, gain))
+            return
+        step = max(1, CHUNK // self.hidden)
+        for r in range(0, t.shape[0], step):
+            out[r:r + step] = q.rows(t[r:r + step], gain)
 
     def manifest(self) -> dict:
         """The manifest's record of the rotation."""
