@@ -477,6 +477,8 @@ def report(
 PLAN_MAX_GPU_MEMORY_GIB = 16384
 PLAN_MAX_GPUS = 65536
 PLAN_MAX_CONTEXT_LEN = 1 << 24
+PLAN_MAX_CONCURRENCY = 1 << 24  # --fit's requests (plan.MAX_CONCURRENCY)
+PLAN_MAX_WEIGHTS_GIB = PLAN_MAX_GPU_MEMORY_GIB * PLAN_MAX_GPUS  # --fit's --weights-gib (plan.MAX_WEIGHTS_GIB)
 PLAN_MAX_CALIBRATION = (1 << 16, options.MAX_SEQ_LEN)  # N samples, T tokens per sample
 
 
@@ -539,11 +541,53 @@ def plan(
     pair: Annotated[Optional[str], typer.Option("--pair", help="Also plan the prefill pool of a prefill/decode pair "
                                                              "served with this recipe (fp8-prefill) beside --recipe's "
                                                              "decode pool, one FP8 KV cache for both.")] = None,
+    fit: Annotated[Optional[Path], typer.Option(
+        "--fit", metavar="OUT.yaml", help="Choose the recipe of least predicted loss (per layer: experts and dense "
+        "Linears each kept, FP8 block, INT4 g128/g32 GPTQ, NVFP4 or MXFP4) whose weights, KV cache for --concurrency "
+        "requests of --context-len tokens and activation reserve fit --gpus GPUs of --gpu-memory-gib (and "
+        "--weights-gib); write it to OUT.yaml (`convert --recipe OUT.yaml` runs it) and plan it (docs/memory.md).")] = None,
+    concurrency: Annotated[Optional[int], typer.Option(
+        callback=_ranged("--concurrency", 1, PLAN_MAX_CONCURRENCY, integer=True),
+        help=f"With --fit: requests of --context-len tokens the KV cache must hold, 1 to {PLAN_MAX_CONCURRENCY:,} "
+             "(default: none; the weights alone are fitted).")] = None,
+    weights_gib: Annotated[Optional[float], typer.Option(
+        callback=_ranged("--weights-gib", 0, PLAN_MAX_WEIGHTS_GIB, integer=False, lo_open=True),
+        help="With --fit: at most this many GiB of resident weights, the whole model (a number in (0, "
+             f"{PLAN_MAX_WEIGHTS_GIB:,}]).")] = None,
+    kv_dtype: Annotated[Optional[str], typer.Option(
+        "--kv-dtype", help="With --fit: the KV cache's dtype (fp8 or bf16; default fp8, calibrated scales written "
+                           "by the recipe).")] = None,
+    fit_schemes: Annotated[Optional[str], typer.Option(
+        "--fit-schemes", metavar="A,B,...", help="With --fit: the candidate schemes (keep always; default all: "
+        "fp8-block,int4-g128-gptq,int4-g32-gptq,nvfp4,mxfp4).")] = None,
+    sensitivity: Annotated[Optional[str], typer.Option(
+        "--sensitivity", help="With --fit: measure (each unit's KL under each scheme, on calibration data, cached; "
+        "a checkpoint directory) or prior (the schemes' weight error, the same for every layer; the default for a "
+        "config).")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="With --fit: calibration data of the measurement and the "
+                                                        "recipe (default: the shipped set).")] = None,
+    num_samples: Annotated[int, typer.Option(min=1, max=options.MAX_NUM_SAMPLES, help="With --fit: calibration "
+                                             "samples.")] = 16,
+    seq_len: Annotated[int, typer.Option(min=2, max=options.MAX_SEQ_LEN, help="With --fit: tokens per "
+                                         "sample.")] = 256,
     revision: RevisionOpt = None,
     json_out: JsonOpt = False,
 ):
     """Explain the memory: parameters by role, checkpoint bytes per recipe, KV bytes per token, resident
-    tokens and concurrency; with --calibration, what the calibrated pass costs."""
+    tokens and concurrency; with --calibration, what the calibrated pass costs; with --fit, the recipe that
+    fits a memory target at the least loss."""
+    if fit is not None:
+        return _plan_fit(model_or_config, fit, revision, json_out, dict(
+            gpu_memory_gib=gpu_memory_gib, gpus=gpus, tp=tp, context_len=context_len,
+            activation_reserve_gib=activation_reserve_gib), dict(
+            concurrency=concurrency, weights_gib=weights_gib, kv_dtype=kv_dtype, sensitivity=sensitivity,
+            schemes=None if fit_schemes is None else tuple(x.strip() for x in fit_schemes.split(",") if x.strip()),
+            dataset=dataset, num_samples=num_samples, seq_len=seq_len), recipe or calibration or pair or measure)
+    given = [n for n, v in (("--concurrency", concurrency), ("--weights-gib", weights_gib), ("--kv-dtype", kv_dtype),
+                            ("--fit-schemes", fit_schemes), ("--sensitivity", sensitivity), ("--dataset", dataset))
+             if v is not None]
+    if given:
+        raise typer.BadParameter(f"{given[0]} needs --fit", param_hint=given[0])
     if pair is not None and recipe is None:
         raise typer.BadParameter("--pair needs --recipe (the decode pool's recipe)", param_hint="--pair")
     from .plan import REFERENCE_CONFIGS, PlanOptions, check_serving, plan as run, render
@@ -585,6 +629,37 @@ def plan(
         render(rep, Console())
         if pair_doc:
             _print_pair(pair_doc)
+
+
+def _plan_fit(model_or_config: str, out: Path, revision, json_out: bool, serving: dict, fit_opts: dict,
+              other) -> None:
+    """`plan --fit OUT.yaml`: the chosen recipe written to OUT.yaml, the choice and its arithmetic shown, and the
+    usual plan of the chosen recipe (`--json`: the plan's object with a `fit` key)."""
+    from .plan import REFERENCE_CONFIGS, FitOptions, PlanOptions, check_fit, check_serving, fit, render
+
+    if other:
+        raise typer.BadParameter("--fit chooses the recipe: it takes no --recipe, --calibration, --pair or --measure",
+                                 param_hint="--fit")
+    check_serving(**serving)
+    fopts = FitOptions(**fit_opts)
+    check_fit(fopts)
+    if out.exists() and not out.is_file():
+        raise typer.BadParameter(f"{str(out)[:80]!r} is not a file path", param_hint="--fit")
+    target = model_or_config
+    if model_or_config not in REFERENCE_CONFIGS and not Path(model_or_config).exists():
+        target = str(_source(model_or_config, revision))
+    result, rep = fit(target, PlanOptions(**serving), fopts,
+                      say=lambda m: err.print(m, highlight=False, soft_wrap=True, markup=False))
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(result.recipe_text)
+    tmp.replace(out)
+    if json_out:
+        _print_json({**rep.to_json(), "fit": {**result.to_json(), "output": str(out)}})
+        return
+    from .plan.render import render_fit
+
+    render_fit(result, str(out), Console(stderr=True))
+    render(rep, Console())
 
 
 def _plan_measure(target: str, recipe: str, device: str, gpus: int):

@@ -18,14 +18,15 @@ converter, and it does not model engine internals beyond what is stated in `Plan
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from .. import options
 from ..arch import SUPPORTED_MODEL_TYPES, ModelSpec, parse_config, validate
-from ..errors import ConfigError
+from ..errors import ConfigError, FitError
 from ..match.recipe import Recipe, load_recipe
 from ..read.sources import detect_format
 from .bounds import MAX_CONTEXT_LEN, MAX_GPU_MEMORY_GIB, MAX_GPUS, check_number
@@ -41,7 +42,7 @@ from .tensors import (DEFAULT_SHARD_BYTES, ROLES, TensorShapes, _by_role, enumer
 __all__ = ["plan", "PlanOptions", "PlanReport", "render", "parse_config", "ModelSpec", "enumerate_tensors",
            "quantized_layout", "predict_bytes", "source_tensors", "tensor_role", "kv_layout", "KVLayout", "reference_config",
            "REFERENCE_CONFIGS", "ROLES", "KV_DTYPES", "SUPPORTED_MODEL_TYPES", "calibration_cost", "CalibrationCost",
-           "CostOptions", "Throughput", "THROUGHPUT", "check_serving"]
+           "CostOptions", "Throughput", "THROUGHPUT", "check_serving", "fit", "FitOptions", "check_fit"]
 
 GIB = 1 << 30
 _KV_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "auto": "bfloat16", "fp8": "float8_e4m3",
@@ -318,3 +319,206 @@ def _serving_assumptions(opts: PlanOptions, tp: int, spec: ModelSpec, rec: Recip
         assumptions.append("recipe on a compressed-tensors source: INT4 modules pass through as they are (never "
                            "re-quantized), FP4 modules too unless the recipe asks for another scheme")
     return assumptions
+
+
+# ---- fit: the recipe for a memory target ---------------------------------------------------------------
+MAX_CONCURRENCY = 1 << 24  # requests the fit holds KV for (bounds.check_number)
+MAX_WEIGHTS_GIB = MAX_GPU_MEMORY_GIB * MAX_GPUS
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """What `plan --fit` fits and how it measures (the serving setup is PlanOptions').
+
+    `concurrency` requests of PlanOptions.context_len tokens must be resident in the KV cache (None: none
+    asked, the weights alone are fitted); `weights_gib` caps the whole model's resident weights (None: only the
+    GPUs bound them). `kv_dtype` (None: float8_e4m3, with calibrated scales written by the recipe). `schemes`
+    restricts the candidates (mix.CHOICES' names; None: all). `sensitivity` "measure" (a checkpoint directory
+    transformers loads: plan/sensitivity.py, cached in `cache_dir`) or "prior" (mix.prior_loss); None: measure
+    when the model is a checkpoint directory, else the prior. `dataset` / `num_samples` / `seq_len`: the
+    calibration data of the measurement and of the written recipe."""
+
+    concurrency: int | None = None
+    weights_gib: float | None = None
+    kv_dtype: str | None = None
+    schemes: tuple[str, ...] | None = None
+    sensitivity: str | None = None
+    dataset: str | None = None
+    num_samples: int = 16
+    seq_len: int = 256
+    cache_dir: Path | None = None
+
+
+def check_fit(fopts: FitOptions) -> None:
+    """FitOptions' numbers held to their ranges (one ConfigError line each), before anything slow."""
+    if fopts.concurrency is not None:
+        check_number("concurrency", fopts.concurrency, 1, MAX_CONCURRENCY, integer=True)
+    if fopts.weights_gib is not None:
+        check_number("weights_gib", fopts.weights_gib, 0, MAX_WEIGHTS_GIB, integer=False, lo_open=True)
+    check_number("num_samples", fopts.num_samples, 1, options.MAX_NUM_SAMPLES, integer=True)
+    check_number("seq_len", fopts.seq_len, 2, options.MAX_SEQ_LEN, integer=True)
+    if fopts.sensitivity not in (None, "measure", "prior"):
+        raise ConfigError(f"sensitivity {str(fopts.sensitivity)[:40]!r}: choose measure or prior")
+    from .mix import choices
+
+    choices(fopts.schemes)
+
+
+def fit(model_or_config: str | Path, opts: PlanOptions = PlanOptions(), fopts: FitOptions = FitOptions(),
+        say=lambda s: None):
+    """The recipe of least predicted loss (mix.py) whose resident weights, KV cache for `fopts.concurrency`
+    requests of `opts.context_len` tokens and activation reserve fit `opts.gpus` GPUs of `opts.gpu_memory_gib`
+    (and `fopts.weights_gib`): a mix.FitResult with the recipe's YAML; FitError (saying what would fit) when no
+    mix does."""
+    from . import mix as F
+    from .sensitivity import measure
+
+    tp = check_serving(gpu_memory_gib=opts.gpu_memory_gib, gpus=opts.gpus, tp=opts.tp, context_len=opts.context_len,
+                       activation_reserve_gib=opts.activation_reserve_gib)
+    check_fit(fopts)
+    src = _resolve(model_or_config)
+    headers = _tensor_shapes_from_checkpoint(src.checkpoint) if src.checkpoint is not None else None
+    spec = (validate(src.config, {n: sh for n, (sh, _) in headers.items()}) if headers else None) \
+        or parse_config(src.config)
+    kind = "mla" if spec.attention == "mla" else "gqa"
+    kv_dtype = _kv_dtype(fopts.kv_dtype or "float8_e4m3", None, kind)
+    tensors, n_shards, _, _ = _source_tensors(src, spec, headers)
+    units = F.units(tensors, spec)
+    if not units:
+        raise FitError("the model has no decoder-layer Linears to choose a scheme for")
+    cands = F.choices(fopts.schemes)
+    ubytes, fixed, dropped = F.unit_bytes(tensors, spec, units, cands)
+    calib = {"dataset": fopts.dataset, "num_samples": fopts.num_samples, "seq_len": fopts.seq_len}
+    mode = fopts.sensitivity or ("measure" if src.checkpoint is not None else "prior")
+    live = [c for c in cands if c.name not in dropped]
+    if mode == "measure":
+        if src.checkpoint is None:
+            raise ConfigError("measured sensitivity needs a checkpoint directory with weights",
+                              hint="pass the model's directory, or --sensitivity prior")
+        cache = fopts.cache_dir or _fit_cache()
+        loss, info = measure(src.checkpoint, units, live, calib, cache, say)
+        source = "measured"
+    else:
+        params = {(u.layer, u.kind): sum(math.prod(tensors[f"{m}.weight"][0]) for m in u.modules) for u in units}
+        loss = {k: {c.name: F.prior_loss(c) * params[k] for c in live} for k in params}
+        info = {"method": "prior: relative RTN weight error of the scheme on a Student-t matrix x the unit's "
+                          "parameters (the same for every layer)"}
+        source = "prior"
+    opts_by_unit = [{c: (ubytes[(u.layer, u.kind)][c], loss[(u.layer, u.kind)][c])
+                     for c in ubytes[(u.layer, u.kind)] if c in loss[(u.layer, u.kind)]} for u in units]
+
+    # the budget: plan's own per-GPU arithmetic, turned around
+    reserve_gib = (DEFAULT_RESERVE_FRACTION * opts.gpu_memory_gib if opts.activation_reserve_gib is None
+                   else opts.activation_reserve_gib)
+    replicas = opts.gpus // tp
+    kv = kv_layout(spec)
+    per_token = kv.bytes_per_token(kv_dtype, tp)
+    tokens = 0 if fopts.concurrency is None else -(-fopts.concurrency // replicas) * opts.context_len
+    kv_per_gpu = per_token * tokens
+    per_gpu = int(opts.gpu_memory_gib * GIB) - int(reserve_gib * GIB) - kv_per_gpu
+    budget = per_gpu * tp
+    arithmetic = [
+        f"per GPU: {opts.gpu_memory_gib:g} GiB - reserve {reserve_gib:g} GiB - KV {kv_per_gpu / GIB:.2f} GiB "
+        f"({tokens:,} tokens x {per_token:,} B {kv_dtype}) = {per_gpu / GIB:.2f} GiB for weights",
+        f"weights: {per_gpu / GIB:.2f} GiB x tp {tp} = {budget / GIB:.2f} GiB resident (MTP layers not loaded)"]
+    if fopts.weights_gib is not None and fopts.weights_gib * GIB < budget:
+        budget = int(fopts.weights_gib * GIB)
+        arithmetic.append(f"weights capped at {fopts.weights_gib:g} GiB (--weights-gib)")
+    smallest = fixed + sum(min(b for b, _ in o.values()) for o in opts_by_unit)
+    if budget < smallest:
+        raise FitError(_what_would_fit(smallest, opts, fopts, tp, kv, kv_dtype, reserve_gib, kv_per_gpu, cands))
+
+    kv_fp8 = kv_dtype != "bfloat16"
+    header = [f"chosen by quantkit plan --fit for {src.label}: {opts.gpus} x {opts.gpu_memory_gib:g} GiB, tp {tp}, "
+              f"context {opts.context_len:,}" + (f", {fopts.concurrency} requests" if fopts.concurrency else ""),
+              *arithmetic, f"loss: {source} ({info['method']})"]
+    room = budget - fixed
+    for _ in range(4):  # plan's exact bytes (headers, KV scales) may tip a mix over: solve again tighter
+        picks = F.solve(opts_by_unit, room)
+        if picks is None:
+            raise FitError(_what_would_fit(smallest, opts, fopts, tp, kv, kv_dtype, reserve_gib, kv_per_gpu, cands))
+        rows = [(u, c, *opts_by_unit[i][c]) for i, (u, c) in enumerate(zip(units, picks))]
+        text = F.chosen_recipe_text(src.label, rows, kv_fp8, calib if fopts.dataset else
+                                    {k: v for k, v in calib.items() if v is not None}, header)
+        rep = plan(model_or_config, F.parse_recipe(text), replace(opts, kv_dtype=kv_dtype))
+        resident = sum(v["recipe"] or 0 for r, v in rep.bytes_by_role.items() if r != "mtp")
+        if resident <= budget:
+            break
+        room -= resident - budget
+    else:
+        raise FitError("the chosen mix stays over the budget after four tighter solves", hint="report this")
+    uniform = _uniform_rows(units, opts_by_unit, fixed, budget, live)
+    return F.FitResult(
+        units=tuple(F.FitUnit(u.layer, u.kind, c, b, l, dict(opts_by_unit[i]), u.modules)
+                    for i, (u, c, b, l) in enumerate(rows)),
+        budget_bytes=budget, fixed_bytes=fixed, weights_bytes=resident,
+        predicted_loss=sum(l for _, _, _, l in rows), loss_source=source, recipe_text=text,
+        uniform=tuple(uniform), arithmetic=tuple(arithmetic), dropped=dropped), rep
+
+
+def _uniform_rows(units, opts_by_unit, fixed: int, budget: int, live) -> list[dict[str, Any]]:
+    """Every uniform mix (one choice for all routed experts, one for all dense Linears): bytes, predicted loss,
+    fits."""
+    from . import mix as F
+
+    out = []
+    for ce in live:
+        for cd in live:
+            if F.ROUTED_KIND not in ce.kinds or F.DENSE_KIND not in cd.kinds:
+                continue
+            total, loss, ok = fixed, 0.0, True
+            for u, o in zip(units, opts_by_unit):
+                c = ce.name if u.kind == F.ROUTED_KIND else cd.name
+                if c not in o:
+                    ok = False
+                    break
+                total += o[c][0]
+                loss += o[c][1]
+            if ok:
+                out.append({"routed": ce.name, "dense": cd.name, "bytes": total, "predicted_loss": loss,
+                            "fits": total <= budget})
+    return sorted(out, key=lambda r: r["bytes"])
+
+
+def _what_would_fit(smallest: int, opts: PlanOptions, fopts: FitOptions, tp: int, kv: KVLayout, kv_dtype: str,
+                    reserve_gib: float, kv_per_gpu: int, cands) -> str:
+    """One line: the smallest mix against the target, and what would close the gap (fewer requests, more
+    GPUs in the tensor-parallel group, a looser --weights-gib, a lower-bit scheme)."""
+    gpu, reserve = int(opts.gpu_memory_gib * GIB), int(reserve_gib * GIB)
+    lowest = "/".join(c.name for c in cands if not c.keep) or "keep"
+
+    w_gpu = -(-smallest // tp)
+    need = w_gpu + kv_per_gpu + reserve
+    if fopts.weights_gib is not None and fopts.weights_gib * GIB < smallest:
+        return (f"no mix fits --weights-gib {fopts.weights_gib:g}: the smallest ({lowest} where allowed) takes "
+                f"{smallest / GIB:.4g} GiB; would fit: --weights-gib {_up(smallest / GIB):.4g} or "
+                "more" + (", or a lower-bit scheme (--fit-schemes)" if fopts.schemes is not None else ""))
+    head = (f"no mix fits: the smallest ({lowest} where allowed) needs {w_gpu / GIB:.1f} GiB of weights per GPU at "
+            f"tp {tp}" + (f" + {kv_per_gpu / GIB:.1f} GiB of {kv_dtype} KV for {fopts.concurrency} requests of "
+                          f"{opts.context_len:,} tokens" if fopts.concurrency else "")
+            + f" + {reserve_gib:g} GiB reserve = {need / GIB:.1f} GiB > {opts.gpu_memory_gib:g} GiB")
+    would = []
+    per_req = kv.bytes_per_token(kv_dtype, tp) * opts.context_len
+    if fopts.concurrency and gpu - reserve - w_gpu >= per_req:
+        would.append(f"at most {(opts.gpus // tp) * ((gpu - reserve - w_gpu) // per_req)} requests of "
+                     f"{opts.context_len:,} tokens")
+    more = next((t for t in (tp * 2 ** i for i in range(1, 17)) if t <= MAX_GPUS
+                 and -(-smallest // t) + kv.bytes_per_token(kv_dtype, t) * (fopts.concurrency or 0) * opts.context_len
+                 + reserve <= gpu), None)
+    if more:
+        would.append(f"{more} GPUs of {opts.gpu_memory_gib:g} GiB in one tensor-parallel group")
+    if fopts.schemes is not None:
+        would.append("a lower-bit scheme (--fit-schemes)")
+    return head + ("; would fit: " + ", or ".join(would) if would else "")
+
+
+def _up(x: float, digits: int = 4) -> float:
+    """`x` rounded up to `digits` significant digits (a bound one can type that still holds x)."""
+    k = digits - 1 - math.floor(math.log10(x))
+    return math.ceil(x * 10**k) / 10**k
+
+
+def _fit_cache() -> Path:
+    import os
+
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quantkit" / "fit"

@@ -128,3 +128,28 @@ def render_calibration(c, console) -> None:
     console.print("calibration assumptions:")
     for a in c.assumptions:
         console.print(f"  - {a}", highlight=False)
+
+
+def render_fit(result, out: str, console) -> None:
+    """`plan --fit`: the arithmetic, the choice per unit (bytes, predicted loss, the candidates it beat), and the
+    uniform mixes beside it, on `console`."""
+    from rich.table import Table
+
+    for line in result.arithmetic:
+        console.print(f"fit: {line}", highlight=False)
+    t = Table(title=f"chosen per layer ({result.loss_source} loss) -> {out}", title_justify="left")
+    for col in ("layer", "unit", "choice", "bytes", "predicted loss", "candidates (bytes, loss)"):
+        t.add_column(col, justify="right" if col in ("layer", "bytes", "predicted loss") else "left")
+    for u in result.units:
+        others = ", ".join(f"{c} {b / 2**20:.2f} MiB {loss:.2e}" for c, (b, loss) in
+                           sorted(u.options.items(), key=lambda kv: kv[1][0]) if c != u.choice)
+        t.add_row(str(u.layer), u.kind, u.choice, _gb(u.bytes), f"{u.loss:.3e}", others)
+    console.print(t)
+    fits = [r for r in result.uniform if r["fits"]]
+    best = min(fits, key=lambda r: r["predicted_loss"]) if fits else None
+    console.print(f"fit: weights {_gb(result.weights_bytes)} of {_gb(result.budget_bytes)} allowed; predicted loss "
+                  f"{result.predicted_loss:.3e}" + (f"; best uniform mix that fits: routed {best['routed']}, dense "
+                                                   f"{best['dense']}, predicted {best['predicted_loss']:.3e}"
+                                                   if best else "; no uniform mix fits"), highlight=False)
+    for c, why in result.dropped.items():
+        console.print(f"fit: {c} not a candidate here: {why}", highlight=False)
