@@ -258,3 +258,24 @@ def test_mtp_layer_is_refused(tmp_path):
     with pytest.raises(RotationError, match="MTP"):
         convert(src, tmp_path / "out", ConvertOptions(recipe=parse_recipe(ROTATE, "rot"), model_card=False))
     assert not (tmp_path / "out").exists()
+
+
+# ---- verify against the unrotated source -------------------------------------------------------------
+def test_verify_measures_a_rotated_output_against_its_source(tmp_path):
+    """verify --reference SRC on a rotated NVFP4 output: the weights' SQNR against the source turned the same way,
+    the model (the reference with the output's dequantized weights: transformers cannot load NVFP4) from every
+    tensor of the output, not the unrotated reference's norms and attention (that gave 50x the KL here)."""
+    from quantkit import verify as v
+    from quantkit.match.recipe import load_recipe
+
+    src = make_tiny_model("qwen3_moe", tmp_path / "src", seed=1, hidden=128)
+    kls = {}
+    for rot in (False, True):
+        out = tmp_path / f"out{rot}"
+        text = (ROTATE if rot else "") + load_recipe("nvfp4-experts").text
+        convert(src, out, ConvertOptions(recipe=parse_recipe(text, "nvfp4"), model_card=False))
+        res = v.verify(out, v.VerifyOptions(reference=str(src), num_samples=4, seq_len=64, generation_tokens=0))
+        doc = res.to_json()
+        assert doc["passed"], [c for c in doc["checks"] if c["ok"] is False]
+        kls[rot] = doc["metrics"]["kl_divergence"]
+    assert kls[True] < 3 * kls[False], kls

@@ -156,6 +156,27 @@ def _start(root: Path, opts: VerifyOptions, say: Callable[[str], None]) -> _Veri
                          data={"device": str(dev), "kernels": opts.kernels, "source": None})
 
 
+def _rotated_reference(ref_ck: Checkpoint, manifest: dict | None) -> Checkpoint:
+    """The reference as the conversion read it: turned by the rotation the manifest records (read/rotate.py), so
+    that each module's SQNR compares the quantized weights with the rotated source weights they came from. The
+    models' outputs are compared unrotated: the rotation leaves them unchanged."""
+    rec = (manifest or {}).get("rotation")
+    if not isinstance(rec, dict):
+        return ref_ck
+    from dataclasses import replace
+
+    from ..quant.rotate import RotationSpec
+    from ..read.rotate import Rotation
+    from ..read.sources import detect_format, scan
+
+    try:
+        spec = RotationSpec(kind=rec.get("kind"), seed=rec.get("seed"))
+        return replace(ref_ck, rotation=Rotation.plan(ref_ck, spec, scan(ref_ck, detect_format(ref_ck.config))))
+    except QuantkitError as e:
+        raise ReferenceModelError(f"the manifest records a rotation the reference cannot take: {e.message}",
+                                  hint="pass the checkpoint the conversion started from") from None
+
+
 def _open_reference(reference) -> Checkpoint:
     """The reference checkpoint; raises for an unusable one (missing, corrupt headers, a format quantkit does not
     read)."""
@@ -195,6 +216,7 @@ def _format(v: _Verification) -> tuple[dict, Findings, Check | None]:
     else:
         if v.ref_ck is not None:
             ref_check = check_reference(v.ref_ck, v.manifest)
+            v.ref_ck = _rotated_reference(v.ref_ck, v.manifest)
         modules_checked = tensor_pass(v.ck, v.manifest, v.ref_ck, judge, found, v.say)
     problems = found.problems
     fmt = {"ok": len(problems) == 0, "problems": listed(problems, None), "modules_checked": modules_checked,

@@ -248,9 +248,32 @@ def load_dequantized(ref_dir: Path, q_dir: Path, dev: torch.device, dtype: torch
     ck = Checkpoint.open(q_dir)
     params = dict(model.named_parameters())
     with TensorReader.of(ck) as r:
-        for m, sw in scan(ck, detect_format(ck.config)).items():
+        stored = scan(ck, detect_format(ck.config))
+        if _rotated(q_dir):  # every other tensor turned too (read/rotate.py): the output's own, not the reference's
+            companions = {t for sw in stored.values() for _, t in sw.tensors}
+            for n in sorted(set(ck.location) - companions):
+                t = r.get(n)
+                if t.dtype.is_floating_point and t.dtype.itemsize > 1 and n.endswith(".weight"):
+                    try:
+                        assign_weight(params, n[: -len(".weight")], t.float())
+                    except ReferenceModelError:  # a tensor the model has no parameter for (a vision stand-in)
+                        pass
+                elif t.dtype.is_floating_point and hf_module_name(n) in params:  # biases, correction biases
+                    params[hf_module_name(n)].data.copy_(t)
+        for m, sw in stored.items():
             assign_weight(params, m, r.decode(sw, torch.float32))
     return model
+
+
+def _rotated(q_dir: Path) -> bool:
+    """The output's manifest records a rotation of the residual stream (its unquantized tensors differ from the
+    reference's)."""
+    from ..read.checkpoint import read_manifest
+
+    try:
+        return isinstance(read_manifest(q_dir, ReferenceModelError).get("rotation"), dict)
+    except QuantkitError:
+        return False
 
 
 def assign_weight(params: dict, module: str, w: torch.Tensor) -> None:
