@@ -53,6 +53,12 @@ def test_fwht_equals_the_dense_matrix(hidden):
     assert torch.allclose(fwht(torch.eye(b), b).double(), hadamard_matrix(b), atol=1e-6)
 
 
+@pytest.mark.parametrize("block", [2, 32, 128, 2048])
+def test_native_transform_is_bit_identical_to_torch(block):
+    x = torch.randn(33, 3 * block, generator=torch.Generator().manual_seed(block))
+    assert torch.equal(fwht(x, block), fwht(x, block, native=False))
+
+
 def test_signs_depend_on_the_seed_only():
     assert torch.equal(random_signs(512, 5), random_signs(512, 5))
     assert not torch.equal(random_signs(512, 5), random_signs(512, 6))
