@@ -59,6 +59,30 @@ def test_native_transform_is_bit_identical_to_torch(block):
     assert torch.equal(fwht(x, block), fwht(x, block, native=False))
 
 
+@pytest.mark.parametrize("hidden", [2, 8, 96, 160, 2048])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_kernel_is_bit_identical_to_torch(hidden, dtype):
+    """The fused row kernel (signs and gain, transform, rounding to the dtype once) against the torch path."""
+    g = torch.Generator().manual_seed(hidden)
+    h = Hadamard(hidden, 3)
+    x = (torch.randn(40, hidden, generator=g) * 3).to(dtype)
+    gain = torch.rand(hidden, generator=g) + 0.5
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(h.turned(x, gain).view(bits), h.turned(x, gain, native=False).view(bits))
+    w = torch.randn(hidden, 24, generator=g).to(dtype)
+    assert torch.equal(h.turned_cols(w).view(bits), h.turned_cols(w, native=False).view(bits))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_nonfinite_weight_is_refused(native):
+    from quantkit.errors import NonFiniteWeight
+
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    x[2, 7] = float("nan")
+    with pytest.raises(NonFiniteWeight):
+        Hadamard(64, 0).turned(x, native=native)
+
+
 def test_signs_depend_on_the_seed_only():
     assert torch.equal(random_signs(512, 5), random_signs(512, 5))
     assert not torch.equal(random_signs(512, 5), random_signs(512, 6))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import RecipeError
+from ..errors import NonFiniteWeight, RecipeError
 from .int4 import optional_native, run_rows
 
 KINDS = ("hadamard",)
@@ -68,8 +68,8 @@ def fwht(x: torch.Tensor, block: int, native: bool = True) -> torch.Tensor:
     if block & (block - 1) or n % block:
         raise ValueError(f"block {block} must be a power of two dividing the width {n}")
     if native and x.dtype == torch.float32 and x.device.type == "cpu" and block > 1:
-        y = _fwht_native(x.reshape(-1, n), block)
-        if y is not None:
+        y = x.reshape(-1, n).contiguous().clone()
+        if _fwht_native(y, block):
             return y.view(*lead, n)
     y = x.reshape(-1, n // block, block)  # [R, nb, b]
     h = 1
@@ -90,18 +90,50 @@ def _inv_sqrt(block: int) -> torch.Tensor:
 _NATIVE = None  # quant/_rotate_native.py once imported, False when unavailable
 
 
-def _fwht_native(rows: torch.Tensor, block: int) -> torch.Tensor | None:
-    """The row kernel over a copy of rows [R, N] (float32), or None when native kernels are off or fail."""
+def _fwht_native(rows: torch.Tensor, block: int) -> bool:
+    """The row kernel over rows [R, N] (float32, contiguous), in place; False when native kernels are off or
+    fail (rows untouched)."""
+    global _NATIVE
+    if _NATIVE is None:
+        _NATIVE = optional_native("_rotate_native") or False
+    if not _NATIVE:
+        return False
+    if not run_rows(_NATIVE.fwht_rows, rows.numpy(), (block, _inv_sqrt(block).reshape(1).numpy()), ()):
+        _NATIVE = False
+        return False
+    return True
+
+
+def _turn_native(w: torch.Tensor, mult: torch.Tensor, block: int) -> torch.Tensor | None:
+    """fwht(w * mult) in w's dtype (bf16 / float32 rows [R, H], contiguous) by the fused row kernel; None when
+    native kernels are off or fail."""
     global _NATIVE
     if _NATIVE is None:
         _NATIVE = optional_native("_rotate_native") or False
     if not _NATIVE:
         return None
-    out = rows.contiguous().clone()
-    if not run_rows(_NATIVE.fwht_rows, out.numpy(), (block, _inv_sqrt(block).reshape(1).numpy()), ()):
+    out = torch.empty_like(w)
+    bad = torch.zeros(w.shape[0], dtype=torch.bool)
+    if w.dtype == torch.bfloat16:
+        fn, src, dst = (_NATIVE.turn_rows_bf16, w.view(torch.int16).numpy().view("uint16"),
+                        out.view(torch.int16).numpy().view("uint16"))
+    else:
+        fn, src, dst = _NATIVE.turn_rows_f32, w.numpy(), out.numpy()
+    if not run_rows(fn, src, (mult.contiguous().numpy(), block, _inv_sqrt(block).reshape(1).numpy()),
+                    (dst, bad.numpy())):
         _NATIVE = False
         return None
+    if bool(bad.any()):
+        raise NonFiniteWeight("a weight to rotate holds NaN or Inf values")
     return out
+
+
+def fwht_(x: torch.Tensor, block: int) -> torch.Tensor:
+    """`fwht` in place on a contiguous float32 CPU tensor x [..., H] (the torch path copies its result back)."""
+    if not (x.is_contiguous() and x.dtype == torch.float32 and block > 1 and _fwht_native(x.view(-1, x.shape[-1]),
+                                                                                          block)):
+        x.copy_(fwht(x, block, native=False))
+    return x
 
 
 def hadamard_matrix(block: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -139,7 +171,28 @@ class Hadamard:
         if w.shape[-1] != self.hidden:
             raise ValueError(f"width {w.shape[-1]} is not the hidden size {self.hidden}")
         scale = self.signs() if gain is None else self.signs() * gain.to(torch.float32)
-        return fwht(w.to(torch.float32) * scale, self.block)
+        return fwht_(torch.mul(w, scale).contiguous(), self.block)  # w * scale in float32: a fresh tensor
+
+    def turned(self, w: torch.Tensor, gain: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+               native: bool = True) -> torch.Tensor:
+        """`rows(w, gain)` cast once to `dtype` (default: w's), for w [R, H]: one pass of the fused row kernel
+        (quant/_rotate_native.py) where it applies (bf16 or float32 in and out, CPU), the torch path else; the
+        same bits either way."""
+        dtype = dtype or w.dtype
+        if native and w.dim() == 2 and w.dtype == dtype and dtype in (torch.bfloat16, torch.float32) \
+                and w.device.type == "cpu" and self.block > 1 and w.shape[-1] == self.hidden:
+            mult = self.signs() if gain is None else self.signs() * gain.to(torch.float32)
+            out = _turn_native(w.contiguous(), mult, self.block)
+            if out is not None:
+                return out
+        out = self.rows(w, gain)
+        if not bool(torch.isfinite(out).all()):
+            raise NonFiniteWeight("a weight to rotate holds NaN or Inf values")
+        return out.to(dtype)
+
+    def turned_cols(self, w: torch.Tensor, dtype: torch.dtype | None = None, native: bool = True) -> torch.Tensor:
+        """`cols(w)` cast once to `dtype` (default: w's), for w [H, K]: the columns turned as rows of w^T."""
+        return self.turned(w.transpose(-1, -2), None, dtype, native).transpose(-1, -2).contiguous()
 
     def cols(self, w: torch.Tensor) -> torch.Tensor:
         """w [H, K] (or [E, H, K]) -> Q^T w in float32: a writer of the residual. Q^T w = (w^T Q)^T, so each

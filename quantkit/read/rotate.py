@@ -102,20 +102,19 @@ class Rotation:
 
     def _strips(self, role: Role, t: torch.Tensor, out: torch.Tensor) -> None:
         q = self.q
+        step = max(1, CHUNK // self.hidden)
         if role.kind == WRITER:  # [H, K]: Q^T W, column strips
-            step = max(1, CHUNK // self.hidden)
             for k in range(0, t.shape[-1], step):
-                out[:, k:k + step] = q.cols(t[:, k:k + step])
+                out[:, k:k + step] = q.turned_cols(t[:, k:k + step], out.dtype)
             return
         gain = self.gains[role.norm] if role.kind == READER else None
         if role.kind not in (READER, WRITER_BIAS, EMBEDDING):
             raise AssertionError(role.kind)
-        if t.dim() == 1:
-            out.copy_(q.rows(t, gain))
+        if t.dim() == 1:  # a writer's bias b Q
+            out.copy_(q.turned(t[None], gain, out.dtype)[0])
             return
-        step = max(1, CHUNK // self.hidden)
         for r in range(0, t.shape[0], step):
-            out[r:r + step] = q.rows(t[r:r + step], gain)
+            out[r:r + step] = q.turned(t[r:r + step], gain, out.dtype)
 
     def manifest(self) -> dict:
         """The manifest's record of the rotation."""
