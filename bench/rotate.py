@@ -2,7 +2,8 @@
 fixture: NVFP4 W4A4 GPTQ, NVFP4 W4A16, MXFP4 W4A16 (RTN, the shipped recipes) and INT4 W4A16 GPTQ
 (int4-experts-gptq), each converted with and without the rotation from the same BF16 fixture on the same
 calibration tokens, then `quantkit verify --reference` on held-out text: next-token KL, top-1, the convert's wall
-time and peak RSS (`quantkit convert --json` in a process of its own). About 5 minutes on 2 loaded cores.
+time and peak RSS (`quantkit convert --json` in a process of its own); then convert time and peak RSS on a
+0.6 GB synthetic qwen3_moe (hidden 2048), RTN with and without the rotation. About 5 minutes on 2 loaded cores.
 
     python -m bench rotate [--seed S] [--smoke]     # --smoke: the 5-step fixture, INT4 RTN only (seconds)
 
@@ -46,6 +47,41 @@ def recipes(smoke: bool) -> dict[str, str]:
     return {"nvfp4a4-experts-gptq": NVFP4A4_GPTQ, "nvfp4-experts": load_recipe("nvfp4-experts").text,
             "mxfp4-experts": load_recipe("mxfp4-experts").text,
             "int4-experts-gptq": load_recipe("int4-experts-gptq").text}
+
+
+def streamed(tmp: Path, seed: int, smoke: bool) -> list[dict]:
+    """Convert time and peak RSS where the weights are large enough to matter: bench/convert_rtn.py's synthetic
+    qwen3_moe (Qwen3-30B-A3B's widths, hidden 2048: one 2048-wide block; 0.6 GB, two shards), int4-experts-rtn
+    with and without the rotation and the rotation alone, each the best of two runs."""
+    from bench.convert_rtn import SMOKE_ARCH, make_checkpoint
+
+    from quantkit.match.recipe import load_recipe
+
+    src = make_checkpoint(0.01, 2, arch=SMOKE_ARCH) if smoke else make_checkpoint(0.5, 2)
+    rtn = load_recipe("int4-experts-rtn").text
+    cases = {"int4-experts-rtn": rtn, "int4-experts-rtn + rotate": ROTATE.format(seed=seed) + rtn,
+             "rotate only": ROTATE.format(seed=seed)}
+    rows, base = [], None
+    for name, text in cases.items():
+        yaml = tmp / f"streamed-{len(rows)}.yaml"
+        yaml.write_text(text)
+        runs = []
+        for _ in range(2):
+            out = tmp / "streamed-out"
+            doc, _ = run_quantkit(["convert", src, out, "--recipe", yaml, "--overwrite"])
+            runs.append(doc)
+        best = min(runs, key=lambda d: d["seconds"])
+        row = {"recipe": name, "rotation": "hadamard seed %d" % seed if "rotate" in name else "none",
+               "model": f"synthetic qwen3_moe {src.name}", "convert_s": best["seconds"],
+               "peak_rss_mib": mib(max(d["peak_rss_bytes"] for d in runs)),
+               "source_mib": mib(best["bytes_read"])}
+        if base is None:
+            base = row
+        else:
+            row["ratio_convert_s"] = round(row["convert_s"] / base["convert_s"], 3)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -98,6 +134,7 @@ def main(argv=None) -> int:
                     row["ratio_convert_s"] = round(row["convert_s"] / base["convert_s"], 3)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+        rows += streamed(tmp, args.seed, args.smoke)
     model = f"fixture {spec.key} ({spec.steps} steps, final loss {fx['final_loss']:.3f}, hidden {spec.hidden})"
     run.write(rows, summary={"model": model, "calibration": f"{n_cal} x {length} training bytes",
                              "evaluation": f"{n_eval} x {length} held-out bytes"})
