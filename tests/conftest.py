@@ -96,6 +96,7 @@ SLOW_TESTS = {
     "test_rotate.py::test_block_fp8_source_is_decoded_then_turned",
     "test_rotate.py::test_refusals_end_in_one_line", "test_rotate.py::test_mtp_layer_is_refused",
     "test_rotate.py::test_verify_measures_a_rotated_output_against_its_source",
+    "test_rotate.py::test_calibrated_methods_run_on_the_rotated_model",
 }
 
 
