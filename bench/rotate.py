@@ -2,7 +2,7 @@
 fixture: NVFP4 W4A4 GPTQ, NVFP4 W4A16, MXFP4 W4A16 (RTN, the shipped recipes) and INT4 W4A16 GPTQ
 (int4-experts-gptq), each converted with and without the rotation from the same BF16 fixture on the same
 calibration tokens, then `quantkit verify --reference` on held-out text: next-token KL, top-1, the convert's wall
-time and peak RSS (`quantkit convert --json` in a process of its own); then convert time and peak RSS on a
+time and peak RSS (`quantkit convert --json` in a process of its own, its RSS polled); then convert time and peak RSS on a
 0.6 GB synthetic qwen3_moe (hidden 2048), RTN with and without the rotation. About 5 minutes on 2 loaded cores.
 
     python -m bench rotate [--seed S] [--smoke]     # --smoke: the 5-step fixture, INT4 RTN only (seconds)
@@ -10,7 +10,7 @@ time and peak RSS (`quantkit convert --json` in a process of its own); then conv
 The fixture is bench/fixture.py's NORMTOPK (a byte-level qwen3_moe, hidden 128: one 128-wide Hadamard block,
 trained norms whose gains the rotation folds into the readers). Calibration: 64 x 256 bytes of training text;
 evaluation: 16 x 256 held-out bytes. Each row's `ratio_kl` and `ratio_convert_s` compare it with the same recipe
-unrotated.
+unrotated; the RTN recipes run a second seed too.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def streamed(tmp: Path, seed: int, smoke: bool) -> list[dict]:
         runs = []
         for _ in range(2):
             out = tmp / "streamed-out"
-            doc, _ = run_quantkit(["convert", src, out, "--recipe", yaml, "--overwrite"])
-            runs.append(doc)
+            doc, m = run_quantkit(["convert", src, out, "--recipe", yaml, "--overwrite"])
+            runs.append({**doc, "peak_rss_bytes": m["peak_rss_bytes"]})
         best = min(runs, key=lambda d: d["seconds"])
         row = {"recipe": name, "rotation": "hadamard seed %d" % seed if "rotate" in name else "none",
                "model": f"synthetic qwen3_moe {src.name}", "convert_s": best["seconds"],
@@ -112,21 +112,24 @@ def main(argv=None) -> int:
         src = Path(fx["model_dir"])
         for name, text in recipes(args.smoke).items():
             base = None
-            for rotated in (False, True):
-                recipe = parse_recipe((ROTATE.format(seed=args.seed) if rotated else "") + text, name)
-                out = tmp / f"{name}-{'rot' if rotated else 'plain'}"
+            # the RTN recipes (seconds each) also with a second seed: how much the seed alone moves the KL
+            seeds = [None, args.seed] + ([args.seed + 1] if "gptq" not in name and not args.smoke else [])
+            for seed in seeds:
+                rotated = seed is not None
+                recipe = parse_recipe((ROTATE.format(seed=seed) if rotated else "") + text, name)
+                out = tmp / f"{name}-{'rot%d' % seed if rotated else 'plain'}"
                 yaml = tmp / f"{out.name}.yaml"
                 yaml.write_text(recipe.text)
                 # in a process of its own: its peak RSS is the convert's alone (convert --json reports it)
-                doc, _ = run_quantkit(["convert", src, out, "--recipe", yaml, "--dataset", cal, "--num-samples",
+                doc, m = run_quantkit(["convert", src, out, "--recipe", yaml, "--dataset", cal, "--num-samples",
                                        n_cal, "--seq-len", length])
                 v = verify_json(out, reference=src, dataset=ev, num_samples=n_eval, seq_len=length,
                                 generation_tokens=0)
                 mt = v["metrics"]
-                row = {"recipe": name, "rotation": f"hadamard seed {args.seed}" if rotated else "none",
+                row = {"recipe": name, "rotation": f"hadamard seed {seed}" if rotated else "none",
                        "kl": mt["kl_divergence"], "top1": mt["top1_agreement"], "ppl_ref": mt["perplexity_reference"],
                        "ppl": mt["perplexity_quantized"], "convert_s": doc["seconds"],
-                       "peak_rss_mib": mib(doc["peak_rss_bytes"]), "passed": v["passed"]}
+                       "peak_rss_mib": mib(m["peak_rss_bytes"]), "passed": v["passed"]}
                 if base is None:
                     base = row
                 else:
