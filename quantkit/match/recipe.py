@@ -427,7 +427,9 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
     except yaml.YAMLError as e:
         raise RecipeError(f"recipe is not valid YAML: {str(e).splitlines()[0]}") from None
     _check_keys("recipe", d, {"name", "description", "groups", "ignore", "kv_cache", "calibration", "version",
-                                 "rotate"})
+                                 "rotate", "fit"})
+    if d.get("fit") is not None and not isinstance(d["fit"], dict):  # `plan --fit`'s record: kept, not used
+        raise RecipeError(f"recipe fit must be a mapping (what plan --fit chose and why), got {type(d['fit']).__name__}")
     for key in ("name", "description"):  # both go into the manifest and the model card
         if d.get(key) is not None and not isinstance(d[key], str):
             raise RecipeError(f"recipe {key} must be a string, got {type(d[key]).__name__}")
