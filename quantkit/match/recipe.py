@@ -417,6 +417,19 @@ class _BoundedLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def fit_record(text: str) -> dict | None:
+    """The `fit` mapping of a recipe's YAML (what `plan --fit` chose and why), read as recipes are (size and depth
+    bounded, a safe loader); None when the text has none or is not a recipe."""
+    if not isinstance(text, str) or len(text) > MAX_RECIPE_BYTES:
+        return None
+    try:
+        d = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader)
+    except (RecursionError, yaml.YAMLError):
+        return None
+    fit = d.get("fit") if isinstance(d, dict) else None
+    return fit if isinstance(fit, dict) else None
+
+
 def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
     if len(text) > MAX_RECIPE_BYTES:
         raise RecipeError(f"recipe is {len(text)} characters, over the {MAX_RECIPE_BYTES} limit")

@@ -439,7 +439,9 @@ def fit(model_or_config: str | Path, opts: PlanOptions = PlanOptions(), fopts: F
             raise FitError(_what_would_fit(smallest, opts, fopts, tp, kv, kv_dtype, reserve_gib, kv_per_gpu, cands))
         rows = [(u, c, *opts_by_unit[i][c]) for i, (u, c) in enumerate(zip(units, picks))]
         text = F.chosen_recipe_text(src.label, rows, kv_fp8, calib if fopts.dataset else
-                                    {k: v for k, v in calib.items() if v is not None}, header)
+                                    {k: v for k, v in calib.items() if v is not None}, header,
+                                    {"budget_bytes": budget, "loss_source": source,
+                                     "predicted_loss": sum(r[3] for r in rows)})
         rep = plan(model_or_config, F.parse_recipe(text), replace(opts, kv_dtype=kv_dtype))
         resident = sum(v["recipe"] or 0 for r, v in rep.bytes_by_role.items() if r != "mtp")
         if resident <= budget:
@@ -492,7 +494,7 @@ def _what_would_fit(smallest: int, opts: PlanOptions, fopts: FitOptions, tp: int
     if fopts.weights_gib is not None and fopts.weights_gib * GIB < smallest:
         return (f"no mix fits --weights-gib {fopts.weights_gib:g}: the smallest ({lowest} where allowed) takes "
                 f"{smallest / GIB:.4g} GiB; would fit: --weights-gib {_up(smallest / GIB):.4g} or "
-                "more" + (", or a lower-bit scheme (--fit-schemes)" if fopts.schemes is not None else ""))
+                "more" + (", or a lower-bit scheme (--fit-schemes)" if _lower_bits_excluded(cands) else ""))
     head = (f"no mix fits: the smallest ({lowest} where allowed) needs {w_gpu / GIB:.1f} GiB of weights per GPU at "
             f"tp {tp}" + (f" + {kv_per_gpu / GIB:.1f} GiB of {kv_dtype} KV for {fopts.concurrency} requests of "
                           f"{opts.context_len:,} tokens" if fopts.concurrency else "")
@@ -507,9 +509,18 @@ def _what_would_fit(smallest: int, opts: PlanOptions, fopts: FitOptions, tp: int
                  + reserve <= gpu), None)
     if more:
         would.append(f"{more} GPUs of {opts.gpu_memory_gib:g} GiB in one tensor-parallel group")
-    if fopts.schemes is not None:
+    if _lower_bits_excluded(cands):
         would.append("a lower-bit scheme (--fit-schemes)")
     return head + ("; would fit: " + ", or ".join(would) if would else "")
+
+
+def _lower_bits_excluded(cands) -> bool:
+    """Whether a candidate left out of `cands` stores fewer bits per weight than every one in it."""
+    from .mix import CHOICES
+
+    names = {c.name for c in cands}
+    allowed = min((c.bits for c in cands if not c.keep), default=16.0)
+    return any(c.bits < allowed for c in CHOICES if c.name not in names)
 
 
 def _up(x: float, digits: int = 4) -> float:

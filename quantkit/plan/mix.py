@@ -58,6 +58,7 @@ class Choice:
     recipe: str | None = None  # None: keep the unit as it is
     group: str | None = None
     why: str = ""
+    bits: float = 16.0  # stored bits per weight, scales included (keep: BF16's; an FP8 source keeps 8)
 
     @property
     def keep(self) -> bool:
@@ -66,11 +67,11 @@ class Choice:
 
 CHOICES: tuple[Choice, ...] = (
     Choice(KEEP, (ROUTED_KIND, DENSE_KIND), why="kept as the source holds it"),
-    Choice("fp8-block", (ROUTED_KIND, DENSE_KIND), "fp8-prefill", "fp8", "FP8 e4m3, 128x128 block scales"),
-    Choice("int4-g128-gptq", (ROUTED_KIND,), "int4-experts-gptq-g128", EXPERTS, "INT4 group 128, GPTQ"),
-    Choice("int4-g32-gptq", (ROUTED_KIND,), "int4-experts-gptq", EXPERTS, "INT4 group 32, GPTQ"),
-    Choice("nvfp4", (ROUTED_KIND,), "nvfp4-experts", EXPERTS, "NVFP4 (E2M1, FP8 scale per 16), RTN"),
-    Choice("mxfp4", (ROUTED_KIND,), "mxfp4-experts", EXPERTS, "MXFP4 (E2M1, E8M0 scale per 32), RTN"),
+    Choice("fp8-block", (ROUTED_KIND, DENSE_KIND), "fp8-prefill", "fp8", "FP8 e4m3, 128x128 block scales", 8.002),
+    Choice("int4-g128-gptq", (ROUTED_KIND,), "int4-experts-gptq-g128", EXPERTS, "INT4 group 128, GPTQ", 4.125),
+    Choice("int4-g32-gptq", (ROUTED_KIND,), "int4-experts-gptq", EXPERTS, "INT4 group 32, GPTQ", 4.5),
+    Choice("nvfp4", (ROUTED_KIND,), "nvfp4-experts", EXPERTS, "NVFP4 (E2M1, FP8 scale per 16), RTN", 4.5),
+    Choice("mxfp4", (ROUTED_KIND,), "mxfp4-experts", EXPERTS, "MXFP4 (E2M1, E8M0 scale per 32), RTN", 4.25),
 )
 CHOICE = {c.name: c for c in CHOICES}
 
@@ -159,8 +160,16 @@ def targets(modules: Sequence[str], layers: Sequence[int]) -> list[str]:
 
 
 # ---- bytes ---------------------------------------------------------------------------------------------
+class _Plain(yaml.SafeDumper):
+    """A safe dumper that writes a shared scheme out again instead of as a YAML alias (*id001)."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
 def _recipe_text(name: str, groups: Mapping[str, tuple[Choice, list[str]]], kv: bool,
-                 calibration: Mapping[str, Any] | None, description: str = "") -> str:
+                 calibration: Mapping[str, Any] | None, description: str = "",
+                 record: Mapping[str, Any] | None = None) -> str:
     doc: dict[str, Any] = {"name": name}
     if description:
         doc["description"] = description
@@ -171,7 +180,11 @@ def _recipe_text(name: str, groups: Mapping[str, tuple[Choice, list[str]]], kv: 
     if calibration and any(_shipped_group(c.recipe, c.group).get("method", "rtn") != "rtn"
                            for c, _ in groups.values()):
         doc["calibration"] = dict(calibration)
-    return yaml.safe_dump(doc, sort_keys=False, width=1 << 16)
+    text = yaml.dump(doc, Dumper=_Plain, sort_keys=False, width=1 << 16)
+    if record:  # one unit a line: [layer, kind, choice, bytes, loss]
+        text += yaml.dump({"fit": dict(record)}, Dumper=_Plain, sort_keys=False, width=1 << 16,
+                          default_flow_style=None)
+    return text
 
 
 def uniform_recipe(choice: Choice, units_: Sequence[Unit], kv: bool = False,
@@ -297,8 +310,11 @@ class FitResult:
 
 
 def chosen_recipe_text(model: str, picks: Sequence[tuple[Unit, str, int, float]], kv: bool,
-                       calibration: Mapping[str, Any] | None, header: Sequence[str]) -> str:
-    """The recipe YAML of a mix: one group per (kind, choice) with the layers that got it, the why in comments."""
+                       calibration: Mapping[str, Any] | None, header: Sequence[str],
+                       record: Mapping[str, Any] | None = None) -> str:
+    """The recipe YAML of a mix: one group per (kind, choice) with the layers that got it, the why in comments and
+    in its `fit` mapping (`record` plus one [layer, kind, choice, bytes, loss] row per unit: what `quantkit
+    report` draws)."""
     by: dict[tuple[str, str], list[Unit]] = {}
     for u, c, _, _ in picks:
         if not CHOICE[c].keep:
@@ -309,9 +325,11 @@ def chosen_recipe_text(model: str, picks: Sequence[tuple[Unit, str, int, float]]
     if not groups and not kv:
         raise FitError("the budget keeps every layer as it is and no FP8 KV cache was asked for: there is nothing "
                        "to convert", hint="the source already fits; serve it as it is")
+    rec = None if record is None else {**record, "units": [[u.layer, u.kind, c, int(b), float(loss)]
+                                                           for u, c, b, loss in picks]}
     body = _recipe_text(f"fit-{label}", groups, kv, calibration,
                         description="chosen by `quantkit plan --fit`: per layer, the scheme of least measured loss "
-                                    "that fits the memory target (the comments say why)")
+                                    "that fits the memory target (the comments say why)", record=rec)
     lines = [f"# {h}" for h in header]
     lines.append("# per unit: layer kind -> choice (bytes, predicted loss); the other candidates after it")
     for u, c, b, loss in picks:

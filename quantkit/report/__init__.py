@@ -33,8 +33,8 @@ from ..pack.manifest import MANIFEST_NAME
 from .model import DEFAULT_OUTPUT_NAME, SQNR_CAP_DB, VERIFY_NAME, _number, _shown, collect_modules
 from .page import _Page, _mpl
 from .timeline import read_timeline, section_timeline
-from .sections import (_section_bytes, _section_input_scales, _section_kv, _section_sqnr, _section_tables,
-                       _section_tokens, _section_verify)
+from .sections import (_section_bytes, _section_fit, _section_input_scales, _section_kv, _section_sqnr,
+                       _section_tables, _section_tokens, _section_verify)
 
 
 # ---- result ------------------------------------------------------------------------------------------
@@ -91,6 +91,7 @@ def _build_report(qmodel_dir, reference, output, verify_json, timeline=None) -> 
     _section_tokens(page, manifest, modules)
     _section_kv(page, ck, tensors)
     _section_bytes(page, ck, tensors)
+    _section_fit(page, manifest)
     _section_verify(page, verify_doc, verify_origin)
     if ranks is not None:
         section_timeline(page, ranks)

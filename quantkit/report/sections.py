@@ -527,3 +527,73 @@ def _section_input_scales(page: _Page, manifest: dict) -> None:
              + "".join(rows) + "</table>"
              + (f"<p class=\"skip\">... and {more} more (all listed in the manifest's "
                 "calibration.input_scale_fallbacks).</p>" if more > 0 else ""))
+
+
+# ---- section: plan --fit ----------------------------------------------------------------------------------
+MAX_FIT_UNITS = 4096  # rows of a recipe's fit record drawn (a 1T model has ~200 units)
+
+
+def fit_units(manifest: dict) -> list[tuple[int, str, str, int, float]]:
+    """(layer, kind, choice, bytes, predicted loss) per unit of the `fit` record in the manifest's recipe (what
+    `plan --fit` chose); rows that are not exactly that shape, or not finite, are left out."""
+    from ..match.recipe import fit_record
+
+    rec = fit_record(((manifest.get("recipe") or {}) if isinstance(manifest.get("recipe"), dict) else {}).get("text"))
+    rows = rec.get("units") if rec else None
+    out = []
+    for r in (rows if isinstance(rows, list) else [])[:MAX_FIT_UNITS]:
+        if not (isinstance(r, list) and len(r) == 5):
+            continue
+        layer, kind, choice, b, loss = r
+        ok = (isinstance(layer, int) and not isinstance(layer, bool) and 0 <= layer < 1 << 20
+              and isinstance(kind, str) and isinstance(choice, str) and len(kind) <= 40 and len(choice) <= 40
+              and isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) and 0 <= b < 1 << 60
+              and isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss) and loss >= 0)
+        if ok:
+            out.append((layer, kind, choice, int(b), float(loss)))
+    return out
+
+
+def _section_fit(page: _Page, manifest: dict) -> None:
+    units = fit_units(manifest)
+    if not units:
+        return  # not a plan --fit recipe: no section
+    page.section("sec-fit", "Chosen per layer (plan --fit)")
+    layers = sorted({u[0] for u in units})
+    pos = {l: i for i, l in enumerate(layers)}
+    choices = sorted({u[2] for u in units})
+    palette = ["#7f7f7f", "#1f77b4", "#2ca02c", "#d62728", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2"]
+    colour = {c: palette[i % len(palette)] for i, c in enumerate(choices)}
+    fig, axs = _new_figure(4.2, nrows=2, sharex=True)
+    bottom_b = [0.0] * len(layers)
+    bottom_l = [0.0] * len(layers)
+    seen = set()
+    for kind_i, kind in enumerate(sorted({u[1] for u in units})):
+        for layer, k, choice, b, loss in (u for u in units if u[1] == kind):
+            i = pos[layer]
+            lab = choice if choice not in seen else None
+            seen.add(choice)
+            hatch = "//" if kind_i else None
+            axs[0, 0].bar(i, b, bottom=bottom_b[i], color=colour[choice], hatch=hatch, label=lab, width=0.8)
+            axs[1, 0].bar(i, loss, bottom=bottom_l[i], color=colour[choice], hatch=hatch, width=0.8)
+            bottom_b[i] += b
+            bottom_l[i] += loss
+    from matplotlib.ticker import FuncFormatter
+
+    axs[0, 0].yaxis.set_major_formatter(FuncFormatter(lambda x, _: _fmt_bytes(x) if x else "0"))
+    axs[0, 0].set_ylabel("bytes")
+    axs[1, 0].set_ylabel("predicted loss")
+    axs[1, 0].set_xlabel("decoder layer")
+    step = max(1, len(layers) // 24)
+    axs[1, 0].set_xticks(range(0, len(layers), step))
+    axs[1, 0].set_xticklabels([str(layers[i]) for i in range(0, len(layers), step)], fontsize=8)
+    axs[0, 0].legend(fontsize=8, ncols=min(4, len(choices)), loc="upper right")
+    for ax in axs[:, 0]:
+        ax.grid(axis="y", alpha=0.3)
+    rec_total = sum(u[3] for u in units)
+    cap = (f"What <code>quantkit plan --fit</code> chose for each decoder layer's routed experts (plain) and dense "
+           f"Linears (hatched), coloured by scheme: the bytes each unit takes ({_fmt_bytes(rec_total)} in all, the "
+           "rest of the model not counted) and the loss predicted for it (its KL to the source when quantized "
+           "alone, or the prior where no weights were measured), as recorded in the recipe's <code>fit</code> "
+           "mapping.")
+    page.figure("fig-fit", fig, cap)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from quantkit.arch import parse_config
 from quantkit.convert import ConvertOptions, convert
@@ -240,3 +241,31 @@ def test_the_cli_writes_the_recipe_and_plans_it(cli, src, tmp_path):  # noqa: F8
     kv_scales = 2 * 4 * 3
     assert sum(u["bytes"] for u in doc["fit"]["units"]) + doc["fit"]["fixed_bytes"] + kv_scales == \
         doc["fit"]["weights_bytes"]
+
+
+def test_the_report_draws_the_fit_record_and_skips_bad_rows(src, tmp_path):
+    """The chosen recipe's `fit` mapping travels in the manifest; `quantkit report` draws its bytes and loss per
+    layer from it; rows of a tampered record that are not [layer, kind, choice, bytes, loss] with finite numbers
+    are left out, and a record that is not a mapping is refused where recipes are read."""
+    from quantkit.errors import RecipeError
+    from quantkit.match.recipe import fit_record
+    from quantkit.report import build_report
+    from quantkit.report.sections import fit_units
+
+    res, _ = fit(src, ONE, FitOptions(weights_gib=0.0009, sensitivity="prior", kv_dtype="bf16"))
+    rec = fit_record(res.recipe_text)
+    assert [r[:3] for r in rec["units"]] == [[u.layer, u.kind, u.choice] for u in res.units]
+    assert rec["budget_bytes"] == res.budget_bytes and rec["loss_source"] == "prior"
+    out = tmp_path / "q"
+    convert(src, out, ConvertOptions(recipe=parse_recipe(res.recipe_text), model_card=False))
+    r = build_report(out, output=tmp_path / "r.html")
+    html = (tmp_path / "r.html").read_text()
+    assert 'id="fig-fit"' in html and "plan --fit" in html, r.skipped
+    manifest = json.loads((out / "quantkit_manifest.json").read_text())
+    assert len(fit_units(manifest)) == len(res.units)
+    bad = res.recipe_text.replace("units:\n", "units:\n  - [0, routed, x, .nan, 1.0]\n  - [true, routed, x, 1, 1]\n"
+                                  "  - [0, routed, x, 1, -1]\n  - [1, 2, 3]\n  - not a row\n", 1)
+    assert len(fit_units({"recipe": {"text": bad}})) == len(res.units)
+    assert fit_units({"recipe": {"text": "fit: [1, 2]"}}) == [] and fit_units({"recipe": "x"}) == []
+    with pytest.raises(RecipeError, match="fit must be a mapping"):
+        parse_recipe(yaml.safe_dump({**yaml.safe_load(res.recipe_text), "fit": 3}))
