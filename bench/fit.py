@@ -14,12 +14,14 @@ the standard library's sources). Commands, as a user runs them:
 2. `quantkit convert SRC OUT --recipe R --dataset calib.jsonl` for each chosen recipe and each uniform mix
    (routed experts: keep / fp8-block / int4-g128-gptq / int4-g32-gptq / nvfp4 / mxfp4; dense Linears: keep /
    fp8-block; the uniform recipes written by quantkit.plan.mix, as `plan --fit` writes its own);
-3. `quantkit verify OUT --reference SRC --dataset heldout.jsonl`: KL(source || output) on held-out windows.
+3. `quantkit verify OUT --reference SRC --dataset heldout.jsonl`: KL(source || output) on held-out windows;
+   `bytes_exact`: the output's tensor bytes (its safetensors headers) equal what plan's arithmetic predicted.
 With `--vllm PY` (a vLLM 0.33.0 venv's python), each chosen output also goes through bench/vllm_check.py (vLLM's
 own loader: every tensor into a parameter).
 
-The budgets: lo = bytes of (routed int4-g32-gptq, dense fp8-block), hi = bytes of (routed fp8-block, dense
-fp8-block); B = lo + f (hi - lo) for f in --fractions. KV dtype bf16 throughout (verify does not simulate an FP8
+The budgets: lo = bytes of all-INT4 (routed int4-g32-gptq, dense kept: the shipped int4-experts-gptq; `--low
+int4-fp8`: dense fp8-block, as the glm recipe splits it), hi = bytes of all-FP8 (routed and dense fp8-block:
+fp8-prefill's split); B = lo + f (hi - lo) for f in --fractions. KV dtype bf16 throughout (verify does not simulate an FP8
 KV cache; the weights are what is chosen here).
 """
 
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 
 from bench.fixture import NORMTOPK, TINY, get_fixture
-from bench.harness import REPO, Run, add_common_args, id_rows, run_quantkit, scratch_dir
+from bench.harness import REPO, Run, add_common_args, id_rows, last_json, run_quantkit, scratch_dir
 from bench.quality import heldout_windows, windows
 
 from quantkit.arch import parse_config
@@ -83,7 +85,9 @@ def measure(src: Path, out: Path, recipe: Path, calib: Path, heldout: Path, a) -
                              a.calib_samples, "--seq-len", a.seq_len, "--overwrite"])
     ver, vm = run_quantkit(["verify", out, "--reference", src, "--dataset", heldout, "--num-samples", a.num_samples,
                             "--seq-len", a.seq_len, "--no-save"])
+    written = Checkpoint.open(out)  # the tensors' bytes as the output's safetensors headers give them
     return {"kl": ver["metrics"]["kl_divergence"], "top1": ver["metrics"]["top1_agreement"],
+            "tensor_bytes": sum(i.nbytes for s in written.shards for i in s.tensors.values()),
             "bytes_written": conv["bytes_written"], "convert_s": round(cm["wall_s"], 1),
             "verify_s": round(vm["wall_s"], 1)}
 
@@ -93,11 +97,12 @@ def vllm_check(python: str, out: Path) -> dict:
     r = subprocess.run([python, str(REPO / "bench" / "vllm_check.py"), str(out)], capture_output=True, text=True,
                        env=env, timeout=1800)
     try:
-        doc = json.loads(r.stdout.strip().splitlines()[-1])
+        doc = last_json(r.stdout)
     except (json.JSONDecodeError, IndexError):
-        doc = {"error": r.stderr[-400:]}
-    return {"rc": r.returncode, "accepted": r.returncode == 0, "dropped": len(doc.get("dropped") or []),
-            "unwritten": len(doc.get("unwritten") or []), "error": doc.get("error")}
+        doc = {}
+    return {"rc": r.returncode, "accepted": r.returncode == 0 and doc.get("accepted") is not False,
+            "dropped": len(doc.get("dropped") or []), "unwritten": len(doc.get("unwritten") or []),
+            "error": None if r.returncode == 0 else (doc.get("error") or r.stderr[-400:])}
 
 
 def main(argv=None) -> int:
@@ -107,6 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-samples", type=int, default=32, help="held-out windows verify measures")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--fractions", default="0.25,0.5,0.75", help="budgets between all-INT4 and all-FP8")
+    ap.add_argument("--low", choices=("int4", "int4-fp8"), default="int4",
+                    help="the all-INT4 end: routed INT4 g32 with the rest as it is, or with the dense Linears FP8")
     ap.add_argument("--vllm", default=None, help="a vLLM 0.33.0 venv's python: vLLM's loader on each chosen output")
     ap.add_argument("--work", default=None, help="keep the checkpoints here (default: a temporary directory)")
     add_common_args(ap, repeat=None)
@@ -133,7 +140,10 @@ def main(argv=None) -> int:
     def total(routed: str, dense: str) -> int:
         return fixed + sum(d[routed if k == mix.ROUTED_KIND else dense] for (_, k), d in ub.items())
 
-    lo, hi = total("int4-g32-gptq", "fp8-block"), total("fp8-block", "fp8-block")
+    # all-INT4: the shipped int4-experts-gptq (routed experts INT4 g32, the rest as it is); --low int4-fp8: its
+    # dense Linears in FP8 too (the glm recipe's split), a lower end where only 4-bit mixes fit
+    lo = total("int4-g32-gptq", "fp8-block" if a.low == "int4-fp8" else mix.KEEP)
+    hi = total("fp8-block", "fp8-block")
     fractions = [float(f) for f in a.fractions.split(",")]
     budgets = [lo + f * (hi - lo) for f in fractions]
     print(f"fixture {src}: all-INT4 {lo:,} B, all-FP8 {hi:,} B; budgets {[int(b) for b in budgets]}", flush=True)
@@ -160,7 +170,8 @@ def main(argv=None) -> int:
         if a.vllm:
             r["vllm"] = vllm_check(a.vllm, work / f"chosen-{c['fraction']}")
         rows.append({"candidate": f"chosen@{c['fraction']:.2f}", "kind": "chosen", "budget": c["budget"],
-                     "bytes": c["weights_bytes"], "predicted": c["predicted"], "mix": c["mix"], **r})
+                     "bytes": c["weights_bytes"], "predicted": c["predicted"], "mix": c["mix"], **r,
+                     "bytes_exact": r["tensor_bytes"] == c["weights_bytes"]})
         print(f"chosen@{c['fraction']:.2f}: KL {r['kl']:.3e} (predicted {c['predicted']:.3e})", flush=True)
     routed_choices = [c.name for c in mix.CHOICES if mix.ROUTED_KIND in c.kinds]
     dense_choices = [c.name for c in mix.CHOICES if mix.DENSE_KIND in c.kinds]
@@ -174,10 +185,10 @@ def main(argv=None) -> int:
             r = measure(src, work / f"uniform-{rc}-{dc}", y, calib, heldout, a)
             pred = sum(d[rc if k == mix.ROUTED_KIND else dc] for (_, k), d in loss_table.items())
             rows.append({"candidate": f"uniform {rc} / {dc}", "kind": "uniform", "bytes": total(rc, dc),
-                         "predicted": pred, **r})
+                         "predicted": pred, **r, "bytes_exact": r["tensor_bytes"] == total(rc, dc)})
             print(f"uniform {rc}/{dc}: KL {r['kl']:.3e} (predicted {pred:.3e}), {total(rc, dc):,} B", flush=True)
 
-    summary = {"fixture": {k: str(v) for k, v in fx.items()}, "all_int4_bytes": lo, "all_fp8_bytes": hi,
+    summary = {"fixture": {k: str(v) for k, v in fx.items()}, "all_int4_bytes": lo, "all_fp8_bytes": hi, "low": a.low,
                "budgets": []}
     print("\n| budget | chosen KL | best uniform that fits | its KL | ratio |\n|---|---|---|---|---|")
     for row in (r for r in rows if r["kind"] == "chosen"):
@@ -191,6 +202,7 @@ def main(argv=None) -> int:
               f"{best['kl'] if best else float('nan'):.3e} | {ratio if ratio else float('nan'):.3f} |")
     rho = spearman([r["predicted"] for r in rows], [r["kl"] for r in rows])
     summary["spearman_predicted_vs_measured"] = rho
+    summary["bytes_exact"] = all(r["bytes_exact"] for r in rows)
     print(f"\nSpearman(predicted, measured) over {len(rows)} candidates: {rho:.3f}")
     for r in rows:
         r.pop("recipe", None)
