@@ -36,6 +36,19 @@ def test_block_sizes():
     # the hidden sizes of the large releases: largest power-of-two block
     assert block_size(7168) == 1024 and block_size(6144) == 2048 and block_size(5120) == 1024
     assert block_size(4096) == 4096 and block_size(96) == 32
+    # the recipe's rotate.block bounds it: one block per NVFP4 / MXFP4 group
+    assert block_size(7168, 16) == 16 and block_size(96, 64) == 32 and block_size(6144, 4096) == 2048
+
+
+@pytest.mark.parametrize("hidden,at_most", [(96, 16), (7168, 32), (256, 2)])
+def test_a_bounded_block_is_orthogonal_and_the_fast_transform(hidden, at_most):
+    q = dense_q(hidden, seed=5, at_most=at_most)
+    assert torch.allclose(q @ q.T, torch.eye(hidden, dtype=q.dtype), atol=1e-12)
+    assert q[:at_most, at_most:].abs().max() == 0 and q[:at_most, :at_most].abs().min() > 0  # one block's width
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(1))
+    h = Hadamard(hidden, 5, at_most)
+    assert h.block == at_most
+    assert torch.allclose(h.rows(x).double(), x.double() @ q, atol=1e-5)
 
 
 @pytest.mark.parametrize("hidden", [96, 256, 7168])
@@ -92,10 +105,13 @@ def test_signs_depend_on_the_seed_only():
 def test_recipe_accepts_rotation_alone():
     r = parse_recipe(ROTATE)
     assert r.rotate is not None and r.rotate.kind == "hadamard" and r.rotate.seed == 7 and not r.groups
+    assert r.rotate.block is None and parse_recipe("rotate: {block: 16}").rotate.block == 16
 
 
 @pytest.mark.parametrize("text", ["rotate: {kind: givens}\n", "rotate: {seed: -1}\n", "rotate: {seed: x}\n",
-                                  "rotate: {kind: hadamard, block: 64}\n", "rotate: yes\n"])
+                                  "rotate: {kind: hadamard, block: 48}\n", "rotate: {block: 1}\n",
+                                  "rotate: {block: 65536}\n", "rotate: {block: true}\n", "rotate: {size: 64}\n",
+                                  "rotate: yes\n"])
 def test_recipe_refuses_bad_rotations(text):
     with pytest.raises(RecipeError, match="rotate"):
         parse_recipe(text)
@@ -300,15 +316,19 @@ def test_verify_measures_a_rotated_output_against_its_source(tmp_path):
 
     src = make_tiny_model("qwen3_moe", tmp_path / "src", seed=1, hidden=128)
     kls = {}
-    for rot in (False, True):
-        out = tmp_path / f"out{rot}"
-        text = (ROTATE if rot else "") + load_recipe("nvfp4-experts").text
+    # rotate.block 16: one 16-wide block per NVFP4 group, which verify must rebuild from the manifest's block_size
+    for rot in ("", ROTATE, "rotate: {kind: hadamard, seed: 7, block: 16}\n"):
+        out = tmp_path / f"out{len(kls)}"
+        text = rot + load_recipe("nvfp4-experts").text
         convert(src, out, ConvertOptions(recipe=parse_recipe(text, "nvfp4"), model_card=False))
         res = v.verify(out, v.VerifyOptions(reference=str(src), num_samples=4, seq_len=64, generation_tokens=0))
         doc = res.to_json()
         assert doc["passed"], [c for c in doc["checks"] if c["ok"] is False]
         kls[rot] = doc["metrics"]["kl_divergence"]
-    assert kls[True] < 3 * kls[False], kls
+        if rot:
+            blk = json.loads((out / MANIFEST_NAME).read_text())["rotation"]["block_size"]
+            assert blk == (16 if "block" in rot else 128)
+    assert all(kl < 3 * kls[""] for kl in kls.values()), kls
 
 
 def test_calibrated_methods_run_on_the_rotated_model(tmp_path):

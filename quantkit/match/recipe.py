@@ -497,7 +497,7 @@ def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
                                   method, opts))
     rotate = d.get("rotate")
     if rotate is not None:  # rotate: {kind: hadamard, seed: 0}
-        _check_keys("rotate", rotate, {"kind", "seed"})
+        _check_keys("rotate", rotate, {"kind", "seed", "block"})
         rotate = RotationSpec(**rotate)
     if not groups and not d.get("kv_cache") and rotate is None:
         raise RecipeError("recipe has no groups, no kv_cache and no rotate section: it would do nothing")

@@ -5,7 +5,8 @@ tensors are turned is read/rotate.py's, the names arch/residual.py's.
 
     Q = diag(s) . blockdiag(Hb, ..., Hb)        s: H random signs (torch.Generator on the CPU, from `seed`)
                                                 Hb: the normalized Sylvester Hadamard matrix of order b,
-                                                b = the largest power of two dividing H (b <= MAX_BLOCK)
+                                                b = the largest power of two dividing H (b <= MAX_BLOCK,
+                                                b <= the recipe's rotate.block)
 
 Q is orthogonal (Q Q^T = I): the signs are +-1 and each Hb / sqrt(b) is. A hidden size that is not a power of
 two (DeepSeek-V3 / Kimi K2 7168 = 7 x 1024, GLM 5120 = 5 x 1024, 6144 = 3 x 2048) gets a block-diagonal
@@ -34,23 +35,30 @@ MAX_SEED = (1 << 63) - 1
 
 @dataclass(frozen=True)
 class RotationSpec:
-    """A recipe's `rotate:` section: the kind of rotation and the seed of its random signs."""
+    """A recipe's `rotate:` section: the kind of rotation, the seed of its random signs, and an upper bound on
+    the Hadamard block (None: the largest power of two dividing the hidden size; 16 or 32: one block per NVFP4 /
+    MXFP4 group)."""
 
     kind: str = "hadamard"
     seed: int = 0
+    block: int | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise RecipeError(f"rotate.kind must be one of {KINDS}, got {str(self.kind)[:40]!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:
             raise RecipeError(f"rotate.seed must be an integer from 0 to 2^63 - 1, got {str(self.seed)[:40]}")
+        b = self.block
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or not 2 <= b <= MAX_BLOCK or b & (b - 1)):
+            raise RecipeError(f"rotate.block must be a power of two from 2 to {MAX_BLOCK}, got {str(b)[:40]}")
 
 
-def block_size(hidden: int) -> int:
-    """The Hadamard block of a hidden size: its largest power-of-two divisor, at most MAX_BLOCK."""
+def block_size(hidden: int, at_most: int | None = None) -> int:
+    """The Hadamard block of a hidden size: its largest power-of-two divisor, at most MAX_BLOCK and `at_most` (a
+    power of two: the recipe's rotate.block)."""
     if hidden <= 0:
         raise ValueError(f"hidden size must be positive, got {hidden}")
-    return min(hidden & -hidden, MAX_BLOCK)
+    return min(hidden & -hidden, MAX_BLOCK, at_most or MAX_BLOCK)
 
 
 def random_signs(hidden: int, seed: int) -> torch.Tensor:
@@ -144,9 +152,9 @@ def hadamard_matrix(block: int, dtype: torch.dtype = torch.float64) -> torch.Ten
     return m / math.sqrt(block)
 
 
-def dense_q(hidden: int, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def dense_q(hidden: int, seed: int, dtype: torch.dtype = torch.float64, at_most: int | None = None) -> torch.Tensor:
     """Q [H, H] as a dense matrix (the tests' reference; the conversion never builds it)."""
-    b = block_size(hidden)
+    b = block_size(hidden, at_most)
     hb = torch.block_diag(*[hadamard_matrix(b, dtype)] * (hidden // b))
     return random_signs(hidden, seed).to(dtype)[:, None] * hb
 
@@ -157,10 +165,11 @@ class Hadamard:
 
     hidden: int
     seed: int
+    at_most: int | None = None  # the recipe's rotate.block
 
     @property
     def block(self) -> int:
-        return block_size(self.hidden)
+        return block_size(self.hidden, self.at_most)
 
     def signs(self) -> torch.Tensor:
         return random_signs(self.hidden, self.seed)

@@ -38,7 +38,7 @@ class Rotation:
 
     @property
     def q(self) -> Hadamard:
-        return Hadamard(self.hidden, self.spec.seed)
+        return Hadamard(self.hidden, self.spec.seed, self.spec.block)
 
     @classmethod
     def plan(cls, ckpt, spec: RotationSpec, stored: Mapping | None = None) -> "Rotation":

@@ -170,7 +170,7 @@ def _rotated_reference(ref_ck: Checkpoint, manifest: dict | None) -> Checkpoint:
     from ..read.sources import detect_format, scan
 
     try:
-        spec = RotationSpec(kind=rec.get("kind"), seed=rec.get("seed"))
+        spec = RotationSpec(kind=rec.get("kind"), seed=rec.get("seed"), block=rec.get("block_size"))
         return replace(ref_ck, rotation=Rotation.plan(ref_ck, spec, scan(ref_ck, detect_format(ref_ck.config))))
     except QuantkitError as e:
         raise ReferenceModelError(f"the manifest records a rotation the reference cannot take: {e.message}",
