@@ -10,7 +10,14 @@ time and peak RSS (`quantkit convert --json` in a process of its own, its RSS po
 The fixture is bench/fixture.py's NORMTOPK (a byte-level qwen3_moe, hidden 128: one 128-wide Hadamard block,
 trained norms whose gains the rotation folds into the readers). Calibration: 64 x 256 bytes of training text;
 evaluation: 16 x 256 held-out bytes. Each row's `ratio_kl` and `ratio_convert_s` compare it with the same recipe
-unrotated; the RTN recipes run a second seed too.
+unrotated; the RTN recipes run a second seed too, the FP4 recipes a rotation bounded to one block per group
+(`rotate.block` 16 / 32).
+
+That fixture's residual stream has no outliers (the summary's `kurtosis` and `max_over_rms` of the inputs to
+q_proj and the router: a Gaussian's 3 and ~3-4), so the rotation has nothing to spread there. The same model with
+outlier channels (`--outlier-channels N --outlier-gain K`, default 4 and 16: N channels of every RMSNorm gain
+times K, the matching input columns of every Linear that reads the norm divided by K; K a power of two, so the
+model computes the same logits bit for bit) is measured beside it: the rows whose `model` is `outliers`.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from bench.harness import Run, add_common_args, mib, run_quantkit, verify_json
 
 
 ROTATE = "rotate: {{kind: hadamard, seed: {seed}}}\n"
+ROTATE_BLOCK = "rotate: {{kind: hadamard, seed: {seed}, block: {block}}}\n"
 # NVFP4 W4A4 with GPTQ: bench/w4a4.py's --trained recipe
 NVFP4A4_GPTQ = """
 name: nvfp4a4-experts-gptq
@@ -36,6 +44,70 @@ groups:
     options: {damp: 0.01, actorder: true, block_size: 128, fallback: all_tokens}
 ignore: ['re:.*\\.mlp\\.gate$', 'lm_head']
 """
+
+
+def outlier_model(src: Path, dst: Path, channels: int, gain: int) -> Path:
+    """`src` (a qwen3_moe checkpoint: its RMSNorms' readers named as arch/residual.py names them) with `channels`
+    outlier channels: each norm gain in front of the residual's readers times `gain` on those channels, the
+    readers' matching input columns divided by it. A power-of-two gain scales exactly: the same function."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if gain < 1 or gain & (gain - 1):
+        raise SystemExit("--outlier-gain must be a power of two")
+    readers = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "post_attention_layernorm": ("mlp.gate", "mlp.experts.", "mlp.shared_expert.")}
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, dst / f.name)
+    hidden = None
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors[f.name] = load_file(str(f))
+        hidden = hidden or next(t.shape[-1] for n, t in tensors[f.name].items() if n.endswith("norm.weight")
+                                and "self_attn" not in n)
+    idx = torch.randperm(hidden, generator=torch.Generator().manual_seed(0))[:channels]
+    names = {n: f for f, ts in tensors.items() for n in ts}
+    changed = 0
+    for n, f in names.items():
+        t = tensors[f][n]
+        norm = next((k for k in readers if n.endswith(f"{k}.weight")), None)
+        if norm is not None or n == "model.norm.weight":
+            t[idx] *= gain
+            changed += 1
+            continue
+        layer = n.split(".layers.")[1].split(".")[0] if ".layers." in n else None
+        reads = any(f".layers.{layer}.{r}" in n and n.endswith(("gate.weight", "q_proj.weight", "k_proj.weight",
+                                                                   "v_proj.weight", "gate_proj.weight", "up_proj.weight"))
+                    for rs in readers.values() for r in rs) or n == "lm_head.weight"
+        if reads:
+            t[:, idx] /= gain
+            changed += 1
+    for f, ts in tensors.items():
+        save_file(ts, str(dst / f), metadata={"format": "pt"})
+    print(f"outlier model: {changed} tensors changed, channels {idx.tolist()} x {gain}", file=sys.stderr)
+    return dst
+
+
+def activation_stats(model_dir: Path, ids) -> tuple[dict, object]:
+    """The inputs of every q_proj and router (the residual's readers after their norms) on `ids`: the largest
+    kurtosis over them (a Gaussian: 3) and the median per token of max|x| / rms(x); and the logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    xs = []
+    for n, mod in m.named_modules():
+        if n.endswith(("self_attn.q_proj", "mlp.gate")):
+            mod.register_forward_hook(lambda _m, inp, _o: xs.append(inp[0].reshape(-1, inp[0].shape[-1]).detach()))
+    with torch.no_grad():
+        logits = m(input_ids=ids).logits
+    kurt = max(float(((x - x.mean(0)) ** 4).mean() / ((x - x.mean(0)) ** 2).mean() ** 2) for x in xs)
+    ratio = float(torch.cat([x.abs().amax(-1) / x.pow(2).mean(-1).sqrt() for x in xs]).median())
+    return {"kurtosis": round(kurt, 1), "max_over_rms": round(ratio, 1)}, logits
 
 
 def recipes(smoke: bool) -> dict[str, str]:
@@ -87,6 +159,8 @@ def streamed(tmp: Path, seed: int, smoke: bool) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench rotate", description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0, help="the rotation's seed (its random signs)")
+    ap.add_argument("--outlier-channels", type=int, default=4, help="outlier channels of the second model (0: none)")
+    ap.add_argument("--outlier-gain", type=int, default=16, help="their gain (a power of two)")
     add_common_args(ap, repeat=None)
     args = ap.parse_args(argv)
     run = Run("rotate", args, argv)
@@ -109,15 +183,31 @@ def main(argv=None) -> int:
             return str(tmp / name)
 
         cal, ev = jsonl("cal.jsonl", train, n_cal), jsonl("eval.jsonl", held, n_eval)
-        src = Path(fx["model_dir"])
-        for name, text in recipes(args.smoke).items():
+        import torch
+
+        models = {"trained": Path(fx["model_dir"])}
+        if args.outlier_channels:
+            models["outliers"] = outlier_model(models["trained"], tmp / "outliers", args.outlier_channels,
+                                               args.outlier_gain)
+        ids = torch.tensor(list(held[: n_eval * length]), dtype=torch.int64).view(n_eval, length)
+        stats = {m: activation_stats(p, ids) for m, p in models.items()}
+        if "outliers" in stats:  # the same function: float32 logits equal up to the order of the sums
+            same = float((stats["outliers"][1] - stats["trained"][1]).abs().max())
+            print(f"outlier model: max |logit difference| {same:.2e}", file=sys.stderr)
+        stats = {m: st for m, (st, _) in stats.items()}
+        for (model, src), (name, text) in ((m, r) for m in models.items() for r in recipes(args.smoke).items()):
             base = None
-            # the RTN recipes (seconds each) also with a second seed: how much the seed alone moves the KL
-            seeds = [None, args.seed] + ([args.seed + 1] if "gptq" not in name and not args.smoke else [])
-            for seed in seeds:
+            # the RTN recipes (seconds each) also with a second seed: how much the seed alone moves the KL; the
+            # FP4 ones with one Hadamard block per group
+            group = 16 if "nvfp4" in name else 32 if "mxfp4" in name else None
+            seeds = [(None, None), (args.seed, None)]
+            seeds += [(args.seed + 1, None)] if "gptq" not in name and not args.smoke else []
+            seeds += [(args.seed, group)] if group else []
+            for seed, block in seeds:
                 rotated = seed is not None
-                recipe = parse_recipe((ROTATE.format(seed=seed) if rotated else "") + text, name)
-                out = tmp / f"{name}-{'rot%d' % seed if rotated else 'plain'}"
+                rot = ROTATE.format(seed=seed) if block is None else ROTATE_BLOCK.format(seed=seed, block=block)
+                recipe = parse_recipe((rot if rotated else "") + text, name)
+                out = tmp / f"{model}-{name}-{'rot%d-%s' % (seed, block) if rotated else 'plain'}"
                 yaml = tmp / f"{out.name}.yaml"
                 yaml.write_text(recipe.text)
                 # in a process of its own: its peak RSS is the convert's alone (convert --json reports it)
@@ -126,7 +216,8 @@ def main(argv=None) -> int:
                 v = verify_json(out, reference=src, dataset=ev, num_samples=n_eval, seq_len=length,
                                 generation_tokens=0)
                 mt = v["metrics"]
-                row = {"recipe": name, "rotation": f"hadamard seed {seed}" if rotated else "none",
+                rotation = "none" if not rotated else f"hadamard seed {seed}" + (f" block {block}" if block else "")
+                row = {"model": model, "recipe": name, "rotation": rotation,
                        "kl": mt["kl_divergence"], "top1": mt["top1_agreement"], "ppl_ref": mt["perplexity_reference"],
                        "ppl": mt["perplexity_quantized"], "convert_s": doc["seconds"],
                        "peak_rss_mib": mib(m["peak_rss_bytes"]), "passed": v["passed"]}
@@ -139,8 +230,13 @@ def main(argv=None) -> int:
                 rows.append(row)
         rows += streamed(tmp, args.seed, args.smoke)
     model = f"fixture {spec.key} ({spec.steps} steps, final loss {fx['final_loss']:.3f}, hidden {spec.hidden})"
-    run.write(rows, summary={"model": model, "calibration": f"{n_cal} x {length} training bytes",
-                             "evaluation": f"{n_eval} x {length} held-out bytes"})
+    summary = {"model": model, "calibration": f"{n_cal} x {length} training bytes",
+               "evaluation": f"{n_eval} x {length} held-out bytes",
+               "outliers": f"{args.outlier_channels} channels x {args.outlier_gain}" if args.outlier_channels else None}
+    summary.update({f"{m}_{k}": v for m, st in stats.items() for k, v in st.items()})
+    if args.outlier_channels:
+        summary["outliers_max_logit_difference"] = same
+    run.write(rows, summary=summary)
     return 0
 
 
