@@ -92,8 +92,10 @@ def test_the_readme_check_fails_on_an_edited_figure(tmp_path):
 
 
 def test_no_bench_module_edits_sys_path():
-    offenders = [p.name for p in (ROOT / "bench").rglob("*.py") if "sys.path.insert" in p.read_text()
-                 or "sys.path.append" in p.read_text()]
+    # the bench's own files (bench/.cache holds venvs and fixtures the benches install: not the bench's code)
+    own = [p for p in (ROOT / "bench").rglob("*.py") if ".cache" not in p.relative_to(ROOT / "bench").parts]
+    assert any(p.name == "harness.py" for p in own)
+    offenders = [p.name for p in own if "sys.path.insert" in p.read_text() or "sys.path.append" in p.read_text()]
     assert not offenders
 
 
