@@ -28,16 +28,14 @@ KV cache; the weights are what is chosen here).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 from bench.fixture import NORMTOPK, TINY, get_fixture
-from bench.harness import REPO, Run, add_common_args, id_rows, last_json, run_quantkit, scratch_dir
+from bench.harness import Run, add_common_args, id_rows, run_quantkit, scratch_dir, vllm_load_check
 from bench.quality import heldout_windows, windows
 
 from quantkit.arch import parse_config
@@ -90,19 +88,6 @@ def measure(src: Path, out: Path, recipe: Path, calib: Path, heldout: Path, a) -
             "tensor_bytes": sum(i.nbytes for s in written.shards for i in s.tensors.values()),
             "bytes_written": conv["bytes_written"], "convert_s": round(cm["wall_s"], 1),
             "verify_s": round(vm["wall_s"], 1)}
-
-
-def vllm_check(python: str, out: Path) -> dict:
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    r = subprocess.run([python, str(REPO / "bench" / "vllm_check.py"), str(out)], capture_output=True, text=True,
-                       env=env, timeout=1800)
-    try:
-        doc = last_json(r.stdout)
-    except (json.JSONDecodeError, IndexError):
-        doc = {}
-    return {"rc": r.returncode, "accepted": r.returncode == 0 and doc.get("accepted") is not False,
-            "dropped": len(doc.get("dropped") or []), "unwritten": len(doc.get("unwritten") or []),
-            "error": None if r.returncode == 0 else (doc.get("error") or r.stderr[-400:])}
 
 
 def main(argv=None) -> int:
@@ -168,7 +153,7 @@ def main(argv=None) -> int:
     for c in chosen:
         r = measure(src, work / f"chosen-{c['fraction']}", c["recipe"], calib, heldout, a)
         if a.vllm:
-            r["vllm"] = vllm_check(a.vllm, work / f"chosen-{c['fraction']}")
+            r["vllm"] = vllm_load_check(a.vllm, work / f"chosen-{c['fraction']}")
         rows.append({"candidate": f"chosen@{c['fraction']:.2f}", "kind": "chosen", "budget": c["budget"],
                      "bytes": c["weights_bytes"], "predicted": c["predicted"], "mix": c["mix"], **r,
                      "bytes_exact": r["tensor_bytes"] == c["weights_bytes"]})

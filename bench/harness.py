@@ -536,6 +536,21 @@ def verify_json(qmodel, **kw) -> dict:
     return v.verify(qmodel, **kw).to_json()
 
 
+def vllm_load_check(python: str, out) -> dict:
+    """vLLM's own loader on checkpoint `out` (bench/vllm_check.py run by `python`, a vLLM 0.33.0 venv's): whether
+    it put every tensor into a parameter (`accepted`), and how many it dropped or left unwritten."""
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    r = subprocess.run([python, str(REPO / "bench" / "vllm_check.py"), str(out)], capture_output=True, text=True,
+                       env=env, timeout=1800)
+    try:
+        doc = last_json(r.stdout)
+    except (json.JSONDecodeError, IndexError):
+        doc = {}
+    return {"rc": r.returncode, "accepted": r.returncode == 0 and doc.get("accepted") is not False,
+            "dropped": len(doc.get("dropped") or []), "unwritten": len(doc.get("unwritten") or []),
+            "error": None if r.returncode == 0 else (doc.get("error") or r.stderr[-400:])}
+
+
 def llamacpp_run_gguf(gguf, reference, checkpoint, **kw) -> dict:
     """quantkit's run of a GGUF in llama.cpp (quantkit.verify.llamacpp_run.run_gguf), `kw` being VerifyOptions'
     fields (dataset, num_samples, seq_len, generation_tokens)."""

@@ -28,7 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.harness import Run, add_common_args, mib, run_quantkit, verify_json
+from bench.harness import (Run, Skip, add_common_args, llamacpp_run_gguf, mib, run_quantkit, verify_json,
+                           vllm_load_check)
 
 
 ROTATE = "rotate: {{kind: hadamard, seed: {seed}}}\n"
@@ -110,6 +111,42 @@ def activation_stats(model_dir: Path, ids) -> tuple[dict, object]:
     return {"kurtosis": round(kurt, 1), "max_over_rms": round(ratio, 1)}, logits
 
 
+def engines(args, fx, tmp: Path, cal: str, ev_ids: str, n_cal: int, n_eval: int, length: int) -> list[dict]:
+    """The rotated outputs in the engines, beside the unrotated ones: each recipe converted with and without the
+    rotation, exported to GGUF and run in llama.cpp (bench.harness.llamacpp_run_gguf: llama.cpp's logits against
+    the checkpoint's in transformers, on the held-out windows, and 16 greedy tokens), and put through vLLM
+    0.33.0's loader (bench/vllm_check.py) with `--vllm PY`."""
+    from quantkit.export import export
+    from quantkit.match.recipe import load_recipe, parse_recipe
+
+    rows = []
+    src = Path(fx["model_dir"])
+    for name in (["int4-experts-rtn"] if args.smoke else ["int4-experts-rtn", "int4-experts-gptq", "mxfp4-experts",
+                                                          "nvfp4-experts"]):
+        for seed in (None, args.seed):
+            text = (ROTATE.format(seed=seed) if seed is not None else "") + load_recipe(name).text
+            out = tmp / f"engines-{name}-{'plain' if seed is None else 'rot%d' % seed}"
+            yaml = tmp / f"{out.name}.yaml"
+            yaml.write_text(parse_recipe(text, name).text)
+            run_quantkit(["convert", src, out, "--recipe", yaml, "--dataset", cal, "--num-samples", n_cal,
+                          "--seq-len", length])
+            gguf = tmp / f"{out.name}.gguf"
+            export(out, gguf)
+            doc = llamacpp_run_gguf(gguf, src, out, dataset=ev_ids, num_samples=n_eval, seq_len=length,
+                                    generation_tokens=16)
+            e = doc["engine_run"]
+            row = {"model": "trained", "recipe": name, "rotation": "none" if seed is None else f"hadamard seed {seed}",
+                   "kl_source_checkpoint": e["kl_source_checkpoint"], "kl_checkpoint_llamacpp": e["kl_divergence"],
+                   "ratio_engine": e["kl_engine_vs_quantization"], "top1_llamacpp": e["top1_agreement"],
+                   "generation_agreement": (e.get("generation") or {}).get("agreement"), "passed": doc["passed"]}
+            if args.vllm:
+                v = vllm_load_check(args.vllm, out)
+                row.update(vllm_accepted=v["accepted"], vllm_dropped=v["dropped"], vllm_unwritten=v["unwritten"])
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
 def recipes(smoke: bool) -> dict[str, str]:
     """Recipe name -> its YAML text (shipped recipes read as shipped)."""
     from quantkit.match.recipe import load_recipe
@@ -161,6 +198,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the rotation's seed (its random signs)")
     ap.add_argument("--outlier-channels", type=int, default=4, help="outlier channels of the second model (0: none)")
     ap.add_argument("--outlier-gain", type=int, default=16, help="their gain (a power of two)")
+    ap.add_argument("--engines", action="store_true",
+                    help="instead: rotated and unrotated outputs in llama.cpp (GGUF) and vLLM's loader (rotate-engines)")
+    ap.add_argument("--vllm", default=None, help="with --engines: a vLLM 0.33.0 venv's python, for vLLM's loader")
     add_common_args(ap, repeat=None)
     args = ap.parse_args(argv)
     run = Run("rotate", args, argv)
@@ -168,7 +208,10 @@ def main(argv=None) -> int:
     from bench.fixture import NORMTOPK, TINY, get_fixture, stdlib_corpus
     from quantkit.match.recipe import parse_recipe
 
-    spec = TINY if args.smoke else NORMTOPK
+    from dataclasses import replace
+
+    # llama.cpp always renormalizes the top-k weights: the engines' smoke model does too
+    spec = (replace(TINY, norm_topk=True) if args.engines else TINY) if args.smoke else NORMTOPK
     fx = get_fixture(spec, log=lambda m: print(m, file=sys.stderr))
     train, held = stdlib_corpus(spec.corpus_bytes)
     n_cal, n_eval, length = (8, 4, 128) if args.smoke else (64, 16, 256)
@@ -183,6 +226,19 @@ def main(argv=None) -> int:
             return str(tmp / name)
 
         cal, ev = jsonl("cal.jsonl", train, n_cal), jsonl("eval.jsonl", held, n_eval)
+        if args.engines:
+            import importlib.util
+
+            if importlib.util.find_spec("llama_cpp") is None:
+                raise Skip("llama-cpp-python is not installed (bench/setup_llamacpp.sh)")
+            step = max(length, (len(held) - length) // n_eval)  # llama.cpp takes the byte model's ids as ids
+            ev_ids = tmp / "eval-ids.jsonl"
+            ev_ids.write_text("".join(json.dumps({"input_ids": list(held[i * step: i * step + length])}) + "\n"
+                                      for i in range(n_eval)))
+            rows = engines(args, fx, tmp, cal, str(ev_ids), n_cal, n_eval, length)
+            run.write(rows, summary={"model": f"fixture {spec.key}", "evaluation": f"{n_eval} x {length} held-out "
+                                     "bytes", "vllm": bool(args.vllm)}, tag="engines")
+            return 0
         import torch
 
         models = {"trained": Path(fx["model_dir"])}
