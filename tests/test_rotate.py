@@ -82,8 +82,11 @@ def test_fused_kernel_is_bit_identical_to_torch(hidden, dtype):
     gain = torch.rand(hidden, generator=g) + 0.5
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     assert torch.equal(h.turned(x, gain).view(bits), h.turned(x, gain, native=False).view(bits))
-    w = torch.randn(hidden, 24, generator=g).to(dtype)
-    assert torch.equal(h.turned_cols(w).view(bits), h.turned_cols(w, native=False).view(bits))
+    for k in (24, 100):  # a partial column tile; several tiles split over threads
+        w = torch.randn(hidden, k, generator=g).to(dtype)
+        assert torch.equal(h.turned_cols(w).view(bits), h.turned_cols(w, native=False).view(bits))
+        into = torch.empty_like(w)  # written in place: what the reader's strips do
+        assert h.turned_cols(w, out=into) is into and torch.equal(into.view(bits), h.turned_cols(w).view(bits))
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -94,6 +97,10 @@ def test_a_nonfinite_weight_is_refused(native):
     x[2, 7] = float("nan")
     with pytest.raises(NonFiniteWeight):
         Hadamard(64, 0).turned(x, native=native)
+    w = torch.randn(64, 40).to(torch.bfloat16)  # a writer [H, K]: the column kernel
+    w[9, 33] = float("inf")
+    with pytest.raises(NonFiniteWeight):
+        Hadamard(64, 0).turned_cols(w, native=native)
 
 
 def test_signs_depend_on_the_seed_only():

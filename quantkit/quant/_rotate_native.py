@@ -87,6 +87,49 @@ def turn_rows_bf16(src, mult, block, scale, out, bad):  # src, out bf16 bits (ui
         bad[r] = nonfinite
 
 
+@njit(nogil=True)
+def turn_cols_bf16(src, mult, block, scale, out, bad):  # src, out bf16 bits (uint16) [H, K], K a column range
+    h_, k = src.shape  # each column turned as turn_rows_bf16 turns a row: rows scaled by mult, the butterflies
+    tw = uint64(32)    # between rows across a tile of 32 columns (contiguous: vectorized), the same float32
+    buf = np.empty(h_ * 32, dtype=np.float32)  # operations per element in the same order, so the same bits
+    bits = buf.view(np.uint32)
+    hh, kk, bb = uint64(h_), uint64(k), uint64(block)
+    s = scale[0]
+    for c0 in range(uint64(0), kk, tw):
+        w = min(tw, kk - c0)
+        for j in range(uint64(0), hh):
+            m = mult[j]
+            row = j * tw
+            for c in range(uint64(0), w):
+                bits[row + c] = np.uint32(src[j, c0 + c]) << np.uint32(16)
+            for c in range(uint64(0), w):
+                buf[row + c] = buf[row + c] * m
+        for start in range(uint64(0), hh, bb):
+            h = uint64(1)
+            while h < bb:
+                for i in range(start, start + bb, uint64(2) * h):
+                    for j in range(i, i + h):
+                        lo, hi = j * tw, (j + h) * tw
+                        for c in range(uint64(0), w):
+                            a = buf[lo + c]
+                            b = buf[hi + c]
+                            buf[lo + c] = a + b
+                            buf[hi + c] = a - b
+                h *= uint64(2)
+            for j in range(start * tw, (start + bb) * tw):
+                buf[j] = buf[j] * s
+        for c in range(uint64(0), w):
+            bad[c0 + c] = False
+        for j in range(uint64(0), hh):
+            row = j * tw
+            for c in range(uint64(0), w):
+                u = bits[row + c]
+                if (u & np.uint32(0x7F800000)) == np.uint32(0x7F800000):
+                    bad[c0 + c] = True
+                out[j, c0 + c] = np.uint16((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))))
+                                           >> np.uint32(16))
+
+
 def warm() -> None:
     """Compile (or load) the kernels."""
     fwht_rows(np.zeros((1, 2), dtype=np.float32), 2, np.ones(1, dtype=np.float32))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import NonFiniteWeight, RecipeError
@@ -90,6 +91,36 @@ def fwht(x: torch.Tensor, block: int, native: bool = True) -> torch.Tensor:
     return y.mul_(_inv_sqrt(block)).view(*lead, n)
 
 
+def _turn_cols_native(w: torch.Tensor, mult: torch.Tensor, block: int, out: torch.Tensor) -> bool:
+    """Each column of w (bf16 [H, K], contiguous) as `_turn_native` turns a row, into `out` (contiguous bf16
+    [H, K]): the butterflies between rows, across a tile of columns at once, so no transposed copies; the column
+    ranges split over the native threads. False when native kernels are off or fail (`out` untouched)."""
+    global _NATIVE
+    if _NATIVE is None:
+        _NATIVE = optional_native("_rotate_native") or False
+    if not _NATIVE:
+        return False
+    from .int4 import _THREADS, _pool
+
+    k = w.shape[1]
+    src, dst = w.view(torch.int16).numpy().view("uint16"), out.view(torch.int16).numpy().view("uint16")
+    bad = np.zeros(k, dtype=np.bool_)
+    args = (mult.contiguous().numpy(), block, _inv_sqrt(block).reshape(1).numpy())
+    n = max(1, min(_THREADS or torch.get_num_threads(), k // 32))
+    bounds = [k * i // n for i in range(n + 1)]
+    try:
+        jobs = [_pool().submit(_NATIVE.turn_cols_bf16, src[:, a:b], *args, dst[:, a:b], bad[a:b])
+                for a, b in zip(bounds[1:-1], bounds[2:])]
+        _NATIVE.turn_cols_bf16(src[:, :bounds[1]], *args, dst[:, :bounds[1]], bad[:bounds[1]])
+        for j in jobs:
+            j.result()
+    except Exception:  # noqa: BLE001 - the kernel cannot compile here: the transposed row path
+        return False
+    if bool(bad.any()):
+        raise NonFiniteWeight("a weight to rotate holds NaN or Inf values")
+    return True
+
+
 def _inv_sqrt(block: int) -> torch.Tensor:
     """1/sqrt(b) as the one float32 value both paths multiply by."""
     return torch.tensor(1.0 / math.sqrt(block), dtype=torch.float32)
@@ -112,15 +143,16 @@ def _fwht_native(rows: torch.Tensor, block: int) -> bool:
     return True
 
 
-def _turn_native(w: torch.Tensor, mult: torch.Tensor, block: int) -> torch.Tensor | None:
-    """fwht(w * mult) in w's dtype (bf16 / float32 rows [R, H], contiguous) by the fused row kernel; None when
-    native kernels are off or fail."""
+def _turn_native(w: torch.Tensor, mult: torch.Tensor, block: int, out: torch.Tensor | None = None
+                 ) -> torch.Tensor | None:
+    """fwht(w * mult) in w's dtype (bf16 / float32 rows [R, H], contiguous) by the fused row kernel, into `out`
+    (contiguous, w's shape and dtype) or a fresh tensor; None when native kernels are off or fail."""
     global _NATIVE
     if _NATIVE is None:
         _NATIVE = optional_native("_rotate_native") or False
     if not _NATIVE:
         return None
-    out = torch.empty_like(w)
+    out = torch.empty_like(w) if out is None else out
     bad = torch.zeros(w.shape[0], dtype=torch.bool)
     if w.dtype == torch.bfloat16:
         fn, src, dst = (_NATIVE.turn_rows_bf16, w.view(torch.int16).numpy().view("uint16"),
@@ -183,25 +215,35 @@ class Hadamard:
         return fwht_(torch.mul(w, scale).contiguous(), self.block)  # w * scale in float32: a fresh tensor
 
     def turned(self, w: torch.Tensor, gain: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-               native: bool = True) -> torch.Tensor:
+               native: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
         """`rows(w, gain)` cast once to `dtype` (default: w's), for w [R, H]: one pass of the fused row kernel
         (quant/_rotate_native.py) where it applies (bf16 or float32 in and out, CPU), the torch path else; the
-        same bits either way."""
+        same bits either way. `out`: where to write it (w's shape, `dtype`), returned."""
         dtype = dtype or w.dtype
         if native and w.dim() == 2 and w.dtype == dtype and dtype in (torch.bfloat16, torch.float32) \
                 and w.device.type == "cpu" and self.block > 1 and w.shape[-1] == self.hidden:
             mult = self.signs() if gain is None else self.signs() * gain.to(torch.float32)
-            out = _turn_native(w.contiguous(), mult, self.block)
-            if out is not None:
-                return out
-        out = self.rows(w, gain)
-        if not bool(torch.isfinite(out).all()):
+            direct = out is not None and out.is_contiguous()
+            got = _turn_native(w.contiguous(), mult, self.block, out if direct else None)
+            if got is not None:
+                return got if out is None or direct else out.copy_(got)
+        res = self.rows(w, gain)
+        if not bool(torch.isfinite(res).all()):
             raise NonFiniteWeight("a weight to rotate holds NaN or Inf values")
-        return out.to(dtype)
+        return res.to(dtype) if out is None else out.copy_(res)
 
-    def turned_cols(self, w: torch.Tensor, dtype: torch.dtype | None = None, native: bool = True) -> torch.Tensor:
-        """`cols(w)` cast once to `dtype` (default: w's), for w [H, K]: the columns turned as rows of w^T."""
-        return self.turned(w.transpose(-1, -2), None, dtype, native).transpose(-1, -2).contiguous()
+    def turned_cols(self, w: torch.Tensor, dtype: torch.dtype | None = None, native: bool = True,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """`cols(w)` cast once to `dtype` (default: w's), for w [H, K]: the columns turned as rows of w^T (bf16 on
+        the CPU: the column kernel, no transposed copies). `out`: where to write it (w's shape, `dtype`)."""
+        dtype = dtype or w.dtype
+        if native and w.dim() == 2 and w.dtype == dtype == torch.bfloat16 and w.device.type == "cpu" \
+                and self.block > 1 and w.shape[0] == self.hidden:
+            dst = out if out is not None and out.is_contiguous() else torch.empty(w.shape, dtype=dtype)
+            if _turn_cols_native(w.contiguous(), self.signs(), self.block, dst):
+                return dst if out is None or dst is out else out.copy_(dst)
+        res = self.turned(w.transpose(-1, -2), None, dtype, native).transpose(-1, -2)
+        return res.contiguous() if out is None else out.copy_(res)
 
     def cols(self, w: torch.Tensor) -> torch.Tensor:
         """w [H, K] (or [E, H, K]) -> Q^T w in float32: a writer of the residual. Q^T w = (w^T Q)^T, so each

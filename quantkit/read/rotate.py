@@ -103,7 +103,10 @@ class Rotation:
     def _strips(self, role: Role, t: torch.Tensor, out: torch.Tensor) -> None:
         q = self.q
         step = max(1, CHUNK // self.hidden)
-        if role.kind == WRITER:  # [H, K]: Q^T W, column strips
+        if role.kind == WRITER:  # [H, K]: Q^T W, column strips (the whole tensor at once where it fits a strip)
+            if t.shape[-1] <= step:
+                q.turned_cols(t, out.dtype, out=out)
+                return
             for k in range(0, t.shape[-1], step):
                 out[:, k:k + step] = q.turned_cols(t[:, k:k + step], out.dtype)
             return
@@ -113,8 +116,8 @@ class Rotation:
         if t.dim() == 1:  # a writer's bias b Q
             out.copy_(q.turned(t[None], gain, out.dtype)[0])
             return
-        for r in range(0, t.shape[0], step):
-            out[r:r + step] = q.turned(t[r:r + step], gain, out.dtype)
+        for r in range(0, t.shape[0], step):  # row strips of a contiguous `out` are contiguous: written in place
+            q.turned(t[r:r + step], gain, out.dtype, out=out[r:r + step])
 
     def manifest(self) -> dict:
         """The manifest's record of the rotation."""
