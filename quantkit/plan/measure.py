@@ -47,6 +47,7 @@ from .throughput import THROUGHPUT, Throughput
 
 # the shapes the rates are measured on: bench/calib_cost.py's bench MoE (hidden 512, expert width 256)
 HIDDEN, INTER = 512, 256
+CHOL_LARGE = 2048  # the largest Hessian whose Cholesky is timed (2048 x 2048 float64: 32 MB, ~0.3 s on 2 cores)
 MIN_S = 0.2  # each timing repeats its operation for at least this long
 
 
@@ -181,15 +182,21 @@ def _measure_solves(bench: _Bench, out: dict) -> None:
 
     dev, sdt, g, hidden, inter = bench.dev, bench.sdt, bench.g, bench.hidden, bench.inter
     log, _best = bench.log, bench.best
-    # batched Cholesky of the reversed Hessian + its triangular inverse, nominal 2/3 K^3 per matrix
-    rates = []
-    for c, k in ((8, hidden), (32, inter)):
-        x = torch.randn(c, 4 * k, k, generator=g, dtype=torch.float64)
-        h = (x.transpose(1, 2) @ x / (4 * k)).to(dev, sdt)
+    # batched Cholesky of the reversed Hessian + its triangular inverse, nominal 2/3 K^3 per matrix, at the model's
+    # widths and up to CHOL_LARGE, fitted as peak * k / (k + half): a 7168-wide expert's Hessian factorizes several
+    # times faster per flop than a 512-wide one (measured at 256 .. 512 only, the rate over-predicted a 7168-wide
+    # layer's solve by 85%: docs/cost.md "At real widths")
+    pts = []
+    for c, k in ((32, inter), (8, hidden), (2, max(hidden, CHOL_LARGE // 2)), (1, max(hidden, CHOL_LARGE))):
+        x = torch.randn(c, 2 * k, k, generator=g, dtype=torch.float64)
+        h = (x.transpose(1, 2) @ x / (2 * k)).to(dev, sdt)
+        del x
         t = _best(lambda: (cholesky_inverse_upper(h, 0.01, 4, torch.float32), _sync(dev)), repeat=3)
-        rates.append(c * 2 / 3 * k ** 3 / t)
-    out["chol_flops"] = statistics.fmean(rates)
-    log(f"cholesky: {[round(r / 1e9, 2) for r in rates]} GFLOP/s")
+        pts.append((k, c * 2 / 3 * k ** 3 / t))
+    out["chol_flops"], out["chol_half_k"] = _fit_half(pts)
+    out["_chol_points"] = [[k, round(r / 1e9, 2)] for k, r in pts]
+    log(f"cholesky: {[(k, round(r / 1e9, 2)) for k, r in pts]} GFLOP/s -> peak {out['chol_flops'] / 1e9:.1f}, "
+        f"half k {out['chol_half_k']:.0f}")
 
     # GPTQ's column sweep: gptq() minus its factorization, at a small (fixed cost) and a large shape
     def sweep(c, n, k):

@@ -196,7 +196,7 @@ def _gptq_solves(c: Throughput, shapes: list[tuple[int, int, int, int]], block: 
             continue
         per = max(1, min(count, per))
         chunks = math.ceil(count / per)
-        chol += count * (2 / 3) * k ** 3 / c.chol_flops
+        chol += count * (2 / 3) * k ** 3 / _rate(c.chol_flops, c.chol_half_k, k)
         b = min(block, k)
         sweep += chunks * k * c.sweep_col_s
         sweep += count * n_out * k * (b / 2 + 4) / c.sweep_elems_per_s

@@ -47,6 +47,10 @@ class Throughput:
     # large GEMM in the device's other compute dtype (--compute-dtype; cpu: bfloat16, cuda: float32), at the
     # same half rows; 0: not known (the default dtype's rate stands in, and the plan says so)
     alt_gemm_flops: float = 0.0
+    # the order k at which a Cholesky + inverse of a k x k matrix reaches half of chol_flops: it runs faster on
+    # larger matrices (an AVX2 VM: 6.5 GFLOP/s at k = 256, 25 at 4096); 0: one rate whatever k (a table measured
+    # before it was)
+    chol_half_k: float = 0.0
     startup_s: float = 0.0  # once per job: a fresh process's first executor (modeling imports, first use)
     notes: tuple[str, ...] = ()
 
@@ -65,7 +69,7 @@ class Throughput:
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "Throughput":
         names = {f.name for f in fields(cls)}
-        missing = names - set(doc) - {"notes", "threads", "ranks", "startup_s", "alt_gemm_flops"}
+        missing = names - set(doc) - {"notes", "threads", "ranks", "startup_s", "alt_gemm_flops", "chol_half_k"}
         if missing:
             raise ConfigError(f"throughput table lacks {sorted(missing)}")
         kw = {k: v for k, v in doc.items() if k in names}

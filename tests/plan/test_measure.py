@@ -20,13 +20,14 @@ from quantkit.testing import tiny_config
 MEASURED = {"gemm_flops", "gemm_half_rows", "gram_flops", "gram_half_rows", "block_form_flops", "chol_flops",
             "sweep_col_s", "sweep_elems_per_s", "mem_bytes_per_s", "op_s", "read_bytes_per_s", "write_bytes_per_s",
             "fsync_s", "module_s", "fake_quant_elems_per_s", "hash_bytes_per_s", "process_bytes", "layer_s",
-            "alt_gemm_flops"}
+            "alt_gemm_flops", "chol_half_k"}
 
 
 @pytest.fixture
 def small(monkeypatch):
     monkeypatch.setattr(measure, "HIDDEN", 64)
     monkeypatch.setattr(measure, "INTER", 32)
+    monkeypatch.setattr(measure, "CHOL_LARGE", 128)
     monkeypatch.setattr(measure, "MIN_S", 0.005)
 
 
@@ -46,7 +47,7 @@ def test_measured_table(small):
         v = getattr(t, f.name)
         if f.name in MEASURED:
             assert isinstance(v, (int, float)) and math.isfinite(v) and v >= 0, (f.name, v)
-            if f.name not in ("gemm_half_rows", "gram_half_rows"):
+            if f.name not in ("gemm_half_rows", "gram_half_rows", "chol_half_k"):
                 assert v > 0, f.name
     # what is not measured is the shipped table's, and the table says so
     assert (t.link_bytes_per_s, t.setup_s, t.startup_s) == (shipped.link_bytes_per_s, shipped.setup_s,
@@ -180,3 +181,22 @@ def test_startup_probe_failure_is_a_named_error():
 
     with pytest.raises(MeasurementError, match="start-up probe failed.*not_a_model"):
         measure.measure_startup({"model_type": "not_a_model"}, rounds=1)
+
+
+def test_the_cholesky_rate_grows_with_the_matrix():
+    """chol_half_k: a k x k Cholesky at chol_flops * k / (k + half); 0 (a table measured before it was): one
+    rate whatever k, as before."""
+    from dataclasses import replace
+
+    from quantkit.plan.pass_work import _gptq_solves
+
+    base = replace(THROUGHPUT["cpu"], chol_half_k=0.0)
+    one, _ = _gptq_solves(base, [(1, 8, 512, 1)], 128)
+    assert one == pytest.approx((2 / 3) * 512 ** 3 / base.chol_flops)
+    t = replace(base, chol_half_k=1000.0)
+    small, _ = _gptq_solves(t, [(1, 8, 512, 1)], 128)
+    large, _ = _gptq_solves(t, [(1, 8, 7168, 1)], 128)
+    assert small == pytest.approx((2 / 3) * 512 ** 3 / (base.chol_flops * 512 / 1512))
+    assert large / 7168 ** 3 < small / 512 ** 3 / 2  # per flop, the large matrix is cheaper (2.6x here)
+    assert Throughput.from_json({k: v for k, v in base.to_json().items() if k != "chol_half_k"}) == base
+
