@@ -19,7 +19,7 @@ Time is a sum of counted work divided by rates:
   `gram_flops` likewise; AWQ's clip search's group errors (batched float32 [m, 32] x [32, 32] products, far
   below a large GEMM's rate) at `block_form_flops`;
 - GPTQ's factorizations (the Cholesky factor of the reversed Hessian and its triangular inverse: nominal
-  2/3 K^3 per matrix, batched) at `chol_flops`; its column sweep as `sweep_col_s` per column step (a dozen small ops: the fixed
+  2/3 K^3 per matrix, batched) at `chol_flops` * K / (K + `chol_half_k`); its column sweep as `sweep_col_s` per column step (a dozen small ops: the fixed
   part) plus its in-block updates at `sweep_elems_per_s` (elements updated per second), the lazy block
   updates as GEMM work;
 - streaming work (norms, softmax, gathers, conversions, quantize/dequantize) at `mem_bytes_per_s`; every
