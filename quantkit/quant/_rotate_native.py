@@ -88,7 +88,8 @@ def turn_rows_bf16(src, mult, block, scale, out, bad):  # src, out bf16 bits (ui
 
 
 @njit(nogil=True)
-def turn_cols_bf16(src, mult, block, scale, out, bad):  # src, out bf16 bits (uint16) [H, K], K a column range
+def turn_cols_bf16(src_t, mult, block, scale, out_t, bad):  # src_t, out_t bf16 bits (uint16) [K, H]: views of
+    src, out = src_t.T, out_t.T  # [H, K] (so that run_rows splits the columns); bad bool [K]
     h_, k = src.shape  # each column turned as turn_rows_bf16 turns a row: rows scaled by mult, the butterflies
     tw = uint64(32)    # between rows across a tile of 32 columns (contiguous: vectorized), the same float32
     buf = np.empty(h_ * 32, dtype=np.float32)  # operations per element in the same order, so the same bits

@@ -91,30 +91,27 @@ def fwht(x: torch.Tensor, block: int, native: bool = True) -> torch.Tensor:
     return y.mul_(_inv_sqrt(block)).view(*lead, n)
 
 
-def _turn_cols_native(w: torch.Tensor, mult: torch.Tensor, block: int, out: torch.Tensor) -> bool:
-    """Each column of w (bf16 [H, K], contiguous) as `_turn_native` turns a row, into `out` (contiguous bf16
-    [H, K]): the butterflies between rows, across a tile of columns at once, so no transposed copies; the column
-    ranges split over the native threads. False when native kernels are off or fail (`out` untouched)."""
+def _native():
+    """The compiled kernels (quant/_rotate_native.py), or False where native kernels are off or unavailable."""
     global _NATIVE
     if _NATIVE is None:
         _NATIVE = optional_native("_rotate_native") or False
-    if not _NATIVE:
-        return False
-    from .int4 import _THREADS, _pool
+    return _NATIVE
 
-    k = w.shape[1]
+
+def _turn_cols_native(w: torch.Tensor, mult: torch.Tensor, block: int, out: torch.Tensor) -> bool:
+    """Each column of w (bf16 [H, K], contiguous) as `_turn_native` turns a row, into `out` (contiguous bf16
+    [H, K]): the butterflies between rows, across a tile of columns at once, so no transposed copies; the column
+    ranges split over the native threads (run_rows over the transposed views). False when native kernels are off
+    or fail."""
+    global _NATIVE
+    if not _native():
+        return False
     src, dst = w.view(torch.int16).numpy().view("uint16"), out.view(torch.int16).numpy().view("uint16")
-    bad = np.zeros(k, dtype=np.bool_)
-    args = (mult.contiguous().numpy(), block, _inv_sqrt(block).reshape(1).numpy())
-    n = max(1, min(_THREADS or torch.get_num_threads(), k // 32))
-    bounds = [k * i // n for i in range(n + 1)]
-    try:
-        jobs = [_pool().submit(_NATIVE.turn_cols_bf16, src[:, a:b], *args, dst[:, a:b], bad[a:b])
-                for a, b in zip(bounds[1:-1], bounds[2:])]
-        _NATIVE.turn_cols_bf16(src[:, :bounds[1]], *args, dst[:, :bounds[1]], bad[:bounds[1]])
-        for j in jobs:
-            j.result()
-    except Exception:  # noqa: BLE001 - the kernel cannot compile here: the transposed row path
+    bad = np.zeros(w.shape[1], dtype=np.bool_)
+    if not run_rows(_NATIVE.turn_cols_bf16, src.T, (mult.contiguous().numpy(), block,
+                                                    _inv_sqrt(block).reshape(1).numpy()), (dst.T, bad)):
+        _NATIVE = False
         return False
     if bool(bad.any()):
         raise NonFiniteWeight("a weight to rotate holds NaN or Inf values")
@@ -133,9 +130,7 @@ def _fwht_native(rows: torch.Tensor, block: int) -> bool:
     """The row kernel over rows [R, N] (float32, contiguous), in place; False when native kernels are off or
     fail (rows untouched)."""
     global _NATIVE
-    if _NATIVE is None:
-        _NATIVE = optional_native("_rotate_native") or False
-    if not _NATIVE:
+    if not _native():
         return False
     if not run_rows(_NATIVE.fwht_rows, rows.numpy(), (block, _inv_sqrt(block).reshape(1).numpy()), ()):
         _NATIVE = False
@@ -148,9 +143,7 @@ def _turn_native(w: torch.Tensor, mult: torch.Tensor, block: int, out: torch.Ten
     """fwht(w * mult) in w's dtype (bf16 / float32 rows [R, H], contiguous) by the fused row kernel, into `out`
     (contiguous, w's shape and dtype) or a fresh tensor; None when native kernels are off or fail."""
     global _NATIVE
-    if _NATIVE is None:
-        _NATIVE = optional_native("_rotate_native") or False
-    if not _NATIVE:
+    if not _native():
         return None
     out = torch.empty_like(w) if out is None else out
     bad = torch.zeros(w.shape[0], dtype=torch.bool)

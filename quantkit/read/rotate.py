@@ -103,12 +103,9 @@ class Rotation:
     def _strips(self, role: Role, t: torch.Tensor, out: torch.Tensor) -> None:
         q = self.q
         step = max(1, CHUNK // self.hidden)
-        if role.kind == WRITER:  # [H, K]: Q^T W, column strips (the whole tensor at once where it fits a strip)
-            if t.shape[-1] <= step:
-                q.turned_cols(t, out.dtype, out=out)
-                return
+        if role.kind == WRITER:  # [H, K]: Q^T W, column strips (one strip, in place, where the tensor fits it)
             for k in range(0, t.shape[-1], step):
-                out[:, k:k + step] = q.turned_cols(t[:, k:k + step], out.dtype)
+                q.turned_cols(t[:, k:k + step], out.dtype, out=out[:, k:k + step])
             return
         gain = self.gains[role.norm] if role.kind == READER else None
         if role.kind not in (READER, WRITER_BIAS, EMBEDDING):
