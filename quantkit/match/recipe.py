@@ -417,28 +417,33 @@ class _BoundedLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _load_yaml(text: str):
+    """A recipe's YAML as data: size and depth bounded, a safe loader; RecipeError naming what is wrong."""
+    if len(text) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"recipe is {len(text)} characters, over the {MAX_RECIPE_BYTES} limit")
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader)
+    except RecursionError:
+        raise RecipeError("recipe YAML is nested too deeply") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"recipe is not valid YAML: {str(e).splitlines()[0]}") from None
+
+
 def fit_record(text: str) -> dict | None:
-    """The `fit` mapping of a recipe's YAML (what `plan --fit` chose and why), read as recipes are (size and depth
-    bounded, a safe loader); None when the text has none or is not a recipe."""
-    if not isinstance(text, str) or len(text) > MAX_RECIPE_BYTES:
+    """The `fit` mapping of a recipe's YAML (what `plan --fit` chose and why), read as recipes are; None when the
+    text has none or is not a recipe."""
+    if not isinstance(text, str):
         return None
     try:
-        d = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader)
-    except (RecursionError, yaml.YAMLError):
+        d = _load_yaml(text)
+    except RecipeError:
         return None
     fit = d.get("fit") if isinstance(d, dict) else None
     return fit if isinstance(fit, dict) else None
 
 
 def parse_recipe(text: str, default_name: str = "recipe") -> Recipe:
-    if len(text) > MAX_RECIPE_BYTES:
-        raise RecipeError(f"recipe is {len(text)} characters, over the {MAX_RECIPE_BYTES} limit")
-    try:
-        d = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader)
-    except RecursionError:
-        raise RecipeError("recipe YAML is nested too deeply") from None
-    except yaml.YAMLError as e:
-        raise RecipeError(f"recipe is not valid YAML: {str(e).splitlines()[0]}") from None
+    d = _load_yaml(text)
     _check_keys("recipe", d, {"name", "description", "groups", "ignore", "kv_cache", "calibration", "version",
                                  "rotate", "fit"})
     if d.get("fit") is not None and not isinstance(d["fit"], dict):  # `plan --fit`'s record: kept, not used
