@@ -119,6 +119,11 @@ def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+# statistics components (calib.layer.statistics_bytes) alive only during a forward call, and only during a solve
+FORWARD_PHASE = ("gram", "input_amax")
+SOLVE_PHASE = ("solve", "dense_solve")
+
+
 @dataclass(frozen=True)
 class LayerMemory:
     """Estimated peak bytes of one decoder layer on the device, by what holds them."""
@@ -131,7 +136,13 @@ class LayerMemory:
 
     @property
     def without_activations(self) -> int:
-        return self.weights + self.forward + sum(self.statistics.values())
+        """The weights and what the pass holds throughout (Hessians, samples, ...), plus the larger of its two
+        phases, which never overlap: a forward call with its statistics' gathers (FORWARD_PHASE), or a solve
+        (SOLVE_PHASE: one solve at a time, experts' or a dense Linear's)."""
+        st = self.statistics
+        held = sum(v for k, v in st.items() if k not in FORWARD_PHASE and k not in SOLVE_PHASE)
+        forward = self.forward + sum(st.get(k, 0) for k in FORWARD_PHASE)
+        return self.weights + held + max(forward, max((st.get(k, 0) for k in SOLVE_PHASE), default=0))
 
     @property
     def total(self) -> int:

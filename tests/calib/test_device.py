@@ -221,7 +221,18 @@ def test_cpu_equals_default_convert(tiny_models, tmp_path):
 
 # ---- the memory plan ----------------------------------------------------------------------------------------
 def _layers():
-    return [LayerMemory(0, 100, 50, {"hessians": 10}), LayerMemory(1, 300, 50, {"hessians": 40, "solve": 10})]
+    return [LayerMemory(0, 100, 50, {"hessians": 10}), LayerMemory(1, 300, 50, {"hessians": 40, "solve": 60})]
+
+
+def test_a_layer_peaks_in_its_forward_or_its_solve_not_both():
+    """A forward call (with its statistics' gathers) and a solve never overlap: the layer's peak holds the
+    weights, what the pass keeps throughout, and the larger of the two phases."""
+    m = LayerMemory(0, 1000, 50, {"hessians": 40, "samples": 5, "gram": 30, "input_amax": 1, "solve": 70,
+                                  "dense_solve": 20})
+    assert m.without_activations == 1000 + 45 + max(50 + 30 + 1, 70)
+    m = LayerMemory(0, 1000, 50, {"hessians": 40, "gram": 30, "solve": 90, "dense_solve": 100})
+    assert m.without_activations == 1000 + 40 + 100
+    assert LayerMemory(0, 1000, 50, {"hessians": 40}).without_activations == 1090
 
 
 def test_plan_places_activations_and_refuses_before_work():
