@@ -319,8 +319,9 @@ def statistics_bytes(ckpt: Checkpoint, recipe: Recipe, idx: int, layer: nn.Modul
                 out["fit"] = (grams * 4 + streams * total * h * 4 + total * kk * held // e * 12
                               + per_expert * (streams * h + 2 * p) * 4
                               + (2 * total * h * citem if o.fit_unquantized else 0))
-            out["solve"] = max(solve_bytes(n_out, k_in, min(e, group), min(held, sweep_experts(k_in, n_out, group, device)),
-                                           sitem) for n_out, k_in in ((p, h), (h, i)))
+            out["solve"] = max(solve_bytes(n_out, k_in, min(e, group),
+                                           min(held, sweep_experts(k_in, n_out, group, device)), sitem)
+                               for n_out, k_in in ((p, h), (h, i)))
         else:  # awq
             out["samples"] = s_tok * (2 * h * 4 + k * 12)
             # the experts before AWQ, in the layer's dtype; then a chunk of experts at a time (awq_pass
