@@ -4,6 +4,8 @@
     python -m bench real_shape [--model kimi-k2|glm-5] [--experts 16] [--num-samples 8] [--seq-len 512]
     python -m bench real_shape --smoke      # the same steps at toy widths (seconds; the figures mean nothing)
 
+Results: bench/results/real_shape.json (Kimi K2), real_shape-glm-5.json (GLM-5).
+
 The layer: the shipped reference config (quantkit/data/configs/) with one decoder layer, MoE from layer 0, its
 true hidden size, expert width, attention (MLA ranks, heads, rope dims; GLM-5's DSA indexer) and top-8 routing,
 but `--experts` routed experts instead of 384 / 256 (one expert is 88 MB / 75 MB in BF16: 16 experts and the
@@ -286,7 +288,7 @@ def main(argv=None) -> int:
                "heldout_windows_shared_with_calibration": len(overlap),
                "rates_here": {k: v for k, v in here.to_json().items() if k.endswith(("flops", "_per_s"))}}
     print(json.dumps(summary), file=sys.stderr)
-    run.write(rows, summary)
+    run.write(rows, summary, tag=None if a.model == "kimi-k2" else a.model)  # real_shape[-glm-5].json
     if tmp is not None:
         tmp.cleanup()
     return 0
