@@ -93,12 +93,13 @@ def machine_line(m: dict) -> str:
 
 
 def git_state() -> tuple[str, bool]:
-    """(HEAD's sha, whether tracked files differ from it)."""
+    """(HEAD's sha, whether tracked files other than bench/results/ differ from it)."""
     try:
         sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                                    capture_output=True, text=True).stdout.strip())
+        # results are data, not the code that made them: a bench run after another one is still clean
+        dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--",
+                                     ".", ":(exclude)bench/results"], capture_output=True, text=True).stdout.strip())
         return sha, dirty
     except (OSError, subprocess.CalledProcessError):
         return "unknown", True

@@ -22,10 +22,14 @@ tokens (~5,500 at top-8 / 384). Steps, each as a user runs it:
    host RAM, before anything runs;
 2. `quantkit convert` with int4-experts-rtn and int4-experts-gptq in a process of its own: wall time, peak RSS
    (polled), the timeline's phases (setup, load, forward, statistics = the Hessians, solve, write);
-3. the roof: torch.matmul in float32 timed alone at the statistics' shape ([H, Te] x [Te, H], Te = the mean
-   tokens per expert) and at the solve's rank-128 update ([P, 128] x [128, H]); each phase's FLOPs (statistics:
-   sum over experts of 2 Te (H^2 + I^2); solve: per Linear [rows, cols] cols^3 + rows cols^2, the
-   factorization and the column sweep's updates) over its measured seconds, as a fraction of that roof;
+3. the roof: torch.mm in float32 into a preallocated output, timed alone at each product's shape as the pass
+   runs it: the `grams` phase (the Hessians, timed apart from the statistics forward that calls them) does, per
+   expert and forward call of t rows (t = the mean over the pass's batch plan), X^T X ([H, t] x [t, H]), the
+   down inputs ([t, H] x [H, 2I]) and their Gram ([I, t] x [t, I]), and x x^T of every token; its roof is those
+   shapes' rates weighted by their FLOPs. The solve's roof: a rank-128 update ([P, 128] x [128, H]). Each
+   phase's FLOPs (solve: per Linear [rows, cols] cols^3 + rows cols^2, the factorization and the column sweep's
+   updates) over its measured seconds, as a fraction of its roof; beside it the Gram's rate at all of an
+   expert's tokens in one product (`grams_roof_all_tokens_gflops`: what accumulating larger blocks would reach);
 4. the layer's own float output per expert: the routed tokens' expert inputs (the source model run in
    transformers, routing recomputed from the router), ||f(X) - f_q(X)|| / ||f(X)|| for RTN's and GPTQ's decoded
    weights, and any NaN / Inf; on held-out windows (`rtn_rel_err`, `gptq_rel_err`: other windows of the same
@@ -109,17 +113,32 @@ def make_layer(name: str, experts: int, smoke: bool, dst: Path) -> Path:
 
 
 def gemm_rate(m: int, k: int, n: int, repeat: int = 3) -> float:
-    """float32 FLOP/s of torch.matmul [m, k] x [k, n] on this machine, best of `repeat`."""
+    """float32 FLOP/s of torch.mm [m, k] x [k, n] into a preallocated output (as the pass writes its products) on
+    this machine, best of `repeat`."""
     import torch
 
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    torch.matmul(a, b)
+    a, b, c = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+    torch.mm(a, b, out=c)
     best = float("inf")
     for _ in range(repeat):
         t = time.perf_counter()
-        torch.matmul(a, b)
+        torch.mm(a, b, out=c)
         best = min(best, time.perf_counter() - t)
     return 2.0 * m * k * n / best
+
+
+def call_rows(src: Path, lengths: list[int], top, experts: int) -> int:
+    """The mean rows an expert gets in one forward call of the calibrated pass (its batch plan, the executor's
+    batch size): the inner dimension of the pass's Gram and gate/up products."""
+    from quantkit.calib.activations import batch_plan
+    from quantkit.calib.executor import LayerExecutor
+    from quantkit.calib.spool import pass_batch_tokens
+
+    plan = batch_plan(lengths, pass_batch_tokens(LayerExecutor(src).batch_tokens, lengths))
+    per = top.view(len(lengths), -1, top.shape[-1])
+    counts = [int((per[b] == e).any(-1).sum()) for b in plan for e in range(experts)]
+    seen = [c for c in counts if c]
+    return max(1, round(sum(seen) / max(1, len(seen))))
 
 
 def routed_inputs(src: Path, ids) -> tuple[object, object, dict]:
@@ -259,18 +278,34 @@ def main(argv=None) -> int:
     h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
     te = [int((top == e).any(-1).sum()) for e in range(a.experts)]
     te_mean = max(1, round(sum(te) / len(te)))
-    stats_flops = sum(2.0 * t * (h * h + i * i) for t in te)
+    tc = call_rows(src, [a.seq_len] * a.num_samples, top, a.experts)
+    # the grams phase (the Hessians apart from the forward): per expert and call X^T X [H, t] x [t, H], the down
+    # inputs X [gate; up]^T [t, H] x [H, 2I] and their Gram [I, t] x [t, I]; x x^T of every token
+    tokens = a.num_samples * a.seq_len
+    parts = [(sum(2.0 * t * h * h for t in te), (h, tc, h)), (sum(4.0 * t * h * i for t in te), (tc, h, 2 * i)),
+             (sum(2.0 * t * i * i for t in te), (i, tc, i)), (2.0 * tokens * h * h, (h, a.seq_len, h))]
+    grams_flops = sum(f for f, _ in parts)
+    roof_grams = grams_flops / sum(f / gemm_rate(*shape) for f, shape in parts)  # each part at its own shape
     linears = [(2 * i, h), (h, i)]  # gate+up read the hidden state, down the expert width
     solve_flops = a.experts * sum(c ** 3 + r_ * c * c for r_, c in linears)
-    roof_stats = gemm_rate(h, te_mean, h)
     roof_solve = gemm_rate(2 * i, 128, h)
     gptq = rows[1]
-    for row, phase, flops, roof in ((gptq, "statistics", stats_flops, roof_stats),
+    ph = gptq["phases"]
+    # the plan's forward is both forwards of the layer: the statistics forward (`statistics`, less its nested
+    # grams) and the quantized layer's (`forward`); its hessians are the grams
+    gptq["forwards_s"] = round(ph.get("forward", 0.0) + ph.get("statistics", 0.0), 2)
+    gptq["forwards_predicted_here_s"] = gptq["predicted_phases_here"].get("forward")
+    gptq["grams_s"] = ph.get("grams")
+    gptq["grams_predicted_here_s"] = gptq["predicted_phases_here"].get("hessians")
+    gptq["grams_call_rows"] = tc
+    for row, phase, flops, roof in ((gptq, "grams", grams_flops, roof_grams),
                                     (gptq, "solve", solve_flops, roof_solve)):
         s = row["phases"].get(phase) or float("nan")
         row[f"{phase}_gflops"] = round(flops / s / 1e9, 1)
         row[f"{phase}_roof_gflops"] = round(roof / 1e9, 1)
         row[f"{phase}_of_roof"] = round(flops / s / roof, 3)
+    # what larger products would reach: the Gram of all of an expert's tokens at once
+    gptq["grams_roof_all_tokens_gflops"] = round(gemm_rate(h, te_mean, h) / 1e9, 1)
 
     errs = expert_errors(src, outs, hx, htop, a.experts)
     seen = expert_errors(src, outs, x, top, a.experts)

@@ -103,9 +103,10 @@ def test_a_calibrated_convert_reports_its_phases_outside_the_manifest(tmp_path):
     res = json.loads(p.stdout[p.stdout.find("{"):])
     (rank,) = res["timeline"]["ranks"]
     assert rank["rank"] == 0
-    for name in ("setup", "load", "statistics", "solve", "forward", "write", "stream"):
+    for name in ("setup", "load", "statistics", "grams", "solve", "forward", "write", "stream"):
         assert rank["phases"][name] > 0, (name, rank["phases"])
     assert [row["layer"] for row in rank["layers"]] == [0, 1]
+    assert all("grams" in row["phases"] for row in rank["layers"])  # the Hessians of each layer, apart
     assert abs(sum(rank["phases"].values()) + rank["untracked_s"] - rank["wall_s"]) < 0.05 * rank["wall_s"]
     assert rank["wall_s"] <= res["seconds"] + 0.5
     assert "timeline" not in (out / "quantkit_manifest.json").read_text()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import timeline
 from ..errors import CalibrationError
 from ..match.recipe import affinity_experts
 from . import moe
@@ -165,6 +166,13 @@ class ExpertStats:
 
     def _observe(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor, routing: "moe.Routing",
                  h_all: bool, rows: int | None = None) -> None:
+        """`_observe_call` timed as the timeline's `grams` phase (nested in the statistics forward that calls it:
+        what the Hessians cost apart from the forward itself)."""
+        with timeline.phase("grams"):
+            self._observe_call(x, idx, wts, routing, h_all, rows)
+
+    def _observe_call(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor, routing: "moe.Routing",
+                      h_all: bool, rows: int | None = None) -> None:
         """One batch's contribution, in batch order: token total, all-token Hessian, samples, counts, Grams.
         `rows`: the batch's tokens when x holds only its first (sampled) rows (no Hessians then). With a
         top-up pool, the batch's rows past the calibration samples' go to `_top_up` instead."""

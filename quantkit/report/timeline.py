@@ -27,7 +27,7 @@ MAX_NAME = 40
 HINT = "pass the JSON `quantkit convert --json` printed (it holds `timeline`), or its `timeline` object"
 # one colour per phase the pass records, in pipeline order; phases not listed use the grey of "other"
 COLOURS = {"setup": "#7f7f7f", "load": "#bcbd22", "forward": "#1f77b4", "statistics": "#17becf",
-           "solve": "#2ca02c", "exchange": "#ff7f0e", "wait": "#d62728", "write": "#9467bd",
+           "grams": "#aec7e8", "solve": "#2ca02c", "exchange": "#ff7f0e", "wait": "#d62728", "write": "#9467bd",
            "stream": "#8c564b", "kv": "#e377c2", "untracked": "#dddddd", "other": "#c7c7c7"}
 
 
