@@ -65,7 +65,7 @@ def convert_row(n: int, src: Path, out: Path, data: Path, samples: int, seq_len:
 # The calibrated pass's own phases (quantkit/timeline.py): what ranks can divide, KV-scale calibration (`kv`,
 # data parallel: --recipe fp8-kv) included. Left out: `setup` (the model skeleton, the plan: every rank pays
 # it) and `stream` (the RTN shard conversion after the pass).
-PASS_PHASES = ("load", "forward", "statistics", "solve", "exchange", "wait", "write", "kv")
+PASS_PHASES = ("load", "forward", "statistics", "grams", "solve", "exchange", "wait", "write", "kv")
 
 
 def _pass_seconds(ranks: list[dict], key: str = "phases", phases: tuple[str, ...] = PASS_PHASES) -> float | None:
