@@ -127,9 +127,10 @@ def gemm_rate(m: int, k: int, n: int, repeat: int = 3) -> float:
     return 2.0 * m * k * n / best
 
 
-def call_rows(src: Path, lengths: list[int], top, experts: int) -> int:
-    """The mean rows an expert gets in one forward call of the calibrated pass (its batch plan, the executor's
-    batch size): the inner dimension of the pass's Gram and gate/up products."""
+def call_rows(src: Path, lengths: list[int], top, experts: int) -> tuple[int, int]:
+    """(the mean rows an expert gets in one forward call of the calibrated pass, the mean tokens of a call), from
+    its batch plan at the executor's batch size: the inner dimensions of the pass's expert Grams and gate/up
+    products, and of its all-token x x^T."""
     from quantkit.calib.activations import batch_plan
     from quantkit.calib.executor import LayerExecutor
     from quantkit.calib.spool import pass_batch_tokens
@@ -138,7 +139,8 @@ def call_rows(src: Path, lengths: list[int], top, experts: int) -> int:
     per = top.view(len(lengths), -1, top.shape[-1])
     counts = [int((per[b] == e).any(-1).sum()) for b in plan for e in range(experts)]
     seen = [c for c in counts if c]
-    return max(1, round(sum(seen) / max(1, len(seen))))
+    call_tokens = sum(lengths[j] for b in plan for j in b) / max(1, len(plan))
+    return max(1, round(sum(seen) / max(1, len(seen)))), max(1, round(call_tokens))
 
 
 def routed_inputs(src: Path, ids) -> tuple[object, object, dict]:
@@ -278,12 +280,12 @@ def main(argv=None) -> int:
     h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
     te = [int((top == e).any(-1).sum()) for e in range(a.experts)]
     te_mean = max(1, round(sum(te) / len(te)))
-    tc = call_rows(src, [a.seq_len] * a.num_samples, top, a.experts)
+    tc, tcall = call_rows(src, [a.seq_len] * a.num_samples, top, a.experts)
     # the grams phase (the Hessians apart from the forward): per expert and call X^T X [H, t] x [t, H], the down
     # inputs X [gate; up]^T [t, H] x [H, 2I] and their Gram [I, t] x [t, I]; x x^T of every token
     tokens = a.num_samples * a.seq_len
     parts = [(sum(2.0 * t * h * h for t in te), (h, tc, h)), (sum(4.0 * t * h * i for t in te), (tc, h, 2 * i)),
-             (sum(2.0 * t * i * i for t in te), (i, tc, i)), (2.0 * tokens * h * h, (h, a.seq_len, h))]
+             (sum(2.0 * t * i * i for t in te), (i, tc, i)), (2.0 * tokens * h * h, (h, tcall, h))]
     grams_flops = sum(f for f, _ in parts)
     roof_grams = grams_flops / sum(f / gemm_rate(*shape) for f, shape in parts)  # each part at its own shape
     linears = [(2 * i, h), (h, i)]  # gate+up read the hidden state, down the expert width
