@@ -82,7 +82,7 @@ def test_fused_kernel_is_bit_identical_to_torch(hidden, dtype):
     gain = torch.rand(hidden, generator=g) + 0.5
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     assert torch.equal(h.turned(x, gain).view(bits), h.turned(x, gain, native=False).view(bits))
-    for k in (24, 100):  # a partial column tile; several tiles split over threads
+    for k in (24, 100, 300):  # one partial column tile; several tiles split over threads
         w = torch.randn(hidden, k, generator=g).to(dtype)
         assert torch.equal(h.turned_cols(w).view(bits), h.turned_cols(w, native=False).view(bits))
         into = torch.empty_like(w)  # written in place: what the reader's strips do
@@ -228,6 +228,48 @@ def test_same_bytes_across_runs_and_workers(tmp_path):
     assert first == _shard_bytes(outs[1]) == _shard_bytes(outs[2])
     m = json.loads((outs[0] / MANIFEST_NAME).read_text())
     assert m["summary"]["modules_quantized"] > 0 and m["rotation"]["seed"] == 7
+
+
+def test_turned_while_quantized_equals_quantizing_the_turned_model(tmp_path):
+    """RTN of a rotated recipe turns each expert straight into the reused batch (read_into): its output equals
+    the rotation-only model's experts quantized by the same recipe without rotation, byte for byte."""
+    src = make_tiny_model("qwen3_moe", tmp_path / "src", seed=3, hidden=96)
+    _random_gains(src, 2)
+    rtn = "groups:\n  experts:\n    targets: ['re:.*mlp\\.experts\\..*']\n    scheme: {num_bits: 4, group_size: 32}\n"
+    convert(src, tmp_path / "both", ConvertOptions(recipe=parse_recipe(ROTATE + rtn, "rot-int4"), model_card=False))
+    convert(src, tmp_path / "turned", ConvertOptions(recipe=parse_recipe(ROTATE, "rot"), model_card=False))
+    convert(tmp_path / "turned", tmp_path / "then", ConvertOptions(recipe=parse_recipe(rtn, "int4"), model_card=False))
+    both, then = (_tensors(tmp_path / d) for d in ("both", "then"))
+    packed = [n for n in both if n.endswith("weight_packed")]
+    assert packed and both.keys() == then.keys()
+    assert all(torch.equal(both[n], then[n]) for n in both)
+
+
+def test_read_into_turns_rows_and_columns_in_place(tmp_path):
+    """TensorReader.read_into a rotated tensor (a reader's rows r0:r1, a writer whole or by rows) equals the
+    turned tensor `view` hands out, sliced."""
+    from quantkit.read.rotate import Rotation
+    from quantkit.read.tensors import TensorReader
+    from quantkit.quant.rotate import RotationSpec
+
+    src = make_tiny_model("qwen3_moe", tmp_path / "src", seed=4, hidden=96)
+    _random_gains(src, 3)
+    ck = Checkpoint.open(src)
+    rot = Rotation.plan(ck, RotationSpec(seed=5))
+    reader = next(n for n in ck.location if n.endswith("experts.1.up_proj.weight"))
+    writer = next(n for n in ck.location if n.endswith("experts.1.down_proj.weight"))
+    with TensorReader(ck.root, ck.location, {sh.name: sh.header for sh in ck.shards}, rotation=rot) as r:
+        for name, rows in ((reader, None), (reader, (3, 11)), (writer, None), (writer, (5, 40))):
+            want = r.view(name, rows=rows)
+            out = torch.full(want.shape, float("nan"), dtype=want.dtype)
+            r.read_into(name, out, rows=rows)
+            assert torch.equal(out.view(torch.int16), want.contiguous().view(torch.int16)), (name, rows)
+        assert not torch.equal(r.view(reader), r._get(reader))  # turned, not copied
+
+
+def _tensors(out: Path) -> dict[str, torch.Tensor]:
+    return {n: t for s in json.loads((out / MANIFEST_NAME).read_text())["shards"]
+            for n, t in load_file(str(out / s["name"])).items()}
 
 
 # ---- block-FP8 sources -------------------------------------------------------------------------------

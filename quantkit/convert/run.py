@@ -399,8 +399,8 @@ def _mapped_views(u: RTNUnit, ctx: _Context) -> list[torch.Tensor] | None:
     for it in u.items:
         ref = it.source
         if (ref.layout is not None or ref.stored is not None or ctx.r.location.get(ref.tensor) != ctx.own
-                or (ref.expert is None and ctx.sp.has(ref.tensor))):
-            return None
+                or (ref.expert is None and ctx.sp.has(ref.tensor)) or ctx.r.turns(ref.tensor)):
+            return None  # (a turned tensor is turned into the reused batch: no fresh pages per expert)
         t = ctx.r.view(ref.tensor, ref.expert, ref.rows)  # this shard's own tensor: a view of its mapping
         if t.dtype != u.src_dtype or not t.is_contiguous() or tuple(t.shape) != tuple(it.shape):
             return None

@@ -87,17 +87,58 @@ def turn_rows_bf16(src, mult, block, scale, out, bad):  # src, out bf16 bits (ui
         bad[r] = nonfinite
 
 
+@njit(nogil=True, inline="always")
+def _stages4(buf, lo, hi, h, tw, w):
+    """Butterfly stages h and 2h over tile rows [lo, hi) (a multiple of 4h; each tile row tw floats, the first
+    w used), fused in registers: per element the same two adds or subtracts in the same order as two radix-2
+    stages, so the same bits, with half the passes over the tile."""
+    for i in range(lo, hi, uint64(4) * h):
+        for j in range(i, i + h):
+            p0, p1, p2, p3 = j * tw, (j + h) * tw, (j + uint64(2) * h) * tw, (j + uint64(3) * h) * tw
+            for c in range(uint64(0), w):
+                a, b, x, y = buf[p0 + c], buf[p1 + c], buf[p2 + c], buf[p3 + c]
+                a, b, x, y = a + b, a - b, x + y, x - y  # stage h: (j, j + h), (j + 2h, j + 3h)
+                buf[p0 + c], buf[p2 + c] = a + x, a - x  # stage 2h: (j, j + 2h), (j + h, j + 3h)
+                buf[p1 + c], buf[p3 + c] = b + y, b - y
+
+
+@njit(nogil=True, inline="always")
+def _stage2(buf, lo, hi, h, tw, w):
+    """One radix-2 butterfly stage h over tile rows [lo, hi), as _stages4."""
+    for i in range(lo, hi, uint64(2) * h):
+        for j in range(i, i + h):
+            p0, p1 = j * tw, (j + h) * tw
+            for c in range(uint64(0), w):
+                a, b = buf[p0 + c], buf[p1 + c]
+                buf[p0 + c], buf[p1 + c] = a + b, a - b
+
+
+@njit(nogil=True, inline="always")
+def _stages(buf, lo, hi, h, end, tw, w):
+    """Stages h, 2h, ... below `end` over tile rows [lo, hi): two at a time, one alone at the end if odd."""
+    while uint64(4) * h <= end:
+        _stages4(buf, lo, hi, h, tw, w)
+        h *= uint64(4)
+    if h < end:
+        _stage2(buf, lo, hi, h, tw, w)
+
+
+COL_TILE = 128  # columns turned together: the butterflies' inner loop, contiguous and vectorized
+L1_FLOATS = 4096  # a 16 KiB sub-block of the tile: the early stages run on it while it is in L1
+
+
 @njit(nogil=True)
-def turn_cols_bf16(src_t, mult, block, scale, out_t, bad):  # src_t, out_t bf16 bits (uint16) [K, H]: views of
-    src, out = src_t.T, out_t.T  # [H, K] (so that run_rows splits the columns); bad bool [K]
-    h_, k = src.shape  # each column turned as turn_rows_bf16 turns a row: rows scaled by mult, the butterflies
-    tw = uint64(32)    # between rows across a tile of 32 columns (contiguous: vectorized), the same float32
-    buf = np.empty(h_ * 32, dtype=np.float32)  # operations per element in the same order, so the same bits
-    bits = buf.view(np.uint32)
-    hh, kk, bb = uint64(h_), uint64(k), uint64(block)
+def turn_cols_bf16(src, mult, block, scale, out, bad, c_lo, c_hi):  # src, out bf16 bits (uint16) [H, K]
+    h_, k = src.shape  # (contiguous); bad bool [K]; columns [c_lo, c_hi) (a thread's share). Each column turned
+    tw = uint64(COL_TILE)  # as turn_rows_bf16 turns a row: rows scaled by mult, the butterflies between rows
+    buf = np.empty(h_ * COL_TILE, dtype=np.float32)  # across a tile of columns at once, the same float32
+    bits = buf.view(np.uint32)  # operations per element in the same order (so the same bits): first the
+    top = np.empty(COL_TILE, dtype=np.uint32)  # stages within L1-sized sub-blocks, then the rest over the tile
+    hh, bb = uint64(h_), uint64(block)
+    sub = max(uint64(1), min(bb, uint64(L1_FLOATS) // tw))
     s = scale[0]
-    for c0 in range(uint64(0), kk, tw):
-        w = min(tw, kk - c0)
+    for c0 in range(uint64(c_lo), uint64(c_hi), tw):
+        w = min(tw, uint64(c_hi) - c0)
         for j in range(uint64(0), hh):
             m = mult[j]
             row = j * tw
@@ -106,29 +147,22 @@ def turn_cols_bf16(src_t, mult, block, scale, out_t, bad):  # src_t, out_t bf16 
             for c in range(uint64(0), w):
                 buf[row + c] = buf[row + c] * m
         for start in range(uint64(0), hh, bb):
-            h = uint64(1)
-            while h < bb:
-                for i in range(start, start + bb, uint64(2) * h):
-                    for j in range(i, i + h):
-                        lo, hi = j * tw, (j + h) * tw
-                        for c in range(uint64(0), w):
-                            a = buf[lo + c]
-                            b = buf[hi + c]
-                            buf[lo + c] = a + b
-                            buf[hi + c] = a - b
-                h *= uint64(2)
+            for s0 in range(start, start + bb, sub):
+                _stages(buf, s0, s0 + sub, uint64(1), sub, tw, w)
+            _stages(buf, start, start + bb, sub, bb, tw, w)
             for j in range(start * tw, (start + bb) * tw):
                 buf[j] = buf[j] * s
         for c in range(uint64(0), w):
-            bad[c0 + c] = False
+            top[c] = 0
         for j in range(uint64(0), hh):
             row = j * tw
             for c in range(uint64(0), w):
                 u = bits[row + c]
-                if (u & np.uint32(0x7F800000)) == np.uint32(0x7F800000):
-                    bad[c0 + c] = True
+                top[c] = max(top[c], u & np.uint32(0x7F800000))  # all exponent bits set: NaN or Inf
                 out[j, c0 + c] = np.uint16((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))))
                                            >> np.uint32(16))
+        for c in range(uint64(0), w):
+            bad[c0 + c] = top[c] == np.uint32(0x7F800000)
 
 
 def warm() -> None:

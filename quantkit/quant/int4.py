@@ -331,21 +331,32 @@ def run_rows(fn, src, consts: tuple, arrays: tuple, per_row: tuple[int, ...] = (
     least `min_rows` rows per thread. `per_row`: the positions in `consts` that hold one value per row
     (split with the rows). False when the kernel failed (numba cannot compile here): the caller and the
     rest of the run use the torch path."""
-    r = src.shape[0]
     split = set(per_row)
-    n_threads = max(1, min(_THREADS or torch.get_num_threads(), r // max(1, min_rows)))
 
     def part(a, b):
         return (src[a:b], *(c[a:b] if i in split else c for i, c in enumerate(consts)), *(x[a:b] for x in arrays))
 
+    return _run_split(src.shape[0], lambda a, b: fn(*part(a, b)), min_rows)
+
+
+def run_span(fn, n: int, args: tuple, min_items: int = 64) -> bool:
+    """Run a kernel `fn(*args, lo, hi)` over the index range [0, n) split into one contiguous [lo, hi) per
+    native thread (at least `min_items` each): for kernels that take whole arrays and a range of their own
+    (contiguous arrays keep numba's unit-stride loops vectorized, where a sliced view would not). False as
+    run_rows."""
+    return _run_split(n, lambda a, b: fn(*args, a, b), min_items)
+
+
+def _run_split(r: int, call, min_items: int) -> bool:
+    n_threads = max(1, min(_THREADS or torch.get_num_threads(), r // max(1, min_items)))
     try:
         if n_threads == 1:
-            fn(src, *consts, *arrays)
+            call(0, r)
         else:
             bounds = [r * i // n_threads for i in range(n_threads + 1)]
             parts = list(zip(bounds, bounds[1:]))
-            jobs = [_pool().submit(fn, *part(a, b)) for a, b in parts[1:]]
-            fn(*part(*parts[0]))  # the calling thread takes a share too
+            jobs = [_pool().submit(call, a, b) for a, b in parts[1:]]
+            call(*parts[0])  # the calling thread takes a share too
             for j in jobs:
                 j.result()
     except Exception as e:  # noqa: BLE001 - the kernel failed to compile here: use the torch path from now on

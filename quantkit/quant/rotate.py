@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import NonFiniteWeight, RecipeError
-from .int4 import optional_native, run_rows
+from .int4 import optional_native, run_rows, run_span
 
 KINDS = ("hadamard",)
 MAX_BLOCK = 1 << 15  # a 32768-wide block; wider hidden sizes use several blocks
@@ -102,15 +102,14 @@ def _native():
 def _turn_cols_native(w: torch.Tensor, mult: torch.Tensor, block: int, out: torch.Tensor) -> bool:
     """Each column of w (bf16 [H, K], contiguous) as `_turn_native` turns a row, into `out` (contiguous bf16
     [H, K]): the butterflies between rows, across a tile of columns at once, so no transposed copies; the column
-    ranges split over the native threads (run_rows over the transposed views). False when native kernels are off
-    or fail."""
+    ranges split over the native threads (run_span). False when native kernels are off or fail."""
     global _NATIVE
     if not _native():
         return False
     src, dst = w.view(torch.int16).numpy().view("uint16"), out.view(torch.int16).numpy().view("uint16")
     bad = np.zeros(w.shape[1], dtype=np.bool_)
-    if not run_rows(_NATIVE.turn_cols_bf16, src.T, (mult.contiguous().numpy(), block,
-                                                    _inv_sqrt(block).reshape(1).numpy()), (dst.T, bad)):
+    if not run_span(_NATIVE.turn_cols_bf16, w.shape[1], (src, mult.contiguous().numpy(), block,
+                                                         _inv_sqrt(block).reshape(1).numpy(), dst, bad)):
         _NATIVE = False
         return False
     if bool(bad.any()):

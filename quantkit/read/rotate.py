@@ -85,16 +85,25 @@ class Rotation:
         """Tensor `name` (or one expert [N, K] of a fused 3-D tensor) as the rotated model holds it, float32."""
         return self.rotated(name, t, torch.float32)
 
-    def rotated(self, name: str, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def by_rows(self, name: str) -> bool:
+        """Whether each row of tensor `name` is turned on its own (a reader, an embedding: W Q), so that rows
+        r0:r1 of the turned tensor are the turned rows r0:r1; a writer's rows (Q^T W) each depend on all rows."""
+        return self.roles[name].kind in (READER, EMBEDDING)
+
+    def rotated(self, name: str, t: torch.Tensor, dtype: torch.dtype | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """Tensor `name` (or one expert of a fused tensor) turned in float32 and cast once to `dtype` (default: t's
-        own), a fresh tensor. Turned in strips of CHUNK elements (rows of a reader or an embedding, columns of a
-        writer, one expert of a fused tensor at a time): the float32 temporaries stay small whatever the tensor
+        own): a fresh tensor, or written into `out` (contiguous, t's shape: a reused buffer, no fresh pages to
+        fault in) and returned. Turned in strips of CHUNK elements (rows of a reader or an embedding, columns of
+        a writer, one expert of a fused tensor at a time): the float32 temporaries stay small whatever the tensor
         (a 160k x 7168 embedding), and a row's or column's result does not depend on the strip it was in."""
         role = self.roles[name]
-        dtype = dtype or t.dtype
+        dtype = dtype or (t.dtype if out is None else out.dtype)
+        if out is not None and (tuple(out.shape) != tuple(t.shape) or out.dtype != dtype or not out.is_contiguous()):
+            raise ValueError(f"cannot turn {name[:120]} into a {list(out.shape)} {out.dtype} buffer")
         if role.kind == NORM:
-            return torch.ones(t.shape, dtype=dtype)
-        out = torch.empty(t.shape, dtype=dtype)
+            return torch.ones(t.shape, dtype=dtype) if out is None else out.fill_(1)
+        out = torch.empty(t.shape, dtype=dtype) if out is None else out
         for src, dst in zip(t.reshape(-1, *t.shape[-2:]) if t.dim() >= 2 else [t],
                             out.reshape(-1, *t.shape[-2:]) if t.dim() >= 2 else [out]):
             self._strips(role, src, dst)

@@ -84,6 +84,10 @@ class TensorReader:
     def info(self, name: str):
         return self.header(self.location[name]).tensors[name]
 
+    def turns(self, name: str) -> bool:
+        """Whether the rotation turns tensor `name` (as `get` and `view` hand it out)."""
+        return self._turns(name, self.info(name).dtype)
+
     def _turns(self, name: str, dtype: torch.dtype) -> bool:
         """The rotation turns tensor `name` as read (a float; FP8 codes are turned after decoding)."""
         return self.rotation is not None and dtype.is_floating_point and dtype.itemsize > 1 \
@@ -147,6 +151,13 @@ class TensorReader:
             offset = (expert or 0) * per_expert + (rows[0] * row if rows is not None else 0)
             self._file(self.location[name]).readinto(name, out, offset)
             return
+        if self._turns(name, info.dtype) and out.is_contiguous() and (rows is None or self.rotation.by_rows(name)):
+            t = self._get(name)  # turned straight into `out`: no turned copy of the whole tensor
+            t = t[expert] if expert is not None else t
+            t = t[rows[0]:rows[1]] if rows is not None else t
+            if tuple(t.shape) == tuple(out.shape):
+                self.rotation.rotated(name, t, out.dtype, out=out)
+                return
         out.copy_(self.view(name, expert, rows))
 
     def decode(self, sw, dtype: torch.dtype = torch.float32, notes=None,
