@@ -30,17 +30,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 from bench.convert_rtn import SMOKE_ARCH
-from bench.harness import (CACHE, Run, add_common_args, measure_cmd, numel, qwen3moe_specs, synth_qwen3moe)
+from bench.harness import (CACHE, PEER_PYTHON, Run, add_common_args, measure_cmd, numel, peer_available, qwen3moe_specs,
+                           synth_qwen3moe)
 
 MB = 1_000_000
 SLACK = 500 * MB
-DEFAULT_PEER = CACHE / "peer-venv" / "bin" / "python"
 
 ARCH = dict(vocab_size=32768, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512,
             num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4)
@@ -123,16 +122,6 @@ PEER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def peer_available(python: Path) -> tuple[bool, str]:
-    if not python.is_file():
-        return False, f"{python} does not exist (the peer venv is not set up yet)"
-    r = subprocess.run([str(python), "-c", "import llmcompressor, datasets; print(llmcompressor.__version__)"],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        return False, f"{python} cannot import llmcompressor: {r.stderr.strip().splitlines()[-1:]}"
-    return True, r.stdout.strip().splitlines()[-1]
-
-
 def _measure(cmd: list[str], out: Path) -> dict:
     """measure_cmd with stdout to `out` (its stderr's tail in the result), wall and CPU seconds rounded."""
     r = measure_cmd(cmd, stdout=out)
@@ -146,7 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--num-samples", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--peer-python", type=Path, default=DEFAULT_PEER)
+    ap.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
     ap.add_argument("--peer-observer", default="static_minmax",
                     help="llm-compressor observer for the KV scheme: static_minmax (a global max, like quantkit) "
                          "or minmax (its default moving average)")

@@ -537,6 +537,20 @@ def verify_json(qmodel, **kw) -> dict:
     return v.verify(qmodel, **kw).to_json()
 
 
+PEER_PYTHON = CACHE / "peer-venv" / "bin" / "python"  # bench/setup_peers.sh's venv (llm-compressor)
+
+
+def peer_available(python: Path) -> tuple[bool, str]:
+    """Whether `python` (a peer venv's) imports llm-compressor and datasets: (True, its version) or (False, why)."""
+    if not Path(python).is_file():
+        return False, f"{python} does not exist (the peer venv is not set up yet: bench/setup_peers.sh)"
+    r = subprocess.run([str(python), "-c", "import llmcompressor, datasets; print(llmcompressor.__version__)"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        return False, f"{python} cannot import llmcompressor: {r.stderr.strip().splitlines()[-1:]}"
+    return True, r.stdout.strip().splitlines()[-1]
+
+
 def vllm_load_check(python: str, out) -> dict:
     """vLLM's own loader on checkpoint `out` (bench/vllm_check.py run by `python`, a vLLM 0.33.0 venv's): whether
     it put every tensor into a parameter (`accepted`), and how many it dropped or left unwritten."""

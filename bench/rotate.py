@@ -2,10 +2,13 @@
 fixture: NVFP4 W4A4 GPTQ, NVFP4 W4A16, MXFP4 W4A16 (RTN, the shipped recipes) and INT4 W4A16 GPTQ
 (int4-experts-gptq), each converted with and without the rotation from the same BF16 fixture on the same
 calibration tokens, then `quantkit verify --reference` on held-out text: next-token KL, top-1, the convert's wall
-time and peak RSS (`quantkit convert --json` in a process of its own, its RSS polled); then convert time and peak RSS on a
-0.6 GB synthetic qwen3_moe (hidden 2048), RTN with and without the rotation. About 5 minutes on 2 loaded cores.
+time and peak RSS (`quantkit convert --json` in a process of its own, its RSS polled); then llm-compressor's
+rotations on the same models and tokens (GPTQ NVFP4 W4A4 without and with SpinQuant R1 + R2 and QuIP, and
+SpinQuant's rotation alone; `PEER_SCRIPT`); then convert time and peak RSS on a 0.6 GB synthetic qwen3_moe (hidden
+2048), RTN with and without the rotation. About 15 minutes on 2 cores (the peer rows ~8 of them).
 
-    python -m bench rotate [--seed S] [--smoke]     # --smoke: the 5-step fixture, INT4 RTN only (seconds)
+    python -m bench rotate [--seed S] [--peer-python PY | --skip-peer] [--smoke]   # --smoke: the 5-step fixture,
+                                                                                   # INT4 RTN only, no peer
 
 The fixture is bench/fixture.py's NORMTOPK (a byte-level qwen3_moe, hidden 128: one 128-wide Hadamard block,
 trained norms whose gains the rotation folds into the readers). Calibration: 64 x 256 bytes of training text;
@@ -24,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.harness import (Run, Skip, add_common_args, llamacpp_run_gguf, mib, run_quantkit, verify_json,
-                           vllm_load_check)
+from bench.harness import (PEER_PYTHON, Run, Skip, add_common_args, last_json, llamacpp_run_gguf, mib, peer_available,
+                           run_quantkit, verify_json, vllm_load_check)
 
 
 ROTATE = "rotate: {{kind: hadamard, seed: {seed}}}\n"
@@ -91,6 +95,126 @@ def outlier_model(src: Path, dst: Path, channels: int, gain: int) -> Path:
         save_file(ts, str(dst / f), metadata={"format": "pt"})
     print(f"outlier model: {changed} tensors changed, channels {idx.tolist()} x {gain}", file=sys.stderr)
     return dst
+
+
+# llm-compressor's rotations on the same model, calibration rows and held-out rows (bench/setup_peers.sh's venv):
+# its MoE experts made Linears (linearize_moe) and qwen3_moe's router wrapped in one (what its own Cohere2-MoE
+# preparation does), SpinQuant's mappings registered for the architecture (its on_initialize infers them from the
+# registries, over any passed in), then oneshot with GPTQ NVFP4 on the same expert targets, damp 0.01, block 128.
+# KL(ref || quantized) per position on the held-out rows, the reference being the source in float32, as verify.
+PEER_SCRIPT = r"""
+import json, sys, time
+import torch
+from transformers import AutoModelForCausalLM
+
+src, ids_path, rotation, quantize = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+ids = json.load(open(ids_path))
+cal, ev = torch.tensor(ids["cal"]), torch.tensor(ids["eval"])
+torch.manual_seed(0)
+from datasets import Dataset
+import importlib.metadata as md
+from llmcompressor import oneshot
+from llmcompressor.modeling.fuse import fuse_norm_linears
+from llmcompressor.modeling.moe.linearize import linearize_moe
+from llmcompressor.modifiers.quantization import GPTQModifier
+from llmcompressor.modifiers.transform import QuIPModifier, SpinQuantModifier
+from llmcompressor.modifiers.transform.spinquant import base as spinquant_base
+from llmcompressor.modifiers.transform.spinquant.mappings import SPINQUANT_MAPPING_REGISTRY, SpinQuantMapping
+from llmcompressor.modifiers.transform.spinquant.norm_mappings import NORM_MAPPING_REGISTRY, NormMapping
+
+
+class LinearRouter(torch.nn.Module):
+    def __init__(self, router):
+        super().__init__()
+        self.top_k, self.norm_topk_prob, self.hidden_dim = router.top_k, router.norm_topk_prob, router.hidden_dim
+        self.linear = torch.nn.Linear(router.hidden_dim, router.num_experts, bias=False, dtype=router.weight.dtype)
+        self.linear.weight.data.copy_(router.weight.data)
+
+    def forward(self, hidden_states):
+        logits = self.linear(hidden_states.reshape(-1, self.hidden_dim))
+        top, idx = torch.topk(torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1), self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top /= top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), idx
+
+
+def logprobs(m):
+    with torch.no_grad():
+        return m(input_ids=ev).logits.float().log_softmax(-1)
+
+
+ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+lp_ref = logprobs(ref)
+del ref
+model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+linearize_moe(model)
+for layer in model.model.layers:
+    layer.mlp.gate = LinearRouter(layer.mlp.gate)
+experts = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
+recipe = []
+if rotation.startswith("spinquant"):
+    for layer in model.model.layers:  # the norm in front of every expert and the router, fused as for Cohere2-MoE
+        readers = [layer.mlp.gate.linear] + [p for e in layer.mlp.experts if hasattr(e, "gate_proj")
+                                             for p in (e.gate_proj, e.up_proj)]
+        fuse_norm_linears(layer.post_attention_layernorm, readers)
+    SPINQUANT_MAPPING_REGISTRY[type(model).__name__] = SpinQuantMapping(
+        embedding=r"re:.*embed_tokens$", attn=r"re:.*self_attn$", attn_q=r"re:.*q_proj$", attn_k=r"re:.*k_proj$",
+        attn_v=r"re:.*v_proj$", attn_o=r"re:.*o_proj$", mlp_out=[r"re:.*experts\.\d+\.down_proj$"],
+        mlp_in=[r"re:.*experts\.\d+\.up_proj$", r"re:.*experts\.\d+\.gate_proj$", r"re:.*mlp\.gate\.linear$"],
+        lm_head="lm_head")
+    NORM_MAPPING_REGISTRY[type(model).__name__] = [
+        NormMapping(norm=r"re:.*input_layernorm$", linears=[r"re:.*q_proj$", r"re:.*k_proj$", r"re:.*v_proj$"]),
+        NormMapping(norm="model.norm", linears=["lm_head"])]
+    if rotation == "spinquant-nocenter":  # its embedding centering is not a function-preserving step under RMSNorm
+        spinquant_base.center_embeddings = lambda embedding: None
+    recipe.append(SpinQuantModifier(rotations=["R1", "R2"], transform_type="hadamard"))
+elif rotation == "quip":
+    recipe.append(QuIPModifier(rotations=["v", "u"], transform_type="random-hadamard", targets=[experts]))
+if quantize:
+    recipe.append(GPTQModifier(targets=[experts], scheme="NVFP4", ignore=["lm_head", r"re:.*mlp\.gate.*"],
+                               block_size=128, dampening_frac=0.01))
+ds = Dataset.from_dict({"input_ids": cal.tolist(), "attention_mask": torch.ones_like(cal).tolist()})
+t = time.perf_counter()
+oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=len(cal), max_seq_length=cal.shape[1])
+seconds = time.perf_counter() - t
+lp = logprobs(model.float().eval())
+print(json.dumps({"kl": float((lp_ref.exp() * (lp_ref - lp)).sum(-1).mean()),
+                  "top1": float((lp_ref.argmax(-1) == lp.argmax(-1)).float().mean()), "oneshot_s": round(seconds, 3),
+                  "llmcompressor": md.version("llmcompressor")}))
+"""
+# (rotation, quantize): GPTQ NVFP4 W4A4 without and with each rotation, and SpinQuant's rotation alone (its KL to
+# the source: what the rotation itself costs before any quantization)
+PEER_CASES = [("none", True), ("spinquant", True), ("spinquant-nocenter", True), ("quip", True),
+              ("spinquant", False), ("spinquant-nocenter", False)]
+
+
+def peers(python: Path, models: dict, tmp: Path, cal_ids: list, ev_ids: list) -> list[dict]:
+    """llm-compressor's GPTQ NVFP4 W4A4 on each model without and with SpinQuant (R1 + R2, Hadamard; as shipped,
+    and with its embedding centering off) and QuIP (U and V, random Hadamard), and SpinQuant's rotation alone."""
+    import subprocess
+
+    script, ids = tmp / "peer_rotate.py", tmp / "peer_ids.json"
+    script.write_text(PEER_SCRIPT)
+    ids.write_text(json.dumps({"cal": cal_ids, "eval": ev_ids}))
+    rows = []
+    for model, src in models.items():
+        base = None
+        for rotation, quantize in PEER_CASES:
+            r = subprocess.run([str(python), str(script), str(src), str(ids), rotation, "1" if quantize else "0"],
+                               capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+            if r.returncode != 0:
+                raise SystemExit(f"llm-compressor ({rotation}) failed: {r.stderr[-2000:]}")
+            doc = last_json(r.stdout)
+            row = {"model": model, "tool": f"llm-compressor {doc['llmcompressor']}",
+                   "recipe": "nvfp4a4-experts-gptq" if quantize else "rotation only", "rotation": rotation,
+                   "kl": doc["kl"], "top1": doc["top1"], "convert_s": doc["oneshot_s"]}
+            if quantize and base is None:
+                base = row
+            elif quantize:
+                row["ratio_kl"] = round(row["kl"] / base["kl"], 3) if base["kl"] else None
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
 
 
 def activation_stats(model_dir: Path, ids) -> tuple[dict, object]:
@@ -160,36 +284,41 @@ def recipes(smoke: bool) -> dict[str, str]:
 
 def streamed(tmp: Path, seed: int, smoke: bool) -> list[dict]:
     """Convert time and peak RSS where the weights are large enough to matter: bench/convert_rtn.py's synthetic
-    qwen3_moe (Qwen3-30B-A3B's widths, hidden 2048: one 2048-wide block; 0.6 GB, two shards), int4-experts-rtn
-    with and without the rotation and the rotation alone, each the best of two runs."""
-    from bench.convert_rtn import SMOKE_ARCH, make_checkpoint
+    qwen3_moe (Qwen3-30B-A3B's widths, hidden 2048: one 2048-wide block; 0.6 GB, two shards: 32 experts, so the
+    embedding and lm_head are 45% of it), and one layer of all 128 of Qwen3-30B-A3B's experts (1.5 GB: 18%; the
+    whole model: 2%), int4-experts-rtn with and without the rotation and the rotation alone, each the best of three
+    runs, the cases taking turns (a drift in the machine's speed touches every case alike)."""
+    from bench.convert_rtn import ARCH, SMOKE_ARCH, make_checkpoint
 
     from quantkit.match.recipe import load_recipe
 
-    src = make_checkpoint(0.01, 2, arch=SMOKE_ARCH) if smoke else make_checkpoint(0.5, 2)
+    srcs = [make_checkpoint(0.01, 2, arch=SMOKE_ARCH)] if smoke else [
+        make_checkpoint(0.5, 2), make_checkpoint(1.4, 2, arch={**ARCH, "num_experts": 128})]
     rtn = load_recipe("int4-experts-rtn").text
     cases = {"int4-experts-rtn": rtn, "int4-experts-rtn + rotate": ROTATE.format(seed=seed) + rtn,
              "rotate only": ROTATE.format(seed=seed)}
-    rows, base = [], None
-    for name, text in cases.items():
-        yaml = tmp / f"streamed-{len(rows)}.yaml"
-        yaml.write_text(text)
-        runs = []
-        for _ in range(2):
-            out = tmp / "streamed-out"
-            doc, m = run_quantkit(["convert", src, out, "--recipe", yaml, "--overwrite"])
-            runs.append({**doc, "peak_rss_bytes": m["peak_rss_bytes"]})
-        best = min(runs, key=lambda d: d["seconds"])
-        row = {"recipe": name, "rotation": "hadamard seed %d" % seed if "rotate" in name else "none",
-               "model": f"synthetic qwen3_moe {src.name}", "convert_s": best["seconds"],
-               "peak_rss_mib": mib(max(d["peak_rss_bytes"] for d in runs)),
-               "source_mib": mib(best["bytes_read"])}
-        if base is None:
-            base = row
-        else:
-            row["ratio_convert_s"] = round(row["convert_s"] / base["convert_s"], 3)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+    rows = []
+    for src in srcs:
+        runs: dict[str, list] = {name: [] for name in cases}
+        for _ in range(3):
+            for i, (name, text) in enumerate(cases.items()):
+                yaml = tmp / f"streamed-{i}.yaml"
+                yaml.write_text(text)
+                doc, m = run_quantkit(["convert", src, tmp / "streamed-out", "--recipe", yaml, "--overwrite"])
+                runs[name].append({**doc, "peak_rss_bytes": m["peak_rss_bytes"]})
+        base = None
+        for name in cases:
+            best = min(runs[name], key=lambda d: d["seconds"])
+            row = {"tool": "quantkit", "recipe": name, "rotation": "hadamard seed %d" % seed if "rotate" in name
+                   else "none", "model": f"synthetic qwen3_moe {src.name}", "convert_s": best["seconds"],
+                   "peak_rss_mib": mib(max(d["peak_rss_bytes"] for d in runs[name])),
+                   "source_mib": mib(best["bytes_read"])}
+            if base is None:
+                base = row
+            else:
+                row["ratio_convert_s"] = round(row["convert_s"] / base["convert_s"], 3)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     return rows
 
 
@@ -201,6 +330,9 @@ def main(argv=None) -> int:
     ap.add_argument("--engines", action="store_true",
                     help="instead: rotated and unrotated outputs in llama.cpp (GGUF) and vLLM's loader (rotate-engines)")
     ap.add_argument("--vllm", default=None, help="with --engines: a vLLM 0.33.0 venv's python, for vLLM's loader")
+    ap.add_argument("--peer-python", type=Path, default=PEER_PYTHON,
+                    help="the peer venv's python (bench/setup_peers.sh): llm-compressor's SpinQuant / QuIP rows")
+    ap.add_argument("--skip-peer", action="store_true", help="no llm-compressor rows")
     add_common_args(ap, repeat=None)
     args = ap.parse_args(argv)
     run = Run("rotate", args, argv)
@@ -219,9 +351,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="qk-bench-rotate-") as tmp:
         tmp = Path(tmp)
 
-        def jsonl(name, data, n):  # n texts of `length` bytes (a byte-level model: tokens are bytes)
+        def windows(data, n):  # n windows of `length` bytes, evenly spaced (a byte-level model: tokens are bytes)
             step = max(length, (len(data) - length) // n)
-            texts = [data[i * step: i * step + length].decode("latin-1") for i in range(n)]
+            return [data[i * step: i * step + length] for i in range(n)]
+
+        def jsonl(name, data, n):
+            texts = [w.decode("latin-1") for w in windows(data, n)]
             (tmp / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
             return str(tmp / name)
 
@@ -273,7 +408,7 @@ def main(argv=None) -> int:
                                 generation_tokens=0)
                 mt = v["metrics"]
                 rotation = "none" if not rotated else f"hadamard seed {seed}" + (f" block {block}" if block else "")
-                row = {"model": model, "recipe": name, "rotation": rotation,
+                row = {"model": model, "tool": "quantkit", "recipe": name, "rotation": rotation,
                        "kl": mt["kl_divergence"], "top1": mt["top1_agreement"], "ppl_ref": mt["perplexity_reference"],
                        "ppl": mt["perplexity_quantized"], "convert_s": doc["seconds"],
                        "peak_rss_mib": mib(m["peak_rss_bytes"]), "passed": v["passed"]}
@@ -284,11 +419,22 @@ def main(argv=None) -> int:
                     row["ratio_convert_s"] = round(row["convert_s"] / base["convert_s"], 3)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+        peer = "skipped (--smoke)" if args.smoke else "skipped (--skip-peer)" if args.skip_peer else None
+        if peer is None:
+            ok, why = peer_available(args.peer_python)
+            if ok:
+                rows += peers(args.peer_python, models, tmp, [list(w) for w in windows(train, n_cal)],
+                              [list(w) for w in windows(held, n_eval)])
+                peer = why
+            else:
+                peer = f"pending: {why}"
+                print(f"llm-compressor: {peer}; re-run with --peer-python PATH", file=sys.stderr)
         rows += streamed(tmp, args.seed, args.smoke)
     model = f"fixture {spec.key} ({spec.steps} steps, final loss {fx['final_loss']:.3f}, hidden {spec.hidden})"
     summary = {"model": model, "calibration": f"{n_cal} x {length} training bytes",
                "evaluation": f"{n_eval} x {length} held-out bytes",
-               "outliers": f"{args.outlier_channels} channels x {args.outlier_gain}" if args.outlier_channels else None}
+               "outliers": f"{args.outlier_channels} channels x {args.outlier_gain}" if args.outlier_channels else None,
+               "llmcompressor": peer}
     summary.update({f"{m}_{k}": v for m, st in stats.items() for k, v in st.items()})
     if args.outlier_channels:
         summary["outliers_max_logit_difference"] = same

@@ -151,9 +151,10 @@ class TensorReader:
             offset = (expert or 0) * per_expert + (rows[0] * row if rows is not None else 0)
             self._file(self.location[name]).readinto(name, out, offset)
             return
-        if self._turns(name, info.dtype) and out.is_contiguous() and (rows is None or self.rotation.by_rows(name)):
-            t = self._get(name)  # turned straight into `out`: no turned copy of the whole tensor
-            t = t[expert] if expert is not None else t
+        if (self._turns(name, info.dtype) and out.dtype == info.dtype and out.is_contiguous()
+                and (rows is None or self.rotation.by_rows(name))):
+            t = self._get(name)  # turned straight into `out` (cast once, as `view`): no turned copy of the whole
+            t = t[expert] if expert is not None else t  # tensor first
             t = t[rows[0]:rows[1]] if rows is not None else t
             if tuple(t.shape) == tuple(out.shape):
                 self.rotation.rotated(name, t, out.dtype, out=out)
