@@ -138,13 +138,19 @@ class LinearRouter(torch.nn.Module):
         return logits, top.to(logits.dtype), idx
 
 
-def logprobs(m):
+def logprobs(m):  # and the routed expert sets of every router call, sorted: [token-layers, top_k]
+    chosen = []
+    hooks = [mod.register_forward_hook(lambda _m, _i, out: chosen.append(out[-1].reshape(-1, out[-1].shape[-1])))
+             for name, mod in m.named_modules() if name.endswith("mlp.gate")]
     with torch.no_grad():
-        return m(input_ids=ev).logits.float().log_softmax(-1)
+        lp = m(input_ids=ev).logits.float().log_softmax(-1)
+    for h in hooks:
+        h.remove()
+    return lp, torch.cat(chosen).sort(-1).values
 
 
 ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-lp_ref = logprobs(ref)
+lp_ref, experts_ref = logprobs(ref)
 del ref
 model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
 linearize_moe(model)
@@ -177,9 +183,10 @@ ds = Dataset.from_dict({"input_ids": cal.tolist(), "attention_mask": torch.ones_
 t = time.perf_counter()
 oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=len(cal), max_seq_length=cal.shape[1])
 seconds = time.perf_counter() - t
-lp = logprobs(model.float().eval())
+lp, experts = logprobs(model.float().eval())
 print(json.dumps({"kl": float((lp_ref.exp() * (lp_ref - lp)).sum(-1).mean()),
                   "top1": float((lp_ref.argmax(-1) == lp.argmax(-1)).float().mean()), "oneshot_s": round(seconds, 3),
+                  "router_same": float((experts_ref == experts).all(-1).float().mean()),
                   "llmcompressor": md.version("llmcompressor")}))
 """
 # (rotation, quantize): GPTQ NVFP4 W4A4 without and with each rotation, and SpinQuant's rotation alone (its KL to
@@ -208,6 +215,8 @@ def peers(python: Path, models: dict, tmp: Path, cal_ids: list, ev_ids: list) ->
             row = {"model": model, "tool": f"llm-compressor {doc['llmcompressor']}",
                    "recipe": "nvfp4a4-experts-gptq" if quantize else "rotation only", "rotation": rotation,
                    "kl": doc["kl"], "top1": doc["top1"], "convert_s": doc["oneshot_s"]}
+            if not quantize:
+                row["router_same"] = doc["router_same"]
             if quantize and base is None:
                 base = row
             elif quantize:
@@ -215,6 +224,29 @@ def peers(python: Path, models: dict, tmp: Path, cal_ids: list, ev_ids: list) ->
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
+
+
+def rotation_alone(src: Path, out: Path, ids) -> dict:
+    """The rotated BF16 model `out` against its source `src` on `ids`, both in float32 (what the rotation and its
+    one rounding to BF16 cost, apart from BF16 arithmetic): KL(source || rotated) per position, top-1 agreement,
+    and the share of router calls x tokens whose top-k expert sets are equal."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def run(path):
+        m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        chosen = []
+        for n, mod in m.named_modules():
+            if n.endswith("mlp.gate"):
+                mod.register_forward_hook(lambda _m, _i, o: chosen.append(o[-1].reshape(-1, o[-1].shape[-1])))
+        with torch.no_grad():
+            lp = m(input_ids=ids).logits.float().log_softmax(-1)
+        return lp, torch.cat(chosen).sort(-1).values
+
+    (la, ea), (lb, eb) = run(src), run(out)
+    return {"kl": float((la.exp() * (la - lb)).sum(-1).mean()), "top1": float((la.argmax(-1) == lb.argmax(-1))
+                                                                               .float().mean()),
+            "router_same": float((ea == eb).all(-1).float().mean())}
 
 
 def activation_stats(model_dir: Path, ids) -> tuple[dict, object]:
@@ -386,6 +418,16 @@ def main(argv=None) -> int:
             same = float((stats["outliers"][1] - stats["trained"][1]).abs().max())
             print(f"outlier model: max |logit difference| {same:.2e}", file=sys.stderr)
         stats = {m: st for m, (st, _) in stats.items()}
+        ev_ids = torch.tensor([list(w) for w in windows(held, n_eval)], dtype=torch.int64)
+        for model, src in models.items():  # the rotation alone, before any quantization
+            out = tmp / f"{model}-rotated"
+            (tmp / "rotate.yaml").write_text(ROTATE.format(seed=args.seed))
+            doc, m = run_quantkit(["convert", src, out, "--recipe", tmp / "rotate.yaml"])
+            row = {"model": model, "tool": "quantkit", "recipe": "rotation only",
+                   "rotation": f"hadamard seed {args.seed}", **rotation_alone(src, out, ev_ids),
+                   "convert_s": doc["seconds"], "peak_rss_mib": mib(m["peak_rss_bytes"])}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
         for (model, src), (name, text) in ((m, r) for m in models.items() for r in recipes(args.smoke).items()):
             base = None
             # the RTN recipes (seconds each) also with a second seed: how much the seed alone moves the KL; the
