@@ -5,7 +5,7 @@ calibration tokens, then `quantkit verify --reference` on held-out text: next-to
 time and peak RSS (`quantkit convert --json` in a process of its own, its RSS polled); then llm-compressor's
 rotations on the same models and tokens (GPTQ NVFP4 W4A4 without and with SpinQuant R1 + R2 and QuIP, and
 SpinQuant's rotation alone; `PEER_SCRIPT`); then convert time and peak RSS on a 0.6 GB synthetic qwen3_moe (hidden
-2048), RTN with and without the rotation. About 15 minutes on 2 cores (the peer rows ~8 of them).
+2048) and on one 1.5 GB layer of 128 experts, RTN with and without the rotation. About 15 minutes on 2 cores (the peer rows ~8 of them).
 
     python -m bench rotate [--seed S] [--peer-python PY | --skip-peer] [--smoke]   # --smoke: the 5-step fixture,
                                                                                    # INT4 RTN only, no peer
@@ -398,10 +398,8 @@ def main(argv=None) -> int:
 
             if importlib.util.find_spec("llama_cpp") is None:
                 raise Skip("llama-cpp-python is not installed (bench/setup_llamacpp.sh)")
-            step = max(length, (len(held) - length) // n_eval)  # llama.cpp takes the byte model's ids as ids
-            ev_ids = tmp / "eval-ids.jsonl"
-            ev_ids.write_text("".join(json.dumps({"input_ids": list(held[i * step: i * step + length])}) + "\n"
-                                      for i in range(n_eval)))
+            ev_ids = tmp / "eval-ids.jsonl"  # llama.cpp takes the byte model's ids as ids
+            ev_ids.write_text("".join(json.dumps({"input_ids": list(w)}) + "\n" for w in windows(held, n_eval)))
             rows = engines(args, fx, tmp, cal, str(ev_ids), n_cal, n_eval, length)
             run.write(rows, summary={"model": f"fixture {spec.key}", "evaluation": f"{n_eval} x {length} held-out "
                                      "bytes", "vllm": bool(args.vllm)}, tag="engines")
