@@ -6,6 +6,7 @@ standard library's own sources (present on every machine), byte-level (vocab 256
     python -m bench fixture --skewed   # 32 experts, top-4, skewed routing: expert coverage matters
     python -m bench fixture --skewed128  # the same with expert width 128 (group 128 fits)
     python -m bench fixture --normtopk   # norm_topk_prob true (llama.cpp's routing), 1200 steps: the GGUF export's
+    python -m bench fixture --massive    # NORMTOPK trained with 4 massive residual channels (bench/rotate.py)
     python -m bench fixture --smoke      # TINY: 2 layers, 5 steps on 400 kB (seconds; the other benches' smoke case)
 
 The model is cached under bench/.cache/fixture-<hash>/ (a normal transformers checkpoint + the token
@@ -48,12 +49,18 @@ class FixtureSpec:
     seed: int = 0
     threads: int = 2
     norm_topk: bool = False  # Qwen3-MoE's norm_topk_prob (its config class defaults to false; releases set true)
+    # massive residual channels: `offset_channels` channels of every embedding row start at +`offset` (a fixed
+    # random choice) and train from there, so the residual stream carries large, token-independent channels, as
+    # released LLMs' residual streams do (the "massive activations" that act as biases)
+    offset: float = 0.0
+    offset_channels: int = 0
 
     @property
     def key(self) -> str:
         d = asdict(self)
-        if not d["norm_topk"]:  # the fixtures trained before the field existed keep their key
-            del d["norm_topk"]
+        for k in ("norm_topk", "offset", "offset_channels"):  # fixtures trained before a field existed keep their key
+            if not d[k]:
+                del d[k]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -71,6 +78,9 @@ SKEWED128 = replace(SKEWED, moe_intermediate=128)
 # llama.cpp's qwen3moe graph always renormalizes the top-k routing weights, as the released Qwen3-MoE configs ask
 # (norm_topk_prob: true): the fixture the GGUF export is measured on (bench/gguf_export.py), trained half as long
 NORMTOPK = FixtureSpec(norm_topk=True, steps=1200)
+# the same trained with 4 massive residual channels (+8 at the embedding; the trained residual stream's channels
+# have an RMS of ~1-1.5): bench/rotate.py's model where outliers are part of what was learned, not planted after
+MASSIVE = replace(NORMTOPK, offset=8.0, offset_channels=4)
 # the smoke case of the benches that need a trained fixture: trained for seconds, so its figures mean nothing
 TINY = FixtureSpec(layers=2, steps=5, warmup=2, batch=8, corpus_bytes=400_000)
 
@@ -120,6 +130,11 @@ def get_fixture(spec: FixtureSpec = FixtureSpec(), log=print) -> dict:
     # the eager expert loop: on this CPU 0.36 s per batch-32 training step, against 18 s for batched_mm and
     # 0.53 s for grouped_mm (measured side by side)
     model = AutoModelForCausalLM.from_config(config_for(spec), experts_implementation="eager")
+    if spec.offset_channels:
+        with torch.no_grad():
+            pick = torch.Generator().manual_seed(spec.seed + 1)
+            ch = torch.randperm(spec.hidden, generator=pick)[:spec.offset_channels]
+            model.model.embed_tokens.weight[:, ch] += spec.offset
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(spec.seed)
@@ -185,10 +200,11 @@ def main(argv=None) -> int:
     ap.add_argument("--skewed", action="store_true", help="the 32-expert top-4 fixture with skewed routing")
     ap.add_argument("--skewed128", action="store_true", help="the same with expert width 128")
     ap.add_argument("--normtopk", action="store_true", help="norm_topk_prob true, as llama.cpp routes (GGUF export)")
+    ap.add_argument("--massive", action="store_true", help="the same trained with 4 massive residual channels")
     add_common_args(ap, repeat=None)
     a = ap.parse_args(argv)
     spec = (TINY if a.smoke else WIDE if a.wide else SKEWED if a.skewed else SKEWED128 if a.skewed128
-            else NORMTOPK if a.normtopk else FixtureSpec())
+            else NORMTOPK if a.normtopk else MASSIVE if a.massive else FixtureSpec())
     if a.steps is not None:
         spec = replace(spec, steps=a.steps)
     run = Run("fixture", a, argv)

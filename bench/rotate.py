@@ -5,7 +5,7 @@ calibration tokens, then `quantkit verify --reference` on held-out text: next-to
 time and peak RSS (`quantkit convert --json` in a process of its own, its RSS polled); then llm-compressor's
 rotations on the same models and tokens (GPTQ NVFP4 W4A4 without and with SpinQuant R1 + R2 and QuIP, and
 SpinQuant's rotation alone; `PEER_SCRIPT`); then convert time and peak RSS on a 0.6 GB synthetic qwen3_moe (hidden
-2048) and on one 1.5 GB layer of 128 experts, RTN with and without the rotation. About 15 minutes on 2 cores (the peer rows ~8 of them).
+2048) and on one 1.5 GB layer of 128 experts, RTN with and without the rotation. About 25 minutes on 2 cores (the peer rows ~12 of them).
 
     python -m bench rotate [--seed S] [--peer-python PY | --skip-peer] [--smoke]   # --smoke: the 5-step fixture,
                                                                                    # INT4 RTN only, no peer
@@ -20,7 +20,11 @@ That fixture's residual stream has no outliers (the summary's `kurtosis` and `ma
 q_proj and the router: a Gaussian's 3 and ~3-4), so the rotation has nothing to spread there. The same model with
 outlier channels (`--outlier-channels N --outlier-gain K`, default 4 and 16: N channels of every RMSNorm gain
 times K, the matching input columns of every Linear that reads the norm divided by K; K a power of two, so the
-model computes the same logits bit for bit) is measured beside it: the rows whose `model` is `outliers`.
+model computes the same logits bit for bit) is measured beside it: the rows whose `model` is `outliers`. Folding
+the norm gains into the readers undoes that planting exactly, so it shows what a rotation does to outliers that
+carry signal through a norm gain. The third model, `massive`, is bench/fixture.py's MASSIVE: the same recipe
+trained with 4 massive residual channels (token-independent, like the massive activations of released LLMs),
+so the outliers are part of what was learned and no folding removes them.
 """
 
 from __future__ import annotations
@@ -359,6 +363,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the rotation's seed (its random signs)")
     ap.add_argument("--outlier-channels", type=int, default=4, help="outlier channels of the second model (0: none)")
     ap.add_argument("--outlier-gain", type=int, default=16, help="their gain (a power of two)")
+    ap.add_argument("--skip-massive", action="store_true",
+                    help="without the fixture trained with massive residual channels (bench fixture --massive)")
     ap.add_argument("--engines", action="store_true",
                     help="instead: rotated and unrotated outputs in llama.cpp (GGUF) and vLLM's loader (rotate-engines)")
     ap.add_argument("--vllm", default=None, help="with --engines: a vLLM 0.33.0 venv's python, for vLLM's loader")
@@ -369,7 +375,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     run = Run("rotate", args, argv)
 
-    from bench.fixture import NORMTOPK, TINY, get_fixture, stdlib_corpus
+    from bench.fixture import MASSIVE, NORMTOPK, TINY, get_fixture, stdlib_corpus
     from quantkit.match.recipe import parse_recipe
 
     from dataclasses import replace
@@ -410,6 +416,9 @@ def main(argv=None) -> int:
         if args.outlier_channels:
             models["outliers"] = outlier_model(models["trained"], tmp / "outliers", args.outlier_channels,
                                                args.outlier_gain)
+        if not args.smoke and not args.skip_massive:
+            massive = get_fixture(MASSIVE, log=lambda m: print(m, file=sys.stderr))
+            models["massive"] = Path(massive["model_dir"])
         ids = torch.tensor(list(held[: n_eval * length]), dtype=torch.int64).view(n_eval, length)
         stats = {m: activation_stats(p, ids) for m, p in models.items()}
         if "outliers" in stats:  # the same function: float32 logits equal up to the order of the sums
@@ -475,6 +484,9 @@ def main(argv=None) -> int:
                "evaluation": f"{n_eval} x {length} held-out bytes",
                "outliers": f"{args.outlier_channels} channels x {args.outlier_gain}" if args.outlier_channels else None,
                "llmcompressor": peer}
+    if "massive" in models:
+        summary["massive_model"] = (f"fixture {MASSIVE.key} ({MASSIVE.offset_channels} channels +{MASSIVE.offset} "
+                                    f"at the embedding, final loss {massive['final_loss']:.3f})")
     summary.update({f"{m}_{k}": v for m, st in stats.items() for k, v in st.items()})
     if args.outlier_channels:
         summary["outliers_max_logit_difference"] = same
