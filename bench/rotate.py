@@ -232,25 +232,37 @@ def peers(python: Path, models: dict, tmp: Path, cal_ids: list, ev_ids: list) ->
 
 def rotation_alone(src: Path, out: Path, ids) -> dict:
     """The rotated BF16 model `out` against its source `src` on `ids`, both in float32 (what the rotation and its
-    one rounding to BF16 cost, apart from BF16 arithmetic): KL(source || rotated) per position, top-1 agreement,
-    and the share of router calls x tokens whose top-k expert sets are equal."""
+    one rounding to BF16 cost, apart from BF16 arithmetic): KL(source || rotated) per position (mean and median),
+    top-1 agreement, the share of router calls x tokens whose top-k expert sets are equal, and how much of the KL
+    the tokens whose routed set changed in some layer carry (`kl_routing_same`: the mean over the others). Then
+    each model run in BF16 against itself in float32 (`bf16_kl_source`, `bf16_kl`, and their medians): how much
+    more the rotated model feels BF16 arithmetic, which every BF16 engine adds."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    def run(path):
-        m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    def run(path, dtype=torch.float32):
+        m = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
         chosen = []
         for n, mod in m.named_modules():
             if n.endswith("mlp.gate"):
                 mod.register_forward_hook(lambda _m, _i, o: chosen.append(o[-1].reshape(-1, o[-1].shape[-1])))
         with torch.no_grad():
             lp = m(input_ids=ids).logits.float().log_softmax(-1)
-        return lp, torch.cat(chosen).sort(-1).values
+        return lp.flatten(0, -2), torch.stack(chosen).sort(-1).values  # [tokens, vocab], [layers, tokens, top_k]
+
+    def kl(a, b):  # per token
+        return (a.exp() * (a - b)).sum(-1)
 
     (la, ea), (lb, eb) = run(src), run(out)
-    return {"kl": float((la.exp() * (la - lb)).sum(-1).mean()), "top1": float((la.argmax(-1) == lb.argmax(-1))
-                                                                               .float().mean()),
-            "router_same": float((ea == eb).all(-1).float().mean())}
+    k = kl(la, lb)
+    same = (ea == eb).all(-1)
+    moved = ~same.all(0)  # tokens whose routed set changed in some layer
+    k_src16, k_rot16 = kl(la, run(src, torch.bfloat16)[0]), kl(lb, run(out, torch.bfloat16)[0])
+    return {"kl": float(k.mean()), "kl_median": float(k.median()),
+            "top1": float((la.argmax(-1) == lb.argmax(-1)).float().mean()), "router_same": float(same.float().mean()),
+            "routing_changed_tokens": int(moved.sum()), "kl_routing_same": float(k[~moved].mean()),
+            "bf16_kl_source": float(k_src16.mean()), "bf16_kl": float(k_rot16.mean()),
+            "bf16_kl_source_median": float(k_src16.median()), "bf16_kl_median": float(k_rot16.median())}
 
 
 def activation_stats(model_dir: Path, ids) -> tuple[dict, object]:
@@ -281,16 +293,22 @@ def engines(args, fx, tmp: Path, cal: str, ev_ids: str, n_cal: int, n_eval: int,
 
     rows = []
     src = Path(fx["model_dir"])
-    for name in (["int4-experts-rtn"] if args.smoke else ["int4-experts-rtn", "int4-experts-gptq", "mxfp4-experts",
-                                                          "nvfp4-experts"]):
+    names = ["int4-experts-rtn"] if args.smoke else ["int4-experts-rtn", "int4-experts-gptq", "mxfp4-experts",
+                                                     "nvfp4-experts"]
+    # first the rotation alone: the BF16 source itself (exported as it is) and its rotated BF16 output
+    for name in ["rotation only"] + names:
         for seed in (None, args.seed):
-            text = (ROTATE.format(seed=seed) if seed is not None else "") + load_recipe(name).text
-            out = tmp / f"engines-{name}-{'plain' if seed is None else 'rot%d' % seed}"
-            yaml = tmp / f"{out.name}.yaml"
-            yaml.write_text(parse_recipe(text, name).text)
-            run_quantkit(["convert", src, out, "--recipe", yaml, "--dataset", cal, "--num-samples", n_cal,
-                          "--seq-len", length])
-            gguf = tmp / f"{out.name}.gguf"
+            out = tmp / f"engines-{name.replace(' ', '-')}-{'plain' if seed is None else 'rot%d' % seed}"
+            if name == "rotation only" and seed is None:
+                out = src
+            else:
+                text = (ROTATE.format(seed=seed) if seed is not None else "")
+                text += load_recipe(name).text if name != "rotation only" else ""
+                yaml = tmp / f"{out.name}.yaml"
+                yaml.write_text(parse_recipe(text, name).text)
+                run_quantkit(["convert", src, out, "--recipe", yaml, "--dataset", cal, "--num-samples", n_cal,
+                              "--seq-len", length])
+            gguf = tmp / f"engines-{name.replace(' ', '-')}-{'plain' if seed is None else 'rot%d' % seed}.gguf"
             export(out, gguf)
             doc = llamacpp_run_gguf(gguf, src, out, dataset=ev_ids, num_samples=n_eval, seq_len=length,
                                     generation_tokens=16)
