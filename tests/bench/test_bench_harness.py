@@ -107,3 +107,15 @@ def test_the_list_names_every_bench_module():
     assert modules == listed
     readme_text = (ROOT / "bench" / "README.md").read_text()
     assert not [m for m in modules if f"`{m}`" not in readme_text], "bench/README.md describes every module"
+
+
+def test_fixture_keys_survive_new_training_fields():
+    # the cache key covers every training setting; a field added later must not move the keys of the fixtures
+    # trained before it (their cached models and every committed result name them), and setting it must
+    from dataclasses import replace
+
+    from bench.fixture import MASSIVE, NORMTOPK, FixtureSpec
+
+    assert FixtureSpec().key == "53201bd9cef5" and NORMTOPK.key == "401ded54c7e5"
+    assert MASSIVE.key not in (FixtureSpec().key, NORMTOPK.key)
+    assert replace(NORMTOPK, offset_channels=4).key not in (NORMTOPK.key, MASSIVE.key)
