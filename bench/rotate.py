@@ -7,8 +7,8 @@ rotations on the same models and tokens (GPTQ NVFP4 W4A4 without and with SpinQu
 SpinQuant's rotation alone; `PEER_SCRIPT`); then convert time and peak RSS on a 0.6 GB synthetic qwen3_moe (hidden
 2048) and on one 1.5 GB layer of 128 experts, RTN with and without the rotation. About 25 minutes on 2 cores (the peer rows ~12 of them).
 
-    python -m bench rotate [--seed S] [--peer-python PY | --skip-peer] [--smoke]   # --smoke: the 5-step fixture,
-                                                                                   # INT4 RTN only, no peer
+    python -m bench rotate [--seed S] [--skip-massive] [--peer-python PY | --skip-peer] [--smoke]
+                               # --smoke: the 5-step fixture, INT4 RTN only, no peer, no massive fixture
 
 The fixture is bench/fixture.py's NORMTOPK (a byte-level qwen3_moe, hidden 128: one 128-wide Hadamard block,
 trained norms whose gains the rotation folds into the readers). Calibration: 64 x 256 bytes of training text;
@@ -298,7 +298,8 @@ def engines(args, fx, tmp: Path, cal: str, ev_ids: str, n_cal: int, n_eval: int,
     # first the rotation alone: the BF16 source itself (exported as it is) and its rotated BF16 output
     for name in ["rotation only"] + names:
         for seed in (None, args.seed):
-            out = tmp / f"engines-{name.replace(' ', '-')}-{'plain' if seed is None else 'rot%d' % seed}"
+            tag = f"engines-{name.replace(' ', '-')}-{'plain' if seed is None else 'rot%d' % seed}"
+            out = tmp / tag
             if name == "rotation only" and seed is None:
                 out = src
             else:
@@ -308,7 +309,7 @@ def engines(args, fx, tmp: Path, cal: str, ev_ids: str, n_cal: int, n_eval: int,
                 yaml.write_text(parse_recipe(text, name).text)
                 run_quantkit(["convert", src, out, "--recipe", yaml, "--dataset", cal, "--num-samples", n_cal,
                               "--seq-len", length])
-            gguf = tmp / f"engines-{name.replace(' ', '-')}-{'plain' if seed is None else 'rot%d' % seed}.gguf"
+            gguf = tmp / f"{tag}.gguf"
             export(out, gguf)
             doc = llamacpp_run_gguf(gguf, src, out, dataset=ev_ids, num_samples=n_eval, seq_len=length,
                                     generation_tokens=16)
