@@ -36,6 +36,7 @@ bypassed in this script only (see `_bypass_cpu_kernel_gates`). None changes a pa
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import math
@@ -455,6 +456,8 @@ def check(ckpt: Path, *, plugin: str | None, kv_cache_dtype: str | None, probe: 
         stage = "distributed"
         with set_current_vllm_config(vllm_config):
             init_file = tempfile.mktemp(prefix="vllm-check-")
+            # gloo's file store leaves its file behind: gone when this process (one check) exits
+            atexit.register(lambda: Path(init_file).unlink(missing_ok=True))
             init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                          distributed_init_method=f"file://{init_file}", backend="gloo")
             initialize_model_parallel(1, 1)
