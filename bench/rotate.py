@@ -299,13 +299,13 @@ def engines(args, fx, tmp: Path, cal: str, ev_ids: str, n_cal: int, n_eval: int,
     for name in ["rotation only"] + names:
         for seed in (None, args.seed):
             tag = f"engines-{name.replace(' ', '-')}-{'plain' if seed is None else 'rot%d' % seed}"
-            out = tmp / tag
             if name == "rotation only" and seed is None:
-                out = src
+                out = src  # the BF16 source, exported as it is
             else:
-                text = (ROTATE.format(seed=seed) if seed is not None else "")
-                text += load_recipe(name).text if name != "rotation only" else ""
-                yaml = tmp / f"{out.name}.yaml"
+                out = tmp / tag
+                text = (ROTATE.format(seed=seed) if seed is not None else "") + (
+                    load_recipe(name).text if name != "rotation only" else "")
+                yaml = tmp / f"{tag}.yaml"
                 yaml.write_text(parse_recipe(text, name).text)
                 run_quantkit(["convert", src, out, "--recipe", yaml, "--dataset", cal, "--num-samples", n_cal,
                               "--seq-len", length])
@@ -445,9 +445,9 @@ def main(argv=None) -> int:
             print(f"outlier model: max |logit difference| {same:.2e}", file=sys.stderr)
         stats = {m: st for m, (st, _) in stats.items()}
         ev_ids = torch.tensor([list(w) for w in windows(held, n_eval)], dtype=torch.int64)
+        (tmp / "rotate.yaml").write_text(ROTATE.format(seed=args.seed))
         for model, src in models.items():  # the rotation alone, before any quantization
             out = tmp / f"{model}-rotated"
-            (tmp / "rotate.yaml").write_text(ROTATE.format(seed=args.seed))
             doc, m = run_quantkit(["convert", src, out, "--recipe", tmp / "rotate.yaml"])
             row = {"model": model, "tool": "quantkit", "recipe": "rotation only",
                    "rotation": f"hadamard seed {args.seed}", **rotation_alone(src, out, ev_ids),
